@@ -1,0 +1,1 @@
+"""PyTorch model definitions and checkpoint I/O (drafter, Hugging Face target)."""

@@ -1,0 +1,243 @@
+"""The DFlash drafter: Qwen3-style layers with KV injection of projected target features.
+
+One forward pass drafts a whole block. Per layer the SAME k_proj / v_proj are applied to the
+projected context features and to the block tokens and concatenated along the sequence
+(K = [k(ctx); k(block)]); queries come from the block only; attention is non-causal. The
+context K/V are final (they come from committed target features), so they are cached and
+returned; the block's K/V are thrown away after each round.
+
+The cache is explicit tensors (`[layers, batch, kv_heads, length, head_dim]` for K and V) so
+that the same code exports to ONNX with the cache as graph inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
+
+from ..config import ConfigError, DFlashSpec, drafter_config_from_dict, load_drafter_config
+
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX = "model.safetensors.index.json"
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [b, heads, n, hd]; cos/sin: [b, n, hd]
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
+    """Boolean [q, k] mask for the rare causal / sliding-window drafter layers (newer drafters)."""
+    q, k = q_pos[:, None], k_pos[None, :]
+    visible = torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q_pos.device)
+    if causal:
+        visible = visible & (k <= q)
+    if window is not None:
+        visible = visible & (q - k < window)
+        if not causal:
+            visible = visible & (k - q < window)
+    return visible
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        layer_types = getattr(config, "layer_types", None)
+        sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        explicit_causal = getattr(config, "is_causal", None)
+        # Same rule as the reference: only sliding-window layers are causal unless the config says so.
+        self.causal = sliding if explicit_causal is None else bool(explicit_causal)
+        self.window = config.sliding_window if sliding else None
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.n_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        return _rope(k, cos, sin), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """x: block hidden [b, B, H]; ctx_k/ctx_v: cached + new context K/V [b, kvh, T, hd]."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = _rope(q, cos, sin)
+        k_blk, v_blk = self.project_kv(x, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        groups = self.n_heads // self.n_kv_heads
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+
+
+class DFlashLayer(nn.Module):
+    def __init__(self, config: Qwen3Config, layer_idx: int):
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names equal the published checkpoints' (`fc.weight`, `layers.0.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, config: Qwen3Config, spec: DFlashSpec):
+        super().__init__()
+        self.config, self.spec = config, spec
+        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(spec.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        attn = self.layers[0].self_attn
+        self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
+        self._needs_mask = any(l.self_attn.causal or l.self_attn.window is not None for l in self.layers)
+
+    # ---- shapes -------------------------------------------------------------------------
+    @property
+    def feature_size(self) -> int:
+        return self.fc.in_features
+
+    def empty_cache(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (len(self.layers), batch, self.n_kv_heads, 0, self.head_dim)
+        dtype = dtype or self.fc.weight.dtype
+        device = device or self.fc.weight.device
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+    def project_context(self, features: torch.Tensor) -> torch.Tensor:
+        """Concatenated target features [b, n, L*H] -> drafter context [b, n, H]."""
+        return self.hidden_norm(self.fc(features))
+
+    # ---- inference ----------------------------------------------------------------------
+    def forward(
+        self,
+        features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draft one block.
+
+        features: target features of the n tokens committed since the last call [b, n, L*H],
+            at positions T..T+n-1 where T = past_k.shape[3] (tokens already in the cache).
+        block_embeds: embedded [last token, MASK x (B-1)] [b, B, H] at positions T+n..T+n+B-1.
+        Returns final hidden states of the block [b, B, H] and the context cache grown by n.
+        """
+        b, n, _ = features.shape
+        past = past_k.shape[3]
+        n_block = block_embeds.shape[1]
+        positions = torch.arange(past + n + n_block, device=features.device)
+        cos, sin = self.rotary_emb(block_embeds, positions[past:].unsqueeze(0).expand(b, -1))
+        ctx_cos, blk_cos = cos[:, :n], cos[:, n:]
+        ctx_sin, blk_sin = sin[:, :n], sin[:, n:]
+        mask = None
+        ctx = self.project_context(features)
+        x = block_embeds
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            k_new, v_new = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            ctx_k = torch.cat([past_k[i], k_new], dim=2)
+            ctx_v = torch.cat([past_v[i], v_new], dim=2)
+            new_k.append(ctx_k)
+            new_v.append(ctx_v)
+            if self._needs_mask:
+                attn = layer.self_attn
+                mask = _visibility(positions[past + n :], positions, attn.causal, attn.window)
+            x = layer(x, ctx_k, ctx_v, blk_cos, blk_sin, mask)
+        return self.norm(x), torch.stack(new_k), torch.stack(new_v)
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """Draft logits through the TARGET's lm_head (with the optional knobs newer drafters use)."""
+        logits = F.linear(hidden, lm_head_weight) * self.spec.output_multiplier
+        cap = self.spec.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def embed_block(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
+        """Embed [last token, MASK...] with the TARGET's embedding table."""
+        return F.embedding(block_ids, embed_weight) * self.spec.input_embedding_scale
+
+    # ---- checkpoints --------------------------------------------------------------------
+    @classmethod
+    def from_config(cls, raw: dict) -> "DFlashDrafter":
+        config, spec = drafter_config_from_dict(raw)
+        return cls(config, spec)
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+        """Load a published-format drafter directory (config.json + safetensors), no remote code."""
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"drafter directory not found: {path}")
+        config, spec = load_drafter_config(path)
+        model = cls(config, spec)
+        state = _read_safetensors(path)
+        expected = set(model.state_dict())
+        missing = sorted(expected - set(state))
+        unexpected = sorted(set(state) - expected)
+        if missing or unexpected:
+            raise ConfigError(
+                f"weights in {path}: missing {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                f"unexpected {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+            )
+        model.load_state_dict(state, strict=True)
+        return model.to(dtype).eval()
+
+    def save_pretrained(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        raw = self.config.to_dict()
+        for key in ("architectures", "dflash_config", "block_size", "num_target_layers", "transformers_version"):
+            raw.pop(key, None)
+        raw.update(self.spec.to_config_fields())
+        raw["model_type"] = "qwen3"
+        (path / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    index = path / WEIGHTS_INDEX
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no safetensors weights in {path}")
+    state: dict[str, torch.Tensor] = {}
+    for name in files:
+        state.update(load_file(str(path / name)))
+    # Published checkpoints have no `model.` prefix; accept one if a tool added it.
+    return {k.removeprefix("model."): v for k, v in state.items()}

@@ -1,0 +1,1 @@
+"""Engines behind one small interface: PyTorch, ONNX Runtime, TensorRT, TensorRT-LLM."""

@@ -1,0 +1,25 @@
+"""Speculative decoding: proposer (drafter session), scorer (target session), acceptance, bookkeeping."""
+
+from .decode import (
+    ContextLengthError,
+    Generation,
+    GenerationConfig,
+    GenerationResult,
+    GenerationStats,
+    InputError,
+    Round,
+    SpeculativeDecoder,
+)
+from .sampling import SamplingParams
+
+__all__ = [
+    "ContextLengthError",
+    "Generation",
+    "GenerationConfig",
+    "GenerationResult",
+    "GenerationStats",
+    "InputError",
+    "Round",
+    "SamplingParams",
+    "SpeculativeDecoder",
+]

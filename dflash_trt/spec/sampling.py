@@ -1,0 +1,66 @@
+"""Sampling parameters and the warped distributions both target and drafter sample from."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """softmax(logits / T) restricted to top-k, then to the smallest top-p nucleus, renormalised. [..., V]."""
+    scores = logits.float() / params.temperature
+    vocab = scores.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(scores, params.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep a token while the mass before it is below top_p (so the top token always stays)
+        keep = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p
+        sorted_probs = sorted_probs * keep
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of probs [..., V]."""
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+
+
+def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The target's own choice from one row of logits: what target-only decoding does."""
+    if params.greedy:
+        return int(logits.argmax(-1))
+    return int(sample(probabilities(logits, params), generator))

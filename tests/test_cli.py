@@ -1,0 +1,107 @@
+"""The `dflash-trt generate` contract: JSON output, equality with --no-draft, clean error exits."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import make_tokenizer
+
+from dflash_trt.cli import main
+from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+
+CLI = Path(sys.executable).parent / "dflash-trt"
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    tok = make_tokenizer(root / "target")
+    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1)
+    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    bare = root / "bare"  # a target without a tokenizer
+    target.save_pretrained(bare)
+    return root / "target", root / "drafter", bare
+
+
+def run_cli(*args):
+    proc = subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, timeout=300)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_console_script_json_contract(models):
+    target, drafter, _ = models
+    code, out, err = run_cli("generate", "--target", target, "--drafter", drafter, "--prompt", "def fibonacci(n):",
+                             "--max-new-tokens", "12", "--json")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert len(lines) == 1
+    data = json.loads(lines[0])
+    assert isinstance(data["text"], str)
+    assert len(data["token_ids"]) <= 12 and all(isinstance(t, int) for t in data["token_ids"])
+    stats = data["stats"]
+    for key, kind in [("rounds", int), ("acceptance_lengths", list), ("mean_acceptance_length", float),
+                      ("new_tokens", int), ("tokens_per_second", float), ("draft_time_s", float),
+                      ("verify_time_s", float)]:
+        assert isinstance(stats[key], kind), key
+    assert stats["new_tokens"] == len(data["token_ids"])
+    assert sum(stats["acceptance_lengths"]) == stats["new_tokens"] - 1
+
+
+def generate_json(capsys, *args) -> dict:
+    assert main(["generate", *map(str, args), "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_draft_and_no_draft_agree(models, capsys):
+    target, drafter, bare = models
+    spec = generate_json(capsys, "--target", target, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 20)
+    alone = generate_json(capsys, "--target", target, "--input-ids", "5,6,7", "--max-new-tokens", 20, "--no-draft")
+    assert spec["token_ids"] == alone["token_ids"]
+    assert alone["stats"]["drafted_tokens"] == 0 and spec["stats"]["drafted_tokens"] > 0
+    # a target without a tokenizer works with ids; text is null
+    no_tok = generate_json(capsys, "--target", bare, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 5)
+    assert no_tok["text"] is None and len(no_tok["token_ids"]) == 5
+
+
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--target", "/nonexistent/model", "--input-ids", "1"], 1, "target directory not found"),
+        (["--drafter", "/nonexistent/d", "--input-ids", "1"], 1, "drafter directory not found"),
+        (["--input-ids", "1,2,99999"], 1, "out of vocabulary"),
+        (["--input-ids", "1,x"], 2, "comma-separated integers"),
+        (["--input-ids", "1", "--temperature", "abc"], 2, "expected a number"),
+        (["--input-ids", "1", "--max-new-tokens", "0"], 2, "must be >= 1"),
+        (["--input-ids", "1", "--top-p", "0", "--temperature", "1"], 1, "top_p"),
+        (["--input-ids", "1", "--temperature", "-1"], 1, "temperature"),
+        (["--input-ids", "1", "--block-size", "64"], 1, "block_size"),
+        (["--input-ids", "1", "--max-new-tokens", "5000"], 1, "context length"),
+    ],
+)
+def test_errors_exit_non_zero_with_one_line(models, capsys, args, code, message):
+    target, drafter, _ = models
+    full = ["generate", "--target", str(target), "--drafter", str(drafter), *args]
+    try:
+        got = main(full)
+    except SystemExit as e:  # argparse usage errors
+        got = e.code
+    err = capsys.readouterr().err
+    assert got == code
+    assert message in err and "Traceback" not in err
+    assert len([line for line in err.strip().splitlines() if "error" in line]) == 1
+
+
+def test_prompt_without_tokenizer_is_a_clear_error(models, capsys):
+    _, drafter, bare = models
+    assert main(["generate", "--target", str(bare), "--drafter", str(drafter), "--prompt", "hi"]) == 1
+    assert "no tokenizer" in capsys.readouterr().err
+
+
+def test_help_explains_every_flag():
+    code, out, _ = run_cli("generate", "--help")
+    assert code == 0
+    for flag in ("--target", "--drafter", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--top-p",
+                 "--top-k", "--seed", "--block-size", "--no-draft", "--json"):
+        assert flag in out

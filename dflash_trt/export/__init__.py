@@ -1,0 +1,1 @@
+"""Checkpoint -> portable graph: the DFlash drafter (with the target's embedding and lm_head) to ONNX."""

@@ -1,0 +1,213 @@
+"""Export the drafter round to ONE ONNX graph.
+
+Inputs:  block_ids [1, B] int64 ([last token, MASK x (B-1)]), features [1, n, F] float32
+         (target features of the n tokens committed since the last round), past_k / past_v
+         [layers, 1, kv_heads, T, head_dim] float32 (the drafter's context cache).
+Outputs: logits [1, B-1, V] float32, draft_tokens [1, B-1] int64 (argmax), present_k /
+         present_v [layers, 1, kv_heads, T+n, head_dim].
+
+The embedding table and lm_head are the TARGET's (the drafter checkpoint has neither). The
+cache is explicit, so one round costs O(n + B) drafter compute whatever the context length.
+Beside the graph we write `drafter.json`: what a runtime needs to drive it without torch
+(block size, mask token, feature layers, cache geometry).
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..models.drafter import DFlashDrafter
+
+INPUT_NAMES = ("block_ids", "features", "past_k", "past_v")
+OUTPUT_NAMES = ("logits", "draft_tokens", "present_k", "present_v")
+GRAPH_FILE = "drafter.onnx"
+FP16_GRAPH_FILE = "drafter_fp16.onnx"
+META_FILE = "drafter.json"
+# Example sizes for tracing: all >= 2 and distinct, or the exporter fixes the axis (0/1 specialise).
+EXAMPLE_NEW, EXAMPLE_PAST = 3, 5
+
+
+@dataclass(frozen=True)
+class DrafterGraphMeta:
+    """The contract between an exported graph and its runtimes (ONNX Runtime, TensorRT)."""
+
+    block_size: int
+    mask_token_id: int
+    feature_layer_ids: tuple[int, ...]
+    feature_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+
+    def cache_shape(self, length: int) -> tuple[int, ...]:
+        return (self.num_layers, 1, self.num_kv_heads, length, self.head_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def read(cls, folder: str | Path) -> "DrafterGraphMeta":
+        path = Path(folder) / META_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no {META_FILE} in {folder}: not an exported drafter (run `dflash-trt export-drafter`)")
+        raw = json.loads(path.read_text())
+        raw["feature_layer_ids"] = tuple(raw["feature_layer_ids"])
+        return cls(**raw)
+
+
+class DrafterRound(nn.Module):
+    """drafter + the target's embedding and lm_head + argmax: exactly what one round computes."""
+
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        super().__init__()
+        self.drafter = drafter.eval()
+        # Copies as buffers so the graph owns them (the target may tie or shard its own).
+        self.register_buffer("embed_weight", embed_weight.detach().clone(), persistent=False)
+        self.register_buffer("lm_head_weight", lm_head_weight.detach().clone(), persistent=False)
+
+    def forward(self, block_ids, features, past_k, past_v):
+        d = self.drafter
+        hidden, present_k, present_v = d(features, d.embed_block(block_ids, self.embed_weight), past_k, past_v)
+        logits = d.logits(hidden[:, 1:], self.lm_head_weight).float()
+        return logits, logits.argmax(-1), present_k, present_v
+
+
+def graph_meta(drafter: DFlashDrafter, vocab_size: int) -> DrafterGraphMeta:
+    return DrafterGraphMeta(
+        block_size=drafter.spec.block_size,
+        mask_token_id=drafter.spec.mask_token_id,
+        feature_layer_ids=tuple(drafter.spec.target_layer_ids),
+        feature_size=drafter.feature_size,
+        num_layers=len(drafter.layers),
+        num_kv_heads=drafter.n_kv_heads,
+        head_dim=drafter.head_dim,
+        vocab_size=vocab_size,
+        max_context=int(drafter.config.max_position_embeddings),
+    )
+
+
+def example_inputs(meta: DrafterGraphMeta, new: int = EXAMPLE_NEW, past: int = EXAMPLE_PAST, block: int | None = None):
+    block = block or meta.block_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.full((1, block), meta.mask_token_id, dtype=torch.long)
+    ids[0, 0] = 1
+    return (
+        ids,
+        torch.randn(1, new, meta.feature_size, generator=g),
+        torch.randn(meta.cache_shape(past), generator=g) * 0.1,
+        torch.randn(meta.cache_shape(past), generator=g) * 0.1,
+    )
+
+
+def export_round(module: DrafterRound, meta: DrafterGraphMeta, path: Path) -> Path:
+    """torch.onnx.export (dynamo) with dynamic B, n, T; weights go to `<path>.data`."""
+    Dim = torch.export.Dim
+    # Block of 2 tokens at least (1 draft); T from 0 (first round): the exporter is given
+    # min=0 but traces at T=5 so it does not specialise; T=0 is checked at run time by tests.
+    b = Dim("block", min=2, max=max(meta.block_size, 2))
+    n = Dim("new_tokens", min=1, max=meta.max_context)
+    t = Dim("cache_len", min=0, max=meta.max_context)
+    dynamic_shapes = {
+        "block_ids": {1: b},
+        "features": {1: n},
+        "past_k": {3: t},
+        "past_v": {3: t},
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("ignore")
+        program = torch.onnx.export(
+            module,
+            example_inputs(meta),
+            dynamic_shapes=dynamic_shapes,
+            input_names=list(INPUT_NAMES),
+            output_names=list(OUTPUT_NAMES),
+            dynamo=True,
+            external_data=True,
+            optimize=True,
+            verbose=False,
+        )
+        program.save(str(path), external_data=True)
+    return path
+
+
+def to_fp16(src: Path, dst: Path) -> Path:
+    """fp16 weights and math, fp32 inputs/outputs (so callers and caches stay fp32)."""
+    import onnx
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    model = onnx.load(str(src), load_external_data=True)
+    half = convert_float_to_float16(model, keep_io_types=True)
+    _sort_nodes(half.graph)  # the converter appends its input casts at the end of the node list
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    onnx.save_model(half, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=dst.name + ".data")
+    return dst
+
+
+def _sort_nodes(graph) -> None:
+    """Topological order of graph.node (ONNX requires it; ORT tolerates it, the checker does not)."""
+    ready = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
+    pending, ordered = list(graph.node), []
+    while pending:
+        rest = []
+        for node in pending:
+            # names from outer scopes used inside subgraphs count as ready; only direct inputs gate a node
+            if all(name in ready for name in node.input):
+                ordered.append(node)
+                ready.update(node.output)
+            else:
+                rest.append(node)
+        if len(rest) == len(pending):
+            raise ValueError(f"graph has a cycle or a dangling input at node {rest[0].name!r}")
+        pending = rest
+    nodes = [type(n)() for n in ordered]
+    for copy, node in zip(nodes, ordered):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+
+
+def check_graph(path: Path) -> None:
+    import onnx
+
+    onnx.checker.check_model(str(path), full_check=False)  # path form: works with external data
+
+
+def export_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                   out_dir: str | Path, fp16: bool = True) -> dict[str, Path]:
+    """Write drafter.onnx (+ .data), optionally drafter_fp16.onnx, and drafter.json into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = graph_meta(drafter, int(lm_head_weight.shape[0]))
+    module = DrafterRound(drafter.float(), embed_weight.float(), lm_head_weight.float())
+    files = {"fp32": export_round(module, meta, out / GRAPH_FILE)}
+    check_graph(files["fp32"])
+    if fp16:
+        files["fp16"] = to_fp16(files["fp32"], out / FP16_GRAPH_FILE)
+        check_graph(files["fp16"])
+    (out / META_FILE).write_text(meta.to_json())
+    files["meta"] = out / META_FILE
+    return files
+
+
+def export_from_checkpoints(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                            fp16: bool = True) -> dict[str, Path]:
+    """Load both checkpoints (fp32), validate the pair, export. Only the target's embedding and lm_head are kept."""
+    from ..config import validate_against_target
+    from ..models.target import load_target
+
+    target = load_target(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    validate_against_target(drafter.config, drafter.spec, target.config)
+    embed = target.get_input_embeddings().weight
+    head = target.get_output_embeddings().weight
+    return export_drafter(drafter, embed, head, out_dir, fp16=fp16)

@@ -1,0 +1,70 @@
+"""ONNX Runtime drafter engine: the exported round graph, the CPU default for serving.
+
+The session keeps the drafter's context cache as numpy arrays and feeds it back each round
+(present_k -> past_k), so a round runs only the n new context tokens and the block.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .base import Draft, EngineUnavailable
+
+PRECISIONS = ("fp32", "fp16")
+
+
+class OrtDrafterEngine:
+    name = "onnxruntime"
+
+    def __init__(self, folder: str | Path, precision: str = "fp32", providers: list[str] | None = None,
+                 threads: int | None = None):
+        try:
+            import onnxruntime as ort
+        except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
+            raise EngineUnavailable("the onnxruntime backend needs the `onnxruntime` package") from e
+        from ..export.onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
+
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+        folder = Path(folder)
+        self.meta = DrafterGraphMeta.read(folder)
+        path = folder / (GRAPH_FILE if precision == "fp32" else FP16_GRAPH_FILE)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found (export it with `dflash-trt export-drafter`)")
+        options = ort.SessionOptions()
+        if threads:
+            options.intra_op_num_threads = threads
+        self.session = ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+        self.precision = precision
+        self.block_size = self.meta.block_size
+        self.mask_token_id = self.meta.mask_token_id
+        self.feature_layer_ids = self.meta.feature_layer_ids
+
+    def new_session(self) -> "OrtDrafterSession":
+        return OrtDrafterSession(self)
+
+
+class OrtDrafterSession:
+    def __init__(self, engine: OrtDrafterEngine):
+        self.engine = engine
+        empty = np.zeros(engine.meta.cache_shape(0), dtype=np.float32)
+        self.past_k, self.past_v = empty, empty.copy()
+        self.tokens_processed: list[int] = []  # context + block tokens run per call (for cost accounting)
+
+    @property
+    def context_length(self) -> int:
+        return self.past_k.shape[3]
+
+    def draft(self, new_features: torch.Tensor, last_token: int, block_size: int) -> Draft:
+        e = self.engine
+        block = np.full((1, block_size), e.mask_token_id, dtype=np.int64)
+        block[0, 0] = last_token
+        feats = new_features.detach().to("cpu", torch.float32).numpy()[None]
+        logits, tokens, self.past_k, self.past_v = e.session.run(
+            None, {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
+        )
+        self.tokens_processed.append(feats.shape[1] + block_size)
+        return Draft(logits=torch.from_numpy(logits[0]), tokens=torch.from_numpy(tokens[0]))

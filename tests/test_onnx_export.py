@@ -1,0 +1,123 @@
+"""Drafter export to ONNX: checker, parity with PyTorch (fp32 and fp16), the empty-cache first round,
+and greedy generation with the ONNX Runtime drafter equal to the target alone. Real onnxruntime sessions."""
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from dflash_trt.export.onnx_drafter import (
+    FP16_GRAPH_FILE, GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, DrafterGraphMeta, DrafterRound, example_inputs,
+    export_from_checkpoints,
+)
+from dflash_trt.runtime.ort_backend import OrtDrafterEngine
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+from dflash_trt.spec import GenerationConfig, SpeculativeDecoder
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_pair, tmp_path_factory):
+    family, target_dir, drafter_dir, model, drafter = tiny_pair
+    out = tmp_path_factory.mktemp(f"onnx-{family}")
+    export_from_checkpoints(drafter_dir, target_dir, out, fp16=True)
+    module = DrafterRound(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    return family, out, module, model, drafter
+
+
+def run_both(module, session, meta, new, past, block, seed):
+    torch.manual_seed(seed)
+    ids, feats, pk, pv = example_inputs(meta, new, past, block)
+    ids[0, 0] = int(torch.randint(meta.vocab_size, (1,)))
+    feats = torch.randn_like(feats)  # fresh random features per case
+    with torch.no_grad():
+        ref = [t.numpy() for t in module(ids, feats, pk, pv)]
+    got = session.run(None, dict(zip(INPUT_NAMES, (ids.numpy(), feats.numpy(), pk.numpy(), pv.numpy()))))
+    return ref, got
+
+
+CASES = [(1, 0, 8), (5, 0, 8), (3, 7, 8), (1, 40, 2), (9, 100, 5), (2, 3, 4)]  # (n, T, B); T=0: first round
+
+
+def test_graph_checks_and_interface(exported):
+    _, out, _, _, _ = exported
+    for name in (GRAPH_FILE, FP16_GRAPH_FILE):
+        onnx.checker.check_model(str(out / name))
+        assert (out / (name + ".data")).is_file()  # weights in the side file
+        sess = ort.InferenceSession(str(out / name), providers=["CPUExecutionProvider"])
+        assert [i.name for i in sess.get_inputs()] == list(INPUT_NAMES)
+        assert [o.name for o in sess.get_outputs()] == list(OUTPUT_NAMES)
+        # every dynamic axis stayed symbolic (an int here means the exporter fixed it)
+        shapes = {i.name: i.shape for i in sess.get_inputs()}
+        assert isinstance(shapes["block_ids"][1], str) and isinstance(shapes["features"][1], str)
+        assert isinstance(shapes["past_k"][3], str) and isinstance(shapes["past_v"][3], str)
+        # keep_io_types: fp32 in and out even for the fp16 graph
+        assert [o.type for o in sess.get_outputs()][:2] == ["tensor(float)", "tensor(int64)"]
+
+
+def test_fp32_parity_with_pytorch(exported):
+    family, out, module, _, _ = exported
+    meta = DrafterGraphMeta.read(out)
+    sess = ort.InferenceSession(str(out / GRAPH_FILE), providers=["CPUExecutionProvider"])
+    worst = 0.0
+    for i, (new, past, block) in enumerate(CASES):
+        ref, got = run_both(module, sess, meta, new, past, block, seed=i)
+        assert got[0].shape == (1, block - 1, meta.vocab_size) and got[0].dtype == np.float32
+        assert got[2].shape == meta.cache_shape(past + new)
+        worst = max(worst, float(np.abs(got[0] - ref[0]).max()))
+        np.testing.assert_array_equal(got[1], ref[1], err_msg=f"{family} draft tokens differ at {new, past, block}")
+        np.testing.assert_allclose(got[2], ref[2], atol=1e-4)
+        np.testing.assert_allclose(got[3], ref[3], atol=1e-4)
+    assert worst <= 1e-4, worst
+    print(f"\n{family}: fp32 max abs logit diff {worst:.2e}")
+
+
+def test_fp16_token_agreement(exported):
+    family, out, module, _, _ = exported
+    meta = DrafterGraphMeta.read(out)
+    sess = ort.InferenceSession(str(out / FP16_GRAPH_FILE), providers=["CPUExecutionProvider"])
+    same = total = 0
+    for i in range(40):
+        new, past, block = 1 + i % 7, (i * 13) % 60, 2 + i % 7
+        ref, got = run_both(module, sess, meta, new, past, block, seed=100 + i)
+        assert np.abs(got[0] - ref[0]).max() < 5e-2  # fp16 rounding, not a different function
+        same += int((got[1] == ref[1]).sum())
+        total += ref[1].size
+    agreement = same / total
+    print(f"\n{family}: fp16 draft-token agreement {agreement:.4f} over {total} tokens")
+    assert agreement >= 0.99
+
+
+def test_empty_cache_first_round_matches_torch_session(exported):
+    """The first round of a request has T = 0; the graph was traced at T = 5 and must not have specialised."""
+    _, out, _, model, drafter = exported
+    torch_engine = TorchDrafterEngine(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    ort_engine = OrtDrafterEngine(out)
+    a, b = torch_engine.new_session(), ort_engine.new_session()
+    assert b.context_length == 0
+    torch.manual_seed(3)
+    for new in (6, 1, 3):  # prompt features, then rounds
+        feats = torch.randn(new, ort_engine.meta.feature_size)
+        da, db = a.draft(feats, 5, 8), b.draft(feats, 5, 8)
+        assert torch.equal(da.tokens, db.tokens)
+        assert (da.logits - db.logits).abs().max() <= 1e-4
+        assert a.context_length == b.context_length
+    assert b.context_length == 10
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+def test_greedy_generation_with_ort_drafter_equals_target_alone(exported, precision):
+    family, out, _, model, drafter = exported
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    ort_spec = SpeculativeDecoder(target, OrtDrafterEngine(out, precision))
+    torch_spec = SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = SpeculativeDecoder(TorchTargetEngine(model))
+    rng = torch.Generator().manual_seed(7)
+    for trial in range(4):
+        prompt = torch.randint(0, 95, (int(torch.randint(1, 30, (1,), generator=rng)),), generator=rng).tolist()
+        cfg = GenerationConfig(max_new_tokens=40, block_size=[8, 4, 2, 5][trial])
+        expected = base.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
+        got = ort_spec.generate(prompt, cfg)
+        assert got.token_ids == expected, (family, precision, trial)
+        if precision == "fp32":  # same drafts, so the same acceptance as the PyTorch drafter
+            assert got.stats.acceptance_lengths == torch_spec.generate(prompt, cfg).stats.acceptance_lengths

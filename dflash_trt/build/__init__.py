@@ -1,0 +1,1 @@
+"""Engines from exported graphs and checkpoints: TensorRT drafter plans, TensorRT-LLM targets, `make engines`."""

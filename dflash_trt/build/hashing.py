@@ -1,0 +1,28 @@
+"""Content hashes of inputs, for manifests and for skipping builds whose inputs did not change."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+
+def file_sha256(path: str | Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tree_sha256(folder: str | Path) -> str:
+    """One hash over every file in a folder (relative names and contents), in sorted order."""
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(folder)).encode() + b"\0")
+        h.update(file_sha256(path).encode())
+    return h.hexdigest()
+
+
+def files_sha256(paths) -> dict[str, str]:
+    return {Path(p).name: file_sha256(p) for p in paths}

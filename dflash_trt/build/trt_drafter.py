@@ -1,0 +1,143 @@
+"""TensorRT FP16 plan from the exported drafter graph (`dflash-trt build-drafter`).
+
+Precision per TensorRT major version:
+  10.x  weak typing: the fp32 graph + BuilderFlag.FP16 (default), or strongly typed on the fp16 graph
+  11.x  strongly typed only (BuilderFlag.FP16 is gone): the fp16 graph, whose casts fix every type
+Every dynamic input gets a profile (block length, new-context length, cache length). A plan only
+loads on the TensorRT version and GPU it was built for, so the manifest beside it records both.
+Not runnable on machines without TensorRT; `tensorrt` is imported only inside these functions.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..export.onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
+from ..runtime.base import EngineUnavailable
+from .hashing import files_sha256
+
+PLAN_FILE = "drafter.plan"
+PLAN_MANIFEST = "drafter.plan.json"
+TYPINGS = ("weak", "strong")
+
+
+@dataclass(frozen=True)
+class ProfileShapes:
+    min: tuple[int, ...]
+    opt: tuple[int, ...]
+    max: tuple[int, ...]
+
+
+def import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise EngineUnavailable(
+            "building or running a TensorRT drafter needs the `tensorrt` package (10.x or 11.x): "
+            "pip install 'dflash-trt[gpu]' on a machine with an NVIDIA GPU, or use the TensorRT-LLM container"
+        ) from e
+    return tensorrt
+
+
+def trt_major(trt) -> int:
+    return int(str(trt.__version__).split(".")[0])
+
+
+def profile_shapes(meta: DrafterGraphMeta, max_context: int | None = None, max_new_tokens: int | None = None
+                   ) -> dict[str, ProfileShapes]:
+    """min / opt / max for every dynamic input. opt = a steady-state round (B new tokens, half-full cache)."""
+    B = meta.block_size
+    ctx = min(max_context or meta.max_context, meta.max_context)
+    new = min(max_new_tokens or ctx, ctx)  # the prefill hands the whole prompt's features at once
+    cache = lambda t: (meta.num_layers, 1, meta.num_kv_heads, t, meta.head_dim)  # noqa: E731
+    return {
+        "block_ids": ProfileShapes((1, 2), (1, B), (1, B)),
+        "features": ProfileShapes((1, 1, meta.feature_size), (1, B, meta.feature_size), (1, new, meta.feature_size)),
+        "past_k": ProfileShapes(cache(0), cache(ctx // 2), cache(ctx)),
+        "past_v": ProfileShapes(cache(0), cache(ctx // 2), cache(ctx)),
+    }
+
+
+def choose_typing(major: int, requested: str | None) -> str:
+    if major >= 11:
+        if requested == "weak":
+            raise ValueError("TensorRT 11 builds strongly typed networks only: use --typing strong (the fp16 graph)")
+        return "strong"
+    if major == 10:
+        return requested or "weak"
+    raise EngineUnavailable(f"TensorRT {major}.x is not supported: install TensorRT 10.x or 11.x")
+
+
+def build_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, typing: str | None = None,
+                       max_context: int | None = None, max_new_tokens: int | None = None,
+                       workspace_gib: float = 4.0) -> Path:
+    """Parse the exported graph, add one optimization profile, build an FP16 plan, write plan + manifest."""
+    trt = import_tensorrt()
+    graph_dir, out_dir = Path(graph_dir), Path(out_dir)
+    meta = DrafterGraphMeta.read(graph_dir)
+    major = trt_major(trt)
+    typing = choose_typing(major, typing)
+    onnx_path = graph_dir / (FP16_GRAPH_FILE if typing == "strong" else GRAPH_FILE)
+    if not onnx_path.is_file():
+        raise FileNotFoundError(f"{onnx_path} not found (run `dflash-trt export-drafter` first)")
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    flags = 0
+    if typing == "strong":
+        # In 11.x the flag is the only mode (kept for clarity; 10.x needs it to opt in).
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    # parse_from_file, not parse(bytes): it resolves the external weights file beside the graph.
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise RuntimeError(f"TensorRT could not parse {onnx_path}: " + "; ".join(errors))
+
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
+    if typing == "weak":
+        config.set_flag(trt.BuilderFlag.FP16)  # 10.x only: fp16 kernels where TensorRT judges it safe
+    shapes = profile_shapes(meta, max_context, max_new_tokens)
+    inputs = [network.get_input(i).name for i in range(network.num_inputs)]
+    missing = set(inputs) ^ set(shapes)
+    if missing:
+        raise RuntimeError(f"graph inputs {sorted(inputs)} do not match the profile's {sorted(shapes)}")
+    profile = builder.create_optimization_profile()
+    for name in inputs:
+        s = shapes[name]
+        profile.set_shape(name, s.min, s.opt, s.max)
+    config.add_optimization_profile(profile)
+
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise RuntimeError("TensorRT failed to build the drafter plan (see the TensorRT log above)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / PLAN_FILE).write_bytes(bytes(plan))
+    sources = [onnx_path, onnx_path.with_name(onnx_path.name + ".data"), graph_dir / "drafter.json"]
+    manifest = {
+        "backend": "tensorrt",
+        "plan": PLAN_FILE,
+        "tensorrt_version": str(trt.__version__),
+        "typing": typing,
+        "precision": "fp16",
+        "gpu": gpu_name(),
+        "profile": {k: {"min": v.min, "opt": v.opt, "max": v.max} for k, v in shapes.items()},
+        "source_graph": onnx_path.name,
+        "input_sha256": files_sha256([p for p in sources if p.is_file()]),
+        "meta": json.loads(meta.to_json()),
+    }
+    (out_dir / PLAN_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (out_dir / "drafter.json").write_text(meta.to_json())  # the runtime contract travels with the plan
+    return out_dir / PLAN_FILE
+
+
+def gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except Exception:  # noqa: BLE001 - a name for the manifest, never a reason to fail a build
+        return None

@@ -177,6 +177,32 @@ class DFlashDrafter(nn.Module):
             x = layer(x, ctx_k, ctx_v, blk_cos, blk_sin, mask)
         return self.norm(x), torch.stack(new_k), torch.stack(new_v)
 
+    # ---- training ----------------------------------------------------------------------
+    def forward_packed(
+        self,
+        features: torch.Tensor,
+        block_embeds: torch.Tensor,
+        block_positions: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Many blocks of one sequence at once (training).
+
+        features: target features of the whole sequence [b, S, L*H] (positions 0..S-1);
+        block_embeds: all blocks concatenated [b, m*B, H] at block_positions [b, m*B];
+        mask: boolean [b, 1, m*B, S + m*B] saying which context / block keys each query sees
+        (block-sparse: own context prefix and own block only).
+        """
+        b, s, _ = features.shape
+        ctx = self.project_context(features)
+        ctx_pos = torch.arange(s, device=features.device).unsqueeze(0).expand(b, -1)
+        ctx_cos, ctx_sin = self.rotary_emb(ctx, ctx_pos)
+        blk_cos, blk_sin = self.rotary_emb(block_embeds, block_positions)
+        x = block_embeds
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            x = layer(x, ctx_k, ctx_v, blk_cos, blk_sin, mask)
+        return self.norm(x)
+
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head (with the optional knobs newer drafters use)."""
         logits = F.linear(hidden, lm_head_weight) * self.spec.output_multiplier

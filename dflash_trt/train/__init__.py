@@ -1,0 +1,1 @@
+"""Training: the DFlash drafter (the paper's recipe) and small causal LMs for the demo."""

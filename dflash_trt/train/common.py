@@ -1,0 +1,50 @@
+"""Pieces both trainers share: AdamW with a cosine schedule and warm-up, checkpointed state."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+
+def cosine_with_warmup(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
+    """LR multiplier: linear warm-up, then cosine decay to `floor` of the peak."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(params, lr: float, total_steps: int, warmup_ratio: float, weight_decay: float = 0.01):
+    params = [p for p in params if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]  # norms are not decayed
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+    warmup = max(1, int(total_steps * warmup_ratio))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_with_warmup(s, total_steps, warmup))
+    return opt, sched
+
+
+def save_state(path: Path, step: int, opt, sched, extra: dict | None = None) -> None:
+    state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+             "rng": torch.get_rng_state(), **(extra or {})}
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    tmp.replace(path)  # never leave a half-written state behind
+
+
+def load_state(path: Path, opt, sched) -> dict:
+    state = torch.load(path, weights_only=False)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"])
+    return state
+
+
+def autocast(enabled: bool):
+    """bf16 autocast on CPU: 2-4x faster training on CPUs with AMX / AVX512-BF16."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)

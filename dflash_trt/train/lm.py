@@ -1,0 +1,89 @@
+"""Plain next-token training of a small causal LM (the demo target and the AR draft baseline)."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from .common import autocast, make_optimizer
+from .data import random_windows
+
+
+@dataclass
+class LMTrainConfig:
+    steps: int = 2000
+    batch_size: int = 16
+    seq_len: int = 256
+    lr: float = 1.5e-3
+    warmup_ratio: float = 0.04
+    clip: float = 1.0
+    eval_every: int = 100
+    eval_batches: int = 8
+    time_budget_s: float | None = None  # stop early (cleanly) when exceeded
+    bf16: bool = True
+    seed: int = 0
+
+
+@dataclass
+class LMTrainReport:
+    steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    history: list[dict] = field(default_factory=list)  # step, train_loss, held_out_loss
+
+
+@torch.no_grad()
+def held_out_loss(model, tokens: np.ndarray, cfg: LMTrainConfig) -> float:
+    model.eval()
+    gen = torch.Generator().manual_seed(1234)  # the same windows every time
+    losses = []
+    for _ in range(cfg.eval_batches):
+        x = random_windows(tokens, cfg.batch_size, cfg.seq_len, gen)
+        with autocast(cfg.bf16):
+            losses.append(float(model(input_ids=x, labels=x).loss))
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train_lm(model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTrainConfig,
+             log_path: Path | None = None) -> LMTrainReport:
+    torch.manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    opt, sched = make_optimizer(model.parameters(), cfg.lr, cfg.steps, cfg.warmup_ratio)
+    report = LMTrainReport()
+    model.train()
+    start = time.perf_counter()
+    bar = tqdm(range(cfg.steps), desc="train", unit="step")
+    running = None
+    for step in bar:
+        x = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, gen)
+        with autocast(cfg.bf16):
+            loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        report.steps, report.tokens = step + 1, report.tokens + x.numel()
+        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        elapsed = time.perf_counter() - start
+        bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{report.tokens / elapsed:.0f}")
+        last = step + 1 == cfg.steps or (cfg.time_budget_s is not None and elapsed > cfg.time_budget_s)
+        if (step + 1) % cfg.eval_every == 0 or last:
+            entry = {"step": step + 1, "tokens": report.tokens, "train_loss": round(running, 4),
+                     "held_out_loss": round(held_out_loss(model, eval_tokens, cfg), 4), "seconds": round(elapsed, 1)}
+            report.history.append(entry)
+            tqdm.write(json.dumps(entry))
+            if log_path is not None:
+                log_path.write_text(json.dumps(report.history, indent=1))
+        if last:
+            break
+    report.seconds = time.perf_counter() - start
+    model.eval()
+    return report

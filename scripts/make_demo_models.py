@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Reproduce the demo models under models/ from data every machine has: the source code of the
+running interpreter's standard library (a code-completion corpus; 1 file in 10 held out).
+
+Stages (run in order; each reads what the previous wrote):
+  tokenizer  byte-level BPE, 4096 tokens, with <|endoftext|> and <|mask|>
+  target     Qwen3-architecture causal LM (8 layers, ~12M parameters)
+  drafter    DFlash drafter trained with `dflash_trt.train` on target-regenerated code
+  ar-draft   2-layer autoregressive draft model (classic speculative-decoding baseline)
+
+`--smoke` shrinks everything to a CI-sized run into a scratch folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflash_trt.train.data import read_texts, stdlib_files, tokenize_corpus, train_tokenizer
+from dflash_trt.train.lm import LMTrainConfig, train_lm
+
+STAGES = ("tokenizer", "target", "drafter", "ar-draft")
+
+
+def target_config(vocab: int, smoke: bool):
+    from transformers import Qwen3Config
+
+    if smoke:
+        return Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048)
+    return Qwen3Config(
+        vocab_size=vocab, hidden_size=320, intermediate_size=960, num_hidden_layers=8, num_attention_heads=5,
+        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0,
+        tie_word_embeddings=False, eos_token_id=0, pad_token_id=0,
+    )
+
+
+def ar_draft_config(target_cfg, smoke: bool):
+    from transformers import Qwen3Config
+
+    d = target_cfg.to_dict()
+    d.update(num_hidden_layers=2 if not smoke else 1, tie_word_embeddings=True)
+    for k in ("layer_types", "transformers_version", "architectures"):
+        d.pop(k, None)
+    return Qwen3Config(**d)
+
+
+def corpus_tokens(out: Path, tokenizer, cache: Path) -> tuple[np.ndarray, np.ndarray]:
+    cache.mkdir(parents=True, exist_ok=True)
+    arrays = {}
+    for split in ("train", "held-out"):
+        f = cache / f"{split}.npy"
+        if not f.exists():
+            t = time.perf_counter()
+            np.save(f, tokenize_corpus(tokenizer, read_texts(corpus_files(split))))
+            print(f"tokenized {split}: {len(np.load(f)):,} tokens in {time.perf_counter() - t:.0f}s")
+        arrays[split] = np.load(f)
+    return arrays["train"], arrays["held-out"]
+
+
+MAX_FILES: int | None = None  # --smoke reads only a few files
+
+
+def corpus_files(split: str) -> list[Path]:
+    return stdlib_files(split)[:MAX_FILES]
+
+
+def save_fp16(model, out: Path) -> None:
+    """Weights stored in fp16 (half the size; the models fit the repository's 50 MB)."""
+    model.to(torch.float16).save_pretrained(out)
+    model.to(torch.float32)
+
+
+def stage_tokenizer(args) -> None:
+    files = corpus_files("train")
+    texts = list(read_texts(files))
+    t = time.perf_counter()
+    train_tokenizer(texts, args.vocab_size, args.out / "target")
+    print(f"tokenizer: {args.vocab_size} tokens from {len(texts)} files in {time.perf_counter() - t:.0f}s")
+
+
+def stage_lm(args, name: str) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.out / "target")
+    train, held = corpus_tokens(args.out, tok, args.cache)
+    if name == "target":
+        cfg = target_config(len(tok), args.smoke)
+        steps, budget = args.target_steps, args.target_minutes * 60
+    else:
+        from transformers import AutoConfig
+
+        cfg = ar_draft_config(AutoConfig.from_pretrained(args.out / "target"), args.smoke)
+        steps, budget = args.ar_steps, args.ar_minutes * 60
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"{name}: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers")
+    out = args.out / name
+    out.mkdir(parents=True, exist_ok=True)
+    train_cfg = LMTrainConfig(steps=steps, time_budget_s=budget, eval_every=max(10, steps // 20),
+                              batch_size=4 if args.smoke else 16, seq_len=64 if args.smoke else 256)
+    report = train_lm(model, train, held, train_cfg, log_path=args.cache / f"{name}-history.json")
+    save_fp16(model, out)
+    tok.save_pretrained(out)
+    (out / "training.json").write_text(json.dumps({
+        "data": "CPython stdlib *.py (training split: files whose sha1(relative path) % 10 != 0)",
+        "parameters": n_params, "train_tokens_seen": report.tokens, "steps": report.steps,
+        "seconds": round(report.seconds), "config": vars(train_cfg), "history": report.history,
+        "corpus_tokens": {"train": int(len(train)), "held_out": int(len(held))},
+    }, indent=1, default=str))
+
+
+def stage_drafter(args) -> None:
+    from dflash_trt.train.drafter import DrafterTrainConfig, regenerate_dataset, train_drafter_from_dirs
+
+    cfg = DrafterTrainConfig(
+        block_size=args.block_size, num_layers=args.drafter_layers, steps=args.drafter_steps,
+        time_budget_s=args.drafter_minutes * 60, batch_size=2 if args.smoke else 8,
+        seq_len=64 if args.smoke else 256, anchors_per_seq=8 if args.smoke else 32,
+    )
+    data = args.cache / "regenerated.npy"
+    if not data.exists():
+        regenerate_dataset(args.out / "target", data, n_sequences=args.regen_sequences,
+                           prompt_len=32 if args.smoke else 64, new_tokens=32 if args.smoke else 192)
+    train_drafter_from_dirs(args.out / "target", data, args.out / "drafter", cfg)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("models"), help="where the models go (default models/)")
+    p.add_argument("--cache", type=Path, default=Path(".cache/demo"), help="tokenized corpus and logs")
+    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    p.add_argument("--smoke", action="store_true", help="tiny CI-sized run (use with a scratch --out)")
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--target-steps", type=int, default=1100)
+    p.add_argument("--target-minutes", type=float, default=30, help="time budget for the target")
+    p.add_argument("--ar-steps", type=int, default=600)
+    p.add_argument("--ar-minutes", type=float, default=8)
+    p.add_argument("--block-size", type=int, default=8)
+    p.add_argument("--drafter-layers", type=int, default=2)
+    p.add_argument("--drafter-steps", type=int, default=1200)
+    p.add_argument("--drafter-minutes", type=float, default=20)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)")
+    p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
+    args = p.parse_args(argv)
+    if args.smoke:
+        global MAX_FILES
+        MAX_FILES = 40
+        args.vocab_size = min(args.vocab_size, 300)
+        args.target_steps = args.ar_steps = args.drafter_steps = min(args.target_steps, 6)
+        args.regen_sequences = min(args.regen_sequences, 8)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    for stage in args.stages:
+        t = time.perf_counter()
+        {"tokenizer": stage_tokenizer, "target": lambda a: stage_lm(a, "target"),
+         "drafter": stage_drafter, "ar-draft": lambda a: stage_lm(a, "ar-draft")}[stage](args)
+        print(f"== {stage} done in {time.perf_counter() - t:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

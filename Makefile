@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo clean
+.PHONY: venv test demo engines clean
 TINY := .cache/tiny
 
 venv: $(STAMP)
@@ -26,6 +26,13 @@ $(TINY)/drafter/config.json: | $(STAMP)
 
 demo: venv $(TINY)/drafter/config.json
 	$(BIN)/dflash-trt generate --target $(TINY)/target --drafter $(TINY)/drafter --input-ids 1,2,3,4 --max-new-tokens 32 --json
+
+# Every engine this machine supports, from engines.toml (CPU: ONNX drafter + PyTorch target; GPU: TensorRT /
+# TensorRT-LLM too) into engines/ with engines/manifest.json. Unchanged inputs: nothing is rebuilt.
+# Other checkpoints: make engines ENGINES_ARGS="--target DIR --drafter DIR --out DIR"
+ENGINES_CONFIG ?= engines.toml
+engines: venv
+	$(BIN)/dflash-trt engines --config $(ENGINES_CONFIG) $(ENGINES_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

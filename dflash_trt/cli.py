@@ -17,7 +17,7 @@ DEMO_DRAFTER = DEMO_DIR / "drafter"
 
 # Each command group lives beside its code and registers itself: `register(subparsers)`.
 # Keep those modules light at import time (import torch etc. inside the command function).
-COMMAND_MODULES: tuple[str, ...] = ()
+COMMAND_MODULES: tuple[str, ...] = ("dflash_trt.build.commands",)
 
 
 class CliError(Exception):
@@ -104,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeatable); the text ends before it")
     g.add_argument("--no-draft", action="store_true", help="run the target alone (autoregressive baseline)")
+    g.add_argument("--engines", type=Path, default=None, metavar="DIR",
+                   help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
     g.set_defaults(func=cmd_generate)
     for name in COMMAND_MODULES:
@@ -114,7 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     from .spec import GenerationConfig, InputError, SamplingParams
 
-    decoder = _load(args.target, None if args.no_draft else args.drafter, args.dtype)
+    if args.engines is not None:
+        decoder = _load_engines(args.engines, args.dtype, args.no_draft)
+    else:
+        decoder = _load(args.target, None if args.no_draft else args.drafter, args.dtype)
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         prompt = decoder.encode(args.prompt) if args.prompt is not None else args.input_ids
@@ -160,6 +165,26 @@ def _load(target: Path, drafter: Path | None, dtype: str):
         return load_decoder(target, drafter, dtype)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
+
+
+def _load_engines(engines: Path, dtype: str, no_draft: bool):
+    from .config import ConfigError
+    from .loading import load_decoder_from_engines
+    from .runtime.base import EngineUnavailable
+    from .spec import SpeculativeDecoder
+
+    try:
+        decoder = load_decoder_from_engines(engines, dtype)
+    except (ConfigError, EngineUnavailable, FileNotFoundError, KeyError, ValueError, OSError) as e:
+        raise CliError(f"engines {engines}: {e}") from None
+    if no_draft:  # the same target engine, alone
+        from .runtime.torch_backend import TorchTargetEngine
+
+        target = decoder.target
+        if isinstance(target, TorchTargetEngine):
+            target = TorchTargetEngine(target.model)
+        return SpeculativeDecoder(target, None, decoder.tokenizer)
+    return decoder
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -31,3 +31,32 @@ def load_decoder(
     validate_against_target(drafter.config, drafter.spec, model.config)
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     return SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
+
+
+def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32") -> SpeculativeDecoder:
+    """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section."""
+    import json
+
+    from .runtime import registry
+
+    engines_dir = Path(engines_dir)
+    path = engines_dir / "manifest.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no manifest.json in {engines_dir}: build the engines with `make engines`")
+    manifest = json.loads(path.read_text())
+    engines, serve = manifest["engines"], manifest["serve"]
+    drafter_entry, target_entry = engines[serve["drafter"]], engines[serve["target"]]
+    checkpoint = manifest["sources"]["target"]["path"]
+    tokenizer = load_tokenizer(checkpoint)
+
+    drafter_dir = engines_dir / drafter_entry["dir"]
+    if drafter_entry["backend"] == "onnxruntime":
+        drafter = registry.drafter_engine("onnxruntime", drafter_dir, drafter_entry.get("serve_precision", "fp32"))
+    else:
+        drafter = registry.drafter_engine(drafter_entry["backend"], drafter_dir)
+    if target_entry["backend"] == "torch":
+        model = load_target(target_entry["checkpoint"], DTYPES[dtype])
+        target = TorchTargetEngine(model, drafter.feature_layer_ids)
+    else:
+        target = registry.target_engine(target_entry["backend"], engines_dir / target_entry["dir"])
+    return SpeculativeDecoder(target, drafter, tokenizer)

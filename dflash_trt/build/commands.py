@@ -1,0 +1,153 @@
+"""CLI: export-drafter, build-drafter, build-target, engines. Light at import (torch etc. load inside commands)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def register(sub) -> None:
+    from ..cli import DEMO_DRAFTER, DEMO_TARGET, REPO_ROOT, _positive_int
+
+    p = sub.add_parser(
+        "export-drafter", help="export the drafter round (with the target's embedding and lm_head) to ONNX",
+        description="Write drafter.onnx (fp32), drafter_fp16.onnx (fp16 math, fp32 inputs/outputs), their .data "
+        "weight files and drafter.json into OUT. One graph: block token ids -> embedding -> drafter layers -> "
+        "target lm_head -> argmax, with the drafter's context KV cache as explicit inputs and outputs.",
+    )
+    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter checkpoint (default {DEMO_DRAFTER})")
+    p.add_argument("--target", type=Path, default=DEMO_TARGET,
+                   help=f"target checkpoint: supplies the embedding table and lm_head (default {DEMO_TARGET})")
+    p.add_argument("--out", type=Path, required=True, help="output folder")
+    p.add_argument("--no-fp16", action="store_true", help="skip the fp16 graph")
+    p.set_defaults(func=cmd_export_drafter)
+
+    p = sub.add_parser(
+        "build-drafter", help="build a TensorRT FP16 plan from an exported drafter (needs TensorRT and a GPU)",
+        description="Build drafter.plan + drafter.plan.json (TensorRT version, GPU, profile shapes, input hashes) "
+        "from the folder `export-drafter` wrote. TensorRT 10: weak typing with FP16 kernels (default) or strongly "
+        "typed fp16 graph; TensorRT 11: strongly typed only.",
+    )
+    p.add_argument("--onnx", type=Path, required=True, help="folder written by export-drafter")
+    p.add_argument("--out", type=Path, required=True, help="output folder for the plan")
+    p.add_argument("--typing", choices=["weak", "strong"], default=None,
+                   help="weak: fp32 graph + BuilderFlag.FP16 (TensorRT 10 only); strong: the fp16 graph "
+                   "(default: weak on 10, strong on 11)")
+    p.add_argument("--max-context", type=_positive_int, default=None,
+                   help="largest cache length T in the profile (default: the drafter's max positions)")
+    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+                   help="largest n (new context tokens per call; the prefill passes the whole prompt) (default: max context)")
+    p.set_defaults(func=cmd_build_drafter)
+
+    p = sub.add_parser(
+        "build-target", help="convert + build a tensor-parallel TensorRT-LLM target engine (needs TensorRT-LLM 1.2)",
+        description="HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine with "
+        "external draft tokens (max_draft_len = block size - 1), paged context FMHA and the drafter's feature "
+        "layers marked as outputs. --dry-run prints the planned commands and rank files without running them.",
+    )
+    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"HF target checkpoint (default {DEMO_TARGET})")
+    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
+                   help="drafter checkpoint: gives the feature layers and the block size")
+    p.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=1, help="tensor-parallel size = GPUs (default 1)")
+    p.add_argument("--out", type=Path, required=True, help="output folder (checkpoint/ and engine/ inside)")
+    p.add_argument("--block-size", type=_positive_int, default=None, help="default: the drafter's trained block size")
+    p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="engine dtype (default float16)")
+    p.add_argument("--max-batch-size", type=_positive_int, default=8, help="default 8")
+    p.add_argument("--max-input-len", type=_positive_int, default=2048, help="longest prompt (default 2048)")
+    p.add_argument("--max-seq-len", type=_positive_int, default=4096, help="longest prompt + output (default 4096)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+    p.set_defaults(func=cmd_build_target)
+
+    p = sub.add_parser(
+        "engines", help="build every engine this machine supports from one config file (what `make engines` runs)",
+        description="Read the engines config (TOML or JSON: target, drafter, output, tp, block_size, precision, "
+        "max_batch_size, max_input_len, max_seq_len), build the ONNX drafter always, the TensorRT plan and the "
+        "TensorRT-LLM target where TensorRT / TensorRT-LLM and GPUs exist, write OUTPUT/manifest.json and report "
+        "what was built, what was up to date and what was skipped and why. Unchanged inputs: nothing is rebuilt.",
+    )
+    p.add_argument("--config", type=Path, default=REPO_ROOT / "engines.toml",
+                   help="engines config file (default: engines.toml at the repo root)")
+    p.add_argument("--target", type=Path, default=None, help="override the config's target checkpoint")
+    p.add_argument("--drafter", type=Path, default=None, help="override the config's drafter checkpoint")
+    p.add_argument("--out", type=Path, default=None, help="override the config's output folder")
+    p.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=None, help="override the config's tp size")
+    p.set_defaults(func=cmd_engines)
+
+
+def _fail(e: Exception):
+    from ..cli import CliError
+
+    raise CliError(str(e)) from None
+
+
+def cmd_export_drafter(args: argparse.Namespace) -> int:
+    from ..config import ConfigError
+    from ..export.onnx_drafter import export_from_checkpoints
+
+    for role, path in (("drafter", args.drafter), ("target", args.target)):
+        if not path.is_dir():
+            _fail(FileNotFoundError(f"{role} directory not found: {path}"))
+    try:
+        files = export_from_checkpoints(args.drafter, args.target, args.out, fp16=not args.no_fp16)
+    except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
+        _fail(e)
+    for name, path in files.items():
+        print(f"{name}: {path}")
+    return 0
+
+
+def cmd_build_drafter(args: argparse.Namespace) -> int:
+    from ..build.trt_drafter import build_drafter_plan
+    from ..runtime.base import EngineUnavailable
+
+    try:
+        plan = build_drafter_plan(args.onnx, args.out, typing=args.typing, max_context=args.max_context,
+                                  max_new_tokens=args.max_new_tokens)
+    except (EngineUnavailable, FileNotFoundError, ValueError) as e:
+        _fail(e)
+    print(f"plan: {plan}")
+    return 0
+
+
+def cmd_build_target(args: argparse.Namespace) -> int:
+    from ..build.trtllm_target import TargetBuildError, plan_target_build, run_plan, spec_from_checkpoints
+    from ..config import ConfigError
+    from ..runtime.base import EngineUnavailable
+
+    try:
+        for role, path in (("target", args.target), ("drafter", args.drafter)):
+            if not (path / "config.json").is_file():
+                raise FileNotFoundError(f"{role} checkpoint not found: {path}")
+        plan = plan_target_build(spec_from_checkpoints(
+            args.target, args.drafter, args.out, args.tp, args.block_size, dtype=args.dtype,
+            max_batch_size=args.max_batch_size, max_input_len=args.max_input_len, max_seq_len=args.max_seq_len))
+        print(plan.describe())
+        print("checkpoint files: " + ", ".join(plan.checkpoint_files))
+        print("engine files:     " + ", ".join(plan.engine_files))
+        if not args.dry_run:
+            run_plan(plan)
+    except (TargetBuildError, ConfigError, EngineUnavailable, FileNotFoundError) as e:
+        _fail(e)
+    return 0
+
+
+def cmd_engines(args: argparse.Namespace) -> int:
+    import time
+
+    from ..cli import REPO_ROOT
+    from ..config import ConfigError
+    from .engines import EnginesConfigError, build_engines, read_config
+
+    t0 = time.perf_counter()
+    try:
+        cfg = read_config(args.config if args.config.is_file() or args.config != REPO_ROOT / "engines.toml" else None,
+                          REPO_ROOT, {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp})
+        manifest, report = build_engines(cfg)
+    except (EnginesConfigError, ConfigError, FileNotFoundError, ValueError) as e:
+        _fail(e)
+    for line in report.lines():
+        print(line)
+    serve = manifest["serve"]
+    print(f"serving: drafter {serve['drafter']}, target {serve['target']}; manifest {cfg.output / 'manifest.json'} "
+          f"({time.perf_counter() - t0:.1f} s)")
+    return 0

@@ -1,0 +1,258 @@
+"""`make engines`: one config file in, every engine this machine can build out, plus engines/manifest.json.
+
+    CPU (always):          drafter -> ONNX fp32 + fp16 (ONNX Runtime); target -> PyTorch from the checkpoint
+    GPU + TensorRT:        drafter -> FP16 plan
+    GPUs + TensorRT-LLM:   target -> tensor-parallel engine with the drafter's feature layers as outputs
+
+Each step has a key: the sha256 of its inputs (checkpoint contents, settings, tool versions). A step
+whose key equals the manifest's and whose files are all present is skipped, so re-running with
+unchanged inputs does nothing. The manifest says which backend serves each role; the server and
+`generate --engines` load from it (loading.load_decoder_from_engines).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from importlib import metadata
+from pathlib import Path
+
+from .hashing import file_sha256, tree_sha256
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+DRAFTER_ONNX_DIR = "drafter-onnx"
+DRAFTER_TRT_DIR = "drafter-tensorrt"
+TARGET_TRTLLM_DIR = "target-tensorrt-llm"
+PRECISIONS = ("fp16", "fp32")
+
+
+class EnginesConfigError(ValueError):
+    pass
+
+
+@dataclass
+class EnginesConfig:
+    target: Path
+    drafter: Path
+    output: Path = Path("engines")
+    tp: int = 1
+    block_size: int = 0  # 0: the drafter's trained block size
+    precision: str = "fp16"  # GPU engines; the CPU drafter ships both fp32 and fp16 graphs, serves fp32
+    max_batch_size: int = 8
+    max_input_len: int = 2048
+    max_seq_len: int = 4096
+
+    def settings(self) -> dict:
+        d = asdict(self)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+
+def read_config(path: str | Path | None, base: Path, overrides: dict | None = None) -> EnginesConfig:
+    """TOML or JSON; relative paths are relative to `base` (the repo root). Missing keys take defaults."""
+    from ..cli import DEMO_DRAFTER, DEMO_TARGET
+
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise EnginesConfigError(f"engines config not found: {path}")
+        text = path.read_text()
+        try:
+            raw = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+            raise EnginesConfigError(f"{path}: {e}") from None
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    known = {f.name for f in fields(EnginesConfig)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise EnginesConfigError(f"unknown engines config keys {unknown} (known: {sorted(known)})")
+    raw.setdefault("target", DEMO_TARGET)
+    raw.setdefault("drafter", DEMO_DRAFTER)
+    for key in ("target", "drafter", "output"):
+        if key in raw:
+            p = Path(raw[key])
+            raw[key] = p if p.is_absolute() else base / p
+    cfg = EnginesConfig(**raw)
+    if cfg.precision not in PRECISIONS:
+        raise EnginesConfigError(f"precision must be one of {PRECISIONS}, got {cfg.precision!r}")
+    for key in ("tp", "max_batch_size", "max_input_len", "max_seq_len"):
+        if not isinstance(getattr(cfg, key), int) or getattr(cfg, key) < 1:
+            raise EnginesConfigError(f"{key} must be a positive integer, got {getattr(cfg, key)!r}")
+    if not isinstance(cfg.block_size, int) or cfg.block_size < 0 or cfg.block_size == 1:
+        raise EnginesConfigError(f"block_size must be 0 (trained size) or >= 2, got {cfg.block_size!r}")
+    return cfg
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    out = {}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def step_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def read_manifest(out: Path) -> dict:
+    path = out / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}
+
+
+def _up_to_date(previous: dict | None, key: str, out: Path) -> bool:
+    if not previous or previous.get("key") != key:
+        return False
+    folder = out / previous["dir"]
+    return all((folder / name).is_file() and file_sha256(folder / name) == sha
+               for name, sha in previous.get("files", {}).items())
+
+
+def _record_files(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): file_sha256(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@dataclass
+class BuildReport:
+    built: list[str] = field(default_factory=list)
+    unchanged: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        return ([f"built      {n}" for n in self.built] + [f"up to date {n}" for n in self.unchanged]
+                + [f"skipped    {n}: {why}" for n, why in self.skipped.items()])
+
+
+def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
+    from ..config import load_drafter_config
+    from ..runtime.registry import unavailable_reason
+
+    for role, path in (("target", cfg.target), ("drafter", cfg.drafter)):
+        if not (path / "config.json").is_file():
+            raise EnginesConfigError(
+                f"{role} checkpoint not found: {path} (the demo models come from `make models`; "
+                f"point engines.toml's `{role}` at another checkpoint, e.g. .cache/tiny/{role} from `make demo`)"
+            )
+    out = cfg.output
+    out.mkdir(parents=True, exist_ok=True)
+    previous = read_manifest(out).get("engines", {})
+    report = BuildReport()
+    log(f"hashing checkpoints {cfg.target} and {cfg.drafter} ...")
+    sources = {
+        "target": {"path": str(cfg.target.resolve()), "sha256": tree_sha256(cfg.target)},
+        "drafter": {"path": str(cfg.drafter.resolve()), "sha256": tree_sha256(cfg.drafter)},
+    }
+    _, spec = load_drafter_config(cfg.drafter)
+    block_size = cfg.block_size or spec.block_size
+    engines: dict[str, dict] = {}
+
+    # ---- drafter -> ONNX (every machine) ---------------------------------------------------
+    onnx_versions = versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt")
+    key = step_key("drafter-onnx", sources["target"]["sha256"], sources["drafter"]["sha256"], onnx_versions)
+    if _up_to_date(previous.get("drafter_onnx"), key, out):
+        engines["drafter_onnx"] = previous["drafter_onnx"]
+        report.unchanged.append("drafter_onnx")
+    else:
+        from ..export.onnx_drafter import DrafterGraphMeta, export_from_checkpoints
+
+        folder = out / DRAFTER_ONNX_DIR
+        shutil.rmtree(folder, ignore_errors=True)
+        log(f"exporting the drafter to ONNX in {folder} ...")
+        export_from_checkpoints(cfg.drafter, cfg.target, folder, fp16=True)
+        meta = DrafterGraphMeta.read(folder)
+        engines["drafter_onnx"] = {
+            "backend": "onnxruntime", "role": "drafter", "dir": DRAFTER_ONNX_DIR, "key": key,
+            "precisions": ["fp32", "fp16"], "serve_precision": "fp32",
+            "files": _record_files(folder), "versions": onnx_versions,
+            "shapes": {
+                "block_ids": [1, "B (2.." + str(meta.block_size) + ")"],
+                "features": [1, "n", meta.feature_size],
+                "past_k": list(meta.cache_shape(0)[:3]) + ["T", meta.head_dim],
+                "logits": [1, "B-1", meta.vocab_size],
+            },
+        }
+        report.built.append("drafter_onnx")
+
+    # ---- drafter -> TensorRT plan (GPU + tensorrt) -------------------------------------------
+    reason = unavailable_reason("drafter", "tensorrt")
+    if reason:
+        report.skipped["drafter_tensorrt"] = reason
+    else:
+        from ..build.trt_drafter import PLAN_MANIFEST, build_drafter_plan, gpu_name
+
+        trt_versions = versions("tensorrt") | {"gpu": gpu_name()}
+        key = step_key("drafter-trt", engines["drafter_onnx"]["key"], trt_versions, cfg.precision, cfg.max_seq_len,
+                       cfg.max_input_len)
+        if _up_to_date(previous.get("drafter_tensorrt"), key, out):
+            engines["drafter_tensorrt"] = previous["drafter_tensorrt"]
+            report.unchanged.append("drafter_tensorrt")
+        else:
+            folder = out / DRAFTER_TRT_DIR
+            log(f"building the TensorRT drafter plan in {folder} ...")
+            build_drafter_plan(out / DRAFTER_ONNX_DIR, folder, max_context=cfg.max_seq_len,
+                               max_new_tokens=cfg.max_input_len)
+            plan_manifest = json.loads((folder / PLAN_MANIFEST).read_text())
+            engines["drafter_tensorrt"] = {
+                "backend": "tensorrt", "role": "drafter", "dir": DRAFTER_TRT_DIR, "key": key,
+                "files": _record_files(folder), "versions": trt_versions, "shapes": plan_manifest["profile"],
+            }
+            report.built.append("drafter_tensorrt")
+
+    # ---- target -> TensorRT-LLM engine (GPUs + tensorrt_llm) ------------------------------
+    reason = unavailable_reason("target", "tensorrt_llm")
+    if reason:
+        report.skipped["target_tensorrt_llm"] = reason
+    else:
+        from ..build.trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
+
+        trtllm_versions = versions("tensorrt_llm", "tensorrt")
+        key = step_key("target-trtllm", sources["target"]["sha256"], spec.target_layer_ids, block_size, cfg.tp,
+                       cfg.precision, cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len, trtllm_versions)
+        if _up_to_date(previous.get("target_tensorrt_llm"), key, out):
+            engines["target_tensorrt_llm"] = previous["target_tensorrt_llm"]
+            report.unchanged.append("target_tensorrt_llm")
+        else:
+            folder = out / TARGET_TRTLLM_DIR
+            dtype = "float16" if cfg.precision == "fp16" else "float32"
+            plan = plan_target_build(spec_from_checkpoints(
+                cfg.target, cfg.drafter, folder, cfg.tp, block_size, dtype=dtype, max_batch_size=cfg.max_batch_size,
+                max_input_len=cfg.max_input_len, max_seq_len=cfg.max_seq_len))
+            run_plan(plan, log)
+            engines["target_tensorrt_llm"] = {
+                "backend": "tensorrt_llm", "role": "target", "dir": TARGET_TRTLLM_DIR, "key": key, "tp": cfg.tp,
+                "files": _record_files(folder), "versions": trtllm_versions, "feature_outputs": plan.feature_outputs,
+                "shapes": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
+                           "max_seq_len": cfg.max_seq_len, "max_draft_len": block_size - 1},
+            }
+            report.built.append("target_tensorrt_llm")
+
+    # The PyTorch target needs no build: it serves from the checkpoint (recorded by hash).
+    engines["target_torch"] = {"backend": "torch", "role": "target", "checkpoint": sources["target"]["path"],
+                               "sha256": sources["target"]["sha256"], "versions": versions("torch", "transformers")}
+    manifest = {
+        "version": MANIFEST_VERSION,
+        "config": cfg.settings() | {"block_size": block_size},
+        "sources": sources,
+        "engines": engines,
+        "skipped": report.skipped,
+        "serve": {
+            "drafter": "drafter_tensorrt" if "drafter_tensorrt" in engines else "drafter_onnx",
+            "target": "target_tensorrt_llm" if "target_tensorrt_llm" in engines else "target_torch",
+        },
+    }
+    path = out / MANIFEST
+    text = json.dumps(manifest, indent=2, sort_keys=True) + "\n"
+    if not path.is_file() or path.read_text() != text:  # unchanged inputs: not even the manifest is rewritten
+        path.write_text(text)
+    return manifest, report

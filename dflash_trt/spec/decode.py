@@ -43,6 +43,7 @@ class GenerationConfig:
     acceptance: str = "rejection"  # at T > 0: "rejection" (draft probabilities) or "exact-match" (reference)
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
+    drafter_fallback: bool = False  # if the drafter raises, go on with the target alone (a server keeps serving)
 
 
 @dataclass
@@ -141,6 +142,7 @@ class Generation:
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size)
         self.finish_reason: str | None = None
         self.stop_string: str | None = None
+        self.drafter_error: Exception | None = None  # set when drafter_fallback took over
         self._started = time.perf_counter()
 
     def _validate(self) -> None:
@@ -219,7 +221,14 @@ class Generation:
     def _propose(self, last: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if size < 2 or self.drafter_session is None:
             return torch.empty(0, dtype=torch.long), None
-        draft = self.drafter_session.draft(self.pending_features, last, size)
+        try:
+            draft = self.drafter_session.draft(self.pending_features, last, size)
+        except Exception as e:
+            if not self.config.drafter_fallback:
+                raise
+            # Still lossless: from here on the target alone picks every token (block size 1).
+            self.drafter_error, self.drafter_session, self.block_size = e, None, 1
+            return torch.empty(0, dtype=torch.long), None
         self.pending_features = None
         if self.params.greedy or self.config.acceptance == "exact-match":
             return draft.tokens.cpu(), None

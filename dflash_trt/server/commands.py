@@ -1,0 +1,139 @@
+"""`dflash-trt serve`: load the engines, then serve them with uvicorn (light at import: no torch here)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+
+API_KEY_ENV = "DFLASH_TRT_API_KEY"
+
+
+def register(sub) -> None:
+    from ..cli import DEMO_DRAFTER, DEMO_TARGET, _positive_int
+
+    p = sub.add_parser(
+        "serve",
+        help="serve the models over HTTP (native /generate and OpenAI-compatible endpoints)",
+        description="HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
+        "GET /v1/models, /health, /ready, /metrics. Requests are interleaved one verified round at a time.",
+    )
+    src = p.add_argument_group("models (default: the demo models)")
+    src.add_argument("--target", type=Path, default=DEMO_TARGET,
+                     help=f"Hugging Face target checkpoint directory (default: {DEMO_TARGET})")
+    src.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
+                     help=f"DFlash drafter checkpoint directory (default: {DEMO_DRAFTER})")
+    src.add_argument("--engines", type=Path, default=None,
+                     help="directory of built engines (from `dflash-trt build`); replaces --target/--drafter")
+    src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
+    src.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                     help="weights dtype for the PyTorch engines (default: float32)")
+    net = p.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    net.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+                     f"(default: ${API_KEY_ENV} if set, else no auth)")
+    net.add_argument("--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-active", type=_positive_int, default=8,
+                     help="generations advanced concurrently, round-robin (default 8)")
+    lim.add_argument("--max-queue", type=int, default=64,
+                     help="requests waiting beyond --max-active; more get 429 with Retry-After (default 64)")
+    lim.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    lim.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
+                     help="largest request body; more gets 413 (default 1 MiB)")
+    lim.add_argument("--default-max-tokens", type=_positive_int, default=256,
+                     help="chat requests without max_tokens generate at most this many (default 256)")
+    lim.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="on SIGTERM/SIGINT: seconds to let in-flight requests finish while new ones get 503 "
+                     "(default 30); a second signal exits at once")
+    lim.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from ..cli import CliError, _load
+
+    if args.max_queue < 0 or args.request_timeout <= 0 or args.drain_timeout < 0:
+        raise CliError("--max-queue must be >= 0, --request-timeout > 0 and --drain-timeout >= 0")
+    _setup_logging()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    decoder, name = _load_models(args, _load, CliError)
+    from .app import ServerSettings, create_app
+
+    settings = ServerSettings(
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        model_name=args.model_name or name,
+        max_active=args.max_active,
+        max_queue=args.max_queue,
+        request_timeout_s=args.request_timeout,
+        max_body_bytes=args.max_body_bytes,
+        default_max_tokens=args.default_max_tokens,
+        drain_timeout_s=args.drain_timeout,
+    )
+    app = create_app(decoder, settings)
+    serve_app(app, args.host, args.port)
+    return 0
+
+
+def _load_models(args, load, CliError):
+    if args.engines is not None:
+        from .. import loading
+
+        if not hasattr(loading, "load_decoder_from_engines"):
+            raise CliError("--engines is not available in this build: serve --target/--drafter instead")
+        if not args.engines.is_dir():
+            raise CliError(f"engines directory not found: {args.engines}")
+        try:
+            return loading.load_decoder_from_engines(args.engines), args.engines.name
+        except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
+            raise CliError(str(e)) from None
+    decoder = load(args.target, None if args.no_draft else args.drafter, args.dtype)
+    return decoder, args.target.resolve().name
+
+
+def _setup_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger = logging.getLogger("dflash_trt.server")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def serve_app(app, host: str, port: int) -> None:
+    """Run uvicorn; the first SIGTERM/SIGINT drains (new requests 503), a second one exits at once."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        draining = False
+
+        def handle_exit(self, sig, frame):
+            if self.draining:  # second signal: stop now
+                self.force_exit = True
+                return super().handle_exit(sig, frame)
+            self.draining = True
+            threading.Thread(target=self._drain, name="dflash-drain", daemon=True).start()
+
+        def _drain(self):
+            server = app.state.server
+            orch, limit = server.orchestrator, server.settings.drain_timeout_s
+            log = logging.getLogger("dflash_trt.server")
+            log.info('{"event": "drain", "in_flight": %d, "limit_s": %s}', orch.busy, limit)
+            orch.begin_drain()
+            if not orch.wait_idle(limit):
+                orch.cancel_all("shutdown", "the server is shutting down (drain limit reached)")
+                orch.wait_idle(5.0)
+            self.should_exit = True
+
+    # access_log off: the app writes its own JSON line per request; "info" keeps uvicorn's "running on" line.
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
+                            timeout_graceful_shutdown=5, lifespan="on")
+    DrainingServer(config).run()

@@ -1,0 +1,40 @@
+"""Prometheus metrics of one server. Each app owns its registry, so several apps (tests) never collide."""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dflash_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("dflash_prompt_tokens", "prompt tokens of finished generations", registry=r)
+        self.generated_tokens = Counter("dflash_generated_tokens", "tokens generated (committed)", registry=r)
+        self.ttft = Histogram("dflash_time_to_first_token_seconds", "submission to first committed token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("dflash_inter_token_latency_seconds",
+                             "time between rounds divided by the tokens the round committed (one sample per token)",
+                             buckets=STEP_BUCKETS, registry=r)
+        self.latency = Histogram("dflash_request_latency_seconds", "submission to last token, by outcome",
+                                 ["outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.acceptance = Histogram("dflash_acceptance_length", "tokens committed per verify round (bonus included)",
+                                    buckets=tuple(range(1, 17)) + (24, 32), registry=r)
+        self.draft_time = Histogram("dflash_draft_time_seconds", "drafter time per round", buckets=STEP_BUCKETS,
+                                    registry=r)
+        self.verify_time = Histogram("dflash_verify_time_seconds", "target verify time per round",
+                                     buckets=STEP_BUCKETS, registry=r)
+        self.queue_depth = Gauge("dflash_queue_depth", "requests waiting for a generation slot", registry=r)
+        self.inflight = Gauge("dflash_inflight_requests", "generations being advanced by the orchestrator",
+                              registry=r)
+        self.drafter_fallbacks = Counter("dflash_drafter_fallbacks",
+                                         "generations that lost their drafter and finished on the target alone",
+                                         registry=r)
+        self.engine_errors = Counter("dflash_engine_errors", "generations failed by an engine error", registry=r)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -27,7 +27,7 @@ def register(sub) -> None:
     src.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
                      help=f"DFlash drafter checkpoint directory (default: {DEMO_DRAFTER})")
     src.add_argument("--engines", type=Path, default=None,
-                     help="directory of built engines (from `dflash-trt build`); replaces --target/--drafter")
+                     help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
     src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
     src.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                      help="weights dtype for the PyTorch engines (default: float32)")
@@ -56,7 +56,7 @@ def register(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import CliError, _load
+    from ..cli import CliError
 
     if args.max_queue < 0 or args.request_timeout <= 0 or args.drain_timeout < 0:
         raise CliError("--max-queue must be >= 0, --request-timeout > 0 and --drain-timeout >= 0")
@@ -65,7 +65,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    decoder, name = _load_models(args, _load, CliError)
+    decoder, name = _load_models(args)
     from .app import ServerSettings, create_app
 
     settings = ServerSettings(
@@ -83,20 +83,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_models(args, load, CliError):
-    if args.engines is not None:
-        from .. import loading
+def _load_models(args):
+    from ..cli import _load, _load_engines
 
-        if not hasattr(loading, "load_decoder_from_engines"):
-            raise CliError("--engines is not available in this build: serve --target/--drafter instead")
-        if not args.engines.is_dir():
-            raise CliError(f"engines directory not found: {args.engines}")
-        try:
-            return loading.load_decoder_from_engines(args.engines), args.engines.name
-        except (FileNotFoundError, ValueError, OSError, RuntimeError) as e:
-            raise CliError(str(e)) from None
-    decoder = load(args.target, None if args.no_draft else args.drafter, args.dtype)
-    return decoder, args.target.resolve().name
+    if args.engines is not None:
+        return _load_engines(args.engines, args.dtype, args.no_draft), args.engines.resolve().name
+    return _load(args.target, None if args.no_draft else args.drafter, args.dtype), args.target.resolve().name
 
 
 def _setup_logging() -> None:

@@ -1,0 +1,139 @@
+"""Server test harness: tiny models with a tokenizer, a real uvicorn server on a real socket, fault injection."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import uvicorn
+from helpers import make_tokenizer
+
+from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+from dflash_trt.server.app import ServerSettings, create_app
+
+
+def make_models(root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen3 target with a BPE tokenizer (text works) and a tiny DFlash drafter (block size 4)."""
+    tok = make_tokenizer(root / "target")
+    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1)
+    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    return root / "target", root / "drafter"
+
+
+@contextlib.contextmanager
+def running_server(decoder, **settings):
+    """uvicorn.Server in a thread, listening on a free port of 127.0.0.1; yields (base url, app)."""
+    app = create_app(decoder, ServerSettings(**settings))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sse_events(lines) -> list:
+    """Parse `data: ...` lines of a server-sent-event stream (JSON, or the literal [DONE])."""
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """One sample's value from Prometheus text (0 when absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        metric_name, _, label_part = key.partition("{")
+        if metric_name != name:
+            continue
+        got = ",".join(sorted(p for p in label_part.rstrip("}").split(",") if p))
+        if got == want:
+            return float(value)
+    return 0.0
+
+
+def scrape(url: str, **headers) -> str:
+    return httpx.get(url + "/metrics", headers=headers, timeout=10).text
+
+
+class FaultyDrafter:
+    """Wraps a real drafter engine; while `failing` is set, its sessions raise (fault injection, not a stand-in)."""
+
+    def __init__(self, engine):
+        self.engine, self.failing = engine, False
+        self.name, self.block_size, self.feature_layer_ids = "faulty", engine.block_size, engine.feature_layer_ids
+
+    def new_session(self):
+        return _FaultyDrafterSession(self, self.engine.new_session())
+
+
+class _FaultyDrafterSession:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+
+    @property
+    def context_length(self):
+        return self.inner.context_length
+
+    def draft(self, new_features, last_token, block_size):
+        if self.owner.failing:
+            raise RuntimeError("injected drafter failure")
+        return self.inner.draft(new_features, last_token, block_size)
+
+
+class FaultyTarget:
+    """Wraps a real target engine; while `failing` is set, forward() raises (fault injection)."""
+
+    def __init__(self, engine):
+        self.engine, self.failing = engine, False
+        for attr in ("name", "vocab_size", "max_context", "feature_layer_ids"):
+            setattr(self, attr, getattr(engine, attr))
+
+    def new_session(self):
+        return _FaultyTargetSession(self, self.engine.new_session())
+
+
+class _FaultyTargetSession:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+
+    @property
+    def length(self):
+        return self.inner.length
+
+    def forward(self, token_ids, **kw):
+        if self.owner.failing:
+            raise RuntimeError("injected target failure")
+        return self.inner.forward(token_ids, **kw)
+
+    def rollback(self, length):
+        return self.inner.rollback(length)

@@ -118,6 +118,9 @@ def stage_lm(args, name: str) -> None:
 
 
 def stage_drafter(args) -> None:
+    import shutil
+
+    from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.train.drafter import DrafterTrainConfig, regenerate_dataset, train_drafter_from_dirs
 
     cfg = DrafterTrainConfig(
@@ -127,9 +130,14 @@ def stage_drafter(args) -> None:
     )
     data = args.cache / "regenerated.npy"
     if not data.exists():
+        prompt_len = 32 if args.smoke else 64
         regenerate_dataset(args.out / "target", data, n_sequences=args.regen_sequences,
-                           prompt_len=32 if args.smoke else 64, new_tokens=32 if args.smoke else 192)
-    train_drafter_from_dirs(args.out / "target", data, args.out / "drafter", cfg)
+                           prompt_len=prompt_len, new_tokens=cfg.seq_len - prompt_len)
+    run = args.cache / "drafter-run"  # checkpoints + optimizer state stay out of models/
+    train_drafter_from_dirs(args.out / "target", data, run, cfg, resume=(run / "trainer_state.pt").exists())
+    out = args.out / "drafter"
+    DFlashDrafter.from_pretrained(run).half().save_pretrained(out)  # fp16 on disk, fp32 when loaded
+    shutil.copy(run / "training.json", out / "training.json")
 
 
 def main(argv=None) -> int:
@@ -139,17 +147,17 @@ def main(argv=None) -> int:
     p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
     p.add_argument("--smoke", action="store_true", help="tiny CI-sized run (use with a scratch --out)")
     p.add_argument("--vocab-size", type=int, default=4096)
-    p.add_argument("--target-steps", type=int, default=1100)
+    p.add_argument("--target-steps", type=int, default=700)
     p.add_argument("--target-minutes", type=float, default=30, help="time budget for the target")
     p.add_argument("--ar-steps", type=int, default=600)
     p.add_argument("--ar-minutes", type=float, default=8)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--drafter-layers", type=int, default=2)
-    p.add_argument("--drafter-steps", type=int, default=1200)
+    p.add_argument("--drafter-steps", type=int, default=800)
     p.add_argument("--drafter-minutes", type=float, default=20)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)")
-    p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
+    p.add_argument("--regen-sequences", type=int, default=1536, help="target-regenerated training sequences")
     args = p.parse_args(argv)
     if args.smoke:
         global MAX_FILES

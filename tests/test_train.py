@@ -93,3 +93,18 @@ def test_training_steps_reduce_loss_on_a_fixed_batch(tmp_path):
     cfg2 = DrafterTrainConfig(**{**cfg.__dict__, "steps": 35})
     summary2 = train_drafter(reloaded, target, fixed.numpy(), tmp_path, cfg2, resume=True)
     assert summary2["history"][-1]["step"] == 35 and len(summary2["history"]) == 3
+
+
+def test_precomputed_features_give_the_same_loss():
+    from dflash_trt.train.drafter import _precompute_features
+
+    target = make_tiny_target(vocab_size=64, layers=4, seed=2)
+    cfg = DrafterTrainConfig(block_size=4, num_layers=1, seq_len=24, anchors_per_seq=5, bf16=False)
+    drafter = new_drafter_for(target, cfg, mask_token_id=63)
+    seqs = torch.randint(0, 60, (3, 24), generator=torch.Generator().manual_seed(1))
+    cached = _precompute_features(drafter, target, seqs, cfg)
+    assert cached is not None and cached.shape == (3, 24, drafter.feature_size)
+    with torch.no_grad():
+        a = drafter_loss(drafter, target, seqs, cfg, torch.Generator().manual_seed(5))[0]
+        b = drafter_loss(drafter, target, seqs, cfg, torch.Generator().manual_seed(5), features=cached.float())[0]
+    torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # fp16 storage of the features

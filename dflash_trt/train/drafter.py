@@ -54,6 +54,7 @@ class DrafterTrainConfig:
     kd_weight: float = 0.0  # 0 = plain cross-entropy; 1 = distillation only
     kd_temperature: float = 1.0
     init_from_target: bool = True  # start drafter layers from target layers (same shapes)
+    cache_features_gb: float = 4.0  # precompute the frozen target's features once if they fit (no KD)
     save_every: int = 200
     time_budget_s: float | None = None
     bf16: bool = True
@@ -143,14 +144,24 @@ def _init_layers_from_target(drafter: DFlashDrafter, target, layer_ids: list[int
 # ---------------------------------------------------------------------------------------
 # Training
 # ---------------------------------------------------------------------------------------
-def drafter_loss(drafter, target, tokens: torch.Tensor, cfg: DrafterTrainConfig, generator: torch.Generator):
-    """Loss and top-1 accuracy per block position for a batch of token sequences [b, S]."""
+@torch.no_grad()
+def target_features(target, tokens: torch.Tensor, layer_ids, bf16: bool, logits: bool = False):
+    """The frozen target's features of `layer_ids` (and optionally its logits) for [b, S] tokens."""
+    with autocast(bf16):
+        out = target(input_ids=tokens, output_hidden_states=True)
+    return extract_features(out.hidden_states, layer_ids).float(), (out.logits.float() if logits else None)
+
+
+def drafter_loss(drafter, target, tokens: torch.Tensor, cfg: DrafterTrainConfig, generator: torch.Generator,
+                 features: torch.Tensor | None = None):
+    """Loss and top-1 accuracy per block position for a batch of token sequences [b, S].
+    `features`: the target's features for these tokens when precomputed (then no target pass)."""
     b, s = tokens.shape
     B = cfg.block_size
-    with torch.no_grad(), autocast(cfg.bf16):
-        out = target(input_ids=tokens, output_hidden_states=True)
-        features = extract_features(out.hidden_states, drafter.spec.target_layer_ids).float()
-        target_logits = out.logits.float() if cfg.kd_weight > 0 else None
+    target_logits = None
+    if features is None or cfg.kd_weight > 0:
+        features, target_logits = target_features(target, tokens, drafter.spec.target_layer_ids, cfg.bf16,
+                                                   logits=cfg.kd_weight > 0)
     embed = target.get_input_embeddings().weight
     lm_head = target.get_output_embeddings().weight
     ids, positions, labels, masks, anchors_all = [], [], [], [], []
@@ -202,6 +213,7 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray, out: Pa
     seqs = torch.from_numpy(sequences.astype(np.int64))
     if seqs.shape[1] < cfg.seq_len:
         raise ValueError(f"sequences of {seqs.shape[1]} tokens are shorter than seq_len {cfg.seq_len}")
+    cached = _precompute_features(drafter, target, seqs, cfg)
     t0 = time.perf_counter()
     tokens_done = 0
     bar = tqdm(range(start_step, cfg.steps), desc="train-drafter", unit="step", initial=start_step, total=cfg.steps)
@@ -209,9 +221,10 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray, out: Pa
     step = start_step
     for step in bar:
         rows = torch.randint(0, seqs.shape[0], (cfg.batch_size,), generator=gen)
-        offset = int(torch.randint(0, seqs.shape[1] - cfg.seq_len + 1, (1,), generator=gen))
+        offset = int(torch.randint(0, seqs.shape[1] - cfg.seq_len + 1, (1,), generator=gen)) if cached is None else 0
         batch = seqs[rows, offset : offset + cfg.seq_len]
-        loss, acc = drafter_loss(drafter, target, batch, cfg, gen)
+        feats = cached[rows].float() if cached is not None else None
+        loss, acc = drafter_loss(drafter, target, batch, cfg, gen, features=feats)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.clip)
         opt.step()
@@ -234,6 +247,19 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray, out: Pa
     summary = {"steps": step + 1, "history": history, "config": asdict(cfg), "seconds": round(time.perf_counter() - t0)}
     (out / "training.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def _precompute_features(drafter, target, seqs: torch.Tensor, cfg: DrafterTrainConfig) -> torch.Tensor | None:
+    """The target is frozen, so its features of a fixed data set never change: compute them once
+    (fp16) instead of every step, when they fit in `cache_features_gb` and sequences are one window."""
+    size_gb = seqs.shape[0] * seqs.shape[1] * drafter.feature_size * 2 / 1e9
+    if cfg.kd_weight > 0 or seqs.shape[1] != cfg.seq_len or size_gb > cfg.cache_features_gb:
+        return None
+    chunks = []
+    for i in tqdm(range(0, seqs.shape[0], 16), desc="target features", unit="batch"):
+        f, _ = target_features(target, seqs[i : i + 16], drafter.spec.target_layer_ids, cfg.bf16)
+        chunks.append(f.half())
+    return torch.cat(chunks)
 
 
 # ---------------------------------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""Benchmarks: prompt sets and side-by-side measurement of decoding methods."""

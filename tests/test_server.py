@@ -331,3 +331,10 @@ def test_other_bad_requests(server):
     n2 = httpx.post(server + "/v1/completions", json={"prompt": "x", "n": 2}, timeout=30)
     assert n2.status_code == 400 and n2.json()["error"]["param"] == "n"
     assert httpx.get(server + "/health").status_code == 200
+
+
+def test_tiny_temperature_is_greedy_not_nan(server, reference):
+    """Found by the fuzz test: logits / 1e-308 overflow to inf and sampling produced NaN (a 500)."""
+    r = httpx.post(server + "/generate", json={"prompt": "import os", "max_tokens": 6, "temperature": 1e-308},
+                   timeout=30)
+    assert r.status_code == 200 and r.json()["token_ids"] == reference("import os", 6).token_ids

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo engines clean
+.PHONY: venv test demo engines triton triton-env clean
 TINY := .cache/tiny
 
 venv: $(STAMP)
@@ -17,7 +17,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-test: venv
+# Triton server side: its own venv, because the python-backend stub bundled in nvidia-pytriton needs
+# numpy < 2 (the main venv has numpy 2). It holds tritonserver + python backend, torch, onnxruntime and
+# this package (editable), which the stub imports. Tests and clients use the main venv (tritonclient).
+TRITON_VENV := .venv-triton
+TRITON_STAMP := $(TRITON_VENV)/.installed
+triton-env: $(TRITON_STAMP)
+
+$(TRITON_STAMP): pyproject.toml
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(TRITON_VENV)/bin/python -m pip install -q -e '.[triton-server]'
+	touch $(TRITON_STAMP)
+
+test: venv triton-env
 	$(BIN)/python -m pytest -q tests
 
 # Until the trained demo models exist: a tiny random pair, to show the whole path runs.
@@ -34,5 +48,16 @@ ENGINES_CONFIG ?= engines.toml
 engines: venv
 	$(BIN)/dflash-trt engines --config $(ENGINES_CONFIG) $(ENGINES_ARGS)
 
+# Triton demo: a model repository for the demo models, served by a real tritonserver on
+# 127.0.0.1:8000 (HTTP) / 8001 (gRPC) / 8002 (metrics). Then, e.g.:
+#   .venv/bin/dflash-trt triton-client --prompt "def fib(n):" --stream
+# Other sources: make triton TRITON_SOURCE="--engines engines"
+TRITON_SOURCE ?= --target $(DEMO_DIR)/target --drafter $(DEMO_DIR)/drafter
+DEMO_DIR ?= models
+TRITON_REPO ?= .cache/triton-repo
+triton: venv triton-env
+	$(BIN)/dflash-trt triton-repo $(TRITON_SOURCE) --out $(TRITON_REPO) --force
+	$(BIN)/dflash-trt triton-serve --repo $(TRITON_REPO)
+
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TRITON_VENV) build dist *.egg-info

@@ -1,0 +1,48 @@
+"""`preprocessing`: text_input [N, 1] -> input_ids [N, L] (padded) + input_length [N, 1].
+
+Encodes as `dflash-trt generate --prompt` does (no special tokens); with the parameter
+`chat_template: "true"` the text is wrapped as one user message by the tokenizer's chat template.
+"""
+
+from __future__ import annotations
+
+import triton_python_backend_utils as pb_utils
+
+from ..bls import pad_rows
+from .common import error_response, get, load_config, resolve
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from ...models.target import load_tokenizer
+
+        _, params, folder = load_config(args)
+        self.tokenizer = load_tokenizer(resolve(folder, params.get("tokenizer_dir", "tokenizer")))
+        if self.tokenizer is None:
+            raise RuntimeError(f"no tokenizer in {folder}: the repository was written without one")
+        self.chat = params.get("chat_template", "false") == "true"
+        if self.chat and not getattr(self.tokenizer, "chat_template", None):
+            raise RuntimeError("chat_template is on but the tokenizer has no chat template")
+
+    def encode(self, text: str) -> list[int]:
+        if self.chat:
+            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                                           add_generation_prompt=True))
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                texts = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in get(request, "text_input").reshape(-1)]
+                if any(not t for t in texts):
+                    raise ValueError("text_input is empty")
+                rows = [self.encode(t) for t in texts]
+                if any(not r for r in rows):
+                    raise ValueError("text_input encodes to no tokens")
+                ids, lengths = pad_rows(rows)
+                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids),
+                                                             pb_utils.Tensor("input_length", lengths)]))
+            except (ValueError, UnicodeDecodeError) as e:
+                responses.append(error_response(f"preprocessing: {e}"))
+        return responses

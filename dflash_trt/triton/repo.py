@@ -1,0 +1,259 @@
+"""`dflash-trt triton-repo`: write a complete Triton model repository for a target + DFlash drafter.
+
+    dflash           ensemble: text_input (+ max_tokens, temperature, seed, stream) -> text_output
+      preprocessing    python: tokenizer (optional chat template)
+      dflash_bls       python, decoupled: draft-and-verify loop, one response per verified round
+      postprocessing   python: detokenize (text deltas)
+    dflash_sync      the same ensemble over dflash_bls_sync (not decoupled): for HTTP and unary gRPC
+    dflash_drafter   tensorrt_plan when a TensorRT plan was built, else the ONNX graph via onnxruntime (python)
+    dflash_target    python: PyTorch target (CPU) or TensorRT-LLM (GPU); per-sequence KV cache by session id
+
+Sources: an engines folder (`make engines`, read through engines/manifest.json) or a target and a
+drafter checkpoint (the drafter is exported to ONNX here). Configs are built as ModelConfig
+messages (dflash_trt.triton.config) and the whole repository is validated before returning.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import Step, check_repository, model_config, tensor, write_config
+
+ENSEMBLE, BLS, PRE, POST = "dflash", "dflash_bls", "preprocessing", "postprocessing"
+# HTTP and unary gRPC refuse any model that contains a decoupled one, so the same loop is also
+# served non-decoupled (one response per request) behind a second ensemble.
+ENSEMBLE_SYNC, BLS_SYNC = "dflash_sync", "dflash_bls_sync"
+TARGET, DRAFTER = "dflash_target", "dflash_drafter"
+
+
+@dataclass
+class Sources:
+    """Where each piece comes from."""
+
+    tokenizer_dir: Path
+    target_backend: str  # "torch" or "tensorrt_llm"
+    target_dir: Path  # HF checkpoint (torch) or the TensorRT-LLM engine folder
+    drafter_backend: str  # "onnxruntime" or "tensorrt"
+    drafter_dir: Path  # folder with drafter.onnx / drafter.plan and drafter.json
+
+
+@dataclass
+class RepoOptions:
+    max_batch_size: int = 8
+    default_max_tokens: int = 64
+    chat_template: bool = False
+    threads: int = 0  # intra-op threads per model instance (0: the library default)
+    device: str = "cpu"  # the PyTorch target's device: "cpu" or "cuda"
+    symlink_weights: bool = False  # link big checkpoints instead of copying them
+
+
+def shim(module: str) -> str:
+    """A version folder's model.py: the code lives in the dflash_trt package installed beside Triton."""
+    return f"from dflash_trt.triton.models.{module} import TritonPythonModel  # noqa: F401\n"
+
+
+def sources_from_engines(engines_dir: Path) -> Sources:
+    manifest_path = engines_dir / "manifest.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"no manifest.json in {engines_dir}: build the engines with `make engines`")
+    manifest = json.loads(manifest_path.read_text())
+    engines, serve = manifest["engines"], manifest["serve"]
+    drafter, target = engines[serve["drafter"]], engines[serve["target"]]
+    target_dir = Path(target["checkpoint"]) if target["backend"] == "torch" else engines_dir / target["dir"]
+    return Sources(Path(manifest["sources"]["target"]["path"]), target["backend"], target_dir,
+                   drafter["backend"], engines_dir / drafter["dir"])
+
+
+def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) -> Sources:
+    from ..export.onnx_drafter import export_from_checkpoints
+
+    export_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
+    return Sources(target_dir, "torch", target_dir, "onnxruntime", work)
+
+
+def _target_meta(src: Sources) -> tuple[int, int]:
+    """(vocab_size, max_context) of the target, read from its config files."""
+    if src.target_backend == "torch":
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(src.target_dir, local_files_only=True).get_text_config()
+        return int(text.vocab_size), int(getattr(text, "max_position_embeddings", 1 << 30))
+    meta = json.loads((src.target_dir / "dflash_target.json").read_text())
+    config = json.loads((src.target_dir / meta["engine_dir"] / "config.json").read_text())
+    pre = config.get("pretrained_config", {})
+    return int(pre["vocab_size"]), int(config.get("build_config", {}).get("max_seq_len", pre.get("max_position_embeddings")))
+
+
+def _copy(src: Path, dst: Path, symlink: bool) -> None:
+    if symlink:
+        dst.symlink_to(src.resolve(), target_is_directory=src.is_dir())
+    elif src.is_dir():
+        shutil.copytree(src, dst)
+    else:
+        shutil.copy2(src, dst)
+
+
+def _save_tokenizer(src: Path, dst: Path) -> object:
+    from ..models.target import load_tokenizer
+
+    tok = load_tokenizer(src)
+    if tok is None:
+        raise FileNotFoundError(f"no tokenizer in {src}: the Triton ensemble works on text and needs one")
+    tok.save_pretrained(dst)
+    return tok
+
+
+# ---- the models -----------------------------------------------------------------------------
+
+def _text_models(repo: Path, src: Sources, opt: RepoOptions):
+    tok = None
+    for name, module, inputs, outputs in (
+        (PRE, "preprocessing", [tensor("text_input", "TYPE_STRING", [1])],
+         [tensor("input_ids", "TYPE_INT64", [-1]), tensor("input_length", "TYPE_INT32", [1])]),
+        (POST, "postprocessing",
+         [tensor("output_ids", "TYPE_INT64", [-1]), tensor("output_length", "TYPE_INT32", [1]),
+          tensor("new_tokens", "TYPE_INT32", [1]), tensor("finish_reason", "TYPE_STRING", [1])],
+         [tensor("text_output", "TYPE_STRING", [1])]),
+    ):
+        version = repo / name / "1"
+        version.mkdir(parents=True)
+        (version / "model.py").write_text(shim(module))
+        tok = _save_tokenizer(src.tokenizer_dir, version / "tokenizer")
+        params = {"tokenizer_dir": "tokenizer"}
+        if name == PRE:
+            params["chat_template"] = "true" if opt.chat_template else "false"
+        write_config(repo / name, model_config(name, backend="python", max_batch_size=opt.max_batch_size,
+                                               inputs=inputs, outputs=outputs, parameters=params,
+                                               dynamic_batching=True))
+    return tok
+
+
+def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
+    from ..export.onnx_drafter import GRAPH_FILE, META_FILE, DrafterGraphMeta
+
+    meta = DrafterGraphMeta.read(src.drafter_dir)
+    L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
+    inputs = [tensor("block_ids", "TYPE_INT64", [1, -1]), tensor("features", "TYPE_FP32", [1, -1, F]),
+              tensor("past_k", "TYPE_FP32", [L, 1, H, -1, D]), tensor("past_v", "TYPE_FP32", [L, 1, H, -1, D])]
+    outputs = [tensor("logits", "TYPE_FP32", [1, -1, V]), tensor("draft_tokens", "TYPE_INT64", [1, -1]),
+               tensor("present_k", "TYPE_FP32", [L, 1, H, -1, D]), tensor("present_v", "TYPE_FP32", [L, 1, H, -1, D])]
+    version = repo / DRAFTER / "1"
+    version.mkdir(parents=True)
+    if src.drafter_backend == "tensorrt":
+        from ..build.trt_drafter import PLAN_FILE
+
+        _copy(src.drafter_dir / PLAN_FILE, version / "model.plan", opt.symlink_weights)
+        cfg = model_config(DRAFTER, platform="tensorrt_plan", inputs=inputs, outputs=outputs, instance_kind="KIND_GPU")
+    else:
+        folder = version / "drafter-onnx"
+        folder.mkdir()
+        for name in (GRAPH_FILE, GRAPH_FILE + ".data", META_FILE):
+            if (src.drafter_dir / name).exists():
+                _copy(src.drafter_dir / name, folder / name, opt.symlink_weights)
+        (version / "model.py").write_text(shim("drafter"))
+        cfg = model_config(DRAFTER, backend="python", inputs=inputs, outputs=outputs,
+                           parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads)})
+    write_config(repo / DRAFTER, cfg)
+    return meta
+
+
+def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids) -> None:
+    version = repo / TARGET / "1"
+    version.mkdir(parents=True)
+    _copy(src.target_dir, version / "target", opt.symlink_weights)
+    (version / "model.py").write_text(shim("target"))
+    gpu = src.target_backend == "tensorrt_llm" or opt.device == "cuda"
+    params = {"backend": src.target_backend, "engine_dir": "target", "device": opt.device,
+              "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600"}
+    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls).
+    cfg = model_config(TARGET, backend="python", instance_kind="KIND_GPU" if gpu else "KIND_CPU", instance_count=1,
+                       inputs=[tensor("session_id", "TYPE_UINT64", [1]), tensor("token_ids", "TYPE_INT64", [-1]),
+                               tensor("rollback_to", "TYPE_INT64", [1], optional=True),
+                               tensor("last_logits_only", "TYPE_BOOL", [1], optional=True),
+                               tensor("want_features", "TYPE_BOOL", [1], optional=True),
+                               tensor("release", "TYPE_BOOL", [1], optional=True)],
+                       outputs=[tensor("logits", "TYPE_FP32", [-1, -1]), tensor("features", "TYPE_FP32", [-1, -1]),
+                                tensor("length", "TYPE_INT64", [1])],
+                       parameters=params)
+    write_config(repo / TARGET, cfg)
+
+
+OPTIONAL_INPUTS = [tensor("max_tokens", "TYPE_INT32", [1], optional=True),
+                   tensor("temperature", "TYPE_FP32", [1], optional=True),
+                   tensor("seed", "TYPE_UINT64", [1], optional=True),
+                   tensor("stream", "TYPE_BOOL", [1], optional=True)]
+BLS_OUTPUTS = [tensor("output_ids", "TYPE_INT64", [-1]), tensor("output_length", "TYPE_INT32", [1]),
+               tensor("new_tokens", "TYPE_INT32", [1]), tensor("finish_reason", "TYPE_STRING", [1])]
+
+
+def _bls_model(repo: Path, opt: RepoOptions, meta, vocab_size: int, max_context: int, stop_ids,
+               name: str = BLS, decoupled: bool = True) -> None:
+    version = repo / name / "1"
+    version.mkdir(parents=True)
+    (version / "model.py").write_text(shim("bls"))
+    params = {"target_model": TARGET, "drafter_model": DRAFTER, "vocab_size": str(vocab_size),
+              "max_context": str(max_context), "feature_layer_ids": list(meta.feature_layer_ids),
+              "drafter_meta": json.loads(meta.to_json()), "stop_token_ids": list(stop_ids),
+              "default_max_tokens": str(opt.default_max_tokens)}
+    inputs = OPTIONAL_INPUTS if decoupled else [t for t in OPTIONAL_INPUTS if t.name != "stream"]
+    write_config(repo / name, model_config(
+        name, backend="python", max_batch_size=opt.max_batch_size, decoupled=decoupled, dynamic_batching=True,
+        inputs=[tensor("input_ids", "TYPE_INT64", [-1]), tensor("input_length", "TYPE_INT32", [1]), *inputs],
+        outputs=BLS_OUTPUTS, parameters=params))
+
+
+def _ensemble(repo: Path, opt: RepoOptions, name: str = ENSEMBLE, bls: str = BLS, stream: bool = True) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    inputs = OPTIONAL_INPUTS if stream else [t for t in OPTIONAL_INPUTS if t.name != "stream"]
+    optional = {t.name: t.name for t in inputs}
+    steps = [
+        Step(PRE, {"text_input": "text_input"}, {"input_ids": "_input_ids", "input_length": "_input_length"}),
+        Step(bls, {"input_ids": "_input_ids", "input_length": "_input_length", **optional},
+             {"output_ids": "_output_ids", "output_length": "_output_length", "new_tokens": "num_tokens",
+              "finish_reason": "finish_reason"}),
+        Step(POST, {"output_ids": "_output_ids", "output_length": "_output_length", "new_tokens": "num_tokens",
+                    "finish_reason": "finish_reason"}, {"text_output": "text_output"}),
+    ]
+    write_config(repo / name, model_config(
+        name, platform="ensemble", max_batch_size=opt.max_batch_size, steps=steps,
+        inputs=[tensor("text_input", "TYPE_STRING", [1]), *inputs],
+        outputs=[tensor("text_output", "TYPE_STRING", [1]), tensor("finish_reason", "TYPE_STRING", [1]),
+                 tensor("num_tokens", "TYPE_INT32", [1])]))
+
+
+def write_repository(out: str | Path, *, engines: str | Path | None = None, target: str | Path | None = None,
+                     drafter: str | Path | None = None, options: RepoOptions = RepoOptions(),
+                     overwrite: bool = False) -> Path:
+    out = Path(out)
+    if out.exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} exists (pass --force to replace it)")
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    try:
+        if engines is not None:
+            src = sources_from_engines(Path(engines))
+        else:
+            if target is None or drafter is None:
+                raise ValueError("give --engines DIR, or both --target DIR and --drafter DIR")
+            src = sources_from_checkpoints(Path(target), Path(drafter), out / ".drafter-onnx")
+        tok = _text_models(out, src, options)
+        meta = _drafter_model(out, src, options)
+        _target_model(out, src, options, meta.feature_layer_ids)
+        vocab, max_context = _target_meta(src)
+        eos = getattr(tok, "eos_token_id", None)
+        stop = [eos] if isinstance(eos, int) else []
+        _bls_model(out, options, meta, vocab, max_context, stop)
+        _bls_model(out, options, meta, vocab, max_context, stop, name=BLS_SYNC, decoupled=False)
+        _ensemble(out, options)
+        _ensemble(out, options, name=ENSEMBLE_SYNC, bls=BLS_SYNC, stream=False)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    finally:
+        shutil.rmtree(out / ".drafter-onnx", ignore_errors=True)
+    check_repository(out)
+    return out

@@ -18,7 +18,7 @@ DEMO_DRAFTER = DEMO_DIR / "drafter"
 # Each command group lives beside its code and registers itself: `register(subparsers)`.
 # Keep those modules light at import time (import torch etc. inside the command function).
 COMMAND_MODULES: tuple[str, ...] = ("dflash_trt.server.commands", "dflash_trt.build.commands", "dflash_trt.train.commands",
-                                   "dflash_trt.triton.commands")
+                                   "dflash_trt.bench.commands", "dflash_trt.triton.commands")
 
 
 class CliError(Exception):

@@ -1,0 +1,144 @@
+"""Small direct measurements beside the end-to-end runs: per-pass costs for the speedup ceiling,
+peak memory per run, and the target's own log-likelihood of a continuation."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+PROC_STATUS = Path("/proc/self/status")
+CLEAR_REFS = Path("/proc/self/clear_refs")
+
+
+# ---- per-pass costs: t(one target step), t(verify B tokens), t(draft B) ----------------------
+def _median_ms(fn, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+@torch.inference_mode()
+def pass_costs(target, drafters: dict, context_ids: list[int], block_sizes: list[int], reps: int) -> dict:
+    """Median ms of the passes one round is made of, with the KV caches holding len(context_ids) tokens.
+
+    target_step_ms: one token through the target + rollback (a baseline decode step);
+    verify_ms[B]:   B tokens through the target with features + rollback (a DFlash verify);
+    draft_ms[backend][B]: one drafter round given (B+1)//2 newly committed tokens' features.
+    """
+    session = target.new_session()
+    out = session.forward(torch.tensor(context_ids), last_logits_only=True, features=bool(drafters))
+    n = session.length
+    last = torch.tensor(context_ids[-1:])
+
+    def step():
+        session.forward(last, features=False)
+        session.rollback(n)
+
+    costs = {"context_tokens": n, "target_step_ms": _median_ms(step, reps), "verify_ms": {}, "draft_ms": {}}
+    for b in block_sizes:
+        block = torch.tensor((context_ids * b)[:b])
+
+        def verify(block=block):
+            session.forward(block, features=bool(drafters))
+            session.rollback(n)
+
+        costs["verify_ms"][b] = _median_ms(verify, reps)
+    for backend, engine in drafters.items():
+        costs["draft_ms"][backend] = {}
+        feats = out.features
+        for b in block_sizes:
+            new = (b + 1) // 2
+            ds = engine.new_session()
+            ds.draft(feats[:-new], context_ids[-1], b)  # the context, minus what this round brings
+            past = (ds.past_k, ds.past_v)
+
+            def draft(ds=ds, past=past, new=new, b=b):
+                ds.past_k, ds.past_v = past
+                ds.draft(feats[-new:], context_ids[-1], b)
+
+            costs["draft_ms"][backend][b] = _median_ms(draft, reps)
+    return costs
+
+
+def ceiling(tau: float, costs: dict, block_size: int, backend: str) -> float:
+    """tau x t(one target step) / (t(verify B) + t(draft B)): the speedup if nothing else cost time."""
+    return tau * costs["target_step_ms"] / (costs["verify_ms"][block_size] + costs["draft_ms"][backend][block_size])
+
+
+# ---- peak memory ---------------------------------------------------------------------------
+def _status_kb(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+) kB", PROC_STATUS.read_text(), re.M).group(1))
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakRSS:
+    """Peak resident memory a run adds: free heap handed back to the OS, the kernel's peak counter
+    (VmHWM) reset to the current RSS (`echo 5 > /proc/self/clear_refs`, Linux), run, then
+    VmHWM - RSS at the reset. Unavailable (None) where the kernel does not allow the reset."""
+
+    def __init__(self):
+        self.available = PROC_STATUS.exists() and self._try_reset()
+        self.base_kb = 0
+
+    @staticmethod
+    def _try_reset() -> bool:
+        try:
+            CLEAR_REFS.write_text("5")
+            return True
+        except OSError:
+            return False
+
+    def reset(self) -> None:
+        if self.available:
+            _malloc_trim()
+            CLEAR_REFS.write_text("5")
+            self.base_kb = _status_kb("VmRSS")
+
+    def peak_delta_mb(self) -> float | None:
+        if not self.available:
+            return None
+        return max(0, _status_kb("VmHWM") - self.base_kb) / 1024
+
+    @staticmethod
+    def rss_mb() -> float | None:
+        return _status_kb("VmRSS") / 1024 if PROC_STATUS.exists() else None
+
+
+# ---- the target's view of a continuation (a loose check of sampled outputs) ------------------
+@torch.inference_mode()
+def target_nll(model, prompt_ids: list[int], tokens: list[int], temperature: float) -> float:
+    """Mean negative log-likelihood per generated token under the target's softmax(logits / T)."""
+    if not tokens:
+        return float("nan")
+    ids = torch.tensor([prompt_ids + tokens], device=model.device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, len(prompt_ids) - 1 : -1].float()
+    logp = torch.log_softmax(logits / max(temperature, 1e-6), dim=-1)
+    return float(-logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).mean())
+
+
+@torch.inference_mode()
+def divergence_margin(model, prompt_ids: list[int], reference: list[int], other: list[int]) -> tuple[int, float]:
+    """First position where two greedy outputs differ, and the target's logit gap there between the
+    two tokens (near 0: a numerical tie the two code paths may break differently)."""
+    i = next((k for k, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    if i >= min(len(reference), len(other)):
+        return i, float("inf")  # one is a prefix of the other: a length difference, never a tie
+    ids = torch.tensor([prompt_ids + reference[:i]], device=model.device)
+    logits = model(input_ids=ids, use_cache=False).logits[0, -1].float()
+    return i, float((logits[reference[i]] - logits[other[i]]).abs())

@@ -1,0 +1,137 @@
+"""The decoding methods the benchmark compares, behind one call: run(prompt_ids, max_new, temperature, seed) -> Run.
+
+    baseline        the target alone through OUR loop with block size 1 (same code path as DFlash)
+    hf-generate     Hugging Face `model.generate()`: the library users already know
+    dflash-torch-bB DFlash, PyTorch drafter, block size B
+    dflash-ort-bB   DFlash, ONNX Runtime drafter, block size B
+    hf-assisted     Hugging Face assisted generation with a small autoregressive draft model
+    prompt-lookup   Hugging Face prompt-lookup (n-gram) decoding
+
+Time is split the same way for every method: `target_s` is measured by forward hooks on the
+target's HF module (prefill and every verify/decode pass), `draft_s` is the proposer (the DFlash
+drafter round, or the assistant model's forward passes), `other_s` is the rest (acceptance,
+sampling, cache rollback, n-gram lookup, Python and generate() overhead).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+
+@dataclass
+class Run:
+    token_ids: list[int]
+    seconds: float
+    acceptance_lengths: list[int]  # tokens committed per target pass after the first token
+    target_s: float = 0.0
+    draft_s: float | None = 0.0  # None: the proposer's time is not separable (inside other_s)
+    target_calls: int = 0
+
+    @property
+    def other_s(self) -> float:
+        return max(0.0, self.seconds - self.target_s - (self.draft_s or 0.0))
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    family: str  # baseline | hf-generate | dflash-torch | dflash-ort | hf-assisted | prompt-lookup
+    run: Callable[[list[int], int, float, int], Run] = field(compare=False, repr=False)
+    block_size: int | None = None
+    drafter_backend: str | None = None  # for the ceiling: which drafter timing applies
+    lossless: bool = True  # greedy output must equal the baseline's
+
+
+class ForwardTimer:
+    """Wall time and call count of a module's forward passes, plus the KV length each pass started at."""
+
+    def __init__(self, module: torch.nn.Module):
+        self.module, self.seconds, self.calls, self.starts = module, 0.0, 0, []
+        self._t0 = 0.0
+        self._handles = [
+            module.register_forward_pre_hook(self._pre, with_kwargs=True),
+            module.register_forward_hook(self._post),
+        ]
+
+    def reset(self) -> None:
+        self.seconds, self.calls, self.starts = 0.0, 0, []
+
+    def _pre(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        self.starts.append(int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else -1)
+        self._t0 = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.seconds += time.perf_counter() - self._t0
+        self.calls += 1
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def rounds_from_cache_starts(starts: list[int], prompt_len: int, new_tokens: int) -> list[int] | None:
+    """Tokens committed per target pass, from the KV length each pass started at.
+
+    Before pass k the cache holds every committed token but the last, so consecutive starts differ by
+    what pass k committed; the first pass counts from prompt_len - 1, the last runs to the end.
+    None when the cache lengths were not visible or do not add up (then tau = tokens / passes)."""
+    if not starts or any(s < 0 for s in starts):
+        return None
+    edges = [prompt_len - 1] + starts[1:] + [prompt_len + new_tokens - 1]
+    lengths = [b - a for a, b in zip(edges, edges[1:])]
+    return lengths if all(n >= 1 for n in lengths) and sum(lengths) == new_tokens else None
+
+
+def dflash_method(name: str, family: str, decoder, block_size: int, timer: ForwardTimer,
+                  backend: str | None = None) -> Method:
+    from ..spec import GenerationConfig, SamplingParams
+
+    def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
+        cfg = GenerationConfig(max_new_tokens=max_new, sampling=SamplingParams(temperature, seed=seed),
+                               block_size=block_size)
+        timer.reset()
+        t0 = time.perf_counter()
+        result = decoder.generate(prompt_ids, cfg)
+        seconds = time.perf_counter() - t0
+        s = result.stats
+        return Run(result.token_ids, seconds, list(s.acceptance_lengths), timer.seconds,
+                   s.draft_time_s if block_size > 1 else 0.0, timer.calls)
+
+    return Method(name, family, run, block_size, backend)
+
+
+def hf_method(name: str, family: str, model, timer: ForwardTimer, pad_token_id: int,
+              assistant=None, assistant_timer: ForwardTimer | None = None, **generate_kwargs) -> Method:
+    """model.generate() with exactly max_new tokens (EOS disabled on the model objects by the caller)."""
+
+    @torch.inference_mode()
+    def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
+        kwargs = dict(max_new_tokens=max_new, eos_token_id=None, pad_token_id=pad_token_id, **generate_kwargs)
+        if temperature > 0:
+            # the same distribution as our loop: plain softmax(logits / T), no top-k / top-p
+            kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+            torch.manual_seed(seed)
+        else:
+            kwargs.update(do_sample=False)
+        if assistant is not None:
+            kwargs["assistant_model"] = assistant
+            assistant_timer.reset()
+        ids = torch.tensor([prompt_ids], device=model.device)
+        timer.reset()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        seconds = time.perf_counter() - t0
+        tokens = out[0, len(prompt_ids):].tolist()
+        lengths = rounds_from_cache_starts(timer.starts, len(prompt_ids), len(tokens))
+        if lengths is None:  # tau from the pass count alone
+            lengths = [len(tokens) / max(timer.calls, 1)] * max(timer.calls, 1)
+        # HF's first pass is the prefill AND the first verification, so it counts as a round here
+        draft_s = assistant_timer.seconds if assistant is not None else (None if family == "prompt-lookup" else 0.0)
+        return Run(tokens, seconds, lengths, timer.seconds, draft_s, timer.calls)
+
+    return Method(name, family, run)

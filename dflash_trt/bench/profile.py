@@ -1,0 +1,163 @@
+"""Where one DFlash round's time goes: target verify, drafter, acceptance, cache rollback, Python glue.
+
+Timers wrap the loop's own calls on one generation (two perf_counter calls per wrapped call: a few
+microseconds a round), and forward hooks split the target and drafter modules from the code around
+them. A second, cProfile'd generation lists the functions with the most own time (cProfile slows
+Python-heavy code, so its absolute numbers are inflated; the buckets come from the timed run).
+"""
+
+from __future__ import annotations
+
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+BUCKETS = (
+    ("target_model", "target verify: the HF model's forward"),
+    ("target_glue", "target verify: session code around it (ids, positions, feature concat)"),
+    ("drafter_model", "drafter: the drafter module's forward (layers)"),
+    ("drafter_glue", "drafter: embedding, lm_head, argmax, cache bookkeeping, copies"),
+    ("acceptance", "sampling / acceptance (argmax compare or rejection sampling)"),
+    ("rollback", "target KV cache rollback"),
+    ("loop_overhead", "the loop's own Python (block tensor, commit, stop check, stats)"),
+)
+
+
+def _timed(fn, acc: dict, key: str):
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            acc[key] += time.perf_counter() - t0
+    return wrapper
+
+
+def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
+    """Run one generation with timers on every part of a round; per-round mean ms per bucket."""
+    from .methods import ForwardTimer
+
+    target_timer = ForwardTimer(decoder.target.model)
+    drafter_module = getattr(decoder.drafter, "drafter", None)
+    drafter_timer = ForwardTimer(drafter_module) if isinstance(drafter_module, torch.nn.Module) else None
+    gen = decoder.start(prompt_ids, config)
+    rounds: list[dict] = []
+    acc: dict = defaultdict(float)
+    ts, ds = gen.target_session, gen.drafter_session
+    ts.forward = _timed(ts.forward, acc, "target_call")
+    ts.rollback = _timed(ts.rollback, acc, "rollback")
+    if ds is not None:
+        ds.draft = _timed(ds.draft, acc, "draft_call")
+    gen._propose = _timed(gen._propose, acc, "propose_call")
+    gen._accept = _timed(gen._accept, acc, "acceptance")
+    prefill_ms = None
+    try:
+        while not gen.done:
+            acc.clear()
+            target_timer.reset()
+            if drafter_timer:
+                drafter_timer.reset()
+            t0 = time.perf_counter()
+            r = gen.step()
+            total = time.perf_counter() - t0
+            if r.prefill:
+                prefill_ms = total * 1e3
+                continue
+            t_model = target_timer.seconds
+            d_model = drafter_timer.seconds if drafter_timer else 0.0
+            rounds.append({
+                "target_model": t_model,
+                "target_glue": acc["target_call"] - t_model,
+                "drafter_model": d_model,
+                "drafter_glue": acc["propose_call"] - d_model,
+                "acceptance": acc["acceptance"],
+                "rollback": acc["rollback"],
+                "loop_overhead": total - acc["target_call"] - acc["propose_call"] - acc["acceptance"] - acc["rollback"],
+                "total": total,
+                "tokens": len(r.token_ids),
+            })
+    finally:
+        target_timer.remove()
+        if drafter_timer:
+            drafter_timer.remove()
+    n = len(rounds)
+    per_round = {k: 1e3 * sum(r[k] for r in rounds) / n for k, _ in BUCKETS}
+    total_ms = 1e3 * sum(r["total"] for r in rounds) / n
+    return {
+        "rounds": n, "new_tokens": len(gen.generated), "tau": sum(r["tokens"] for r in rounds) / n,
+        "prefill_ms": prefill_ms, "round_ms": total_ms,
+        "round_ms_median": 1e3 * statistics.median(r["total"] for r in rounds),
+        "per_round_ms": {k: round(v, 4) for k, v in per_round.items()},
+        "share": {k: round(v / total_ms, 4) for k, v in per_round.items()},
+        "tokens_per_s": len(gen.generated) / (sum(r["total"] for r in rounds) + (prefill_ms or 0) / 1e3),
+    }
+
+
+def cprofile_top(decoder, prompt_ids, config, n: int = 15) -> list[dict]:
+    prof = cProfile.Profile()
+    prof.enable()
+    decoder.generate(prompt_ids, config)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+        rows.append({"function": f"{Path(file).name}:{line}({func})", "calls": nc, "own_ms": tt * 1e3,
+                     "cumulative_ms": ct * 1e3})
+    rows.sort(key=lambda r: -r["own_ms"])
+    return [{**r, "own_ms": round(r["own_ms"], 2), "cumulative_ms": round(r["cumulative_ms"], 2)} for r in rows[:n]]
+
+
+def profile_rounds(target_dir, drafter_dir, out: Path, max_new: int, threads: int | None, block_sizes,
+                   dtype: str = "float32") -> dict:
+    from ..loading import load_decoder
+    from ..spec import GenerationConfig
+    from .prompts import held_out_code_prompts
+
+    if threads:
+        torch.set_num_threads(threads)
+    decoder = load_decoder(target_dir, drafter_dir, dtype)
+    decoder.target.model.generation_config.eos_token_id = None
+    trained = decoder.drafter.block_size
+    usable = [b for b in block_sizes if 2 <= b <= trained]
+    block = max(usable) if usable else trained
+    prompt = decoder.encode(held_out_code_prompts(1)[0])
+    cfg = GenerationConfig(max_new_tokens=max_new, block_size=block)
+    base_cfg = GenerationConfig(max_new_tokens=max_new, block_size=1)
+    decoder.generate(prompt, cfg)  # warm-up
+    dflash = profile_generation(decoder, prompt, cfg)
+    baseline = profile_generation(decoder, prompt, base_cfg)
+    result = {
+        "target": str(target_dir), "drafter": str(drafter_dir), "block_size": block, "trained_block_size": trained,
+        "prompt_tokens": len(prompt), "max_new_tokens": max_new, "torch_threads": torch.get_num_threads(),
+        "buckets": dict(BUCKETS),
+        "dflash": dflash, "baseline": baseline,
+        "cprofile_top_own_time": cprofile_top(decoder, prompt, cfg),
+    }
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    result["path"] = str(out / "profile.json")
+    return result
+
+
+def print_profile(p: dict) -> None:
+    d, b = p["dflash"], p["baseline"]
+    print(f"DFlash round profile: block {p['block_size']} (trained {p['trained_block_size']}), "
+          f"{p['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, {p['torch_threads']} torch threads")
+    print(f"DFlash: {d['rounds']} rounds, tau {d['tau']:.2f}, {d['round_ms']:.2f} ms/round (median "
+          f"{d['round_ms_median']:.2f}), prefill {d['prefill_ms']:.1f} ms, {d['tokens_per_s']:.1f} tok/s")
+    print(f"target alone (same loop, block 1): {b['round_ms']:.2f} ms/step, {b['tokens_per_s']:.1f} tok/s\n")
+    print("| bucket | DFlash ms/round | share | baseline ms/step | share |\n|---|---|---|---|---|")
+    for key, label in BUCKETS:
+        print(f"| {label} | {d['per_round_ms'][key]:.3f} | {100 * d['share'][key]:.1f}% | "
+              f"{b['per_round_ms'][key]:.3f} | {100 * b['share'][key]:.1f}% |")
+    print("\ncProfile, most own time (inflated by profiling; see buckets above for real shares):")
+    for r in p["cprofile_top_own_time"][:10]:
+        print(f"  {r['own_ms']:9.1f} ms  {r['calls']:6d} calls  {r['function']}")
+    print(f"\nwrote {p['path']}")

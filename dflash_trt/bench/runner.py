@@ -1,0 +1,425 @@
+"""One benchmark run: every method on the same target, prompts and settings, interleaved.
+
+For each temperature x max_new_tokens x prompt set x prompt x repeat, all methods run back to back
+in an order rotated per prompt and repeat (so machine drift hits them alike). Greedy outputs of
+every lossless method are checked against the baseline's; a difference that is not a numerical
+tie (logit gap <= tie_tolerance at the first differing position) is a mismatch and fails the run.
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .measure import PeakRSS, ceiling, divergence_margin, pass_costs, target_nll
+from .methods import ForwardTimer, Method, Run, dflash_method, hf_method
+from .prompts import PROMPT_SETS
+
+FAMILIES = ("baseline", "hf-generate", "dflash-torch", "dflash-ort", "hf-assisted", "prompt-lookup")
+
+MEMORY_NOTE = (
+    "peak_rss_delta_mb: before each run free heap is handed back to the OS (malloc_trim) and the kernel's "
+    "peak-RSS counter is reset (/proc/self/clear_refs); after it, VmHWM minus the RSS at the reset. It is "
+    "the memory a run newly touches (KV caches, activations, generate() buffers) on top of the weights, "
+    "which every method keeps loaded in this one process; the max over the method's runs. weights_mb lists "
+    "the weights each method needs (the ONNX graph holds its own copy of the embedding and lm_head)."
+)
+SAMPLING_NOTE = (
+    "At temperature > 0 outputs are samples and cannot be compared token by token; every method here is "
+    "lossless in distribution by construction (speculative sampling / exact-match acceptance). As a loose "
+    "check, target_nll is the mean negative log-likelihood per generated token under the target at that "
+    "temperature: lossless methods should sit near the baseline's value (sampling noise only)."
+)
+TAU_NOTE = (
+    "tau (mean acceptance length): tokens committed per target pass. DFlash: per verify round after the "
+    "prefill's first token (the paper's definition, bonus included). HF methods: per target forward of "
+    "generate(), the first one being prefill + first verification. Baseline and hf-generate: 1."
+)
+CEILING_NOTE = (
+    "ceiling = tau x t(one target step) / (t(verify B tokens) + t(draft B)), with the three costs timed "
+    "directly in this run (timings section) at a context of a typical prompt plus half the new tokens. "
+    "DFlash methods only (the HF proposers' per-round draft length varies inside generate())."
+)
+
+
+@dataclass
+class BenchSettings:
+    target: Path
+    drafter: Path | None
+    ar_draft: Path | None
+    out: Path
+    methods: tuple[str, ...] = FAMILIES
+    block_sizes: tuple[int, ...] = (4, 8, 16)
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    max_new_tokens: tuple[int, ...] = (128, 512)
+    prompt_sets: tuple[str, ...] = tuple(PROMPT_SETS)
+    prompts_per_set: int = 3
+    long_prompts_per_set: int = 2  # for max_new_tokens > long_threshold
+    long_threshold: int = 128
+    repeats: int = 1
+    threads: int | None = None
+    dtype: str = "float32"
+    onnx_drafter: Path | None = None  # an exported drafter folder; None: export into a scratch folder
+    prompt_lookup_tokens: int = 10
+    max_ngram: int = 2
+    assistant_tokens: int | None = None  # None: Hugging Face's default
+    timing_reps: int = 20
+    tie_tolerance: float = 1e-3
+    corrupt_method: str | None = None  # self-test: corrupt this method's greedy outputs
+    plots: bool = True
+    progress: bool = True
+
+
+@dataclass
+class Cell:
+    """All runs of one method on one prompt set at one temperature and length."""
+
+    runs: dict = field(default_factory=lambda: defaultdict(list))  # prompt index -> [Run per repeat]
+    peak_mb: list = field(default_factory=list)
+    nll: list = field(default_factory=list)
+
+
+class BenchError(RuntimeError):
+    """A setting or input the benchmark cannot run with (printed as one line by the CLI)."""
+
+
+# ---- setup ---------------------------------------------------------------------------------
+def load_everything(s: BenchSettings):
+    from ..loading import load_decoder
+    from ..runtime.torch_backend import TorchTargetEngine
+    from ..spec import SpeculativeDecoder
+
+    want = set(s.methods)
+    needs_drafter = bool(want & {"dflash-torch", "dflash-ort"})
+    if needs_drafter and s.drafter is None:
+        raise BenchError("DFlash methods need --drafter")
+    decoder = load_decoder(s.target, s.drafter if needs_drafter else None, s.dtype)
+    if decoder.tokenizer is None:
+        raise BenchError(f"{s.target} has no tokenizer: the prompt sets are text")
+    target: TorchTargetEngine = decoder.target
+    model = target.model
+    assistant = None
+    if "hf-assisted" in want:
+        from ..models.target import load_target
+
+        if s.ar_draft is None or not (Path(s.ar_draft) / "config.json").is_file():
+            raise BenchError(f"hf-assisted needs a small autoregressive draft model (--ar-draft; {s.ar_draft} "
+                             "has no config.json); leave hf-assisted out of --methods to skip it")
+        assistant = load_target(s.ar_draft, model.dtype)
+        if assistant.config.vocab_size != model.config.vocab_size:
+            raise BenchError(f"--ar-draft vocabulary ({assistant.config.vocab_size}) differs from the target's "
+                             f"({model.config.vocab_size}): assisted generation needs the same tokenizer")
+    # Fixed-length runs: no method stops at EOS, so every run of a prompt makes the same number of tokens.
+    for m in (model, assistant):
+        if m is not None:
+            m.generation_config.eos_token_id = None
+    if assistant is not None and s.assistant_tokens:
+        assistant.generation_config.num_assistant_tokens = s.assistant_tokens
+    drafters = {}
+    if decoder.drafter is not None:
+        if "dflash-torch" in want:
+            drafters["torch"] = decoder.drafter
+        if "dflash-ort" in want:
+            drafters["onnxruntime"] = ort_drafter(decoder, s)
+    base = SpeculativeDecoder(target, None, decoder.tokenizer)
+    return decoder, base, drafters, assistant
+
+
+def ort_drafter(decoder, s: BenchSettings):
+    from ..runtime.ort_backend import OrtDrafterEngine
+
+    folder = s.onnx_drafter
+    if folder is None:
+        from ..export.onnx_drafter import export_drafter
+
+        folder = Path(tempfile.mkdtemp(prefix="dflash-bench-onnx-"))
+        d = decoder.drafter
+        export_drafter(d.drafter, d.embed_weight, d.lm_head_weight, folder, fp16=False)
+    engine = OrtDrafterEngine(folder, "fp32", threads=s.threads)
+    engine.folder = Path(folder)
+    return engine
+
+
+def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, assistant_timer) -> list[Method]:
+    from ..spec import SpeculativeDecoder
+
+    model = decoder.target.model
+    pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else 0
+    methods = [dflash_method("baseline", "baseline", base, 1, timer)]
+    if "hf-generate" in s.methods:
+        methods.append(hf_method("hf-generate", "hf-generate", model, timer, pad))
+    for backend, family in (("torch", "dflash-torch"), ("onnxruntime", "dflash-ort")):
+        if backend in drafters:
+            dec = SpeculativeDecoder(decoder.target, drafters[backend], decoder.tokenizer)
+            for b in usable_block_sizes(s, drafters[backend]):
+                methods.append(dflash_method(f"{family}-b{b}", family, dec, b, timer, backend))
+    if assistant is not None:
+        methods.append(hf_method("hf-assisted", "hf-assisted", model, timer, pad, assistant=assistant,
+                                 assistant_timer=assistant_timer))
+    if "prompt-lookup" in s.methods:
+        methods.append(hf_method("prompt-lookup", "prompt-lookup", model, timer, pad,
+                                 prompt_lookup_num_tokens=s.prompt_lookup_tokens,
+                                 max_matching_ngram_size=s.max_ngram))
+    return methods
+
+
+def usable_block_sizes(s: BenchSettings, drafter) -> list[int]:
+    """Requested block sizes up to the drafter's trained size (a round cannot draft past it)."""
+    return [b for b in s.block_sizes if 2 <= b <= drafter.block_size]
+
+
+def make_prompts(s: BenchSettings, tokenizer) -> dict[str, list[list[int]]]:
+    n = max(s.prompts_per_set, s.long_prompts_per_set)
+    prompts = {}
+    for name in s.prompt_sets:
+        texts = PROMPT_SETS[name](n)
+        prompts[name] = [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+    return prompts
+
+
+# ---- the run -------------------------------------------------------------------------------
+def run_benchmark(s: BenchSettings) -> dict:
+    from tqdm import tqdm
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # generate()'s advice to users is noise in a benchmark's output
+    started = time.time()
+    if s.threads:
+        torch.set_num_threads(s.threads)
+    decoder, base, drafters, assistant = load_everything(s)
+    model = decoder.target.model
+    timer = ForwardTimer(model)
+    assistant_timer = ForwardTimer(assistant) if assistant is not None else None
+    methods = build_methods(s, decoder, base, drafters, assistant, timer, assistant_timer)
+    if s.corrupt_method and s.corrupt_method not in {m.name for m in methods}:
+        raise BenchError(f"--corrupt-method {s.corrupt_method!r} is not among the methods run: "
+                         f"{', '.join(m.name for m in methods)}")
+    prompts = make_prompts(s, decoder.tokenizer)
+    for L in s.max_new_tokens:
+        longest = max(len(p) for ps in prompts.values() for p in ps) + L
+        if longest > decoder.target.max_context:
+            raise BenchError(f"a prompt plus {L} new tokens ({longest}) exceeds the target's context "
+                             f"({decoder.target.max_context})")
+    skipped = [b for b in s.block_sizes if drafters and b not in usable_block_sizes(s, next(iter(drafters.values())))]
+
+    # per-pass costs for the ceiling, at a typical context for each length
+    costs = {}
+    typical = int(statistics.median(len(p) for ps in prompts.values() for p in ps))
+    ctx_source = [t for ps in prompts.values() for p in ps for t in p]
+    block_sizes = sorted({m.block_size for m in methods if m.block_size and m.block_size > 1})
+    for L in s.max_new_tokens:
+        ctx = (ctx_source * (1 + (typical + L // 2) // len(ctx_source)))[: typical + L // 2]
+        costs[L] = pass_costs(decoder.target, drafters, ctx, block_sizes, s.timing_reps)
+
+    # warm-up: first calls allocate and pick kernels
+    warm = prompts[s.prompt_sets[0]][0]
+    for m in methods:
+        m.run(warm, 8, 0.0, 0)
+
+    peak = PeakRSS()
+    cells: dict[tuple, Cell] = defaultdict(Cell)
+    plan = [(T, L, name, i) for T in s.temperatures for L in s.max_new_tokens for name in s.prompt_sets
+            for i in range(s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)]
+    bar = tqdm(total=len(plan) * s.repeats * len(methods), desc="bench", unit="run", file=sys.stderr,
+               disable=not s.progress)
+    for T, L, name, i in plan:
+        ids = prompts[name][i]
+        for r in range(s.repeats):
+            rot = (i + r + L + int(T * 10)) % len(methods)
+            for m in methods[rot:] + methods[:rot]:
+                bar.set_postfix_str(f"T={T:g} {L} {name}#{i} {m.name}")
+                peak.reset()
+                run = m.run(ids, L, T, seed=1000 * i + r)
+                cell = cells[(T, L, name, m.name)]
+                cell.peak_mb.append(peak.peak_delta_mb())
+                if T == 0 and m.name == s.corrupt_method and run.token_ids:
+                    run.token_ids[-1] = (run.token_ids[-1] + 1) % decoder.target.vocab_size
+                cell.runs[i].append(run)
+                bar.update(1)
+    bar.close()
+
+    equality = check_greedy(s, methods, cells, prompts, model)
+    if any(T > 0 for T in s.temperatures):
+        for (T, L, name, mname), cell in cells.items():
+            if T > 0:
+                cell.nll = [target_nll(model, prompts[name][i], runs[0].token_ids, T) for i, runs in cell.runs.items()]
+    results = summarise(s, methods, cells, costs)
+    report = {
+        "meta": meta(s, decoder, drafters, assistant, methods, started, skipped),
+        "notes": {"memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
+                  "sampling": SAMPLING_NOTE, "tau": TAU_NOTE, "ceiling": CEILING_NOTE},
+        "timings": {str(L): c for L, c in costs.items()},
+        "results": results,
+        "summary": headline(s, methods, cells),
+        "acceptance_histograms": histograms(methods, cells),
+        "equality": equality,
+    }
+    report["meta"]["elapsed_s"] = round(time.time() - started, 1)
+    for t in (timer, assistant_timer):
+        if t is not None:
+            t.remove()
+    return report
+
+
+# ---- greedy equality -----------------------------------------------------------------------
+def check_greedy(s: BenchSettings, methods: list[Method], cells, prompts, model) -> dict:
+    checked, identical, ties, mismatches = 0, 0, [], []
+    if 0.0 not in s.temperatures:
+        return {"ran": False, "reason": "no temperature-0 runs", "checked": 0, "passed": True}
+    for L in s.max_new_tokens:
+        for name in s.prompt_sets:
+            for i, base_runs in cells[(0.0, L, name, "baseline")].runs.items():
+                reference = base_runs[0].token_ids
+                for m in methods:
+                    for r, run in enumerate(cells[(0.0, L, name, m.name)].runs[i]):
+                        if not m.lossless or (m.name == "baseline" and r == 0):
+                            continue
+                        checked += 1
+                        if run.token_ids == reference:
+                            identical += 1
+                            continue
+                        pos, gap = divergence_margin(model, prompts[name][i], reference, run.token_ids)
+                        entry = {"method": m.name, "prompt_set": name, "prompt": i, "repeat": r, "max_new_tokens": L,
+                                 "position": pos, "logit_gap": gap if gap != float("inf") else None,
+                                 "baseline_token": reference[pos] if pos < len(reference) else None,
+                                 "method_token": run.token_ids[pos] if pos < len(run.token_ids) else None}
+                        (ties if gap <= s.tie_tolerance else mismatches).append(entry)
+    return {"ran": True, "checked": checked, "identical": identical, "numerical_ties": ties,
+            "mismatches": mismatches, "tie_tolerance": s.tie_tolerance, "passed": not mismatches}
+
+
+# ---- aggregation ---------------------------------------------------------------------------
+def _per_prompt_rate(cell: Cell) -> dict[int, float]:
+    """tokens/s per prompt: its tokens over the median of its repeats' times."""
+    return {i: len(runs[0].token_ids) / statistics.median(r.seconds for r in runs) for i, runs in cell.runs.items()}
+
+
+def _quantiles(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    return {"median": round(statistics.median(xs), 3), "min": round(xs[0], 3), "max": round(xs[-1], 3),
+            "n": len(xs)}
+
+
+def summarise(s: BenchSettings, methods: list[Method], cells, costs) -> list[dict]:
+    rows = []
+    for T in s.temperatures:
+        for L in s.max_new_tokens:
+            for name in s.prompt_sets:
+                base_rate = _per_prompt_rate(cells[(T, L, name, "baseline")])
+                for m in methods:
+                    cell = cells[(T, L, name, m.name)]
+                    rows.append(row(m, cell, base_rate, costs[L], T, L, name))
+    return rows
+
+
+def row(m: Method, cell: Cell, base_rate: dict, costs: dict, T: float, L: int, name: str) -> dict:
+    runs = [r for rs in cell.runs.values() for r in rs]
+    rate = _per_prompt_rate(cell)
+    ratios = [rate[i] / base_rate[i] for i in rate]
+    lengths = [a for r in runs for a in r.acceptance_lengths]
+    tau = sum(lengths) / len(lengths) if lengths else 0.0
+    total = sum(r.seconds for r in runs)
+    drafts = [r.draft_s for r in runs]
+    split = {"target": sum(r.target_s for r in runs) / total,
+             "draft": None if None in drafts else sum(drafts) / total,
+             "other": sum(r.other_s for r in runs) / total}
+    peaks = [p for p in cell.peak_mb if p is not None]
+    ceil = None
+    if m.drafter_backend is not None and m.block_size and m.block_size > 1:
+        ceil = round(ceiling(tau, costs, m.block_size, m.drafter_backend), 3)
+    elif m.family == "baseline":
+        ceil = 1.0
+    speed = _quantiles(ratios)
+    return {
+        "temperature": T, "max_new_tokens": L, "prompt_set": name, "method": m.name, "family": m.family,
+        "block_size": m.block_size, "prompts": len(rate), "runs": len(runs),
+        "tokens": sum(len(r.token_ids) for r in runs),
+        "tokens_per_s": round(sum(rate.values()) / len(rate), 2),
+        "speedup": speed, "speedup_per_prompt": [round(x, 3) for x in ratios],
+        "mean_acceptance_length": round(tau, 3),
+        "time_split": {k: (round(v, 4) if v is not None else None) for k, v in split.items()},
+        "ceiling": ceil, "gap_to_ceiling": round(ceil - speed["median"], 3) if ceil else None,
+        "peak_rss_delta_mb": round(max(peaks), 1) if peaks else None,
+        "target_nll": round(statistics.mean(cell.nll), 4) if cell.nll else None,
+    }
+
+
+def headline(s: BenchSettings, methods: list[Method], cells) -> list[dict]:
+    """Per method, temperature and length: the median speedup over every prompt of every set."""
+    out = []
+    for T in s.temperatures:
+        for L in s.max_new_tokens:
+            for m in methods:
+                ratios, lengths = [], []
+                for name in s.prompt_sets:
+                    base = _per_prompt_rate(cells[(T, L, name, "baseline")])
+                    rate = _per_prompt_rate(cells[(T, L, name, m.name)])
+                    ratios += [rate[i] / base[i] for i in rate]
+                    lengths += [a for rs in cells[(T, L, name, m.name)].runs.values() for r in rs
+                                for a in r.acceptance_lengths]
+                out.append({"temperature": T, "max_new_tokens": L, "method": m.name, "family": m.family,
+                            "block_size": m.block_size, "speedup": _quantiles(ratios),
+                            "mean_acceptance_length": round(sum(lengths) / len(lengths), 3) if lengths else 0.0})
+    return out
+
+
+def histograms(methods: list[Method], cells) -> dict:
+    """Counts of tokens committed per round, per method and temperature (all sets and lengths pooled)."""
+    out: dict = {}
+    for (T, L, name, mname), cell in cells.items():
+        h = out.setdefault(mname, {}).setdefault(f"{T:g}", {})
+        for rs in cell.runs.values():
+            for r in rs:
+                for a in r.acceptance_lengths:
+                    if float(a).is_integer():
+                        h[str(int(a))] = h.get(str(int(a)), 0) + 1
+    return out
+
+
+def _mb(module) -> float:
+    return sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
+
+
+def meta(s: BenchSettings, decoder, drafters, assistant, methods, started, skipped) -> dict:
+    import transformers
+
+    target_mb = _mb(decoder.target.model)
+    weights = {"baseline": target_mb, "hf-generate": target_mb, "prompt-lookup": target_mb}
+    if "torch" in drafters:
+        weights["dflash-torch"] = target_mb + _mb(drafters["torch"].drafter)
+    if "onnxruntime" in drafters:
+        folder = drafters["onnxruntime"].folder
+        weights["dflash-ort"] = target_mb + sum(f.stat().st_size for f in folder.glob("drafter.onnx*")) / 2**20
+    if assistant is not None:
+        weights["hf-assisted"] = target_mb + _mb(assistant)
+    try:
+        import onnxruntime
+        ort_version = onnxruntime.__version__
+    except ImportError:  # pragma: no cover
+        ort_version = None
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items()}
+    return {
+        "settings": settings,
+        "methods": [{"name": m.name, "family": m.family, "block_size": m.block_size} for m in methods],
+        "skipped_block_sizes": skipped,
+        "trained_block_size": next(iter(drafters.values())).block_size if drafters else None,
+        "weights_mb": {k: round(v, 1) for k, v in weights.items()},
+        "assistant": None if assistant is None else {
+            "num_assistant_tokens": assistant.generation_config.num_assistant_tokens,
+            "schedule": assistant.generation_config.num_assistant_tokens_schedule,
+            "confidence_threshold": assistant.generation_config.assistant_confidence_threshold},
+        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+                    "cpus": __import__("os").cpu_count(), "torch_threads": torch.get_num_threads()},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "onnxruntime": ort_version, "python": platform.python_version()},
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
+    }

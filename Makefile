@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo engines triton triton-env clean
+.PHONY: venv test demo engines triton triton-env bench clean
 TINY := .cache/tiny
 
 venv: $(STAMP)
@@ -58,6 +58,16 @@ TRITON_REPO ?= .cache/triton-repo
 triton: venv triton-env
 	$(BIN)/dflash-trt triton-repo $(TRITON_SOURCE) --out $(TRITON_REPO) --force
 	$(BIN)/dflash-trt triton-serve --repo $(TRITON_REPO)
+
+# Benchmark on the demo models: DFlash (PyTorch + ONNX Runtime drafters, block sizes 4 8 16 up to the
+# trained size) vs the target alone, HF generate, HF assisted generation (models/ar-draft) and prompt
+# lookup; T 0 and 1; 128 and 512 new tokens. Writes results/bench/{results.json,speedup.png,
+# acceptance_hist.png,profile.json} and prints the table. A greedy mismatch fails it.
+# More or fewer runs: make bench BENCH_ARGS="--prompts-per-set 5 --repeats 2" (see dflash-trt bench --help)
+BENCH_OUT ?= results/bench
+bench: venv
+	$(BIN)/dflash-trt bench --profile --out $(BENCH_OUT)
+	$(BIN)/dflash-trt bench --out $(BENCH_OUT) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) build dist *.egg-info

@@ -99,6 +99,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     wants_drafter = args.profile or {"dflash-torch", "dflash-ort"} & set(args.methods)
     if wants_drafter and not args.drafter.is_dir():
         raise CliError(f"drafter directory not found: {args.drafter} (leave dflash-* out of --methods to skip DFlash)")
+    if not args.profile and "hf-assisted" in args.methods and not (args.ar_draft / "config.json").is_file():
+        raise CliError(f"hf-assisted needs a small autoregressive draft model: {args.ar_draft} has no config.json "
+                       "(pass --ar-draft, or leave hf-assisted out of --methods)")
     if args.profile:
         from .profile import print_profile, profile_rounds
 

@@ -78,8 +78,15 @@ def cmd_repo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _exit_on_sigterm(signum, frame):
+    raise KeyboardInterrupt  # so `finally` stops the server (the default SIGTERM action would orphan it)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
+    import signal
     import time
+
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     from ..cli import CliError
     from .config import validate_repository
@@ -91,16 +98,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         server = TritonServer(args.repo, http_port=args.http_port, grpc_port=args.grpc_port,
                               metrics_port=args.metrics_port, venv=args.venv, log_path=args.log, host=args.host)
-        server.start()
     except TritonUnavailable as e:
         raise CliError(str(e)) from None
-    print(f"tritonserver ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics "
-          f"{args.host}:{server.metrics_port}; log {server.log_path}. Ctrl-C stops it.", flush=True)
     try:
+        server.start()
+        print(f"tritonserver ready: HTTP {server.http_url}, gRPC {server.grpc_url}, metrics "
+              f"{args.host}:{server.metrics_port}; log {server.log_path}. Ctrl-C stops it.", flush=True)
         while server.alive():
             time.sleep(1)
         print(f"tritonserver exited:\n{server.log_tail()}", file=sys.stderr)
         return 1
+    except TritonUnavailable as e:
+        raise CliError(str(e)) from None
     except KeyboardInterrupt:
         return 0
     finally:

@@ -151,8 +151,12 @@ class TritonServer:
         try:
             p.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)  # the server's own process group: it and its stubs
-            p.wait(timeout=10)
+            pass
+        try:  # the server's own process group (start_new_session): it and any python-backend stub left over
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout=10)
 
     def __enter__(self) -> "TritonServer":
         return self.start() if self.process is None else self

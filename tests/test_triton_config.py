@@ -96,3 +96,27 @@ def test_cli_writes_repository_and_refuses_to_overwrite(tmp_path, capsys):
     assert validate_repository(out) == []
     assert main(["triton-repo", "--target", str(target), "--drafter", str(drafter), "--out", str(out)]) == 1
     assert "exists (pass --force" in capsys.readouterr().err
+
+
+def test_engines_manifest_with_tensorrt_plan_gives_a_tensorrt_plan_drafter(repo, tmp_path):
+    """--engines: the manifest's serve section picks the backends. The plan bytes are a placeholder
+    (no TensorRT here): this checks the repository layout and config only, not that Triton loads it."""
+    import json
+
+    engines = tmp_path / "engines"
+    (engines / "drafter-tensorrt").mkdir(parents=True)
+    (engines / "drafter-tensorrt" / "drafter.plan").write_bytes(b"placeholder, not a TensorRT plan")
+    shutil.copy(repo / "dflash_drafter" / "1" / "drafter-onnx" / "drafter.json", engines / "drafter-tensorrt")
+    target = repo / "dflash_target" / "1" / "target"
+    (engines / "manifest.json").write_text(json.dumps({
+        "sources": {"target": {"path": str(target)}},
+        "engines": {"drafter_trt": {"backend": "tensorrt", "role": "drafter", "dir": "drafter-tensorrt"},
+                    "target_torch": {"backend": "torch", "role": "target", "checkpoint": str(target)}},
+        "serve": {"drafter": "drafter_trt", "target": "target_torch"},
+    }))
+    out = write_repository(tmp_path / "repo", engines=engines)
+    drafter = parse_config(out / "dflash_drafter" / "config.pbtxt")
+    assert drafter.platform == "tensorrt_plan" and not drafter.backend
+    assert (out / "dflash_drafter" / "1" / "model.plan").read_bytes().startswith(b"placeholder")
+    assert [t.name for t in drafter.input] == ["block_ids", "features", "past_k", "past_v"]
+    assert validate_repository(out) == []

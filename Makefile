@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo engines triton triton-env bench clean
+.PHONY: venv test demo engines triton triton-env bench serve clean
 TINY := .cache/tiny
 
 venv: $(STAMP)
@@ -68,6 +68,11 @@ BENCH_OUT ?= results/bench
 bench: venv
 	$(BIN)/dflash-trt bench --profile --out $(BENCH_OUT)
 	$(BIN)/dflash-trt bench --out $(BENCH_OUT) $(BENCH_ARGS)
+
+# HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
+# Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"
+serve: venv
+	$(BIN)/dflash-trt serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) build dist *.egg-info

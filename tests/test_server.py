@@ -338,3 +338,13 @@ def test_tiny_temperature_is_greedy_not_nan(server, reference):
     r = httpx.post(server + "/generate", json={"prompt": "import os", "max_tokens": 6, "temperature": 1e-308},
                    timeout=30)
     assert r.status_code == 200 and r.json()["token_ids"] == reference("import os", 6).token_ids
+
+
+def test_chat_prompt_uses_the_template_when_there_is_one(models):
+    decoder = load_decoder(models[0], None)
+    messages = [{"role": "user", "content": "hi"}]
+    fallback = decoder.tokenizer.decode(chat_prompt_ids(decoder, messages))
+    assert fallback == "user: hi\nassistant:"
+    decoder.tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                                       "{% if add_generation_prompt %}<assistant>{% endif %}")
+    assert decoder.tokenizer.decode(chat_prompt_ids(decoder, messages)) == "<user>hi<assistant>"

@@ -143,7 +143,8 @@ def _log_request(rid: str, scope, status: int, latency: float) -> None:
     if job is not None:
         s = job.generation.stats
         fields.update(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
-                      tau=round(s.mean_acceptance_length, 3), rounds=s.rounds, outcome=job.outcome,
+                      tau=round(s.mean_acceptance_length, 3), rounds=s.rounds,
+                      outcome=job.outcome or (job.cancelled.kind if job.cancelled else None),
                       finish_reason=job.generation.finish_reason,
                       drafter_fallback=job.generation.drafter_error is not None)
     log.info(json.dumps(fields))

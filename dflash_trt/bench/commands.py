@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 # Flags whose default depends on --smoke (argparse default None = "not given").
-DEFAULTS = dict(prompts_per_set=3, long_prompts_per_set=2, max_new_tokens=[128, 512], block_sizes=[4, 8, 16],
+DEFAULTS = dict(prompts_per_set=3, long_prompts_per_set=1, max_new_tokens=[128, 512], block_sizes=[4, 8, 16],
                 repeats=1, timing_reps=20)
 SMOKE = dict(prompts_per_set=1, long_prompts_per_set=1, max_new_tokens=[16], block_sizes=[2, 4],
              repeats=1, timing_reps=3)
@@ -51,7 +51,7 @@ def register(sub) -> None:
     p.add_argument("--prompts-per-set", type=_positive_int, default=None,
                    help="prompts per set for lengths <= 128 (default 3)")
     p.add_argument("--long-prompts-per-set", type=_positive_int, default=None,
-                   help="prompts per set for lengths > 128 (default 2)")
+                   help="prompts per set for lengths > 128 (default 1: the 512-token runs dominate the time)")
     p.add_argument("--repeats", type=_positive_int, default=None,
                    help="repetitions per prompt; method order rotates per prompt and repeat (default 1)")
     p.add_argument("--threads", type=_positive_int, default=None,

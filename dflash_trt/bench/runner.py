@@ -62,7 +62,7 @@ class BenchSettings:
     max_new_tokens: tuple[int, ...] = (128, 512)
     prompt_sets: tuple[str, ...] = tuple(PROMPT_SETS)
     prompts_per_set: int = 3
-    long_prompts_per_set: int = 2  # for max_new_tokens > long_threshold
+    long_prompts_per_set: int = 1  # for max_new_tokens > long_threshold
     long_threshold: int = 128
     repeats: int = 1
     threads: int | None = None

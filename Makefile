@@ -63,11 +63,12 @@ triton: venv triton-env
 # trained size) vs the target alone, HF generate, HF assisted generation (models/ar-draft) and prompt
 # lookup; T 0 and 1; 128 and 512 new tokens. Writes results/bench/{results.json,speedup.png,
 # acceptance_hist.png,profile.json} and prints the table. A greedy mismatch fails it.
-# More or fewer runs: make bench BENCH_ARGS="--prompts-per-set 5 --repeats 2" (see dflash-trt bench --help)
+# Stops starting new prompts after 12 min (a 2-core machine must finish in 15). More or fewer runs:
+# make bench BENCH_ARGS="--prompts-per-set 5 --repeats 2 --max-minutes 60" (see dflash-trt bench --help)
 BENCH_OUT ?= results/bench
 bench: venv
 	$(BIN)/dflash-trt bench --profile --out $(BENCH_OUT)
-	$(BIN)/dflash-trt bench --out $(BENCH_OUT) $(BENCH_ARGS)
+	$(BIN)/dflash-trt bench --out $(BENCH_OUT) --max-minutes 12 $(BENCH_ARGS)
 
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"

@@ -72,6 +72,9 @@ def register(sub) -> None:
     p.add_argument("--corrupt-method", default=None, metavar="NAME",
                    help="self-test of the equality check: corrupt NAME's greedy outputs (e.g. dflash-torch-b4); "
                    "the run must then exit 1")
+    p.add_argument("--max-minutes", type=_float, default=None,
+                   help="time budget: start no new prompt group after this many minutes (prompts run in order of "
+                   "index across all sets and settings, so a cut run still covers every cell); default: none")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--smoke", action="store_true",
@@ -120,7 +123,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         long_prompts_per_set=args.long_prompts_per_set, repeats=args.repeats, threads=args.threads,
         dtype=args.dtype, onnx_drafter=args.onnx_drafter, prompt_lookup_tokens=args.prompt_lookup_tokens,
         max_ngram=args.max_ngram, assistant_tokens=args.assistant_tokens, timing_reps=args.timing_reps,
-        tie_tolerance=args.tie_tolerance, corrupt_method=args.corrupt_method, plots=not args.no_plots,
+        tie_tolerance=args.tie_tolerance, corrupt_method=args.corrupt_method, max_minutes=args.max_minutes,
+        plots=not args.no_plots,
         progress=not args.no_progress,
     )
     if any(t < 0 for t in settings.temperatures):

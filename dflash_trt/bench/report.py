@@ -22,6 +22,10 @@ def markdown(report: dict) -> str:
     lines.append(f"Machine: {m['processor']}, {m['cpus']} CPUs, torch threads {m['torch_threads']}; "
                  f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
                  f"onnxruntime {meta['versions']['onnxruntime']}.")
+    groups = meta.get("prompt_groups", {})
+    if groups.get("truncated_by_time_budget"):
+        lines.append(f"Time budget reached: {groups['run']} of {groups['planned']} prompt groups ran "
+                     f"(fewer prompts per cell than asked).")
     if meta["skipped_block_sizes"]:
         lines.append(f"Block sizes {meta['skipped_block_sizes']} skipped: above the drafter's trained size "
                      f"({meta['trained_block_size']}).")
@@ -32,7 +36,10 @@ def markdown(report: dict) -> str:
     for method in dict.fromkeys(h["method"] for h in report["summary"]):
         cells = []
         for c in _combos(report):
-            h = by[(method, c["temperature"], c["max_new_tokens"])]
+            h = by.get((method, c["temperature"], c["max_new_tokens"]))
+            if h is None:
+                cells.append("-")
+                continue
             sp = h["speedup"]
             cells.append(f"{sp['median']:.2f}x [{sp['min']:.2f}-{sp['max']:.2f}], tau {h['mean_acceptance_length']:.2f}")
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
@@ -106,9 +113,11 @@ def plot(report: dict, out: Path) -> list[Path]:
         for k, name in enumerate(sets):
             rows = {r["method"]: r for r in report["results"] if r["prompt_set"] == name
                     and r["temperature"] == c["temperature"] and r["max_new_tokens"] == c["max_new_tokens"]}
-            med = np.array([rows[m]["speedup"]["median"] for m in methods])
-            lo = med - np.array([rows[m]["speedup"]["min"] for m in methods])
-            hi = np.array([rows[m]["speedup"]["max"] for m in methods]) - med
+            nan = {"median": np.nan, "min": np.nan, "max": np.nan}  # a cell a time budget left empty
+            sp = [rows[m]["speedup"] if m in rows else nan for m in methods]
+            med = np.array([x["median"] for x in sp])
+            lo = med - np.array([x["min"] for x in sp])
+            hi = np.array([x["max"] for x in sp]) - med
             ax.bar(x + (k - (len(sets) - 1) / 2) * width, med, width, yerr=[lo, hi], capsize=2, label=name)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(x, methods, rotation=30, ha="right", fontsize=8)

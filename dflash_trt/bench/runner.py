@@ -74,6 +74,7 @@ class BenchSettings:
     timing_reps: int = 20
     tie_tolerance: float = 1e-3
     corrupt_method: str | None = None  # self-test: corrupt this method's greedy outputs
+    max_minutes: float | None = None  # stop starting new prompt groups after this (all methods of a group run)
     plots: bool = True
     progress: bool = True
 
@@ -227,11 +228,19 @@ def run_benchmark(s: BenchSettings) -> dict:
 
     peak = PeakRSS()
     cells: dict[tuple, Cell] = defaultdict(Cell)
-    plan = [(T, L, name, i) for T in s.temperatures for L in s.max_new_tokens for name in s.prompt_sets
-            for i in range(s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)]
+    # Prompt index outermost: if the time budget runs out, every cell still has its first prompts.
+    plan = [(T, L, name, i) for i in range(max(s.prompts_per_set, s.long_prompts_per_set))
+            for T in s.temperatures for L in s.max_new_tokens for name in s.prompt_sets
+            if i < (s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)]
     bar = tqdm(total=len(plan) * s.repeats * len(methods), desc="bench", unit="run", file=sys.stderr,
                disable=not s.progress)
+    done = 0
     for T, L, name, i in plan:
+        if done and s.max_minutes is not None and time.time() - started > 60 * s.max_minutes:
+            print(f"bench: time budget of {s.max_minutes:g} min reached: ran {done} of {len(plan)} prompt groups",
+                  file=sys.stderr)
+            break
+        done += 1
         ids = prompts[name][i]
         for r in range(s.repeats):
             rot = (i + r + L + int(T * 10)) % len(methods)
@@ -264,6 +273,7 @@ def run_benchmark(s: BenchSettings) -> dict:
         "equality": equality,
     }
     report["meta"]["elapsed_s"] = round(time.time() - started, 1)
+    report["meta"]["prompt_groups"] = {"planned": len(plan), "run": done, "truncated_by_time_budget": done < len(plan)}
     for t in (timer, assistant_timer):
         if t is not None:
             t.remove()
@@ -277,6 +287,8 @@ def check_greedy(s: BenchSettings, methods: list[Method], cells, prompts, model)
         return {"ran": False, "reason": "no temperature-0 runs", "checked": 0, "passed": True}
     for L in s.max_new_tokens:
         for name in s.prompt_sets:
+            if (0.0, L, name, "baseline") not in cells:
+                continue
             for i, base_runs in cells[(0.0, L, name, "baseline")].runs.items():
                 reference = base_runs[0].token_ids
                 for m in methods:
@@ -316,8 +328,9 @@ def summarise(s: BenchSettings, methods: list[Method], cells, costs) -> list[dic
             for name in s.prompt_sets:
                 base_rate = _per_prompt_rate(cells[(T, L, name, "baseline")])
                 for m in methods:
-                    cell = cells[(T, L, name, m.name)]
-                    rows.append(row(m, cell, base_rate, costs[L], T, L, name))
+                    cell = cells.get((T, L, name, m.name))
+                    if cell is not None and cell.runs:  # a time budget may leave late cells empty
+                        rows.append(row(m, cell, base_rate, costs[L], T, L, name))
     return rows
 
 
@@ -361,11 +374,15 @@ def headline(s: BenchSettings, methods: list[Method], cells) -> list[dict]:
             for m in methods:
                 ratios, lengths = [], []
                 for name in s.prompt_sets:
+                    if (T, L, name, m.name) not in cells:
+                        continue
                     base = _per_prompt_rate(cells[(T, L, name, "baseline")])
                     rate = _per_prompt_rate(cells[(T, L, name, m.name)])
                     ratios += [rate[i] / base[i] for i in rate]
                     lengths += [a for rs in cells[(T, L, name, m.name)].runs.values() for r in rs
                                 for a in r.acceptance_lengths]
+                if not ratios:
+                    continue
                 out.append({"temperature": T, "max_new_tokens": L, "method": m.name, "family": m.family,
                             "block_size": m.block_size, "speedup": _quantiles(ratios),
                             "mean_acceptance_length": round(sum(lengths) / len(lengths), 3) if lengths else 0.0})

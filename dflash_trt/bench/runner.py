@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .measure import PeakRSS, ceiling, divergence_margin, pass_costs, target_nll
-from .methods import ForwardTimer, Method, Run, dflash_method, hf_method
+from .methods import ForwardTimer, Method, dflash_method, hf_method
 from .prompts import PROMPT_SETS
 
 FAMILIES = ("baseline", "hf-generate", "dflash-torch", "dflash-ort", "hf-assisted", "prompt-lookup")

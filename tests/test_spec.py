@@ -262,3 +262,12 @@ def test_draft_cost_per_round_does_not_grow_with_context(tiny_pair):
     finally:
         hook.remove()
     assert max(per_context[1000][1:]) <= 8 and max(per_context[16][1:]) <= 8
+
+
+def test_tiny_temperature_is_greedy(tiny_pair):
+    """1e-308 would overflow logits / T to inf and sample NaN; such temperatures are greedy."""
+    _, _, _, model, drafter = tiny_pair
+    spec, base = decoders(model, drafter)
+    greedy = base.generate([3, 4], GenerationConfig(max_new_tokens=12)).token_ids
+    tiny = spec.generate([3, 4], GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1e-308)))
+    assert tiny.token_ids == greedy

@@ -217,14 +217,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 # ---- requests -> jobs -----------------------------------------------------------------------
-GREEDY_BELOW = 1e-5  # temperatures this small are greedy (as in vLLM): logits / 1e-308 overflow to inf, then NaN
-
-
 def _config(server: Server, req, max_tokens: int, block_size: int | None = None) -> GenerationConfig:
-    temperature = 0.0 if req.temperature < GREEDY_BELOW else req.temperature
     return GenerationConfig(
         max_new_tokens=max_tokens,
-        sampling=SamplingParams(temperature, req.top_p, req.top_k, req.seed),
+        sampling=SamplingParams(req.temperature, req.top_p, req.top_k, req.seed),
         block_size=block_size,
         stop_token_ids=server.decoder.default_stop_ids(),
         stop_strings=stop_tuple(req.stop),

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 import torch
 
 
+# Temperatures this small are greedy (as in vLLM): logits / 1e-308 overflow to inf, then NaN.
+GREEDY_BELOW = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy
@@ -24,7 +28,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     def generator(self, device: torch.device | str = "cpu") -> torch.Generator:
         gen = torch.Generator(device=device)

@@ -1,6 +1,8 @@
 """Drafter export to ONNX: checker, parity with PyTorch (fp32 and fp16), the empty-cache first round,
 and greedy generation with the ONNX Runtime drafter equal to the target alone. Real onnxruntime sessions."""
 
+import copy
+
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -9,11 +11,11 @@ import torch
 
 from dflash_trt.export.onnx_drafter import (
     FP16_GRAPH_FILE, GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, DrafterGraphMeta, DrafterRound, example_inputs,
-    export_from_checkpoints,
+    export_drafter, export_from_checkpoints,
 )
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.spec import GenerationConfig, SpeculativeDecoder
+from dflash_trt.spec import ContextLengthError, GenerationConfig, SpeculativeDecoder
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +123,38 @@ def test_greedy_generation_with_ort_drafter_equals_target_alone(exported, precis
         assert got.token_ids == expected, (family, precision, trial)
         if precision == "fp32":  # same drafts, so the same acceptance as the PyTorch drafter
             assert got.stats.acceptance_lengths == torch_spec.generate(prompt, cfg).stats.acceptance_lengths
+
+
+def test_export_leaves_the_callers_drafter_alone(exported, tmp_path):
+    """The benchmark exports a live bf16 engine's drafter: the export must not turn it to fp32 (or eval mode)."""
+    family, _, _, model, drafter = exported
+    if family != "qwen3":
+        pytest.skip("the export path does not depend on the family; one export is enough")
+    live = copy.deepcopy(drafter).to(torch.bfloat16).train()
+    embed = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
+    head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
+    export_drafter(live, embed, head, tmp_path, fp16=False)
+    assert {p.dtype for p in live.parameters()} == {torch.bfloat16}
+    assert live.training
+    assert embed.dtype == head.dtype == torch.bfloat16
+    assert OrtDrafterEngine(tmp_path).session.get_inputs()[1].type == "tensor(float)"  # the graph itself is fp32
+
+
+def test_drafter_context_limit_is_checked_up_front(exported):
+    """A drafter engine with max_context (a TensorRT plan's profile) caps requests like the target does."""
+    _, out, _, model, drafter = exported
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    engine = OrtDrafterEngine(out)
+    assert engine.max_context is None  # ONNX Runtime: no limit of its own
+    decoder = SpeculativeDecoder(target, engine)
+    prompt = list(range(1, 11))
+    decoder.start(prompt, GenerationConfig(max_new_tokens=30))
+    engine.max_context = 32
+    with pytest.raises(ContextLengthError, match="= 40 exceeds the drafter's context length 32"):
+        decoder.start(prompt, GenerationConfig(max_new_tokens=30))
+    decoder.start(prompt, GenerationConfig(max_new_tokens=30, block_size=1))  # target alone: drafter unused
+    assert len(decoder.generate(prompt, GenerationConfig(max_new_tokens=22)).token_ids) == 22  # at the limit
+    target_limit = target.max_context
+    engine.max_context = target_limit + 100  # the smaller of the two limits applies
+    with pytest.raises(ContextLengthError, match=f"exceeds the target's context length {target_limit}"):
+        decoder.start(prompt, GenerationConfig(max_new_tokens=target_limit))

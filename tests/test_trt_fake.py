@@ -99,12 +99,13 @@ def test_runtime_binds_every_tensor_by_name(monkeypatch, graph_dir, tmp_path):
         "present_v": (False, "float32", lambda s: (L, 1, H, s["past_v"][3] + s["features"][1], D)),
     }
     calls = install(monkeypatch, "10.14.1.48")
-    trt_drafter.build_drafter_plan(graph_dir, tmp_path / "plan")
+    trt_drafter.build_drafter_plan(graph_dir, tmp_path / "plan", max_context=100)
     calls = install(monkeypatch, "10.14.1.48", io)
     from dflash_trt.runtime.trt_backend import TrtDrafterEngine
 
     engine = TrtDrafterEngine(tmp_path / "plan", device="cpu")  # cpu: the fake writes through host addresses
     assert ("deserialize_cuda_engine", b"FAKE-PLAN") in calls
+    assert engine.max_context == 100  # the profile's largest cache length: the loop refuses longer requests
     session = engine.new_session()
     for n_new, expected_ctx in ((5, 5), (2, 7)):
         calls.clear()

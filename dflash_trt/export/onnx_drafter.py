@@ -14,6 +14,7 @@ Beside the graph we write `drafter.json`: what a runtime needs to drive it witho
 
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from dataclasses import asdict, dataclass
@@ -184,11 +185,15 @@ def check_graph(path: Path) -> None:
 
 def export_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                    out_dir: str | Path, fp16: bool = True) -> dict[str, Path]:
-    """Write drafter.onnx (+ .data), optionally drafter_fp16.onnx, and drafter.json into out_dir."""
+    """Write drafter.onnx (+ .data), optionally drafter_fp16.onnx, and drafter.json into out_dir.
+
+    The caller's drafter is left as it was: the graph is traced from an fp32 copy (callers such as the
+    benchmark pass a live bf16/fp16 engine's drafter, which `.float()` / `.eval()` would change in place).
+    """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = graph_meta(drafter, int(lm_head_weight.shape[0]))
-    module = DrafterRound(drafter.float(), embed_weight.float(), lm_head_weight.float())
+    module = DrafterRound(copy.deepcopy(drafter).float(), embed_weight.float(), lm_head_weight.float())
     files = {"fp32": export_round(module, meta, out / GRAPH_FILE)}
     check_graph(files["fp32"])
     if fp16:

@@ -42,14 +42,18 @@ class OrtDrafterEngine:
         self.block_size = self.meta.block_size
         self.mask_token_id = self.meta.mask_token_id
         self.feature_layer_ids = self.meta.feature_layer_ids
+        self.max_context: int | None = None  # ONNX Runtime takes any cache length (the loop checks this limit)
 
     def new_session(self) -> "OrtDrafterSession":
         return OrtDrafterSession(self)
 
 
 class OrtDrafterSession:
-    def __init__(self, engine: OrtDrafterEngine):
+    def __init__(self, engine: OrtDrafterEngine, run=None):
+        """run(feeds) -> [logits, draft_tokens, present_k, present_v]: one call of the round graph; by
+        default this engine's onnxruntime session (dflash_trt.triton.bls passes a Triton model call)."""
         self.engine = engine
+        self.run = run or (lambda feeds: engine.session.run(None, feeds))
         empty = np.zeros(engine.meta.cache_shape(0), dtype=np.float32)
         self.past_k, self.past_v = empty, empty.copy()
         self.tokens_processed: list[int] = []  # context + block tokens run per call (for cost accounting)
@@ -63,8 +67,8 @@ class OrtDrafterSession:
         block = np.full((1, block_size), e.mask_token_id, dtype=np.int64)
         block[0, 0] = last_token
         feats = new_features.detach().to("cpu", torch.float32).numpy()[None]
-        logits, tokens, self.past_k, self.past_v = e.session.run(
-            None, {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
+        logits, tokens, self.past_k, self.past_v = self.run(
+            {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
         )
         self.tokens_processed.append(feats.shape[1] + block_size)
         return Draft(logits=torch.from_numpy(logits[0]), tokens=torch.from_numpy(tokens[0]))

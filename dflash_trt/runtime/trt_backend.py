@@ -1,5 +1,8 @@
 """TensorRT drafter engine: runs the plan built by `dflash-trt build-drafter`.
 
+Written against the real TensorRT 10/11 Python API, never run in this project (no TensorRT / TensorRT-LLM /
+GPU here); tests drive it with a fake `tensorrt` module (tests/fake_tensorrt.py).
+
 Per round: set_input_shape for every input, read the output shapes TensorRT infers, bind every
 tensor by NAME with set_tensor_address, execute_async_v3 on torch's current CUDA stream. The
 context cache stays on the GPU between rounds (present_k of one round is past_k of the next).
@@ -56,6 +59,8 @@ class TrtDrafterEngine:
         self.block_size = self.meta.block_size
         self.mask_token_id = self.meta.mask_token_id
         self.feature_layer_ids = self.meta.feature_layer_ids
+        # The plan's profile caps the cache length T; the loop refuses longer requests up front.
+        self.max_context: int | None = int(manifest["profile"]["past_k"]["max"][3])
 
     def new_session(self) -> "TrtDrafterSession":
         return TrtDrafterSession(self)

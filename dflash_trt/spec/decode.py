@@ -155,10 +155,14 @@ class Generation:
         if cfg.max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         total = len(self.prompt_ids) + cfg.max_new_tokens
-        if total > target.max_context:
+        limit, who = target.max_context, "target"
+        drafter_limit = getattr(drafter, "max_context", None) if cfg.block_size != 1 else None  # None: unlimited
+        if drafter_limit is not None and drafter_limit < limit:  # e.g. a TensorRT plan's profile
+            limit, who = drafter_limit, "drafter"
+        if total > limit:
             raise ContextLengthError(
                 f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
-                f"exceeds the target's context length {target.max_context}"
+                f"exceeds the {who}'s context length {limit}"
             )
         if cfg.block_size is not None:
             limit = drafter.block_size if drafter is not None else 1

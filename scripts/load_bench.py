@@ -2,7 +2,7 @@
 """Load benchmark of `dflash-trt serve`: throughput and p50/p99 latency at several concurrencies,
 DFlash against target-only serving.
 
-Starts `dflash-trt serve` as a subprocess on a free port (or uses --url), then at each
+Starts `dflash-trt serve --port 0` as a subprocess, its log in --server-log (or uses --url), then at each
 concurrency C runs a closed loop: C clients, each sending its next request when the last one
 returned, greedy, --max-tokens each. Target-only serving is the same server and code path with
 `block_size: 1` (exactly what `--no-draft` runs), so both modes produce identical tokens and the
@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,29 +51,16 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [str(Path(sys.executable).parent / "dflash-trt"), "serve", "--target", str(args.target), "--drafter",
-           str(args.drafter), "--port", str(port), "--max-active", str(max(args.concurrency)),
-           "--max-queue", "1024"]
+    from dflash_trt.server.process import ServerFailed, start_serve
+
+    serve_args = ["--target", str(args.target), "--drafter", str(args.drafter),
+                  "--max-active", str(max(args.concurrency)), "--max-queue", "1024"]
     if args.threads:
-        cmd += ["--threads", str(args.threads)]
-    env = {**os.environ, "DFLASH_TRT_API_KEY": ""}
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"load_bench: the server exited: {proc.stderr.read().strip()}")
-        try:
-            if httpx.get(url + "/ready", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    sys.exit("load_bench: the server did not become ready in 600 s")
+        serve_args += ["--threads", str(args.threads)]
+    try:
+        return start_serve(serve_args, args.server_log, timeout_s=600, env={"DFLASH_TRT_API_KEY": ""})
+    except ServerFailed as e:
+        sys.exit(f"load_bench: {e}")
 
 
 def prompt_bodies(url: str, headers: dict, max_tokens: int) -> list[dict]:
@@ -125,21 +111,32 @@ async def run_level(url: str, headers: dict, bodies: list[dict], concurrency: in
     }
 
 
+def _concurrency_list(text: str) -> list[int]:
+    from dflash_trt.cli import _positive_int
+
+    parts = [t for t in text.replace(" ", "").split(",") if t]
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated client counts, got {text!r}")
+    return [_positive_int(t) for t in parts]
+
+
 def main() -> None:
-    from dflash_trt.cli import DEMO_DRAFTER, DEMO_TARGET
+    from dflash_trt.cli import DEMO_DRAFTER, DEMO_TARGET, _positive_int
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"drafter checkpoint (default {DEMO_DRAFTER})")
     p.add_argument("--url", default=None, help="benchmark a running server instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("DFLASH_TRT_API_KEY"), help="bearer token for --url")
-    p.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16],
-                   help="comma-separated client counts (default 1,4,16)")
-    p.add_argument("--requests", type=int, default=None,
+    p.add_argument("--concurrency", type=_concurrency_list, default=[1, 4, 16],
+                   help="comma-separated client counts, each >= 1 (default 1,4,16)")
+    p.add_argument("--requests", type=_positive_int, default=None,
                    help="requests per level and mode (default: max(8, 2 x concurrency))")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per request (default 64)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads of the started server")
+    p.add_argument("--max-tokens", type=_positive_int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch threads of the started server")
     p.add_argument("--out", type=Path, default=REPO / "results" / "load_bench.json", help="JSON output")
+    p.add_argument("--server-log", type=Path, default=REPO / "results" / "load_bench_server.log",
+                   help="log of the started server: one JSON line per request (default results/load_bench_server.log)")
     args = p.parse_args()
 
     proc = None

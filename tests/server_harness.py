@@ -17,6 +17,14 @@ from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 from dflash_trt.server.app import ServerSettings, create_app
 
 
+def make_models_without_eos(root: Path) -> tuple[Path, Path]:
+    """A tiny target with no tokenizer (so no end-of-text token ever stops a generation) and its drafter:
+    a request for max_tokens runs exactly that many tokens."""
+    target = make_tiny_target(root / "target", vocab_size=200, layers=4, seed=1)
+    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
+    return root / "target", root / "drafter"
+
+
 def make_models(root: Path) -> tuple[Path, Path]:
     """A tiny Qwen3 target with a BPE tokenizer (text works) and a tiny DFlash drafter (block size 4)."""
     tok = make_tokenizer(root / "target")
@@ -47,12 +55,6 @@ def running_server(decoder, **settings):
         server.should_exit = True
         thread.join(15)
         sock.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sse_events(lines) -> list:
@@ -137,3 +139,24 @@ class _FaultyTargetSession:
 
     def rollback(self, length):
         return self.inner.rollback(length)
+
+
+class GatedTarget(FaultyTarget):
+    """Wraps a real target engine; while `hold` is set, forward() parks until `gate` is set, and
+    `entered` tells the test that the orchestrator's worker is inside an engine call."""
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.hold, self.gate, self.entered = threading.Event(), threading.Event(), threading.Event()
+
+    def new_session(self):
+        return _GatedTargetSession(self, self.engine.new_session())
+
+
+class _GatedTargetSession(_FaultyTargetSession):
+    def forward(self, token_ids, **kw):
+        if self.owner.hold.is_set():
+            self.owner.entered.set()
+            if not self.owner.gate.wait(60):
+                raise RuntimeError("gate never opened")
+        return super().forward(token_ids, **kw)

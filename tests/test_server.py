@@ -11,7 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import FaultyDrafter, FaultyTarget, make_models, metric, running_server, scrape, sse_events
+from server_harness import (FaultyDrafter, FaultyTarget, GatedTarget, make_models, metric, running_server, scrape,
+                            sse_events)
 
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.app import chat_prompt_ids
@@ -237,25 +238,93 @@ def test_queue_full_gives_429_and_a_disconnect_frees_the_slot(decoder):
                     async with httpx.AsyncClient(timeout=60) as c:
                         tasks = [asyncio.create_task(c.post(url + "/generate", json={"prompt": "x", "max_tokens": 3}))
                                  for _ in range(4)]
-                        await asyncio.sleep(1.0)  # the 429s are immediate; one request waits in the queue
-                        assert sum(t.done() for t in tasks) == 3
+                        # Three get 429 while the long job runs; one waits in the queue (no wall-clock guess:
+                        # wait for the three, however loaded the machine is).
+                        deadline = time.monotonic() + 60
+                        while sum(t.done() for t in tasks) < 3 and time.monotonic() < deadline:
+                            await asyncio.sleep(0.05)
+                        early = [t.result() for t in tasks if t.done()]
                         metrics = (await c.get(url + "/metrics")).text
-                        assert metric(metrics, "dflash_queue_depth") == 1
-                        started = time.monotonic()
                         stream.close()  # the client of the long job goes away ...
-                        responses = await asyncio.gather(*tasks)
-                        return responses, time.monotonic() - started
+                        return early, metric(metrics, "dflash_queue_depth"), await asyncio.gather(*tasks)
 
-                responses, waited = asyncio.run(burst())
+                early, queued, responses = asyncio.run(burst())
+        assert [r.status_code for r in early] == [429] * 3 and queued == 1
         busy = [r for r in responses if r.status_code == 429]
         assert len(busy) == 3
         assert all(r.headers["retry-after"] == "1" and r.json()["error"]["type"] == "rate_limit_error" for r in busy)
         served = [r for r in responses if r.status_code == 200]
-        assert len(served) == 1 and waited < 3  # ... and the queued request ran at the next turn
+        assert len(served) == 1  # ... and the queued request ran once the long job was dropped
         metrics = scrape(url)
         assert metric(metrics, "dflash_request_latency_seconds_count", outcome="cancelled") == 1
         assert metric(metrics, "dflash_inflight_requests") == 0
         assert metric(metrics, "dflash_generated_tokens_total") < LONG["max_tokens"]
+
+
+def test_new_requests_do_not_wait_for_the_engines(models):
+    """While the worker is stuck inside an engine call, a new request is still tokenized and queued, and
+    one over the limit gets its 429 at once (the engines and the tokenizer share no lock)."""
+    base = load_decoder(*models)
+    gated = GatedTarget(base.target)
+    decoder = SpeculativeDecoder(gated, base.drafter, base.tokenizer)
+    with running_server(decoder, max_active=1, max_queue=1) as (url, _):
+        gated.hold.set()
+
+        async def scenario():
+            async with httpx.AsyncClient(timeout=30) as c:
+                first = asyncio.create_task(c.post(url + "/generate", json={"prompt": "import os", "max_tokens": 4}))
+                while not gated.entered.is_set():
+                    assert not first.done(), first.result().text
+                    await asyncio.sleep(0.02)
+                queued = asyncio.create_task(c.post(url + "/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "print("}], "max_tokens": 3}))
+                while metric((await c.get(url + "/metrics")).text, "dflash_queue_depth") < 1:
+                    assert not queued.done(), queued.result().text  # tokenized and queued, not answered
+                    await asyncio.sleep(0.02)
+                refused = await c.post(url + "/generate", json={"prompt": "x", "max_tokens": 3})  # timeout: 30 s
+                assert gated.entered.is_set() and not gated.gate.is_set()  # the worker is still stuck
+                gated.hold.clear()
+                gated.gate.set()
+                return refused, await first, await queued
+
+        refused, first, queued = asyncio.run(scenario())
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+    assert first.status_code == 200 and queued.status_code == 200
+
+
+def test_client_hanging_up_during_upload_is_499(server):
+    """A body cut short by its client is the client's doing: 499 in the metrics, not a 500."""
+    import socket
+    from urllib.parse import urlparse
+
+    before = scrape(server)
+    u = urlparse(server)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as s:
+        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        time.sleep(0.2)  # let the server start reading the body
+    deadline = time.monotonic() + 30
+    while metric(scrape(server), "dflash_requests_total", endpoint="/generate", status="499") \
+            == metric(before, "dflash_requests_total", endpoint="/generate", status="499"):
+        assert time.monotonic() < deadline, "the cut upload was never counted as 499"
+        time.sleep(0.05)
+    after = scrape(server)
+    assert metric(after, "dflash_requests_total", endpoint="/generate", status="500") == \
+        metric(before, "dflash_requests_total", endpoint="/generate", status="500")
+
+
+def test_completions_default_max_tokens_is_openais_16_clipped_to_the_context(server, decoder):
+    r = httpx.post(server + "/v1/completions", json={"prompt": [5, 9, 13]}, timeout=60).json()
+    assert r["usage"]["completion_tokens"] <= 16
+    assert r["usage"]["completion_tokens"] == 16 or r["choices"][0]["finish_reason"] == "stop"
+    null = httpx.post(server + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": None}, timeout=60)
+    assert null.json()["usage"] == r["usage"]  # an explicit null is the same default
+    room = 3
+    long_prompt = [5 + i % 50 for i in range(decoder.target.max_context - room)]
+    clipped = httpx.post(server + "/v1/completions", json={"prompt": long_prompt}, timeout=60)
+    assert clipped.status_code == 200 and clipped.json()["usage"]["completion_tokens"] <= room
+    explicit = httpx.post(server + "/v1/completions", json={"prompt": long_prompt, "max_tokens": 16}, timeout=60)
+    assert explicit.status_code == 400 and explicit.json()["error"]["code"] == "context_length_exceeded"
 
 
 def test_request_timeout(decoder):

@@ -1,87 +1,97 @@
-"""`dflash-trt serve` as a real process: startup, SIGTERM drain (in-flight finishes, new work gets 503), exit 0."""
+"""`dflash-trt serve` as a real process: startup on --port 0, SIGTERM drain (in-flight finishes, new work
+gets 503), exit 0; flag checks.
 
-import os
+The models have no tokenizer, so no end-of-text token can end a generation early: a request for
+max_tokens near the context limit runs that long, whatever the speed of the machine.
+"""
+
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
-from server_harness import free_port, make_models, sse_events
+from server_harness import make_models_without_eos, metric, sse_events
 
 from dflash_trt.cli import main
+from dflash_trt.server.process import listening_port, start_serve
 
-CLI = Path(sys.executable).parent / "dflash-trt"
+CONTEXT = 2048  # the tiny target's max_position_embeddings
+LONG = {"input_ids": [3, 4, 5], "max_tokens": CONTEXT - 3, "block_size": 1, "stream": True}
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_models(tmp_path_factory.mktemp("serve-process"))
+    return make_models_without_eos(tmp_path_factory.mktemp("serve-process"))
 
 
-def start(models, *extra):
-    port = free_port()
-    env = {**os.environ, "DFLASH_TRT_API_KEY": ""}
-    proc = subprocess.Popen([str(CLI), "serve", "--target", str(models[0]), "--drafter", str(models[1]),
-                             "--port", str(port), "--threads", "1", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited early: {proc.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not come up")
+def start(models, log, *extra):
+    return start_serve(["--target", str(models[0]), "--drafter", str(models[1]), "--threads", "1", *extra],
+                       log, env={"DFLASH_TRT_API_KEY": ""})
 
 
-def test_sigterm_drains_in_flight_and_refuses_new_work(models):
-    proc, url = start(models, "--drain-timeout", "60", "--api-key", "k")
+def wait_draining(url, headers=None):
+    deadline = time.monotonic() + 30
+    while httpx.get(url + "/ready", headers=headers, timeout=10).status_code != 503:
+        assert time.monotonic() < deadline, "the server never started draining"
+        time.sleep(0.02)
+
+
+def test_sigterm_drains_in_flight_and_refuses_new_work(models, tmp_path):
+    log = tmp_path / "serve.log"
+    proc, url = start(models, log, "--drain-timeout", "120", "--api-key", "k")
     auth = {"Authorization": "Bearer k"}
     try:
-        body = {"input_ids": [3, 4, 5], "max_tokens": 600, "block_size": 1, "stream": True}  # seconds of work
-        with httpx.stream("POST", url + "/generate", json=body, headers=auth, timeout=120) as stream:
+        with httpx.stream("POST", url + "/generate", json=LONG, headers=auth, timeout=300) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
-            time.sleep(0.5)
-            refused = httpx.post(url + "/generate", json={"prompt": "x", "max_tokens": 2}, headers=auth, timeout=10)
+            wait_draining(url, auth)
+            metrics = httpx.get(url + "/metrics", headers=auth, timeout=10).text
+            assert metric(metrics, "dflash_inflight_requests") == 1  # the stream is still open: a real drain
+            refused = httpx.post(url + "/generate", json={"input_ids": [1], "max_tokens": 2}, headers=auth, timeout=10)
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-            assert httpx.get(url + "/ready", headers=auth, timeout=10).status_code == 503
             assert httpx.get(url + "/health", timeout=10).status_code == 200  # alive while draining
             events = sse_events(lines)
         final = events[-1]
-        assert final["type"] == "final" and len(final["token_ids"]) == final["usage"]["completion_tokens"]
-        assert final["finish_reason"] in ("length", "stop")
+        assert final["type"] == "final" and final["finish_reason"] == "length"
+        assert len(final["token_ids"]) == final["usage"]["completion_tokens"] == LONG["max_tokens"]
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
-    err = proc.stderr.read()
+    err = log.read_text()
     assert '"event": "drain"' in err and '"status": 503' in err  # structured log lines
     assert "Traceback" not in err
+    assert listening_port(err) == int(url.rsplit(":", 1)[1])  # --port 0: the port it bound, reported
 
 
-def test_drain_limit_cuts_long_requests(models):
-    proc, url = start(models, "--drain-timeout", "0.5")
+def test_drain_limit_cuts_long_requests(models, tmp_path):
+    proc, url = start(models, tmp_path / "serve.log", "--drain-timeout", "0.5")
     try:
-        body = {"input_ids": [3, 4, 5], "max_tokens": 2000, "block_size": 1, "stream": True}
-        with httpx.stream("POST", url + "/generate", json=body, timeout=120) as stream:
+        with httpx.stream("POST", url + "/generate", json=LONG, timeout=300) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")
             proc.send_signal(signal.SIGTERM)
             events = sse_events(lines)
         assert events[-1]["type"] == "error" and events[-1]["error"]["code"] == "shutting_down"
+        assert sum(len(e.get("token_ids", ())) for e in events[:-1]) < LONG["max_tokens"]
         assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--port", "-1", ">= 0"), ("--port", "65536", "<= 65535"), ("--port", "http", "integer"),
+    ("--max-queue", "-1", ">= 0"), ("--request-timeout", "nan", "finite"), ("--request-timeout", "0", "> 0"),
+    ("--drain-timeout", "inf", "finite"), ("--drain-timeout", "-1", ">= 0"),
+])
+def test_bad_flags_are_usage_errors(flag, value, needle, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", flag, value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and needle in err and "Traceback" not in err
 
 
 def test_bad_model_path_is_one_line(tmp_path, capsys):

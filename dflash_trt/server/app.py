@@ -25,7 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..spec import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
 from .metrics import ServerMetrics
 from .scheduler import ErrorEvent, Job, Orchestrator, QueueFull, RoundEvent, ShuttingDown
-from .schemas import ChatCompletionRequest, CompletionRequest, GenerateRequest, error_body, stop_tuple
+from .schemas import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, GenerateRequest,
+                      error_body, stop_tuple)
+from .tokenizer import with_serialized_tokenizer
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -43,6 +45,7 @@ class ServerSettings:
     request_timeout_s: float = 300.0
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256  # chat requests without max_tokens (clipped to the context)
+    # (completions without max_tokens get OpenAI's 16, /generate its documented 128)
     drain_timeout_s: float = 30.0
 
 
@@ -106,7 +109,8 @@ class Guard:
             size = 0
             while more and scope["method"] in ("POST", "PUT", "PATCH"):
                 message = await receive()
-                if message["type"] == "http.disconnect":
+                if message["type"] == "http.disconnect":  # the client hung up mid-upload: not our error
+                    status[0] = 499
                     return
                 chunk = message.get("body", b"")
                 size += len(chunk)
@@ -155,9 +159,9 @@ class Server:
     """What the routes share: the decoder, the orchestrator, the metrics, the settings."""
 
     def __init__(self, decoder, settings: ServerSettings):
-        self.decoder, self.settings = decoder, settings
+        self.decoder, self.settings = with_serialized_tokenizer(decoder), settings
         self.metrics = ServerMetrics()
-        self.orchestrator = Orchestrator(decoder, self.metrics, settings.max_active, settings.max_queue)
+        self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)
         self.started = False
 
 
@@ -229,24 +233,26 @@ def _config(server: Server, req, max_tokens: int, block_size: int | None = None)
 
 
 async def _start_job(request: Request, server: Server, make_prompt, make_config) -> Job:
-    """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429."""
+    """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429.
+
+    No engine lock: decoder.start() only validates and makes new, empty sessions; only the
+    orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
     decoder, orch = server.decoder, server.orchestrator
 
     def prepare():
-        with orch.lock:
-            ids = make_prompt()
-            return decoder.start(ids, make_config(len(ids)))
+        ids = make_prompt()
+        return decoder.start(ids, make_config(len(ids)))
 
     try:
+        orch.check_admission()
         generation = await run_in_threadpool(prepare)
+        job = Job(id=request.state.request_id, generation=generation, loop=asyncio.get_running_loop(),
+                  deadline=time.monotonic() + server.settings.request_timeout_s)
+        orch.submit(job)
     except ContextLengthError as e:
         raise ApiError(400, str(e), param="max_tokens", code="context_length_exceeded") from None
     except (InputError, ValueError) as e:
         raise ApiError(400, str(e)) from None
-    job = Job(id=request.state.request_id, generation=generation, loop=asyncio.get_running_loop(),
-              deadline=time.monotonic() + server.settings.request_timeout_s)
-    try:
-        server.orchestrator.submit(job)
     except QueueFull as e:
         raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
                        headers={"Retry-After": "1"}) from None
@@ -339,6 +345,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     decoder, settings = server.decoder, server.settings
     max_context = decoder.target.max_context
 
+    def _max_tokens(asked: int | None, default: int, prompt_len: int) -> int:
+        """What the client asked for (too much is a 400), else the default clipped to the context left."""
+        return asked or max(1, min(default, max_context - prompt_len))
+
     @app.get("/health")
     async def health():
         return {"status": "ok"}
@@ -389,7 +399,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         job = await _start_job(
             request, server,
             lambda: decoder.encode(prompt) if isinstance(prompt, str) else list(prompt),
-            lambda n: _config(server, body, body.max_tokens or settings.default_max_tokens))
+            lambda n: _config(server, body, _max_tokens(body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n)))
         created, cid = int(time.time()), f"cmpl-{job.id}"
 
         def choice(text, finish_reason, token_ids=None):
@@ -421,12 +431,9 @@ def _add_routes(app: FastAPI, server: Server) -> None:
     async def chat(body: ChatCompletionRequest, request: Request):
         messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
 
-        def max_tokens(prompt_len: int) -> int:
-            asked = body.max_completion_tokens or body.max_tokens
-            return asked or max(1, min(settings.default_max_tokens, max_context - prompt_len))
-
+        asked = body.max_completion_tokens or body.max_tokens
         job = await _start_job(request, server, lambda: chat_prompt_ids(decoder, messages),
-                               lambda n: _config(server, body, max_tokens(n)))
+                               lambda n: _config(server, body, _max_tokens(asked, settings.default_max_tokens, n)))
         created, cid = int(time.time()), f"chatcmpl-{job.id}"
 
         def envelope(choices, obj="chat.completion", **extra):

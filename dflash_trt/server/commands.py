@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -10,10 +11,33 @@ import threading
 from pathlib import Path
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
+LISTENING_EVENT = "listening"  # stderr: {"event": "listening", "host": ..., "port": N} once the socket is bound
+
+
+def _port(text: str) -> int:
+    from ..cli import _non_negative_int
+
+    value = _non_negative_int(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
+    return value
+
+
+def _seconds(text: str, allow_zero: bool = False) -> float:
+    from ..cli import _float
+
+    value = _float(text)  # finite
+    if value < 0 or (value == 0 and not allow_zero):
+        raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {text}")
+    return value
+
+
+def _drain_seconds(text: str) -> float:
+    return _seconds(text, allow_zero=True)
 
 
 def register(sub) -> None:
-    from ..cli import DEMO_DRAFTER, DEMO_TARGET, _positive_int
+    from ..cli import DEMO_DRAFTER, DEMO_TARGET, _non_negative_int, _positive_int
 
     p = sub.add_parser(
         "serve",
@@ -33,7 +57,9 @@ def register(sub) -> None:
                      help="weights dtype for the PyTorch engines (default: float32)")
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    net.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    net.add_argument("--port", type=_port, default=8000,
+                     help="port (default 8000); 0 picks a free one, reported on stderr as "
+                     '{"event": "listening", "host": ..., "port": N}')
     net.add_argument("--api-key", default=None,
                      help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
                      f"(default: ${API_KEY_ENV} if set, else no auth)")
@@ -41,14 +67,16 @@ def register(sub) -> None:
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-active", type=_positive_int, default=8,
                      help="generations advanced concurrently, round-robin (default 8)")
-    lim.add_argument("--max-queue", type=int, default=64,
+    lim.add_argument("--max-queue", type=_non_negative_int, default=64,
                      help="requests waiting beyond --max-active; more get 429 with Retry-After (default 64)")
-    lim.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request (default 300)")
+    lim.add_argument("--request-timeout", type=_seconds, default=300.0, help="seconds per request (default 300)")
     lim.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
                      help="largest request body; more gets 413 (default 1 MiB)")
     lim.add_argument("--default-max-tokens", type=_positive_int, default=256,
-                     help="chat requests without max_tokens generate at most this many (default 256)")
-    lim.add_argument("--drain-timeout", type=float, default=30.0,
+                     help="chat requests without max_tokens generate at most this many, clipped to the context "
+                     "left (default 256); /v1/completions without max_tokens keeps OpenAI's default of 16 and "
+                     "/generate its own default of 128")
+    lim.add_argument("--drain-timeout", type=_drain_seconds, default=30.0,
                      help="on SIGTERM/SIGINT: seconds to let in-flight requests finish while new ones get 503 "
                      "(default 30); a second signal exits at once")
     lim.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
@@ -56,10 +84,6 @@ def register(sub) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ..cli import CliError
-
-    if args.max_queue < 0 or args.request_timeout <= 0 or args.drain_timeout < 0:
-        raise CliError("--max-queue must be >= 0, --request-timeout > 0 and --drain-timeout >= 0")
     _setup_logging()
     if args.threads:
         import torch
@@ -128,4 +152,7 @@ def serve_app(app, host: str, port: int) -> None:
     # access_log off: the app writes its own JSON line per request; "info" keeps uvicorn's "running on" line.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
                             timeout_graceful_shutdown=5, lifespan="on")
-    DrainingServer(config).run()
+    sock = config.bind_socket()  # bound here so that --port 0 can report the port it got
+    logging.getLogger("dflash_trt.server").info(
+        json.dumps({"event": LISTENING_EVENT, "host": host, "port": sock.getsockname()[1]}))
+    DrainingServer(config).run(sockets=[sock])

@@ -76,7 +76,6 @@ class Orchestrator:
     def __init__(self, decoder, metrics, max_active: int = 8, max_queue: int = 64):
         self.decoder, self.metrics = decoder, metrics
         self.max_active, self.max_queue = max_active, max_queue
-        self.lock = threading.Lock()  # held around every engine / tokenizer call (HF tokenizers are not re-entrant)
         self._cv = threading.Condition()
         self._pending: collections.deque[Job] = collections.deque()
         self._active: list[Job] = []
@@ -91,10 +90,9 @@ class Orchestrator:
 
     def stop(self, timeout: float = 10.0) -> None:
         """Fail whatever is left and end the worker."""
-        self.cancel_all("shutdown", "the server is shutting down")
-        with self._cv:
+        with self._cv:  # one critical section: no submit() can slip in between the cancel and the flag
             self._stopping = True
-            self._cv.notify_all()
+            self._cancel_all_locked("shutdown", "the server is shutting down")
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -124,20 +122,32 @@ class Orchestrator:
 
     def cancel_all(self, kind: str, message: str) -> None:
         with self._cv:
-            for job in self._pending:  # never started: fail them here
-                self._finish(job, ErrorEvent(kind, message))
-            self._pending.clear()
-            for job in self._active:  # the worker drops them at their next turn
-                job.cancel(kind, message)
-            self._cv.notify_all()
+            self._cancel_all_locked(kind, message)
+
+    def _cancel_all_locked(self, kind: str, message: str) -> None:
+        for job in self._pending:  # never started: fail them here
+            self._finish(job, ErrorEvent(kind, message))
+        self._pending.clear()
+        self.metrics.queue_depth.set(0)
+        for job in self._active:  # the worker drops them at their next turn
+            job.cancel(kind, message)
+        self._cv.notify_all()
 
     # ---- requests -----------------------------------------------------------------------
+    def check_admission(self) -> None:
+        """Raise ShuttingDown / QueueFull now, before a request spends time on tokenizing (submit checks again)."""
+        with self._cv:
+            self._admission_locked()
+
+    def _admission_locked(self) -> None:
+        if self._draining or self._stopping:
+            raise ShuttingDown("the server is shutting down")
+        if len(self._pending) + len(self._active) >= self.max_active + self.max_queue:
+            raise QueueFull(f"{len(self._pending)} requests already waiting")
+
     def submit(self, job: Job) -> None:
         with self._cv:
-            if self._draining or self._stopping:
-                raise ShuttingDown("the server is shutting down")
-            if len(self._pending) + len(self._active) >= self.max_active + self.max_queue:
-                raise QueueFull(f"{len(self._pending)} requests already waiting")
+            self._admission_locked()
             self._pending.append(job)
             self.metrics.queue_depth.set(len(self._pending))
             self._cv.notify_all()
@@ -149,10 +159,12 @@ class Orchestrator:
                 while not self._pending and not self._active and not self._stopping:
                     self._cv.wait()
                 if self._stopping:
-                    for job in self._active:
+                    for job in [*self._pending, *self._active]:
                         if not job.finished:
                             self._finish(job, job.cancelled or ErrorEvent("shutdown", "the server is shutting down"))
+                    self._pending.clear()
                     self._active.clear()
+                    self._cv.notify_all()
                     return
                 while self._pending and len(self._active) < self.max_active:
                     self._active.append(self._pending.popleft())
@@ -176,11 +188,10 @@ class Orchestrator:
         gen = job.generation
         s = gen.stats
         draft_before, verify_before = s.draft_time_s, s.verify_time_s
-        try:
-            with self.lock:
-                rnd = gen.step()
-                result = gen.result() if gen.done else None
-                text = self._safe_text(job, result)
+        try:  # only this thread touches the engines: no lock (the tokenizer serializes its own calls)
+            rnd = gen.step()
+            result = gen.result() if gen.done else None
+            text = self._safe_text(job, result)
         except Exception as e:  # an engine failure ends this request only
             log.exception("request %s: engine failure", job.id)
             self.metrics.engine_errors.inc()
@@ -216,7 +227,7 @@ class Orchestrator:
             job._emit(error)
 
     def _safe_text(self, job: Job, result: GenerationResult | None) -> str | None:
-        """Text added by this round that can be shown now. Called with self.lock held."""
+        """Text added by this round that can be shown now."""
         gen, tok = job.generation, self.decoder.tokenizer
         if tok is None:
             return None

@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
 StopField = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)], None]
 
@@ -61,7 +62,7 @@ class CompletionRequest(SamplingFields):
 
     model: str | None = None
     prompt: Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1, max_length=1)], Annotated[list[TokenId], Field(min_length=1)]]
-    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = 16  # OpenAI's default
+    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # None: COMPLETIONS_DEFAULT_MAX_TOKENS
     n: Literal[1] = 1
     echo: Literal[False] = False
     logprobs: None = None

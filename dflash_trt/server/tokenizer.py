@@ -1,0 +1,47 @@
+"""A tokenizer whose calls never overlap: request threads encode while the worker thread decodes.
+
+Hugging Face fast tokenizers raise "Already borrowed" when one thread changes their state
+(truncation / padding) while another encodes, so each call holds a lock. The calls are short;
+the engines need no lock at all (only the orchestrator's worker thread runs them).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+SERIALIZED = ("encode", "decode", "batch_decode", "apply_chat_template", "convert_ids_to_tokens", "__call__")
+
+
+class SerializedTokenizer:
+    """Wraps a tokenizer: the methods in SERIALIZED run one at a time; every other attribute passes through."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self._lock = tokenizer, threading.Lock()
+
+    def __getattr__(self, name):
+        value = getattr(self._tokenizer, name)
+        if name not in SERIALIZED:
+            return value
+
+        def serialized(*args, **kwargs):
+            with self._lock:
+                return value(*args, **kwargs)
+
+        return serialized
+
+    def __call__(self, *args, **kwargs):
+        with self._lock:
+            return self._tokenizer(*args, **kwargs)
+
+    def __len__(self):
+        return len(self._tokenizer)
+
+
+def with_serialized_tokenizer(decoder):
+    """A shallow copy of `decoder` (same engines) whose tokenizer is a SerializedTokenizer."""
+    if decoder.tokenizer is None or isinstance(decoder.tokenizer, SerializedTokenizer):
+        return decoder
+    served = copy.copy(decoder)
+    served.tokenizer = SerializedTokenizer(decoder.tokenizer)
+    return served

@@ -13,6 +13,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 DEMO_DIR = Path(os.environ.get("DFLASH_TRT_MODELS", REPO_ROOT / "models"))
 DEMO_TARGET = DEMO_DIR / "target"
 DEMO_DRAFTER = DEMO_DIR / "drafter"
+DEMO_MODELS_HINT = ".venv/bin/python scripts/make_demo_models.py"  # what builds DEMO_DIR's models
 
 
 # Each command group lives beside its code and registers itself: `register(subparsers)`.
@@ -65,13 +66,14 @@ def _token_ids(text: str) -> list[int]:
     return ids
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     p.add_argument("--target", type=Path, default=DEMO_TARGET,
                    help=f"Hugging Face target checkpoint directory (default: demo model {DEMO_TARGET})")
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
                    help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="weights dtype for the PyTorch engines (default: float32, right for CPU)")
+    if dtype:  # commands that build engines choose their own precision
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="weights dtype for the PyTorch engines (default: float32, right for CPU)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -158,7 +160,7 @@ def _load(target: Path, drafter: Path | None, dtype: str):
     from .loading import load_decoder
 
     if not target.is_dir():
-        hint = " (the demo models are made by `make models`)" if target == DEMO_TARGET else ""
+        hint = f" (the demo models are made by `{DEMO_MODELS_HINT}`)" if target == DEMO_TARGET else ""
         raise CliError(f"target directory not found: {target}{hint}")
     if drafter is not None and not drafter.is_dir():
         raise CliError(f"drafter directory not found: {drafter} (use --no-draft to run the target alone)")
@@ -172,20 +174,11 @@ def _load_engines(engines: Path, dtype: str, no_draft: bool):
     from .config import ConfigError
     from .loading import load_decoder_from_engines
     from .runtime.base import EngineUnavailable
-    from .spec import SpeculativeDecoder
 
-    try:
-        decoder = load_decoder_from_engines(engines, dtype)
+    try:  # --no-draft: the drafter is not even loaded (a TensorRT drafter cannot load on a CPU machine)
+        return load_decoder_from_engines(engines, dtype, draft=not no_draft)
     except (ConfigError, EngineUnavailable, FileNotFoundError, KeyError, ValueError, OSError) as e:
         raise CliError(f"engines {engines}: {e}") from None
-    if no_draft:  # the same target engine, alone
-        from .runtime.torch_backend import TorchTargetEngine
-
-        target = decoder.target
-        if isinstance(target, TorchTargetEngine):
-            target = TorchTargetEngine(target.model)
-        return SpeculativeDecoder(target, None, decoder.tokenizer)
-    return decoder
 
 
 def main(argv: list[str] | None = None) -> int:

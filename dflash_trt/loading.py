@@ -33,30 +33,27 @@ def load_decoder(
     return SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
 
 
-def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32") -> SpeculativeDecoder:
-    """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section."""
-    import json
+def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", draft: bool = True) -> SpeculativeDecoder:
+    """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section.
 
+    draft=False loads the target alone (the drafter engine is not touched).
+    """
+    from .build.engines import serving_sources
     from .runtime import registry
 
     engines_dir = Path(engines_dir)
-    path = engines_dir / "manifest.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"no manifest.json in {engines_dir}: build the engines with `make engines`")
-    manifest = json.loads(path.read_text())
-    engines, serve = manifest["engines"], manifest["serve"]
-    drafter_entry, target_entry = engines[serve["drafter"]], engines[serve["target"]]
-    checkpoint = manifest["sources"]["target"]["path"]
-    tokenizer = load_tokenizer(checkpoint)
-
-    drafter_dir = engines_dir / drafter_entry["dir"]
-    if drafter_entry["backend"] == "onnxruntime":
-        drafter = registry.drafter_engine("onnxruntime", drafter_dir, drafter_entry.get("serve_precision", "fp32"))
+    src = serving_sources(engines_dir)
+    tokenizer = load_tokenizer(src.tokenizer_dir)
+    drafter = None
+    if draft:
+        backend = src.drafter["backend"]
+        if backend == "onnxruntime":
+            drafter = registry.drafter_engine(backend, src.drafter_dir, src.drafter.get("serve_precision", "fp32"))
+        else:
+            drafter = registry.drafter_engine(backend, src.drafter_dir)
+    if src.target["backend"] == "torch":
+        model = load_target(src.target_dir, DTYPES[dtype])
+        target = TorchTargetEngine(model, drafter.feature_layer_ids if drafter is not None else ())
     else:
-        drafter = registry.drafter_engine(drafter_entry["backend"], drafter_dir)
-    if target_entry["backend"] == "torch":
-        model = load_target(target_entry["checkpoint"], DTYPES[dtype])
-        target = TorchTargetEngine(model, drafter.feature_layer_ids)
-    else:
-        target = registry.target_engine(target_entry["backend"], engines_dir / target_entry["dir"])
+        target = registry.target_engine(src.target["backend"], src.target_dir)
     return SpeculativeDecoder(target, drafter, tokenizer)

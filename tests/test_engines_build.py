@@ -2,12 +2,15 @@
 rebuild on changed inputs, clear skips, and `generate --engines` equal to the target alone."""
 
 import json
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from dflash_trt.build.engines import EnginesConfigError, build_engines, read_config
+from dflash_trt.build.engines import EnginesConfigError, build_engines, read_config, serving_sources
+from dflash_trt.cli import DEMO_MODELS_HINT, _load_engines
 from dflash_trt.build.hashing import tree_sha256
 from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
@@ -89,7 +92,7 @@ def test_config_errors_are_clear(tmp_path, checkpoints):
     with pytest.raises(EnginesConfigError, match="block_size must be 0"):
         read_config(config_file(tmp_path, checkpoints, block_size=1), tmp_path)
     cfg = read_config(None, tmp_path, {"target": tmp_path / "nope", "drafter": checkpoints / "drafter"})
-    with pytest.raises(EnginesConfigError, match="target checkpoint not found.*make models"):
+    with pytest.raises(EnginesConfigError, match="target checkpoint not found.*" + re.escape(DEMO_MODELS_HINT)):
         build_engines(cfg, log=lambda *_: None)
 
 
@@ -113,3 +116,45 @@ def test_cli_engines_then_generate_equals_target_alone(tmp_path, checkpoints):
 
     missing = subprocess.run(cli + args + ["--engines", str(tmp_path / "none")], capture_output=True, text=True)
     assert missing.returncode == 1 and "make engines" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_engines_folder_moves_with_its_checkpoints(tmp_path, checkpoints):
+    """Paths in the manifest are relative to it: a repo moved (or mounted in Docker) still loads; old
+    manifests with absolute paths still load; --no-draft never loads the drafter."""
+    from dflash_trt.loading import load_decoder_from_engines
+    from dflash_trt.spec import GenerationConfig, SpeculativeDecoder
+
+    repo = tmp_path / "repo"
+    shutil.copytree(checkpoints, repo / "models")
+    cfg = read_config(None, repo, {"target": "models/target", "drafter": "models/drafter", "output": "engines"})
+    manifest, _ = build_engines(cfg, log=lambda *_: None)
+    assert manifest["sources"]["target"]["path"] == "../models/target"
+    assert manifest["engines"]["target_torch"]["checkpoint"] == "../models/target"
+
+    moved = tmp_path / "elsewhere"
+    repo.rename(moved)
+    src = serving_sources(moved / "engines")
+    assert src.target_dir == src.tokenizer_dir == moved / "models" / "target"
+    assert src.drafter_dir == moved / "engines" / "drafter-onnx"
+    decoder = load_decoder_from_engines(moved / "engines")
+    prompt, config = [3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=16)
+    got = decoder.generate(prompt, config)
+    expected = SpeculativeDecoder(decoder.target).generate(prompt, config).token_ids
+    assert got.token_ids == expected and got.stats.drafted_tokens > 0
+
+    # a manifest written before paths were relative: absolute paths are read as they are
+    path = moved / "engines" / "manifest.json"
+    old = json.loads(path.read_text())
+    old["sources"]["target"]["path"] = old["engines"]["target_torch"]["checkpoint"] = str(moved / "models" / "target")
+    # ... and serving a TensorRT drafter, which cannot load here: --no-draft must not try
+    old["engines"]["drafter_tensorrt"] = {"backend": "tensorrt", "role": "drafter", "dir": "drafter-tensorrt"}
+    old["serve"]["drafter"] = "drafter_tensorrt"
+    path.write_text(json.dumps(old))
+    assert serving_sources(moved / "engines").target_dir == moved / "models" / "target"
+    alone = _load_engines(moved / "engines", "float32", no_draft=True)
+    assert alone.drafter is None
+    assert alone.generate(prompt, config).token_ids == expected
+
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a manifest `make engines` wrote"):
+        serving_sources(moved / "engines")

@@ -11,7 +11,7 @@ import torch
 
 from dflash_trt.export.onnx_drafter import (
     FP16_GRAPH_FILE, GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, DrafterGraphMeta, DrafterRound, example_inputs,
-    export_drafter, export_from_checkpoints,
+    export_from_checkpoints,
 )
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
@@ -125,19 +125,32 @@ def test_greedy_generation_with_ort_drafter_equals_target_alone(exported, precis
             assert got.stats.acceptance_lengths == torch_spec.generate(prompt, cfg).stats.acceptance_lengths
 
 
-def test_export_leaves_the_callers_drafter_alone(exported, tmp_path):
-    """The benchmark exports a live bf16 engine's drafter: the export must not turn it to fp32 (or eval mode)."""
+def test_bench_export_leaves_the_live_drafter_alone_and_cleans_up(exported, tmp_path):
+    """The benchmark exports its live bf16 engine's drafter to a scratch folder: the export must not turn
+    that drafter to fp32 (or change its mode), and the scratch folder must go when the engine goes."""
+    import gc
+
+    from dflash_trt.bench.runner import BenchSettings, ort_drafter
+
     family, _, _, model, drafter = exported
     if family != "qwen3":
         pytest.skip("the export path does not depend on the family; one export is enough")
     live = copy.deepcopy(drafter).to(torch.bfloat16).train()
     embed = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
-    export_drafter(live, embed, head, tmp_path, fp16=False)
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    decoder = SpeculativeDecoder(target, TorchDrafterEngine(live, embed, head))
+    live.train()  # TorchDrafterEngine set eval(); train() makes a mode change by the export visible
+    engine = ort_drafter(decoder, BenchSettings(target=tmp_path, drafter=None, ar_draft=None, out=tmp_path))
     assert {p.dtype for p in live.parameters()} == {torch.bfloat16}
     assert live.training
     assert embed.dtype == head.dtype == torch.bfloat16
-    assert OrtDrafterEngine(tmp_path).session.get_inputs()[1].type == "tensor(float)"  # the graph itself is fp32
+    assert engine.session.get_inputs()[1].type == "tensor(float)"  # the graph itself is fp32
+    folder = engine.folder
+    assert (folder / "drafter.onnx").is_file() and folder.name.startswith("dflash-bench-onnx-")
+    del engine
+    gc.collect()
+    assert not folder.exists()
 
 
 def test_drafter_context_limit_is_checked_up_front(exported):

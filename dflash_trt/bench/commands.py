@@ -88,7 +88,7 @@ def register(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..cli import CliError
+    from ..cli import DEMO_MODELS_HINT, CliError
     from ..config import ConfigError
     from .report import markdown, plot, write_json
     from .runner import BenchError, BenchSettings, run_benchmark
@@ -98,7 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             setattr(args, key, value)
     if not args.target.is_dir():
         raise CliError(f"target directory not found: {args.target} (the demo models come from "
-                       "scripts/make_demo_models.py; or pass --target/--drafter/--ar-draft)")
+                       f"`{DEMO_MODELS_HINT}`; or pass --target/--drafter/--ar-draft)")
     wants_drafter = args.profile or {"dflash-torch", "dflash-ort"} & set(args.methods)
     if wants_drafter and not args.drafter.is_dir():
         raise CliError(f"drafter directory not found: {args.drafter} (leave dflash-* out of --methods to skip DFlash)")

@@ -141,11 +141,15 @@ def ort_drafter(decoder, s: BenchSettings):
     if folder is None:
         from ..export.onnx_drafter import export_drafter
 
-        folder = Path(tempfile.mkdtemp(prefix="dflash-bench-onnx-"))
+        scratch = tempfile.TemporaryDirectory(prefix="dflash-bench-onnx-")
+        folder = Path(scratch.name)
         d = decoder.drafter
         export_drafter(d.drafter, d.embed_weight, d.lm_head_weight, folder, fp16=False)
     engine = OrtDrafterEngine(folder, "fp32", threads=s.threads)
     engine.folder = Path(folder)
+    # The scratch export lives as long as the engine (run_benchmark removes it at the end; failing that,
+    # TemporaryDirectory's finalizer does when the engine goes or the process exits).
+    engine.scratch = scratch if s.onnx_drafter is None else None
     return engine
 
 
@@ -277,6 +281,9 @@ def run_benchmark(s: BenchSettings) -> dict:
     for t in (timer, assistant_timer):
         if t is not None:
             t.remove()
+    for d in drafters.values():
+        if getattr(d, "scratch", None) is not None:
+            d.scratch.cleanup()
     return report
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from ..cli import DEMO_DRAFTER, DEMO_TARGET, REPO_ROOT, _positive_int
+    from ..cli import REPO_ROOT, _add_model_args, _positive_int
 
     p = sub.add_parser(
         "export-drafter", help="export the drafter round (with the target's embedding and lm_head) to ONNX",
@@ -15,9 +15,7 @@ def register(sub) -> None:
         "weight files and drafter.json into OUT. One graph: block token ids -> embedding -> drafter layers -> "
         "target lm_head -> argmax, with the drafter's context KV cache as explicit inputs and outputs.",
     )
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter checkpoint (default {DEMO_DRAFTER})")
-    p.add_argument("--target", type=Path, default=DEMO_TARGET,
-                   help=f"target checkpoint: supplies the embedding table and lm_head (default {DEMO_TARGET})")
+    _add_model_args(p, dtype=False)  # the target supplies the embedding table and lm_head
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--no-fp16", action="store_true", help="skip the fp16 graph")
     p.set_defaults(func=cmd_export_drafter)
@@ -45,10 +43,9 @@ def register(sub) -> None:
         "external draft tokens (max_draft_len = block size - 1), paged context FMHA and the drafter's feature "
         "layers marked as outputs. --dry-run prints the planned commands and rank files without running them.",
     )
-    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"HF target checkpoint (default {DEMO_TARGET})")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
-                   help="drafter checkpoint: gives the feature layers and the block size")
-    p.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=1, help="tensor-parallel size = GPUs (default 1)")
+    _add_model_args(p, dtype=False)  # the drafter gives the feature layers and the block size
+    p.add_argument("--tp", type=_positive_int, choices=[1, 2, 4, 8], default=1,
+                   help="tensor-parallel size = GPUs (default 1)")
     p.add_argument("--out", type=Path, required=True, help="output folder (checkpoint/ and engine/ inside)")
     p.add_argument("--block-size", type=_positive_int, default=None, help="default: the drafter's trained block size")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="engine dtype (default float16)")
@@ -70,7 +67,8 @@ def register(sub) -> None:
     p.add_argument("--target", type=Path, default=None, help="override the config's target checkpoint")
     p.add_argument("--drafter", type=Path, default=None, help="override the config's drafter checkpoint")
     p.add_argument("--out", type=Path, default=None, help="override the config's output folder")
-    p.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=None, help="override the config's tp size")
+    p.add_argument("--tp", type=_positive_int, choices=[1, 2, 4, 8], default=None,
+                   help="override the config's tensor-parallel size (1, 2, 4 or 8)")
     p.set_defaults(func=cmd_engines)
 
 

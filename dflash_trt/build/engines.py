@@ -6,14 +6,16 @@
 
 Each step has a key: the sha256 of its inputs (checkpoint contents, settings, tool versions). A step
 whose key equals the manifest's and whose files are all present is skipped, so re-running with
-unchanged inputs does nothing. The manifest says which backend serves each role; the server and
-`generate --engines` load from it (loading.load_decoder_from_engines).
+unchanged inputs does nothing. The manifest says which backend serves each role; the server,
+`generate --engines` and the Triton repository read it through serving_sources(). Checkpoint paths in it
+are relative to its folder, so engines/ and the checkpoints can move together (a Docker mount).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tomllib
 from dataclasses import asdict, dataclass, field, fields
@@ -101,6 +103,47 @@ def step_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _relative_to(folder: Path, path: Path) -> str:
+    """`path` as the manifest stores it: relative to the manifest's folder, so engines/ and the checkpoints
+    can move together (another checkout, a Docker mount)."""
+    return os.path.relpath(path.resolve(), folder.resolve())
+
+
+def resolve_manifest_path(engines_dir: Path, stored: str) -> Path:
+    """A path read from a manifest: relative ones are relative to its folder; absolute ones (older manifests) stay."""
+    return Path(os.path.normpath(Path(engines_dir) / stored))
+
+
+@dataclass(frozen=True)
+class ServingSources:
+    """What to load to serve a built engines folder: the manifest's `serve` choice, with paths resolved."""
+
+    drafter: dict  # the drafter's manifest entry ("backend", "dir", "serve_precision", ...)
+    drafter_dir: Path  # its engine folder
+    target: dict  # the target's manifest entry ("backend", ...)
+    target_dir: Path  # the checkpoint for the "torch" backend, else the engine folder
+    tokenizer_dir: Path  # the target checkpoint (engines carry no tokenizer)
+
+
+def serving_sources(engines_dir: str | Path) -> ServingSources:
+    """Read engines_dir/manifest.json's `serve` section (the one place that parses it for loading)."""
+    engines_dir = Path(engines_dir)
+    path = engines_dir / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST} in {engines_dir}: build the engines with `make engines`")
+    try:
+        manifest = json.loads(path.read_text())
+        engines, serve = manifest["engines"], manifest["serve"]
+        drafter, target = engines[serve["drafter"]], engines[serve["target"]]
+        checkpoint = manifest["sources"]["target"]["path"]
+        target_dir = (resolve_manifest_path(engines_dir, target["checkpoint"]) if target["backend"] == "torch"
+                      else engines_dir / target["dir"])
+        drafter_dir = engines_dir / drafter["dir"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a manifest `make engines` wrote ({type(e).__name__}: {e}): rebuild it") from None
+    return ServingSources(drafter, drafter_dir, target, target_dir, resolve_manifest_path(engines_dir, checkpoint))
+
+
 def read_manifest(out: Path) -> dict:
     path = out / MANIFEST
     if not path.is_file():
@@ -135,13 +178,14 @@ class BuildReport:
 
 
 def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
+    from ..cli import DEMO_MODELS_HINT
     from ..config import load_drafter_config
     from ..runtime.registry import unavailable_reason
 
     for role, path in (("target", cfg.target), ("drafter", cfg.drafter)):
         if not (path / "config.json").is_file():
             raise EnginesConfigError(
-                f"{role} checkpoint not found: {path} (the demo models come from `make models`; "
+                f"{role} checkpoint not found: {path} (the demo models come from `{DEMO_MODELS_HINT}`; "
                 f"point engines.toml's `{role}` at another checkpoint, e.g. .cache/tiny/{role} from `make demo`)"
             )
     out = cfg.output
@@ -149,9 +193,9 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
     previous = read_manifest(out).get("engines", {})
     report = BuildReport()
     log(f"hashing checkpoints {cfg.target} and {cfg.drafter} ...")
-    sources = {
-        "target": {"path": str(cfg.target.resolve()), "sha256": tree_sha256(cfg.target)},
-        "drafter": {"path": str(cfg.drafter.resolve()), "sha256": tree_sha256(cfg.drafter)},
+    sources = {  # paths relative to `out` (resolve_manifest_path reads them back)
+        "target": {"path": _relative_to(out, cfg.target), "sha256": tree_sha256(cfg.target)},
+        "drafter": {"path": _relative_to(out, cfg.drafter), "sha256": tree_sha256(cfg.drafter)},
     }
     _, spec = load_drafter_config(cfg.drafter)
     block_size = cfg.block_size or spec.block_size

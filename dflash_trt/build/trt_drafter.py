@@ -5,7 +5,8 @@ Precision per TensorRT major version:
   11.x  strongly typed only (BuilderFlag.FP16 is gone): the fp16 graph, whose casts fix every type
 Every dynamic input gets a profile (block length, new-context length, cache length). A plan only
 loads on the TensorRT version and GPU it was built for, so the manifest beside it records both.
-Not runnable on machines without TensorRT; `tensorrt` is imported only inside these functions.
+Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here); tests
+drive it with a fake `tensorrt` module (tests/fake_tensorrt.py). `tensorrt` is imported only inside these functions.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 One `rank{r}.safetensors` per rank from `<Cls>.from_hugging_face(model_dir, dtype, mapping=Mapping(
 world_size=tp, rank=r, tp_size=tp))`, `save_checkpoint(out, save_config=(r == 0))`, then the feature
 layers the engine must expose are recorded in config.json for trtllm_features.py to read at build.
+Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here).
 """
 
 from __future__ import annotations

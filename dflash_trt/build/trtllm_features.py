@@ -5,6 +5,7 @@ layers listed in the checkpoint config's `dflash_feature_layer_ids` are marked a
 `dflash_feature_{i}` ([num_tokens, hidden], the full hidden size on every tensor-parallel rank since
 each layer ends after its all-reduce). That is "the output of decoder layer i", the same convention
 as Hugging Face `hidden_states[i + 1]`. Pipeline parallelism is refused (layer ids would be local).
+Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here).
 """
 
 from tensorrt_llm.models import LLaMAForCausalLM, QWenForCausalLM

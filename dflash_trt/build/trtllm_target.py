@@ -10,6 +10,9 @@ subprocesses:
      draft_tokens_external --max_draft_len B-1`), paged context FMHA for KV reuse, context
      logits, and our model class (trtllm_features.py) that marks the outputs of the drafter's
      target layers as engine outputs `dflash_feature_{i}`.
+
+Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here); the
+planning half is tested, the subprocesses it plans are not.
 """
 
 from __future__ import annotations

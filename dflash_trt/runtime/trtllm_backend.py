@@ -11,12 +11,18 @@ The feature outputs `dflash_feature_{i}` exist only in engines built with our mo
 (trtllm_features.py); asking for them is `OutputConfig(additional_model_outputs=[
 AdditionalModelOutput(name, gather_context=True)])`. With tp > 1 run under `mpirun -n tp`:
 rank 0 drives the loop, the other ranks serve inside the Executor (leader mode).
-Not runnable here (no TensorRT-LLM, no GPU); written against tensorrt_llm.bindings.executor.
+
+Written against the real API (tensorrt_llm.bindings.executor), never run in this project (no TensorRT /
+TensorRT-LLM / GPU here). Two cases it guards without having seen them: reuse that also covers some of
+the new tokens (an identical sequence ran before) returns fewer than n rows, so the request is re-sent
+with a fresh `cache_salt_id` (no block can match it); context logits are [tokens, vocab_size_padded]
+(padded to a multiple of tp), so rows are sliced to the real vocabulary.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 from pathlib import Path
 
 import torch
@@ -79,23 +85,38 @@ class TrtllmTargetSession:
         return len(self.tokens)
 
     def forward(self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True) -> TargetOutput:
-        e, trtllm = self.engine, self.engine.trtllm
         new = [int(t) for t in token_ids.view(-1).tolist()]
+        n = len(new)
+        logits, feats = self._rows(self._request(self.tokens + new, features), n, features)
+        if logits is None:  # reuse covered new tokens too: once more, with a salt no cached block carries
+            logits, feats = self._rows(self._request(self.tokens + new, features, salt=secrets.randbits(63)), n, features)
+            if logits is None:
+                raise RuntimeError(f"TensorRT-LLM returned fewer than {n} rows for {n} new tokens even without KV reuse")
+        self.tokens.extend(new)
+        return TargetOutput(logits=logits[-1:] if last_logits_only else logits, features=feats)
+
+    def _request(self, tokens: list[int], features: bool, salt: int | None = None):
+        e, trtllm = self.engine, self.engine.trtllm
         request = trtllm.Request(
-            input_token_ids=self.tokens + new,
+            input_token_ids=tokens,
             max_tokens=1,  # the engine always samples one token; we read the context logits instead
             streaming=False,
             output_config=e.output_config if features else e.output_config_no_features,
+            cache_salt_id=salt,
         )
         request_id = e.executor.enqueue_request(request)
         response = e.executor.await_responses(request_id)[0]
         if response.has_error():
             raise RuntimeError(f"TensorRT-LLM request failed: {response.error_msg}")
-        result = response.result
-        logits = _as_torch(result.context_logits).float().view(-1, e.vocab_size)
-        n = len(new)
+        return response.result
+
+    def _rows(self, result, n: int, features: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The last n rows of the context logits (and features); (None, None) when fewer were computed."""
+        e = self.engine
+        raw = _as_torch(result.context_logits)
+        logits = raw.reshape(-1, raw.shape[-1])[:, : e.vocab_size]  # [tokens, vocab_size_padded] -> real vocab
         if logits.shape[0] < n:
-            raise RuntimeError(f"engine returned {logits.shape[0]} context-logit rows for {n} new tokens")
+            return None, None
         feats = None
         if features:
             by_name = {o.name: _as_torch(o.output) for o in result.additional_outputs or []}
@@ -104,11 +125,11 @@ class TrtllmTargetSession:
                 raise RuntimeError(
                     f"engine returned no {missing}: rebuild it with `dflash-trt build-target` (features marked as outputs)"
                 )
-            feats = torch.cat([by_name[name].view(-1, by_name[name].shape[-1])[-n:] for name in e.feature_outputs], -1)
-            feats = feats.float().cpu()
-        self.tokens.extend(new)
-        logits = logits[-n:].cpu()
-        return TargetOutput(logits=logits[-1:] if last_logits_only else logits, features=feats)
+            rows = [by_name[name].reshape(-1, by_name[name].shape[-1]) for name in e.feature_outputs]
+            if min(r.shape[0] for r in rows) < n:
+                return None, None
+            feats = torch.cat([r[-n:] for r in rows], -1).float().cpu()
+        return logits[-n:].float().cpu(), feats
 
     def rollback(self, length: int) -> None:
         if length > len(self.tokens):

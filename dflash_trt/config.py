@@ -134,10 +134,13 @@ def validate_against_target(config: Qwen3Config, spec: DFlashSpec, target_config
             f"hidden_size: drafter has {config.hidden_size}, target has {text.hidden_size}; "
             "the drafter must match its target's hidden size"
         )
-    bad = [i for i in spec.target_layer_ids if not 0 <= i < n_layers]
+    # The last layer is excluded: Hugging Face replaces its output in `hidden_states` by the
+    # final-normed state, while other engines expose the raw output, so backends would disagree.
+    bad = [i for i in spec.target_layer_ids if not 0 <= i < n_layers - 1]
     if bad:
         raise ConfigError(
-            f"dflash_config.target_layer_ids: {bad} out of range for a target with {n_layers} layers (valid: 0..{n_layers - 1})"
+            f"dflash_config.target_layer_ids: {bad} out of range for a target with {n_layers} layers "
+            f"(valid: 0..{n_layers - 2}; the last layer's output is not a usable feature)"
         )
     if spec.num_target_layers != n_layers:
         raise ConfigError(

@@ -91,6 +91,7 @@ def test_missing_weight_is_named(tmp_path):
     [
         (lambda c: c.update(hidden_size=32, head_dim=8), "hidden_size"),
         (lambda c: c["dflash_config"].update(target_layer_ids=[1, 7]), "target_layer_ids"),
+        (lambda c: c["dflash_config"].update(target_layer_ids=[1, 3]), "target_layer_ids"),  # last layer: normed in HF
         (lambda c: c.update(block_size=1), "block_size"),
         (lambda c: c["dflash_config"].pop("mask_token_id"), "mask_token_id"),
         (lambda c: c["dflash_config"].update(mask_token_id=500), "mask_token_id"),

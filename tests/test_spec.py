@@ -219,6 +219,8 @@ def test_length_limit_and_context_errors(tiny_pair):
         spec.start([], GenerationConfig())
     with pytest.raises(InputError, match="block_size"):
         spec.start([1], GenerationConfig(block_size=9))
+    with pytest.raises(InputError, match="no drafter"):
+        SpeculativeDecoder(TorchTargetEngine(model)).start([1], GenerationConfig(block_size=4))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1, top_p=0)
 

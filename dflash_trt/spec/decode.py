@@ -165,6 +165,8 @@ class Generation:
                 f"exceeds the {who}'s context length {limit}"
             )
         if cfg.block_size is not None:
+            if drafter is None and cfg.block_size != 1:
+                raise InputError(f"no drafter is loaded, so block_size must be 1, got {cfg.block_size}")
             limit = drafter.block_size if drafter is not None else 1
             if not 1 <= cfg.block_size <= limit:
                 raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient is part of the dev
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
-from triton_fixtures import tiny_text_pair  # noqa: E402
+from triton_fixtures import CHAT_PRE, add_chat_preprocessing, tiny_text_pair  # noqa: E402
 
 from dflash_trt.loading import load_decoder  # noqa: E402
 from dflash_trt.spec import GenerationConfig  # noqa: E402
@@ -47,7 +48,9 @@ def server(models):
     except TritonUnavailable as e:
         pytest.skip(f"no tritonserver on this machine: {e}")
     repo = write_repository(root / "repo", target=target, drafter=drafter)
+    chat_tokenizer = add_chat_preprocessing(repo)
     server = TritonServer(repo, log_path=root / "tritonserver.log")
+    server.chat_tokenizer = chat_tokenizer  # the chat preprocessing model's tokenizer folder
     try:
         server.start(timeout_s=240)
         yield server
@@ -172,3 +175,91 @@ def test_cli_client(server, reference, capsys):
     assert main(["triton-client", "--url", server.http_url, "--protocol", "http", "--prompt", "",
                  "--max-tokens", "3"]) == 1
     assert "text_input is empty" in capsys.readouterr().err
+
+
+def _target_call(client, sid: int, tokens: list[int], cache_length: int, release: bool = False):
+    inputs = []
+    for name, dtype, value in (("session_id", "UINT64", np.array([sid], np.uint64)),
+                               ("token_ids", "INT64", np.array(tokens, np.int64)),
+                               ("cache_length", "INT64", np.array([cache_length], np.int64)),
+                               ("release", "BOOL", np.array([release]))):
+        t = httpclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+    return client.infer("dflash_target", inputs)
+
+
+def test_target_session_released_or_expired_is_an_error(server):
+    """dflash_target never silently restarts an unknown session at position 0 (wrong logits)."""
+    client = httpclient.InferenceServerClient(server.http_url)
+    sid = 123456789
+    assert int(_target_call(client, sid, [5, 6, 7], 0).as_numpy("length")[0]) == 3
+    assert int(_target_call(client, sid, [8], 3).as_numpy("length")[0]) == 4
+    with pytest.raises(InferenceServerException, match="holds 4 cached tokens but its caller expects 9"):
+        _target_call(client, sid, [9], 9)
+    _target_call(client, sid, [], 0, release=True)
+    with pytest.raises(InferenceServerException, match=f"session expired: {sid} "):
+        _target_call(client, sid, [9], 4)
+    assert server.alive()
+
+
+def test_chat_template_preprocessing(server):
+    """chat_template on: the prompt is one user message rendered by the tokenizer's template (as the
+    HTTP server's chat route does), then encoded; before the fix this mode failed on every request."""
+    from transformers import AutoTokenizer
+
+    from dflash_trt.spec.prompting import chat_prompt_ids
+
+    tok = AutoTokenizer.from_pretrained(server.chat_tokenizer)
+    text = httpclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"def f"]], dtype=np.object_))
+    result = httpclient.InferenceServerClient(server.http_url).infer(CHAT_PRE, [text])
+    ids = result.as_numpy("input_ids")[0, : int(result.as_numpy("input_length")[0, 0])].tolist()
+    assert tok.decode(ids) == "<user>def f<assistant>"
+    assert ids == chat_prompt_ids(tok, [{"role": "user", "content": "def f"}])
+
+
+def _target_calls(client) -> int:
+    stats = client.get_inference_statistics("dflash_target", as_json=True)["model_stats"][0]["inference_stats"]
+    return sum(int(stats[k].get("count", 0)) for k in ("success", "fail"))
+
+
+def test_cancelled_stream_stops_the_loop(server, reference, models):
+    """A client that cancels its stream stops the BLS within a round: dflash_target gets no more calls
+    (without the is_cancelled check it ran on to max_tokens)."""
+    from transformers import AutoTokenizer
+
+    max_tokens = 160
+    expected = reference(PROMPTS[0], max_tokens)
+    assert expected.finish_reason == "length" and expected.stats.rounds >= 40  # a long run to cut short
+    ids = AutoTokenizer.from_pretrained(models[1]).encode(PROMPTS[0], add_special_tokens=False)
+    inputs = []
+    for name, dtype, value in (("input_ids", "INT64", np.array([ids], np.int64)),
+                               ("input_length", "INT32", np.array([[len(ids)]], np.int32)),
+                               ("max_tokens", "INT32", np.array([[max_tokens]], np.int32)),
+                               ("stream", "BOOL", np.array([[True]]))):
+        t = grpcclient.InferInput(name, list(value.shape), dtype)
+        t.set_data_from_numpy(value)
+        inputs.append(t)
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    before = _target_calls(client)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer("dflash_bls", inputs)
+        for _ in range(2):
+            result, error = responses.get(timeout=60)
+            assert error is None, error
+    finally:
+        client.stop_stream(cancel_requests=True)
+    calls, deadline = _target_calls(client), time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until the target is idle
+        time.sleep(1.0)
+        now = _target_calls(client)
+        if now == calls:
+            break
+        calls = now
+    client.close()
+    print(f"target calls after cancelling: {calls - before} of {expected.stats.rounds} rounds")
+    assert calls - before < expected.stats.rounds // 2, (calls - before, expected.stats.rounds)
+    assert server.alive()

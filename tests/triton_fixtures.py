@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 from helpers import make_tokenizer
 
 from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+
+# A tiny Jinja chat template, so tests can tell a rendered chat prompt from plain text.
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_PRE = "preprocessing_chat"
 
 
 def tiny_text_pair(root: Path) -> tuple[Path, Path]:
@@ -16,3 +22,22 @@ def tiny_text_pair(root: Path) -> tuple[Path, Path]:
     tok.save_pretrained(root / "target")
     make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
     return root / "target", root / "drafter"
+
+
+def add_chat_preprocessing(repo: Path) -> Path:
+    """Beside the repository's `preprocessing`, the same model as `preprocessing_chat` with
+    `chat_template: "true"` and a tokenizer that has CHAT_TEMPLATE. Returns that tokenizer's folder."""
+    from transformers import AutoTokenizer
+
+    from dflash_trt.triton.config import parse_config, write_config
+
+    shutil.copytree(repo / "preprocessing", repo / CHAT_PRE)
+    cfg = parse_config(repo / CHAT_PRE / "config.pbtxt")
+    cfg.name = CHAT_PRE
+    cfg.parameters["chat_template"].string_value = "true"
+    write_config(repo / CHAT_PRE, cfg)
+    tok_dir = repo / CHAT_PRE / "1" / "tokenizer"
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(tok_dir)
+    return tok_dir

@@ -23,6 +23,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..spec import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
+from ..spec import prompting
 from .metrics import ServerMetrics
 from .scheduler import ErrorEvent, Job, Orchestrator, QueueFull, RoundEvent, ShuttingDown
 from .schemas import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, GenerateRequest,
@@ -463,16 +464,10 @@ def _add_routes(app: FastAPI, server: Server) -> None:
         return _stream(job, on_round, lambda err: err.body, done_marker=True)
 
 
-FALLBACK_CHAT_FORMAT = "{role}: {content}\n"  # per message, then "assistant:" (tokenizers without a chat template)
-
-
 def chat_prompt_ids(decoder, messages: list[dict]) -> list[int]:
-    """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`."""
+    """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`
+    (dflash_trt.spec.prompting, shared with the Triton preprocessing model)."""
     tok = decoder.tokenizer
     if tok is None:
         raise InputError("chat needs a tokenizer; this target has none (use /v1/completions with token ids)")
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = "".join(FALLBACK_CHAT_FORMAT.format(**m) for m in messages) + "assistant:"
-    return list(tok.encode(text, add_special_tokens=False))
+    return prompting.chat_prompt_ids(tok, messages)

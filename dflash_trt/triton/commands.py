@@ -24,7 +24,7 @@ def register(sub) -> None:
     p.add_argument("--default-max-tokens", type=int, default=64, help="max_tokens when a request gives none (default 64)")
     p.add_argument("--chat-template", action="store_true", help="wrap each prompt in the tokenizer's chat template")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads per model instance (0: library default)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device of the PyTorch target (default cpu)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device of the PyTorch target (default cpu; cuda is written for but never run in this project: no GPU here)")
     p.add_argument("--symlink-weights", action="store_true",
                    help="link checkpoints and drafter graphs instead of copying them (saves disk; the repository "
                         "then only works on this machine)")

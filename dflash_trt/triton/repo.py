@@ -8,6 +8,10 @@
     dflash_drafter   tensorrt_plan when a TensorRT plan was built, else the ONNX graph via onnxruntime (python)
     dflash_target    python: PyTorch target (CPU) or TensorRT-LLM (GPU); per-sequence KV cache by session id
 
+Served and tested in this project: the CPU path (PyTorch target, ONNX Runtime drafter). The
+`tensorrt_plan` drafter, the TensorRT-LLM target and `device: cuda` are written against the real
+APIs, never run in this project: no GPU/TensorRT here (the tests check their configs only).
+
 Sources: an engines folder (`make engines`, read through engines/manifest.json) or a target and a
 drafter checkpoint (the drafter is exported to ONNX here). Configs are built as ModelConfig
 messages (dflash_trt.triton.config) and the whole repository is validated before returning.
@@ -143,6 +147,7 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
     version = repo / DRAFTER / "1"
     version.mkdir(parents=True)
     if src.drafter_backend == "tensorrt":
+        # Written against Triton's tensorrt_plan platform, never run in this project: no GPU/TensorRT here.
         from ..build.trt_drafter import PLAN_FILE
 
         _copy(src.drafter_dir / PLAN_FILE, version / "model.plan", opt.symlink_weights)
@@ -165,12 +170,14 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids)
     version.mkdir(parents=True)
     _copy(src.target_dir, version / "target", opt.symlink_weights)
     (version / "model.py").write_text(shim("target"))
+    # tensorrt_llm and device "cuda": written against the real APIs, never run in this project (no GPU/TensorRT here).
     gpu = src.target_backend == "tensorrt_llm" or opt.device == "cuda"
     params = {"backend": src.target_backend, "engine_dir": "target", "device": opt.device,
               "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600"}
     # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls).
     cfg = model_config(TARGET, backend="python", instance_kind="KIND_GPU" if gpu else "KIND_CPU", instance_count=1,
                        inputs=[tensor("session_id", "TYPE_UINT64", [1]), tensor("token_ids", "TYPE_INT64", [-1]),
+                               tensor("cache_length", "TYPE_INT64", [1]),
                                tensor("rollback_to", "TYPE_INT64", [1], optional=True),
                                tensor("last_logits_only", "TYPE_BOOL", [1], optional=True),
                                tensor("want_features", "TYPE_BOOL", [1], optional=True),

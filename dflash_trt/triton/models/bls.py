@@ -36,14 +36,21 @@ class Job:
 
     def __init__(self, request, generations, stream: bool):
         self.request, self.generations, self.stream = request, generations, stream
+        self.closed = False
 
     @property
     def done(self) -> bool:
         return all(g.done for g in self.generations)
 
+    def cancelled(self) -> bool:
+        return bool(self.request.is_cancelled())
+
     def close(self) -> None:
-        for g in self.generations:
-            g.target_session.close()
+        """Release the target sessions now (idempotent; their TTL is only the last resort)."""
+        if not self.closed:
+            self.closed = True
+            for g in self.generations:
+                g.target_session.close()
 
 
 class TritonPythonModel:
@@ -95,10 +102,14 @@ class TritonPythonModel:
         senders = [r.get_response_sender() for r in requests] if self.decoupled else []
 
         def finish(i: int, response) -> None:
-            if self.decoupled:
-                senders[i].send(response, flags=final)
-            else:
+            """The request's last response. Never raises: a client that is gone cannot be told more."""
+            if not self.decoupled:
                 results[i] = response
+                return
+            try:
+                senders[i].send(response, flags=final)
+            except Exception:  # noqa: BLE001
+                pass
 
         for i, request in enumerate(requests):
             try:
@@ -106,25 +117,38 @@ class TritonPythonModel:
             except (InputError, ValueError, TypeError) as e:
                 finish(i, error_response(f"dflash_bls: {e}"))
                 continue
+            except Exception as e:  # noqa: BLE001 - e.g. the target unreachable: this request fails, not the batch
+                finish(i, error_response(f"dflash_bls: {type(e).__name__}: {e}"))
+                continue
             jobs.append((i, job))
+        started = [job for _, job in jobs]
         # Round-robin: one verified round of every live sequence per pass.
         totals = {i: [0] * len(job.generations) for i, job in jobs}
-        while jobs:
-            still = []
-            for i, job in jobs:
-                try:
-                    new = [len(g.step().token_ids) if not g.done else 0 for g in job.generations]
-                except Exception as e:  # noqa: BLE001 - one failing request must not stop the others
-                    job.close()
-                    finish(i, error_response(f"dflash_bls: {type(e).__name__}: {e}"))
-                    continue
-                totals[i] = [a + b for a, b in zip(totals[i], new)]
-                if job.done:
-                    job.close()
-                    finish(i, self._response(job, new if job.stream else totals[i]))
-                    continue
-                if job.stream and any(new):
-                    senders[i].send(self._response(job, new))
-                still.append((i, job))
-            jobs = still
+        try:
+            while jobs:
+                still = []
+                for i, job in jobs:
+                    # Everything one job does in a pass, sending included, is in here: whatever fails
+                    # ends that job (sessions released, error + FINAL sent) and only that job.
+                    try:
+                        if job.cancelled():  # the client went away: stop spending rounds on it
+                            job.close()
+                            finish(i, error_response("dflash_bls: request cancelled", cancelled=True))
+                            continue
+                        new = [len(g.step().token_ids) if not g.done else 0 for g in job.generations]
+                        totals[i] = [a + b for a, b in zip(totals[i], new)]
+                        if job.done:
+                            job.close()
+                            finish(i, self._response(job, new if job.stream else totals[i]))
+                            continue
+                        if job.stream and any(new):
+                            senders[i].send(self._response(job, new))
+                        still.append((i, job))
+                    except Exception as e:  # noqa: BLE001 - one failing request must not stop the others
+                        job.close()
+                        finish(i, error_response(f"dflash_bls: {type(e).__name__}: {e}"))
+                jobs = still
+        finally:  # even if something escaped the loop, no session outlives this call
+            for job in started:
+                job.close()
         return None if self.decoupled else [results[i] for i in range(len(requests))]

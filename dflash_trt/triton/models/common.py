@@ -40,7 +40,10 @@ def scalar(request, name: str, default, rows: int) -> list:
     return [v.item() for v in flat]
 
 
-def error_response(message: str):
+def error_response(message: str, cancelled: bool = False):
+    if cancelled:  # Triton's CANCELLED status (python backend >= 23.10), so clients see a cancellation
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+            message, pb_utils.TritonError.CANCELLED))
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 

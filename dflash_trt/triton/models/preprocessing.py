@@ -1,13 +1,15 @@
 """`preprocessing`: text_input [N, 1] -> input_ids [N, L] (padded) + input_length [N, 1].
 
 Encodes as `dflash-trt generate --prompt` does (no special tokens); with the parameter
-`chat_template: "true"` the text is wrapped as one user message by the tokenizer's chat template.
+`chat_template: "true"` the text is one user message rendered by the tokenizer's chat template
+(dflash_trt.spec.prompting, as the HTTP server's /v1/chat/completions does).
 """
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
+from ...spec.prompting import chat_prompt_ids
 from ..bls import pad_rows
 from .common import error_response, get, load_config, resolve
 
@@ -25,9 +27,8 @@ class TritonPythonModel:
             raise RuntimeError("chat_template is on but the tokenizer has no chat template")
 
     def encode(self, text: str) -> list[int]:
-        if self.chat:
-            return list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
-                                                           add_generation_prompt=True))
+        if self.chat:  # the HTTP server's chat route renders prompts the same way
+            return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def execute(self, requests):

@@ -1,41 +1,24 @@
 """`dflash_target`: the target engine, with each sequence's KV cache kept here under its session_id.
 
-Inputs: session_id UINT64 [1], token_ids INT64 [-1], rollback_to INT64 [1] (-1: none; applied
-before the forward), last_logits_only / want_features / release BOOL [1].
+Inputs: session_id UINT64 [1], token_ids INT64 [-1], cache_length INT64 [1] (the tokens the caller
+holds cached, after rollback; 0 starts a session, see dflash_trt.triton.bls), rollback_to INT64 [1]
+(-1: none; applied before the forward), last_logits_only / want_features / release BOOL [1].
 Outputs: logits FP32 [-1, -1], features FP32 [-1, -1] ([0, 0] when not asked for), length INT64 [1].
-Backends: the PyTorch target (CPU, or CUDA with `device: cuda`) or TensorRT-LLM (`backend:
-tensorrt_llm`, GPU). One instance only: sessions live in this process (see dflash_trt.triton.bls).
+Backends: the PyTorch target on CPU, served and tested here. `device: cuda` and `backend:
+tensorrt_llm` (through dflash_trt.runtime.registry) are written against the real APIs but never run
+in this project: no GPU/TensorRT here. One instance only: sessions live in this process.
 """
 
 from __future__ import annotations
 
 import json
-import time
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ..bls import TARGET_INPUTS, TargetSessions, serve_target
 from .common import error_response, get, load_config, resolve
-
-
-class TargetSessions:
-    """session_id -> TargetSession, with idle eviction."""
-
-    def __init__(self, engine, ttl_s: float):
-        self.engine, self.ttl_s = engine, ttl_s
-        self.sessions: dict[int, tuple[object, float]] = {}
-
-    def get(self, session_id: int):
-        now = time.monotonic()
-        for sid in [s for s, (_, used) in self.sessions.items() if now - used > self.ttl_s]:
-            del self.sessions[sid]
-        session = self.sessions[session_id][0] if session_id in self.sessions else self.engine.new_session()
-        self.sessions[session_id] = (session, now)
-        return session
-
-    def release(self, session_id: int) -> None:
-        self.sessions.pop(session_id, None)
 
 
 class TritonPythonModel:
@@ -64,30 +47,8 @@ class TritonPythonModel:
 
     def _one(self, request):
         try:
-            sid = int(get(request, "session_id").reshape(-1)[0])
-            flag = lambda name: bool(get(request, name, np.array([False])).reshape(-1)[0])  # noqa: E731
-            if flag("release"):
-                self.sessions.release(sid)
-                return self._response(np.zeros((0, 0), np.float32), None, 0)
-            session = self.sessions.get(sid)
-            rollback_to = int(get(request, "rollback_to", np.array([-1])).reshape(-1)[0])
-            if rollback_to >= 0:
-                session.rollback(rollback_to)
-            ids = torch.from_numpy(np.array(get(request, "token_ids"), dtype=np.int64).reshape(-1))
-            out = session.forward(ids, last_logits_only=flag("last_logits_only"), features=flag("want_features"))
-            return self._response(out.logits, out.features, session.length)
+            inputs = {name: a for name in TARGET_INPUTS if (a := get(request, name)) is not None}
+            out = serve_target(self.sessions, inputs)
+            return pb_utils.InferenceResponse([pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in out.items()])
         except Exception as e:  # noqa: BLE001 - report to the caller, keep serving
             return error_response(f"dflash_target: {type(e).__name__}: {e}")
-
-    @staticmethod
-    def _response(logits, features, length: int):
-        def arr(t):
-            if t is None:
-                return np.zeros((0, 0), np.float32)
-            return t.detach().float().cpu().numpy() if isinstance(t, torch.Tensor) else t
-
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("logits", np.ascontiguousarray(arr(logits), dtype=np.float32)),
-            pb_utils.Tensor("features", np.ascontiguousarray(arr(features), dtype=np.float32)),
-            pb_utils.Tensor("length", np.array([length], dtype=np.int64)),
-        ])

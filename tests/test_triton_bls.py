@@ -4,6 +4,8 @@ transport (tritonserver) is covered by test_triton_server.py."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 from triton_fixtures import tiny_text_pair
@@ -46,7 +48,7 @@ def remote_decoder(parts, clock=None):
 
     meta = DrafterGraphMeta.read(onnx_dir)
     target = RemoteTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
-    drafter = RemoteDrafterEngine(infer, "dflash_drafter", __import__("json").loads(meta.to_json()))
+    drafter = RemoteDrafterEngine(infer, "dflash_drafter", json.loads(meta.to_json()))
     decoder = SpeculativeDecoder(target, drafter, load_tokenizer(target_dir))
     decoder.calls = calls
     return decoder, sessions

@@ -60,15 +60,12 @@ def shim(module: str) -> str:
 
 
 def sources_from_engines(engines_dir: Path) -> Sources:
-    manifest_path = engines_dir / "manifest.json"
-    if not manifest_path.is_file():
+    from ..build.engines import serving_sources
+
+    if not (engines_dir / "manifest.json").is_file():
         raise FileNotFoundError(f"no manifest.json in {engines_dir}: build the engines with `make engines`")
-    manifest = json.loads(manifest_path.read_text())
-    engines, serve = manifest["engines"], manifest["serve"]
-    drafter, target = engines[serve["drafter"]], engines[serve["target"]]
-    target_dir = Path(target["checkpoint"]) if target["backend"] == "torch" else engines_dir / target["dir"]
-    return Sources(Path(manifest["sources"]["target"]["path"]), target["backend"], target_dir,
-                   drafter["backend"], engines_dir / drafter["dir"])
+    s = serving_sources(engines_dir)  # the one manifest reader: resolves relative checkpoint paths
+    return Sources(s.tokenizer_dir, s.target["backend"], s.target_dir, s.drafter["backend"], s.drafter_dir)
 
 
 def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) -> Sources:

@@ -5,7 +5,6 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
 .PHONY: venv test demo engines triton triton-env bench serve clean
-TINY := .cache/tiny
 
 venv: $(STAMP)
 
@@ -34,12 +33,9 @@ $(TRITON_STAMP): pyproject.toml
 test: venv triton-env
 	$(BIN)/python -m pytest -q tests
 
-# Until the trained demo models exist: a tiny random pair, to show the whole path runs.
-$(TINY)/drafter/config.json: | $(STAMP)
-	$(BIN)/python scripts/make_tiny_models.py --out $(TINY)
-
-demo: venv $(TINY)/drafter/config.json
-	$(BIN)/dflash-trt generate --target $(TINY)/target --drafter $(TINY)/drafter --input-ids 1,2,3,4 --max-new-tokens 32 --json
+# One generation on the demo models (models/), printed as JSON with its statistics.
+demo: venv
+	$(BIN)/dflash-trt generate --prompt "def fibonacci(n):" --max-new-tokens 64 --json
 
 # Every engine this machine supports, from engines.toml (CPU: ONNX drafter + PyTorch target; GPU: TensorRT /
 # TensorRT-LLM too) into engines/ with engines/manifest.json. Unchanged inputs: nothing is rebuilt.

@@ -46,7 +46,7 @@ def ar_draft_config(target_cfg, smoke: bool):
 
     d = target_cfg.to_dict()
     d.update(num_hidden_layers=2 if not smoke else 1, tie_word_embeddings=True)
-    for k in ("layer_types", "transformers_version", "architectures"):
+    for k in ("layer_types", "transformers_version", "architectures", "dtype", "torch_dtype"):
         d.pop(k, None)
     return Qwen3Config(**d)
 
@@ -99,7 +99,7 @@ def stage_lm(args, name: str) -> None:
         cfg = ar_draft_config(AutoConfig.from_pretrained(args.out / "target"), args.smoke)
         steps, budget = args.ar_steps, args.ar_minutes * 60
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg)
+    model = AutoModelForCausalLM.from_config(cfg).float()  # a config read from the fp16 target says fp16
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{name}: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers")
     out = args.out / name
@@ -153,11 +153,11 @@ def main(argv=None) -> int:
     p.add_argument("--ar-minutes", type=float, default=8)
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--drafter-layers", type=int, default=2)
-    p.add_argument("--drafter-steps", type=int, default=800)
-    p.add_argument("--drafter-minutes", type=float, default=20)
+    p.add_argument("--drafter-steps", type=int, default=2400)
+    p.add_argument("--drafter-minutes", type=float, default=30)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)")
-    p.add_argument("--regen-sequences", type=int, default=1536, help="target-regenerated training sequences")
+    p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
     args = p.parse_args(argv)
     if args.smoke:
         global MAX_FILES

@@ -21,9 +21,18 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrai
         raise ValueError(
             f"target model_type {config.model_type!r} is not supported (supported: {', '.join(SUPPORTED_FAMILIES)})"
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, trust_remote_code=False, dtype=dtype, attn_implementation="sdpa"
-    )
+    from transformers.utils import logging as hf_logging
+
+    # a per-tensor "Loading weights" bar on every CLI call is noise for small local checkpoints
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, trust_remote_code=False, dtype=dtype, attn_implementation="sdpa"
+        )
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 

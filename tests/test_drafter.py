@@ -222,3 +222,41 @@ def test_drafter_uses_target_embedding_and_lm_head():
         hidden = d(feats[None], F.embedding(ids, model.get_input_embeddings().weight), k, v)[0]
         expected = hidden[0, 1:] @ model.lm_head.weight.T
     torch.testing.assert_close(draft.logits, expected)
+
+
+@pytest.mark.parametrize("mask_dims", [None, 2, 4])
+def test_grouped_query_attention_matches_per_head_copies(mask_dims):
+    """Folding the query heads that share a KV head into the query axis (no K/V copies) gives
+    the same attention as copying K/V per head, with and without a visibility mask."""
+    from dflash_trt.models.drafter import DFlashAttention
+    from dflash_trt.models.tiny import tiny_drafter_config
+    from dflash_trt.config import drafter_config_from_dict
+
+    target = make_tiny_target(vocab_size=64, layers=4)
+    config, _ = drafter_config_from_dict(tiny_drafter_config(target.config, layers=1))
+    attn = DFlashAttention(config, 0)
+    torch.manual_seed(0)
+    b, n, t = 1, 5, 7
+    x = torch.randn(b, n, 64)
+    ctx_k, ctx_v = torch.randn(b, attn.n_kv_heads, t, attn.head_dim), torch.randn(b, attn.n_kv_heads, t, attn.head_dim)
+    cos, sin = torch.randn(b, n, attn.head_dim), torch.randn(b, n, attn.head_dim)
+    mask = None
+    if mask_dims:
+        mask = torch.rand(n, t + n) > 0.3
+        mask[:, 0] = True  # every query sees something
+        if mask_dims == 4:
+            mask = mask[None, None]
+    with torch.no_grad():
+        got = attn(x, ctx_k, ctx_v, cos, sin, mask)
+        # reference: K/V copied per query head
+        from dflash_trt.models.drafter import _rope
+
+        q = _rope(attn.q_norm(attn.q_proj(x).view(b, n, attn.n_heads, attn.head_dim)).transpose(1, 2), cos, sin)
+        k_blk, v_blk = attn.project_kv(x, cos, sin)
+        g = attn.n_heads // attn.n_kv_heads
+        k = torch.cat([ctx_k, k_blk], 2).repeat_interleave(g, 1)
+        v = torch.cat([ctx_v, v_blk], 2).repeat_interleave(g, 1)
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        ref = attn.o_proj(ref.transpose(1, 2).reshape(b, n, -1))
+    assert attn.n_heads > attn.n_kv_heads
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

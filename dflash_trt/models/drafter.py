@@ -88,11 +88,14 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)
         v = torch.cat([ctx_v, v_blk], dim=2)
+        # Grouped-query attention without copying K/V per head: the g query heads that share a KV
+        # head are folded into the query axis, so a round never copies the O(context) cache.
         groups = self.n_heads // self.n_kv_heads
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
+        q = q.reshape(b, self.n_kv_heads, groups * n, self.head_dim)
+        if mask is not None:  # the same key visibility for every folded head: tile the query rows
+            mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
+        out = out.reshape(b, self.n_heads, n, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
 

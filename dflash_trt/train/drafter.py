@@ -231,7 +231,7 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray, out: Pa
         sched.step()
         opt.zero_grad(set_to_none=True)
         tokens_done += batch.numel()
-        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        running = float(loss.detach()) if running is None else 0.95 * running + 0.05 * float(loss.detach())
         elapsed = time.perf_counter() - t0
         bar.set_postfix(loss=f"{running:.3f}", acc1=f"{acc[0]:.2f}", tok_s=f"{tokens_done / elapsed:.0f}")
         last = step + 1 == cfg.steps or (cfg.time_budget_s is not None and elapsed > cfg.time_budget_s)

@@ -71,7 +71,7 @@ def train_lm(model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTr
         sched.step()
         opt.zero_grad(set_to_none=True)
         report.steps, report.tokens = step + 1, report.tokens + x.numel()
-        running = float(loss) if running is None else 0.95 * running + 0.05 * float(loss)
+        running = float(loss.detach()) if running is None else 0.95 * running + 0.05 * float(loss.detach())
         elapsed = time.perf_counter() - start
         bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{report.tokens / elapsed:.0f}")
         last = step + 1 == cfg.steps or (cfg.time_budget_s is not None and elapsed > cfg.time_budget_s)

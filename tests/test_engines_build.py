@@ -84,6 +84,18 @@ def test_changed_or_damaged_inputs_rebuild(tmp_path, checkpoints):
     assert second["sources"]["drafter"]["sha256"] != first["sources"]["drafter"]["sha256"]
 
 
+def test_changed_exporter_code_rebuilds(tmp_path, checkpoints, monkeypatch):
+    """The ONNX graph is made by our code too: a new drafter/exporter version must not reuse an old graph."""
+    import dflash_trt.build.engines as engines
+
+    cfg = read_config(config_file(tmp_path, checkpoints, fmt="json"), tmp_path)
+    build_engines(cfg, log=lambda *_: None)
+    real = engines.code_sha256
+    monkeypatch.setattr(engines, "code_sha256", lambda *m: real(*m) + "-changed")
+    _, report = build_engines(cfg, log=lambda *_: None)
+    assert report.built == ["drafter_onnx"]
+
+
 def test_config_errors_are_clear(tmp_path, checkpoints):
     with pytest.raises(EnginesConfigError, match="unknown engines config keys \\['tp_size'\\]"):
         read_config(config_file(tmp_path, checkpoints, tp_size=2), tmp_path)

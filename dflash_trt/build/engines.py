@@ -99,6 +99,16 @@ def versions(*packages: str) -> dict[str, str | None]:
     return out
 
 
+def code_sha256(*modules: str) -> str:
+    """Hash of the toolkit source files a built artifact depends on: a code change rebuilds it."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for name in modules:
+        digest.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+    return digest.hexdigest()
+
+
 def step_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -203,7 +213,8 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
 
     # ---- drafter -> ONNX (every machine) ---------------------------------------------------
     onnx_versions = versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt")
-    key = step_key("drafter-onnx", sources["target"]["sha256"], sources["drafter"]["sha256"], onnx_versions)
+    key = step_key("drafter-onnx", sources["target"]["sha256"], sources["drafter"]["sha256"], onnx_versions,
+                   code_sha256("dflash_trt.models.drafter", "dflash_trt.export.onnx_drafter"))
     if _up_to_date(previous.get("drafter_onnx"), key, out):
         engines["drafter_onnx"] = previous["drafter_onnx"]
         report.unchanged.append("drafter_onnx")

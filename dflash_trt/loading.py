@@ -10,7 +10,7 @@ from .config import validate_against_target
 from .models.drafter import DFlashDrafter
 from .models.target import load_target, load_tokenizer
 from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from .spec import SpeculativeDecoder
+from .decoding import SpeculativeDecoder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,7 +38,7 @@ def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", d
 
     draft=False loads the target alone (the drafter engine is not touched).
     """
-    from .build.engines import serving_sources
+    from .builders.engines import serving_sources
     from .runtime import registry
 
     engines_dir = Path(engines_dir)

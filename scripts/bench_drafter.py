@@ -75,7 +75,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=REPO / "results" / "bench_drafter.json")
     args = p.parse_args()
 
-    from dflash_trt.export.onnx_drafter import export_drafter
+    from dflash_trt.builders.onnx_drafter import export_drafter
     from dflash_trt.runtime.ort_backend import OrtDrafterEngine
     from dflash_trt.runtime.torch_backend import TorchDrafterEngine
 

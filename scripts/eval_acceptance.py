@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 
 from dflash_trt.bench.prompts import held_out_code_prompts
-from dflash_trt.cli import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 from dflash_trt.loading import load_decoder
-from dflash_trt.spec import GenerationConfig
+from dflash_trt.decoding import GenerationConfig
 
 
 def main(argv=None) -> int:

@@ -112,7 +112,7 @@ async def run_level(url: str, headers: dict, bodies: list[dict], concurrency: in
 
 
 def _concurrency_list(text: str) -> list[int]:
-    from dflash_trt.cli import _positive_int
+    from dflash_trt.cli.options import positive_int as _positive_int
 
     parts = [t for t in text.replace(" ", "").split(",") if t]
     if not parts:
@@ -121,7 +121,8 @@ def _concurrency_list(text: str) -> list[int]:
 
 
 def main() -> None:
-    from dflash_trt.cli import DEMO_DRAFTER, DEMO_TARGET, _positive_int
+    from dflash_trt.cli.options import positive_int as _positive_int
+    from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.cli import DEMO_DIR
+from dflash_trt.settings import DEMO_DIR
 from dflash_trt.loading import load_decoder
 from dflash_trt.models.target import load_target
-from dflash_trt.spec import GenerationConfig
+from dflash_trt.decoding import GenerationConfig
 
 MODELS = Path(DEMO_DIR)
 

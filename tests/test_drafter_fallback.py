@@ -4,7 +4,7 @@ import pytest
 
 from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.spec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
 
 
 class FailingDrafter:

@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from dflash_trt.build.engines import EnginesConfigError, build_engines, read_config, serving_sources
-from dflash_trt.cli import DEMO_MODELS_HINT, _load_engines
-from dflash_trt.build.hashing import tree_sha256
+from dflash_trt.builders.engines import EnginesConfigError, build_engines, read_config, serving_sources
+from dflash_trt.cli.options import load_engines_or_fail as _load_engines
+from dflash_trt.settings import DEMO_MODELS_HINT
+from dflash_trt.builders.hashing import tree_sha256
 from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
 
@@ -57,7 +58,7 @@ def test_manifest_then_nothing_to_do(tmp_path, checkpoints, monkeypatch):
 
     # second run, unchanged inputs: no export, manifest untouched
     before = {p: p.stat().st_mtime_ns for p in cfg.output.rglob("*") if p.is_file()}
-    monkeypatch.setattr("dflash_trt.export.onnx_drafter.export_from_checkpoints",
+    monkeypatch.setattr("dflash_trt.builders.onnx_drafter.export_from_checkpoints",
                         lambda *a, **k: pytest.fail("re-exported with unchanged inputs"))
     again, report = build_engines(cfg, log=lambda *_: None)
     assert report.built == [] and report.unchanged == ["drafter_onnx"]
@@ -86,7 +87,7 @@ def test_changed_or_damaged_inputs_rebuild(tmp_path, checkpoints):
 
 def test_changed_exporter_code_rebuilds(tmp_path, checkpoints, monkeypatch):
     """The ONNX graph is made by our code too: a new drafter/exporter version must not reuse an old graph."""
-    import dflash_trt.build.engines as engines
+    import dflash_trt.builders.engines as engines
 
     cfg = read_config(config_file(tmp_path, checkpoints, fmt="json"), tmp_path)
     build_engines(cfg, log=lambda *_: None)
@@ -134,7 +135,7 @@ def test_engines_folder_moves_with_its_checkpoints(tmp_path, checkpoints):
     """Paths in the manifest are relative to it: a repo moved (or mounted in Docker) still loads; old
     manifests with absolute paths still load; --no-draft never loads the drafter."""
     from dflash_trt.loading import load_decoder_from_engines
-    from dflash_trt.spec import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
 
     repo = tmp_path / "repo"
     shutil.copytree(checkpoints, repo / "models")

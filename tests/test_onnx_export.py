@@ -9,13 +9,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from dflash_trt.export.onnx_drafter import (
+from dflash_trt.builders.onnx_drafter import (
     FP16_GRAPH_FILE, GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, DrafterGraphMeta, DrafterRound, example_inputs,
     export_from_checkpoints,
 )
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.spec import ContextLengthError, GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding import ContextLengthError, GenerationConfig, SpeculativeDecoder
 
 
 @pytest.fixture(scope="module")

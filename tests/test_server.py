@@ -16,7 +16,7 @@ from server_harness import (FaultyDrafter, FaultyTarget, GatedTarget, make_model
 
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.app import chat_prompt_ids
-from dflash_trt.spec import GenerationConfig, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
 
 PROMPTS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os", "print(", "x = 1\n"]
 

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from server_harness import make_models, running_server
 
 from dflash_trt.loading import load_decoder
-from dflash_trt.spec import GenerationConfig
+from dflash_trt.decoding import GenerationConfig
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))

@@ -9,8 +9,8 @@ from helpers import NoisyOracleDrafter, hf_greedy, make_tokenizer
 
 from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.spec import ContextLengthError, GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
-from dflash_trt.spec import decode as decode_module
+from dflash_trt.decoding import ContextLengthError, GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import decode as decode_module
 
 
 def decoders(model, drafter):
@@ -89,7 +89,7 @@ def sharp_pair():
 
 def exact_joint(model, prompt, params: SamplingParams, n: int) -> dict[tuple, float]:
     """P(t1..tn) under the target alone with the same temperature / top-p / top-k warping."""
-    from dflash_trt.spec.sampling import probabilities
+    from dflash_trt.decoding.sampling import probabilities
 
     probs = {(): 1.0}
     for _ in range(n):
@@ -158,14 +158,14 @@ def test_sampling_is_lossless(sharp_pair, setting, acceptance):
 
 
 def _accept_all(draft, draft_probs, target_probs, generator):
-    from dflash_trt.spec.sampling import sample
+    from dflash_trt.decoding.sampling import sample
 
     return draft.shape[0], int(sample(target_probs[draft.shape[0]], generator))
 
 
 def _resample_from_target(draft, draft_probs, target_probs, generator):
     """The classic bug: after a rejection, resample from p instead of norm(max(0, p - q))."""
-    from dflash_trt.spec.sampling import sample
+    from dflash_trt.decoding.sampling import sample
 
     k = draft.shape[0]
     idx = torch.arange(k)

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from triton_fixtures import tiny_text_pair
 
-from dflash_trt.export.onnx_drafter import DrafterGraphMeta, export_from_checkpoints
+from dflash_trt.builders.onnx_drafter import DrafterGraphMeta, export_from_checkpoints
 from dflash_trt.loading import load_decoder
 from dflash_trt.models.target import load_target, load_tokenizer
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchTargetEngine
-from dflash_trt.spec import GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
 from dflash_trt.triton.bls import RemoteDrafterEngine, RemoteTargetEngine, TargetSessions, serve_target
 
 PROMPT = "def fibonacci(n):"

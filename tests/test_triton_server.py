@@ -22,7 +22,7 @@ from tritonclient.utils import InferenceServerException  # noqa: E402
 from triton_fixtures import CHAT_PRE, add_chat_preprocessing, tiny_text_pair  # noqa: E402
 
 from dflash_trt.loading import load_decoder  # noqa: E402
-from dflash_trt.spec import GenerationConfig  # noqa: E402
+from dflash_trt.decoding import GenerationConfig  # noqa: E402
 from dflash_trt.triton.client import build_inputs, generate  # noqa: E402
 from dflash_trt.triton.repo import write_repository  # noqa: E402
 from dflash_trt.triton.server import TritonServer, TritonUnavailable, server_env  # noqa: E402
@@ -208,7 +208,7 @@ def test_chat_template_preprocessing(server):
     HTTP server's chat route does), then encoded; before the fix this mode failed on every request."""
     from transformers import AutoTokenizer
 
-    from dflash_trt.spec.prompting import chat_prompt_ids
+    from dflash_trt.decoding.prompting import chat_prompt_ids
 
     tok = AutoTokenizer.from_pretrained(server.chat_tokenizer)
     text = httpclient.InferInput("text_input", [1, 1], "BYTES")

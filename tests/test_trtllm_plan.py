@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from dflash_trt.build.trtllm_target import (
+from dflash_trt.builders.trtllm_target import (
     FEATURES_MODEL_FILE, TargetBuildError, TargetBuildSpec, plan_target_build, serve_command, spec_from_checkpoints,
 )
 from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
@@ -31,7 +31,7 @@ def test_plan_for_each_tp(tp):
     assert plan.checkpoint_files == ["config.json"] + [f"rank{r}.safetensors" for r in range(tp)]
     assert plan.engine_files == ["config.json"] + [f"rank{r}.engine" for r in range(tp)]
     convert, build = plan.commands
-    assert convert[:3] == ["python3", "-m", "dflash_trt.build.trtllm_convert"]
+    assert convert[:3] == ["python3", "-m", "dflash_trt.builders.trtllm_convert"]
     assert flag(convert, "--tp_size") == str(tp)
     assert flag(convert, "--model_cls") == "QWenForCausalLM"
     assert flag(convert, "--model_dir") == "/m/target" and flag(convert, "--output_dir") == "/e/target/checkpoint"

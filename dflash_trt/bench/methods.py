@@ -89,7 +89,7 @@ def rounds_from_cache_starts(starts: list[int], prompt_len: int, new_tokens: int
 
 def dflash_method(name: str, family: str, decoder, block_size: int, timer: ForwardTimer,
                   backend: str | None = None) -> Method:
-    from ..spec import GenerationConfig, SamplingParams
+    from ..decoding import GenerationConfig, SamplingParams
 
     def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
         cfg = GenerationConfig(max_new_tokens=max_new, sampling=SamplingParams(temperature, seed=seed),

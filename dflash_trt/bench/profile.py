@@ -116,7 +116,7 @@ def cprofile_top(decoder, prompt_ids, config, n: int = 15) -> list[dict]:
 def profile_rounds(target_dir, drafter_dir, out: Path, max_new: int, threads: int | None, block_sizes,
                    dtype: str = "float32") -> dict:
     from ..loading import load_decoder
-    from ..spec import GenerationConfig
+    from ..decoding import GenerationConfig
     from .prompts import held_out_code_prompts
 
     if threads:

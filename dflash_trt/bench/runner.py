@@ -96,7 +96,7 @@ class BenchError(RuntimeError):
 def load_everything(s: BenchSettings):
     from ..loading import load_decoder
     from ..runtime.torch_backend import TorchTargetEngine
-    from ..spec import SpeculativeDecoder
+    from ..decoding import SpeculativeDecoder
 
     want = set(s.methods)
     needs_drafter = bool(want & {"dflash-torch", "dflash-ort"})
@@ -139,7 +139,7 @@ def ort_drafter(decoder, s: BenchSettings):
 
     folder = s.onnx_drafter
     if folder is None:
-        from ..export.onnx_drafter import export_drafter
+        from ..builders.onnx_drafter import export_drafter
 
         scratch = tempfile.TemporaryDirectory(prefix="dflash-bench-onnx-")
         folder = Path(scratch.name)
@@ -154,7 +154,7 @@ def ort_drafter(decoder, s: BenchSettings):
 
 
 def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, assistant_timer) -> list[Method]:
-    from ..spec import SpeculativeDecoder
+    from ..decoding import SpeculativeDecoder
 
     model = decoder.target.model
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else 0

@@ -1,7 +1,7 @@
 """The two engine interfaces the draft-and-verify loop runs on.
 
 Every backend (PyTorch, ONNX Runtime, TensorRT, TensorRT-LLM) implements these, so the loop in
-`dflash_trt.spec` runs unchanged on any pair. Engines are shared and stateless; a session holds
+`dflash_trt.decoding` runs unchanged on any pair. Engines are shared and stateless; a session holds
 one sequence's state (KV caches), so concurrent requests never touch each other's caches.
 """
 

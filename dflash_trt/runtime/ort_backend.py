@@ -25,7 +25,7 @@ class OrtDrafterEngine:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
             raise EngineUnavailable("the onnxruntime backend needs the `onnxruntime` package") from e
-        from ..export.onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
+        from ..builders.onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
 
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")

@@ -30,8 +30,8 @@ class TrtDrafterEngine:
     name = "tensorrt"
 
     def __init__(self, folder: str | Path, device: str = "cuda"):
-        from ..build.trt_drafter import PLAN_MANIFEST, import_tensorrt
-        from ..export.onnx_drafter import DrafterGraphMeta
+        from ..builders.trt_drafter import PLAN_MANIFEST, import_tensorrt
+        from ..builders.onnx_drafter import DrafterGraphMeta
 
         trt = import_tensorrt()
         self.trt = trt

@@ -22,8 +22,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..spec import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
-from ..spec import prompting
+from ..decoding import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
+from ..decoding import prompting
 from .metrics import ServerMetrics
 from .scheduler import ErrorEvent, Job, Orchestrator, QueueFull, RoundEvent, ShuttingDown
 from .schemas import (COMPLETIONS_DEFAULT_MAX_TOKENS, ChatCompletionRequest, CompletionRequest, GenerateRequest,
@@ -466,7 +466,7 @@ def _add_routes(app: FastAPI, server: Server) -> None:
 
 def chat_prompt_ids(decoder, messages: list[dict]) -> list[int]:
     """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`
-    (dflash_trt.spec.prompting, shared with the Triton preprocessing model)."""
+    (dflash_trt.decoding.prompting, shared with the Triton preprocessing model)."""
     tok = decoder.tokenizer
     if tok is None:
         raise InputError("chat needs a tokenizer; this target has none (use /v1/completions with token ids)")

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from .commands import LISTENING_EVENT
+from .serving import LISTENING_EVENT
 
 
 class ServerFailed(RuntimeError):
@@ -26,7 +26,7 @@ def serve_command() -> list[str]:
     exe = Path(sys.executable).parent / "dflash-trt"
     if exe.is_file():
         return [str(exe)]
-    return [sys.executable, "-c", "import sys; from dflash_trt.cli import main; sys.exit(main())"]
+    return [sys.executable, "-m", "dflash_trt.cli"]
 
 
 def listening_port(log_text: str) -> int | None:

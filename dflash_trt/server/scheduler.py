@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..spec import Generation, GenerationResult, Round
+from ..decoding import Generation, GenerationResult, Round
 
 log = logging.getLogger("dflash_trt.server")
 

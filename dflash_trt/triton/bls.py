@@ -115,7 +115,7 @@ class RemoteDrafterEngine:
 
     def __init__(self, infer: InferFn, model: str, meta: dict):
         """meta: the exported graph's drafter.json (export.onnx_drafter.DrafterGraphMeta as a dict)."""
-        from ..export.onnx_drafter import DrafterGraphMeta
+        from ..builders.onnx_drafter import DrafterGraphMeta
 
         self.infer, self.model = infer, model
         self.meta = DrafterGraphMeta(**{**meta, "feature_layer_ids": tuple(meta["feature_layer_ids"])})

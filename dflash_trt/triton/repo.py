@@ -60,7 +60,7 @@ def shim(module: str) -> str:
 
 
 def sources_from_engines(engines_dir: Path) -> Sources:
-    from ..build.engines import serving_sources
+    from ..builders.engines import serving_sources
 
     if not (engines_dir / "manifest.json").is_file():
         raise FileNotFoundError(f"no manifest.json in {engines_dir}: build the engines with `make engines`")
@@ -69,7 +69,7 @@ def sources_from_engines(engines_dir: Path) -> Sources:
 
 
 def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) -> Sources:
-    from ..export.onnx_drafter import export_from_checkpoints
+    from ..builders.onnx_drafter import export_from_checkpoints
 
     export_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
     return Sources(target_dir, "torch", target_dir, "onnxruntime", work)
@@ -133,7 +133,7 @@ def _text_models(repo: Path, src: Sources, opt: RepoOptions):
 
 
 def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
-    from ..export.onnx_drafter import GRAPH_FILE, META_FILE, DrafterGraphMeta
+    from ..builders.onnx_drafter import GRAPH_FILE, META_FILE, DrafterGraphMeta
 
     meta = DrafterGraphMeta.read(src.drafter_dir)
     L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
@@ -145,7 +145,7 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
     version.mkdir(parents=True)
     if src.drafter_backend == "tensorrt":
         # Written against Triton's tensorrt_plan platform, never run in this project: no GPU/TensorRT here.
-        from ..build.trt_drafter import PLAN_FILE
+        from ..builders.trt_drafter import PLAN_FILE
 
         _copy(src.drafter_dir / PLAN_FILE, version / "model.plan", opt.symlink_weights)
         cfg = model_config(DRAFTER, platform="tensorrt_plan", inputs=inputs, outputs=outputs, instance_kind="KIND_GPU")

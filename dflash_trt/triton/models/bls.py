@@ -1,4 +1,4 @@
-"""`dflash_bls`: the draft-and-verify loop (dflash_trt.spec, unchanged) over dflash_target and dflash_drafter.
+"""`dflash_bls`: the draft-and-verify loop (dflash_trt.decoding, unchanged) over dflash_target and dflash_drafter.
 
 Inputs per row: input_ids [N, L] + input_length [N, 1] from preprocessing; optional max_tokens
 INT32, temperature FP32, seed UINT64, stream BOOL ([N, 1]). Batches: every row of every request in
@@ -16,7 +16,7 @@ import json
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ...spec import GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
+from ...decoding import GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
 from ..bls import RemoteDrafterEngine, RemoteTargetEngine, pad_rows, unpad_rows
 from .common import error_response, get, load_config, scalar, strings
 

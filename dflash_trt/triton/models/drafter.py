@@ -12,7 +12,7 @@ import triton_python_backend_utils as pb_utils
 
 from .common import error_response, get, load_config, resolve
 
-# The graph's tensor names (dflash_trt.export.onnx_drafter.INPUT_NAMES / OUTPUT_NAMES; not imported: torch).
+# The graph's tensor names (dflash_trt.builders.onnx_drafter.INPUT_NAMES / OUTPUT_NAMES; not imported: torch).
 INPUT_NAMES = ("block_ids", "features", "past_k", "past_v")
 OUTPUT_NAMES = ("logits", "draft_tokens", "present_k", "present_v")
 GRAPHS = {"fp32": "drafter.onnx", "fp16": "drafter_fp16.onnx"}

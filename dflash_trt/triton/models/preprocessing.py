@@ -2,14 +2,14 @@
 
 Encodes as `dflash-trt generate --prompt` does (no special tokens); with the parameter
 `chat_template: "true"` the text is one user message rendered by the tokenizer's chat template
-(dflash_trt.spec.prompting, as the HTTP server's /v1/chat/completions does).
+(dflash_trt.decoding.prompting, as the HTTP server's /v1/chat/completions does).
 """
 
 from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from ...spec.prompting import chat_prompt_ids
+from ...decoding.prompting import chat_prompt_ids
 from ..bls import pad_rows
 from .common import error_response, get, load_config, resolve
 

@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..export.onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
+from .onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
 from ..runtime.base import EngineUnavailable
 from .hashing import files_sha256
 

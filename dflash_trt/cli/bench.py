@@ -14,9 +14,10 @@ SMOKE = dict(prompts_per_set=1, long_prompts_per_set=1, max_new_tokens=[16], blo
 
 
 def register(sub) -> None:
-    from ..cli import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET, _float, _positive_int
-    from .prompts import PROMPT_SETS
-    from .runner import FAMILIES
+    from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
+    from .options import finite_float, positive_int
+    from ..bench.prompts import PROMPT_SETS
+    from ..bench.runner import FAMILIES
 
     p = sub.add_parser(
         "bench",
@@ -40,39 +41,39 @@ def register(sub) -> None:
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder (default results/bench)")
     p.add_argument("--methods", nargs="+", choices=FAMILIES, default=list(FAMILIES),
                    help="method families to run (default: all; the baseline always runs)")
-    p.add_argument("--block-sizes", nargs="+", type=_positive_int, default=None,
+    p.add_argument("--block-sizes", nargs="+", type=positive_int, default=None,
                    help="DFlash block sizes (default 4 8 16; sizes above the drafter's trained size are skipped)")
-    p.add_argument("--temperatures", nargs="+", type=_float, default=[0.0, 1.0],
+    p.add_argument("--temperatures", nargs="+", type=finite_float, default=[0.0, 1.0],
                    help="sampling temperatures (default 0 1; 0 = greedy, checked against the baseline)")
-    p.add_argument("--max-new-tokens", nargs="+", type=_positive_int, default=None,
+    p.add_argument("--max-new-tokens", nargs="+", type=positive_int, default=None,
                    help="new tokens per run (default 128 512); every run makes exactly this many (EOS ignored)")
     p.add_argument("--prompt-sets", nargs="+", choices=list(PROMPT_SETS), default=list(PROMPT_SETS),
                    help="prompt sets (default: all: held-out stdlib code, repetitive text, free text)")
-    p.add_argument("--prompts-per-set", type=_positive_int, default=None,
+    p.add_argument("--prompts-per-set", type=positive_int, default=None,
                    help="prompts per set for lengths <= 128 (default 3)")
-    p.add_argument("--long-prompts-per-set", type=_positive_int, default=None,
+    p.add_argument("--long-prompts-per-set", type=positive_int, default=None,
                    help="prompts per set for lengths > 128 (default 1: the 512-token runs dominate the time)")
-    p.add_argument("--repeats", type=_positive_int, default=None,
+    p.add_argument("--repeats", type=positive_int, default=None,
                    help="repetitions per prompt; method order rotates per prompt and repeat (default 1)")
-    p.add_argument("--threads", type=_positive_int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch and onnxruntime (default: torch's choice)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                    help="weights dtype (default float32)")
-    p.add_argument("--prompt-lookup-tokens", type=_positive_int, default=10,
+    p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
                    help="prompt_lookup_num_tokens for prompt-lookup decoding (default 10)")
-    p.add_argument("--max-ngram", type=_positive_int, default=2,
+    p.add_argument("--max-ngram", type=positive_int, default=2,
                    help="max_matching_ngram_size for prompt-lookup decoding (default 2, HF's)")
-    p.add_argument("--assistant-tokens", type=_positive_int, default=None,
+    p.add_argument("--assistant-tokens", type=positive_int, default=None,
                    help="num_assistant_tokens for assisted generation (default: HF's default and schedule)")
-    p.add_argument("--timing-reps", type=_positive_int, default=None,
+    p.add_argument("--timing-reps", type=positive_int, default=None,
                    help="repetitions of each pass timed for the ceiling (default 20)")
-    p.add_argument("--tie-tolerance", type=_float, default=1e-3,
+    p.add_argument("--tie-tolerance", type=finite_float, default=1e-3,
                    help="greedy outputs that first differ where the target's two logits are within this are a "
                    "numerical tie, reported but not a failure (default 1e-3)")
     p.add_argument("--corrupt-method", default=None, metavar="NAME",
                    help="self-test of the equality check: corrupt NAME's greedy outputs (e.g. dflash-torch-b4); "
                    "the run must then exit 1")
-    p.add_argument("--max-minutes", type=_float, default=None,
+    p.add_argument("--max-minutes", type=finite_float, default=None,
                    help="time budget: start no new prompt group after this many minutes (prompts run in order of "
                    "index across all sets and settings, so a cut run still covers every cell); default: none")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -83,15 +84,16 @@ def register(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="instead of the benchmark: profile DFlash rounds (target verify, drafter, acceptance, "
                    "rollback, Python overhead), write profile.json to --out and print it")
-    p.add_argument("--profile-tokens", type=_positive_int, default=128, help="new tokens in the profiled run")
+    p.add_argument("--profile-tokens", type=positive_int, default=128, help="new tokens in the profiled run")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..cli import DEMO_MODELS_HINT, CliError
+    from ..settings import DEMO_MODELS_HINT
+    from .options import CliError
     from ..config import ConfigError
-    from .report import markdown, plot, write_json
-    from .runner import BenchError, BenchSettings, run_benchmark
+    from ..bench.report import markdown, plot, write_json
+    from ..bench.runner import BenchError, BenchSettings, run_benchmark
 
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -106,7 +108,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise CliError(f"hf-assisted needs a small autoregressive draft model: {args.ar_draft} has no config.json "
                        "(pass --ar-draft, or leave hf-assisted out of --methods)")
     if args.profile:
-        from .profile import print_profile, profile_rounds
+        from ..bench.profile import print_profile, profile_rounds
 
         try:
             prof = profile_rounds(args.target, args.drafter, args.out, args.profile_tokens, args.threads,

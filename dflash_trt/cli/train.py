@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from ..cli import _float, _positive_int, _token_ids
+    from .options import finite_float, positive_int, token_ids
 
     p = sub.add_parser(
         "train-drafter",
@@ -21,31 +21,31 @@ def register(sub) -> None:
                    help="'stdlib' (this Python's standard library), a text file, a folder of *.py/*.txt/*.md, "
                    "or a .npy array of token sequences [N, L]")
     p.add_argument("--out", type=Path, required=True, help="output drafter directory (checkpoints go here)")
-    p.add_argument("--regenerate", type=_positive_int, default=None, metavar="N",
+    p.add_argument("--regenerate", type=positive_int, default=None, metavar="N",
                    help="cut N prompts from the text and train on the target's own continuations (the paper's "
                    "recipe); default: train on the text itself")
-    p.add_argument("--prompt-len", type=_positive_int, default=64, help="prompt tokens when regenerating")
-    p.add_argument("--gen-temperature", type=_float, default=0.0, help="temperature when regenerating (0 = greedy)")
-    p.add_argument("--block-size", type=_positive_int, default=8, help="drafter block size B (>= 2; default 8)")
-    p.add_argument("--layers", type=_positive_int, default=2, help="drafter layers (default 2)")
-    p.add_argument("--target-layer-ids", type=_token_ids, default=None,
+    p.add_argument("--prompt-len", type=positive_int, default=64, help="prompt tokens when regenerating")
+    p.add_argument("--gen-temperature", type=finite_float, default=0.0, help="temperature when regenerating (0 = greedy)")
+    p.add_argument("--block-size", type=positive_int, default=8, help="drafter block size B (>= 2; default 8)")
+    p.add_argument("--layers", type=positive_int, default=2, help="drafter layers (default 2)")
+    p.add_argument("--target-layer-ids", type=token_ids, default=None,
                    help="target layers whose outputs feed the drafter, e.g. 1,9,17 (default: the reference rule)")
     p.add_argument("--mask-token-id", type=int, default=None, help="mask token id (default: the tokenizer's)")
-    p.add_argument("--steps", type=_positive_int, default=1000)
-    p.add_argument("--batch-size", type=_positive_int, default=8)
-    p.add_argument("--seq-len", type=_positive_int, default=256)
-    p.add_argument("--anchors", type=_positive_int, default=32, help="anchor blocks per sequence (default 32)")
-    p.add_argument("--lr", type=_float, default=6e-4, help="peak learning rate (default 6e-4, the paper's)")
-    p.add_argument("--gamma", type=_float, default=None,
+    p.add_argument("--steps", type=positive_int, default=1000)
+    p.add_argument("--batch-size", type=positive_int, default=8)
+    p.add_argument("--seq-len", type=positive_int, default=256)
+    p.add_argument("--anchors", type=positive_int, default=32, help="anchor blocks per sequence (default 32)")
+    p.add_argument("--lr", type=finite_float, default=6e-4, help="peak learning rate (default 6e-4, the paper's)")
+    p.add_argument("--gamma", type=finite_float, default=None,
                    help="loss decay gamma (default: 7, 5, 4 for block sizes 16, 10, 8; else B/2)")
-    p.add_argument("--kd-weight", type=_float, default=0.0,
+    p.add_argument("--kd-weight", type=finite_float, default=0.0,
                    help="weight of the distillation loss to the target's soft distribution, in [0, 1] (default 0)")
-    p.add_argument("--kd-temperature", type=_float, default=1.0)
+    p.add_argument("--kd-temperature", type=finite_float, default=1.0)
     p.add_argument("--no-init-from-target", action="store_true",
                    help="random drafter layers instead of a warm start from the target's layers")
-    p.add_argument("--time-budget-min", type=_float, default=None, help="stop cleanly after this many minutes")
+    p.add_argument("--time-budget-min", type=finite_float, default=None, help="stop cleanly after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.set_defaults(func=cmd_train_drafter)
 
 
@@ -53,9 +53,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     import numpy as np
     import torch
 
-    from ..cli import CliError
+    from .options import CliError
     from ..models.target import load_target, load_tokenizer
-    from .drafter import DrafterTrainConfig, load_training_sequences, train_drafter_from_dirs
+    from ..train.drafter import DrafterTrainConfig, load_training_sequences, train_drafter_from_dirs
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -108,7 +108,7 @@ def validate(spec: TargetBuildSpec) -> None:
 def convert_command(spec: TargetBuildSpec, python: str = sys.executable) -> list[str]:
     base_cls, _ = family_classes(spec.model_type)
     return [
-        python, "-m", "dflash_trt.build.trtllm_convert",
+        python, "-m", "dflash_trt.builders.trtllm_convert",
         "--model_dir", str(spec.target_dir),
         "--output_dir", str(spec.checkpoint_dir),
         "--model_cls", base_cls,

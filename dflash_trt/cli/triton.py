@@ -59,9 +59,9 @@ def register(sub) -> None:
 
 
 def cmd_repo(args: argparse.Namespace) -> int:
-    from ..cli import CliError
-    from .config import ConfigError
-    from .repo import RepoOptions, write_repository
+    from .options import CliError
+    from ..triton.config import ConfigError
+    from ..triton.repo import RepoOptions, write_repository
 
     if args.engines is None and (args.target is None or args.drafter is None):
         raise CliError("give --engines DIR, or both --target DIR and --drafter DIR")
@@ -88,9 +88,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
-    from ..cli import CliError
-    from .config import validate_repository
-    from .server import TritonServer, TritonUnavailable
+    from .options import CliError
+    from ..triton.config import validate_repository
+    from ..triton.server import TritonServer, TritonUnavailable
 
     errors = validate_repository(args.repo)
     if errors:
@@ -117,8 +117,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_client(args: argparse.Namespace) -> int:
-    from ..cli import CliError
-    from .client import generate
+    from .options import CliError
+    from ..triton.client import generate
 
     url = args.url or ("127.0.0.1:8001" if args.protocol == "grpc" else "127.0.0.1:8000")
     if args.stream and args.protocol != "grpc":

@@ -3,30 +3,25 @@
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import sys
-import threading
 from pathlib import Path
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
-LISTENING_EVENT = "listening"  # stderr: {"event": "listening", "host": ..., "port": N} once the socket is bound
 
 
 def _port(text: str) -> int:
-    from ..cli import _non_negative_int
+    from .options import non_negative_int
 
-    value = _non_negative_int(text)
+    value = non_negative_int(text)
     if value > 65535:
         raise argparse.ArgumentTypeError(f"must be <= 65535, got {value}")
     return value
 
 
 def _seconds(text: str, allow_zero: bool = False) -> float:
-    from ..cli import _float
+    from .options import finite_float
 
-    value = _float(text)  # finite
+    value = finite_float(text)  # finite
     if value < 0 or (value == 0 and not allow_zero):
         raise argparse.ArgumentTypeError(f"must be {'>= 0' if allow_zero else '> 0'} seconds, got {text}")
     return value
@@ -37,7 +32,8 @@ def _drain_seconds(text: str) -> float:
 
 
 def register(sub) -> None:
-    from ..cli import DEMO_DRAFTER, DEMO_TARGET, _non_negative_int, _positive_int
+    from ..settings import DEMO_DRAFTER, DEMO_TARGET
+    from .options import non_negative_int, positive_int
 
     p = sub.add_parser(
         "serve",
@@ -65,32 +61,34 @@ def register(sub) -> None:
                      f"(default: ${API_KEY_ENV} if set, else no auth)")
     net.add_argument("--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)")
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-active", type=_positive_int, default=8,
+    lim.add_argument("--max-active", type=positive_int, default=8,
                      help="generations advanced concurrently, round-robin (default 8)")
-    lim.add_argument("--max-queue", type=_non_negative_int, default=64,
+    lim.add_argument("--max-queue", type=non_negative_int, default=64,
                      help="requests waiting beyond --max-active; more get 429 with Retry-After (default 64)")
     lim.add_argument("--request-timeout", type=_seconds, default=300.0, help="seconds per request (default 300)")
-    lim.add_argument("--max-body-bytes", type=_positive_int, default=1 << 20,
+    lim.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
                      help="largest request body; more gets 413 (default 1 MiB)")
-    lim.add_argument("--default-max-tokens", type=_positive_int, default=256,
+    lim.add_argument("--default-max-tokens", type=positive_int, default=256,
                      help="chat requests without max_tokens generate at most this many, clipped to the context "
                      "left (default 256); /v1/completions without max_tokens keeps OpenAI's default of 16 and "
                      "/generate its own default of 128")
     lim.add_argument("--drain-timeout", type=_drain_seconds, default=30.0,
                      help="on SIGTERM/SIGINT: seconds to let in-flight requests finish while new ones get 503 "
                      "(default 30); a second signal exits at once")
-    lim.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads (default: torch's choice)")
+    lim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    _setup_logging()
+    from ..server.serving import serve_app, setup_logging
+
+    setup_logging()
     if args.threads:
         import torch
 
         torch.set_num_threads(args.threads)
     decoder, name = _load_models(args)
-    from .app import ServerSettings, create_app
+    from ..server.app import ServerSettings, create_app
 
     settings = ServerSettings(
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -108,51 +106,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _load_models(args):
-    from ..cli import _load, _load_engines
+    from .options import load_or_fail, load_engines_or_fail
 
     if args.engines is not None:
-        return _load_engines(args.engines, args.dtype, args.no_draft), args.engines.resolve().name
-    return _load(args.target, None if args.no_draft else args.drafter, args.dtype), args.target.resolve().name
-
-
-def _setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    logger = logging.getLogger("dflash_trt.server")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-
-
-def serve_app(app, host: str, port: int) -> None:
-    """Run uvicorn; the first SIGTERM/SIGINT drains (new requests 503), a second one exits at once."""
-    import uvicorn
-
-    class DrainingServer(uvicorn.Server):
-        draining = False
-
-        def handle_exit(self, sig, frame):
-            if self.draining:  # second signal: stop now
-                self.force_exit = True
-                return super().handle_exit(sig, frame)
-            self.draining = True
-            threading.Thread(target=self._drain, name="dflash-drain", daemon=True).start()
-
-        def _drain(self):
-            server = app.state.server
-            orch, limit = server.orchestrator, server.settings.drain_timeout_s
-            log = logging.getLogger("dflash_trt.server")
-            log.info('{"event": "drain", "in_flight": %d, "limit_s": %s}', orch.busy, limit)
-            orch.begin_drain()
-            if not orch.wait_idle(limit):
-                orch.cancel_all("shutdown", "the server is shutting down (drain limit reached)")
-                orch.wait_idle(5.0)
-            self.should_exit = True
-
-    # access_log off: the app writes its own JSON line per request; "info" keeps uvicorn's "running on" line.
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
-    sock = config.bind_socket()  # bound here so that --port 0 can report the port it got
-    logging.getLogger("dflash_trt.server").info(
-        json.dumps({"event": LISTENING_EVENT, "host": host, "port": sock.getsockname()[1]}))
-    DrainingServer(config).run(sockets=[sock])
+        return load_engines_or_fail(args.engines, args.dtype, args.no_draft), args.engines.resolve().name
+    return load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype), args.target.resolve().name

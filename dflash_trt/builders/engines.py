@@ -55,7 +55,7 @@ class EnginesConfig:
 
 def read_config(path: str | Path | None, base: Path, overrides: dict | None = None) -> EnginesConfig:
     """TOML or JSON; relative paths are relative to `base` (the repo root). Missing keys take defaults."""
-    from ..cli import DEMO_DRAFTER, DEMO_TARGET
+    from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
     raw: dict = {}
     if path is not None:
@@ -188,7 +188,7 @@ class BuildReport:
 
 
 def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
-    from ..cli import DEMO_MODELS_HINT
+    from ..settings import DEMO_MODELS_HINT
     from ..config import load_drafter_config
     from ..runtime.registry import unavailable_reason
 
@@ -214,12 +214,12 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
     # ---- drafter -> ONNX (every machine) ---------------------------------------------------
     onnx_versions = versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt")
     key = step_key("drafter-onnx", sources["target"]["sha256"], sources["drafter"]["sha256"], onnx_versions,
-                   code_sha256("dflash_trt.models.drafter", "dflash_trt.export.onnx_drafter"))
+                   code_sha256("dflash_trt.models.drafter", "dflash_trt.builders.onnx_drafter"))
     if _up_to_date(previous.get("drafter_onnx"), key, out):
         engines["drafter_onnx"] = previous["drafter_onnx"]
         report.unchanged.append("drafter_onnx")
     else:
-        from ..export.onnx_drafter import DrafterGraphMeta, export_from_checkpoints
+        from .onnx_drafter import DrafterGraphMeta, export_from_checkpoints
 
         folder = out / DRAFTER_ONNX_DIR
         shutil.rmtree(folder, ignore_errors=True)
@@ -244,7 +244,7 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
     if reason:
         report.skipped["drafter_tensorrt"] = reason
     else:
-        from ..build.trt_drafter import PLAN_MANIFEST, build_drafter_plan, gpu_name
+        from .trt_drafter import PLAN_MANIFEST, build_drafter_plan, gpu_name
 
         trt_versions = versions("tensorrt") | {"gpu": gpu_name()}
         key = step_key("drafter-trt", engines["drafter_onnx"]["key"], trt_versions, cfg.precision, cfg.max_seq_len,
@@ -269,7 +269,7 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
     if reason:
         report.skipped["target_tensorrt_llm"] = reason
     else:
-        from ..build.trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
+        from .trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
 
         trtllm_versions = versions("tensorrt_llm", "tensorrt")
         key = step_key("target-trtllm", sources["target"]["sha256"], spec.target_layer_ids, block_size, cfg.tp,

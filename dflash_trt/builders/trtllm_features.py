@@ -14,7 +14,7 @@ from tensorrt_llm.models import LLaMAForCausalLM, QWenForCausalLM
 def _mark_feature_layers(model, config) -> None:
     layer_ids = list(getattr(config, "dflash_feature_layer_ids", None) or [])
     if not layer_ids:
-        raise ValueError("checkpoint config has no dflash_feature_layer_ids: convert with dflash_trt.build.trtllm_convert")
+        raise ValueError("checkpoint config has no dflash_feature_layer_ids: convert with dflash_trt.builders.trtllm_convert")
     if config.mapping.pp_size != 1:
         raise ValueError("DFlash feature outputs need pp_size == 1 (use tensor parallelism)")
     layers = model.transformer.layers

@@ -7,7 +7,8 @@ from pathlib import Path
 
 
 def register(sub) -> None:
-    from ..cli import REPO_ROOT, _add_model_args, _positive_int
+    from ..settings import REPO_ROOT
+    from .options import add_model_args, positive_int
 
     p = sub.add_parser(
         "export-drafter", help="export the drafter round (with the target's embedding and lm_head) to ONNX",
@@ -15,7 +16,7 @@ def register(sub) -> None:
         "weight files and drafter.json into OUT. One graph: block token ids -> embedding -> drafter layers -> "
         "target lm_head -> argmax, with the drafter's context KV cache as explicit inputs and outputs.",
     )
-    _add_model_args(p, dtype=False)  # the target supplies the embedding table and lm_head
+    add_model_args(p, dtype=False)  # the target supplies the embedding table and lm_head
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--no-fp16", action="store_true", help="skip the fp16 graph")
     p.set_defaults(func=cmd_export_drafter)
@@ -31,9 +32,9 @@ def register(sub) -> None:
     p.add_argument("--typing", choices=["weak", "strong"], default=None,
                    help="weak: fp32 graph + BuilderFlag.FP16 (TensorRT 10 only); strong: the fp16 graph "
                    "(default: weak on 10, strong on 11)")
-    p.add_argument("--max-context", type=_positive_int, default=None,
+    p.add_argument("--max-context", type=positive_int, default=None,
                    help="largest cache length T in the profile (default: the drafter's max positions)")
-    p.add_argument("--max-new-tokens", type=_positive_int, default=None,
+    p.add_argument("--max-new-tokens", type=positive_int, default=None,
                    help="largest n (new context tokens per call; the prefill passes the whole prompt) (default: max context)")
     p.set_defaults(func=cmd_build_drafter)
 
@@ -43,15 +44,15 @@ def register(sub) -> None:
         "external draft tokens (max_draft_len = block size - 1), paged context FMHA and the drafter's feature "
         "layers marked as outputs. --dry-run prints the planned commands and rank files without running them.",
     )
-    _add_model_args(p, dtype=False)  # the drafter gives the feature layers and the block size
-    p.add_argument("--tp", type=_positive_int, choices=[1, 2, 4, 8], default=1,
+    add_model_args(p, dtype=False)  # the drafter gives the feature layers and the block size
+    p.add_argument("--tp", type=positive_int, choices=[1, 2, 4, 8], default=1,
                    help="tensor-parallel size = GPUs (default 1)")
     p.add_argument("--out", type=Path, required=True, help="output folder (checkpoint/ and engine/ inside)")
-    p.add_argument("--block-size", type=_positive_int, default=None, help="default: the drafter's trained block size")
+    p.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's trained block size")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="engine dtype (default float16)")
-    p.add_argument("--max-batch-size", type=_positive_int, default=8, help="default 8")
-    p.add_argument("--max-input-len", type=_positive_int, default=2048, help="longest prompt (default 2048)")
-    p.add_argument("--max-seq-len", type=_positive_int, default=4096, help="longest prompt + output (default 4096)")
+    p.add_argument("--max-batch-size", type=positive_int, default=8, help="default 8")
+    p.add_argument("--max-input-len", type=positive_int, default=2048, help="longest prompt (default 2048)")
+    p.add_argument("--max-seq-len", type=positive_int, default=4096, help="longest prompt + output (default 4096)")
     p.add_argument("--dry-run", action="store_true", help="print the plan only")
     p.set_defaults(func=cmd_build_target)
 
@@ -67,20 +68,20 @@ def register(sub) -> None:
     p.add_argument("--target", type=Path, default=None, help="override the config's target checkpoint")
     p.add_argument("--drafter", type=Path, default=None, help="override the config's drafter checkpoint")
     p.add_argument("--out", type=Path, default=None, help="override the config's output folder")
-    p.add_argument("--tp", type=_positive_int, choices=[1, 2, 4, 8], default=None,
+    p.add_argument("--tp", type=positive_int, choices=[1, 2, 4, 8], default=None,
                    help="override the config's tensor-parallel size (1, 2, 4 or 8)")
     p.set_defaults(func=cmd_engines)
 
 
 def _fail(e: Exception):
-    from ..cli import CliError
+    from .options import CliError
 
     raise CliError(str(e)) from None
 
 
 def cmd_export_drafter(args: argparse.Namespace) -> int:
     from ..config import ConfigError
-    from ..export.onnx_drafter import export_from_checkpoints
+    from ..builders.onnx_drafter import export_from_checkpoints
 
     for role, path in (("drafter", args.drafter), ("target", args.target)):
         if not path.is_dir():
@@ -95,7 +96,7 @@ def cmd_export_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_build_drafter(args: argparse.Namespace) -> int:
-    from ..build.trt_drafter import build_drafter_plan
+    from ..builders.trt_drafter import build_drafter_plan
     from ..runtime.base import EngineUnavailable
 
     try:
@@ -108,7 +109,7 @@ def cmd_build_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_build_target(args: argparse.Namespace) -> int:
-    from ..build.trtllm_target import TargetBuildError, plan_target_build, run_plan, spec_from_checkpoints
+    from ..builders.trtllm_target import TargetBuildError, plan_target_build, run_plan, spec_from_checkpoints
     from ..config import ConfigError
     from ..runtime.base import EngineUnavailable
 
@@ -132,9 +133,9 @@ def cmd_build_target(args: argparse.Namespace) -> int:
 def cmd_engines(args: argparse.Namespace) -> int:
     import time
 
-    from ..cli import REPO_ROOT
+    from ..settings import REPO_ROOT
     from ..config import ConfigError
-    from .engines import EnginesConfigError, build_engines, read_config
+    from ..builders.engines import EnginesConfigError, build_engines, read_config
 
     t0 = time.perf_counter()
     try:

@@ -1,0 +1,79 @@
+"""`dflash-trt generate`: one continuation, printed as text or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .options import CliError, add_model_args, finite_float, load_engines_or_fail, load_or_fail, non_negative_int, positive_int, token_ids
+
+
+def register(sub) -> None:
+    g = sub.add_parser(
+        "generate",
+        help="generate a continuation with draft-and-verify (or the target alone)",
+        description="Generate a continuation of a prompt. Greedy output is token-for-token the target's own; "
+        "sampled output has the target's distribution.",
+    )
+    add_model_args(g)
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (needs a tokenizer in the target directory)")
+    src.add_argument("--input-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
+    g.add_argument("--max-new-tokens", type=positive_int, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default); > 0 samples")
+    g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
+    g.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest tokens; 0 = off")
+    g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
+    g.add_argument("--block-size", type=positive_int, default=None,
+                   help="tokens per draft-and-verify round, up to the drafter's trained size (default: trained size)")
+    g.add_argument("--acceptance", choices=["rejection", "exact-match"], default="rejection",
+                   help="sampling acceptance rule: speculative rejection sampling with draft probabilities "
+                   "(default) or the reference's exact match with greedy drafts; both are lossless")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeatable); the text ends before it")
+    g.add_argument("--no-draft", action="store_true", help="run the target alone (autoregressive baseline)")
+    g.add_argument("--engines", type=Path, default=None, metavar="DIR",
+                   help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
+    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
+    g.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from ..decoding import GenerationConfig, InputError, SamplingParams
+
+    if args.engines is not None:
+        decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft)
+    else:
+        decoder = load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
+        prompt = decoder.encode(args.prompt) if args.prompt is not None else args.input_ids
+        config = GenerationConfig(
+            max_new_tokens=args.max_new_tokens,
+            sampling=sampling,
+            block_size=None if args.no_draft else args.block_size,
+            acceptance=args.acceptance,
+            stop_token_ids=decoder.default_stop_ids(),
+            stop_strings=tuple(args.stop),
+        )
+        result = decoder.generate(prompt, config)
+    except (InputError, ValueError) as e:
+        raise CliError(str(e)) from None
+    if args.json:
+        print(json.dumps({
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+        }))
+    else:
+        print(result.text if result.text is not None else ",".join(map(str, result.token_ids)))
+        s = result.stats
+        print(
+            f"[{s.new_tokens} tokens, {s.rounds} rounds, tau {s.mean_acceptance_length:.2f}, "
+            f"{s.tokens_per_second:.1f} tok/s, block {s.block_size}, finish: {result.finish_reason}]",
+            file=sys.stderr,
+        )
+    return 0

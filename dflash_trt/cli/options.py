@@ -1,0 +1,87 @@
+"""Option parsers and loaders shared by the command groups. Only `dflash_trt.cli` imports this."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET
+
+
+class CliError(Exception):
+    """Printed as one line, exit code 1 (2 for usage errors via argparse)."""
+
+
+def int_at_least(minimum: int):
+    """An argparse type: an integer >= minimum, with a one-line message otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    return parse
+
+
+positive_int = int_at_least(1)
+non_negative_int = int_at_least(0)
+
+
+def finite_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("no token ids given")
+    return ids
+
+
+def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+    p.add_argument("--target", type=Path, default=DEMO_TARGET,
+                   help=f"Hugging Face target checkpoint directory (default: demo model {DEMO_TARGET})")
+    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
+                   help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})")
+    if dtype:  # commands that build engines choose their own precision
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                       help="weights dtype for the PyTorch engines (default: float32, right for CPU)")
+
+
+def load_or_fail(target: Path, drafter: Path | None, dtype: str):
+    from ..config import ConfigError
+    from ..loading import load_decoder
+
+    if not target.is_dir():
+        hint = f" (the demo models are made by `{DEMO_MODELS_HINT}`)" if target == DEMO_TARGET else ""
+        raise CliError(f"target directory not found: {target}{hint}")
+    if drafter is not None and not drafter.is_dir():
+        raise CliError(f"drafter directory not found: {drafter} (use --no-draft to run the target alone)")
+    try:
+        return load_decoder(target, drafter, dtype)
+    except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
+        raise CliError(str(e)) from None
+
+
+def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool):
+    from ..config import ConfigError
+    from ..loading import load_decoder_from_engines
+    from ..runtime.base import EngineUnavailable
+
+    try:  # --no-draft: the drafter is not even loaded (a TensorRT drafter cannot load on a CPU machine)
+        return load_decoder_from_engines(engines, dtype, draft=not no_draft)
+    except (ConfigError, EngineUnavailable, FileNotFoundError, KeyError, ValueError, OSError) as e:
+        raise CliError(f"engines {engines}: {e}") from None

@@ -10,6 +10,7 @@ from .decode import (
     Round,
     SpeculativeDecoder,
 )
+from .processors import LogitsAdjustment
 from .sampling import SamplingParams
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "GenerationResult",
     "GenerationStats",
     "InputError",
+    "LogitsAdjustment",
     "Round",
     "SamplingParams",
     "SpeculativeDecoder",

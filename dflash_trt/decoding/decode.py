@@ -21,6 +21,7 @@ import torch
 
 from ..runtime.base import DrafterEngine, TargetEngine
 from .acceptance import accept_exact_match, accept_greedy, accept_rejection
+from .processors import LogitsAdjustment
 from .sampling import SamplingParams, next_token, probabilities, sample
 from .stopping import StopChecker, truncate_at_stop
 
@@ -32,7 +33,9 @@ class InputError(ValueError):
 
 
 class ContextLengthError(InputError):
-    pass
+    def __init__(self, message: str, prompt_alone: bool = False):
+        super().__init__(message)
+        self.prompt_alone = prompt_alone  # the prompt leaves no room for even one new token
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class GenerationConfig:
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     drafter_fallback: bool = False  # if the drafter raises, go on with the target alone (a server keeps serving)
+    adjust: LogitsAdjustment | None = None  # penalties, logit_bias, min_tokens: on the target's logits
 
 
 @dataclass
@@ -116,6 +120,10 @@ class SpeculativeDecoder:
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InputError("this target has no tokenizer: pass token ids instead of text")
+        try:
+            text.encode("utf-8")  # a lone surrogate (from JSON "\\ud800") makes tokenizers raise TypeError
+        except UnicodeEncodeError as e:
+            raise InputError(f"the text is not valid Unicode: lone surrogate at character {e.start}") from None
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def default_stop_ids(self) -> tuple[int, ...]:
@@ -162,7 +170,8 @@ class Generation:
         if total > limit:
             raise ContextLengthError(
                 f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
-                f"exceeds the {who}'s context length {limit}"
+                f"exceeds the {who}'s context length {limit}",
+                prompt_alone=len(self.prompt_ids) >= limit,
             )
         if cfg.block_size is not None:
             if drafter is None and cfg.block_size != 1:
@@ -195,7 +204,7 @@ class Generation:
         out = self.target_session.forward(
             torch.tensor(self.prompt_ids, dtype=torch.long), last_logits_only=True, features=want_features
         )
-        first = next_token(out.logits[-1], self.params, self.generator)
+        first = next_token(self._adjusted(out.logits[-1:])[-1], self.params, self.generator)
         self.pending_features = out.features
         self.stats.prefill_time_s = time.perf_counter() - t0
         return self._commit([first], drafted=0, accepted=0, prefill=True)
@@ -212,7 +221,7 @@ class Generation:
         block = torch.tensor([last] + draft_tokens.tolist(), dtype=torch.long)
         committed_len = self.target_session.length
         out = self.target_session.forward(block, features=self.drafter_session is not None)
-        accepted, bonus = self._accept(draft_tokens, draft_probs, out.logits)
+        accepted, bonus = self._accept(draft_tokens, draft_probs, self._adjusted(out.logits, draft_tokens.tolist()))
         self.target_session.rollback(committed_len + accepted + 1)
         if out.features is not None:
             self.pending_features = out.features[: accepted + 1]
@@ -224,6 +233,11 @@ class Generation:
         return self._commit(new, drafted=len(draft_tokens), accepted=accepted)
 
     # ---- proposer / acceptance ----------------------------------------------------------
+    def _adjusted(self, logits: torch.Tensor, draft: list[int] = ()) -> torch.Tensor:
+        """The target's logits as the request sees them: row i after the committed tokens + draft[:i]."""
+        adjust = self.config.adjust
+        return logits if adjust is None else adjust.apply(logits.cpu(), self.generated, draft)
+
     def _propose(self, last: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         if size < 2 or self.drafter_session is None:
             return torch.empty(0, dtype=torch.long), None

@@ -49,8 +49,10 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     probs = torch.softmax(scores, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        # keep a token while the mass before it is below top_p (so the top token always stays)
+        # keep a token while the mass before it is below top_p; the top token always stays, even when
+        # top_p is below float32's smallest number and the comparison alone would keep nothing (0/0)
         keep = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p
+        keep[..., 0] = True
         sorted_probs = sorted_probs * keep
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(-1, keepdim=True)

@@ -1,116 +1,262 @@
-"""Request bodies of the HTTP API and the OpenAI-style error body.
+"""Request bodies of the HTTP API, built from the loaded engines, and the OpenAI-style error body.
 
-Our own `/generate` is strict (unknown fields and loose types are errors); the OpenAI-compatible
-endpoints accept the fields OpenAI clients send and ignore the ones that do not change the output
-of a single-choice completion. No field names a file path: a request can only carry text, token
-ids and numbers.
+`Limits` is the one source of the bounds that depend on the engines (context length, vocabulary,
+the drafter's trained block size): `request_models(limits)` puts them into the pydantic models, so
+validation and `/openapi.json` say the same thing. The decoder still checks what only a whole
+request can tell (prompt + max_tokens against the context).
+
+Both APIs take types strictly: "10", true or 1.0 is not an integer, "yes" is not a boolean. Our own
+`/generate` also refuses unknown fields. The OpenAI-compatible endpoints accept explicit nulls
+(OpenAI's clients send them) and ignore fields they do not know; every field OpenAI defines that
+would change the output is either implemented or refused with a 400 that names it. No field names
+a file path: a request can only carry text, token ids and numbers.
 """
 
-from __future__ import annotations
+import json
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Optional, Union
 
-from typing import Annotated, Literal, Union
-
-from pydantic import BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
 
 MAX_SEED = 2**63 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
-TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-StopField = Union[StrictStr, Annotated[list[StrictStr], Field(max_length=16)], None]
+GENERATE_DEFAULT_MAX_TOKENS = 128
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a client that names no temperature expects sampling
+MAX_STOPS = 16
 
 
-def stop_tuple(stop: StopField) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class Limits:
+    """What the loaded engines accept."""
+
+    max_context: int  # prompt + generated tokens, the target's context length
+    vocab_size: int
+    max_block_size: int  # the drafter's trained block size (1: no drafter)
+    model_name: str
+
+    @classmethod
+    def from_decoder(cls, decoder, model_name: str) -> "Limits":
+        drafter = decoder.drafter
+        return cls(max_context=decoder.target.max_context, vocab_size=decoder.target.vocab_size,
+                   max_block_size=drafter.block_size if drafter is not None else 1, model_name=model_name)
+
+
+def _unicode(text: str) -> str:
+    """JSON can carry a lone UTF-16 surrogate ("\\ud800"); it is not text, and tokenizers raise on it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"not valid Unicode text: lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[StrictStr, AfterValidator(_unicode)]  # every string that reaches the tokenizer
+NonEmptyText = Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)]
+StopField = Optional[Union[Annotated[Text, Field(min_length=1)],
+                           Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOPS)]]]
+Temperature = Annotated[float, Field(ge=0.0, le=100.0, description="0 is greedy; below 1e-5 counts as 0")]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+TopK = Annotated[int, Field(ge=0, le=1_000_000, description="0: off")]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+
+
+# OpenAI fields this server cannot honour exactly: the values that leave the output unchanged, and why
+# others are refused (a 400 naming the field; never silently ignored).
+UNSUPPORTED = {
+    "n": ((None, 1), "must be 1: one choice per request"),
+    "best_of": ((None, 1), "must be 1: one choice per request"),
+    "echo": ((None, False), "not supported"),
+    "suffix": ((None, ""), "not supported"),
+    "logprobs": ((None, 0, False), "not supported"),
+    "top_logprobs": ((None, 0), "not supported (no logprobs)"),
+    "tools": ((None, []), "not supported: this server generates text only"),
+    "functions": ((None, []), "not supported: this server generates text only"),
+    "tool_choice": ((None, "none", "auto"), "cannot require a tool: this server has none"),
+    "function_call": ((None, "none", "auto"), "cannot require a function: this server has none"),
+    "response_format": ((None, {"type": "text"}), "only plain text is supported"),
+    "modalities": ((None, ["text"]), "only text is supported"),
+}
+
+
+def stop_tuple(stop) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-class SamplingFields(BaseModel):
-    """Shared knobs; ranges are checked here so that engines only ever see valid numbers."""
-
-    model_config = ConfigDict(allow_inf_nan=False)
-
-    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    temperature: Annotated[float, Field(ge=0.0, le=100.0)] = 0.0
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
-    top_k: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
-    stop: StopField = None
-    stream: bool = False
+@dataclass
+class RequestModels:
+    generate: type[BaseModel]
+    completion: type[BaseModel]
+    chat: type[BaseModel]
 
 
-class GenerateRequest(SamplingFields):
-    """POST /generate: our native API. Exactly one of prompt / input_ids."""
+def request_models(limits: Limits) -> RequestModels:
+    """The three request bodies, bounded by what the loaded engines accept."""
+    ctx = limits.max_context
+    TokenId = Annotated[int, Field(ge=0, le=limits.vocab_size - 1)]
+    TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=ctx)]
+    MaxTokens = Annotated[int, Field(ge=1, le=max(1, ctx - 1), description=(
+        f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"))]
+    LogitBias = dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                     Annotated[float, Field(ge=-100.0, le=100.0)]]
 
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    class OutputFields(BaseModel):
+        """What changes the output, shared by the three endpoints (applied to the target's logits at every
+        verified position, so speculative decoding stays lossless)."""
 
-    prompt: StrictStr | None = None
-    input_ids: Annotated[list[TokenId], Field(min_length=1)] | None = None
-    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] = 128
-    block_size: Annotated[int, Field(ge=1, le=1024)] | None = None
+        frequency_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus count x this per token")
+        presence_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus this once a token occurred")
+        logit_bias: Optional[LogitBias] = Field(
+            None, max_length=300, description="token id (as a string) -> bias added to its logit, -100..100")
+        min_tokens: Optional[Annotated[int, Field(ge=0, le=ctx)]] = Field(
+            None, description="end-of-text cannot be generated before this many tokens (vLLM's)")
+        ignore_eos: Optional[bool] = Field(None, description="do not stop at end-of-text (vLLM's)")
 
-    @model_validator(mode="after")
-    def _one_prompt(self):
-        if (self.prompt is None) == (self.input_ids is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'input_ids' (token ids)")
-        return self
+        @field_validator("logit_bias")
+        @classmethod
+        def _in_vocabulary(cls, v):
+            bad = [k for k in (v or {}) if int(k) >= limits.vocab_size]
+            if bad:
+                raise ValueError(f"token ids out of vocabulary (size {limits.vocab_size}): {bad[:5]}")
+            return v
+
+    class GenerateRequest(OutputFields):
+        """POST /generate: our native API. Exactly one of prompt / input_ids."""
+
+        model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="GenerateRequest")
+
+        prompt: Optional[NonEmptyText] = None
+        input_ids: Optional[TokenIds] = None
+        max_tokens: MaxTokens = GENERATE_DEFAULT_MAX_TOKENS
+        temperature: Temperature = 0.0
+        top_p: TopP = 1.0
+        top_k: TopK = 0
+        seed: Optional[Seed] = None
+        stop: StopField = None
+        stream: bool = False
+        block_size: Optional[Annotated[int, Field(ge=1, le=limits.max_block_size, description=(
+            f"tokens per round, up to the drafter's trained block size ({limits.max_block_size})"))]] = None
+
+        @model_validator(mode="after")
+        def _one_prompt(self):
+            if (self.prompt is None) == (self.input_ids is None):
+                raise ValueError("give exactly one of 'prompt' (text) or 'input_ids' (token ids)")
+            return self
+
+    class OpenAIFields(OutputFields):
+        """Fields both OpenAI endpoints share. null means "the default", as OpenAI reads it."""
+
+        model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+
+        model: Optional[StrictStr] = Field(None, description="the only model, or null; another is a 404",
+                                           json_schema_extra={"enum": [limits.model_name, None]})
+        temperature: Optional[Temperature] = Field(
+            None, description=f"default {OPENAI_DEFAULT_TEMPERATURE} (OpenAI's); 0 is greedy")
+        top_p: Optional[TopP] = None
+        top_k: Optional[TopK] = None
+        seed: Optional[Seed] = None
+        stop: StopField = None
+        stream: Optional[bool] = None
+        stream_options: Optional[StreamOptions] = None
+        n: Optional[Literal[1]] = Field(None, description="one choice per request")
+        user: Optional[StrictStr] = None
+
+        @field_validator(*UNSUPPORTED, mode="before", check_fields=False)
+        @classmethod
+        def _supported(cls, v, info):
+            allowed, why = UNSUPPORTED[info.field_name]
+            if not any(type(v) is type(a) and v == a for a in allowed):
+                raise ValueError(f"{why} (send {' or '.join(json.dumps(a) for a in allowed)})")
+            return v
+
+    class CompletionRequest(OpenAIFields):
+        """POST /v1/completions (OpenAI). `prompt` is text, a list of one text, or token ids."""
+
+        model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="CompletionRequest")
+
+        prompt: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)], TokenIds]
+        max_tokens: Optional[MaxTokens] = Field(None, description=(
+            f"default {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's), clipped to the context left"))
+        echo: Optional[Literal[False]] = Field(None, description="not supported: false or null")
+        best_of: Optional[Literal[1]] = None
+        logprobs: Optional[Literal[0]] = Field(None, description="not supported: null or 0")
+        suffix: Optional[Literal[""]] = Field(None, description="not supported: null or empty")
+
+        @field_validator("prompt")
+        @classmethod
+        def _one_text(cls, v):
+            return v[0] if isinstance(v, list) and v and isinstance(v[0], str) else v
+
+    class ChatCompletionRequest(OpenAIFields):
+        """POST /v1/chat/completions (OpenAI): text messages only, no tools."""
+
+        model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="ChatCompletionRequest")
+
+        messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
+        max_tokens: Optional[MaxTokens] = Field(None, description="default: the server's --default-max-tokens")
+        max_completion_tokens: Optional[MaxTokens] = None
+        logprobs: Optional[Literal[False]] = Field(None, description="not supported: false or null")
+        top_logprobs: Optional[Literal[0]] = Field(None, description="not supported: null or 0")
+        response_format: Optional[TextFormat] = Field(None, description="only {'type': 'text'}")
+        tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=0)]] = Field(
+            None, description="not supported: no tools (null or [])")
+        tool_choice: Optional[Literal["none", "auto"]] = Field(None, description="without tools: none or auto")
+        parallel_tool_calls: Optional[bool] = None
+        functions: Optional[Annotated[list[dict[str, Any]], Field(max_length=0)]] = Field(
+            None, description="not supported: null or []")
+        function_call: Optional[Literal["none", "auto"]] = None
+        modalities: Optional[Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)]] = None
+
+    return RequestModels(GenerateRequest, CompletionRequest, ChatCompletionRequest)
 
 
-class CompletionRequest(SamplingFields):
-    """POST /v1/completions (OpenAI). `prompt` is text, one text in a list, or token ids."""
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    include_usage: Optional[bool] = None
 
-    model: str | None = None
-    prompt: Union[StrictStr, Annotated[list[StrictStr], Field(min_length=1, max_length=1)], Annotated[list[TokenId], Field(min_length=1)]]
-    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None  # None: COMPLETIONS_DEFAULT_MAX_TOKENS
-    n: Literal[1] = 1
-    echo: Literal[False] = False
-    logprobs: None = None
-    best_of: Literal[1] | None = None
-    stream_options: dict | None = None
-    user: str | None = None
 
-    @field_validator("prompt")
-    @classmethod
-    def _one_text(cls, v):
-        return v[0] if isinstance(v, list) and v and isinstance(v[0], str) else v
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"] = Field(description="json_object and json_schema are not supported")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text"]
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: StrictStr | None = None
+    content: Optional[Union[Text, list[TextPart]]] = None
 
-    @field_validator("content", mode="before")
+    @field_validator("content")
     @classmethod
-    def _text_parts(cls, v):
+    def _join_parts(cls, v):
         """OpenAI content may be a list of parts; only text parts are supported."""
-        if isinstance(v, list):
-            texts = []
-            for part in v:
-                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts are supported")
-                texts.append(part["text"])
-            return "".join(texts)
-        return v
-
-
-class ChatCompletionRequest(SamplingFields):
-    """POST /v1/chat/completions (OpenAI)."""
-
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
-
-    model: str | None = None
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
-    max_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    max_completion_tokens: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
-    n: Literal[1] = 1
-    logprobs: Literal[False] | None = None
-    stream_options: dict | None = None
-    user: str | None = None
+        return "".join(p.text for p in v) if isinstance(v, list) else v
 
 
 def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
                code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: OpenAI's shape."""
+
+    error: ErrorDetail

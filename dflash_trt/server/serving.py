@@ -7,7 +7,7 @@ import logging
 import sys
 import threading
 
-LISTENING_EVENT = "listening"  # stderr: {"event": "listening", "host": ..., "port": N} once the socket is bound
+LISTENING_EVENT = "listening"  # stderr: {"event": "listening", "host": ..., "port": N} once connections are accepted
 
 
 def setup_logging() -> None:
@@ -19,12 +19,42 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
+def _http_protocol():
+    """uvicorn's HTTP protocol (httptools if installed, else h11), whose answer to a request it cannot
+    parse (a negative Content-Length, a broken request line) is our JSON error body, not plain text."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from .schemas import error_body
+
+    class JsonErrorProtocol(AutoHTTPProtocol):
+        def send_400_response(self, msg: str) -> None:
+            body = json.dumps(error_body(f"malformed HTTP request: {msg}", code="bad_http_request")).encode()
+            head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                    b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+            self.transport.write(head + body)
+            self.transport.close()
+
+    return JsonErrorProtocol
+
+
 def serve_app(app, host: str, port: int) -> None:
     """Run uvicorn; the first SIGTERM/SIGINT drains (new requests 503), a second one exits at once."""
+    server, sock = make_server(app, host, port)
+    server.run(sockets=[sock])
+
+
+def make_server(app, host: str, port: int):
+    """(uvicorn server, its bound socket): `server.run(sockets=[sock])` serves until told to stop."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         draining = False
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:  # the app started and the socket listens: a client may connect now
+                logging.getLogger("dflash_trt.server").info(json.dumps(
+                    {"event": LISTENING_EVENT, "host": host, "port": sockets[0].getsockname()[1]}))
 
         def handle_exit(self, sig, frame):
             if self.draining:  # second signal: stop now
@@ -46,8 +76,6 @@ def serve_app(app, host: str, port: int) -> None:
 
     # access_log off: the app writes its own JSON line per request; "info" keeps uvicorn's "running on" line.
     config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on")
+                            timeout_graceful_shutdown=5, lifespan="on", http=_http_protocol())
     sock = config.bind_socket()  # bound here so that --port 0 can report the port it got
-    logging.getLogger("dflash_trt.server").info(
-        json.dumps({"event": LISTENING_EVENT, "host": host, "port": sock.getsockname()[1]}))
-    DrainingServer(config).run(sockets=[sock])
+    return DrainingServer(config), sock

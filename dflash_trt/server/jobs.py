@@ -1,0 +1,150 @@
+"""From a validated request to a job on the orchestrator, and from its events back to a response:
+one JSON result, or server-sent events, one per verified round. Shared by the native and OpenAI routes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Callable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from ..decoding import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
+from ..decoding.processors import LogitsAdjustment
+from .errors import ApiError, job_error
+from .scheduler import ErrorEvent, Job, QueueFull, RoundEvent, ShuttingDown
+from .schemas import stop_tuple
+
+
+def generation_config(server, body, max_tokens: int, temperature: float, block_size: int | None = None
+                      ) -> GenerationConfig:
+    """The decoder's config for a request; nulls mean the defaults."""
+    eos = server.decoder.default_stop_ids()
+    return GenerationConfig(
+        max_new_tokens=max_tokens,
+        sampling=SamplingParams(temperature, _or(body.top_p, 1.0), _or(body.top_k, 0), body.seed),
+        block_size=block_size,
+        stop_token_ids=() if body.ignore_eos else eos,
+        stop_strings=stop_tuple(body.stop),
+        drafter_fallback=True,
+        adjust=LogitsAdjustment.of(
+            frequency_penalty=_or(body.frequency_penalty, 0.0), presence_penalty=_or(body.presence_penalty, 0.0),
+            logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
+            min_tokens=_or(body.min_tokens, 0), min_tokens_suppress=eos),
+    )
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
+async def start_job(request: Request, server, make_prompt: Callable[[], list[int]],
+                    make_config: Callable[[int], GenerationConfig], prompt_param: str) -> Job:
+    """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429.
+
+    No engine lock: decoder.start() only validates and makes new, empty sessions; only the
+    orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
+    decoder, orch = server.decoder, server.orchestrator
+
+    def prepare():
+        ids = make_prompt()
+        return decoder.start(ids, make_config(len(ids)))
+
+    try:
+        orch.check_admission()
+        generation = await run_in_threadpool(prepare)
+        job = Job(id=request.state.request_id, generation=generation, loop=asyncio.get_running_loop(),
+                  deadline=time.monotonic() + server.settings.request_timeout_s)
+        orch.submit(job)
+    except ContextLengthError as e:
+        raise ApiError(400, str(e), param=prompt_param if e.prompt_alone else "max_tokens",
+                       code="context_length_exceeded") from None
+    except (InputError, ValueError) as e:
+        raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
+    except QueueFull as e:
+        raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
+                       headers={"Retry-After": "1"}) from None
+    except ShuttingDown as e:
+        raise ApiError(503, str(e), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
+    request.state.job = job
+    return job
+
+
+async def wait_result(request: Request, job: Job) -> GenerationResult:
+    """Wait for the job's last round; a client that hangs up cancels it at once (the next round)."""
+    watch = asyncio.create_task(_cancel_on_disconnect(request, job))
+    try:
+        while True:
+            event = await job.events.get()
+            if isinstance(event, ErrorEvent):
+                raise job_error(event.kind, event.message)
+            if event.result is not None:
+                return event.result
+    finally:
+        watch.cancel()
+        job.cancel()  # no-op when finished; frees the slot when this handler is cancelled
+
+
+async def _cancel_on_disconnect(request: Request, job: Job) -> None:
+    """The body is read, so the next ASGI message can only be the client hanging up: wait for it.
+    (Polling between rounds never fires while rounds keep coming, every few milliseconds.)"""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancel()
+
+
+class JobStream(StreamingResponse):
+    """A streaming response that cancels its job however the response ends (disconnect included)."""
+
+    def __init__(self, content, job: Job):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.job = job
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel()
+
+
+def _sse(data) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+def stream(job: Job, on_round, on_error, done_marker: bool) -> JobStream:
+    """SSE: on_round(RoundEvent) gives the chunks of a round (the last round carries the result)."""
+
+    async def events():
+        while True:
+            event = await job.events.get()
+            if isinstance(event, ErrorEvent):
+                yield _sse(on_error(job_error(event.kind, event.message)))
+                break
+            for chunk in on_round(event):
+                yield _sse(chunk)
+            if event.result is not None:
+                break
+        if done_marker:
+            yield _sse("[DONE]")
+
+    return JobStream(events(), job)
+
+
+def usage(result) -> dict:
+    s = result.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
+            "total_tokens": s.prompt_tokens + s.new_tokens}
+
+
+def spec(job: Job) -> dict:
+    d = job.generation.stats.to_dict()
+    d["drafter_fallback"] = job.generation.drafter_error is not None
+    return d
+
+
+__all__ = ["RoundEvent", "generation_config", "start_job", "wait_result", "stream", "usage", "spec"]

@@ -1,0 +1,114 @@
+"""Response bodies, for /openapi.json: what each endpoint answers, errors and streams included."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import BaseModel
+
+from .schemas import ErrorBody
+
+FinishReason = Literal["stop", "length"]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class GenerateResponse(BaseModel):
+    id: str
+    text: Optional[str]  # null when the target has no tokenizer
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: Usage
+    spec: dict[str, Any]  # speculative decoding statistics: rounds, tau, draft / verify time
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Optional[FinishReason]
+    token_ids: Optional[list[int]] = None  # only when the target has no tokenizer
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+    spec: Optional[dict[str, Any]] = None
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: Optional[str]
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: None
+    finish_reason: FinishReason
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    spec: dict[str, Any]
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[Model]
+
+
+class Health(BaseModel):
+    status: Literal["ok"]
+
+
+class Ready(BaseModel):
+    status: Literal["ready"]
+    model: str
+    drafter: bool
+
+
+ERRORS = {
+    400: "invalid request: a field out of range or of the wrong type, a prompt too long for the context, "
+         "an unsupported field",
+    401: "missing or wrong API key (when the server has one)",
+    404: "unknown model",
+    413: "request body too large",
+    429: "queue full: retry after Retry-After seconds",
+    500: "engine failure (this request only; the server keeps serving)",
+    503: "shutting down, or not ready",
+    504: "the request took longer than the server's time limit",
+}
+
+
+def errors(*codes: int) -> dict:
+    """OpenAPI `responses` entries for these error statuses, all with the OpenAI error body."""
+    return {code: {"model": ErrorBody, "description": ERRORS[code]} for code in codes}
+
+
+def streamed(model: type[BaseModel], description: str, *codes: int) -> dict:
+    """200 as JSON, or (stream: true) as server-sent events, plus the error statuses."""
+    return {200: {"model": model, "description": description, "content": {"text/event-stream": {
+        "schema": {"type": "string", "description": "server-sent events: `data: <JSON chunk>` lines"}}}},
+        **errors(*codes)}

@@ -1,0 +1,66 @@
+"""Our own API: POST /generate (JSON or one SSE event per verified round), /health, /ready, /metrics.
+
+No `from __future__ import annotations` here: the request model is built from the loaded engines, so the
+routes are made per app and FastAPI must see the real class in each signature.
+"""
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from ..context import ServerDep
+from ..errors import error_response
+from ..jobs import generation_config, spec, start_job, stream, usage, wait_result
+from ..responses import GenerateResponse, Health, Ready, errors, streamed
+from ..scheduler import RoundEvent
+from ..schemas import RequestModels
+
+
+def router(models: RequestModels) -> APIRouter:
+    GenerateRequest = models.generate
+    r = APIRouter()
+
+    @r.get("/health", response_model=Health, summary="alive (answers even without the API key and while draining)")
+    async def health():
+        return {"status": "ok"}
+
+    @r.get("/ready", response_model=Ready, responses=errors(401, 503), summary="engines loaded and not draining")
+    async def ready(server: ServerDep):
+        if not server.started:
+            return error_response(503, "engines not loaded", "server_error", code="not_ready")
+        return {"status": "ready", "model": server.settings.model_name, "drafter": server.decoder.drafter is not None}
+
+    @r.get("/metrics", summary="Prometheus metrics", response_class=Response, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
+        **errors(401)})
+    async def metrics(server: ServerDep):
+        body, content_type = server.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @r.post("/generate", summary="generate from text or token ids",
+            responses=streamed(GenerateResponse, "the result; with stream: one `round` event per verified round, "
+                               "then a `final` event (or an `error` event)", 400, 401, 413, 429, 500, 503, 504))
+    async def generate(body: GenerateRequest, request: Request, server: ServerDep):
+        decoder = server.decoder
+        job = await start_job(
+            request, server,
+            lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
+            lambda n: generation_config(server, body, body.max_tokens, body.temperature, body.block_size),
+            prompt_param="prompt" if body.prompt is not None else "input_ids")
+
+        def final(result) -> dict:
+            return {"id": job.id, "text": result.text, "token_ids": result.token_ids,
+                    "finish_reason": result.finish_reason, "usage": usage(result), "spec": spec(job)}
+
+        if not body.stream:
+            return final(await wait_result(request, job))
+
+        def on_round(event: RoundEvent):
+            rnd = event.round
+            yield {"type": "round", "token_ids": rnd.token_ids, "text": event.text, "accepted": rnd.accepted,
+                   "drafted": rnd.drafted, "prefill": rnd.prefill}
+            if event.result is not None:
+                yield {"type": "final", **final(event.result)}
+
+        return stream(job, on_round, lambda err: {"type": "error", **err.body}, done_marker=False)
+
+    return r

@@ -1,0 +1,144 @@
+"""OpenAI-compatible routes: /v1/completions, /v1/chat/completions (JSON or SSE ending in `data: [DONE]`),
+/v1/models and /v1/models/{model}. One model, one choice per request; a request naming another model
+is a 404 `model_not_found`, as OpenAI answers.
+
+No `from __future__ import annotations` here: the request models are built from the loaded engines.
+"""
+
+import time
+
+from fastapi import APIRouter, Request
+
+from ...decoding import InputError, prompting
+from ..context import Server, ServerDep
+from ..errors import ApiError
+from ..jobs import generation_config, spec, start_job, stream, usage, wait_result
+from ..responses import ChatCompletion, Completion, Model, ModelList, errors, streamed
+from ..scheduler import RoundEvent
+from ..schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, OPENAI_DEFAULT_TEMPERATURE, RequestModels
+
+GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503, 504)
+
+
+def router(models: RequestModels) -> APIRouter:
+    CompletionRequest, ChatCompletionRequest = models.completion, models.chat
+    r = APIRouter(prefix="/v1")
+
+    @r.get("/models", response_model=ModelList, responses=errors(401), summary="the served model")
+    async def list_models(server: ServerDep):
+        return {"object": "list", "data": [_card(server)]}
+
+    @r.get("/models/{model}", response_model=Model, responses=errors(401, 404), summary="one model")
+    async def retrieve_model(model: str, server: ServerDep):
+        _check_model(server, model)
+        return _card(server)
+
+    @r.post("/completions", summary="text completion (OpenAI)",
+            responses=streamed(Completion, "the completion; with stream: `text_completion` chunks, then "
+                               "`data: [DONE]`", *GENERATION_ERRORS))
+    async def completions(body: CompletionRequest, request: Request, server: ServerDep):
+        _check_model(server, body.model)
+        decoder, prompt = server.decoder, body.prompt
+        job = await start_job(
+            request, server, lambda: decoder.encode(prompt) if isinstance(prompt, str) else list(prompt),
+            lambda n: generation_config(server, body, _max_tokens(server, body.max_tokens,
+                                                                  COMPLETIONS_DEFAULT_MAX_TOKENS, n),
+                                        _temperature(body)),
+            prompt_param="prompt")
+        created, cid = int(time.time()), f"cmpl-{job.id}"
+
+        def choice(text, finish_reason, token_ids=None):
+            c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            if decoder.tokenizer is None and token_ids is not None:
+                c["token_ids"] = token_ids  # no tokenizer: the ids are the only output
+            return c
+
+        def envelope(choices, **extra):
+            return {"id": cid, "object": "text_completion", "created": created, "model": server.settings.model_name,
+                    "choices": choices, **extra}
+
+        if not body.stream:
+            result = await wait_result(request, job)
+            return envelope([choice(result.text, result.finish_reason, result.token_ids)],
+                            usage=usage(result), spec=spec(job))
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def on_round(event: RoundEvent):
+            result = event.result
+            yield envelope([choice(event.text, result.finish_reason if result else None, event.round.token_ids)])
+            if result is not None and include_usage:
+                yield envelope([], usage=usage(result))
+
+        return stream(job, on_round, lambda err: err.body, done_marker=True)
+
+    @r.post("/chat/completions", summary="chat completion (OpenAI), text messages only",
+            responses=streamed(ChatCompletion, "the reply; with stream: `chat.completion.chunk` chunks, then "
+                               "`data: [DONE]`", *GENERATION_ERRORS))
+    async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep):
+        _check_model(server, body.model)
+        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        asked = body.max_completion_tokens or body.max_tokens
+        job = await start_job(
+            request, server, lambda: chat_prompt_ids(server.decoder, messages),
+            lambda n: generation_config(server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n),
+                                        _temperature(body)),
+            prompt_param="messages")
+        created, cid = int(time.time()), f"chatcmpl-{job.id}"
+
+        def envelope(choices, obj="chat.completion", **extra):
+            return {"id": cid, "object": obj, "created": created, "model": server.settings.model_name,
+                    "choices": choices, **extra}
+
+        if not body.stream:
+            result = await wait_result(request, job)
+            message = {"role": "assistant", "content": result.text}
+            return envelope([{"index": 0, "message": message, "logprobs": None,
+                              "finish_reason": result.finish_reason}], usage=usage(result), spec=spec(job))
+
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def on_round(event: RoundEvent):
+            delta = {"content": event.text or ""}
+            if event.round.prefill:
+                delta["role"] = "assistant"
+            yield envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
+                           "chat.completion.chunk")
+            if event.result is not None:
+                yield envelope([{"index": 0, "delta": {}, "logprobs": None,
+                                 "finish_reason": event.result.finish_reason}], "chat.completion.chunk")
+                if include_usage:
+                    yield envelope([], "chat.completion.chunk", usage=usage(event.result))
+
+        return stream(job, on_round, lambda err: err.body, done_marker=True)
+
+    return r
+
+
+def _card(server: Server) -> dict:
+    return {"id": server.settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-trt",
+            "max_model_len": server.limits.max_context}
+
+
+def _check_model(server: Server, model: str | None) -> None:
+    if model is not None and model != server.settings.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{server.settings.model_name}'",
+                       param="model", code="model_not_found")
+
+
+def _temperature(body) -> float:
+    return OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
+
+
+def _max_tokens(server: Server, asked: int | None, default: int, prompt_len: int) -> int:
+    """What the client asked for (too much is a 400), else the default clipped to the context left."""
+    return asked or max(1, min(default, server.limits.max_context - prompt_len))
+
+
+def chat_prompt_ids(decoder, messages: list[dict]) -> list[int]:
+    """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`
+    (dflash_trt.decoding.prompting, shared with the Triton preprocessing model)."""
+    tok = decoder.tokenizer
+    if tok is None:
+        raise InputError("chat needs a tokenizer; this target has none (use /v1/completions with token ids)")
+    return prompting.chat_prompt_ids(tok, messages)

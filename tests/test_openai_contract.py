@@ -6,7 +6,8 @@ A real server on a real port, driven by httpx and the official `openai` client.
 import httpx
 import openai
 import pytest
-from server_harness import make_models, running_server
+from helpers import make_text_models
+from server_harness import running_server
 
 from dflash_trt.decoding import GenerationConfig, LogitsAdjustment
 from dflash_trt.loading import load_decoder
@@ -18,7 +19,7 @@ CHAT = [{"role": "user", "content": "def f(x):"}]
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_models(tmp_path_factory.mktemp("openai-contract"))
+    return make_text_models(tmp_path_factory.mktemp("openai-contract"))
 
 
 @pytest.fixture(scope="module")
@@ -59,9 +60,9 @@ def test_explicit_nulls_are_the_defaults(server):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("max_tokens", "10"), ("max_tokens", True), ("max_tokens", 4.0), ("stream", "yes"), ("stream", 1),
+    ("max_tokens", "10"), ("max_tokens", True), ("max_tokens", 4.5), ("stream", "yes"), ("stream", 1),
     ("temperature", True), ("temperature", "0.5"), ("seed", "3"), ("n", "1"), ("n", True), ("top_p", False),
-    ("prompt", [False]), ("prompt", [1.0, 2.0]), ("prompt", 5), ("logprobs", 1), ("logprobs", True),
+    ("prompt", [False]), ("prompt", [1.5, 2.0]), ("prompt", 5), ("logprobs", 1), ("logprobs", True),
 ])
 def test_completions_take_types_strictly(server, field, value):
     r = post(server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, field: value})

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 import torch
-from server_harness import make_models, make_models_without_eos, metric, scrape, sse_events
+from helpers import make_text_models, make_tiny_pair
+from server_harness import metric, scrape, sse_events
 
 from dflash_trt.decoding import SamplingParams
 from dflash_trt.decoding.sampling import probabilities
@@ -60,7 +61,7 @@ def serving(decoder, on_listening=None, **settings):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_models(tmp_path_factory.mktemp("contract"))
+    return make_text_models(tmp_path_factory.mktemp("contract"))
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +176,8 @@ def test_malformed_http_is_a_json_400(server):
 
 def test_non_streaming_client_hanging_up_stops_its_generation(tmp_path):
     """No end-of-text token in these models: without the cancel the request would run all its tokens."""
-    decoder = load_decoder(*make_models_without_eos(tmp_path))
+    make_tiny_pair(tmp_path, vocab_size=200, seed=1)
+    decoder = load_decoder(tmp_path / "target", tmp_path / "drafter")
     long = {"input_ids": [3, 4, 5], "max_tokens": 2000, "block_size": 1}
     with serving(decoder) as (url, _):
         host, port = url.rsplit("//", 1)[1].split(":")

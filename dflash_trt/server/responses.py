@@ -110,5 +110,8 @@ def errors(*codes: int) -> dict:
 def streamed(model: type[BaseModel], description: str, *codes: int) -> dict:
     """200 as JSON, or (stream: true) as server-sent events, plus the error statuses."""
     return {200: {"model": model, "description": description, "content": {"text/event-stream": {
-        "schema": {"type": "string", "description": "server-sent events: `data: <JSON chunk>` lines"}}}},
-        **errors(*codes)}
+        "schema": SSE_EVENT}}}, **errors(*codes)}
+
+
+SSE_EVENT = {"type": "object", "description": "one server-sent event: a `data: <JSON chunk>` line (or `data: [DONE]`)",
+             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}, "required": ["data"]}

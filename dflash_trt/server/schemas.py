@@ -5,7 +5,8 @@ the drafter's trained block size): `request_models(limits)` puts them into the p
 validation and `/openapi.json` say the same thing. The decoder still checks what only a whole
 request can tell (prompt + max_tokens against the context).
 
-Both APIs take types strictly: "10", true or 1.0 is not an integer, "yes" is not a boolean. Our own
+Both APIs take types strictly: "10" or true is not an integer, "yes" is not a boolean (a whole
+number written 4.0 is an integer, as JSON Schema reads it). Our own
 `/generate` also refuses unknown fields. The OpenAI-compatible endpoints accept explicit nulls
 (OpenAI's clients send them) and ignore fields they do not know; every field OpenAI defines that
 would change the output is either implemented or refused with a 400 that names it. No field names
@@ -16,9 +17,9 @@ import json
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictStr, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, WithJsonSchema, ConfigDict, Field, StrictStr, field_validator, model_validator
 
-MAX_SEED = 2**63 - 1
+MAX_SEED = 2**53 - 1  # JSON numbers are doubles to many clients and validators: exact up to 2**53
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
 GENERATE_DEFAULT_MAX_TOKENS = 128
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI's default: a client that names no temperature expects sampling
@@ -56,8 +57,19 @@ StopField = Optional[Union[Annotated[Text, Field(min_length=1)],
                            Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOPS)]]]
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, description="0 is greedy; below 1e-5 counts as 0")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
-TopK = Annotated[int, Field(ge=0, le=1_000_000, description="0: off")]
-Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+def _whole(v):
+    """JSON Schema's integer includes 4.0; strict pydantic's does not. Booleans and strings stay refused."""
+    return int(v) if type(v) is float and v.is_integer() else v
+
+
+def Int(**bounds):
+    """An integer with bounds (ge, le, description): the bounds go on the integer itself, so that the
+    JSON schema says minimum / maximum (on the wrapper pydantic would write them as unknown keys)."""
+    return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
+
+
+TopK = Int(ge=0, le=1_000_000, description="0: off")
+Seed = Int(ge=0, le=MAX_SEED)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
@@ -68,7 +80,8 @@ UNSUPPORTED = {
     "best_of": ((None, 1), "must be 1: one choice per request"),
     "echo": ((None, False), "not supported"),
     "suffix": ((None, ""), "not supported"),
-    "logprobs": ((None, 0, False), "not supported"),
+    "logprobs": ((None, 0), "not supported"),  # completions: an integer
+    ("ChatCompletionRequest", "logprobs"): ((None, False), "not supported"),  # chat: a boolean
     "top_logprobs": ((None, 0), "not supported (no logprobs)"),
     "tools": ((None, []), "not supported: this server generates text only"),
     "functions": ((None, []), "not supported: this server generates text only"),
@@ -77,6 +90,18 @@ UNSUPPORTED = {
     "response_format": ((None, {"type": "text"}), "only plain text is supported"),
     "modalities": ((None, ["text"]), "only text is supported"),
 }
+
+
+def token_id_pattern(largest: int) -> str:
+    """A regular expression for the decimal integers 0..largest (no leading zeros): logit_bias keys."""
+    s = str(largest)
+    parts = ["0"] + ["[1-9]" + "[0-9]" * (d - 1) for d in range(1, len(s))]
+    for i, digit in enumerate(s):  # same length as `largest`: equal up to i, smaller at i, anything after
+        lo, hi = (1 if i == 0 else 0), int(digit) - 1
+        if hi >= lo:
+            parts.append(s[:i] + f"[{lo}-{hi}]" + "[0-9]" * (len(s) - i - 1))
+    parts.append(s)
+    return "^(" + "|".join(dict.fromkeys(parts)) + ")$"
 
 
 def stop_tuple(stop) -> tuple[str, ...]:
@@ -95,12 +120,15 @@ class RequestModels:
 def request_models(limits: Limits) -> RequestModels:
     """The three request bodies, bounded by what the loaded engines accept."""
     ctx = limits.max_context
-    TokenId = Annotated[int, Field(ge=0, le=limits.vocab_size - 1)]
+    TokenId = Int(ge=0, le=limits.vocab_size - 1)
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=ctx)]
-    MaxTokens = Annotated[int, Field(ge=1, le=max(1, ctx - 1), description=(
-        f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"))]
-    LogitBias = dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
-                     Annotated[float, Field(ge=-100.0, le=100.0)]]
+    MaxTokens = Int(ge=1, le=max(1, ctx - 1), description=(
+        f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"))
+    bias_schema = {"type": "object", "additionalProperties": False, "maxProperties": 300, "patternProperties": {
+        token_id_pattern(limits.vocab_size - 1): {"type": "number", "minimum": -100.0, "maximum": 100.0}}}
+    LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
+                               Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=300), WithJsonSchema(bias_schema)]
 
     class OutputFields(BaseModel):
         """What changes the output, shared by the three endpoints (applied to the target's logits at every
@@ -109,8 +137,8 @@ def request_models(limits: Limits) -> RequestModels:
         frequency_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus count x this per token")
         presence_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus this once a token occurred")
         logit_bias: Optional[LogitBias] = Field(
-            None, max_length=300, description="token id (as a string) -> bias added to its logit, -100..100")
-        min_tokens: Optional[Annotated[int, Field(ge=0, le=ctx)]] = Field(
+            None, description="token id (as a string) -> bias added to its logit, -100..100")
+        min_tokens: Optional[Int(ge=0, le=ctx)] = Field(
             None, description="end-of-text cannot be generated before this many tokens (vLLM's)")
         ignore_eos: Optional[bool] = Field(None, description="do not stop at end-of-text (vLLM's)")
 
@@ -125,10 +153,11 @@ def request_models(limits: Limits) -> RequestModels:
     class GenerateRequest(OutputFields):
         """POST /generate: our native API. Exactly one of prompt / input_ids."""
 
-        model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="GenerateRequest")
+        model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="GenerateRequest",
+                                  json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]})
 
-        prompt: Optional[NonEmptyText] = None
-        input_ids: Optional[TokenIds] = None
+        prompt: NonEmptyText = None  # not Optional: absent, never null (exactly one of the two is sent)
+        input_ids: TokenIds = None
         max_tokens: MaxTokens = GENERATE_DEFAULT_MAX_TOKENS
         temperature: Temperature = 0.0
         top_p: TopP = 1.0
@@ -136,8 +165,8 @@ def request_models(limits: Limits) -> RequestModels:
         seed: Optional[Seed] = None
         stop: StopField = None
         stream: bool = False
-        block_size: Optional[Annotated[int, Field(ge=1, le=limits.max_block_size, description=(
-            f"tokens per round, up to the drafter's trained block size ({limits.max_block_size})"))]] = None
+        block_size: Optional[Int(ge=1, le=limits.max_block_size, description=(
+            f"tokens per round, up to the drafter's trained block size ({limits.max_block_size})"))] = None
 
         @model_validator(mode="after")
         def _one_prompt(self):
@@ -163,10 +192,11 @@ def request_models(limits: Limits) -> RequestModels:
         n: Optional[Literal[1]] = Field(None, description="one choice per request")
         user: Optional[StrictStr] = None
 
-        @field_validator(*UNSUPPORTED, mode="before", check_fields=False)
+        @field_validator(*(k for k in UNSUPPORTED if isinstance(k, str)), mode="before", check_fields=False)
         @classmethod
         def _supported(cls, v, info):
-            allowed, why = UNSUPPORTED[info.field_name]
+            allowed, why = UNSUPPORTED.get((cls.__name__, info.field_name)) or UNSUPPORTED[info.field_name]
+            v = _whole(v)
             if not any(type(v) is type(a) and v == a for a in allowed):
                 raise ValueError(f"{why} (send {' or '.join(json.dumps(a) for a in allowed)})")
             return v

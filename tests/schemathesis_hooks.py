@@ -1,0 +1,20 @@
+"""Schemathesis hooks for tests/test_schemathesis.py (loaded through SCHEMATHESIS_HOOKS)."""
+
+import schemathesis
+
+
+@schemathesis.check
+def valid_requests_accepted(ctx, response, case):
+    """A request the schema calls valid gets a 2xx, or one of the answers the schema cannot foresee: a
+    prompt and max_tokens, each within its bound, that together overflow the context (400
+    context_length_exceeded), or GET /v1/models/{model} for a model that does not exist (404)."""
+    meta = case.meta
+    if meta is None or not meta.generation.mode.is_positive or response.status_code < 400:
+        return None
+    try:
+        code = response.json()["error"]["code"]
+    except Exception:
+        code = None
+    if (response.status_code, code) in ((400, "context_length_exceeded"), (404, "model_not_found")):
+        return None
+    raise AssertionError(f"a valid request was rejected: {response.status_code} {response.text[:300]}")

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo engines triton triton-env bench serve clean
+.PHONY: venv test demo engines triton triton-env bench bench-serve aiperf-env serve clean
 
 venv: $(STAMP)
 
@@ -66,10 +66,25 @@ bench: venv
 	$(BIN)/dflash-trt bench --profile --out $(BENCH_OUT)
 	$(BIN)/dflash-trt bench --out $(BENCH_OUT) --max-minutes 12 $(BENCH_ARGS)
 
+# NVIDIA's aiperf against `dflash-trt serve` on the demo models: chat and completions, streaming, a short
+# run (16 requests each, concurrency 4, 64 tokens in and out). Writes aiperf's exports and
+# results/bench-serve/summary.json. aiperf gets its own venv: it pins prometheus-client and
+# huggingface-hub below the main venv's. More: make bench-serve BENCH_SERVE_ARGS="--requests 64 --concurrency 8"
+AIPERF_VENV := .venv-aiperf
+aiperf-env: $(AIPERF_VENV)/.installed
+
+$(AIPERF_VENV)/.installed:
+	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q "aiperf==0.13.0"
+	touch $@
+
+bench-serve: venv aiperf-env
+	$(BIN)/python scripts/bench_serve.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/bench-serve $(BENCH_SERVE_ARGS)
+
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"
 serve: venv
 	$(BIN)/dflash-trt serve $(SERVE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TRITON_VENV) $(AIPERF_VENV) build dist *.egg-info

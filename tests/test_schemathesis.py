@@ -51,7 +51,7 @@ def test_api_keeps_its_openapi_contract(served, tmp_path):
         [str(st), "run", url + "/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
          "--seed", str(SEED), "--generation-deterministic", "--max-examples", str(EXAMPLES),
          "--phases", "examples,coverage,fuzzing", "--request-timeout", "60", "--no-color"],
-        capture_output=True, text=True, env=env, timeout=600)
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)  # its cache goes to tmp_path
     report = run.stdout + run.stderr
     assert run.returncode == 0, report[-6000:]
     assert "valid_requests_accepted" in report or "passed" in report.lower()

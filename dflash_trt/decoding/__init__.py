@@ -8,6 +8,7 @@ from .decode import (
     GenerationStats,
     InputError,
     Round,
+    RoundTimings,
     SpeculativeDecoder,
 )
 from .processors import LogitsAdjustment
@@ -22,6 +23,7 @@ __all__ = [
     "InputError",
     "LogitsAdjustment",
     "Round",
+    "RoundTimings",
     "SamplingParams",
     "SpeculativeDecoder",
 ]

@@ -25,8 +25,9 @@ class LogitsAdjustment:
     min_tokens_suppress: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logit_bias: dict | None = None,
-           min_tokens: int = 0, min_tokens_suppress: Sequence[int] = ()) -> "LogitsAdjustment | None":
+    def of(cls, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+           logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
+           min_tokens_suppress: Sequence[int] = ()) -> "LogitsAdjustment | None":
         """The adjustment, or None when it would change nothing."""
         adj = cls(float(frequency_penalty), float(presence_penalty),
                   tuple(sorted((int(k), float(v)) for k, v in (logit_bias or {}).items())),

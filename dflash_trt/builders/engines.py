@@ -273,7 +273,7 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
 
         trtllm_versions = versions("tensorrt_llm", "tensorrt")
         key = step_key("target-trtllm", sources["target"]["sha256"], spec.target_layer_ids, block_size, cfg.tp,
-                       cfg.precision, cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len, trtllm_versions)
+                       cfg.precision, cfg.max_batch_size, cfg.max_seq_len, "no-context-logits", trtllm_versions)
         if _up_to_date(previous.get("target_tensorrt_llm"), key, out):
             engines["target_tensorrt_llm"] = previous["target_tensorrt_llm"]
             report.unchanged.append("target_tensorrt_llm")
@@ -282,13 +282,14 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
             dtype = "float16" if cfg.precision == "fp16" else "float32"
             plan = plan_target_build(spec_from_checkpoints(
                 cfg.target, cfg.drafter, folder, cfg.tp, block_size, dtype=dtype, max_batch_size=cfg.max_batch_size,
-                max_input_len=cfg.max_input_len, max_seq_len=cfg.max_seq_len))
+                max_seq_len=cfg.max_seq_len))
             run_plan(plan, log)
             engines["target_tensorrt_llm"] = {
                 "backend": "tensorrt_llm", "role": "target", "dir": TARGET_TRTLLM_DIR, "key": key, "tp": cfg.tp,
                 "files": _record_files(folder), "versions": trtllm_versions, "feature_outputs": plan.feature_outputs,
-                "shapes": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
-                           "max_seq_len": cfg.max_seq_len, "max_draft_len": block_size - 1},
+                "outputs": plan.outputs,
+                "shapes": {"max_batch_size": cfg.max_batch_size, "max_seq_len": cfg.max_seq_len,
+                           "max_context": plan.spec.max_context, "block_size": block_size},
             }
             report.built.append("target_tensorrt_llm")
 

@@ -104,7 +104,9 @@ def _save_tokenizer(src: Path, dst: Path) -> object:
     tok = load_tokenizer(src)
     if tok is None:
         raise FileNotFoundError(f"no tokenizer in {src}: the Triton ensemble works on text and needs one")
-    tok.save_pretrained(dst)
+    from ..models.target import save_portable
+
+    save_portable(tok, dst)
     return tok
 
 

@@ -8,12 +8,12 @@ import torch
 
 from .config import validate_against_target
 from .models.drafter import DFlashDrafter
-from .models.target import load_target, load_tokenizer
-from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 from .decoding import SpeculativeDecoder
+from .models.target import DTYPES, load_target, load_tokenizer
+from .runtime.base import EngineOptions
+from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+__all__ = ["DTYPES", "load_decoder", "load_decoder_from_engines", "resolve_device"]
 
 
 def resolve_device(device: str | torch.device = "cpu") -> torch.device:
@@ -56,24 +56,19 @@ def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", d
                               device: str = "cpu") -> SpeculativeDecoder:
     """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section.
 
-    draft=False loads the target alone (the drafter engine is not touched).
+    draft=False loads the target alone (the drafter engine is not touched). `device` places a PyTorch target.
     """
-    from .builders.engines import serving_sources
+    from .formats import serving_sources
     from .runtime import registry
 
-    engines_dir = Path(engines_dir)
     src = serving_sources(engines_dir)
     tokenizer = load_tokenizer(src.tokenizer_dir)
     drafter = None
     if draft:
-        backend = src.drafter["backend"]
-        if backend == "onnxruntime":
-            drafter = registry.drafter_engine(backend, src.drafter_dir, src.drafter.get("serve_precision", "fp32"))
-        else:
-            drafter = registry.drafter_engine(backend, src.drafter_dir)
-    if src.target["backend"] == "torch":
-        model = load_target(src.target_dir, DTYPES[dtype]).to(resolve_device(device))
-        target = TorchTargetEngine(model, drafter.feature_layer_ids if drafter is not None else ())
-    else:
-        target = registry.target_engine(src.target["backend"], src.target_dir)
+        options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))
+        drafter = registry.drafter_engine(src.drafter["backend"], src.drafter_dir, options)
+    features = drafter.feature_layer_ids if drafter is not None else ()
+    target_device = str(resolve_device(device)) if src.target["backend"] == "torch" else None
+    target = registry.target_engine(src.target["backend"], src.target_dir,
+                                    EngineOptions(dtype=dtype, device=target_device, feature_layer_ids=tuple(features)))
     return SpeculativeDecoder(target, drafter, tokenizer)

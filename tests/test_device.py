@@ -9,7 +9,7 @@ import torch
 from dflash_trt.cli import main
 from dflash_trt.cli.main import build_parser
 from dflash_trt.loading import DTYPES, load_decoder, resolve_device
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+from tiny_models import make_tiny_drafter, make_tiny_target
 from dflash_trt.cli.options import serve_worker_rank
 
 NO_CUDA = not torch.cuda.is_available()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "scripts" / "gpu_smoke.py")

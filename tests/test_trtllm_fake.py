@@ -13,7 +13,7 @@ from fake_tensorrt import install_trtllm, make_trtllm_executor
 from helpers import NoisyOracleDrafter
 
 from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+from tiny_models import make_tiny_drafter, make_tiny_target
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 LAYERS = (1, 2)  # build_target_layer_ids(5 layers, 2 drafter layers)

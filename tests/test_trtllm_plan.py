@@ -8,12 +8,12 @@ import sys
 
 import pytest
 from fake_tensorrt import trtllm_build_refusals
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.builders.trtllm_target import (
     FATAL_BUILD_FLAGS, FEATURES_MODEL_FILE, TargetBuildError, TargetBuildSpec, engine_max_context, launch_command,
     plan_target_build, spec_from_checkpoints,
 )
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
 
 def spec(tp, model_type="qwen3", **kw):

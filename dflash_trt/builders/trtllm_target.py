@@ -38,6 +38,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+from ..formats import (  # noqa: F401 - re-exported: the engine folder's names live in formats.py
+    CONTEXT_PREFIX, FEATURE_OUTPUT, FINAL_HIDDEN_OUTPUT, GENERATION_PREFIX, TARGET_META_FILE, engine_max_context,
+    runtime_input_limit,
+)
+
 # model_type -> (TensorRT-LLM class, our output-marking subclass in trtllm_features.py)
 FAMILIES = {
     "llama": ("LLaMAForCausalLM", "DFlashLLaMAForCausalLM"),
@@ -45,10 +50,6 @@ FAMILIES = {
     "qwen2": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
     "qwen3": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
 }
-FEATURE_OUTPUT = "dflash_feature_{}"
-FINAL_HIDDEN_OUTPUT = "dflash_final_hidden"
-# The runtime returns additional outputs under these prefixes (llmRequest.cpp, LlmRequest::createResult).
-CONTEXT_PREFIX, GENERATION_PREFIX = "context_", "generation_"
 FEATURES_MODEL_FILE = Path(__file__).with_name("trtllm_features.py")
 TP_SIZES = (1, 2, 4, 8)
 # Flags this design must never pass (see the module docstring for the source of each refusal).
@@ -105,21 +106,6 @@ class TargetBuildPlan:
 
     def describe(self) -> str:
         return "\n".join(shlex.join(c) for c in self.commands)
-
-
-def runtime_input_limit(max_seq_len: int, max_num_tokens: int | None, chunked_context: bool = False) -> int:
-    """Longest request the 1.2 runtime accepts (trtGptModel.h: maxInputLen); one token is left to sample."""
-    if chunked_context or max_num_tokens is None:
-        return max_seq_len - 1
-    return min(max_seq_len - 1, max_num_tokens)
-
-
-def engine_max_context(engine_config: dict[str, Any]) -> int:
-    """max_context of a built engine, from its config.json (build_config written by trtllm-build)."""
-    build = engine_config.get("build_config", {})
-    max_seq_len = int(build.get("max_seq_len") or engine_config.get("pretrained_config", {})["max_position_embeddings"])
-    num_tokens = build.get("max_num_tokens")
-    return runtime_input_limit(max_seq_len, int(num_tokens) if num_tokens else None)
 
 
 def family_classes(model_type: str) -> tuple[str, str]:
@@ -253,4 +239,4 @@ def run_plan(plan: TargetBuildPlan, log: Callable[[str], None] = print) -> None:
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise RuntimeError(f"TensorRT-LLM did not write {missing} in {folder}")
-    (plan.spec.out_dir / "dflash_target.json").write_text(json.dumps(target_meta(plan), indent=2) + "\n")
+    (plan.spec.out_dir / TARGET_META_FILE).write_text(json.dumps(target_meta(plan), indent=2) + "\n")

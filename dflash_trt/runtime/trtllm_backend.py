@@ -37,8 +37,8 @@ from typing import Any
 
 import torch
 
-from ..builders.trtllm_target import CONTEXT_PREFIX, FINAL_HIDDEN_OUTPUT, engine_max_context
-from .base import EngineUnavailable, TargetOutput
+from ..formats import CONTEXT_PREFIX, FINAL_HIDDEN_OUTPUT, TARGET_META_FILE, engine_max_context
+from .base import EngineOptions, EngineUnavailable, TargetOutput
 
 
 def _executor_module() -> Any:
@@ -83,7 +83,7 @@ class TrtllmTargetEngine:
     def __init__(self, folder: str | Path, kv_cache_free_fraction: float = 0.85, device: str | None = None):
         trtllm = _executor_module()
         folder = Path(folder)
-        meta = json.loads((folder / "dflash_target.json").read_text())
+        meta = json.loads((folder / TARGET_META_FILE).read_text())
         engine_dir = folder / meta["engine_dir"]
         config = json.loads((engine_dir / "config.json").read_text())
         if config.get("build_config", {}).get("gather_context_logits"):
@@ -114,6 +114,10 @@ class TrtllmTargetEngine:
         self.executor: Any = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
         # executorImpl.cpp: only the leader rank (or the orchestrator) can enqueue requests
         self.is_leader = bool(self.executor.can_enqueue_requests())
+
+    @classmethod
+    def from_artifact(cls, folder: Path, options: EngineOptions) -> "TrtllmTargetEngine":
+        return cls(folder, device=options.device)  # the feature layers were fixed when the engine was built
 
     def new_session(self) -> "TrtllmTargetSession":
         if not self.is_leader:

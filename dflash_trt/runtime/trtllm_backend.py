@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.dlpack
 
 from ..formats import CONTEXT_PREFIX, FINAL_HIDDEN_OUTPUT, TARGET_META_FILE, engine_max_context
 from .base import EngineOptions, EngineUnavailable, TargetOutput
@@ -53,7 +54,7 @@ def _as_torch(t: Any) -> torch.Tensor:
     if isinstance(t, torch.Tensor):
         return t
     if hasattr(t, "__dlpack__"):
-        return torch.from_dlpack(t)
+        return torch.utils.dlpack.from_dlpack(t)
     return torch.as_tensor(t)
 
 

@@ -124,3 +124,12 @@ def test_feature_model_file_defines_the_planned_classes():
     tree = ast.parse(FEATURES_MODEL_FILE.read_text())
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     assert {"DFlashLLaMAForCausalLM", "DFlashQWenForCausalLM"} <= classes
+
+
+@pytest.mark.parametrize("command", ["build-target", "serve"])
+def test_help_gives_the_tensor_parallel_launch_line(command, capsys):
+    from dflash_trt.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "mpirun -n N --allow-run-as-root dflash-trt serve --engines engines" in capsys.readouterr().out

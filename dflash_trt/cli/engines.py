@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 
@@ -41,11 +42,11 @@ def register(sub) -> None:
     p = sub.add_parser(
         "build-target", help="convert + build a tensor-parallel TensorRT-LLM target engine (needs TensorRT-LLM 1.2)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine (TensorRT-LLM "
+        description=textwrap.fill("HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine (TensorRT-LLM "
         "1.2 engine path) whose model class marks the drafter's feature layers and the final hidden state as outputs. "
         "Built without --gather_context_logits and without speculative-decoding flags, so the runtime keeps KV block "
         "reuse on; every rank is built by one process (--workers 1). --dry-run prints the plan and the launch line "
-        "without running anything.",
+        "without running anything.", 100),
         epilog="launch (tp = N > 1: one process per GPU; rank 0 runs the loop and HTTP, the others the engine):\n"
         "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
         "tp = 1:\n  dflash-trt serve --engines engines\n"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 import os
 from pathlib import Path
 
@@ -39,8 +40,8 @@ def register(sub) -> None:
         "serve",
         help="serve the models over HTTP (native /generate and OpenAI-compatible endpoints)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
-        "GET /v1/models, /health, /ready, /metrics. Requests are interleaved one verified round at a time.",
+        description=textwrap.fill("HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
+        "GET /v1/models, /health, /ready, /metrics. Requests are interleaved one verified round at a time.", 100),
         epilog="A tensor-parallel TensorRT-LLM target (tp = N > 1 in engines.toml) runs one process per GPU:\n"
         "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
         "Rank 0 runs the HTTP server and the loop; the other ranks only serve the engine (TensorRT-LLM leader mode).\n"

@@ -235,3 +235,6 @@ class TrtllmTargetSession:
             raise ValueError(f"cannot roll back to {length}: only {len(self.tokens)} tokens held")
         del self.tokens[length:]
         self.sent.truncate(length)
+
+    def close(self) -> None:
+        """Nothing held here beyond the token list: the executor frees a request's KV blocks when it ends."""

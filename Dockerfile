@@ -1,36 +1,47 @@
-# dflash-trt images. Not built in this workplace (no Docker engine); kept minimal and in step with the Makefile.
+# dflash-trt images. NOT BUILT in this project's workplace (no Docker engine, no GPU): written against NVIDIA's
+# published container contents, kept minimal and in step with the Makefile.
 #
 #   GPU: docker build --target gpu -t dflash-trt:gpu .
-#        docker run --gpus all -v $PWD/models:/app/models dflash-trt:gpu          # make engines, then serve
+#        docker run --gpus all --shm-size=2g -p 8000:8000 dflash-trt:gpu          # make engines, then serve
 #   CPU: docker build --target cpu -t dflash-trt:cpu . && docker run dflash-trt:cpu   # the demo
 #
-# GPU base: NVIDIA's Triton + TensorRT-LLM container line, release 25.12 = TensorRT-LLM 1.2.x with
-# TensorRT 10.14 (the last line with the TensorRT engine path that `make engines` uses for the target).
+# GPU base: Triton's TensorRT-LLM container line. From Triton's release compatibility matrix
+# (triton-inference-server/server, docs/introduction/compatibility.md): 25.12-26.02 ship TensorRT-LLM 1.1.0 with
+# TensorRT 10.13.3; 26.03 ships TensorRT-LLM 1.2.0; 26.04-26.07 ship TensorRT-LLM 1.2.1 with TensorRT 10.14.1.48,
+# torch 2.10.0a0 (NVIDIA build), Python 3.12, CUDA 13.1, driver >= 590. 1.2.x is the last TensorRT-LLM line with the
+# TensorRT engine path (trtllm-build) that `make engines` uses for the target. TensorRT-LLM 1.2 pins
+# transformers==4.57.1, which this project supports (CI leg `make test-tf457`).
+ARG TRITON_TRTLLM_IMAGE=nvcr.io/nvidia/tritonserver:26.07-trtllm-python-py3
 
 # ---- CPU: the demo on PyTorch + ONNX Runtime -----------------------------------------------------
 FROM python:3.11-slim AS cpu
 RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
+# constraints-cpu.txt pins torch 2.13.0; PyTorch's CPU index supplies the CPU build of it (PyPI's is CUDA).
+ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 WORKDIR /app
-COPY pyproject.toml README.md Makefile engines.toml ./
+COPY pyproject.toml README.md Makefile engines.toml constraints-cpu.txt ./
 COPY dflash_trt ./dflash_trt
 COPY scripts ./scripts
+COPY models ./models
 RUN make venv
 CMD ["make", "demo"]
 
 # ---- GPU: TensorRT plans + tensor-parallel TensorRT-LLM target, served over HTTP -----------------
-FROM nvcr.io/nvidia/tritonserver:25.12-trtllm-python-py3 AS gpu
+FROM ${TRITON_TRTLLM_IMAGE} AS gpu
 WORKDIR /app
-COPY pyproject.toml README.md Makefile engines.toml ./
+COPY pyproject.toml README.md Makefile engines.toml constraints-cpu.txt ./
 COPY dflash_trt ./dflash_trt
 COPY scripts ./scripts
-# The container's own torch, tensorrt and tensorrt_llm stay; install the project without touching them.
-RUN python3 -m pip install --no-cache-dir --no-deps -e . && \
-    python3 -m pip install --no-cache-dir "transformers>=5.0,<6" safetensors tokenizers onnx onnxruntime onnxscript \
-        fastapi uvicorn pydantic prometheus-client httpx && \
+# The container's torch, transformers, tensorrt and tensorrt_llm stay as NVIDIA built them: pin the installed
+# versions, install the project (pyproject.toml has ranges: torch>=2.6, transformers>=4.57,<6) under those pins,
+# and fail the build if any of them changed anyway.
+RUN python3 scripts/container_pins.py > /tmp/container-pins.txt && cat /tmp/container-pins.txt && \
+    python3 -m pip install --no-cache-dir -c /tmp/container-pins.txt -e . && \
+    python3 scripts/container_pins.py --check /tmp/container-pins.txt && \
     mkdir -p .venv/bin && ln -s "$(command -v python3)" .venv/bin/python && \
     ln -s "$(command -v dflash-trt)" .venv/bin/dflash-trt && touch .venv/.installed
 ENV DFLASH_TRT_MODELS=/app/models
 EXPOSE 8000
-# Engines depend on the GPU they run on, so they are built at start (hash-checked: a restart rebuilds nothing).
-# With tp > 1 in engines.toml, serve under `mpirun -n <tp> --allow-run-as-root` as TensorRT-LLM requires.
-CMD ["bash", "-c", "make engines && .venv/bin/dflash-trt serve --engines engines --host 0.0.0.0 --port 8000"]
+# Engines depend on the GPU they run on, so they are built at start (hash-checked: a restart rebuilds nothing);
+# with tp > 1 in engines.toml the server runs under `mpirun -n tp` (scripts/container_serve.sh).
+CMD ["scripts/container_serve.sh"]

@@ -4,16 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo engines triton triton-env bench bench-serve aiperf-env serve clean
+.PHONY: venv test test-tf457 tf457-env demo engines triton triton-env bench bench-serve aiperf-env serve gpu-smoke models clean
+
+# The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
+CONSTRAINTS := constraints-cpu.txt
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	# torch first, by exact pin, so the resolver takes the local CPU wheel.
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	# torch first, by the exact pin in $(CONSTRAINTS), so the resolver takes the local CPU wheel.
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) torch
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	touch $(STAMP)
 
 # Triton server side: its own venv, because the python-backend stub bundled in nvidia-pytriton needs
@@ -23,16 +26,38 @@ TRITON_VENV := .venv-triton
 TRITON_STAMP := $(TRITON_VENV)/.installed
 triton-env: $(TRITON_STAMP)
 
-$(TRITON_STAMP): pyproject.toml
+$(TRITON_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
-	$(TRITON_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(TRITON_VENV)/bin/python -m pip install -q -e '.[triton-server]'
+	$(TRITON_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
+	$(TRITON_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[triton-server]'
 	touch $(TRITON_STAMP)
+
+# Second CI leg: transformers 4.57.1, the version TensorRT-LLM 1.2 (NVIDIA's container) pins. Same CPU torch.
+TF457_VENV := .venv-tf457
+TF457_STAMP := $(TF457_VENV)/.installed
+TF457_VERSION := 4.57.1
+tf457-env: $(TF457_STAMP)
+
+$(TF457_STAMP): pyproject.toml $(CONSTRAINTS)
+	test -x $(TF457_VENV)/bin/python || $(PYTHON) -m venv $(TF457_VENV)
+	$(TF457_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TF457_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
+	$(TF457_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test-core]' 'transformers==$(TF457_VERSION)'
+	touch $(TF457_STAMP)
+
+# The core under transformers 4.57.1 (about 2 min of CPU): checkpoints/tokenizers portable, CLI generate on the
+# demo models, greedy equality, the TensorRT-LLM session (fake executor), devices, a server smoke.
+TF457_TESTS := tests/test_portable.py tests/test_demo_models.py tests/test_trtllm_fake.py tests/test_device.py \
+	tests/test_spec.py::test_greedy_equals_target_alone_with_real_drafter \
+	tests/test_server.py::test_health_ready_models tests/test_server.py::test_generate_greedy_equals_target_alone
+test-tf457: tf457-env
+	DFLASH_EXPECT_TRANSFORMERS=$(TF457_VERSION) $(TF457_VENV)/bin/python -m pytest -q $(TF457_TESTS)
 
 test: venv triton-env
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q tests
+	$(MAKE) test-tf457
 
 # One generation on the demo models (models/), printed as JSON with its statistics.
 demo: venv
@@ -87,5 +112,14 @@ bench-serve: venv aiperf-env
 serve: venv
 	$(BIN)/dflash-trt serve $(SERVE_ARGS)
 
+# GPU node check (scripts/gpu_smoke.py): PyTorch engines on CUDA (greedy equality, tau, speedup), then the drafter
+# plan and the TensorRT-LLM target engine with TP ranks, greedy equality vs the HF target, tau and speedup; each
+# part says PASS, FAIL or SKIP with the reason (no GPU / tensorrt / tensorrt_llm). Other checkpoints or a CUDA
+# python of your own: make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
+TP ?= 1
+GPU_SMOKE_PYTHON ?= $(BIN)/python
+gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
+	$(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
+
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(AIPERF_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TRITON_VENV) $(TF457_VENV) $(AIPERF_VENV) build dist *.egg-info

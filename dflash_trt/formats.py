@@ -80,6 +80,32 @@ def plan_max_context(manifest: dict[str, Any]) -> int:
     return int(manifest["profile"]["past_k"]["max"][3])
 
 
+# ---- the TensorRT-LLM target engine folder (written by builders/trtllm_target.py) -----------------
+# <folder>/dflash_target.json (TARGET_META_FILE) + <folder>/engine/{config.json, rank<r>.engine}. The engine marks
+# FEATURE_OUTPUT.format(i) for each feature layer i and FINAL_HIDDEN_OUTPUT (final-norm hidden state, all tokens).
+# TensorRT-LLM 1.2 returns them prefixed (cpp/tensorrt_llm/batch_manager/llmRequest.cpp, LlmRequest::createResult).
+TARGET_META_FILE = "dflash_target.json"
+FEATURE_OUTPUT = "dflash_feature_{}"
+FINAL_HIDDEN_OUTPUT = "dflash_final_hidden"
+CONTEXT_PREFIX, GENERATION_PREFIX = "context_", "generation_"
+
+
+def runtime_input_limit(max_seq_len: int, max_num_tokens: int | None, chunked_context: bool = False) -> int:
+    """Longest request the TensorRT-LLM 1.2 runtime accepts (cpp/tensorrt_llm/batch_manager/trtGptModel.h,
+    maxInputLen): max_seq_len - 1 with chunked context, else min(max_seq_len - 1, max_num_tokens)."""
+    if chunked_context or max_num_tokens is None:
+        return max_seq_len - 1
+    return min(max_seq_len - 1, max_num_tokens)
+
+
+def engine_max_context(engine_config: dict[str, Any]) -> int:
+    """max_context of a built engine, from its config.json (build_config written by trtllm-build)."""
+    build = engine_config.get("build_config", {})
+    max_seq_len = int(build.get("max_seq_len") or engine_config.get("pretrained_config", {})["max_position_embeddings"])
+    num_tokens = build.get("max_num_tokens")
+    return runtime_input_limit(max_seq_len, int(num_tokens) if num_tokens else None)
+
+
 # ---- the engines folder -------------------------------------------------------------------------
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from .config import validate_against_target
 from .models.drafter import DFlashDrafter
 from .decoding import SpeculativeDecoder
@@ -11,16 +13,36 @@ from .models.target import DTYPES, load_target, load_tokenizer
 from .runtime.base import EngineOptions
 from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
+__all__ = ["DTYPES", "load_decoder", "load_decoder_from_engines", "resolve_device"]
+
+
+def resolve_device(device: str | torch.device = "cpu") -> torch.device:
+    """A torch device this machine has: `cpu`, `cuda` or `cuda:N` (ValueError with the reason otherwise)."""
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: no CUDA GPU visible to torch {torch.__version__} "
+                             "(a CPU build, or no GPU / driver); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
+    elif dev.type != "cpu":
+        raise ValueError(f"device {device!r}: only cpu and cuda are supported")
+    return dev
+
 
 def load_decoder(
-    target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32"
+    target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32", device: str = "cpu"
 ) -> SpeculativeDecoder:
-    """Load target (+ tokenizer when present) and, unless drafter_dir is None, the DFlash drafter.
+    """Load target (+ tokenizer when present) and, unless drafter_dir is None, the DFlash drafter, on `device`.
 
     The drafter is validated against the target before anything runs.
     """
     torch_dtype = DTYPES[dtype]
-    model = load_target(target_dir, torch_dtype)
+    dev = resolve_device(device)
+    model = load_target(target_dir, torch_dtype).to(dev)
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is None:
         return SpeculativeDecoder(TorchTargetEngine(model), None, tokenizer)
@@ -30,10 +52,11 @@ def load_decoder(
     return SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
 
 
-def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", draft: bool = True) -> SpeculativeDecoder:
+def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", draft: bool = True,
+                              device: str = "cpu") -> SpeculativeDecoder:
     """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section.
 
-    draft=False loads the target alone (the drafter engine is not touched).
+    draft=False loads the target alone (the drafter engine is not touched). `device` places a PyTorch target.
     """
     from .formats import serving_sources
     from .runtime import registry
@@ -45,6 +68,7 @@ def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", d
         options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))
         drafter = registry.drafter_engine(src.drafter["backend"], src.drafter_dir, options)
     features = drafter.feature_layer_ids if drafter is not None else ()
+    target_device = str(resolve_device(device)) if src.target["backend"] == "torch" else None
     target = registry.target_engine(src.target["backend"], src.target_dir,
-                                    EngineOptions(dtype=dtype, feature_layer_ids=tuple(features)))
+                                    EngineOptions(dtype=dtype, device=target_device, feature_layer_ids=tuple(features)))
     return SpeculativeDecoder(target, drafter, tokenizer)

@@ -24,6 +24,7 @@ import torch
 
 from dflash_trt.train.data import read_texts, stdlib_files, tokenize_corpus, train_tokenizer
 from dflash_trt.train.lm import LMTrainConfig, train_lm
+from dflash_trt.models.target import make_portable, save_portable
 
 STAGES = ("tokenizer", "target", "drafter", "ar-draft")
 
@@ -75,6 +76,7 @@ def save_fp16(model, out: Path) -> None:
     """Weights stored in fp16 (half the size; the models fit the repository's 50 MB)."""
     model.to(torch.float16).save_pretrained(out)
     model.to(torch.float32)
+    make_portable(out)
 
 
 def stage_tokenizer(args) -> None:
@@ -108,7 +110,7 @@ def stage_lm(args, name: str) -> None:
                               batch_size=4 if args.smoke else 16, seq_len=64 if args.smoke else 256)
     report = train_lm(model, train, held, train_cfg, log_path=args.cache / f"{name}-history.json")
     save_fp16(model, out)
-    tok.save_pretrained(out)
+    save_portable(tok, out)
     (out / "training.json").write_text(json.dumps({
         "data": "CPython stdlib *.py (training split: files whose sha1(relative path) % 10 != 0)",
         "parameters": n_params, "train_tokens_seen": report.tokens, "steps": report.steps,

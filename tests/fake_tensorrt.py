@@ -1,4 +1,5 @@
-"""A FAKE `tensorrt` module that records calls (this workplace has no TensorRT and no GPU).
+"""A FAKE `tensorrt` module that records calls (this workplace has no TensorRT and no GPU), and below it a FAKE
+TensorRT-LLM 1.2 Executor + `trtllm-build` refusal check, each behaviour naming the 1.2 source file it models.
 
 It mimics the slice of the TensorRT 10/11 Python API that dflash_trt uses, so tests can check
 the build sequence and the runtime's tensor binding. It computes nothing real; it proves
@@ -8,8 +9,10 @@ nothing about TensorRT itself, only that our code drives the API as documented.
 from __future__ import annotations
 
 import ctypes
+import json
 import enum
 import types
+from pathlib import Path
 
 import numpy as np
 
@@ -160,3 +163,145 @@ def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
 
 
 FILL = {"logits": 0.5, "draft_tokens": 7, "present_k": 1.0, "present_v": 2.0}
+
+
+# ---- TensorRT-LLM 1.2: a FAKE `tensorrt_llm.bindings.executor` and a FAKE `trtllm-build` check -----------------
+# Each behaviour below names the TensorRT-LLM 1.2 source it models; none of it was checked against a real runtime.
+
+def trtllm_build_refusals(argv: list[str]) -> list[str]:
+    """The refusals of tensorrt_llm/commands/build.py (1.2) that a `trtllm-build` command line would hit."""
+    flags: dict[str, str] = {}
+    for i, a in enumerate(argv):
+        if a.startswith("--"):
+            nxt = argv[i + 1] if i + 1 < len(argv) and not argv[i + 1].startswith("--") else "true"
+            flags[a] = nxt
+    refusals = []
+    if "--gather_context_logits" in flags and int(flags.get("--max_draft_len", "0")) > 0:
+        refusals.append("Gather context logits is not support with draft len > 0")  # build.py main()
+    if int(flags.get("--workers", "1")) > 1 and "--model_cls_file" in flags:
+        # build.py: workers > 1 spawn processes and pickle the class imported from --model_cls_file
+        refusals.append("Can't pickle <class 'models.DFlash...'>: import of module 'models' failed")
+    return refusals
+
+
+def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleType:
+    """model_fn(tokens) -> {output name: np.ndarray [len(tokens), H]}: what the engine's marked outputs hold."""
+    ex = types.ModuleType("tensorrt_llm.bindings.executor")
+    ex.reused = []  # tokens reused per request, for tests
+
+    class AdditionalModelOutput:
+        def __init__(self, name, gather_context=False):
+            self.name, self.gather_context = name, gather_context
+
+    class OutputConfig:
+        def __init__(self, return_context_logits=False, additional_model_outputs=None, **kw):
+            self.return_context_logits = return_context_logits
+            self.additional_model_outputs = list(additional_model_outputs or [])
+
+    class KvCacheConfig:
+        def __init__(self, enable_block_reuse=False, **kw):
+            self.enable_block_reuse = enable_block_reuse
+
+    class ExecutorConfig:
+        def __init__(self, max_beam_width=1, kv_cache_config=None, additional_model_outputs=None,
+                     enable_chunked_context=False, **kw):
+            self.kv_cache_config = kv_cache_config or KvCacheConfig()
+            self.additional_model_outputs = list(additional_model_outputs or [])
+            self.enable_chunked_context = enable_chunked_context
+
+    class Request:
+        def __init__(self, input_token_ids, max_tokens, streaming=False, output_config=None, cache_salt_id=None,
+                     external_draft_tokens_config=None, **kw):
+            self.input_token_ids, self.max_tokens = list(input_token_ids), max_tokens
+            self.output_config = output_config or OutputConfig()
+            self.cache_salt_id, self.external_draft_tokens_config = cache_salt_id, external_draft_tokens_config
+
+    class Executor:
+        def __init__(self, engine_dir, model_type, config):
+            cfg = json.loads((Path(engine_dir) / "config.json").read_text())
+            build = cfg["build_config"]
+            self.tokens_per_block = build.get("plugin_config", {}).get("tokens_per_block", 4)
+            # trtGptModelInflightBatching.cpp fixExecutorConfig: context logits switch block reuse off
+            self.reuse = config.kv_cache_config.enable_block_reuse and not build.get("gather_context_logits", False)
+            self.gather_context_logits = build.get("gather_context_logits", False)
+            # trtGptModel.h: maxInputLen = maxSequenceLen - 1 with chunked context, else min(that, maxNumTokens)
+            limit = build["max_seq_len"] - 1
+            if not config.enable_chunked_context:
+                limit = min(limit, build["max_num_tokens"])
+            self.max_input_len = limit
+            self.declared = {o.name for o in config.additional_model_outputs}
+            self.blocks: set = set()  # (salt, tokens of a whole block prefix): the reusable KV blocks
+            self.pending: dict = {}
+            self.shutdown_called = False
+            calls.append(("Executor", str(engine_dir), config))
+
+        def can_enqueue_requests(self):  # executorImpl.cpp: leader mode, only the leader rank
+            return rank == 0 and not self.shutdown_called
+
+        def shutdown(self):
+            calls.append(("shutdown", rank))
+            self.shutdown_called = True
+
+        def enqueue_request(self, request):
+            if not self.can_enqueue_requests():  # executorImpl.cpp enqueueRequest: TLLM_CHECK
+                raise RuntimeError("[TensorRT-LLM][ERROR] Assertion failed: Cannot enqueue requests on this rank")
+            calls.append(request)
+            rid = len(calls)
+            self.pending[rid] = request
+            return rid
+
+        def _error(self, msg):
+            return [types.SimpleNamespace(has_error=lambda: True, error_msg=msg, result=None)]
+
+        def await_responses(self, request_id):
+            r = self.pending.pop(request_id)
+            tokens, salt, tpb = r.input_token_ids, r.cache_salt_id, self.tokens_per_block
+            if len(tokens) > self.max_input_len:  # llmRequest.cpp validate
+                return self._error(f"Prompt length ({len(tokens)}) exceeds maximum input length ({self.max_input_len}).")
+            if r.output_config.return_context_logits and not self.gather_context_logits:
+                return self._error("gather_context_logits must be enabled at build time to return context logits")
+            wanted = r.output_config.additional_model_outputs
+            if wanted and r.external_draft_tokens_config is not None:  # inflightBatchingUtils.cpp
+                return self._error("additional outputs with draft tokens: index mismatch")
+            undeclared = [o.name for o in wanted if o.name not in self.declared]
+            if undeclared:
+                return self._error(f"additional output {undeclared} not in ExecutorConfig")
+            reused = 0  # whole blocks of this salt's earlier requests; the last token is always computed
+            if self.reuse:
+                while reused + tpb <= len(tokens) and (salt, tuple(tokens[: reused + tpb])) in self.blocks:
+                    reused += tpb
+                reused = min(reused, len(tokens) - 1)
+                for end in range(tpb, len(tokens) + 1, tpb):
+                    self.blocks.add((salt, tuple(tokens[:end])))
+            ex.reused.append(reused)
+            values = model_fn(tokens)
+            outputs = []
+            for o in wanted:
+                if o.name not in values:  # not marked in this engine: the runtime returns nothing under that name
+                    continue
+                full = np.asarray(values[o.name], dtype=np.float32)
+                # handleContextLogits.cpp / copyAdditionalOutputs: host buffer sized to the prompt, rows of
+                # reused tokens never written (uninitialised memory; NaN here so a misuse shows)
+                buf = np.full_like(full, np.nan)
+                buf[reused:] = full[reused:]
+                outputs.append(types.SimpleNamespace(name="context_" + o.name, output=buf))  # llmRequest.cpp createResult
+                outputs.append(types.SimpleNamespace(name="generation_" + o.name,
+                                                     output=np.zeros((1, 0, full.shape[-1]), np.float32)))
+            result = types.SimpleNamespace(output_token_ids=[[0]], context_logits=None, additional_outputs=outputs)
+            return [types.SimpleNamespace(has_error=lambda: False, error_msg="", result=result)]
+
+    ex.AdditionalModelOutput, ex.OutputConfig, ex.KvCacheConfig = AdditionalModelOutput, OutputConfig, KvCacheConfig
+    ex.ExecutorConfig, ex.Request, ex.Executor = ExecutorConfig, Request, Executor
+    ex.ModelType = types.SimpleNamespace(DECODER_ONLY="DECODER_ONLY")
+    return ex
+
+
+def install_trtllm(monkeypatch, module: types.ModuleType) -> None:
+    """Make `import tensorrt_llm.bindings.executor` return the fake."""
+    import sys
+
+    for name in ("tensorrt_llm", "tensorrt_llm.bindings"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", module)
+    sys.modules["tensorrt_llm"].bindings = sys.modules["tensorrt_llm.bindings"]
+    sys.modules["tensorrt_llm.bindings"].executor = module

@@ -35,7 +35,9 @@ def make_tokenizer(out: Path, vocab_size: int = 200) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|mask|>")
-    fast.save_pretrained(out)
+    from dflash_trt.models.target import save_portable
+
+    save_portable(fast, out)
     return fast
 
 

@@ -1,123 +1,212 @@
-"""TensorRT-LLM target session against a FAKE `tensorrt_llm.bindings.executor` (this workplace has no
-TensorRT-LLM and no GPU). The fake proves nothing about TensorRT-LLM; it checks our handling of what
-the real Executor is documented to return: context logits [tokens, vocab_size_padded], no rows for
-tokens whose KV blocks were reused, and a request re-sent with a fresh cache_salt_id when reuse
-covered new tokens too."""
+"""TensorRT-LLM target session against a FAKE `tensorrt_llm.bindings.executor` (tests/fake_tensorrt.py; this
+workplace has no TensorRT-LLM and no GPU). The fake proves nothing about TensorRT-LLM itself: it models what the
+1.2 sources say the Executor does (prefixed output names, unwritten rows of reused tokens, reuse keyed by salt,
+the input limit, context logits needing a special build, leader-only enqueue), each behaviour naming its source,
+and computes the marked outputs with a real tiny Hugging Face model so that results can be compared exactly."""
 
 import json
-import sys
-import types
 
 import numpy as np
 import pytest
 import torch
+from fake_tensorrt import install_trtllm, make_trtllm_executor
+from helpers import NoisyOracleDrafter
 
-VOCAB, PADDED, HIDDEN = 10, 12, 3  # tp=4 pads the vocabulary of 10 to 12
+from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+from tiny_models import make_tiny_drafter, make_tiny_target
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+
+LAYERS = (1, 2)  # build_target_layer_ids(5 layers, 2 drafter layers)
 
 
-def fake_executor_module(calls: list, short_features: bool = False):
-    trtllm = types.ModuleType("tensorrt_llm.bindings.executor")
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("trtllm")
+    model = make_tiny_target(root / "target", family="qwen3", vocab_size=96, layers=5)
+    drafter = make_tiny_drafter(model.config, root / "drafter", layers=2, block_size=8)
+    return root, model, drafter
 
-    class Request:
-        def __init__(self, **kw):
-            self.kw = kw
 
-    trtllm.Request = Request
-    trtllm.OutputConfig = lambda **kw: kw
-    trtllm.AdditionalModelOutput = lambda name, gather_context=False: name
-    trtllm.KvCacheConfig = lambda **kw: kw
-    trtllm.ExecutorConfig = lambda **kw: kw
-    trtllm.ModelType = types.SimpleNamespace(DECODER_ONLY="DECODER_ONLY")
+def hf_outputs(model):
+    @torch.inference_mode()
+    def run(tokens):
+        out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+        hs = out.hidden_states
+        values = {f"dflash_feature_{i}": hs[i + 1][0].numpy() for i in LAYERS}
+        values["dflash_final_hidden"] = hs[-1][0].numpy()  # after the final norm
+        return values
+    return run
 
-    class Executor:
-        """Reuse: the longest prefix already seen under the same salt (the last token is always computed);
-        only computed tokens get rows. short_features: the feature outputs lack their first row."""
 
-        def __init__(self, engine_dir, model_type, config):
-            self.seen, self.requests = [], {}
-
-        def enqueue_request(self, request):
-            calls.append(request.kw)
-            self.requests[len(calls)] = request.kw
-            return len(calls)
-
-        def await_responses(self, request_id):
-            kw = self.requests.pop(request_id)
-            tokens, salt = kw["input_token_ids"], kw["cache_salt_id"]
-            reused = 0
-            for prev_tokens, prev_salt in self.seen:
-                if prev_salt == salt:
-                    common = next((i for i, (a, b) in enumerate(zip(prev_tokens, tokens)) if a != b),
-                                  min(len(prev_tokens), len(tokens)))
-                    reused = max(reused, common)
-            reused = min(reused, len(tokens) - 1)
-            self.seen.append((list(tokens), salt))
-            positions = np.arange(reused, len(tokens))
-            logits = np.full((len(positions), PADDED), 100.0, dtype=np.float32)  # padding columns are junk
-            logits[:, :VOCAB] = np.array(tokens)[positions, None] * 0.0 + positions[:, None]
-            outputs = [types.SimpleNamespace(name=f"dflash_feature_{i}",
-                                             output=np.repeat(positions[:, None] * 10.0 + i, HIDDEN, 1)[short_features:])
-                       for i in (0, 1)]
-            result = types.SimpleNamespace(context_logits=logits, additional_outputs=outputs)
-            return [types.SimpleNamespace(has_error=lambda: False, error_msg="", result=result)]
-
-    trtllm.Executor = Executor
-    return trtllm
+def engine_folder(root, target_dir, name="engine", max_seq_len=128, max_num_tokens=128, **build):
+    folder = root / name
+    (folder / "engine").mkdir(parents=True, exist_ok=True)
+    (folder / "engine" / "config.json").write_text(json.dumps({
+        "pretrained_config": {"vocab_size": 96},
+        "build_config": {"max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens,
+                         "plugin_config": {"tokens_per_block": 4}, **build}}))
+    (folder / "dflash_target.json").write_text(json.dumps({
+        "engine_dir": "engine", "feature_layer_ids": list(LAYERS),
+        "feature_outputs": [f"dflash_feature_{i}" for i in LAYERS], "final_hidden_output": "dflash_final_hidden",
+        "target_dir": str(target_dir)}))
+    return folder
 
 
 @pytest.fixture
-def engine_dir(tmp_path):
-    (tmp_path / "engine").mkdir()
-    (tmp_path / "engine" / "config.json").write_text(json.dumps(
-        {"pretrained_config": {"vocab_size": VOCAB}, "build_config": {"max_seq_len": 64}}))
-    (tmp_path / "dflash_target.json").write_text(json.dumps(
-        {"engine_dir": "engine", "feature_layer_ids": [1, 3], "feature_outputs": ["dflash_feature_0", "dflash_feature_1"]}))
-    return tmp_path
+def fake(monkeypatch, tiny):
+    root, model, _ = tiny
+    calls = []
+    module = make_trtllm_executor(calls, hf_outputs(model))
+    install_trtllm(monkeypatch, module)
+    return calls, module
 
 
-def install(monkeypatch, calls, **kw):
-    mod = fake_executor_module(calls, **kw)
-    for name in ("tensorrt_llm", "tensorrt_llm.bindings"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", mod)
-    sys.modules["tensorrt_llm"].bindings = sys.modules["tensorrt_llm.bindings"]
-    sys.modules["tensorrt_llm.bindings"].executor = mod
-
-
-def test_rows_of_the_new_tokens_and_retry_when_reuse_covers_them(monkeypatch, engine_dir):
+def test_rows_of_new_tokens_by_prefixed_name_match_the_hf_target(fake, tiny):
     from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
 
-    calls = []
-    install(monkeypatch, calls)
-    engine = TrtllmTargetEngine(engine_dir)
-    assert engine.max_context == 64
+    calls, module = fake
+    root, model, _ = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
+    ref = TorchTargetEngine(model, LAYERS).new_session()
+    session = engine.new_session()
+    tokens = torch.randint(0, 96, (19,), generator=torch.Generator().manual_seed(0))
+    for piece in (tokens[:9], tokens[9:12], tokens[12:]):
+        got, want = session.forward(piece), ref.forward(piece)
+        assert torch.isfinite(got.logits).all() and torch.isfinite(got.features).all()  # no unwritten row read
+        torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got.features, want.features, atol=1e-4, rtol=1e-4)
+    assert module.reused[1:] == [8, 12]  # the session's own prefix was reused (whole blocks of 4)
+    requests = [c for c in calls if hasattr(c, "input_token_ids")]
+    assert [len(r.input_token_ids) for r in requests] == [9, 12, 19]
+    assert len({r.cache_salt_id for r in requests}) == 1 and requests[0].cache_salt_id is not None
+    executor_config = next(c for c in calls if c[0] == "Executor")[2]
+    assert executor_config.kv_cache_config.enable_block_reuse
+    # a prefill asks for the last row's logits only
+    other = engine.new_session()
+    out = other.forward(tokens[:7], last_logits_only=True)
+    assert out.logits.shape == (1, 96) and out.features.shape[0] == 7
+    assert other.salt != session.salt  # sessions never share KV blocks
 
-    first = engine.new_session()
-    out = first.forward(torch.tensor([5, 6, 7]))
-    assert out.logits.shape == (3, VOCAB)  # padding columns sliced off
-    assert out.logits[:, 0].tolist() == [0, 1, 2]  # rows of positions 0..2
-    assert out.features.shape == (3, 2 * HIDDEN) and out.features[:, 0].tolist() == [0, 10, 20]
-    out = first.forward(torch.tensor([8, 9]))
-    assert out.logits[:, 0].tolist() == [3, 4] and out.features[:, HIDDEN].tolist() == [31, 41]
-    assert [c["cache_salt_id"] for c in calls] == [None, None]
 
-    # An identical sequence: the first two tokens' blocks are reused, so only 1 row comes back for 3
-    # new tokens; the session re-sends with a fresh salt and gets all three.
-    calls.clear()
-    second = engine.new_session()
-    out = second.forward(torch.tensor([5, 6, 7]), last_logits_only=True)
-    assert len(calls) == 2 and calls[0]["cache_salt_id"] is None and isinstance(calls[1]["cache_salt_id"], int)
-    assert out.logits[:, 0].tolist() == [2] and out.features[:, 0].tolist() == [0, 10, 20]
-    assert second.length == 3
-
-
-def test_short_features_are_refused_not_misaligned(monkeypatch, engine_dir):
+def test_new_tokens_sent_before_move_the_session_to_a_fresh_salt(fake, tiny):
     from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
 
+    _, module = fake
+    root, model, _ = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
+    session, ref = engine.new_session(), TorchTargetEngine(model, LAYERS).new_session()
+    seq = torch.arange(10, 30)
+    session.forward(seq[:8])
+    ref.forward(seq[:8])
+    session.forward(seq[8:16])
+    session.rollback(9)
+    first_salt = session.salt
+    # the same tokens again at the same positions: their KV blocks exist, their rows could come back unwritten
+    got = session.forward(seq[9:16])
+    ref.forward(seq[8:9])
+    want = ref.forward(seq[9:16])
+    assert session.salt != first_salt and session.salt_changes == 1
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-4, rtol=1e-4)
+    assert module.reused[-1] == 0
+    # a round that differs right after the committed prefix keeps the salt
+    session.rollback(12)
+    session.forward(torch.tensor([1, 2, 3]))
+    assert session.salt_changes == 1
+
+
+def test_greedy_output_equals_the_target_alone(fake, tiny):
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    root, model, drafter = tiny
+    trt_target = TrtllmTargetEngine(engine_folder(root, root / "target"))
+    base = SpeculativeDecoder(TorchTargetEngine(model))
+    torch_target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    assert tuple(drafter.spec.target_layer_ids) == LAYERS
+    real = SpeculativeDecoder(trt_target, TorchDrafterEngine.for_target(drafter, torch_target))
+    for trial, (prompt, p_correct) in enumerate([([5, 6, 7], 1.0), (list(range(20, 33)), 0.6)]):
+        reference = base.generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
+        if trial == 0:  # the real (random) drafter: mostly rejections
+            assert real.generate(prompt, GenerationConfig(max_new_tokens=24, block_size=4)).token_ids == reference
+        # a noisy oracle: long accepted runs, and rollbacks into the middle of KV blocks
+        oracle = NoisyOracleDrafter(reference, len(prompt), 96, 8, p_correct, seed=trial, feature_layer_ids=LAYERS)
+        got = SpeculativeDecoder(trt_target, oracle).generate(prompt, GenerationConfig(max_new_tokens=24, block_size=8))
+        assert got.token_ids == reference
+        assert max(got.stats.acceptance_lengths) > 1
+
+
+def test_max_context_is_the_runtime_input_limit(fake, tiny):
+    from dflash_trt.decoding import ContextLengthError
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    root, _, _ = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target", "short", max_seq_len=64, max_num_tokens=24))
+    assert engine.max_context == 24  # min(max_seq_len - 1, max_num_tokens), not max_seq_len
+    with pytest.raises(ContextLengthError):
+        SpeculativeDecoder(engine).generate(list(range(20)), GenerationConfig(max_new_tokens=10))
+    session = engine.new_session()
+    with pytest.raises(ValueError, match="exceed the engine's input limit 24"):
+        session.forward(torch.arange(25))
+    assert session.forward(torch.arange(24), features=False).features is None
+
+
+def test_engine_built_with_context_logits_is_refused(fake, tiny):
+    from dflash_trt.runtime.base import EngineUnavailable
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    root, _, _ = tiny
+    folder = engine_folder(root, root / "target", "logits", gather_context_logits=True)
+    with pytest.raises(EngineUnavailable, match="disables KV block reuse"):
+        TrtllmTargetEngine(folder)
+
+
+def test_engine_without_the_marked_features_names_the_rebuild(monkeypatch, tiny):
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    root, model, _ = tiny
+    full = hf_outputs(model)
+    # an engine built by plain trtllm-build marks only what its model class marks: no features here
+    install_trtllm(monkeypatch, make_trtllm_executor([], lambda t: {"dflash_final_hidden": full(t)["dflash_final_hidden"]}))
+    session = TrtllmTargetEngine(engine_folder(root, root / "target")).new_session()
+    with pytest.raises(RuntimeError, match="no 'context_dflash_feature_1'.*rebuild it with `dflash-trt build-target`"):
+        session.forward(torch.tensor([1, 2, 3]))
+    assert session.length == 0
+    assert session.forward(torch.tensor([1, 2, 3]), features=False).logits.shape == (3, 96)
+
+
+def test_only_the_leader_rank_runs_sessions(monkeypatch, tiny):
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    root, model, _ = tiny
     calls = []
-    install(monkeypatch, calls, short_features=True)
-    session = TrtllmTargetEngine(engine_dir).new_session()
-    with pytest.raises(RuntimeError, match="fewer than 2 rows for 2 new tokens even without KV reuse"):
-        session.forward(torch.tensor([1, 2]))
-    assert len(calls) == 2 and session.length == 0  # retried once, then refused; nothing committed
-    assert session.forward(torch.tensor([1, 2]), features=False).logits.shape == (2, VOCAB)  # logits alone are fine
+    install_trtllm(monkeypatch, make_trtllm_executor(calls, hf_outputs(model), rank=1))
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
+    assert not engine.is_leader
+    with pytest.raises(RuntimeError, match="not the TensorRT-LLM leader"):
+        engine.new_session()
+    engine.serve_worker()
+    assert ("shutdown", 1) in calls
+
+
+def test_the_fake_refuses_what_the_old_backend_did(fake, tiny):
+    """Negative controls: the behaviours the previous backend relied on fail against the modelled runtime."""
+    calls, module = fake
+    root, _, _ = tiny
+    folder = engine_folder(root, root / "target")
+    ex = module.Executor(folder / "engine", "DECODER_ONLY", module.ExecutorConfig(
+        kv_cache_config=module.KvCacheConfig(enable_block_reuse=True),
+        additional_model_outputs=[module.AdditionalModelOutput("dflash_feature_1", gather_context=True)]))
+    # context logits from an engine built without them
+    rid = ex.enqueue_request(module.Request([1, 2, 3], 1, output_config=module.OutputConfig(return_context_logits=True)))
+    assert ex.await_responses(rid)[0].has_error()
+    # outputs come back prefixed, and reused rows are left unwritten (not dropped)
+    cfg = module.OutputConfig(additional_model_outputs=[module.AdditionalModelOutput("dflash_feature_1", True)])
+    ex.await_responses(ex.enqueue_request(module.Request(list(range(9)), 1, output_config=cfg, cache_salt_id=7)))
+    result = ex.await_responses(ex.enqueue_request(module.Request(list(range(12)), 1, output_config=cfg,
+                                                                  cache_salt_id=7)))[0].result
+    by_name = {o.name: o.output for o in result.additional_outputs}
+    assert "dflash_feature_1" not in by_name and by_name["context_dflash_feature_1"].shape[0] == 12
+    assert np.isnan(by_name["context_dflash_feature_1"][:8]).all()
+    # prompts past min(max_seq_len - 1, max_num_tokens) are refused
+    short = engine_folder(root, root / "target", "limit", max_seq_len=64, max_num_tokens=24)
+    ex = module.Executor(short / "engine", "DECODER_ONLY", module.ExecutorConfig())
+    assert ex.await_responses(ex.enqueue_request(module.Request(list(range(30)), 1)))[0].has_error()

@@ -1,18 +1,18 @@
-"""TensorRT-LLM target build planned as command lines and rank files (TensorRT-LLM itself cannot run here)."""
+"""TensorRT-LLM target build planned as command lines and rank files (TensorRT-LLM itself cannot run here).
+The FAKE trtllm-build check (tests/fake_tensorrt.py) models the refusals of tensorrt_llm/commands/build.py (1.2)."""
 
 import ast
 import json
+import subprocess
+import sys
 
 import pytest
+from fake_tensorrt import trtllm_build_refusals
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.builders.trtllm_target import (
-    FEATURES_MODEL_FILE,
-    TargetBuildError,
-    TargetBuildSpec,
-    plan_target_build,
-    serve_command,
-    spec_from_checkpoints,
+    FATAL_BUILD_FLAGS, FEATURES_MODEL_FILE, TargetBuildError, TargetBuildSpec, engine_max_context, launch_command,
+    plan_target_build, spec_from_checkpoints,
 )
 
 
@@ -43,15 +43,51 @@ def test_plan_for_each_tp(tp):
     assert flag(convert, "--feature_layer_ids") == "1,9,17,25,33"
     assert build[0] == "trtllm-build"
     assert flag(build, "--checkpoint_dir") == "/e/target/checkpoint" and flag(build, "--output_dir") == "/e/target/engine"
-    assert flag(build, "--speculative_decoding_mode") == "draft_tokens_external"
-    assert flag(build, "--max_draft_len") == "15"  # block size - 1
+    assert trtllm_build_refusals(build) == []
+    # no context logits (they switch KV reuse off) and no external-draft flags (refused with them, and
+    # additional outputs cannot be combined with draft tokens)
+    assert not set(FATAL_BUILD_FLAGS) & set(build)
     assert flag(build, "--use_paged_context_fmha") == "enable"
     assert flag(build, "--model_cls_file") == str(FEATURES_MODEL_FILE)
     assert flag(build, "--model_cls_name") == "DFlashQWenForCausalLM"
-    assert flag(build, "--workers") == str(tp)
+    assert flag(build, "--workers") == "1"  # ranks built in turn by one process, at any tp
+    # the whole context fits one pass: the runtime's input limit is max_seq_len - 1
+    assert int(flag(build, "--max_num_tokens")) >= int(flag(build, "--max_seq_len")) == 4096
+    assert plan.spec.max_context == 4095 == int(flag(build, "--max_input_len"))
     assert plan.feature_outputs == [f"dflash_feature_{i}" for i in (1, 9, 17, 25, 33)]
-    launch = serve_command("engines", tp, ["generate", "--prompt", "hi"])
+    assert plan.outputs[-1] == "dflash_final_hidden"
+    launch = launch_command("engines", tp, ["serve"])
     assert (launch[:3] == ["mpirun", "-n", str(tp)]) == (tp > 1)
+    assert launch[-4:] == ["dflash-trt", "serve", "--engines", "engines"]
+
+
+def test_fake_build_check_refuses_the_previous_flags():
+    """Negative control: the command line used before this design is refused by the modelled build.py."""
+    old = ["trtllm-build", "--model_cls_file", "f.py", "--speculative_decoding_mode", "draft_tokens_external",
+           "--max_draft_len", "15", "--gather_context_logits", "--workers", "2"]
+    assert len(trtllm_build_refusals(old)) == 2
+
+
+def test_max_context_follows_max_num_tokens():
+    s = spec(1, max_num_tokens=2048)
+    assert s.max_context == 2048 == int(flag(plan_target_build(s).commands[1], "--max_input_len"))
+    assert engine_max_context({"build_config": {"max_seq_len": 4096, "max_num_tokens": 2048}}) == 2048
+    assert engine_max_context({"build_config": {"max_seq_len": 4096, "max_num_tokens": 8192}}) == 4095
+
+
+def test_dry_run_prints_build_and_launch_without_fatal_flags(tmp_path):
+    target = make_tiny_target(tmp_path / "t", family="qwen3", vocab_size=64, layers=5)
+    make_tiny_drafter(target.config, tmp_path / "d", layers=2, block_size=6)
+    out = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "build-target", "--target", str(tmp_path / "t"),
+                          "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "e"), "--tp", "2", "--dry-run"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    build = next(line for line in lines if line.startswith("trtllm-build")).split()
+    assert trtllm_build_refusals(build) == [] and not set(FATAL_BUILD_FLAGS) & set(build)
+    assert "--tp_size 2" in out.stdout and "rank1.engine" in out.stdout
+    assert any(line.startswith("launch: mpirun -n 2 --allow-run-as-root dflash-trt serve --engines") for line in lines)
+    assert not (tmp_path / "e").exists()  # a dry run writes nothing
 
 
 def test_llama_family_uses_llama_classes():
@@ -65,7 +101,7 @@ def test_llama_family_uses_llama_classes():
     (dict(model_type="gemma3"), "cannot expose its layer features"),
     (dict(feature_layer_ids=(1, 40)), r"feature layers \[40\] outside"),
     (dict(block_size=1), "block_size must be >= 2"),
-    (dict(max_input_len=5000), "max_input_len"),
+    (dict(max_num_tokens=8), "max_num_tokens"),
 ])
 def test_refusals_name_the_problem(bad, message):
     kw = dict(tp=1)
@@ -81,10 +117,19 @@ def test_spec_from_real_checkpoint_configs(tmp_path):
     assert (s.model_type, s.tp, s.block_size, s.num_layers) == ("llama", 4, 6, 5)
     assert s.feature_layer_ids == (1, 2)  # build_target_layer_ids(5, 2)
     plan = plan_target_build(s)
-    assert flag(plan.commands[1], "--max_draft_len") == "5"
+    assert s.block_size == 6 and "--max_draft_len" not in plan.commands[1]
 
 
 def test_feature_model_file_defines_the_planned_classes():
     tree = ast.parse(FEATURES_MODEL_FILE.read_text())
     classes = {n.name for n in tree.body if isinstance(n, ast.ClassDef)}
     assert {"DFlashLLaMAForCausalLM", "DFlashQWenForCausalLM"} <= classes
+
+
+@pytest.mark.parametrize("command", ["build-target", "serve"])
+def test_help_gives_the_tensor_parallel_launch_line(command, capsys):
+    from dflash_trt.cli import main
+
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    assert "mpirun -n N --allow-run-as-root dflash-trt serve --engines engines" in capsys.readouterr().out

@@ -36,7 +36,9 @@ def make_tiny_target(out: str | Path | None = None, family: str = "qwen3", seed:
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_target_config(family, **kw)).eval()
     if out is not None:
-        model.save_pretrained(out)
+        from dflash_trt.models.target import save_portable
+
+        save_portable(model, out)
     return model
 
 

@@ -16,13 +16,21 @@ CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
 # ---- per-pass costs: t(one target step), t(verify B tokens), t(draft B) ----------------------
+def _sync() -> None:
+    """CUDA kernels run asynchronously: wait for them before reading the clock (a no-op on CPU)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 def _median_ms(fn, reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
+        _sync()
         t0 = time.perf_counter()
         fn()
+        _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 

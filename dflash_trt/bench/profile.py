@@ -94,14 +94,14 @@ def cprofile_top(decoder, prompt_ids, config, n: int = 15) -> list[dict]:
 
 
 def profile_rounds(target_dir, drafter_dir, out: Path, max_new: int, threads: int | None, block_sizes,
-                   dtype: str = "float32") -> dict:
+                   dtype: str = "float32", device: str = "cpu") -> dict:
     from ..loading import load_decoder
     from ..decoding import GenerationConfig
     from .prompts import held_out_code_prompts
 
     if threads:
         torch.set_num_threads(threads)
-    decoder = load_decoder(target_dir, drafter_dir, dtype)
+    decoder = load_decoder(target_dir, drafter_dir, dtype, device)
     decoder.target.model.generation_config.eos_token_id = None
     trained = decoder.drafter.block_size
     usable = [b for b in block_sizes if 2 <= b <= trained]

@@ -68,6 +68,7 @@ class BenchSettings:
     repeats: int = 1
     threads: int | None = None
     dtype: str = "float32"
+    device: str = "cpu"
     onnx_drafter: Path | None = None  # an exported drafter folder; None: export into a scratch folder
     prompt_lookup_tokens: int = 10
     max_ngram: int = 2
@@ -103,7 +104,7 @@ def load_everything(s: BenchSettings):
     needs_drafter = bool(want & {"dflash-torch", "dflash-ort"})
     if needs_drafter and s.drafter is None:
         raise BenchError("DFlash methods need --drafter")
-    decoder = load_decoder(s.target, s.drafter if needs_drafter else None, s.dtype)
+    decoder = load_decoder(s.target, s.drafter if needs_drafter else None, s.dtype, s.device)
     if decoder.tokenizer is None:
         raise BenchError(f"{s.target} has no tokenizer: the prompt sets are text")
     target: TorchTargetEngine = decoder.target
@@ -115,7 +116,7 @@ def load_everything(s: BenchSettings):
         if s.ar_draft is None or not (Path(s.ar_draft) / "config.json").is_file():
             raise BenchError(f"hf-assisted needs a small autoregressive draft model (--ar-draft; {s.ar_draft} "
                              "has no config.json); leave hf-assisted out of --methods to skip it")
-        assistant = load_target(s.ar_draft, model.dtype)
+        assistant = load_target(s.ar_draft, model.dtype).to(model.device)
         if assistant.config.vocab_size != model.config.vocab_size:
             raise BenchError(f"--ar-draft vocabulary ({assistant.config.vocab_size}) differs from the target's "
                              f"({model.config.vocab_size}): assisted generation needs the same tokenizer")

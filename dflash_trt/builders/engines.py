@@ -214,7 +214,7 @@ def _build_trt(ctx: BuildContext, folder: Path) -> dict:
 def _trtllm_key(ctx: BuildContext, vers: dict) -> tuple:
     cfg = ctx.cfg
     return ("target-trtllm", ctx.sources["target"]["sha256"], ctx.spec.target_layer_ids, ctx.block_size, cfg.tp,
-            cfg.precision, cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len, vers)
+            cfg.precision, cfg.max_batch_size, cfg.max_seq_len, "no-context-logits", vers)
 
 
 def _build_trtllm(ctx: BuildContext, folder: Path) -> dict:
@@ -224,11 +224,11 @@ def _build_trtllm(ctx: BuildContext, folder: Path) -> dict:
     dtype = "float16" if cfg.precision == "fp16" else "float32"
     plan = plan_target_build(spec_from_checkpoints(
         cfg.target, cfg.drafter, folder, cfg.tp, ctx.block_size, dtype=dtype, max_batch_size=cfg.max_batch_size,
-        max_input_len=cfg.max_input_len, max_seq_len=cfg.max_seq_len))
+        max_seq_len=cfg.max_seq_len))  # max_num_tokens = max_seq_len: max_input_len is the drafter plan's only
     run_plan(plan, ctx.log)
-    return {"tp": cfg.tp, "feature_outputs": plan.feature_outputs,
-            "shapes": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
-                       "max_seq_len": cfg.max_seq_len, "max_draft_len": ctx.block_size - 1}}
+    return {"tp": cfg.tp, "feature_outputs": plan.feature_outputs, "outputs": plan.outputs,
+            "shapes": {"max_batch_size": cfg.max_batch_size, "max_seq_len": cfg.max_seq_len,
+                       "max_context": plan.spec.max_context, "block_size": ctx.block_size}}
 
 
 # In order: the TensorRT plan is built from the ONNX export.

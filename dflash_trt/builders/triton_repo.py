@@ -81,8 +81,9 @@ def _target_meta(src: Sources) -> tuple[int, int]:
         return int(text.vocab_size), int(getattr(text, "max_position_embeddings", 1 << 30))
     meta = json.loads((src.target_dir / "dflash_target.json").read_text())
     config = json.loads((src.target_dir / meta["engine_dir"] / "config.json").read_text())
-    pre = config.get("pretrained_config", {})
-    return int(pre["vocab_size"]), int(config.get("build_config", {}).get("max_seq_len", pre.get("max_position_embeddings")))
+    from ..formats import engine_max_context
+
+    return int(config.get("pretrained_config", {})["vocab_size"]), engine_max_context(config)
 
 
 def _copy(src: Path, dst: Path, symlink: bool) -> None:
@@ -100,7 +101,9 @@ def _save_tokenizer(src: Path, dst: Path) -> object:
     tok = load_tokenizer(src)
     if tok is None:
         raise FileNotFoundError(f"no tokenizer in {src}: the Triton ensemble works on text and needs one")
-    tok.save_pretrained(dst)
+    from ..models.target import save_portable
+
+    save_portable(tok, dst)
     return tok
 
 

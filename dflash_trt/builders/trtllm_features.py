@@ -1,43 +1,55 @@
 """Model classes for `trtllm-build --model_cls_file THIS --model_cls_name ...` (imported by trtllm-build only).
 
-They are TensorRT-LLM's own LLaMA / QWen causal LMs, plus: the output hidden states of the decoder
-layers listed in the checkpoint config's `dflash_feature_layer_ids` are marked as engine outputs
-`dflash_feature_{i}` ([num_tokens, hidden], the full hidden size on every tensor-parallel rank since
-each layer ends after its all-reduce). That is "the output of decoder layer i", the same convention
-as Hugging Face `hidden_states[i + 1]`. Pipeline parallelism is refused (layer ids would be local).
-Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here).
+They are TensorRT-LLM's own LLaMA / QWen causal LMs, plus engine outputs:
+  * `dflash_feature_{i}`: the output hidden state of decoder layer i for each i in the checkpoint config's
+    `dflash_feature_layer_ids` ([num_tokens, hidden], the full hidden size on every tensor-parallel rank since
+    each layer ends after its all-reduce): "the output of decoder layer i", as Hugging Face `hidden_states[i + 1]`;
+  * `dflash_final_hidden`: the output of the final norm `ln_f` for every token. The engine is built without
+    `--gather_context_logits` (that would switch KV block reuse off), so the orchestrator computes the
+    verification logits from this tensor and the target's lm_head weights.
+The runtime returns them as `context_<name>` when requested with `AdditionalModelOutput(name,
+gather_context=True)`. `Tensor.mark_output(name, dtype)` is tensorrt_llm/functional.py (1.2); the `transformer.layers`
+/ `transformer.ln_f` attributes are tensorrt_llm/models/llama/model.py and models/qwen/model.py (1.2).
+Pipeline parallelism is refused (layer ids would be rank-local).
+
+NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here).
 """
 
 from tensorrt_llm.models import LLaMAForCausalLM, QWenForCausalLM
 
+FINAL_HIDDEN_OUTPUT = "dflash_final_hidden"  # = trtllm_target.FINAL_HIDDEN_OUTPUT (this file is loaded standalone)
 
-def _mark_feature_layers(model, config) -> None:
+
+def _mark(module, name, dtype) -> None:
+    original = module.forward
+
+    def forward(*args, _original=original, **kwargs):
+        out = _original(*args, **kwargs)
+        hidden = out[0] if isinstance(out, tuple) else out
+        hidden.mark_output(name, dtype)
+        return out
+
+    object.__setattr__(module, "forward", forward)  # Module.__setattr__ would try to register it
+
+
+def _mark_outputs(model, config) -> None:
     layer_ids = list(getattr(config, "dflash_feature_layer_ids", None) or [])
     if not layer_ids:
         raise ValueError("checkpoint config has no dflash_feature_layer_ids: convert with dflash_trt.builders.trtllm_convert")
     if config.mapping.pp_size != 1:
         raise ValueError("DFlash feature outputs need pp_size == 1 (use tensor parallelism)")
-    layers = model.transformer.layers
     for i in layer_ids:
-        layer = layers[i]
-        original = layer.forward
-
-        def forward(*args, _original=original, _name=f"dflash_feature_{i}", **kwargs):
-            out = _original(*args, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
-            hidden.mark_output(_name, config.dtype)
-            return out
-
-        object.__setattr__(layer, "forward", forward)
+        _mark(model.transformer.layers[i], f"dflash_feature_{i}", config.dtype)
+    _mark(model.transformer.ln_f, FINAL_HIDDEN_OUTPUT, config.dtype)
 
 
 class DFlashLLaMAForCausalLM(LLaMAForCausalLM):
     def __init__(self, config):
         super().__init__(config)
-        _mark_feature_layers(self, config)
+        _mark_outputs(self, config)
 
 
 class DFlashQWenForCausalLM(QWenForCausalLM):
     def __init__(self, config):
         super().__init__(config)
-        _mark_feature_layers(self, config)
+        _mark_outputs(self, config)

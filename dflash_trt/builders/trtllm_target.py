@@ -1,18 +1,31 @@
 """Target -> tensor-parallel TensorRT-LLM engine (`dflash-trt build-target`), TensorRT-LLM 1.2 engine path.
 
-Two steps, planned here as pure functions (testable without TensorRT-LLM) and executed as
-subprocesses:
-  1. convert: HF checkpoint -> TensorRT-LLM checkpoint, one `rank{r}.safetensors` per GPU and one
-     config.json (`<Family>ForCausalLM.from_hugging_face(dir, dtype, mapping=Mapping(world_size=tp,
-     rank=r, tp_size=tp))` + `save_checkpoint(out, save_config=(r == 0))`, see trtllm_convert.py);
-     the config also records `dflash_feature_layer_ids`.
-  2. build: `trtllm-build` with external draft tokens (`--speculative_decoding_mode
-     draft_tokens_external --max_draft_len B-1`), paged context FMHA for KV reuse, context
-     logits, and our model class (trtllm_features.py) that marks the outputs of the drafter's
-     target layers as engine outputs `dflash_feature_{i}`.
+Two steps, planned here as pure functions (testable without TensorRT-LLM) and executed as subprocesses:
+  1. convert: HF checkpoint -> TensorRT-LLM checkpoint, one `rank{r}.safetensors` per GPU and one config.json
+     (trtllm_convert.py); the config also records `dflash_feature_layer_ids`.
+  2. build: `trtllm-build` with our model class (trtllm_features.py), which marks as engine outputs the
+     drafter's feature layers (`dflash_feature_{i}`) and the final-norm hidden state (`dflash_final_hidden`,
+     from which the orchestrator computes the verification logits with the target's lm_head).
 
-Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here); the
-planning half is tested, the subprocesses it plans are not.
+Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs in the README):
+  * no `--gather_context_logits`: an engine built with it gets KV block reuse switched off at executor start
+    (`cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp`, fixExecutorConfig), so every round
+    would re-run the whole sequence. Verification reads the marked final hidden state instead.
+  * no `--speculative_decoding_mode draft_tokens_external --max_draft_len`: `tensorrt_llm/commands/build.py`
+    refuses them together with context logits, and additional outputs cannot be combined with external
+    draft tokens (`cpp/tensorrt_llm/batch_manager/utils/inflightBatchingUtils.cpp`, copyAdditionalOutputs).
+    A round is a plain context-phase request over the session's tokens; KV block reuse skips the prefix.
+  * `--max_num_tokens >= --max_seq_len`: without chunked context the runtime accepts prompts of at most
+    min(max_seq_len - 1, max_num_tokens) tokens (`cpp/tensorrt_llm/batch_manager/trtGptModel.h`); the engine
+    advertises exactly that as its `max_context`.
+  * `--workers 1`: with more workers build.py spawns processes and pickles the class loaded from
+    `--model_cls_file`, which the workers cannot import; one worker builds every rank in turn.
+  * tp > 1 is served under `mpirun -n tp` (`launch_command`): every rank creates the Executor (leader
+    mode), only the leader may enqueue requests (`cpp/tensorrt_llm/executor/executorImpl.cpp`,
+    canEnqueueRequests), so only it runs the orchestrator and HTTP.
+
+NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here): the planning half is
+tested, the subprocesses it plans are not.
 """
 
 from __future__ import annotations
@@ -23,17 +36,24 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
-# model_type -> (TensorRT-LLM class, our feature-marking subclass in trtllm_features.py)
+from ..formats import (  # noqa: F401 - re-exported: the engine folder's names live in formats.py
+    CONTEXT_PREFIX, FEATURE_OUTPUT, FINAL_HIDDEN_OUTPUT, GENERATION_PREFIX, TARGET_META_FILE, engine_max_context,
+    runtime_input_limit,
+)
+
+# model_type -> (TensorRT-LLM class, our output-marking subclass in trtllm_features.py)
 FAMILIES = {
     "llama": ("LLaMAForCausalLM", "DFlashLLaMAForCausalLM"),
     "mistral": ("LLaMAForCausalLM", "DFlashLLaMAForCausalLM"),
     "qwen2": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
     "qwen3": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
 }
-FEATURE_OUTPUT = "dflash_feature_{}"
 FEATURES_MODEL_FILE = Path(__file__).with_name("trtllm_features.py")
 TP_SIZES = (1, 2, 4, 8)
+# Flags this design must never pass (see the module docstring for the source of each refusal).
+FATAL_BUILD_FLAGS = ("--gather_context_logits", "--speculative_decoding_mode", "--max_draft_len")
 
 
 class TargetBuildError(ValueError):
@@ -51,8 +71,8 @@ class TargetBuildSpec:
     num_layers: int
     dtype: str = "float16"
     max_batch_size: int = 8
-    max_input_len: int = 2048
     max_seq_len: int = 4096
+    max_num_tokens: int | None = None  # None: max_seq_len, so the whole context fits one pass
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -62,6 +82,14 @@ class TargetBuildSpec:
     def engine_dir(self) -> Path:
         return self.out_dir / "engine"
 
+    @property
+    def num_tokens(self) -> int:
+        return self.max_num_tokens if self.max_num_tokens is not None else self.max_seq_len
+
+    @property
+    def max_context(self) -> int:
+        return runtime_input_limit(self.max_seq_len, self.num_tokens)
+
 
 @dataclass
 class TargetBuildPlan:
@@ -70,6 +98,11 @@ class TargetBuildPlan:
     engine_files: list[str]
     commands: list[list[str]] = field(default_factory=list)
     feature_outputs: list[str] = field(default_factory=list)
+
+    @property
+    def outputs(self) -> list[str]:
+        """Every output the engine marks: the feature layers, then the final hidden state."""
+        return [*self.feature_outputs, FINAL_HIDDEN_OUTPUT]
 
     def describe(self) -> str:
         return "\n".join(shlex.join(c) for c in self.commands)
@@ -94,14 +127,16 @@ def validate(spec: TargetBuildSpec) -> None:
     if spec.tp not in TP_SIZES:
         raise TargetBuildError(f"tp must be one of {TP_SIZES}, got {spec.tp}")
     if spec.block_size < 2:
-        raise TargetBuildError(f"block_size must be >= 2 (max_draft_len = block_size - 1), got {spec.block_size}")
+        raise TargetBuildError(f"block_size must be >= 2 (a round verifies the block), got {spec.block_size}")
     if not spec.feature_layer_ids:
         raise TargetBuildError("no feature layers: the drafter needs the target's hidden states")
     bad = [i for i in spec.feature_layer_ids if not 0 <= i < spec.num_layers]
     if bad:
         raise TargetBuildError(f"feature layers {bad} outside the target's {spec.num_layers} layers")
-    if spec.max_input_len >= spec.max_seq_len:
-        raise TargetBuildError(f"max_input_len ({spec.max_input_len}) must be < max_seq_len ({spec.max_seq_len})")
+    if spec.max_seq_len < 2:
+        raise TargetBuildError(f"max_seq_len must be >= 2, got {spec.max_seq_len}")
+    if spec.num_tokens < spec.block_size:
+        raise TargetBuildError(f"max_num_tokens ({spec.num_tokens}) must be >= block_size ({spec.block_size})")
     family_classes(spec.model_type)
 
 
@@ -119,25 +154,23 @@ def convert_command(spec: TargetBuildSpec, python: str = sys.executable) -> list
 
 
 def build_command(spec: TargetBuildSpec) -> list[str]:
+    """trtllm-build flags as tensorrt_llm/commands/build.py (1.2) parses them."""
     _, features_cls = family_classes(spec.model_type)
     return [
         "trtllm-build",
         "--checkpoint_dir", str(spec.checkpoint_dir),
         "--output_dir", str(spec.engine_dir),
-        # our subclass marks the feature layers' outputs; trtllm-build loads it from this file
+        # our subclass marks the feature layers and the final hidden state as outputs
         "--model_cls_file", str(FEATURES_MODEL_FILE),
         "--model_cls_name", features_cls,
-        "--speculative_decoding_mode", "draft_tokens_external",
-        "--max_draft_len", str(spec.block_size - 1),
-        "--use_paged_context_fmha", "enable",  # KV block reuse across a request's rounds
+        "--use_paged_context_fmha", "enable",  # needed for KV block reuse with context FMHA
         "--kv_cache_type", "paged",
-        "--gather_context_logits",  # verification reads the logits of every block position
         "--gemm_plugin", "auto",
         "--max_batch_size", str(spec.max_batch_size),
-        "--max_input_len", str(spec.max_input_len),
         "--max_seq_len", str(spec.max_seq_len),
-        "--max_num_tokens", str(max(spec.max_input_len, spec.max_batch_size * spec.block_size)),
-        "--workers", str(spec.tp),  # one build process per rank (one per GPU)
+        "--max_input_len", str(spec.max_context),
+        "--max_num_tokens", str(spec.num_tokens),
+        "--workers", "1",  # >1 pickles the --model_cls_file class into workers that cannot import it
     ]
 
 
@@ -152,14 +185,21 @@ def plan_target_build(spec: TargetBuildSpec, python: str = sys.executable) -> Ta
     )
 
 
-def serve_command(engines_dir: str | Path, tp: int, argv: list[str]) -> list[str]:
-    """Multi-GPU engines run one process per rank under MPI, as TensorRT-LLM does."""
+def launch_command(engines_dir: str | Path, tp: int, argv: list[str]) -> list[str]:
+    """How to run `dflash-trt <argv> --engines DIR` on a tp-rank engine: one process per GPU under MPI.
+
+    Every rank loads the engine; only the leader (rank 0) runs the loop and the HTTP server, the others
+    keep the Executor's tensor-parallel work going until the leader shuts down.
+    """
     cmd = ["dflash-trt", *argv, "--engines", str(engines_dir)]
     return cmd if tp == 1 else ["mpirun", "-n", str(tp), "--allow-run-as-root", *cmd]
 
 
+serve_command = launch_command  # the name earlier callers used
+
+
 def spec_from_checkpoints(target_dir: str | Path, drafter_dir: str | Path, out_dir: str | Path, tp: int,
-                          block_size: int | None = None, **kw) -> TargetBuildSpec:
+                          block_size: int | None = None, **kw: Any) -> TargetBuildSpec:
     """Read model type, layer count and feature layers from the two config.json files (no weights loaded)."""
     from ..config import load_drafter_config
 
@@ -173,8 +213,22 @@ def spec_from_checkpoints(target_dir: str | Path, drafter_dir: str | Path, out_d
     )
 
 
-def run_plan(plan: TargetBuildPlan, log=print) -> None:
-    """Execute the plan (needs TensorRT-LLM and GPUs); checks every planned rank file appeared."""
+def target_meta(plan: TargetBuildPlan) -> dict[str, Any]:
+    """What the runtime reads next to the engine (dflash_target.json)."""
+    return {
+        "feature_layer_ids": list(plan.spec.feature_layer_ids),
+        "feature_outputs": plan.feature_outputs,
+        "final_hidden_output": FINAL_HIDDEN_OUTPUT,
+        "block_size": plan.spec.block_size,
+        "tp": plan.spec.tp,
+        "max_context": plan.spec.max_context,
+        "engine_dir": "engine",
+        "target_dir": str(plan.spec.target_dir.resolve()),  # the lm_head and the tokenizer come from here
+    }
+
+
+def run_plan(plan: TargetBuildPlan, log: Callable[[str], None] = print) -> None:
+    """Execute the plan (needs TensorRT-LLM and GPUs); checks every planned rank file appeared. NOT RUN here."""
     from ..runtime.registry import require
 
     require("target", "tensorrt_llm")
@@ -185,11 +239,4 @@ def run_plan(plan: TargetBuildPlan, log=print) -> None:
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise RuntimeError(f"TensorRT-LLM did not write {missing} in {folder}")
-    (plan.spec.out_dir / "dflash_target.json").write_text(json.dumps({
-        "feature_layer_ids": list(plan.spec.feature_layer_ids),
-        "feature_outputs": plan.feature_outputs,
-        "block_size": plan.spec.block_size,
-        "tp": plan.spec.tp,
-        "engine_dir": "engine",
-        "target_dir": str(plan.spec.target_dir.resolve()),
-    }, indent=2) + "\n")
+    (plan.spec.out_dir / TARGET_META_FILE).write_text(json.dumps(target_meta(plan), indent=2) + "\n")

@@ -15,7 +15,7 @@ SMOKE = dict(prompts_per_set=1, long_prompts_per_set=1, max_new_tokens=[16], blo
 
 def register(sub) -> None:
     from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
-    from .options import finite_float, positive_int
+    from .options import add_device_args, finite_float, positive_int
     from ..bench.prompts import PROMPT_SETS
     from ..bench.runner import FAMILIES
 
@@ -57,8 +57,7 @@ def register(sub) -> None:
                    help="repetitions per prompt; method order rotates per prompt and repeat (default 1)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="CPU threads for torch and onnxruntime (default: torch's choice)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="weights dtype (default float32)")
+    add_device_args(p)
     p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
                    help="prompt_lookup_num_tokens for prompt-lookup decoding (default 10)")
     p.add_argument("--max-ngram", type=positive_int, default=2,
@@ -112,7 +111,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         try:
             prof = profile_rounds(args.target, args.drafter, args.out, args.profile_tokens, args.threads,
-                                  args.block_sizes, args.dtype)
+                                  args.block_sizes, args.dtype, args.device)
         except (BenchError, ConfigError, ValueError, OSError) as e:
             raise CliError(str(e)) from None
         print_profile(prof)
@@ -123,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperatures=tuple(args.temperatures), max_new_tokens=tuple(args.max_new_tokens),
         prompt_sets=tuple(args.prompt_sets), prompts_per_set=args.prompts_per_set,
         long_prompts_per_set=args.long_prompts_per_set, repeats=args.repeats, threads=args.threads,
-        dtype=args.dtype, onnx_drafter=args.onnx_drafter, prompt_lookup_tokens=args.prompt_lookup_tokens,
+        dtype=args.dtype, device=args.device, onnx_drafter=args.onnx_drafter, prompt_lookup_tokens=args.prompt_lookup_tokens,
         max_ngram=args.max_ngram, assistant_tokens=args.assistant_tokens, timing_reps=args.timing_reps,
         tie_tolerance=args.tie_tolerance, corrupt_method=args.corrupt_method, max_minutes=args.max_minutes,
         plots=not args.no_plots,

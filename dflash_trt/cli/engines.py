@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 
@@ -40,9 +41,16 @@ def register(sub) -> None:
 
     p = sub.add_parser(
         "build-target", help="convert + build a tensor-parallel TensorRT-LLM target engine (needs TensorRT-LLM 1.2)",
-        description="HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine with "
-        "external draft tokens (max_draft_len = block size - 1), paged context FMHA and the drafter's feature "
-        "layers marked as outputs. --dry-run prints the planned commands and rank files without running them.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine (TensorRT-LLM "
+        "1.2 engine path) whose model class marks the drafter's feature layers and the final hidden state as outputs. "
+        "Built without --gather_context_logits and without speculative-decoding flags, so the runtime keeps KV block "
+        "reuse on; every rank is built by one process (--workers 1). --dry-run prints the plan and the launch line "
+        "without running anything.", 100),
+        epilog="launch (tp = N > 1: one process per GPU; rank 0 runs the loop and HTTP, the others the engine):\n"
+        "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
+        "tp = 1:\n  dflash-trt serve --engines engines\n"
+        "(engines/ as written by `make engines` with tp = N in engines.toml). Not run on real hardware in this project.",
     )
     add_model_args(p, dtype=False)  # the drafter gives the feature layers and the block size
     p.add_argument("--tp", type=positive_int, choices=[1, 2, 4, 8], default=1,
@@ -51,9 +59,13 @@ def register(sub) -> None:
     p.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's trained block size")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="engine dtype (default float16)")
     p.add_argument("--max-batch-size", type=positive_int, default=8, help="default 8")
-    p.add_argument("--max-input-len", type=positive_int, default=2048, help="longest prompt (default 2048)")
-    p.add_argument("--max-seq-len", type=positive_int, default=4096, help="longest prompt + output (default 4096)")
-    p.add_argument("--dry-run", action="store_true", help="print the plan only")
+    p.add_argument("--max-seq-len", type=positive_int, default=4096,
+                   help="longest sequence, prompt + output (default 4096); the engine accepts max_seq_len - 1 tokens "
+                   "per request when --max-num-tokens >= it")
+    p.add_argument("--max-num-tokens", type=positive_int, default=None,
+                   help="tokens per engine pass (default: --max-seq-len, so a whole context fits one pass); the "
+                   "engine's context limit is min(max_seq_len - 1, max_num_tokens)")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the launch line only")
     p.set_defaults(func=cmd_build_target)
 
     p = sub.add_parser(
@@ -109,7 +121,10 @@ def cmd_build_drafter(args: argparse.Namespace) -> int:
 
 
 def cmd_build_target(args: argparse.Namespace) -> int:
-    from ..builders.trtllm_target import TargetBuildError, plan_target_build, run_plan, spec_from_checkpoints
+    import shlex
+
+    from ..builders.trtllm_target import (TargetBuildError, launch_command, plan_target_build, run_plan,
+                                          spec_from_checkpoints)
     from ..config import ConfigError
     from ..runtime.base import EngineUnavailable
 
@@ -119,10 +134,13 @@ def cmd_build_target(args: argparse.Namespace) -> int:
                 raise FileNotFoundError(f"{role} checkpoint not found: {path}")
         plan = plan_target_build(spec_from_checkpoints(
             args.target, args.drafter, args.out, args.tp, args.block_size, dtype=args.dtype,
-            max_batch_size=args.max_batch_size, max_input_len=args.max_input_len, max_seq_len=args.max_seq_len))
+            max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens))
         print(plan.describe())
         print("checkpoint files: " + ", ".join(plan.checkpoint_files))
         print("engine files:     " + ", ".join(plan.engine_files))
+        print("engine outputs:   " + ", ".join(plan.outputs) + f"; max context {plan.spec.max_context} tokens")
+        print("launch: " + shlex.join(launch_command("engines", args.tp, ["serve"]) + ["--host", "0.0.0.0"])
+              + "   (engines/ from `make engines` with this tp)")
         if not args.dry_run:
             run_plan(plan)
     except (TargetBuildError, ConfigError, EngineUnavailable, FileNotFoundError) as e:

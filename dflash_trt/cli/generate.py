@@ -7,7 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from .options import CliError, add_model_args, finite_float, load_engines_or_fail, load_or_fail, non_negative_int, positive_int, token_ids
+from .options import (CliError, add_model_args, close_engines, finite_float, load_engines_or_fail, load_or_fail,
+                      non_negative_int, positive_int, serve_worker_rank, token_ids)
 
 
 def register(sub) -> None:
@@ -44,9 +45,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from ..decoding import GenerationConfig, InputError, SamplingParams
 
     if args.engines is not None:
-        decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft)
+        decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device)
     else:
-        decoder = load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype)
+        decoder = load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device)
+    if serve_worker_rank(decoder):
+        return 0
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         prompt = decoder.encode(args.prompt) if args.prompt is not None else args.input_ids
@@ -61,6 +64,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         result = decoder.generate(prompt, config)
     except (InputError, ValueError) as e:
         raise CliError(str(e)) from None
+    finally:
+        close_engines(decoder)
     if args.json:
         print(json.dumps({
             "token_ids": result.token_ids,

@@ -57,11 +57,21 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
                    help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})")
     if dtype:  # commands that build engines choose their own precision
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                       help="weights dtype for the PyTorch engines (default: float32, right for CPU)")
+        add_device_args(p)
 
 
-def load_or_fail(target: Path, drafter: Path | None, dtype: str):
+DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
+
+
+def add_device_args(p) -> None:
+    p.add_argument("--device", default="cpu", metavar="{cpu,cuda,cuda:N}",
+                   help="where the PyTorch engines run (default cpu); cuda needs a CUDA build of torch and a GPU")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
+                   help="weights dtype for the PyTorch engines (default float32, right for CPU; on a GPU use "
+                   "bfloat16 / bf16 or float16 / fp16)")
+
+
+def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "cpu"):
     from ..config import ConfigError
     from ..loading import load_decoder
 
@@ -71,17 +81,40 @@ def load_or_fail(target: Path, drafter: Path | None, dtype: str):
     if drafter is not None and not drafter.is_dir():
         raise CliError(f"drafter directory not found: {drafter} (use --no-draft to run the target alone)")
     try:
-        return load_decoder(target, drafter, dtype)
+        return load_decoder(target, drafter, dtype, device)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
 
 
-def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool):
+def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool, device: str = "cpu"):
     from ..config import ConfigError
     from ..loading import load_decoder_from_engines
     from ..runtime.base import EngineUnavailable
 
     try:  # --no-draft: the drafter is not even loaded (a TensorRT drafter cannot load on a CPU machine)
-        return load_decoder_from_engines(engines, dtype, draft=not no_draft)
+        return load_decoder_from_engines(engines, dtype, draft=not no_draft, device=device)
     except (ConfigError, EngineUnavailable, FileNotFoundError, KeyError, ValueError, OSError) as e:
         raise CliError(f"engines {engines}: {e}") from None
+
+
+def serve_worker_rank(decoder) -> bool:
+    """Under `mpirun -n tp` with a tp > 1 TensorRT-LLM target, every rank loads the engine but only the leader
+    runs the loop (and HTTP). On another rank: keep the engine's tensor-parallel work going until the leader
+    shuts down, then return True (the caller exits). False on the leader and for every other backend."""
+    import json
+    import sys
+
+    target = decoder.target
+    if getattr(target, "is_leader", True):
+        return False
+    print(json.dumps({"event": "tensor_parallel_worker", "detail": "not the leader rank: serving the engine only"}),
+          file=sys.stderr)
+    target.serve_worker()
+    return True
+
+
+def close_engines(decoder) -> None:
+    """The leader's shutdown releases the other ranks (TensorRT-LLM executorImpl.cpp, Executor::Impl::shutdown)."""
+    close = getattr(decoder.target, "close", None)
+    if close is not None:
+        close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 import os
 from pathlib import Path
 
@@ -33,13 +34,18 @@ def _drain_seconds(text: str) -> float:
 
 def register(sub) -> None:
     from ..settings import DEMO_DRAFTER, DEMO_TARGET
-    from .options import non_negative_int, positive_int
+    from .options import add_device_args, non_negative_int, positive_int
 
     p = sub.add_parser(
         "serve",
         help="serve the models over HTTP (native /generate and OpenAI-compatible endpoints)",
-        description="HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
-        "GET /v1/models, /health, /ready, /metrics. Requests are interleaved one verified round at a time.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill("HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
+        "GET /v1/models, /health, /ready, /metrics. Requests are interleaved one verified round at a time.", 100),
+        epilog="A tensor-parallel TensorRT-LLM target (tp = N > 1 in engines.toml) runs one process per GPU:\n"
+        "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
+        "Rank 0 runs the HTTP server and the loop; the other ranks only serve the engine (TensorRT-LLM leader mode).\n"
+        "A GPU without TensorRT: dflash-trt serve --device cuda --dtype bf16 (PyTorch engines on the GPU).",
     )
     src = p.add_argument_group("models (default: the demo models)")
     src.add_argument("--target", type=Path, default=DEMO_TARGET,
@@ -49,8 +55,7 @@ def register(sub) -> None:
     src.add_argument("--engines", type=Path, default=None,
                      help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
     src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
-    src.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                     help="weights dtype for the PyTorch engines (default: float32)")
+    add_device_args(src)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=_port, default=8000,
@@ -88,6 +93,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     decoder, name = _load_models(args)
+    from .options import close_engines, serve_worker_rank
+
+    if serve_worker_rank(decoder):  # tp > 1: only the leader rank serves HTTP
+        return 0
     from ..server.app import ServerSettings, create_app
 
     settings = ServerSettings(
@@ -101,7 +110,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
     )
     app = create_app(decoder, settings)
-    serve_app(app, args.host, args.port)
+    try:
+        serve_app(app, args.host, args.port)
+    finally:
+        close_engines(decoder)
     return 0
 
 
@@ -109,5 +121,6 @@ def _load_models(args):
     from .options import load_or_fail, load_engines_or_fail
 
     if args.engines is not None:
-        return load_engines_or_fail(args.engines, args.dtype, args.no_draft), args.engines.resolve().name
-    return load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype), args.target.resolve().name
+        return load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device), args.engines.resolve().name
+    return (load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device),
+            args.target.resolve().name)

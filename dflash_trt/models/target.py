@@ -9,7 +9,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # short names: --dtype bf16
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -43,6 +44,43 @@ def load_tokenizer(path: str | Path):
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         return None
     return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+
+
+# transformers 5 writes `TokenizersBackend`, a class 4.57 does not have; both load `PreTrainedTokenizerFast`
+# (an alias of TokenizersBackend in 5.x). TensorRT-LLM 1.2 pins transformers 4.57.1.
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+
+
+def make_portable(folder: str | Path) -> None:
+    """Rewrite a saved checkpoint / tokenizer folder so transformers 4.57.x and 5.x both load it.
+
+    tokenizer_config.json: `TokenizersBackend` -> `PreTrainedTokenizerFast`. config.json: 5.x keeps RoPE in
+    `rope_parameters`; 4.57 reads `rope_theta` (and `rope_scaling`), so those are written too when missing.
+    """
+    import json
+
+    folder = Path(folder)
+    tok_cfg = folder / "tokenizer_config.json"
+    if tok_cfg.is_file():
+        data = json.loads(tok_cfg.read_text())
+        if data.get("tokenizer_class") in (None, "TokenizersBackend") and (folder / "tokenizer.json").is_file():
+            data["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+            tok_cfg.write_text(json.dumps(data, indent=2) + "\n")
+    cfg = folder / "config.json"
+    if cfg.is_file():
+        data = json.loads(cfg.read_text())
+        rope = data.get("rope_parameters")
+        if isinstance(rope, dict) and "rope_theta" in rope and "rope_theta" not in data:
+            data["rope_theta"] = rope["rope_theta"]
+            if rope.get("rope_type", "default") != "default" and "rope_scaling" not in data:
+                data["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+            cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def save_portable(obj, folder: str | Path) -> None:
+    """`obj.save_pretrained(folder)` (model or tokenizer), then make_portable."""
+    obj.save_pretrained(folder)
+    make_portable(folder)
 
 
 def extract_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:

@@ -83,7 +83,8 @@ class TorchTargetSession:
         if extra < 0:
             raise ValueError(f"cannot roll back to {length}: only {self.length} tokens cached")
         if extra:
-            self.cache.crop(-extra)  # transformers 5: a negative count removes that many tokens
+            # a negative count removes that many tokens in 4.57 and 5.x alike; 5.x refuses a positive length
+            self.cache.crop(-extra)
 
     def close(self) -> None:
         self.cache = DynamicCache(config=self.engine.model.config)  # the old cache's tensors go now

@@ -69,7 +69,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path):
     tok.train_from_iterator(texts, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, mask_token=MASK_TOKEN,
                                    pad_token=EOS_TOKEN, model_max_length=2048)
-    fast.save_pretrained(out)
+    from ..models.target import save_portable
+
+    save_portable(fast, out)  # loadable by transformers 4.57 (TensorRT-LLM 1.2's pin) and 5.x
     return fast
 
 

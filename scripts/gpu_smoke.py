@@ -1,0 +1,218 @@
+"""`make gpu-smoke`: one command for a GPU node. Each part prints PASS, FAIL or SKIP (with the reason) and a summary.
+
+  1. PyTorch engines on CUDA: DFlash greedy output == the target alone == Hugging Face generate(); tau and
+     speedup over the target alone (same engine, block size 1).
+  2. Engines (`dflash-trt engines`): the drafter's ONNX graph and TensorRT plan, the TensorRT-LLM target (TP ranks),
+     built where tensorrt / tensorrt_llm and GPUs exist.
+  3. The built engines through `dflash-trt generate --engines` (under `mpirun -n TP` when TP > 1): greedy output ==
+     the Hugging Face target alone; tau and speedup over the same engines with --no-draft.
+
+    python scripts/gpu_smoke.py [--target DIR --drafter DIR] [--tp N] [--dtype float32] [--out DIR]
+
+Exit status 1 when a part FAILS; skipped parts (no GPU, no tensorrt, no tensorrt_llm, too few GPUs) do not fail.
+On a CPU machine every part is skipped with its reason (tests/test_gpu_smoke.py checks that). NOT RUN on a GPU
+in this project: no GPU was available to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
+
+
+class Report:
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, status: str, part: str, detail: str) -> None:
+        self.rows.append((status, part, detail))
+        print(f"{status:4} {part}: {detail}", flush=True)
+
+    @property
+    def failed(self) -> bool:
+        return any(s == "FAIL" for s, _, _ in self.rows)
+
+
+def environment() -> dict:
+    import importlib.util
+
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
+           "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    env["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(env["gpus"])]
+    for pkg in ("tensorrt", "tensorrt_llm", "transformers"):
+        if importlib.util.find_spec(pkg) is None:
+            env[pkg] = None
+            continue
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            env[pkg] = version(pkg)
+        except PackageNotFoundError:
+            env[pkg] = "installed"
+    return env
+
+
+def prompts_ids(decoder, n: int) -> list[list[int]]:
+    if decoder.tokenizer is None:
+        return [[1, 2, 3, 4], [5, 6, 7]][:n]
+    return [decoder.encode(p) for p in PROMPTS[:n]]
+
+
+def pytorch_stage(report: Report, target: Path, drafter: Path, device: str, dtype: str, max_new: int,
+                  n_prompts: int = 3) -> None:
+    """DFlash vs the target alone vs HF generate() with the PyTorch engines on `device`."""
+    import torch
+
+    from dflash_trt.decoding import GenerationConfig
+    from dflash_trt.loading import load_decoder
+
+    part = f"pytorch engines on {device} ({dtype})"
+    torch.backends.cuda.matmul.allow_tf32 = False  # equality is checked at full precision
+    decoder = load_decoder(target, drafter, dtype, device)
+    model = decoder.target.model
+    spec_s = base_s = 0.0
+    taus, mismatches = [], []
+    for ids in prompts_ids(decoder, n_prompts):
+        decoder.generate(ids, GenerationConfig(max_new_tokens=4))  # warm-up (CUDA context, kernels)
+        t0 = time.perf_counter()
+        spec = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new))
+        t1 = time.perf_counter()
+        alone = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new, block_size=1))
+        t2 = time.perf_counter()
+        with torch.inference_mode():
+            x = torch.tensor([ids], device=model.device)
+            hf = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
+                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+        spec_s, base_s = spec_s + t1 - t0, base_s + t2 - t1
+        taus.append(spec.stats.mean_acceptance_length)
+        n = min(len(spec.token_ids), len(alone.token_ids), len(hf))
+        if not (spec.token_ids == alone.token_ids and alone.token_ids[:n] == hf[:n]):
+            mismatches.append(ids[:8])
+    tau = sum(taus) / len(taus)
+    detail = f"tau {tau:.2f}, speedup {base_s / spec_s:.2f}x over the target alone ({len(taus)} prompts, {max_new} tokens)"
+    if mismatches:
+        report.add("FAIL", part, f"greedy output differs from the target alone / HF generate for prompts {mismatches}; {detail}")
+    else:
+        report.add("PASS", part, f"greedy output == target alone == HF generate(); {detail}")
+
+
+def engines_stage(report: Report, args, env: dict) -> Path | None:
+    from dflash_trt.builders.engines import build_engines, read_config
+    from dflash_trt.runtime.registry import unavailable_reason
+
+    trt_reason = unavailable_reason("drafter", "tensorrt")
+    llm_reason = unavailable_reason("target", "tensorrt_llm")
+    if llm_reason is None and env["gpus"] < args.tp:
+        llm_reason = f"TP={args.tp} needs {args.tp} GPUs, {env['gpus']} visible"
+    if trt_reason and llm_reason:
+        report.add("SKIP", "drafter TensorRT plan", trt_reason)
+        report.add("SKIP", f"TensorRT-LLM target engine (tp {args.tp})", llm_reason)
+        return None
+    cfg = read_config(None, ROOT, {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp})
+    t0 = time.perf_counter()
+    try:
+        manifest, build = build_engines(cfg)
+    except Exception as e:  # noqa: BLE001 - a smoke test reports, it does not crash
+        report.add("FAIL", "engines build", f"{type(e).__name__}: {e}")
+        return None
+    for name, why in build.skipped.items():
+        report.add("SKIP", name, why)
+    for name in build.built + build.unchanged:
+        report.add("PASS", f"built {name}", f"in {args.out} ({time.perf_counter() - t0:.0f} s for the build)")
+    return args.out if "target_tensorrt_llm" in manifest["engines"] or "drafter_tensorrt" in manifest["engines"] else None
+
+
+def cli_generate(engines: Path, tp: int, ids: list[int], max_new: int, no_draft: bool) -> dict:
+    from dflash_trt.builders.trtllm_target import launch_command
+
+    argv = ["generate", "--input-ids", ",".join(map(str, ids)), "--max-new-tokens", str(max_new), "--json"]
+    cmd = launch_command(engines, tp, argv + (["--no-draft"] if no_draft else []))
+    i = cmd.index("dflash-trt")  # this interpreter's package, whatever dflash-trt is on PATH
+    cmd[i:i + 1] = [sys.executable, "-m", "dflash_trt.cli"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if out.returncode != 0:
+        raise RuntimeError(f"{shlex.join(cmd)} failed: {out.stderr.strip().splitlines()[-1:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def served_engines_stage(report: Report, args, engines: Path) -> None:
+    import torch
+
+    from dflash_trt.loading import load_decoder
+
+    manifest = json.loads((engines / "manifest.json").read_text())
+    part = f"engines: drafter {manifest['serve']['drafter']}, target {manifest['serve']['target']} (tp {args.tp})"
+    hf = load_decoder(args.target, None, "float32", "cuda" if torch.cuda.is_available() else "cpu")
+    mismatches, taus, tps_spec, tps_base = [], [], [], []
+    try:
+        for ids in prompts_ids(hf, 3):
+            x = torch.tensor([ids], device=hf.target.model.device)
+            with torch.inference_mode():
+                ref = hf.target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
+                                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            spec = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=False)
+            base = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=True)
+            n = min(len(spec["token_ids"]), len(ref))
+            if spec["token_ids"][:n] != ref[:n] or base["token_ids"][:n] != ref[:n]:
+                mismatches.append(ids[:8])
+            taus.append(spec["stats"]["mean_acceptance_length"])
+            tps_spec.append(spec["stats"]["tokens_per_second"])
+            tps_base.append(base["stats"]["tokens_per_second"])
+    except Exception as e:  # noqa: BLE001
+        report.add("FAIL", part, f"{type(e).__name__}: {e}")
+        return
+    detail = (f"tau {sum(taus) / len(taus):.2f}, speedup {sum(tps_spec) / sum(tps_base):.2f}x over the same target "
+              f"with --no-draft ({len(taus)} prompts)")
+    if mismatches:
+        report.add("FAIL", part, f"greedy output differs from the Hugging Face target for prompts {mismatches}; {detail}")
+    else:
+        report.add("PASS", part, f"greedy output == Hugging Face target alone; {detail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", type=Path, default=DEMO_TARGET, help="HF target checkpoint (default: the demo model)")
+    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="DFlash drafter (default: the demo drafter)")
+    p.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=1, help="tensor-parallel size of the target engine")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="PyTorch engines on CUDA (default float32: greedy equality without half-precision ties)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--out", type=Path, default=ROOT / ".cache" / "gpu-smoke-engines", help="engines folder")
+    args = p.parse_args(argv)
+
+    report = Report()
+    env = environment()
+    print("environment: " + json.dumps(env), flush=True)
+    if env["cuda"]:
+        try:
+            pytorch_stage(report, args.target, args.drafter, "cuda", args.dtype, args.max_new_tokens)
+        except Exception as e:  # noqa: BLE001
+            report.add("FAIL", "pytorch engines on cuda", f"{type(e).__name__}: {e}")
+    else:
+        report.add("SKIP", "pytorch engines on cuda", f"no CUDA GPU visible to torch {env['torch']}")
+    engines = engines_stage(report, args, env)
+    if engines is None:
+        report.add("SKIP", "engines end to end (generate --engines)", "no TensorRT / TensorRT-LLM engine was built")
+    else:
+        served_engines_stage(report, args, engines)
+    counts = {s: sum(1 for r in report.rows if r[0] == s) for s in ("PASS", "FAIL", "SKIP")}
+    print(f"gpu-smoke: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped")
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""`--device` / `--dtype` for the PyTorch engines (generate, serve, bench). This machine has no GPU: the tests
+cover the plumbing and the refusals; `make gpu-smoke` runs the same commands on CUDA (scripts/gpu_smoke.py)."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_trt.cli import main
+from dflash_trt.cli.main import build_parser
+from dflash_trt.loading import DTYPES, load_decoder, resolve_device
+from tiny_models import make_tiny_drafter, make_tiny_target
+from dflash_trt.cli.options import serve_worker_rank
+
+NO_CUDA = not torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("device")
+    target = make_tiny_target(root / "target", vocab_size=64, layers=4)
+    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
+    return root / "target", root / "drafter"
+
+
+@pytest.mark.parametrize("command", [["generate", "--input-ids", "1"], ["serve"], ["bench"]])
+def test_every_pytorch_command_takes_device_and_dtype(command):
+    args = build_parser().parse_args([*command, "--device", "cuda:1", "--dtype", "bf16"])
+    assert (args.device, args.dtype) == ("cuda:1", "bf16")
+    assert DTYPES[args.dtype] is torch.bfloat16
+    assert build_parser().parse_args(command).device == "cpu"  # the default stays the CPU
+
+
+def test_resolve_device_refusals():
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve_device("gpu0")
+    with pytest.raises(ValueError, match="only cpu and cuda"):
+        resolve_device("meta")
+    if NO_CUDA:
+        with pytest.raises(ValueError, match="no CUDA GPU visible"):
+            resolve_device("cuda")
+    else:
+        with pytest.raises(ValueError, match="CUDA GPU\\(s\\) visible"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
+def test_cuda_on_a_cpu_machine_is_one_clear_line(pair, capsys):
+    target, drafter = pair
+    code = main(["generate", "--target", str(target), "--drafter", str(drafter), "--input-ids", "1,2",
+                 "--device", "cuda"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "no CUDA GPU visible" in err[0] and "--device cpu" in err[0]
+
+
+def test_dtype_and_device_reach_both_engines(pair, capsys):
+    target, drafter = pair
+    decoder = load_decoder(target, drafter, "bf16", "cpu")
+    assert decoder.target.model.dtype is torch.bfloat16 and decoder.target.device == torch.device("cpu")
+    assert next(decoder.drafter.drafter.parameters()).dtype is torch.bfloat16
+    assert decoder.drafter.embed_weight.device == decoder.target.device
+    code = main(["generate", "--target", str(target), "--drafter", str(drafter), "--input-ids", "1,2,3",
+                 "--max-new-tokens", "6", "--device", "cpu", "--dtype", "fp16", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(out["token_ids"]) == 6
+
+
+def test_non_leader_rank_serves_the_engine_only():
+    class Target:
+        def __init__(self, leader):
+            self.is_leader, self.served = leader, False
+
+        def serve_worker(self):
+            self.served = True
+
+    class Decoder:
+        def __init__(self, leader):
+            self.target = Target(leader)
+
+    worker, leader = Decoder(False), Decoder(True)
+    assert serve_worker_rank(worker) and worker.target.served
+    assert not serve_worker_rank(leader) and not leader.target.served

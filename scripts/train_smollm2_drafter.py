@@ -3,7 +3,9 @@
   prompts     chat / explain / code prompts from the standard library, split by source file
   regenerate  the target's own responses (chat template, stops at EOS), one shard per batch
   features    the target's features of every regenerated sequence, once, into a disk-backed fp16 cache
-  train       `dflash-trt train-drafter` on the regenerated sequences and cached features, checkpointed
+  train       the drafter (dflash_trt.train.drafter, as `dflash-trt train-drafter`) on the regenerated
+              sequences and cached features, checkpointed every --save-every steps
+  publish     copy the latest checkpoint (published DFlash format) and its training.json to --publish-dir
 
 Every phase skips what is already done, so re-running the same command continues; --phases picks some.
 Work files live in --work (default .cache/smollm2-drafter). Run it in the background on a shared machine:
@@ -22,7 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-PHASES = ("prompts", "regenerate", "features", "train")
+PHASES = ("prompts", "regenerate", "features", "train", "publish")
+DEFAULT_PHASES = "prompts,regenerate,features,train"
 
 
 def parse_args(argv=None):
@@ -30,7 +33,9 @@ def parse_args(argv=None):
     p.add_argument("--target", type=Path, default=None,
                    help="converted target (default: .cache/models/smollm2-135m-instruct, made by `make models`)")
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "smollm2-drafter", help="work folder")
-    p.add_argument("--phases", default=",".join(PHASES), help=f"comma-separated subset of {','.join(PHASES)}")
+    p.add_argument("--phases", default=DEFAULT_PHASES,
+                   help=f"comma-separated subset of {','.join(PHASES)} (default {DEFAULT_PHASES})")
+    p.add_argument("--publish-dir", type=Path, default=REPO / "models" / "smollm2-drafter")
     p.add_argument("--prompts-per-file", type=int, default=6)
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response budget when regenerating")
@@ -46,6 +51,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
+    p.add_argument("--seq-len", type=int, default=1280, help="longest prompt + response trained on (cut beyond)")
     p.add_argument("--kd-weight", type=float, default=0.5, help="distillation weight (sampled generation)")
     p.add_argument("--train-hours", type=float, default=None, help="stop training cleanly after this long")
     p.add_argument("--save-every", type=int, default=50)
@@ -102,7 +108,7 @@ def main(argv=None) -> int:
             block_size=args.block_size, num_layers=args.layers,
             target_layer_ids=tuple(int(x) for x in args.target_layer_ids.split(",")),
             mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
-            anchors_per_seq=args.anchors, kd_weight=args.kd_weight, save_every=args.save_every,
+            anchors_per_seq=args.anchors, seq_len=args.seq_len, kd_weight=args.kd_weight, save_every=args.save_every,
             time_budget_s=args.train_hours * 3600 if args.train_hours else None,
         )
         target = target or load_target(target_dir)
@@ -112,8 +118,47 @@ def main(argv=None) -> int:
                            "prompts": str(train_prompts.relative_to(REPO)) if train_prompts.is_relative_to(REPO)
                            else str(train_prompts)}
         (work / "drafter" / "training.json").write_text(json.dumps(summary, indent=1, default=str))
+    if "publish" in phases:
+        publish(work / "drafter", args.publish_dir, work)
     print(f"done in {time.perf_counter() - t_start:.0f}s", flush=True)
     return 0
+
+
+def publish(ckpt: Path, dest: Path, work: Path) -> None:
+    """The checkpoint's config + weights (what a drafter directory holds) and a training.json that says
+    how far training got. A checkpoint is written at a step boundary, so it is always complete."""
+    import shutil
+
+    state_file = ckpt / "trainer_state.pt"
+    if not state_file.is_file():
+        raise SystemExit(f"no checkpoint in {ckpt}")
+    import torch
+
+    state = torch.load(state_file, weights_only=False, map_location="cpu")
+    history = state.get("history", [])
+    dest.mkdir(parents=True, exist_ok=True)
+    from safetensors.torch import load_file, save_file
+
+    shutil.copy2(ckpt / "config.json", dest / "config.json")
+    # fp16 on disk (half the size; the loaders cast to the dtype they run in)
+    weights = {k: v.half().contiguous() for k, v in load_file(str(ckpt / "model.safetensors")).items()}
+    save_file(weights, str(dest / "model.safetensors"), metadata={"format": "pt"})
+    from dflash_trt.train.regen import SequenceSet
+
+    data = SequenceSet.load(work / "regen")
+    info = {
+        "finished": False,
+        "note": "training NOT finished: a snapshot of the background CPU run (see models/README.md)",
+        "steps": state["step"], "history": history[-5:],
+        "train_seconds": history[-1]["seconds"] if history else 0,
+        "data": {"sequences": len(data), "response_tokens": data.response_tokens,
+                 "source": "SmolLM2-135M-Instruct's own greedy responses to standard-library prompts "
+                           "(chat / explain / code), training split by source file"},
+        "recipe": "scripts/train_smollm2_drafter.py",
+        "published": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    (dest / "training.json").write_text(json.dumps(info, indent=1) + "\n")
+    print(f"published step {state['step']} -> {dest}", flush=True)
 
 
 if __name__ == "__main__":

@@ -538,13 +538,17 @@ def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:
 
 
 def load_training_sequences(data: str | Path, tokenizer, seq_len: int, regenerate_with=None,
-                            n_sequences: int = 512, prompt_len: int = 64, temperature: float = 0.0) -> np.ndarray:
-    """`data`: a .npy of token sequences, or text (file, folder, 'stdlib'). With `regenerate_with`
-    (the target), prompts cut from the text are continued by the target itself."""
+                            n_sequences: int = 512, prompt_len: int = 64,
+                            temperature: float = 0.0) -> np.ndarray | SequenceSet:
+    """`data`: a .npy of token sequences, regenerated responses (a .npz or a folder of shard-*.npz from
+    `train.regen`: anchors in the responses only), or text (file, folder, 'stdlib'). With
+    `regenerate_with` (the target), prompts cut from the text are continued by the target itself."""
     from .data import read_texts, text_files, tokenize_corpus
 
     if str(data).endswith(".npy"):
         return np.load(data)
+    if str(data).endswith(".npz") or (Path(data).is_dir() and any(Path(data).glob("shard-*.npz"))):
+        return SequenceSet.load(Path(data))
     tokens = tokenize_corpus(tokenizer, read_texts(text_files(data)))
     if regenerate_with is None:
         return corpus_sequences(tokens, seq_len)
@@ -585,5 +589,5 @@ def train_drafter_from_dirs(target_dir: Path, data: Path, out: Path, cfg: Drafte
         drafter = new_drafter_for(target, cfg, mask)
     n = sum(p.numel() for p in drafter.parameters())
     print(f"drafter: {n / 1e6:.2f}M parameters, {cfg.num_layers} layers, block {cfg.block_size}, "
-          f"features of target layers {list(drafter.spec.target_layer_ids)}; {sequences.shape[0]} sequences")
+          f"features of target layers {list(drafter.spec.target_layer_ids)}; {len(sequences)} sequences")
     return train_drafter(drafter, target, sequences, out, cfg, resume=resume)

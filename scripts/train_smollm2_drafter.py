@@ -48,14 +48,20 @@ def parse_args(argv=None):
     p.add_argument("--mask-token-id", type=int, default=16,
                    help="mask token (SmolLM2 has no mask token: default <empty_output>, id 16, a special token "
                    "chat and code never produce)")
-    p.add_argument("--steps", type=int, default=20000)
+    p.add_argument("--steps", type=int, default=4000, help="optimizer steps (the cosine schedule's length)")
+    p.add_argument("--warmup-ratio", type=float, default=0.01)
+    p.add_argument("--loss-chunk-rows", type=int, default=128,
+                   help="rows per lm_head + loss chunk (128 x 49152 fp32 = 25 MB: under glibc's mmap threshold, "
+                   "so chunks reuse memory instead of faulting fresh pages)")
     p.add_argument("--batch-size", type=int, default=4)
-    p.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
+    p.add_argument("--anchors", type=int, default=32, help="anchor blocks per sequence")
     p.add_argument("--seq-len", type=int, default=1280, help="longest prompt + response trained on (cut beyond)")
     p.add_argument("--kd-weight", type=float, default=0.5, help="distillation weight (sampled generation)")
     p.add_argument("--train-hours", type=float, default=None, help="stop training cleanly after this long")
-    p.add_argument("--save-every", type=int, default=50)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--save-every", type=int, default=20)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: on a shared, oversubscribed CPU two threads wait on each "
+                   "other at every op; measured 5x slower generation than one)")
     return p.parse_args(argv)
 
 
@@ -108,6 +114,7 @@ def main(argv=None) -> int:
             block_size=args.block_size, num_layers=args.layers,
             target_layer_ids=tuple(int(x) for x in args.target_layer_ids.split(",")),
             mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
+            warmup_ratio=args.warmup_ratio, loss_chunk_rows=args.loss_chunk_rows,
             anchors_per_seq=args.anchors, seq_len=args.seq_len, kd_weight=args.kd_weight, save_every=args.save_every,
             time_budget_s=args.train_hours * 3600 if args.train_hours else None,
         )

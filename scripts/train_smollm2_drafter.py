@@ -57,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--anchors", type=int, default=32, help="anchor blocks per sequence")
     p.add_argument("--seq-len", type=int, default=1280, help="longest prompt + response trained on (cut beyond)")
     p.add_argument("--kd-weight", type=float, default=0.5, help="distillation weight (sampled generation)")
+    p.add_argument("--init-norm-scale", type=float, default=0.1,
+                   help="drafter final norm = this x the target's (tempers the first steps' logits)")
     p.add_argument("--train-hours", type=float, default=None, help="stop training cleanly after this long")
     p.add_argument("--save-every", type=int, default=20)
     p.add_argument("--threads", type=int, default=1,
@@ -115,6 +117,7 @@ def main(argv=None) -> int:
             target_layer_ids=tuple(int(x) for x in args.target_layer_ids.split(",")),
             mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
             warmup_ratio=args.warmup_ratio, loss_chunk_rows=args.loss_chunk_rows,
+            init_norm_scale=args.init_norm_scale,
             anchors_per_seq=args.anchors, seq_len=args.seq_len, kd_weight=args.kd_weight, save_every=args.save_every,
             time_budget_s=args.train_hours * 3600 if args.train_hours else None,
         )

@@ -5,7 +5,9 @@
   features    the target's features of every regenerated sequence, once, into a disk-backed fp16 cache
   train       the drafter (dflash_trt.train.drafter, as `dflash-trt train-drafter`) on the regenerated
               sequences and cached features, checkpointed every --save-every steps
-  publish     copy the latest checkpoint (published DFlash format) and its training.json to --publish-dir
+  publish     copy the latest checkpoint (published DFlash format) and its training.json to --publish-dir,
+              and the prompts + regenerated responses to data/smollm2/ (committed: a fresh work folder
+              starts from them)
 
 Every phase skips what is already done, so re-running the same command continues; --phases picks some.
 Work files live in --work (default .cache/smollm2-drafter). Run it in the background on a shared machine:
@@ -36,6 +38,8 @@ def parse_args(argv=None):
     p.add_argument("--phases", default=DEFAULT_PHASES,
                    help=f"comma-separated subset of {','.join(PHASES)} (default {DEFAULT_PHASES})")
     p.add_argument("--publish-dir", type=Path, default=REPO / "models" / "smollm2-drafter")
+    p.add_argument("--committed", type=Path, default=REPO / "data" / "smollm2",
+                   help="committed prompts + regenerated responses: a fresh --work starts from them, publish updates them")
     p.add_argument("--prompts-per-file", type=int, default=6)
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response budget when regenerating")
@@ -87,6 +91,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
 
     train_prompts, held_prompts = work / "prompts-train.jsonl", work / "prompts-held-out.jsonl"
+    seed_from_committed(work, args.committed)
     if "prompts" in phases and not held_prompts.is_file():
         t = time.perf_counter()
         save_prompts(build_prompt_set("train", per_file=args.prompts_per_file), train_prompts)
@@ -130,8 +135,41 @@ def main(argv=None) -> int:
         (work / "drafter" / "training.json").write_text(json.dumps(summary, indent=1, default=str))
     if "publish" in phases:
         publish(work / "drafter", args.publish_dir, work)
+        save_committed(work, args.committed)
     print(f"done in {time.perf_counter() - t_start:.0f}s", flush=True)
     return 0
+
+
+COMMITTED = REPO / "data" / "smollm2"  # prompts and regenerated responses kept in git (next runs start here)
+
+
+def seed_from_committed(work: Path, committed: Path = COMMITTED) -> None:
+    """A fresh work folder starts from the committed prompt set and regenerated responses, so a new
+    machine need not rebuild or regenerate them (regeneration then continues with the prompts not done)."""
+    import shutil
+
+    for name in ("prompts-train.jsonl", "prompts-held-out.jsonl"):
+        if not (work / name).is_file() and (committed / name).is_file():
+            shutil.copy2(committed / name, work / name)
+    regen = work / "regen"
+    if not any(regen.glob("shard-*.npz")) and (committed / "regenerated.npz").is_file():
+        regen.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(committed / "regenerated.npz", regen / "shard-00000.npz")
+        print(f"regen: starting from {committed / 'regenerated.npz'}", flush=True)
+
+
+def save_committed(work: Path, committed: Path = COMMITTED) -> None:
+    """Prompts + all regenerated shards as one compressed file under data/smollm2/ (for git)."""
+    import shutil
+
+    from dflash_trt.train.regen import SequenceSet
+
+    committed.mkdir(parents=True, exist_ok=True)
+    for name in ("prompts-train.jsonl", "prompts-held-out.jsonl"):
+        shutil.copy2(work / name, committed / name)
+    data = SequenceSet.load(work / "regen")
+    data.save(committed / "regenerated.npz")
+    print(f"saved {len(data)} sequences ({data.response_tokens} response tokens) -> {committed}", flush=True)
 
 
 def publish(ckpt: Path, dest: Path, work: Path) -> None:

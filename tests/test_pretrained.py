@@ -11,7 +11,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from dflash_trt.models.pretrained import (  # noqa: E402
+from tiny_models import tiny_target_config
+
+from dflash_trt.models.pretrained import (
     CHECKSUM_FILE,
     SMOLLM2_135M,
     ModelFetchError,
@@ -19,7 +21,6 @@ from dflash_trt.models.pretrained import (  # noqa: E402
     ensure_model,
     sha256_file,
 )
-from tiny_models import tiny_target_config  # noqa: E402
 
 TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")

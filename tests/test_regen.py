@@ -3,10 +3,21 @@
 import numpy as np
 import torch
 from helpers import make_tokenizer
-
 from tiny_models import make_tiny_target
-from dflash_trt.train.prompts import Prompt, encode_prompt, load_prompts, prompts_from_file, save_prompts
-from dflash_trt.train.regen import SequenceSet, cut_response, generate_batch, regenerate_prompts
+
+from dflash_trt.train.prompts import (
+    Prompt,
+    encode_prompt,
+    load_prompts,
+    prompts_from_file,
+    save_prompts,
+)
+from dflash_trt.train.regen import (
+    SequenceSet,
+    cut_response,
+    generate_batch,
+    regenerate_prompts,
+)
 
 SOURCE = '''"""A module."""
 

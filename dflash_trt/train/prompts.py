@@ -13,9 +13,9 @@ import ast
 import hashlib
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from ..decoding.prompting import chat_prompt_ids
 from .data import stdlib_files

@@ -48,13 +48,13 @@ class SequenceSet:
                             prompt_lens=self.prompt_lens.astype(np.int32), ids=self.ids.astype(str))
 
     @classmethod
-    def from_arrays(cls, tokens, lengths, prompt_lens, ids) -> "SequenceSet":
+    def from_arrays(cls, tokens, lengths, prompt_lens, ids) -> SequenceSet:
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         return cls(np.asarray(tokens), offsets, np.asarray(prompt_lens, dtype=np.int64), np.asarray(ids, dtype=str))
 
     @classmethod
-    def load(cls, path: Path) -> "SequenceSet":
+    def load(cls, path: Path) -> SequenceSet:
         """One .npz file, or a folder of shard-*.npz files (concatenated in name order)."""
         files = sorted(Path(path).glob("shard-*.npz")) if Path(path).is_dir() else [Path(path)]
         parts = [np.load(f) for f in files]

@@ -476,7 +476,7 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray | Sequen
                         "accuracy_by_position": [round(float(a), 3) for a in last_acc[0]],
                         "seconds": round(elapsed, 1)})
         tqdm.write(json.dumps(history[-1]))
-        drafter.save_pretrained(out)
+        _save_checkpoint(drafter, out)
         save_state(out / STATE_FILE, step, opt, sched, {"history": history})
 
     step = run_steps(drafter.parameters(), opt, sched, step_fn, start=start_step, total=cfg.steps, clip=cfg.clip,
@@ -486,6 +486,16 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray | Sequen
                "seconds": round(time.perf_counter() - t_start)}
     (out / "training.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def _save_checkpoint(drafter: DFlashDrafter, out: Path) -> None:
+    """Weights + config written aside, then renamed into place: a run killed mid-save (a background run
+    on a shared machine) leaves the previous checkpoint whole."""
+    tmp = out / ".saving"
+    drafter.save_pretrained(tmp)
+    for f in tmp.iterdir():
+        f.replace(out / f.name)
+    tmp.rmdir()
 
 
 def train_drafter_on_sequences(target, data: SequenceSet, out: Path, feature_dir: Path, cfg: DrafterTrainConfig,

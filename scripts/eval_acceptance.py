@@ -1,10 +1,14 @@
 #!/usr/bin/env python3
-"""Acceptance and speedup of DFlash on held-out code prompts, against the target alone.
+"""Acceptance and speedup of DFlash on held-out prompts, against the target alone.
 
-For each prompt (a prefix of a standard-library file the demo models never saw) it runs the
-target alone and DFlash greedily, in alternating order, checks the outputs are identical, and
-records tau (mean tokens per round, bonus included) and the time ratio. Prints a Markdown table
-and writes JSON.
+For each prompt it runs the target alone and DFlash, in alternating order, checks the outputs are
+identical (greedy), and records tau (mean tokens per round, bonus included) and the time ratio.
+Prompts: prefixes of standard-library files the demo models never saw (default), or a prompt file
+from `dflash_trt.train.prompts` (--prompt-file: chat prompts through the chat template, code prompts
+raw, generation stopping at the tokenizer's end tokens), plus --long-prompts N prompts of about
+--long-tokens tokens (held-out file prefixes) to check acceptance holds on long contexts. At
+--temperature > 0 both runs sample (exact rejection-sampling rule), so only tau and time are compared.
+Prints a Markdown table and writes JSON.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 from dflash_trt.loading import load_decoder
 from dflash_trt.decoding import GenerationConfig
+from dflash_trt.decoding.sampling import SamplingParams
 
 
 def main(argv=None) -> int:
@@ -32,20 +37,35 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's trained size")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--prompt-file", type=Path, default=None,
+                   help="JSONL prompt set (dflash_trt.train.prompts, e.g. .cache/smollm2-drafter/prompts-held-out.jsonl); "
+                   "the first --prompts of it")
+    p.add_argument("--long-prompts", type=int, default=0, help="also N long held-out code prompts (default 0)")
+    p.add_argument("--long-tokens", type=int, default=1000, help="tokens per long prompt (default 1000)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
     decoder = load_decoder(args.target, args.drafter)
-    prompts = held_out_code_prompts(args.prompts)
-    cfg_spec = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size)
-    cfg_base = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=1)
-    decoder.generate(decoder.encode(prompts[0]), cfg_spec)  # warm-up (allocations, kernels)
+    prompts = build_prompts(decoder, args)  # (kind, token ids)
+    greedy = args.temperature == 0
+    stops = ()
+    if args.prompt_file is not None:
+        from dflash_trt.train.regen import stop_token_ids
+
+        stops = tuple(stop_token_ids(decoder.tokenizer))
+    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
+    cfg_spec = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
+                                stop_token_ids=stops)
+    cfg_base = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=1, sampling=sampling,
+                                stop_token_ids=stops)
+    decoder.generate(prompts[0][1], cfg_spec)  # warm-up (allocations, kernels)
 
     rows, mismatches = [], 0
-    for i, text in enumerate(prompts):
-        ids = decoder.encode(text)
+    for i, (kind, ids) in enumerate(prompts):
         order = [("base", cfg_base), ("dflash", cfg_spec)]
         if i % 2:
             order.reverse()  # interleave so drift on a shared machine hits both alike
@@ -54,14 +74,17 @@ def main(argv=None) -> int:
             t = time.perf_counter()
             runs[name] = decoder.generate(ids, cfg)
             runs[name].stats.total_time_s = time.perf_counter() - t
-        same = runs["base"].token_ids == runs["dflash"].token_ids
-        mismatches += not same
+        same = runs["base"].token_ids == runs["dflash"].token_ids if greedy else None
+        mismatches += same is False
         s = runs["dflash"].stats
         rows.append({
-            "prompt": i, "prompt_tokens": len(ids), "new_tokens": s.new_tokens, "identical": same,
+            "prompt": i, "kind": kind, "prompt_tokens": len(ids), "new_tokens": s.new_tokens,
+            "base_new_tokens": runs["base"].stats.new_tokens, "identical": same,
             "tau": round(s.mean_acceptance_length, 3), "rounds": s.rounds,
             "base_s": round(runs["base"].stats.total_time_s, 4), "dflash_s": round(s.total_time_s, 4),
-            "speedup": round(runs["base"].stats.total_time_s / s.total_time_s, 3),
+            # per-token time ratio: sampled runs (and EOS stops) may produce different lengths
+            "speedup": round((runs["base"].stats.total_time_s / max(1, runs["base"].stats.new_tokens))
+                             / (s.total_time_s / max(1, s.new_tokens)), 3),
             "draft_s": round(s.draft_time_s, 4), "verify_s": round(s.verify_time_s, 4),
         })
         print(f"prompt {i:2d}: tau {rows[-1]['tau']:.2f}  speedup {rows[-1]['speedup']:.2f}x  identical {same}",
@@ -77,16 +100,42 @@ def main(argv=None) -> int:
         "speedup_p10_p90": [round(sorted(speedups)[len(speedups) // 10], 3),
                             round(sorted(speedups)[(9 * len(speedups)) // 10], 3)],
         "total_time_speedup": round(sum(r["base_s"] for r in rows) / sum(r["dflash_s"] for r in rows), 3),
-        "all_identical": mismatches == 0, "threads": torch.get_num_threads(),
+        "all_identical": (mismatches == 0) if greedy else None, "threads": torch.get_num_threads(),
+        "temperature": args.temperature,
+        "by_kind": {k: {"prompts": len(rs), "mean_tau": round(statistics.mean(r["tau"] for r in rs), 3),
+                        "median_speedup": round(statistics.median(r["speedup"] for r in rs), 3)}
+                    for k in sorted({r["kind"] for r in rows}) for rs in [[r for r in rows if r["kind"] == k]]},
     }
-    print("| prompt | prompt tokens | tau | speedup | identical |\n|---|---|---|---|---|")
+    print("| prompt | kind | prompt tokens | new tokens | tau | speedup | identical |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prompt']} | {r['prompt_tokens']} | {r['tau']:.2f} | {r['speedup']:.2f}x | {r['identical']} |")
+        print(f"| {r['prompt']} | {r['kind']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['tau']:.2f} | "
+              f"{r['speedup']:.2f}x | {r['identical']} |")
+    for k, v in summary["by_kind"].items():
+        print(f"{k}: {v['prompts']} prompts, mean tau {v['mean_tau']:.2f}, median speedup {v['median_speedup']:.2f}x")
     print(f"\nmean tau {summary['mean_tau']:.2f}, median speedup {summary['median_speedup']:.2f}x "
           f"(total-time ratio {summary['total_time_speedup']:.2f}x), identical outputs: {summary['all_identical']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "per_prompt": rows}, indent=1))
     return 0 if mismatches == 0 else 1
+
+
+def build_prompts(decoder, args) -> list[tuple[str, list[int]]]:
+    tok = decoder.tokenizer
+    if args.prompt_file is None:
+        prompts = [("code", decoder.encode(t)) for t in held_out_code_prompts(args.prompts)]
+    else:
+        from dflash_trt.train.prompts import encode_prompt, load_prompts
+
+        chosen = load_prompts(args.prompt_file)[: args.prompts]
+        prompts = [(p.kind, encode_prompt(tok, p)) for p in chosen]
+    if args.long_prompts:
+        texts = held_out_code_prompts(args.long_prompts, prefix_chars=args.long_tokens * 6)
+        for text in texts:
+            ids = decoder.encode(text)
+            if len(ids) < args.long_tokens * 0.8:
+                continue  # a file with very long tokens: not long enough
+            prompts.append(("long", ids[: args.long_tokens]))
+    return prompts
 
 
 if __name__ == "__main__":

@@ -47,11 +47,27 @@ def test_blocks_and_anchors():
     tokens = torch.arange(100, 120)
     gen = torch.Generator().manual_seed(0)
     anchors = sample_anchors(20, 4, 50, gen)
-    assert len(anchors) == 16 and anchors.min() >= 1 and anchors.max() <= 16 and len(set(anchors.tolist())) == 16
-    ids, pos, labels = build_blocks(tokens, torch.tensor([3, 10]), 4, mask_token_id=1)
+    # every position with context before it and at least one label after it
+    assert anchors.tolist() == list(range(1, 19))
+    ids, pos, labels, valid = build_blocks(tokens, torch.tensor([3, 10]), 4, mask_token_id=1)
     assert ids.tolist() == [103, 1, 1, 1, 110, 1, 1, 1]
     assert pos.tolist() == [3, 4, 5, 6, 10, 11, 12, 13]
     assert labels.tolist() == [[104, 105, 106], [111, 112, 113]]
+    assert valid.all()
+
+
+def test_anchors_and_labels_only_in_the_response():
+    """The prompt is context only: anchors start at the first response token, labels past the end are masked."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        a = sample_anchors(30, 8, 10, gen, start=12)
+        assert len(a) == 10 and a.min() >= 12 and a.max() <= 28 and len(set(a.tolist())) == 10
+    tokens = torch.arange(100, 130)
+    _, _, labels, valid = build_blocks(tokens, torch.tensor([12, 26]), 8, mask_token_id=1, length=30)
+    assert valid[0].all()
+    assert valid[1].tolist() == [True, True, True, False, False, False, False]  # 27, 28, 29 exist
+    assert labels[1, :3].tolist() == [127, 128, 129]
+    assert len(sample_anchors(13, 8, 10, gen, start=12)) == 0  # a response of one token: nothing to predict
 
 
 def test_packed_forward_equals_inference_forward():
@@ -61,20 +77,42 @@ def test_packed_forward_equals_inference_forward():
     d = new_drafter_for(target, cfg, mask_token_id=63).eval()
     feats = torch.randn(1, 20, d.feature_size)
     anchors = torch.tensor([5, 11])
-    ids, pos, _ = build_blocks(torch.randint(0, 60, (20,)), anchors, 4, 63)
+    ids, pos, _, _ = build_blocks(torch.randint(0, 60, (20,)), anchors, 4, 63)
     emb = torch.randn(1, 8, 64)
-    mask = block_sparse_mask(anchors, 4, 20)[None, None]
     with torch.no_grad():
-        packed = d.forward_packed(feats, emb, pos[None], mask)
+        packed = d.forward_packed(feats, emb, pos[None], anchors[None])
         k, v = d.empty_cache()
-        single = d(feats[:, :11], emb[:, 4:], k, v)[0]
-    torch.testing.assert_close(packed[:, 4:], single, atol=1e-5, rtol=1e-5)
+        for j, a in enumerate(anchors.tolist()):
+            single = d(feats[:, :a], emb[:, 4 * j: 4 * j + 4], k, v)[0]
+            torch.testing.assert_close(packed[:, 4 * j: 4 * j + 4], single, atol=1e-5, rtol=1e-5)
+
+
+def test_block_sparse_attention_equals_the_dense_mask():
+    """Blocks attend without the dense [m*B, S + m*B] mask, yet give the dense computation's output and
+    gradients (GQA target shape: 4 query heads on 2 KV heads; several sequences, different anchors)."""
+    target = make_tiny_target(vocab_size=64, layers=6)
+    cfg = DrafterTrainConfig(block_size=4, num_layers=2)
+    d = new_drafter_for(target, cfg, mask_token_id=63)
+    S, B = 24, 4
+    anchors = torch.tensor([[3, 9, 17, 20], [1, 2, 12, 22]])
+    feats = torch.randn(2, S, d.feature_size)
+    pos = anchors[:, :, None] + torch.arange(B)
+    emb = torch.randn(2, 4 * B, 64, requires_grad=True)
+    dense_mask = torch.stack([block_sparse_mask(a, B, S) for a in anchors])[:, None]
+    sparse = d.forward_packed(feats, emb, pos.reshape(2, -1), anchors)
+    dense = d.forward_packed_dense(feats, emb, pos.reshape(2, -1), dense_mask)
+    torch.testing.assert_close(sparse, dense, atol=1e-5, rtol=1e-5)
+    g_sparse = torch.autograd.grad(sparse.square().sum(), [emb, d.fc.weight])
+    g_dense = torch.autograd.grad(dense.square().sum(), [emb, d.fc.weight])
+    for a, b in zip(g_sparse, g_dense):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_training_steps_reduce_loss_on_a_fixed_batch(tmp_path):
     target = make_tiny_target(vocab_size=64, layers=4, seed=1)
     cfg = DrafterTrainConfig(block_size=4, num_layers=1, steps=30, batch_size=2, seq_len=32, anchors_per_seq=6,
-                             lr=3e-3, warmup_ratio=0.1, save_every=15, bf16=False, kd_weight=0.3)
+                             lr=3e-3, warmup_ratio=0.1, save_every=15, bf16=False, kd_weight=0.3,
+                             init_norm_scale=1.0)  # a random target's norm is 1: no overconfidence to temper
     drafter = new_drafter_for(target, cfg, mask_token_id=63)
     fixed = torch.randint(0, 60, (1, 32), generator=torch.Generator().manual_seed(3)).repeat(2, 1)
     g = torch.Generator().manual_seed(0)
@@ -95,16 +133,114 @@ def test_training_steps_reduce_loss_on_a_fixed_batch(tmp_path):
     assert summary2["history"][-1]["step"] == 35 and len(summary2["history"]) == 3
 
 
-def test_precomputed_features_give_the_same_loss():
-    from dflash_trt.train.drafter import _precompute_features
+def _regen_set(seed=1, n=3, vocab=60):
+    from dflash_trt.train.regen import SequenceSet
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(14, 30, (n,), generator=g).tolist()
+    seqs = [torch.randint(0, vocab, (L,), generator=g).numpy().astype(np.uint16) for L in lengths]
+    return SequenceSet.from_arrays(np.concatenate(seqs), lengths, [5 + i for i in range(n)], [f"p{i}" for i in range(n)])
+
+
+def test_target_features_stop_at_the_deepest_layer_and_match_hidden_states():
+    from dflash_trt.train.drafter import target_hidden
+
+    target = make_tiny_target(vocab_size=64, layers=6, seed=2)
+    tokens = torch.randint(0, 60, (2, 12))
+    with torch.no_grad():
+        full = target(input_ids=tokens, output_hidden_states=True)
+    calls = []
+    hook = target.model.layers[5].register_forward_hook(lambda *a: calls.append(1))
+    feats, teacher = target_hidden(target, tokens, [1, 3])
+    assert calls == [] and teacher is None  # layers past the deepest feature layer never ran
+    torch.testing.assert_close(feats, torch.cat([full.hidden_states[2], full.hidden_states[4]], -1))
+    feats, teacher = target_hidden(target, tokens, [1, 5], teacher=True)
+    hook.remove()
+    torch.testing.assert_close(feats[..., 64:], full.hidden_states[6])  # last layer: the normed output, as HF
+    torch.testing.assert_close(target.lm_head(teacher), full.logits, atol=1e-5, rtol=1e-5)
+
+
+def test_feature_cache_is_written_once_and_gives_the_same_loss(tmp_path):
+    from dflash_trt.train.drafter import FeatureCache, pad_batch
 
     target = make_tiny_target(vocab_size=64, layers=4, seed=2)
-    cfg = DrafterTrainConfig(block_size=4, num_layers=1, seq_len=24, anchors_per_seq=5, bf16=False)
+    cfg = DrafterTrainConfig(block_size=4, num_layers=1, anchors_per_seq=5, bf16=False, kd_weight=0.5)
     drafter = new_drafter_for(target, cfg, mask_token_id=63)
-    seqs = torch.randint(0, 60, (3, 24), generator=torch.Generator().manual_seed(1))
-    cached = _precompute_features(drafter, target, seqs, cfg)
-    assert cached is not None and cached.shape == (3, 24, drafter.feature_size)
+    data = _regen_set()
+    cache = FeatureCache(tmp_path / "c", data, drafter.spec.target_layer_ids, drafter.feature_size, 64, True)
+    cache.open_or_build(target, batch_tokens=40)
+    assert cache.meta["done"] == 3 and (tmp_path / "c" / "features.f16").stat().st_size == data.offsets[-1] * drafter.feature_size * 2
+    mtime = (tmp_path / "c" / "features.f16").stat().st_mtime_ns
+    again = FeatureCache(tmp_path / "c", data, drafter.spec.target_layer_ids, drafter.feature_size, 64, True)
+    again.open_or_build(target)
+    assert (tmp_path / "c" / "features.f16").stat().st_mtime_ns == mtime  # not recomputed
+    seqs = [data.sequence(k) for k in range(3)]
+    batch = pad_batch(seqs, data.prompt_lens.tolist())
+    feats = torch.zeros(3, batch.tokens.shape[1], drafter.feature_size)
+    teacher = torch.zeros(3, batch.tokens.shape[1], 64)
+    for k in range(3):
+        f, t = again.get(k)
+        feats[k, : len(seqs[k])] = torch.from_numpy(f.astype(np.float32))
+        teacher[k, : len(seqs[k])] = torch.from_numpy(t.astype(np.float32))
     with torch.no_grad():
-        a = drafter_loss(drafter, target, seqs, cfg, torch.Generator().manual_seed(5))[0]
-        b = drafter_loss(drafter, target, seqs, cfg, torch.Generator().manual_seed(5), features=cached.float())[0]
-    torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # fp16 storage of the features
+        kw = dict(lengths=batch.lengths, prompt_lens=batch.prompt_lens)
+        a = drafter_loss(drafter, target, batch.tokens, cfg, torch.Generator().manual_seed(5), **kw)[0]
+        b = drafter_loss(drafter, target, batch.tokens, cfg, torch.Generator().manual_seed(5), features=feats,
+                         teacher=teacher, **kw)[0]
+    torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # fp16 storage
+
+
+def test_unwritable_feature_cache_says_so_loudly(tmp_path, capsys):
+    from dflash_trt.train.drafter import open_feature_cache
+
+    target = make_tiny_target(vocab_size=64, layers=4, seed=2)
+    drafter = new_drafter_for(target, DrafterTrainConfig(block_size=4, num_layers=1), mask_token_id=63)
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    assert open_feature_cache(blocker / "cache", _regen_set(), drafter, target, teacher=False) is None
+    assert "WARNING: feature cache" in capsys.readouterr().err
+
+
+def test_chunked_loss_equals_the_full_logits_loss():
+    """Chunked lm_head + CE + KD (teacher at the used positions only) == the plain full-vocabulary formula."""
+    from dflash_trt.train.drafter import chunked_loss
+
+    target = make_tiny_target(vocab_size=64, layers=4, seed=3)
+    drafter = new_drafter_for(target, DrafterTrainConfig(block_size=4, num_layers=1), mask_token_id=63)
+    W = target.lm_head.weight
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 64, generator=g, requires_grad=True)
+    teacher = torch.randn(37, 64, generator=g)
+    labels = torch.randint(0, 64, (37,), generator=g)
+    weights = torch.rand(37, generator=g)
+    for kd in (0.0, 0.4):
+        cfg = DrafterTrainConfig(kd_weight=kd, kd_temperature=1.5, loss_chunk_rows=8, bf16=False)
+        with torch.enable_grad():
+            total, correct = chunked_loss(hidden, labels, weights, teacher, W, drafter, cfg)
+            (grad,) = torch.autograd.grad(total, hidden)
+            logits = hidden @ W.T
+            ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+            t = torch.log_softmax(teacher @ W.T / 1.5, -1)
+            s = torch.log_softmax(logits / 1.5, -1)
+            kl = (t.exp() * (t - s)).sum(-1) * 1.5**2
+            ref = (((1 - kd) * ce + kd * kl) * weights).sum()
+            (ref_grad,) = torch.autograd.grad(ref, hidden)
+        torch.testing.assert_close(total, ref)
+        torch.testing.assert_close(grad, ref_grad)
+        assert correct.tolist() == (logits.argmax(-1) == labels).tolist()
+
+
+def test_drafter_config_carries_rope_theta_at_the_top_level(tmp_path):
+    import json
+
+    from tiny_models import tiny_target_config
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_config(tiny_target_config("llama", vocab_size=64, layers=4,
+                                                                 rope_parameters={"rope_type": "default",
+                                                                                  "rope_theta": 100000.0}))
+    drafter = new_drafter_for(target, DrafterTrainConfig(block_size=4, num_layers=1), mask_token_id=63)
+    drafter.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw["rope_theta"] == 100000.0 and raw["rope_parameters"]["rope_theta"] == 100000.0
+    assert DFlashDrafter.from_pretrained(tmp_path).config.rope_parameters["rope_theta"] == 100000.0

@@ -51,3 +51,39 @@ def test_train_drafter_cli_smoke(tmp_path):
 def test_help_runs():
     assert "--regenerate" in run([CLI, "train-drafter", "--help"]).stdout
     assert "--smoke" in run([sys.executable, "scripts/make_demo_models.py", "--help"]).stdout
+
+
+def test_smollm2_recipe_runs_end_to_end_and_resumes(tmp_path):
+    """scripts/train_smollm2_drafter.py on a tiny chat target: regenerate -> features -> train -> publish,
+    then a second run continues (no regeneration, same feature cache, more steps)."""
+    from dflash_trt.train.prompts import Prompt, save_prompts
+
+    tok = make_tokenizer(tmp_path / "target")
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    tok.save_pretrained(tmp_path / "target")
+    make_tiny_target(tmp_path / "target", vocab_size=len(tok), layers=4)
+    work = tmp_path / "work"
+    save_prompts([Prompt(f"p{i}", "a.py", "chat" if i % 2 else "code", text) for i, text in enumerate(CORPUS)],
+                 work / "prompts-train.jsonl")
+    save_prompts([], work / "prompts-held-out.jsonl")
+    args = [sys.executable, "scripts/train_smollm2_drafter.py", "--target", tmp_path / "target", "--work", work,
+            "--max-new-tokens", "12", "--regen-batch", "2", "--block-size", "4", "--layers", "1",
+            "--target-layer-ids", "1", "--mask-token-id", str(tok.mask_token_id), "--batch-size", "2",
+            "--anchors", "4", "--save-every", "2", "--publish-dir", tmp_path / "published",
+            "--committed", tmp_path / "committed"]
+    run(args + ["--phases", "regenerate,features,train,publish", "--steps", "2"])
+    info = json.loads((tmp_path / "published" / "training.json").read_text())
+    assert info["steps"] == 2 and info["finished"] is False and info["data"]["sequences"] == len(CORPUS)
+    assert DFlashDrafter.from_pretrained(tmp_path / "published").spec.block_size == 4
+    assert (tmp_path / "committed" / "regenerated.npz").is_file()  # the data the next run starts from
+    shards = sorted((work / "regen").glob("shard-*.npz"))
+    features = (work / "features" / "features.f16").stat().st_mtime_ns
+    out = run(args + ["--phases", "regenerate,features,train", "--steps", "4"])
+    assert "resuming from step 2" in out.stdout
+    assert sorted((work / "regen").glob("shard-*.npz")) == shards
+    assert (work / "features" / "features.f16").stat().st_mtime_ns == features
+    assert json.loads((work / "drafter" / "training.json").read_text())["steps"] == 4
+    # a fresh work folder starts from the committed prompts and responses: nothing to regenerate
+    out = run(args + ["--work", tmp_path / "fresh", "--phases", "regenerate", "--steps", "4"])
+    assert f"regenerate: {len(CORPUS)} done, 0 to go" in out.stdout

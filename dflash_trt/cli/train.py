@@ -19,7 +19,9 @@ def register(sub) -> None:
     p.add_argument("--target", type=Path, required=True, help="Hugging Face target directory (frozen)")
     p.add_argument("--data", required=True,
                    help="'stdlib' (this Python's standard library), a text file, a folder of *.py/*.txt/*.md, "
-                   "or a .npy array of token sequences [N, L]")
+                   "a .npy array of token sequences [N, L], or the target's regenerated responses (a .npz or a "
+                   "folder of shard-*.npz written by scripts/train_smollm2_drafter.py: prompt + response, "
+                   "trained on the responses only)")
     p.add_argument("--out", type=Path, required=True, help="output drafter directory (checkpoints go here)")
     p.add_argument("--regenerate", type=positive_int, default=None, metavar="N",
                    help="cut N prompts from the text and train on the target's own continuations (the paper's "

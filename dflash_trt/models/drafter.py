@@ -98,6 +98,33 @@ class DFlashAttention(nn.Module):
         out = out.reshape(b, self.n_heads, n, self.head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
 
+    def forward_blocks(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, ctx_visible: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Training: m packed blocks [b, m*B, H] attend to the context keys their block may see
+        (`ctx_visible` [b, m, S]: one row per block, not per query) and, bidirectionally, to their own
+        block ([m, B, B] batched), with ONE softmax over both, exactly as `forward` attends at inference.
+        No dense [m*B, S + m*B] mask: the cross-block part of that mask is never materialised."""
+        b, n, _ = x.shape
+        m, kvh, hd = n // block_size, self.n_kv_heads, self.head_dim
+        groups = self.n_heads // kvh
+        q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, hd)).transpose(1, 2)
+        q = _rope(q, cos, sin).reshape(b, kvh, groups, m, block_size, hd)
+        k_blk, v_blk = self.project_kv(x, cos, sin)
+        k_blk = k_blk.reshape(b, kvh, m, block_size, hd)
+        v_blk = v_blk.reshape(b, kvh, m, block_size, hd)
+        scale = hd ** -0.5
+        # scores in fp32 (the softmax under bf16 autocast would otherwise run in bf16)
+        s_ctx = torch.einsum("bkgmid,bksd->bkgmis", q, ctx_k).float() * scale
+        s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, :, None, :], float("-inf"))
+        s_blk = torch.einsum("bkgmid,bkmjd->bkgmij", q, k_blk).float() * scale
+        top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True)).detach()
+        p_ctx, p_blk = (s_ctx - top).exp(), (s_blk - top).exp()
+        denom = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
+        out = (torch.einsum("bkgmis,bksd->bkgmid", p_ctx.to(ctx_v.dtype), ctx_v).float()
+               + torch.einsum("bkgmij,bkmjd->bkgmid", p_blk.to(v_blk.dtype), v_blk).float()) / denom
+        out = out.to(v_blk.dtype)  # bf16 under autocast, else fp32
+        return self.o_proj(out.reshape(b, self.n_heads, n, hd).transpose(1, 2).reshape(b, n, -1))
+
 
 class DFlashLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
@@ -109,6 +136,10 @@ class DFlashLayer(nn.Module):
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, mask=None):
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, ctx_visible, block_size):
+        x = x + self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, ctx_visible, block_size)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -181,14 +212,38 @@ class DFlashDrafter(nn.Module):
         return self.norm(x), torch.stack(new_k), torch.stack(new_v)
 
     # ---- training ----------------------------------------------------------------------
-    def forward_packed(
+    def forward_packed(self, features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                       anchors: torch.Tensor) -> torch.Tensor:
+        """Many blocks of each sequence at once (training), block-sparse without a dense mask.
+
+        features: target features of the whole (right-padded) sequence [b, S, L*H] at positions 0..S-1;
+        block_embeds: m blocks of B tokens [b, m*B, H] at block_positions [b, m*B];
+        anchors: [b, m] first position of each block: block j sees context keys < anchors[:, j] and its
+        own block only (what a round at position anchors[:, j] sees at inference).
+        """
+        if self._needs_mask:
+            raise NotImplementedError("training drafters with causal / sliding-window layers is not supported")
+        b, s, _ = features.shape
+        block_size = block_embeds.shape[1] // anchors.shape[1]
+        ctx = self.project_context(features)
+        ctx_pos = torch.arange(s, device=features.device).unsqueeze(0).expand(b, -1)
+        ctx_cos, ctx_sin = self.rotary_emb(ctx, ctx_pos)
+        blk_cos, blk_sin = self.rotary_emb(block_embeds, block_positions)
+        ctx_visible = torch.arange(s, device=features.device)[None, None, :] < anchors[:, :, None]
+        x = block_embeds
+        for layer in self.layers:
+            ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
+            x = layer.forward_blocks(x, ctx_k, ctx_v, blk_cos, blk_sin, ctx_visible, block_size)
+        return self.norm(x)
+
+    def forward_packed_dense(
         self,
         features: torch.Tensor,
         block_embeds: torch.Tensor,
         block_positions: torch.Tensor,
         mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Many blocks of one sequence at once (training).
+        """The reference for `forward_packed`: the same blocks through one dense masked attention.
 
         features: target features of the whole sequence [b, S, L*H] (positions 0..S-1);
         block_embeds: all blocks concatenated [b, m*B, H] at block_positions [b, m*B];
@@ -252,6 +307,13 @@ class DFlashDrafter(nn.Module):
             raw.pop(key, None)
         raw.update(self.spec.to_config_fields())
         raw["model_type"] = "qwen3"
+        # transformers 4.57 (the z-lab class, TensorRT-LLM 1.2) reads only the top-level fields and would
+        # silently fall back to rope theta 10000
+        rope = raw.get("rope_parameters") or {}
+        if "rope_theta" in rope:
+            raw["rope_theta"] = rope["rope_theta"]
+            if rope.get("rope_type", "default") != "default":
+                raw["rope_scaling"] = rope
         (path / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
         state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -48,3 +49,33 @@ def load_state(path: Path, opt, sched) -> dict:
 def autocast(enabled: bool):
     """bf16 autocast on CPU: 2-4x faster training on CPUs with AMX / AVX512-BF16."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def run_steps(params, opt, sched, step_fn, *, start: int, total: int, clip: float, every: int,
+              on_every, time_budget_s: float | None = None, desc: str = "train") -> int:
+    """The one step loop both trainers use: `step_fn(step)` returns (loss tensor, tokens, postfix dict);
+    backward, clip, AdamW + schedule step; running loss and tokens/s on a progress bar; every `every`
+    steps and at the end `on_every(step, running_loss, seconds, last)`. Stops after `total` steps or
+    when `time_budget_s` has passed (cleanly, at a step boundary). Returns the last step done."""
+    from tqdm import tqdm
+
+    params = [p for p in params if p.requires_grad]
+    t0, tokens_done, running, step = time.perf_counter(), 0, None, start
+    bar = tqdm(range(start, total), desc=desc, unit="step", initial=start, total=total)
+    for step in bar:
+        loss, tokens, postfix = step_fn(step)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        tokens_done += tokens
+        running = float(loss.detach()) if running is None else 0.95 * running + 0.05 * float(loss.detach())
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{tokens_done / elapsed:.0f}", **postfix)
+        last = step + 1 == total or (time_budget_s is not None and elapsed > time_budget_s)
+        if (step + 1) % every == 0 or last:
+            on_every(step + 1, running, elapsed, last)
+        if last:
+            return step + 1
+    return step

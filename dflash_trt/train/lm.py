@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .common import autocast, make_optimizer
+from .common import autocast, make_optimizer, run_steps
 from .data import random_windows
 
 
@@ -59,31 +59,24 @@ def train_lm(model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTr
     report = LMTrainReport()
     model.train()
     start = time.perf_counter()
-    bar = tqdm(range(cfg.steps), desc="train", unit="step")
-    running = None
-    for step in bar:
+
+    def step_fn(step: int):
         x = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, gen)
         with autocast(cfg.bf16):
             loss = model(input_ids=x, labels=x).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
         report.steps, report.tokens = step + 1, report.tokens + x.numel()
-        running = float(loss.detach()) if running is None else 0.95 * running + 0.05 * float(loss.detach())
-        elapsed = time.perf_counter() - start
-        bar.set_postfix(loss=f"{running:.3f}", tok_s=f"{report.tokens / elapsed:.0f}")
-        last = step + 1 == cfg.steps or (cfg.time_budget_s is not None and elapsed > cfg.time_budget_s)
-        if (step + 1) % cfg.eval_every == 0 or last:
-            entry = {"step": step + 1, "tokens": report.tokens, "train_loss": round(running, 4),
-                     "held_out_loss": round(held_out_loss(model, eval_tokens, cfg), 4), "seconds": round(elapsed, 1)}
-            report.history.append(entry)
-            tqdm.write(json.dumps(entry))
-            if log_path is not None:
-                log_path.write_text(json.dumps(report.history, indent=1))
-        if last:
-            break
+        return loss, x.numel(), {}
+
+    def on_every(step: int, running: float, elapsed: float, last: bool) -> None:
+        entry = {"step": step, "tokens": report.tokens, "train_loss": round(running, 4),
+                 "held_out_loss": round(held_out_loss(model, eval_tokens, cfg), 4), "seconds": round(elapsed, 1)}
+        report.history.append(entry)
+        tqdm.write(json.dumps(entry))
+        if log_path is not None:
+            log_path.write_text(json.dumps(report.history, indent=1))
+
+    run_steps(model.parameters(), opt, sched, step_fn, start=0, total=cfg.steps, clip=cfg.clip,
+              every=cfg.eval_every, on_every=on_every, time_budget_s=cfg.time_budget_s)
     report.seconds = time.perf_counter() - start
     model.eval()
     return report

@@ -115,6 +115,7 @@ DRAFT_ROUNDS = [
     {0: (7, 8), 1: (20, 4), 2: (1, 2)},  # first calls: prompts of different lengths
     {0: (3, 8), 2: (8, 8)},  # row 1 sits this one out
     {2: (1, 5), 1: (6, 3), 0: (2, 2)},  # another order
+    {1: (4, 6)},  # one row alone (batch axis 1) after the others grew the cache
 ]
 
 
@@ -130,3 +131,74 @@ def test_batched_torch_drafter_rows_equal_rows_alone(tiny_pair):
     r = sess.add_row()
     assert r == 1 and sess.context_length(r) == 0
     check_drafts_match(sess, {r: single.new_session()}, rng, [{r: (5, 8)}], drafter.feature_size, (family, "rejoin"))
+
+
+@pytest.fixture(scope="module")
+def batch_graph(tiny_pair, tmp_path_factory):
+    from dflash_trt.builders.onnx_drafter_batch import export_batched_drafter
+
+    family, _, _, model, drafter = tiny_pair
+    out = tmp_path_factory.mktemp(f"onnx-batch-{family}")
+    export_batched_drafter(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight, out)
+    return out
+
+
+def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
+    """Real onnxruntime: the batched graph's rows equal the PyTorch single-sequence drafter's."""
+    import onnxruntime as ort
+
+    from dflash_trt.builders.onnx_drafter_batch import BATCH_GRAPH_FILE, BATCH_INPUT_NAMES
+    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+
+    family, _, _, model, drafter = tiny_pair
+    single, _ = drafter_engines(model, drafter)
+    graph = ort.InferenceSession(str(batch_graph / BATCH_GRAPH_FILE), providers=["CPUExecutionProvider"])
+    assert [i.name for i in graph.get_inputs()] == list(BATCH_INPUT_NAMES)
+    shapes = {i.name: i.shape for i in graph.get_inputs()}
+    # the batch, block, new-context and cache axes stayed symbolic (an int means the exporter fixed it)
+    assert all(isinstance(shapes[k][0], str) for k in ("block_ids", "features", "past_lengths"))
+    assert isinstance(shapes["past_k"][1], str) and isinstance(shapes["past_k"][3], str)
+    engine = OrtBatchDrafterEngine(batch_graph)
+    sess = engine.new_batch()
+    assert isinstance(sess, BatchDrafterSession)
+    rows = [sess.add_row() for _ in range(3)]
+    rng = torch.Generator().manual_seed(3)
+    check_drafts_match(sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size,
+                       (family, "onnx"))
+    out = sess.draft([DraftRequest(1, torch.randn(2, drafter.feature_size, generator=rng), 5, 8)])
+    assert out[0].tokens.shape == (7,)
+
+
+
+def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
+    """FAKE tensorrt (no TensorRT here): the batched plan gets one profile covering every input, with a batch axis."""
+    import sys
+
+    from fake_tensorrt import make
+
+    from dflash_trt.builders.onnx_drafter import DrafterGraphMeta
+    from dflash_trt.builders.onnx_drafter_batch import BATCH_INPUT_NAMES
+    from dflash_trt.builders.trt_drafter_batch import batch_profile_shapes, build_batched_drafter_plan
+
+    meta = DrafterGraphMeta(block_size=8, mask_token_id=95, feature_layer_ids=(1, 2), feature_size=128,
+                            num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=96, max_context=512)
+    graph = tmp_path / "onnx"
+    graph.mkdir()
+    for name in ("drafter_batch.onnx", "drafter_batch.onnx.data", "drafter_batch_fp16.onnx"):
+        (graph / name).write_bytes(name.encode())
+    (graph / "drafter.json").write_text(meta.to_json())
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "tensorrt", make("11.0.0", calls))
+    plan = build_batched_drafter_plan(graph, tmp_path / "plan", max_rows=16, max_context=256, max_new_tokens=128)
+    assert plan.name == "drafter_batch.plan" and plan.is_file()
+    assert ("parse_from_file", str(graph / "drafter_batch_fp16.onnx")) in calls  # 11.x: strongly typed fp16 graph
+    shapes = {c[1]: c[2:] for c in calls if c[0] == "profile.set_shape"}
+    assert set(shapes) == set(BATCH_INPUT_NAMES)
+    assert shapes["block_ids"] == ((1, 2), (8, 8), (16, 8))
+    assert shapes["features"] == ((1, 1, 128), (8, 8, 128), (16, 128, 128))
+    assert shapes["past_k"] == ((2, 1, 2, 1, 16), (2, 8, 2, 136, 16), (2, 16, 2, 384, 16))
+    assert shapes["past_lengths"] == ((1,), (8,), (16,))
+    for name, s in shapes.items():  # min <= opt <= max on every axis
+        assert all(a <= b <= c for a, b, c in zip(*s)), name
+    with pytest.raises(ValueError, match="max_rows"):
+        batch_profile_shapes(meta, 0)

@@ -23,7 +23,7 @@ from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 
-from .base import Draft, TargetOutput
+from .base import Draft, DrafterEngine, DrafterSession, TargetOutput
 
 
 @runtime_checkable
@@ -127,3 +127,42 @@ def grown(current: int, needed: int, limit: int | None = None) -> int:
     if limit is not None:
         cap = min(cap, max(limit, needed))
     return cap
+
+
+class LoopedDrafterEngine:
+    """A single-sequence DrafterEngine behind the batched protocol: one session per row, called in turn.
+
+    For backends without a batched graph yet (the TensorRT plan's runtime, a Triton model call) and for
+    test doubles: the loop runs unchanged, but the drafter costs one call per drafting row, not one pass."""
+
+    def __init__(self, engine: DrafterEngine):
+        self.engine = engine
+        self.name = f"looped-{engine.name}"
+        self.block_size = engine.block_size
+        self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
+        self.max_context = getattr(engine, "max_context", None)
+
+    def new_batch(self) -> "LoopedDrafterSession":
+        return LoopedDrafterSession(self.engine)
+
+
+class LoopedDrafterSession:
+    def __init__(self, engine: DrafterEngine):
+        self.engine = engine
+        self.sessions: dict[int, DrafterSession] = {}
+        self._next = 0
+
+    def add_row(self) -> int:
+        row, self._next = self._next, self._next + 1
+        self.sessions[row] = self.engine.new_session()
+        return row
+
+    def remove_row(self, row: int) -> None:
+        if self.sessions.pop(row, None) is None:
+            raise KeyError(f"no live row {row}")
+
+    def context_length(self, row: int) -> int:
+        return self.sessions[row].context_length
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        return [self.sessions[q.row].draft(q.new_features, q.last_token, q.block_size) for q in requests]

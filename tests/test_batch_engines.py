@@ -202,3 +202,25 @@ def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
         assert all(a <= b <= c for a, b, c in zip(*s)), name
     with pytest.raises(ValueError, match="max_rows"):
         batch_profile_shapes(meta, 0)
+
+
+def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_graph):
+    """The batched step on the real onnxruntime batched drafter: greedy rows equal the target alone."""
+    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+
+    family, _, _, model, drafter = tiny_pair
+    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    ort_drafter = OrtBatchDrafterEngine(batch_graph)
+    cost = measure_costs(target, ort_drafter, rows=(1, 2, 3), blocks=(1, 2, 4), context=16, repeats=1)
+    assert min(cost.target.fixed, cost.target.per_row, cost.target.per_token) >= 0 and cost.target(4, 8) > 0
+    rng = torch.Generator().manual_seed(5)
+    prompts = [ids(rng, n).tolist() for n in (3, 11, 25)]
+    configs = [GenerationConfig(max_new_tokens=n, block_size=b) for n, b in ((20, 8), (33, 3), (9, None))]
+    for adaptive in (False, True):
+        got = BatchDecoder(target, ort_drafter, adaptive=adaptive, cost=cost).generate(prompts, configs)
+        base = SpeculativeDecoder(TorchTargetEngine(model))
+        for p, c, r in zip(prompts, configs, got):
+            assert r.token_ids == base.generate(p, GenerationConfig(max_new_tokens=c.max_new_tokens)).token_ids, family

@@ -100,3 +100,22 @@ def test_acceptance_tracker_falls_and_recovers():
     for _ in range(100):
         idle.update(drafted=0, accepted=0)  # not drafting: drifts back towards the prior, to be tried again
     assert idle.alpha > low + 0.3
+
+
+def test_decoder_refits_its_cost_model_online(tiny_pair):
+    """With refit_every, the batched step feeds its observed passes back into the cost model."""
+    import torch
+
+    from dflash_trt.decoding import GenerationConfig
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+    _, _, _, model, drafter = tiny_pair
+    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7))
+    dec = BatchDecoder(target, TorchBatchDrafterEngine.for_target(drafter, target), adaptive=True, cost=cost,
+                       refit_every=4)
+    dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
+    seen = cost._seen["target"]
+    assert len(seen) >= 16 and all(s > 0 for _, _, s in seen)
+    assert cost.target != LinearCost(1e-2, 0.0, 1e-6)  # refitted from what ran

@@ -155,44 +155,57 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, sweeps: int = 3) -
 
 
 def measure_costs(target, drafter=None, rows: Sequence[int] = (1, 4, 16), blocks: Sequence[int] = (1, 4, 8),
-                  context: int = 128, repeats: int = 2) -> CostModel:
+                  context: int = 128, repeats: int = 3) -> CostModel:
     """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
-    target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra)."""
+    target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
+    The whole grid is timed `repeats` times over and each cell keeps its fastest pass, so a burst of load
+    from other processes spoils one pass of a cell, not the cell."""
     from ..runtime.batched import DraftRequest
 
     vocab = int(target.vocab_size)
     g = torch.Generator().manual_seed(0)
-    t_samples: list[tuple[int, int, float]] = []
-    d_samples: list[tuple[int, int, float]] = []
+    setups = []
     for r in rows:
         sess = target.new_batch()
         handles = [sess.add_row() for _ in range(r)]
-        prompt = [torch.randint(0, vocab, (context,), generator=g) for _ in handles]
-        outs = sess.forward(handles, prompt, last_logits_only=True)
-        for b in blocks:
-            times = []
-            for _ in range(repeats + 1):  # the first call warms up
-                t0 = time.perf_counter()
-                sess.forward(handles, [torch.randint(0, vocab, (b,), generator=g) for _ in handles])
-                times.append(time.perf_counter() - t0)
-                for h in handles:
-                    sess.rollback(h, context)
-            t_samples.append((r, r * b, min(times[1:])))
+        outs = sess.forward(handles, [torch.randint(0, vocab, (context,), generator=g) for _ in handles],
+                            last_logits_only=True)
+        dsess, dh = None, []
         if drafter is not None and outs[0].features is not None:
             dsess = drafter.new_batch()
             dh = [dsess.add_row() for _ in range(r)]
             dsess.draft([DraftRequest(h, o.features, 1, 2) for h, o in zip(dh, outs)])  # fill the context cache
-            feats = outs[0].features[:1]
+        setups.append((r, sess, handles, dsess, dh, outs[0].features))
+    best: dict[tuple[str, int, int], float] = {}
+
+    def keep(key: tuple[str, int, int], seconds: float) -> None:
+        best[key] = min(best.get(key, float("inf")), seconds)
+
+    for rep in range(repeats + 1):  # pass 0 warms up and is not kept
+        for r, sess, handles, dsess, dh, feats in setups:
             for b in blocks:
-                if b < 2:
+                ids = [torch.randint(0, vocab, (b,), generator=g) for _ in handles]
+                t0 = time.perf_counter()
+                sess.forward(handles, ids)
+                seconds = time.perf_counter() - t0
+                for h in handles:
+                    sess.rollback(h, context)
+                if rep:
+                    keep(("target", r, r * b), seconds)
+                if dsess is None or b < 2 or feats is None:
                     continue
-                times = []
-                for _ in range(repeats + 1):
-                    t0 = time.perf_counter()
-                    dsess.draft([DraftRequest(h, feats, 1, b) for h in dh])
-                    times.append(time.perf_counter() - t0)
-                d_samples.append((r, r * (b + 1), min(times[1:])))
+                t0 = time.perf_counter()
+                dsess.draft([DraftRequest(h, feats[:1], 1, b) for h in dh])
+                seconds = time.perf_counter() - t0
+                if rep:
+                    keep(("drafter", r, r * (b + 1)), seconds)
+    t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]
+    d_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "drafter"]
     target_cost = LinearCost.fit(t_samples)
     drafter_cost = LinearCost.fit(d_samples) if len(d_samples) >= 3 else LinearCost()
-    return CostModel(target_cost, drafter_cost)
+    model = CostModel(target_cost, drafter_cost)
+    for kind, samples in (("target", t_samples), ("drafter", d_samples)):
+        for r, t, sec in samples:  # online refits start from the start-up grid
+            model.observe(kind, r, t, sec)
+    return model

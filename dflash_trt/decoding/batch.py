@@ -129,10 +129,11 @@ class BatchDecoder:
     """All active requests of one worker; `step()` advances every one of them.
 
     adaptive: choose each row's block size per step (`cost` is then required: measure it with
-    `adaptive.measure_costs`); otherwise rows without their own `block_size` use the drafter's trained one."""
+    `adaptive.measure_costs`); otherwise rows without their own `block_size` use the drafter's trained one.
+    refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never)."""
 
     def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer=None, *,
-                 adaptive: bool = False, cost: CostModel | None = None):
+                 adaptive: bool = False, cost: CostModel | None = None, refit_every: int = 0):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -140,7 +141,8 @@ class BatchDecoder:
         if adaptive and cost is None:
             raise ValueError("adaptive block sizes need a cost model (adaptive.measure_costs)")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
-        self.adaptive, self.cost = adaptive, cost
+        self.adaptive, self.cost, self.refit_every = adaptive, cost, refit_every
+        self._steps = 0
         self.target_session = target.new_batch()
         self.drafter_session = drafter.new_batch() if drafter is not None else None
         self.joining: list[BatchRow] = []
@@ -312,10 +314,13 @@ class BatchDecoder:
         t4 = time.perf_counter()
         prof.verify_rows, prof.verify_tokens, prof.blocks = len(rows), sum(len(b) for b in blocks), [len(b) for b in blocks]
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
-        if self.cost is not None:
+        if self.cost is not None and self.adaptive:
             self.cost.observe("target", len(rows), prof.verify_tokens, t3 - t2)
             if prof.draft_rows:
                 self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
+            self._steps += 1
+            if self.refit_every and self._steps % self.refit_every == 0:
+                self.cost.refit()  # online: the passes this worker really ran, at its real contexts
         return rounds
 
     def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:

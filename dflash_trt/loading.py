@@ -4,15 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from .config import validate_against_target
 from .models.drafter import DFlashDrafter
-from .models.target import load_target, load_tokenizer
-from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 from .decoding import SpeculativeDecoder
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from .models.target import DTYPES, load_target, load_tokenizer
+from .runtime.base import EngineOptions
+from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
 def load_decoder(
@@ -38,22 +35,16 @@ def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", d
 
     draft=False loads the target alone (the drafter engine is not touched).
     """
-    from .builders.engines import serving_sources
+    from .formats import serving_sources
     from .runtime import registry
 
-    engines_dir = Path(engines_dir)
     src = serving_sources(engines_dir)
     tokenizer = load_tokenizer(src.tokenizer_dir)
     drafter = None
     if draft:
-        backend = src.drafter["backend"]
-        if backend == "onnxruntime":
-            drafter = registry.drafter_engine(backend, src.drafter_dir, src.drafter.get("serve_precision", "fp32"))
-        else:
-            drafter = registry.drafter_engine(backend, src.drafter_dir)
-    if src.target["backend"] == "torch":
-        model = load_target(src.target_dir, DTYPES[dtype])
-        target = TorchTargetEngine(model, drafter.feature_layer_ids if drafter is not None else ())
-    else:
-        target = registry.target_engine(src.target["backend"], src.target_dir)
+        options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))
+        drafter = registry.drafter_engine(src.drafter["backend"], src.drafter_dir, options)
+    features = drafter.feature_layer_ids if drafter is not None else ()
+    target = registry.target_engine(src.target["backend"], src.target_dir,
+                                    EngineOptions(dtype=dtype, feature_layer_ids=tuple(features)))
     return SpeculativeDecoder(target, drafter, tokenizer)

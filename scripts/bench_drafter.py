@@ -16,6 +16,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ REPO = Path(__file__).resolve().parents[1]
 def build_models(args, workdir: Path):
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_target
-    from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+    sys.path.insert(0, str(REPO / "tests"))  # the tiny-model factory is test scaffolding
+    from tiny_models import make_tiny_drafter, make_tiny_target
 
     target_dir, drafter_dir = args.target, args.drafter
     if target_dir and drafter_dir and (target_dir / "config.json").is_file() and (drafter_dir / "config.json").is_file():

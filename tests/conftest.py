@@ -7,13 +7,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target  # noqa: E402
+from helpers import make_tiny_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session", params=["qwen3", "llama"])
 def tiny_pair(request, tmp_path_factory):
     """(family, target dir, drafter dir, target model, drafter) for a tiny random pair, saved to disk."""
     root = tmp_path_factory.mktemp(f"tiny-{request.param}")
-    target = make_tiny_target(root / "target", family=request.param, vocab_size=96, layers=5)
-    drafter = make_tiny_drafter(target.config, root / "drafter", layers=2, block_size=8)
+    target, drafter = make_tiny_pair(root, family=request.param, layers=5, drafter_layers=2, block_size=8)
     return request.param, root / "target", root / "drafter", target, drafter

@@ -1,10 +1,14 @@
-"""Test helpers: tiny tokenizer, a noisy-oracle drafter, reference decoding."""
+"""Test helpers, one of each: the tiny tokenizer; the "tokenizer + tiny target + drafter" checkpoints
+(`make_text_models`); the tiny pair without tokenizer (`make_tiny_pair`); drafter wrappers that inject
+faults (`FaultyDrafter`) or count the work a session is handed (`CountingDrafter`); the noisy-oracle
+drafter; reference decoding."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+from tiny_models import make_tiny_drafter, make_tiny_target
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
@@ -33,6 +37,90 @@ def make_tokenizer(out: Path, vocab_size: int = 200) -> PreTrainedTokenizerFast:
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|mask|>")
     fast.save_pretrained(out)
     return fast
+
+
+def make_text_models(root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen3 target with a BPE tokenizer (text works) and a tiny DFlash drafter (block size 4) whose
+    mask token is the tokenizer's; saved as root/target and root/drafter, which are returned."""
+    tok = make_tokenizer(root / "target")
+    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1)
+    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    return root / "target", root / "drafter"
+
+
+def make_tiny_pair(root: Path | None = None, *, family: str = "qwen3", vocab_size: int = 96, layers: int = 4,
+                   drafter_layers: int = 1, block_size: int = 4, seed: int = 0, drafter_seed: int = 0):
+    """A tiny random target (no tokenizer, so no end-of-text token stops a generation) and its drafter:
+    (target model, drafter). With `root`, also saved as root/target and root/drafter."""
+    target = make_tiny_target(None if root is None else root / "target", family=family, vocab_size=vocab_size,
+                              layers=layers, seed=seed)
+    drafter = make_tiny_drafter(target.config, None if root is None else root / "drafter", layers=drafter_layers,
+                                block_size=block_size, seed=drafter_seed)
+    return target, drafter
+
+
+class _WrappedDrafter:
+    """Wraps a real drafter engine: same name, block size and feature layers; sessions wrap its sessions."""
+
+    session_class: type
+
+    def __init__(self, engine):
+        self.engine, self.name = engine, engine.name
+        self.block_size, self.feature_layer_ids = engine.block_size, engine.feature_layer_ids
+
+    def new_session(self):
+        return self.session_class(self, self.engine.new_session())
+
+
+class _WrappedDrafterSession:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+
+    @property
+    def context_length(self) -> int:
+        return self.inner.context_length
+
+    def draft(self, new_features, last_token, block_size):
+        return self.inner.draft(new_features, last_token, block_size)
+
+
+class _FaultySession(_WrappedDrafterSession):
+    calls = 0
+
+    def draft(self, new_features, last_token, block_size):
+        self.calls += 1
+        fail_at = self.owner.fail_at
+        if self.owner.failing or (fail_at is not None and self.calls >= fail_at):
+            raise RuntimeError("injected drafter failure (the engine exploded)")
+        return super().draft(new_features, last_token, block_size)
+
+
+class FaultyDrafter(_WrappedDrafter):
+    """Fault injection around a real drafter engine (not a stand-in): its sessions raise while `failing`
+    is set, and, with `fail_at`, from each session's `fail_at`-th draft call on."""
+
+    session_class = _FaultySession
+
+    def __init__(self, engine, fail_at: int | None = None):
+        super().__init__(engine)
+        self.failing, self.fail_at = False, fail_at
+
+
+class _CountingSession(_WrappedDrafterSession):
+    def draft(self, new_features, last_token, block_size):
+        self.owner.tokens_handed.append(new_features.shape[0] + block_size)
+        return super().draft(new_features, last_token, block_size)
+
+
+class CountingDrafter(_WrappedDrafter):
+    """Wraps a real drafter engine and records, per draft call, the tokens it is handed: new context
+    rows plus the block (the cost of a round)."""
+
+    session_class = _CountingSession
+
+    def __init__(self, engine):
+        super().__init__(engine)
+        self.tokens_handed: list[int] = []
 
 
 class NoisyOracleDrafter:

@@ -1,4 +1,4 @@
-"""Server test harness: tiny models with a tokenizer, a real uvicorn server on a real socket, fault injection."""
+"""Server test harness: a real uvicorn server on a real socket, SSE / metrics parsing, target fault injection."""
 
 from __future__ import annotations
 
@@ -7,30 +7,11 @@ import json
 import socket
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import uvicorn
-from helpers import make_tokenizer
 
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 from dflash_trt.server.app import ServerSettings, create_app
-
-
-def make_models_without_eos(root: Path) -> tuple[Path, Path]:
-    """A tiny target with no tokenizer (so no end-of-text token ever stops a generation) and its drafter:
-    a request for max_tokens runs exactly that many tokens."""
-    target = make_tiny_target(root / "target", vocab_size=200, layers=4, seed=1)
-    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
-    return root / "target", root / "drafter"
-
-
-def make_models(root: Path) -> tuple[Path, Path]:
-    """A tiny Qwen3 target with a BPE tokenizer (text works) and a tiny DFlash drafter (block size 4)."""
-    tok = make_tokenizer(root / "target")
-    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1)
-    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
-    return root / "target", root / "drafter"
 
 
 @contextlib.contextmanager
@@ -85,31 +66,6 @@ def metric(text: str, name: str, **labels) -> float:
 
 def scrape(url: str, **headers) -> str:
     return httpx.get(url + "/metrics", headers=headers, timeout=10).text
-
-
-class FaultyDrafter:
-    """Wraps a real drafter engine; while `failing` is set, its sessions raise (fault injection, not a stand-in)."""
-
-    def __init__(self, engine):
-        self.engine, self.failing = engine, False
-        self.name, self.block_size, self.feature_layer_ids = "faulty", engine.block_size, engine.feature_layer_ids
-
-    def new_session(self):
-        return _FaultyDrafterSession(self, self.engine.new_session())
-
-
-class _FaultyDrafterSession:
-    def __init__(self, owner, inner):
-        self.owner, self.inner = owner, inner
-
-    @property
-    def context_length(self):
-        return self.inner.context_length
-
-    def draft(self, new_features, last_token, block_size):
-        if self.owner.failing:
-            raise RuntimeError("injected drafter failure")
-        return self.inner.draft(new_features, last_token, block_size)
 
 
 class FaultyTarget:

@@ -6,12 +6,12 @@ import pytest
 import torch
 from helpers import NoisyOracleDrafter
 from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
 from dflash_trt.decoding import batch as batch_module
 from dflash_trt.decoding.adaptive import CostModel, LinearCost
 from dflash_trt.decoding.batch import BatchDecoder
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 from dflash_trt.runtime.batched import LoopedDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine

@@ -176,7 +176,7 @@ def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
 
     from fake_tensorrt import make
 
-    from dflash_trt.builders.onnx_drafter import DrafterGraphMeta
+    from dflash_trt.formats import DrafterGraphMeta
     from dflash_trt.builders.onnx_drafter_batch import BATCH_INPUT_NAMES
     from dflash_trt.builders.trt_drafter_batch import batch_profile_shapes, build_batched_drafter_plan
 

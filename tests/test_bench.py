@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_tokenizer
-
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
+from helpers import make_text_models
+from tiny_models import make_tiny_target
+from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(sys.executable).parent / "dflash-trt"
@@ -18,9 +18,8 @@ CLI = Path(sys.executable).parent / "dflash-trt"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("bench-models")
-    tok = make_tokenizer(root / "target")
-    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4)
-    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    make_text_models(root)
+    tok = AutoTokenizer.from_pretrained(root / "target")
     make_tiny_target(root / "ar-draft", vocab_size=len(tok), layers=1, seed=1, tie_word_embeddings=True)
     tok.save_pretrained(root / "ar-draft")
     return root

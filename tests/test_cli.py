@@ -6,10 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_tokenizer
+from helpers import make_text_models
+from transformers import AutoModelForCausalLM
 
 from dflash_trt.cli import main
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
 CLI = Path(sys.executable).parent / "dflash-trt"
 
@@ -17,11 +17,9 @@ CLI = Path(sys.executable).parent / "dflash-trt"
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli")
-    tok = make_tokenizer(root / "target")
-    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1)
-    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    make_text_models(root)
     bare = root / "bare"  # a target without a tokenizer
-    target.save_pretrained(bare)
+    AutoModelForCausalLM.from_pretrained(root / "target").save_pretrained(bare)
     return root / "target", root / "drafter", bare
 
 

@@ -6,11 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from tiny_models import make_tiny_drafter, make_tiny_target, tiny_drafter_config
 
 from dflash_trt.config import ConfigError, build_target_layer_ids, load_drafter_config, validate_against_target
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import extract_features
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target, tiny_drafter_config
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
@@ -228,9 +228,10 @@ def test_drafter_uses_target_embedding_and_lm_head():
 def test_grouped_query_attention_matches_per_head_copies(mask_dims):
     """Folding the query heads that share a KV head into the query axis (no K/V copies) gives
     the same attention as copying K/V per head, with and without a visibility mask."""
-    from dflash_trt.models.drafter import DFlashAttention
-    from dflash_trt.models.tiny import tiny_drafter_config
+    from tiny_models import tiny_drafter_config
+
     from dflash_trt.config import drafter_config_from_dict
+    from dflash_trt.models.drafter import DFlashAttention
 
     target = make_tiny_target(vocab_size=64, layers=4)
     config, _ = drafter_config_from_dict(tiny_drafter_config(target.config, layers=1))

@@ -8,19 +8,20 @@ import subprocess
 import sys
 
 import pytest
+from helpers import make_tiny_pair
+from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.builders.engines import EnginesConfigError, build_engines, read_config, serving_sources
+from dflash_trt.builders.engines import EnginesConfigError, build_engines, read_config
+from dflash_trt.formats import serving_sources
+from dflash_trt.builders.hashing import tree_sha256
 from dflash_trt.cli.options import load_engines_or_fail as _load_engines
 from dflash_trt.settings import DEMO_MODELS_HINT
-from dflash_trt.builders.hashing import tree_sha256
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("eng-ckpt")
-    target = make_tiny_target(root / "target", family="qwen3", vocab_size=80, layers=4)
-    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
+    make_tiny_pair(root, vocab_size=80)
     return root
 
 
@@ -134,8 +135,8 @@ def test_cli_engines_then_generate_equals_target_alone(tmp_path, checkpoints):
 def test_engines_folder_moves_with_its_checkpoints(tmp_path, checkpoints):
     """Paths in the manifest are relative to it: a repo moved (or mounted in Docker) still loads; old
     manifests with absolute paths still load; --no-draft never loads the drafter."""
-    from dflash_trt.loading import load_decoder_from_engines
     from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.loading import load_decoder_from_engines
 
     repo = tmp_path / "repo"
     shutil.copytree(checkpoints, repo / "models")

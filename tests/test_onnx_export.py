@@ -9,10 +9,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from dflash_trt.builders.onnx_drafter import (
-    FP16_GRAPH_FILE, GRAPH_FILE, INPUT_NAMES, OUTPUT_NAMES, DrafterGraphMeta, DrafterRound, example_inputs,
-    export_from_checkpoints,
-)
+from dflash_trt.builders.onnx_drafter import DrafterRound, example_inputs, export_from_checkpoints
+from dflash_trt.formats import DRAFTER_INPUTS as INPUT_NAMES
+from dflash_trt.formats import DRAFTER_OUTPUTS as OUTPUT_NAMES
+from dflash_trt.formats import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 from dflash_trt.decoding import ContextLengthError, GenerationConfig, SpeculativeDecoder

@@ -11,19 +11,19 @@ import time
 import httpx
 import openai
 import pytest
-from server_harness import (FaultyDrafter, FaultyTarget, GatedTarget, make_models, metric, running_server, scrape,
-                            sse_events)
+from helpers import FaultyDrafter, make_text_models
+from server_harness import FaultyTarget, GatedTarget, metric, running_server, scrape, sse_events
 
+from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.app import chat_prompt_ids
-from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
 
 PROMPTS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os", "print(", "x = 1\n"]
 
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_models(tmp_path_factory.mktemp("server"))
+    return make_text_models(tmp_path_factory.mktemp("server"))
 
 
 @pytest.fixture(scope="module")

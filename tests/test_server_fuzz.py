@@ -9,12 +9,13 @@ import json
 
 import httpx
 import pytest
+from helpers import make_text_models
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from server_harness import make_models, running_server
+from server_harness import running_server
 
-from dflash_trt.loading import load_decoder
 from dflash_trt.decoding import GenerationConfig
+from dflash_trt.loading import load_decoder
 
 scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
            | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
@@ -68,7 +69,7 @@ requests = st.sampled_from(sorted(SCHEMAS)).flatmap(
 
 @pytest.fixture(scope="module")
 def fuzz_server(tmp_path_factory):
-    decoder = load_decoder(*make_models(tmp_path_factory.mktemp("fuzz")))
+    decoder = load_decoder(*make_text_models(tmp_path_factory.mktemp("fuzz")))
     with running_server(decoder, default_max_tokens=4, max_body_bytes=4096) as (url, _):
         with httpx.Client(base_url=url, timeout=30) as client:  # a hang fails the test through the timeout
             yield client, decoder

@@ -10,7 +10,8 @@ import time
 
 import httpx
 import pytest
-from server_harness import make_models_without_eos, metric, sse_events
+from helpers import make_tiny_pair
+from server_harness import metric, sse_events
 
 from dflash_trt.cli import main
 from dflash_trt.server.process import listening_port, start_serve
@@ -21,7 +22,9 @@ LONG = {"input_ids": [3, 4, 5], "max_tokens": CONTEXT - 3, "block_size": 1, "str
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    return make_models_without_eos(tmp_path_factory.mktemp("serve-process"))
+    root = tmp_path_factory.mktemp("serve-process")
+    make_tiny_pair(root, vocab_size=200, seed=1)  # no tokenizer: a request for max_tokens runs exactly that many
+    return root / "target", root / "drafter"
 
 
 def start(models, log, *extra):

@@ -5,12 +5,12 @@ import math
 
 import pytest
 import torch
-from helpers import NoisyOracleDrafter, hf_greedy, make_tokenizer
+from helpers import CountingDrafter, NoisyOracleDrafter, hf_greedy, make_tokenizer
+from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
-from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 from dflash_trt.decoding import ContextLengthError, GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
 from dflash_trt.decoding import decode as decode_module
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
 def decoders(model, drafter):
@@ -245,13 +245,16 @@ def test_stop_strings_with_tokenizer(tmp_path):
 def test_draft_cost_per_round_does_not_grow_with_context(tiny_pair):
     """Count the rows the drafter actually processes (hook on fc for context rows)."""
     _, _, _, model, drafter = tiny_pair
-    spec, _ = decoders(model, drafter)
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    counting = CountingDrafter(TorchDrafterEngine.for_target(drafter, target))
+    spec = SpeculativeDecoder(target, counting)
     rows = []
     hook = drafter.fc.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
     try:
         per_context = {}
         for ctx in (16, 1000):
             rows.clear()
+            counting.tokens_handed.clear()
             gen = spec.start(list(range(1, 90)) * (ctx // 89) + list(range(1, 1 + ctx % 89)),
                              GenerationConfig(max_new_tokens=30, block_size=8))
             list(gen)
@@ -259,7 +262,7 @@ def test_draft_cost_per_round_does_not_grow_with_context(tiny_pair):
             assert rows[0] == ctx  # the first round sees the whole prompt once
             assert all(r <= 8 for r in rows[1:])  # later rounds: only the tokens committed since
             assert rows[1:] == gen.stats.acceptance_lengths[: len(rows) - 1]
-            processed = gen.drafter_session.tokens_processed
+            processed = counting.tokens_handed
             assert all(0 < p - r <= 8 for p, r in zip(processed, rows))  # plus the block, never more
     finally:
         hook.remove()

@@ -4,9 +4,9 @@ import math
 
 import numpy as np
 import torch
+from tiny_models import make_tiny_target
 
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.models.tiny import make_tiny_target
 from dflash_trt.train.drafter import (
     DrafterTrainConfig,
     block_sparse_mask,

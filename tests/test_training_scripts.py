@@ -6,9 +6,9 @@ import sys
 from pathlib import Path
 
 from helpers import CORPUS, make_tokenizer
+from tiny_models import make_tiny_target
 
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.models.tiny import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
 CLI = Path(sys.executable).parent / "dflash-trt"

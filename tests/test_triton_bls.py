@@ -8,14 +8,15 @@ import json
 
 import numpy as np
 import pytest
-from triton_fixtures import tiny_text_pair
+from helpers import make_text_models
 
-from dflash_trt.builders.onnx_drafter import DrafterGraphMeta, export_from_checkpoints
+from dflash_trt.builders.onnx_drafter import export_from_checkpoints
+from dflash_trt.formats import DrafterGraphMeta
+from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
 from dflash_trt.loading import load_decoder
 from dflash_trt.models.target import load_target, load_tokenizer
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchTargetEngine
-from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
 from dflash_trt.triton.bls import RemoteDrafterEngine, RemoteTargetEngine, TargetSessions, serve_target
 
 PROMPT = "def fibonacci(n):"
@@ -24,7 +25,7 @@ PROMPT = "def fibonacci(n):"
 @pytest.fixture(scope="module")
 def parts(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-bls")
-    target_dir, drafter_dir = tiny_text_pair(root)
+    target_dir, drafter_dir = make_text_models(root)
     export_from_checkpoints(drafter_dir, target_dir, root / "onnx", fp16=False)
     ort_drafter = OrtDrafterEngine(root / "onnx")
     target_engine = TorchTargetEngine(load_target(target_dir), ort_drafter.feature_layer_ids)

@@ -8,10 +8,10 @@ import pytest
 
 pytest.importorskip("tritonclient.grpc", reason="tritonclient is part of the dev extra")
 
-from triton_fixtures import tiny_text_pair  # noqa: E402
+from helpers import make_text_models  # noqa: E402
 
 from dflash_trt.triton.config import ConfigError, check_repository, parse_config, validate_repository  # noqa: E402
-from dflash_trt.triton.repo import write_repository  # noqa: E402
+from dflash_trt.builders.triton_repo import write_repository  # noqa: E402
 
 MODELS = {"dflash", "dflash_sync", "preprocessing", "postprocessing", "dflash_bls", "dflash_bls_sync",
           "dflash_target", "dflash_drafter"}
@@ -20,7 +20,7 @@ MODELS = {"dflash", "dflash_sync", "preprocessing", "postprocessing", "dflash_bl
 @pytest.fixture(scope="module")
 def repo(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-config")
-    target, drafter = tiny_text_pair(root)
+    target, drafter = make_text_models(root)
     return write_repository(root / "repo", target=target, drafter=drafter)
 
 
@@ -90,7 +90,7 @@ def test_misspelled_field_is_caught(broken):
 def test_cli_writes_repository_and_refuses_to_overwrite(tmp_path, capsys):
     from dflash_trt.cli import main
 
-    target, drafter = tiny_text_pair(tmp_path)
+    target, drafter = make_text_models(tmp_path)
     out = tmp_path / "repo"
     assert main(["triton-repo", "--target", str(target), "--drafter", str(drafter), "--out", str(out)]) == 0
     assert validate_repository(out) == []

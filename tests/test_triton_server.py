@@ -18,13 +18,14 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient is part of the dev
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
+from helpers import make_text_models  # noqa: E402
+from triton_fixtures import CHAT_PRE, add_chat_preprocessing  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
-from triton_fixtures import CHAT_PRE, add_chat_preprocessing, tiny_text_pair  # noqa: E402
 
-from dflash_trt.loading import load_decoder  # noqa: E402
 from dflash_trt.decoding import GenerationConfig  # noqa: E402
+from dflash_trt.loading import load_decoder  # noqa: E402
 from dflash_trt.triton.client import build_inputs, generate  # noqa: E402
-from dflash_trt.triton.repo import write_repository  # noqa: E402
+from dflash_trt.builders.triton_repo import write_repository  # noqa: E402
 from dflash_trt.triton.server import TritonServer, TritonUnavailable, server_env  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os"]
@@ -36,7 +37,7 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("triton-server")
-    target, drafter = tiny_text_pair(root)
+    target, drafter = make_text_models(root)
     return root, target, drafter
 
 

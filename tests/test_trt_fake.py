@@ -11,7 +11,7 @@ import torch
 from fake_tensorrt import FILL, make
 
 from dflash_trt.builders import trt_drafter
-from dflash_trt.builders.onnx_drafter import DrafterGraphMeta
+from dflash_trt.formats import DrafterGraphMeta
 from dflash_trt.runtime.base import EngineUnavailable
 
 META = DrafterGraphMeta(block_size=8, mask_token_id=95, feature_layer_ids=(1, 2), feature_size=128, num_layers=2,

@@ -4,11 +4,16 @@ import ast
 import json
 
 import pytest
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.builders.trtllm_target import (
-    FEATURES_MODEL_FILE, TargetBuildError, TargetBuildSpec, plan_target_build, serve_command, spec_from_checkpoints,
+    FEATURES_MODEL_FILE,
+    TargetBuildError,
+    TargetBuildSpec,
+    plan_target_build,
+    serve_command,
+    spec_from_checkpoints,
 )
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
 
 def spec(tp, model_type="qwen3", **kw):

@@ -1,27 +1,14 @@
-"""Tiny models with a real tokenizer, and a Triton model repository for them (shared by the Triton tests)."""
+"""A chat-template preprocessing model beside a Triton model repository (shared by the Triton tests)."""
 
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
-from helpers import make_tokenizer
-
-from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
-
 # A tiny Jinja chat template, so tests can tell a rendered chat prompt from plain text.
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 CHAT_PRE = "preprocessing_chat"
-
-
-def tiny_text_pair(root: Path) -> tuple[Path, Path]:
-    """A target (with tokenizer) and a drafter, small enough to serve in seconds."""
-    tok = make_tokenizer(root / "target", vocab_size=200)
-    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4)
-    tok.save_pretrained(root / "target")
-    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
-    return root / "target", root / "drafter"
 
 
 def add_chat_preprocessing(repo: Path) -> Path:

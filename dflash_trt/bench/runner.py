@@ -23,6 +23,7 @@ from .measure import PeakRSS, ceiling, divergence_margin, pass_costs, target_nll
 from .methods import ForwardTimer, Method, dflash_method, hf_method
 from .prompts import PROMPT_SETS
 
+DFLASH_FAMILIES = {"torch": "dflash-torch", "onnxruntime": "dflash-ort"}  # drafter backend -> method family
 FAMILIES = ("baseline", "hf-generate", "dflash-torch", "dflash-ort", "hf-assisted", "prompt-lookup")
 
 MEMORY_NOTE = (
@@ -135,7 +136,8 @@ def load_everything(s: BenchSettings):
 
 
 def ort_drafter(decoder, s: BenchSettings):
-    from ..runtime.ort_backend import OrtDrafterEngine
+    from ..runtime import registry
+    from ..runtime.base import EngineOptions
 
     folder = s.onnx_drafter
     if folder is None:
@@ -145,7 +147,7 @@ def ort_drafter(decoder, s: BenchSettings):
         folder = Path(scratch.name)
         d = decoder.drafter
         export_drafter(d.drafter, d.embed_weight, d.lm_head_weight, folder, fp16=False)
-    engine = OrtDrafterEngine(folder, "fp32", threads=s.threads)
+    engine = registry.drafter_engine("onnxruntime", folder, EngineOptions(precision="fp32", threads=s.threads))
     engine.folder = Path(folder)
     # The scratch export lives as long as the engine (run_benchmark removes it at the end; failing that,
     # TemporaryDirectory's finalizer does when the engine goes or the process exits).
@@ -161,11 +163,11 @@ def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, a
     methods = [dflash_method("baseline", "baseline", base, 1, timer)]
     if "hf-generate" in s.methods:
         methods.append(hf_method("hf-generate", "hf-generate", model, timer, pad))
-    for backend, family in (("torch", "dflash-torch"), ("onnxruntime", "dflash-ort")):
-        if backend in drafters:
-            dec = SpeculativeDecoder(decoder.target, drafters[backend], decoder.tokenizer)
-            for b in usable_block_sizes(s, drafters[backend]):
-                methods.append(dflash_method(f"{family}-b{b}", family, dec, b, timer, backend))
+    for backend, drafter in drafters.items():  # drafters: backend name -> engine, as load_everything chose
+        family = DFLASH_FAMILIES[backend]
+        dec = SpeculativeDecoder(decoder.target, drafter, decoder.tokenizer)
+        for b in usable_block_sizes(s, drafter):
+            methods.append(dflash_method(f"{family}-b{b}", family, dec, b, timer, backend))
     if assistant is not None:
         methods.append(hf_method("hf-assisted", "hf-assisted", model, timer, pad, assistant=assistant,
                                  assistant_timer=assistant_timer))

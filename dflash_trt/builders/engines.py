@@ -7,7 +7,7 @@
 Each step has a key: the sha256 of its inputs (checkpoint contents, settings, tool versions). A step
 whose key equals the manifest's and whose files are all present is skipped, so re-running with
 unchanged inputs does nothing. The manifest says which backend serves each role; the server,
-`generate --engines` and the Triton repository read it through serving_sources(). Checkpoint paths in it
+`generate --engines` and the Triton repository read it through dflash_trt.formats.serving_sources(). Checkpoint paths in it
 are relative to its folder, so engines/ and the checkpoints can move together (a Docker mount).
 """
 
@@ -22,13 +22,10 @@ from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
 
+from ..formats import (DRAFTER_ONNX_DIR, DRAFTER_TRT_DIR, MANIFEST, MANIFEST_VERSION, TARGET_TRTLLM_DIR,
+                       DrafterGraphMeta, read_manifest, read_plan_manifest)
 from .hashing import file_sha256, tree_sha256
 
-MANIFEST = "manifest.json"
-MANIFEST_VERSION = 1
-DRAFTER_ONNX_DIR = "drafter-onnx"
-DRAFTER_TRT_DIR = "drafter-tensorrt"
-TARGET_TRTLLM_DIR = "target-tensorrt-llm"
 PRECISIONS = ("fp16", "fp32")
 
 
@@ -119,51 +116,6 @@ def _relative_to(folder: Path, path: Path) -> str:
     return os.path.relpath(path.resolve(), folder.resolve())
 
 
-def resolve_manifest_path(engines_dir: Path, stored: str) -> Path:
-    """A path read from a manifest: relative ones are relative to its folder; absolute ones (older manifests) stay."""
-    return Path(os.path.normpath(Path(engines_dir) / stored))
-
-
-@dataclass(frozen=True)
-class ServingSources:
-    """What to load to serve a built engines folder: the manifest's `serve` choice, with paths resolved."""
-
-    drafter: dict  # the drafter's manifest entry ("backend", "dir", "serve_precision", ...)
-    drafter_dir: Path  # its engine folder
-    target: dict  # the target's manifest entry ("backend", ...)
-    target_dir: Path  # the checkpoint for the "torch" backend, else the engine folder
-    tokenizer_dir: Path  # the target checkpoint (engines carry no tokenizer)
-
-
-def serving_sources(engines_dir: str | Path) -> ServingSources:
-    """Read engines_dir/manifest.json's `serve` section (the one place that parses it for loading)."""
-    engines_dir = Path(engines_dir)
-    path = engines_dir / MANIFEST
-    if not path.is_file():
-        raise FileNotFoundError(f"no {MANIFEST} in {engines_dir}: build the engines with `make engines`")
-    try:
-        manifest = json.loads(path.read_text())
-        engines, serve = manifest["engines"], manifest["serve"]
-        drafter, target = engines[serve["drafter"]], engines[serve["target"]]
-        checkpoint = manifest["sources"]["target"]["path"]
-        target_dir = (resolve_manifest_path(engines_dir, target["checkpoint"]) if target["backend"] == "torch"
-                      else engines_dir / target["dir"])
-        drafter_dir = engines_dir / drafter["dir"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a manifest `make engines` wrote ({type(e).__name__}: {e}): rebuild it") from None
-    return ServingSources(drafter, drafter_dir, target, target_dir, resolve_manifest_path(engines_dir, checkpoint))
-
-
-def read_manifest(out: Path) -> dict:
-    path = out / MANIFEST
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}
-
-
 def _up_to_date(previous: dict | None, key: str, out: Path) -> bool:
     if not previous or previous.get("key") != key:
         return False
@@ -219,7 +171,7 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
         engines["drafter_onnx"] = previous["drafter_onnx"]
         report.unchanged.append("drafter_onnx")
     else:
-        from .onnx_drafter import DrafterGraphMeta, export_from_checkpoints
+        from .onnx_drafter import export_from_checkpoints
 
         folder = out / DRAFTER_ONNX_DIR
         shutil.rmtree(folder, ignore_errors=True)
@@ -244,7 +196,7 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
     if reason:
         report.skipped["drafter_tensorrt"] = reason
     else:
-        from .trt_drafter import PLAN_MANIFEST, build_drafter_plan, gpu_name
+        from .trt_drafter import build_drafter_plan, gpu_name
 
         trt_versions = versions("tensorrt") | {"gpu": gpu_name()}
         key = step_key("drafter-trt", engines["drafter_onnx"]["key"], trt_versions, cfg.precision, cfg.max_seq_len,
@@ -257,7 +209,7 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
             log(f"building the TensorRT drafter plan in {folder} ...")
             build_drafter_plan(out / DRAFTER_ONNX_DIR, folder, max_context=cfg.max_seq_len,
                                max_new_tokens=cfg.max_input_len)
-            plan_manifest = json.loads((folder / PLAN_MANIFEST).read_text())
+            plan_manifest = read_plan_manifest(folder)
             engines["drafter_tensorrt"] = {
                 "backend": "tensorrt", "role": "drafter", "dir": DRAFTER_TRT_DIR, "key": key,
                 "files": _record_files(folder), "versions": trt_versions, "shapes": plan_manifest["profile"],

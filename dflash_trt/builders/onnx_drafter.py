@@ -8,60 +8,24 @@ Outputs: logits [1, B-1, V] float32, draft_tokens [1, B-1] int64 (argmax), prese
 
 The embedding table and lm_head are the TARGET's (the drafter checkpoint has neither). The
 cache is explicit, so one round costs O(n + B) drafter compute whatever the context length.
-Beside the graph we write `drafter.json`: what a runtime needs to drive it without torch
-(block size, mask token, feature layers, cache geometry).
+Beside the graph we write `drafter.json` (dflash_trt.formats.DrafterGraphMeta): what a runtime needs to
+drive it without torch (block size, mask token, feature layers, cache geometry).
 """
 
 from __future__ import annotations
 
 import copy
-import json
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from ..formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, FP16_GRAPH_FILE, GRAPH_FILE, META_FILE, DrafterGraphMeta
 from ..models.drafter import DFlashDrafter
 
-INPUT_NAMES = ("block_ids", "features", "past_k", "past_v")
-OUTPUT_NAMES = ("logits", "draft_tokens", "present_k", "present_v")
-GRAPH_FILE = "drafter.onnx"
-FP16_GRAPH_FILE = "drafter_fp16.onnx"
-META_FILE = "drafter.json"
 # Example sizes for tracing: all >= 2 and distinct, or the exporter fixes the axis (0/1 specialise).
 EXAMPLE_NEW, EXAMPLE_PAST = 3, 5
-
-
-@dataclass(frozen=True)
-class DrafterGraphMeta:
-    """The contract between an exported graph and its runtimes (ONNX Runtime, TensorRT)."""
-
-    block_size: int
-    mask_token_id: int
-    feature_layer_ids: tuple[int, ...]
-    feature_size: int
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_context: int
-
-    def cache_shape(self, length: int) -> tuple[int, ...]:
-        return (self.num_layers, 1, self.num_kv_heads, length, self.head_dim)
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
-
-    @classmethod
-    def read(cls, folder: str | Path) -> "DrafterGraphMeta":
-        path = Path(folder) / META_FILE
-        if not path.is_file():
-            raise FileNotFoundError(f"no {META_FILE} in {folder}: not an exported drafter (run `dflash-trt export-drafter`)")
-        raw = json.loads(path.read_text())
-        raw["feature_layer_ids"] = tuple(raw["feature_layer_ids"])
-        return cls(**raw)
 
 
 class DrafterRound(nn.Module):
@@ -129,8 +93,8 @@ def export_round(module: DrafterRound, meta: DrafterGraphMeta, path: Path) -> Pa
             module,
             example_inputs(meta),
             dynamic_shapes=dynamic_shapes,
-            input_names=list(INPUT_NAMES),
-            output_names=list(OUTPUT_NAMES),
+            input_names=list(DRAFTER_INPUTS),
+            output_names=list(DRAFTER_OUTPUTS),
             dynamo=True,
             external_data=True,
             optimize=True,

@@ -22,12 +22,11 @@ from torch import nn
 
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import ragged_round
-from .onnx_drafter import META_FILE, DrafterGraphMeta, check_graph, graph_meta, to_fp16
+from ..formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, META_FILE, DrafterGraphMeta
+from .onnx_drafter import check_graph, graph_meta, to_fp16
 
-BATCH_INPUT_NAMES = ("block_ids", "block_lengths", "features", "new_lengths", "past_k", "past_v", "past_lengths")
-BATCH_OUTPUT_NAMES = ("logits", "draft_tokens", "present_k", "present_v")
-BATCH_GRAPH_FILE = "drafter_batch.onnx"
-BATCH_FP16_GRAPH_FILE = "drafter_batch_fp16.onnx"
+BATCH_INPUT_NAMES, BATCH_OUTPUT_NAMES = BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS
+BATCH_GRAPH_FILE, BATCH_FP16_GRAPH_FILE = BATCH_GRAPH_FILES["fp32"], BATCH_GRAPH_FILES["fp16"]
 
 
 def batch_cache_shape(meta: DrafterGraphMeta, rows: int, length: int) -> tuple[int, ...]:

@@ -15,12 +15,11 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from .onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
+from ..formats import FP16_GRAPH_FILE, GRAPH_FILE, META_FILE, PLAN_FILE, PLAN_MANIFEST, DrafterGraphMeta
 from ..runtime.base import EngineUnavailable
+from ..runtime.trt_backend import import_tensorrt
 from .hashing import files_sha256
 
-PLAN_FILE = "drafter.plan"
-PLAN_MANIFEST = "drafter.plan.json"
 TYPINGS = ("weak", "strong")
 
 
@@ -29,17 +28,6 @@ class ProfileShapes:
     min: tuple[int, ...]
     opt: tuple[int, ...]
     max: tuple[int, ...]
-
-
-def import_tensorrt():
-    try:
-        import tensorrt
-    except ImportError as e:
-        raise EngineUnavailable(
-            "building or running a TensorRT drafter needs the `tensorrt` package (10.x or 11.x): "
-            "pip install 'dflash-trt[gpu]' on a machine with an NVIDIA GPU, or use the TensorRT-LLM container"
-        ) from e
-    return tensorrt
 
 
 def trt_major(trt) -> int:
@@ -126,7 +114,7 @@ def build_plan(graph_dir: str | Path, out_dir: str | Path, graphs: tuple[str, st
         raise RuntimeError("TensorRT failed to build the drafter plan (see the TensorRT log above)")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / plan_file).write_bytes(bytes(plan))
-    sources = [onnx_path, onnx_path.with_name(onnx_path.name + ".data"), graph_dir / "drafter.json"]
+    sources = [onnx_path, onnx_path.with_name(onnx_path.name + ".data"), graph_dir / META_FILE]
     manifest = {
         "backend": "tensorrt",
         "plan": plan_file,
@@ -140,7 +128,7 @@ def build_plan(graph_dir: str | Path, out_dir: str | Path, graphs: tuple[str, st
         "meta": json.loads(meta.to_json()),
     }
     (out_dir / manifest_file).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-    (out_dir / "drafter.json").write_text(meta.to_json())  # the runtime contract travels with the plan
+    (out_dir / META_FILE).write_text(meta.to_json())  # the runtime contract travels with the plan
     return out_dir / plan_file
 
 

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .onnx_drafter import DrafterGraphMeta
-from .onnx_drafter_batch import BATCH_FP16_GRAPH_FILE, BATCH_GRAPH_FILE
+from ..formats import BATCH_GRAPH_FILES, DrafterGraphMeta
 from .trt_drafter import ProfileShapes, build_plan
 
 BATCH_PLAN_FILE = "drafter_batch.plan"
@@ -53,5 +52,5 @@ def build_batched_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, ma
                                max_new_tokens: int | None = None, workspace_gib: float = 4.0) -> Path:
     meta = DrafterGraphMeta.read(graph_dir)
     shapes = batch_profile_shapes(meta, max_rows, max_context, max_new_tokens)
-    return build_plan(graph_dir, out_dir, (BATCH_GRAPH_FILE, BATCH_FP16_GRAPH_FILE), shapes, BATCH_PLAN_FILE,
+    return build_plan(graph_dir, out_dir, (BATCH_GRAPH_FILES["fp32"], BATCH_GRAPH_FILES["fp16"]), shapes, BATCH_PLAN_FILE,
                       BATCH_PLAN_MANIFEST, typing=typing, workspace_gib=workspace_gib)

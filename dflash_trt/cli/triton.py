@@ -61,7 +61,7 @@ def register(sub) -> None:
 def cmd_repo(args: argparse.Namespace) -> int:
     from .options import CliError
     from ..triton.config import ConfigError
-    from ..triton.repo import RepoOptions, write_repository
+    from ..builders.triton_repo import RepoOptions, write_repository
 
     if args.engines is None and (args.target is None or args.drafter is None):
         raise CliError("give --engines DIR, or both --target DIR and --drafter DIR")

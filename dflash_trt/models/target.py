@@ -9,6 +9,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:

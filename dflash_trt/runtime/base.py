@@ -66,5 +66,17 @@ class DrafterEngine(Protocol):
     def new_session(self) -> DrafterSession: ...
 
 
+@dataclass(frozen=True)
+class EngineOptions:
+    """How to load an engine from its artifact (registry.drafter_engine / target_engine). Every backend
+    takes the same options and uses those that apply to it."""
+
+    dtype: str = "float32"  # PyTorch weights
+    device: str | None = None  # None: the backend's own default (cpu for PyTorch, cuda for TensorRT)
+    precision: str = "fp32"  # the ONNX drafter graph to run (fp32 or fp16)
+    threads: int | None = None  # ONNX Runtime intra-op threads
+    feature_layer_ids: tuple[int, ...] = ()  # target: the layers whose features the drafter reads
+
+
 class EngineUnavailable(RuntimeError):
     """A backend whose package or device is missing on this machine."""

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .base import Draft, EngineUnavailable
+from ..formats import GRAPH_FILES, DrafterGraphMeta
+from .base import Draft, EngineOptions, EngineUnavailable
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = tuple(GRAPH_FILES)
 
 
 class OrtDrafterEngine:
@@ -25,13 +26,11 @@ class OrtDrafterEngine:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
             raise EngineUnavailable("the onnxruntime backend needs the `onnxruntime` package") from e
-        from ..builders.onnx_drafter import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
-
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         folder = Path(folder)
         self.meta = DrafterGraphMeta.read(folder)
-        path = folder / (GRAPH_FILE if precision == "fp32" else FP16_GRAPH_FILE)
+        path = folder / GRAPH_FILES[precision]
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (export it with `dflash-trt export-drafter`)")
         options = ort.SessionOptions()
@@ -44,7 +43,11 @@ class OrtDrafterEngine:
         self.feature_layer_ids = self.meta.feature_layer_ids
         self.max_context: int | None = None  # ONNX Runtime takes any cache length (the loop checks this limit)
 
-    def new_session(self) -> "OrtDrafterSession":
+    @classmethod
+    def from_artifact(cls, folder: Path, options: EngineOptions) -> OrtDrafterEngine:
+        return cls(folder, options.precision, threads=options.threads)
+
+    def new_session(self) -> OrtDrafterSession:
         return OrtDrafterSession(self)
 
 
@@ -56,7 +59,6 @@ class OrtDrafterSession:
         self.run = run or (lambda feeds: engine.session.run(None, feeds))
         empty = np.zeros(engine.meta.cache_shape(0), dtype=np.float32)
         self.past_k, self.past_v = empty, empty.copy()
-        self.tokens_processed: list[int] = []  # context + block tokens run per call (for cost accounting)
 
     @property
     def context_length(self) -> int:
@@ -70,5 +72,4 @@ class OrtDrafterSession:
         logits, tokens, self.past_k, self.past_v = self.run(
             {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
         )
-        self.tokens_processed.append(feats.shape[1] + block_size)
         return Draft(logits=torch.from_numpy(logits[0]), tokens=torch.from_numpy(tokens[0]))

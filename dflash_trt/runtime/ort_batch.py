@@ -13,10 +13,11 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from ..formats import BATCH_GRAPH_FILES, DrafterGraphMeta
 from .base import Draft, EngineUnavailable
 from .batched import DraftRequest, RowSlots, grown
 
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = tuple(BATCH_GRAPH_FILES)
 RunFn = Callable[[dict[str, np.ndarray]], Sequence[np.ndarray]]
 
 
@@ -29,14 +30,11 @@ class OrtBatchDrafterEngine:
             import onnxruntime as ort
         except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
             raise EngineUnavailable("the onnxruntime backend needs the `onnxruntime` package") from e
-        from ..builders.onnx_drafter import DrafterGraphMeta
-        from ..builders.onnx_drafter_batch import BATCH_FP16_GRAPH_FILE, BATCH_GRAPH_FILE
-
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
         folder = Path(folder)
         self.meta = DrafterGraphMeta.read(folder)
-        path = folder / (BATCH_GRAPH_FILE if precision == "fp32" else BATCH_FP16_GRAPH_FILE)
+        path = folder / BATCH_GRAPH_FILES[precision]
         if not path.is_file():
             raise FileNotFoundError(f"{path} not found (export it with dflash_trt.builders.onnx_drafter_batch)")
         options = ort.SessionOptions()

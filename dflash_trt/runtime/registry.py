@@ -1,7 +1,10 @@
 """Backends by name: which engine class implements a role, and whether this machine can run it.
 
-    drafter_engine("onnxruntime", folder="engines/drafter-onnx")
-    target_engine("tensorrt_llm", engine_dir="engines/target-trtllm", ...)
+    drafter_engine("onnxruntime", "engines/drafter-onnx", EngineOptions(precision="fp16"))
+    target_engine("torch", "models/target", EngineOptions(feature_layer_ids=(1, 3)))
+
+The one factory: every engine is built from its artifact (a checkpoint or a built engine folder) by
+its class's `from_artifact(path, options)`, so callers never branch on the backend's name.
 
 A backend whose package or device is missing raises EngineUnavailable naming what is missing,
 before anything heavy is imported.
@@ -12,8 +15,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from .base import EngineUnavailable
+from .base import DrafterEngine, EngineOptions, EngineUnavailable, TargetEngine
 
 
 @dataclass(frozen=True)
@@ -80,15 +85,19 @@ def require(role: str, name: str) -> None:
         raise EngineUnavailable(reason)
 
 
-def engine_class(role: str, name: str):
+def engine_class(role: str, name: str) -> Any:
     require(role, name)
     module, attr = _backend(role, name).factory.split(":")
     return getattr(importlib.import_module(module), attr)
 
 
-def drafter_engine(name: str, *args, **kwargs):
-    return engine_class("drafter", name)(*args, **kwargs)
+def drafter_engine(name: str, path: str | Path = "", options: EngineOptions | None = None) -> DrafterEngine:
+    """The drafter engine of backend `name` from its artifact (an exported graph or plan folder)."""
+    engine: DrafterEngine = engine_class("drafter", name).from_artifact(Path(path), options or EngineOptions())
+    return engine
 
 
-def target_engine(name: str, *args, **kwargs):
-    return engine_class("target", name)(*args, **kwargs)
+def target_engine(name: str, path: str | Path = "", options: EngineOptions | None = None) -> TargetEngine:
+    """The target engine of backend `name` from its artifact (a checkpoint or a built engine folder)."""
+    engine: TargetEngine = engine_class("target", name).from_artifact(Path(path), options or EngineOptions())
+    return engine

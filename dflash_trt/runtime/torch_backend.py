@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from ..models.drafter import DFlashDrafter
-from ..models.target import extract_features
-from .base import Draft, TargetOutput
+from ..models.target import DTYPES, extract_features, load_target
+from .base import Draft, EngineOptions, TargetOutput
 
 
 class TorchTargetEngine:
@@ -27,6 +28,12 @@ class TorchTargetEngine:
         # transformers renamed `past_key_values` to `cache` during 5.x; use what this version takes.
         params = inspect.signature(model.forward).parameters
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchTargetEngine:
+        """Served from the Hugging Face checkpoint itself (no build step)."""
+        model = load_target(checkpoint, DTYPES[options.dtype]).to(options.device or "cpu")
+        return cls(model, options.feature_layer_ids)
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -90,8 +97,13 @@ class TorchDrafterEngine:
         self.feature_layer_ids = drafter.spec.target_layer_ids
 
     @classmethod
-    def for_target(cls, drafter: DFlashDrafter, target: TorchTargetEngine) -> "TorchDrafterEngine":
+    def for_target(cls, drafter: DFlashDrafter, target: TorchTargetEngine) -> TorchDrafterEngine:
         return cls(drafter.to(target.device), target.embed_weight, target.lm_head_weight)
+
+    @classmethod
+    def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchDrafterEngine:
+        raise ValueError(f"the PyTorch drafter {checkpoint} runs on its target's embedding and lm_head: load it "
+                         "with its target (dflash_trt.loading.load_decoder), or export it (`dflash-trt export-drafter`)")
 
     def new_session(self) -> "TorchDrafterSession":
         return TorchDrafterSession(self)
@@ -101,7 +113,6 @@ class TorchDrafterSession:
     def __init__(self, engine: TorchDrafterEngine):
         self.engine = engine
         self.past_k, self.past_v = engine.drafter.empty_cache(device=engine.embed_weight.device)
-        self.tokens_processed: list[int] = []  # context + block tokens run per call (for cost accounting)
 
     @property
     def context_length(self) -> int:
@@ -116,6 +127,5 @@ class TorchDrafterSession:
         hidden, self.past_k, self.past_v = e.drafter(
             feats, e.drafter.embed_block(block, e.embed_weight), self.past_k, self.past_v
         )
-        self.tokens_processed.append(feats.shape[1] + block_size)
         logits = e.drafter.logits(hidden[0, 1:], e.lm_head_weight).float()
         return Draft(logits=logits, tokens=logits.argmax(-1))

@@ -11,12 +11,23 @@ context cache stays on the GPU between rounds (present_k of one round is past_k 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from .base import Draft, EngineUnavailable
+from ..formats import DrafterGraphMeta, plan_max_context, read_plan_manifest
+from .base import Draft, EngineOptions, EngineUnavailable
+
+
+def import_tensorrt():
+    try:
+        import tensorrt
+    except ImportError as e:
+        raise EngineUnavailable(
+            "building or running a TensorRT drafter needs the `tensorrt` package (10.x or 11.x): "
+            "pip install 'dflash-trt[gpu]' on a machine with an NVIDIA GPU, or use the TensorRT-LLM container"
+        ) from e
+    return tensorrt
 
 
 def _torch_dtype(trt, dtype) -> torch.dtype:
@@ -30,16 +41,13 @@ class TrtDrafterEngine:
     name = "tensorrt"
 
     def __init__(self, folder: str | Path, device: str = "cuda"):
-        from ..builders.trt_drafter import PLAN_MANIFEST, import_tensorrt
-        from ..builders.onnx_drafter import DrafterGraphMeta
-
         trt = import_tensorrt()
         self.trt = trt
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise EngineUnavailable("the TensorRT drafter needs an NVIDIA GPU, and torch sees none")
         folder = Path(folder)
-        manifest = json.loads((folder / PLAN_MANIFEST).read_text())
+        manifest = read_plan_manifest(folder)
         if manifest["tensorrt_version"] != str(trt.__version__):
             raise EngineUnavailable(
                 f"{folder / manifest['plan']} was built with TensorRT {manifest['tensorrt_version']}, this is "
@@ -60,9 +68,13 @@ class TrtDrafterEngine:
         self.mask_token_id = self.meta.mask_token_id
         self.feature_layer_ids = self.meta.feature_layer_ids
         # The plan's profile caps the cache length T; the loop refuses longer requests up front.
-        self.max_context: int | None = int(manifest["profile"]["past_k"]["max"][3])
+        self.max_context: int | None = plan_max_context(manifest)
 
-    def new_session(self) -> "TrtDrafterSession":
+    @classmethod
+    def from_artifact(cls, folder: Path, options: EngineOptions) -> TrtDrafterEngine:
+        return cls(folder, options.device or "cuda")
+
+    def new_session(self) -> TrtDrafterSession:
         return TrtDrafterSession(self)
 
 
@@ -79,7 +91,6 @@ class TrtDrafterSession:
         self.past_v = torch.zeros(shape, dtype=engine.dtypes["past_v"], device=engine.device)
         # TensorRT wants a valid address even for an empty tensor (the first round's cache).
         self._scratch = torch.zeros(64, dtype=torch.uint8, device=engine.device)
-        self.tokens_processed: list[int] = []
 
     @property
     def context_length(self) -> int:
@@ -107,5 +118,4 @@ class TrtDrafterSession:
         if not ctx.execute_async_v3(stream):
             raise RuntimeError("TensorRT drafter execution failed")
         self.past_k, self.past_v = results["present_k"], results["present_v"]
-        self.tokens_processed.append(feats.shape[1] + block_size)
         return Draft(logits=results["logits"][0].float(), tokens=results["draft_tokens"][0].long())

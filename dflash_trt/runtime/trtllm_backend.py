@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .base import EngineUnavailable, TargetOutput
+from .base import EngineOptions, EngineUnavailable, TargetOutput
 
 
 def _executor_module():
@@ -70,6 +70,10 @@ class TrtllmTargetEngine:
             additional_model_outputs=outputs,
         )
         self.executor = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
+
+    @classmethod
+    def from_artifact(cls, folder: Path, options: EngineOptions) -> "TrtllmTargetEngine":
+        return cls(folder)  # the feature layers were fixed when the engine was built
 
     def new_session(self) -> "TrtllmTargetSession":
         return TrtllmTargetSession(self)

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from ..formats import DRAFTER_OUTPUTS, DrafterGraphMeta
 from ..runtime.base import TargetOutput
 from ..runtime.ort_backend import OrtDrafterSession
 
@@ -40,7 +41,6 @@ InferFn = Callable[[str, dict, list], dict]  # (model name, {input: ndarray}, [o
 TARGET_INPUTS = ["session_id", "token_ids", "cache_length", "rollback_to", "last_logits_only", "want_features",
                  "release"]
 TARGET_OUTPUTS = ["logits", "features", "length"]
-DRAFTER_OUTPUTS = ["logits", "draft_tokens", "present_k", "present_v"]
 
 
 def new_session_id() -> int:
@@ -114,16 +114,14 @@ class RemoteDrafterEngine:
     name = "triton"
 
     def __init__(self, infer: InferFn, model: str, meta: dict):
-        """meta: the exported graph's drafter.json (export.onnx_drafter.DrafterGraphMeta as a dict)."""
-        from ..builders.onnx_drafter import DrafterGraphMeta
-
+        """meta: the exported graph's drafter.json (dflash_trt.formats.DrafterGraphMeta as a dict)."""
         self.infer, self.model = infer, model
-        self.meta = DrafterGraphMeta(**{**meta, "feature_layer_ids": tuple(meta["feature_layer_ids"])})
+        self.meta = DrafterGraphMeta.from_dict(meta)
         self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
         self.feature_layer_ids = self.meta.feature_layer_ids
 
     def run(self, feeds: dict) -> list[np.ndarray]:
-        out = self.infer(self.model, feeds, DRAFTER_OUTPUTS)
+        out = self.infer(self.model, feeds, list(DRAFTER_OUTPUTS))
         return [np.array(out[name]) for name in DRAFTER_OUTPUTS]  # writable copies (torch.from_numpy)
 
     def new_session(self) -> OrtDrafterSession:

@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
+from ...runtime import registry
+from ...runtime.base import EngineOptions
 from ..bls import TARGET_INPUTS, TargetSessions, serve_target
 from .common import error_response, get, load_config, resolve
 
@@ -27,19 +29,10 @@ class TritonPythonModel:
         threads = int(params.get("threads", "0"))
         if threads:
             torch.set_num_threads(threads)
-        backend = params.get("backend", "torch")
-        path = resolve(folder, params.get("engine_dir", "target"))
-        if backend == "torch":
-            from ...loading import DTYPES
-            from ...models.target import load_target
-            from ...runtime.torch_backend import TorchTargetEngine
-
-            model = load_target(path, DTYPES[params.get("dtype", "float32")]).to(params.get("device", "cpu"))
-            engine = TorchTargetEngine(model, tuple(json.loads(params.get("feature_layer_ids", "[]"))))
-        else:
-            from ...runtime import registry
-
-            engine = registry.target_engine(backend, path)
+        options = EngineOptions(dtype=params.get("dtype", "float32"), device=params.get("device"),
+                                feature_layer_ids=tuple(json.loads(params.get("feature_layer_ids", "[]"))))
+        engine = registry.target_engine(params.get("backend", "torch"),
+                                        resolve(folder, params.get("engine_dir", "target")), options)
         self.sessions = TargetSessions(engine, float(params.get("session_ttl_s", "600")))
 
     def execute(self, requests):

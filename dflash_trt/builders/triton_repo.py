@@ -24,7 +24,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import Step, check_repository, model_config, tensor, write_config
+from ..formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILE, META_FILE, PLAN_FILE, DrafterGraphMeta, serving_sources
+from ..triton.config import Step, check_repository, model_config, tensor, write_config
 
 ENSEMBLE, BLS, PRE, POST = "dflash", "dflash_bls", "preprocessing", "postprocessing"
 # HTTP and unary gRPC refuse any model that contains a decoupled one, so the same loop is also
@@ -60,16 +61,12 @@ def shim(module: str) -> str:
 
 
 def sources_from_engines(engines_dir: Path) -> Sources:
-    from ..builders.engines import serving_sources
-
-    if not (engines_dir / "manifest.json").is_file():
-        raise FileNotFoundError(f"no manifest.json in {engines_dir}: build the engines with `make engines`")
     s = serving_sources(engines_dir)  # the one manifest reader: resolves relative checkpoint paths
     return Sources(s.tokenizer_dir, s.target["backend"], s.target_dir, s.drafter["backend"], s.drafter_dir)
 
 
 def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) -> Sources:
-    from ..builders.onnx_drafter import export_from_checkpoints
+    from .onnx_drafter import export_from_checkpoints
 
     export_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
     return Sources(target_dir, "torch", target_dir, "onnxruntime", work)
@@ -133,20 +130,17 @@ def _text_models(repo: Path, src: Sources, opt: RepoOptions):
 
 
 def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
-    from ..builders.onnx_drafter import GRAPH_FILE, META_FILE, DrafterGraphMeta
-
     meta = DrafterGraphMeta.read(src.drafter_dir)
     L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
-    inputs = [tensor("block_ids", "TYPE_INT64", [1, -1]), tensor("features", "TYPE_FP32", [1, -1, F]),
-              tensor("past_k", "TYPE_FP32", [L, 1, H, -1, D]), tensor("past_v", "TYPE_FP32", [L, 1, H, -1, D])]
-    outputs = [tensor("logits", "TYPE_FP32", [1, -1, V]), tensor("draft_tokens", "TYPE_INT64", [1, -1]),
-               tensor("present_k", "TYPE_FP32", [L, 1, H, -1, D]), tensor("present_v", "TYPE_FP32", [L, 1, H, -1, D])]
+    cache = ("TYPE_FP32", [L, 1, H, -1, D])
+    inputs = [tensor(name, *t) for name, t in zip(DRAFTER_INPUTS, (
+        ("TYPE_INT64", [1, -1]), ("TYPE_FP32", [1, -1, F]), cache, cache))]
+    outputs = [tensor(name, *t) for name, t in zip(DRAFTER_OUTPUTS, (
+        ("TYPE_FP32", [1, -1, V]), ("TYPE_INT64", [1, -1]), cache, cache))]
     version = repo / DRAFTER / "1"
     version.mkdir(parents=True)
     if src.drafter_backend == "tensorrt":
         # Written against Triton's tensorrt_plan platform, never run in this project: no GPU/TensorRT here.
-        from ..builders.trt_drafter import PLAN_FILE
-
         _copy(src.drafter_dir / PLAN_FILE, version / "model.plan", opt.symlink_weights)
         cfg = model_config(DRAFTER, platform="tensorrt_plan", inputs=inputs, outputs=outputs, instance_kind="KIND_GPU")
     else:

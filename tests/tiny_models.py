@@ -1,4 +1,6 @@
-"""Tiny random targets and drafters built from configs: for tests and smoke runs, never downloaded."""
+"""Tiny random targets and drafters built from configs: for tests and smoke scripts, never downloaded.
+
+Test scaffolding, not product: it lives beside the tests; scripts put tests/ on their path to use it."""
 
 from __future__ import annotations
 
@@ -7,8 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from ..config import build_target_layer_ids
-from .drafter import DFlashDrafter
+from dflash_trt.config import build_target_layer_ids
+from dflash_trt.models.drafter import DFlashDrafter
 
 
 def tiny_target_config(family: str = "qwen3", vocab_size: int = 128, layers: int = 6, hidden: int = 64, **kw):

@@ -1,0 +1,141 @@
+"""The file formats the builders write and the runtimes, the loader and the Triton models read.
+
+One home, torch-free (json and pathlib only), so a reader never imports a writer:
+  drafter round graph   drafter.onnx / drafter_fp16.onnx + drafter.json (DrafterGraphMeta): tensor names
+                        and shapes of the one-graph round (see builders/onnx_drafter.py)
+  TensorRT plan         drafter.plan + drafter.plan.json (TensorRT version, GPU, optimization profile)
+  engines folder        manifest.json: what `make engines` built and which backend serves each role
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+# ---- the drafter round graph -------------------------------------------------------------------
+# Inputs:  block_ids [1, B] int64, features [1, n, F] float32, past_k / past_v [L, 1, H, T, D] float32.
+# Outputs: logits [1, B-1, V] float32, draft_tokens [1, B-1] int64, present_k / present_v [L, 1, H, T+n, D].
+DRAFTER_INPUTS = ("block_ids", "features", "past_k", "past_v")
+DRAFTER_OUTPUTS = ("logits", "draft_tokens", "present_k", "present_v")
+GRAPH_FILE = "drafter.onnx"
+FP16_GRAPH_FILE = "drafter_fp16.onnx"
+GRAPH_FILES = {"fp32": GRAPH_FILE, "fp16": FP16_GRAPH_FILE}  # by precision
+META_FILE = "drafter.json"
+
+# ---- the batched drafter round graph (builders/onnx_drafter_batch.py) ----------------------------
+# Ragged rows: per-row lengths as inputs, the cache [L, b, H, C, D] with C >= max(past_lengths) + n.
+BATCH_DRAFTER_INPUTS = ("block_ids", "block_lengths", "features", "new_lengths", "past_k", "past_v", "past_lengths")
+BATCH_DRAFTER_OUTPUTS = ("logits", "draft_tokens", "present_k", "present_v")
+BATCH_GRAPH_FILES = {"fp32": "drafter_batch.onnx", "fp16": "drafter_batch_fp16.onnx"}  # by precision
+
+
+@dataclass(frozen=True)
+class DrafterGraphMeta:
+    """The contract between an exported graph and its runtimes (ONNX Runtime, TensorRT, Triton)."""
+
+    block_size: int
+    mask_token_id: int
+    feature_layer_ids: tuple[int, ...]
+    feature_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+
+    def cache_shape(self, length: int) -> tuple[int, ...]:
+        return (self.num_layers, 1, self.num_kv_heads, length, self.head_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2, sort_keys=True) + "\n"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DrafterGraphMeta:
+        return cls(**{**raw, "feature_layer_ids": tuple(raw["feature_layer_ids"])})
+
+    @classmethod
+    def read(cls, folder: str | Path) -> DrafterGraphMeta:
+        path = Path(folder) / META_FILE
+        if not path.is_file():
+            raise FileNotFoundError(f"no {META_FILE} in {folder}: not an exported drafter (run `dflash-trt export-drafter`)")
+        return cls.from_dict(json.loads(path.read_text()))
+
+
+# ---- the TensorRT drafter plan ------------------------------------------------------------------
+PLAN_FILE = "drafter.plan"
+PLAN_MANIFEST = "drafter.plan.json"
+
+
+def read_plan_manifest(folder: str | Path) -> dict[str, Any]:
+    """drafter.plan.json: {"plan", "tensorrt_version", "gpu", "profile": {input: {"min", "opt", "max"}}, ...}."""
+    path = Path(folder) / PLAN_MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no {PLAN_MANIFEST} in {folder}: build the plan with `dflash-trt build-drafter`")
+    manifest: dict[str, Any] = json.loads(path.read_text())
+    return manifest
+
+
+def plan_max_context(manifest: dict[str, Any]) -> int:
+    """The longest drafter context (cache length T) the plan's optimization profile admits."""
+    return int(manifest["profile"]["past_k"]["max"][3])
+
+
+# ---- the engines folder -------------------------------------------------------------------------
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+DRAFTER_ONNX_DIR = "drafter-onnx"
+DRAFTER_TRT_DIR = "drafter-tensorrt"
+TARGET_TRTLLM_DIR = "target-tensorrt-llm"
+
+
+def resolve_manifest_path(engines_dir: Path, stored: str) -> Path:
+    """A path read from a manifest: relative ones are relative to its folder; absolute ones (older manifests) stay."""
+    return Path(os.path.normpath(Path(engines_dir) / stored))
+
+
+def read_manifest(engines_dir: Path) -> dict[str, Any]:
+    """The manifest as written, or {} when there is none or it is not JSON (a builder then rebuilds)."""
+    path = Path(engines_dir) / MANIFEST
+    if not path.is_file():
+        return {}
+    try:
+        manifest: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}
+    return manifest
+
+
+@dataclass(frozen=True)
+class ServingSources:
+    """What to load to serve a built engines folder: the manifest's `serve` choice, with paths resolved."""
+
+    drafter: dict[str, Any]  # the drafter's manifest entry ("backend", "dir", "serve_precision", ...)
+    drafter_dir: Path  # its engine folder
+    target: dict[str, Any]  # the target's manifest entry ("backend", ...)
+    target_dir: Path  # the checkpoint for the "torch" backend, else the engine folder
+    tokenizer_dir: Path  # the target checkpoint (engines carry no tokenizer)
+
+
+def serving_sources(engines_dir: str | Path) -> ServingSources:
+    """Read engines_dir/manifest.json's `serve` section (the one place that parses it for loading)."""
+    engines_dir = Path(engines_dir)
+    path = engines_dir / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"no {MANIFEST} in {engines_dir}: build the engines with `make engines`")
+    try:
+        manifest = json.loads(path.read_text())
+        engines, serve = manifest["engines"], manifest["serve"]
+        drafter, target = engines[serve["drafter"]], engines[serve["target"]]
+        checkpoint = manifest["sources"]["target"]["path"]
+        target_dir = (resolve_manifest_path(engines_dir, target["checkpoint"]) if target["backend"] == "torch"
+                      else engines_dir / target["dir"])
+        drafter_dir = engines_dir / drafter["dir"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path} is not a manifest `make engines` wrote ({type(e).__name__}: {e}): rebuild it") from None
+    return ServingSources(drafter, drafter_dir, target, target_dir, resolve_manifest_path(engines_dir, checkpoint))

@@ -8,7 +8,7 @@ greedy), for
     batch-adaptive     the batched step, DFlash with adaptive block sizes (cost model timed at start-up)
     single-dflash      the single-sequence loop (decoding/decode.py), concurrency 1 only
 
-At concurrency C the prompts run as consecutive batches of C rows, each row exactly --max-new-tokens
+At concurrency C the prompts (at concurrency 1 optionally only the first --c1-prompts) run as consecutive batches of C rows, each row exactly --max-new-tokens
 tokens (no stop token), so every method produces the same number of tokens; the batched methods' tokens
 are checked against the target alone. Also prints the profile of the batched steps at the highest
 concurrency (draft / verify / acceptance / policy / Python overhead per step). JSON under results/.
@@ -59,6 +59,8 @@ def main() -> int:
     ap.add_argument("--drafter", default=str(DEMO_DRAFTER), help="DFlash drafter directory (default: demo)")
     ap.add_argument("--prompts", type=int, default=16, help="held-out code prompts (a multiple of every concurrency)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated batch sizes")
+    ap.add_argument("--c1-prompts", type=int, default=None,
+                    help="prompts at concurrency 1 (default: all; fewer keeps a slow machine's run short)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_batch.json"))
@@ -114,8 +116,9 @@ def main() -> int:
                 continue
             tokens, steps, outputs = 0, [], []
             t0 = time.perf_counter()
-            for start in range(0, len(prompts), c):
-                out, prof = fn(prompts[start:start + c])
+            subset = prompts[: args.c1_prompts] if c == 1 and args.c1_prompts else prompts
+            for start in range(0, len(subset), c):
+                out, prof = fn(subset[start:start + c])
                 outputs += out
                 steps += prof
             secs = time.perf_counter() - t0

@@ -7,7 +7,7 @@
 Each step has a key: the sha256 of its inputs (checkpoint contents, settings, tool versions). A step
 whose key equals the manifest's and whose files are all present is skipped, so re-running with
 unchanged inputs does nothing. The manifest says which backend serves each role; the server,
-`generate --engines` and the Triton repository read it through dflash_trt.formats.serving_sources(). Checkpoint paths in it
+`generate --engines` and the Triton repository read it through formats.serving_sources(). Checkpoint paths in it
 are relative to its folder, so engines/ and the checkpoints can move together (a Docker mount).
 """
 
@@ -21,6 +21,7 @@ import tomllib
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
+from typing import Any, Callable
 
 from ..formats import (DRAFTER_ONNX_DIR, DRAFTER_TRT_DIR, MANIFEST, MANIFEST_VERSION, TARGET_TRTLLM_DIR,
                        DrafterGraphMeta, read_manifest, read_plan_manifest)
@@ -139,10 +140,109 @@ class BuildReport:
                 + [f"skipped    {n}: {why}" for n, why in self.skipped.items()])
 
 
-def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
+@dataclass
+class BuildContext:
+    """What every step may read: the settings, the checkpoints' hashes and the engines built so far."""
+
+    cfg: EnginesConfig
+    out: Path
+    sources: dict  # role -> {"path", "sha256"} (paths relative to `out`)
+    spec: Any  # the drafter's DFlashSpec (feature layers, trained block size)
+    block_size: int
+    engines: dict[str, dict]  # manifest entries of the steps already done (built or up to date)
+    log: Callable[[str], Any]
+
+
+@dataclass(frozen=True)
+class BuildStep:
+    """One engine `make engines` may build. Its key hashes everything the output depends on; a key equal
+    to the manifest's, with every recorded file intact, means nothing to do."""
+
+    name: str  # the manifest entry
+    backend: str
+    role: str  # "drafter" or "target"
+    folder: str  # below the engines folder
+    needs: bool  # whether the registry must find `backend` usable here (a package, a GPU); else skipped
+    versions: Callable[[], dict]  # tool versions that change the output
+    key: Callable[[BuildContext, dict], tuple]  # (context, versions) -> what the key hashes
+    build: Callable[[BuildContext, Path], dict]  # writes the folder; returns the entry's step-specific fields
+
+
+def _onnx_key(ctx: BuildContext, vers: dict) -> tuple:
+    return ("drafter-onnx", ctx.sources["target"]["sha256"], ctx.sources["drafter"]["sha256"], vers,
+            code_sha256("dflash_trt.models.drafter", "dflash_trt.builders.onnx_drafter"))
+
+
+def _build_onnx(ctx: BuildContext, folder: Path) -> dict:
+    from .onnx_drafter import export_from_checkpoints
+
+    shutil.rmtree(folder, ignore_errors=True)
+    ctx.log(f"exporting the drafter to ONNX in {folder} ...")
+    export_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, folder, fp16=True)
+    meta = DrafterGraphMeta.read(folder)
+    return {
+        "precisions": ["fp32", "fp16"], "serve_precision": "fp32",
+        "shapes": {
+            "block_ids": [1, "B (2.." + str(meta.block_size) + ")"],
+            "features": [1, "n", meta.feature_size],
+            "past_k": list(meta.cache_shape(0)[:3]) + ["T", meta.head_dim],
+            "logits": [1, "B-1", meta.vocab_size],
+        },
+    }
+
+
+def _trt_versions() -> dict:
+    from .trt_drafter import gpu_name
+
+    return versions("tensorrt") | {"gpu": gpu_name()}
+
+
+def _trt_key(ctx: BuildContext, vers: dict) -> tuple:
+    cfg = ctx.cfg
+    return ("drafter-trt", ctx.engines["drafter_onnx"]["key"], vers, cfg.precision, cfg.max_seq_len, cfg.max_input_len)
+
+
+def _build_trt(ctx: BuildContext, folder: Path) -> dict:
+    from .trt_drafter import build_drafter_plan
+
+    ctx.log(f"building the TensorRT drafter plan in {folder} ...")
+    build_drafter_plan(ctx.out / DRAFTER_ONNX_DIR, folder, max_context=ctx.cfg.max_seq_len,
+                       max_new_tokens=ctx.cfg.max_input_len)
+    return {"shapes": read_plan_manifest(folder)["profile"]}
+
+
+def _trtllm_key(ctx: BuildContext, vers: dict) -> tuple:
+    cfg = ctx.cfg
+    return ("target-trtllm", ctx.sources["target"]["sha256"], ctx.spec.target_layer_ids, ctx.block_size, cfg.tp,
+            cfg.precision, cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len, vers)
+
+
+def _build_trtllm(ctx: BuildContext, folder: Path) -> dict:
+    from .trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
+
+    cfg = ctx.cfg
+    dtype = "float16" if cfg.precision == "fp16" else "float32"
+    plan = plan_target_build(spec_from_checkpoints(
+        cfg.target, cfg.drafter, folder, cfg.tp, ctx.block_size, dtype=dtype, max_batch_size=cfg.max_batch_size,
+        max_input_len=cfg.max_input_len, max_seq_len=cfg.max_seq_len))
+    run_plan(plan, ctx.log)
+    return {"tp": cfg.tp, "feature_outputs": plan.feature_outputs,
+            "shapes": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
+                       "max_seq_len": cfg.max_seq_len, "max_draft_len": ctx.block_size - 1}}
+
+
+# In order: the TensorRT plan is built from the ONNX export.
+STEPS = (
+    BuildStep("drafter_onnx", "onnxruntime", "drafter", DRAFTER_ONNX_DIR, False,
+              lambda: versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt"), _onnx_key, _build_onnx),
+    BuildStep("drafter_tensorrt", "tensorrt", "drafter", DRAFTER_TRT_DIR, True, _trt_versions, _trt_key, _build_trt),
+    BuildStep("target_tensorrt_llm", "tensorrt_llm", "target", TARGET_TRTLLM_DIR, True,
+              lambda: versions("tensorrt_llm", "tensorrt"), _trtllm_key, _build_trtllm),
+)
+
+
+def _check_checkpoints(cfg: EnginesConfig) -> None:
     from ..settings import DEMO_MODELS_HINT
-    from ..config import load_drafter_config
-    from ..runtime.registry import unavailable_reason
 
     for role, path in (("target", cfg.target), ("drafter", cfg.drafter)):
         if not (path / "config.json").is_file():
@@ -150,106 +250,52 @@ def build_engines(cfg: EnginesConfig, log=print) -> tuple[dict, BuildReport]:
                 f"{role} checkpoint not found: {path} (the demo models come from `{DEMO_MODELS_HINT}`; "
                 f"point engines.toml's `{role}` at another checkpoint, e.g. .cache/tiny/{role} from `make demo`)"
             )
+
+
+def _run_step(step: BuildStep, ctx: BuildContext, previous: dict, report: BuildReport) -> None:
+    from ..runtime.registry import unavailable_reason
+
+    reason = unavailable_reason(step.role, step.backend) if step.needs else None
+    if reason:
+        report.skipped[step.name] = reason
+        return
+    vers = step.versions()
+    key = step_key(*step.key(ctx, vers))
+    if _up_to_date(previous.get(step.name), key, ctx.out):
+        ctx.engines[step.name] = previous[step.name]
+        report.unchanged.append(step.name)
+        return
+    folder = ctx.out / step.folder
+    fields = step.build(ctx, folder)
+    ctx.engines[step.name] = {"backend": step.backend, "role": step.role, "dir": step.folder, "key": key,
+                              "files": _record_files(folder), "versions": vers, **fields}
+    report.built.append(step.name)
+
+
+def build_engines(cfg: EnginesConfig, log: Callable[[str], Any] = print) -> tuple[dict, BuildReport]:
+    from ..config import load_drafter_config
+
+    _check_checkpoints(cfg)
     out = cfg.output
     out.mkdir(parents=True, exist_ok=True)
     previous = read_manifest(out).get("engines", {})
     report = BuildReport()
     log(f"hashing checkpoints {cfg.target} and {cfg.drafter} ...")
-    sources = {  # paths relative to `out` (resolve_manifest_path reads them back)
+    sources = {  # paths relative to `out` (formats.resolve_manifest_path reads them back)
         "target": {"path": _relative_to(out, cfg.target), "sha256": tree_sha256(cfg.target)},
         "drafter": {"path": _relative_to(out, cfg.drafter), "sha256": tree_sha256(cfg.drafter)},
     }
     _, spec = load_drafter_config(cfg.drafter)
-    block_size = cfg.block_size or spec.block_size
-    engines: dict[str, dict] = {}
-
-    # ---- drafter -> ONNX (every machine) ---------------------------------------------------
-    onnx_versions = versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt")
-    key = step_key("drafter-onnx", sources["target"]["sha256"], sources["drafter"]["sha256"], onnx_versions,
-                   code_sha256("dflash_trt.models.drafter", "dflash_trt.builders.onnx_drafter"))
-    if _up_to_date(previous.get("drafter_onnx"), key, out):
-        engines["drafter_onnx"] = previous["drafter_onnx"]
-        report.unchanged.append("drafter_onnx")
-    else:
-        from .onnx_drafter import export_from_checkpoints
-
-        folder = out / DRAFTER_ONNX_DIR
-        shutil.rmtree(folder, ignore_errors=True)
-        log(f"exporting the drafter to ONNX in {folder} ...")
-        export_from_checkpoints(cfg.drafter, cfg.target, folder, fp16=True)
-        meta = DrafterGraphMeta.read(folder)
-        engines["drafter_onnx"] = {
-            "backend": "onnxruntime", "role": "drafter", "dir": DRAFTER_ONNX_DIR, "key": key,
-            "precisions": ["fp32", "fp16"], "serve_precision": "fp32",
-            "files": _record_files(folder), "versions": onnx_versions,
-            "shapes": {
-                "block_ids": [1, "B (2.." + str(meta.block_size) + ")"],
-                "features": [1, "n", meta.feature_size],
-                "past_k": list(meta.cache_shape(0)[:3]) + ["T", meta.head_dim],
-                "logits": [1, "B-1", meta.vocab_size],
-            },
-        }
-        report.built.append("drafter_onnx")
-
-    # ---- drafter -> TensorRT plan (GPU + tensorrt) -------------------------------------------
-    reason = unavailable_reason("drafter", "tensorrt")
-    if reason:
-        report.skipped["drafter_tensorrt"] = reason
-    else:
-        from .trt_drafter import build_drafter_plan, gpu_name
-
-        trt_versions = versions("tensorrt") | {"gpu": gpu_name()}
-        key = step_key("drafter-trt", engines["drafter_onnx"]["key"], trt_versions, cfg.precision, cfg.max_seq_len,
-                       cfg.max_input_len)
-        if _up_to_date(previous.get("drafter_tensorrt"), key, out):
-            engines["drafter_tensorrt"] = previous["drafter_tensorrt"]
-            report.unchanged.append("drafter_tensorrt")
-        else:
-            folder = out / DRAFTER_TRT_DIR
-            log(f"building the TensorRT drafter plan in {folder} ...")
-            build_drafter_plan(out / DRAFTER_ONNX_DIR, folder, max_context=cfg.max_seq_len,
-                               max_new_tokens=cfg.max_input_len)
-            plan_manifest = read_plan_manifest(folder)
-            engines["drafter_tensorrt"] = {
-                "backend": "tensorrt", "role": "drafter", "dir": DRAFTER_TRT_DIR, "key": key,
-                "files": _record_files(folder), "versions": trt_versions, "shapes": plan_manifest["profile"],
-            }
-            report.built.append("drafter_tensorrt")
-
-    # ---- target -> TensorRT-LLM engine (GPUs + tensorrt_llm) ------------------------------
-    reason = unavailable_reason("target", "tensorrt_llm")
-    if reason:
-        report.skipped["target_tensorrt_llm"] = reason
-    else:
-        from .trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
-
-        trtllm_versions = versions("tensorrt_llm", "tensorrt")
-        key = step_key("target-trtllm", sources["target"]["sha256"], spec.target_layer_ids, block_size, cfg.tp,
-                       cfg.precision, cfg.max_batch_size, cfg.max_input_len, cfg.max_seq_len, trtllm_versions)
-        if _up_to_date(previous.get("target_tensorrt_llm"), key, out):
-            engines["target_tensorrt_llm"] = previous["target_tensorrt_llm"]
-            report.unchanged.append("target_tensorrt_llm")
-        else:
-            folder = out / TARGET_TRTLLM_DIR
-            dtype = "float16" if cfg.precision == "fp16" else "float32"
-            plan = plan_target_build(spec_from_checkpoints(
-                cfg.target, cfg.drafter, folder, cfg.tp, block_size, dtype=dtype, max_batch_size=cfg.max_batch_size,
-                max_input_len=cfg.max_input_len, max_seq_len=cfg.max_seq_len))
-            run_plan(plan, log)
-            engines["target_tensorrt_llm"] = {
-                "backend": "tensorrt_llm", "role": "target", "dir": TARGET_TRTLLM_DIR, "key": key, "tp": cfg.tp,
-                "files": _record_files(folder), "versions": trtllm_versions, "feature_outputs": plan.feature_outputs,
-                "shapes": {"max_batch_size": cfg.max_batch_size, "max_input_len": cfg.max_input_len,
-                           "max_seq_len": cfg.max_seq_len, "max_draft_len": block_size - 1},
-            }
-            report.built.append("target_tensorrt_llm")
-
+    ctx = BuildContext(cfg, out, sources, spec, cfg.block_size or spec.block_size, {}, log)
+    for step in STEPS:
+        _run_step(step, ctx, previous, report)
+    engines = ctx.engines
     # The PyTorch target needs no build: it serves from the checkpoint (recorded by hash).
     engines["target_torch"] = {"backend": "torch", "role": "target", "checkpoint": sources["target"]["path"],
                                "sha256": sources["target"]["sha256"], "versions": versions("torch", "transformers")}
     manifest = {
         "version": MANIFEST_VERSION,
-        "config": cfg.settings() | {"block_size": block_size},
+        "config": cfg.settings() | {"block_size": ctx.block_size},
         "sources": sources,
         "engines": engines,
         "skipped": report.skipped,

@@ -27,6 +27,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
+
 
 @dataclass
 class LinearCost:
@@ -154,15 +156,13 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, sweeps: int = 3) -
     return high[1] if high[0] > low[0] else low[1]
 
 
-def measure_costs(target, drafter=None, rows: Sequence[int] = (1, 4, 16), blocks: Sequence[int] = (1, 4, 8),
+def measure_costs(target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, rows: Sequence[int] = (1, 4, 16), blocks: Sequence[int] = (1, 4, 8),
                   context: int = 128, repeats: int = 3) -> CostModel:
     """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
     target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
     The whole grid is timed `repeats` times over and each cell keeps its fastest pass, so a burst of load
     from other processes spoils one pass of a cell, not the cell."""
-    from ..runtime.batched import DraftRequest
-
     vocab = int(target.vocab_size)
     g = torch.Generator().manual_seed(0)
     setups = []
@@ -175,7 +175,8 @@ def measure_costs(target, drafter=None, rows: Sequence[int] = (1, 4, 16), blocks
         if drafter is not None and outs[0].features is not None:
             dsess = drafter.new_batch()
             dh = [dsess.add_row() for _ in range(r)]
-            dsess.draft([DraftRequest(h, o.features, 1, 2) for h, o in zip(dh, outs)])  # fill the context cache
+            # fill the context cache
+            dsess.draft([DraftRequest(h, o.features, 1, 2) for h, o in zip(dh, outs) if o.features is not None])
         setups.append((r, sess, handles, dsess, dh, outs[0].features))
     best: dict[tuple[str, int, int], float] = {}
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -66,7 +66,7 @@ class StepProfile:
 class BatchRow:
     """One request inside a BatchDecoder: the per-row state `Generation` keeps for a single sequence."""
 
-    def __init__(self, rid: int, prompt_ids: list[int], config: GenerationConfig, tokenizer, can_draft: bool):
+    def __init__(self, rid: int, prompt_ids: list[int], config: GenerationConfig, tokenizer: Any, can_draft: bool):
         self.id, self.prompt_ids, self.config = rid, prompt_ids, config
         self.params = config.sampling
         self.generator = self.params.generator()
@@ -132,7 +132,7 @@ class BatchDecoder:
     `adaptive.measure_costs`); otherwise rows without their own `block_size` use the drafter's trained one.
     refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never)."""
 
-    def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer=None, *,
+    def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer: Any = None, *,
                  adaptive: bool = False, cost: CostModel | None = None, refit_every: int = 0):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(

@@ -19,12 +19,11 @@ Drafter: the same slot scheme for its context cache; one round for all rows is
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
-from transformers.models.llama.modeling_llama import rotate_half
 
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import ragged_round
@@ -33,7 +32,10 @@ from .batched import DraftRequest, RowSlots, grown
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    """Hugging Face's rotary embedding (rotate_half convention): x [b, heads, n, d], cos/sin [b, n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
 
 
 def _row_index(rows: Sequence[int], device: torch.device) -> tuple[slice | None, torch.Tensor]:
@@ -57,8 +59,9 @@ class TorchBatchTargetEngine:
         )
         if uses_window:
             raise ValueError("the batched target supports full-attention layers only (this one uses a sliding window)")
-        self.model = model
-        self.base = model.get_decoder()
+        untyped: Any = model  # transformers' methods are untyped
+        self.model: Any = untyped
+        self.base: Any = untyped.get_decoder()
         self.layers = list(self.base.layers)
         attn = self.layers[0].self_attn
         self.vocab_size = int(text.vocab_size)

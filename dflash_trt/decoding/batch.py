@@ -269,10 +269,9 @@ class BatchDecoder:
         fixed = [None if r.config.block_size is None else min(r.config.block_size, c) for r, c in zip(rows, caps)]
         if not self.adaptive or self.cost is None:
             return [f if f is not None else c for f, c in zip(fixed, caps)]
-        choices = [
-            RowChoice(r.acceptance.alpha, c, sum(int(p.shape[0]) for p in r.pending) or 1, f)
-            for r, c, f in zip(rows, caps, fixed)
-        ]
+        # new_context=1: a row's backlog of features is a sunk cost, paid whenever it next drafts whatever the
+        # size; charging it would keep a row that skipped drafting from ever drafting again (its backlog grows).
+        choices = [RowChoice(r.acceptance.alpha, c, 1, f) for r, c, f in zip(rows, caps, fixed)]
         return choose_blocks(choices, self.cost)
 
     def _verify(self, rows: list[BatchRow], prof: StepProfile) -> list[tuple[BatchRow, Round]]:

@@ -31,6 +31,7 @@ $(TRITON_STAMP): pyproject.toml
 	touch $(TRITON_STAMP)
 
 test: venv triton-env
+	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q tests
 
 # One generation on the demo models (models/), printed as JSON with its statistics.

@@ -67,6 +67,7 @@ class _WrappedDrafter:
     def __init__(self, engine):
         self.engine, self.name = engine, engine.name
         self.block_size, self.feature_layer_ids = engine.block_size, engine.feature_layer_ids
+        self.max_context = engine.max_context
 
     def new_session(self):
         return self.session_class(self, self.engine.new_session())
@@ -130,6 +131,7 @@ class NoisyOracleDrafter:
     bookkeeping of long accepted runs that a trained drafter produces."""
 
     name = "noisy-oracle"
+    max_context = None
 
     def __init__(self, reference: list[int], prompt_len: int, vocab: int, block_size: int, p_correct: float, seed: int,
                  feature_layer_ids=()):

@@ -96,6 +96,9 @@ class _FaultyTargetSession:
     def rollback(self, length):
         return self.inner.rollback(length)
 
+    def close(self):
+        return self.inner.close()
+
 
 class GatedTarget(FaultyTarget):
     """Wraps a real target engine; while `hold` is set, forward() parks until `gate` is set, and

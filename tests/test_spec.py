@@ -9,7 +9,7 @@ from helpers import CountingDrafter, NoisyOracleDrafter, hf_greedy, make_tokeniz
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.decoding import ContextLengthError, GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
-from dflash_trt.decoding import decode as decode_module
+from dflash_trt.decoding import acceptance as acceptance_module
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
@@ -179,7 +179,7 @@ def test_statistical_test_catches_broken_samplers(sharp_pair, monkeypatch, broke
     """Negative control: the test above must be able to fail."""
     model, drafter = sharp_pair
     prompt = [1, 2, 3]
-    monkeypatch.setattr(decode_module, "accept_rejection", broken)
+    monkeypatch.setattr(acceptance_module, "accept_rejection", broken)  # what RejectionRule calls
     expected = exact_joint(model, prompt, SETTINGS["T1"](0), 3)
     counts, _ = sample_counts(model, drafter, prompt, SETTINGS["T1"], "rejection")
     assert chi_square_pvalue(counts, expected, N_SAMPLES) < 1e-6

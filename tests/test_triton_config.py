@@ -98,6 +98,19 @@ def test_cli_writes_repository_and_refuses_to_overwrite(tmp_path, capsys):
     assert "exists (pass --force" in capsys.readouterr().err
 
 
+def test_cli_without_model_arguments_uses_the_demo_models(tmp_path, monkeypatch, capsys):
+    """Like every other command, `triton-repo --out DIR` defaults to the demo models."""
+    from dflash_trt import settings
+    from dflash_trt.cli import main
+
+    monkeypatch.setattr(settings, "DEMO_TARGET", tmp_path / "no-demo" / "target")
+    monkeypatch.setattr(settings, "DEMO_DRAFTER", tmp_path / "no-demo" / "drafter")
+    assert main(["triton-repo", "--out", str(tmp_path / "repo")]) == 1
+    err = capsys.readouterr().err
+    assert f"target directory not found: {tmp_path / 'no-demo' / 'target'}" in err and "demo models" in err
+    assert not (tmp_path / "repo").exists()
+
+
 def test_engines_manifest_with_tensorrt_plan_gives_a_tensorrt_plan_drafter(repo, tmp_path):
     """--engines: the manifest's serve section picks the backends. The plan bytes are a placeholder
     (no TensorRT here): this checks the repository layout and config only, not that Triton loads it."""

@@ -1,8 +1,7 @@
 """Where one DFlash round's time goes: target verify, drafter, acceptance, cache rollback, Python glue.
 
-Timers wrap the loop's own calls on one generation (two perf_counter calls per wrapped call: a few
-microseconds a round), and forward hooks split the target and drafter modules from the code around
-them. A second, cProfile'd generation lists the functions with the most own time (cProfile slows
+Each round reports its own timings (decoding.RoundTimings: draft, target forward, acceptance, rollback,
+whole step), and forward hooks split the target and drafter modules from the code around them. A second, cProfile'd generation lists the functions with the most own time (cProfile slows
 Python-heavy code, so its absolute numbers are inflated; the buckets come from the timed run).
 """
 
@@ -13,7 +12,6 @@ import json
 import pstats
 import statistics
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -29,16 +27,6 @@ BUCKETS = (
 )
 
 
-def _timed(fn, acc: dict, key: str):
-    def wrapper(*args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            acc[key] += time.perf_counter() - t0
-    return wrapper
-
-
 def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
     """Run one generation with timers on every part of a round; per-round mean ms per bucket."""
     from .methods import ForwardTimer
@@ -48,18 +36,9 @@ def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
     drafter_timer = ForwardTimer(drafter_module) if isinstance(drafter_module, torch.nn.Module) else None
     gen = decoder.start(prompt_ids, config)
     rounds: list[dict] = []
-    acc: dict = defaultdict(float)
-    ts, ds = gen.target_session, gen.drafter_session
-    ts.forward = _timed(ts.forward, acc, "target_call")
-    ts.rollback = _timed(ts.rollback, acc, "rollback")
-    if ds is not None:
-        ds.draft = _timed(ds.draft, acc, "draft_call")
-    gen._propose = _timed(gen._propose, acc, "propose_call")
-    gen._accept = _timed(gen._accept, acc, "acceptance")
     prefill_ms = None
     try:
         while not gen.done:
-            acc.clear()
             target_timer.reset()
             if drafter_timer:
                 drafter_timer.reset()
@@ -71,14 +50,15 @@ def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
                 continue
             t_model = target_timer.seconds
             d_model = drafter_timer.seconds if drafter_timer else 0.0
+            t = r.timings
             rounds.append({
                 "target_model": t_model,
-                "target_glue": acc["target_call"] - t_model,
+                "target_glue": t.target_s - t_model,
                 "drafter_model": d_model,
-                "drafter_glue": acc["propose_call"] - d_model,
-                "acceptance": acc["acceptance"],
-                "rollback": acc["rollback"],
-                "loop_overhead": total - acc["target_call"] - acc["propose_call"] - acc["acceptance"] - acc["rollback"],
+                "drafter_glue": t.draft_s - d_model,
+                "acceptance": t.accept_s,
+                "rollback": t.rollback_s,
+                "loop_overhead": total - t.target_s - t.draft_s - t.accept_s - t.rollback_s,
                 "total": total,
                 "tokens": len(r.token_ids),
             })

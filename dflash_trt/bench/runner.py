@@ -194,8 +194,7 @@ def make_prompts(s: BenchSettings, tokenizer) -> dict[str, list[list[int]]]:
 
 # ---- the run -------------------------------------------------------------------------------
 def run_benchmark(s: BenchSettings) -> dict:
-    from tqdm import tqdm
-
+    """Load, check, time the passes, run the plan, summarise: one report (results.json)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # generate()'s advice to users is noise in a benchmark's output
@@ -206,38 +205,82 @@ def run_benchmark(s: BenchSettings) -> dict:
     model = decoder.target.model
     timer = ForwardTimer(model)
     assistant_timer = ForwardTimer(assistant) if assistant is not None else None
-    methods = build_methods(s, decoder, base, drafters, assistant, timer, assistant_timer)
+    try:
+        methods = build_methods(s, decoder, base, drafters, assistant, timer, assistant_timer)
+        prompts = make_prompts(s, decoder.tokenizer)
+        check_plan(s, methods, prompts, decoder.target.max_context)
+        trained = usable_block_sizes(s, next(iter(drafters.values()))) if drafters else s.block_sizes
+        skipped = [b for b in s.block_sizes if b not in trained]
+        costs = ceiling_costs(s, decoder.target, drafters, methods, prompts)
+        warm = prompts[s.prompt_sets[0]][0]  # first calls allocate and pick kernels
+        for m in methods:
+            m.run(warm, 8, 0.0, 0)
+        plan = bench_plan(s)
+        cells, done, peak = run_groups(s, methods, prompts, plan, started, decoder.target.vocab_size)
+        equality = check_greedy(s, methods, cells, prompts, model)
+        add_sampled_nll(s, cells, prompts, model)
+        report = {
+            "meta": meta(s, decoder, drafters, assistant, methods, started, skipped),
+            "notes": {"memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
+                      "sampling": SAMPLING_NOTE, "tau": TAU_NOTE, "ceiling": CEILING_NOTE},
+            "timings": {str(L): c for L, c in costs.items()},
+            "results": summarise(s, methods, cells, costs),
+            "summary": headline(s, methods, cells),
+            "acceptance_histograms": histograms(methods, cells),
+            "equality": equality,
+        }
+        report["meta"]["elapsed_s"] = round(time.time() - started, 1)
+        report["meta"]["prompt_groups"] = {"planned": len(plan), "run": done,
+                                           "truncated_by_time_budget": done < len(plan)}
+        return report
+    finally:
+        for t in (timer, assistant_timer):
+            if t is not None:
+                t.remove()
+        for d in drafters.values():
+            if getattr(d, "scratch", None) is not None:
+                d.scratch.cleanup()
+
+
+def check_plan(s: BenchSettings, methods: list[Method], prompts: dict, max_context: int) -> None:
+    """Refuse settings the run cannot honour, before any timing."""
     if s.corrupt_method and s.corrupt_method not in {m.name for m in methods}:
         raise BenchError(f"--corrupt-method {s.corrupt_method!r} is not among the methods run: "
                          f"{', '.join(m.name for m in methods)}")
-    prompts = make_prompts(s, decoder.tokenizer)
     for L in s.max_new_tokens:
         longest = max(len(p) for ps in prompts.values() for p in ps) + L
-        if longest > decoder.target.max_context:
-            raise BenchError(f"a prompt plus {L} new tokens ({longest}) exceeds the target's context "
-                             f"({decoder.target.max_context})")
-    skipped = [b for b in s.block_sizes if drafters and b not in usable_block_sizes(s, next(iter(drafters.values())))]
+        if longest > max_context:
+            raise BenchError(f"a prompt plus {L} new tokens ({longest}) exceeds the target's context ({max_context})")
 
-    # per-pass costs for the ceiling, at a typical context for each length
+
+def ceiling_costs(s: BenchSettings, target, drafters, methods: list[Method], prompts: dict) -> dict:
+    """Per-pass costs for the ceiling, at a typical context for each length (prompt + half the new tokens)."""
     costs = {}
     typical = int(statistics.median(len(p) for ps in prompts.values() for p in ps))
     ctx_source = [t for ps in prompts.values() for p in ps for t in p]
     block_sizes = sorted({m.block_size for m in methods if m.block_size and m.block_size > 1})
     for L in s.max_new_tokens:
         ctx = (ctx_source * (1 + (typical + L // 2) // len(ctx_source)))[: typical + L // 2]
-        costs[L] = pass_costs(decoder.target, drafters, ctx, block_sizes, s.timing_reps)
+        costs[L] = pass_costs(target, drafters, ctx, block_sizes, s.timing_reps)
+    return costs
 
-    # warm-up: first calls allocate and pick kernels
-    warm = prompts[s.prompt_sets[0]][0]
-    for m in methods:
-        m.run(warm, 8, 0.0, 0)
+
+def bench_plan(s: BenchSettings) -> list[tuple]:
+    """(temperature, length, prompt set, prompt index) groups, prompt index outermost: if the time budget
+    runs out, every cell still has its first prompts."""
+    return [(T, L, name, i) for i in range(max(s.prompts_per_set, s.long_prompts_per_set))
+            for T in s.temperatures for L in s.max_new_tokens for name in s.prompt_sets
+            if i < (s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)]
+
+
+def run_groups(s: BenchSettings, methods: list[Method], prompts: dict, plan: list[tuple], started: float,
+               vocab_size: int) -> tuple[dict, int, PeakRSS]:
+    """Every method on every planned group, order rotated per prompt and repeat. Returns (cells, groups
+    run, the peak-memory probe)."""
+    from tqdm import tqdm
 
     peak = PeakRSS()
     cells: dict[tuple, Cell] = defaultdict(Cell)
-    # Prompt index outermost: if the time budget runs out, every cell still has its first prompts.
-    plan = [(T, L, name, i) for i in range(max(s.prompts_per_set, s.long_prompts_per_set))
-            for T in s.temperatures for L in s.max_new_tokens for name in s.prompt_sets
-            if i < (s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)]
     bar = tqdm(total=len(plan) * s.repeats * len(methods), desc="bench", unit="run", file=sys.stderr,
                disable=not s.progress)
     done = 0
@@ -257,36 +300,18 @@ def run_benchmark(s: BenchSettings) -> dict:
                 cell = cells[(T, L, name, m.name)]
                 cell.peak_mb.append(peak.peak_delta_mb())
                 if T == 0 and m.name == s.corrupt_method and run.token_ids:
-                    run.token_ids[-1] = (run.token_ids[-1] + 1) % decoder.target.vocab_size
+                    run.token_ids[-1] = (run.token_ids[-1] + 1) % vocab_size
                 cell.runs[i].append(run)
                 bar.update(1)
     bar.close()
+    return cells, done, peak
 
-    equality = check_greedy(s, methods, cells, prompts, model)
-    if any(T > 0 for T in s.temperatures):
-        for (T, L, name, mname), cell in cells.items():
-            if T > 0:
-                cell.nll = [target_nll(model, prompts[name][i], runs[0].token_ids, T) for i, runs in cell.runs.items()]
-    results = summarise(s, methods, cells, costs)
-    report = {
-        "meta": meta(s, decoder, drafters, assistant, methods, started, skipped),
-        "notes": {"memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
-                  "sampling": SAMPLING_NOTE, "tau": TAU_NOTE, "ceiling": CEILING_NOTE},
-        "timings": {str(L): c for L, c in costs.items()},
-        "results": results,
-        "summary": headline(s, methods, cells),
-        "acceptance_histograms": histograms(methods, cells),
-        "equality": equality,
-    }
-    report["meta"]["elapsed_s"] = round(time.time() - started, 1)
-    report["meta"]["prompt_groups"] = {"planned": len(plan), "run": done, "truncated_by_time_budget": done < len(plan)}
-    for t in (timer, assistant_timer):
-        if t is not None:
-            t.remove()
-    for d in drafters.values():
-        if getattr(d, "scratch", None) is not None:
-            d.scratch.cleanup()
-    return report
+
+def add_sampled_nll(s: BenchSettings, cells: dict, prompts: dict, model) -> None:
+    """The target's NLL of each sampled output (the loose losslessness check at T > 0)."""
+    for (T, L, name, mname), cell in cells.items():
+        if T > 0:
+            cell.nll = [target_nll(model, prompts[name][i], runs[0].token_ids, T) for i, runs in cell.runs.items()]
 
 
 # ---- greedy equality -----------------------------------------------------------------------

@@ -7,17 +7,21 @@ import json
 import sys
 from pathlib import Path
 
+from ..settings import DEMO_DRAFTER, DEMO_TARGET
+
 
 def register(sub) -> None:
     p = sub.add_parser("triton-repo", help="write a Triton model repository (ensemble + BLS draft-and-verify)",
                        description="Write a complete Triton model repository: preprocessing, dflash_bls (decoupled "
                                    "BLS loop), postprocessing, the dflash / dflash_sync ensembles, dflash_drafter and "
                                    "dflash_target. The repository is validated before the command returns.")
-    src = p.add_argument_group("source (one of)")
+    src = p.add_argument_group("source (one of; default: the demo models)")
     src.add_argument("--engines", type=Path, metavar="DIR",
                      help="engines built by `make engines` (DIR/manifest.json names the backends to serve)")
-    src.add_argument("--target", type=Path, metavar="DIR", help="target checkpoint (with its tokenizer)")
-    src.add_argument("--drafter", type=Path, metavar="DIR", help="DFlash drafter checkpoint (exported to ONNX here)")
+    src.add_argument("--target", type=Path, metavar="DIR",
+                     help=f"target checkpoint with its tokenizer (default: demo model {DEMO_TARGET})")
+    src.add_argument("--drafter", type=Path, metavar="DIR",
+                     help=f"DFlash drafter checkpoint, exported to ONNX here (default: {DEMO_DRAFTER})")
     p.add_argument("--out", type=Path, required=True, metavar="REPO", help="folder to write the repository into")
     p.add_argument("--force", action="store_true", help="replace REPO if it exists")
     p.add_argument("--max-batch-size", type=int, default=8, help="max batch of the ensembles and text models (default 8)")
@@ -59,14 +63,21 @@ def register(sub) -> None:
 
 
 def cmd_repo(args: argparse.Namespace) -> int:
-    from .options import CliError
+    from .. import settings
     from ..triton.config import ConfigError
+    from .options import CliError
     from ..builders.triton_repo import RepoOptions, write_repository
 
-    if args.engines is None and (args.target is None or args.drafter is None):
-        raise CliError("give --engines DIR, or both --target DIR and --drafter DIR")
     if args.engines is not None and (args.target or args.drafter):
         raise CliError("--engines replaces --target/--drafter: give one or the other")
+    if args.engines is None:  # checkpoints, the demo models by default (as every other command)
+        args.target = args.target or settings.DEMO_TARGET
+        args.drafter = args.drafter or settings.DEMO_DRAFTER
+        for role, path, demo in (("target", args.target, settings.DEMO_TARGET),
+                                 ("drafter", args.drafter, settings.DEMO_DRAFTER)):
+            if not path.is_dir():
+                hint = f" (the demo models are made by `{settings.DEMO_MODELS_HINT}`)" if path == demo else ""
+                raise CliError(f"{role} directory not found: {path}{hint}")
     options = RepoOptions(args.max_batch_size, args.default_max_tokens, args.chat_template, args.threads, args.device,
                           args.symlink_weights)
     try:

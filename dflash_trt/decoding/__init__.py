@@ -8,6 +8,7 @@ from .decode import (
     GenerationStats,
     InputError,
     Round,
+    RoundTimings,
     SpeculativeDecoder,
 )
 from .sampling import SamplingParams
@@ -20,6 +21,7 @@ __all__ = [
     "GenerationStats",
     "InputError",
     "Round",
+    "RoundTimings",
     "SamplingParams",
     "SpeculativeDecoder",
 ]

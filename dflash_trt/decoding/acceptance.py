@@ -5,13 +5,22 @@ scores for block positions 0..k (row i predicts the token after position i), and
 (accepted, next_token): the target keeps d[:accepted] and then next_token, so a round always
 yields accepted + 1 tokens. All three are lossless: output matches the target alone exactly
 (greedy) or in distribution (sampling).
+
+A round uses one AcceptanceRule, chosen once per generation by `acceptance_rule`: it says both how
+the drafter's output becomes draft tokens (`propose`) and how the target judges them (`accept`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 
-from .sampling import sample
+from ..runtime.base import Draft
+from .sampling import SamplingParams, probabilities, sample
+
+ACCEPTANCE_RULES = ("rejection", "exact-match")
 
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -57,3 +66,67 @@ def accept_rejection(
     # p == q exactly leaves no residual mass; then p itself is the right distribution.
     dist = residual / total if total > 0 else target_probs[accepted]
     return accepted, int(sample(dist, generator))
+
+
+@dataclass(frozen=True)
+class Proposal:
+    tokens: torch.Tensor  # [k] the draft tokens, on the CPU
+    probs: torch.Tensor | None = None  # [k, vocab] the distribution they were drawn from (rejection sampling)
+
+
+class AcceptanceRule(Protocol):
+    def propose(self, draft: Draft) -> Proposal:
+        """The drafter's output -> the tokens the target verifies."""
+
+    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+        """(accepted, next token) from the target's logits [k+1, vocab] for the block."""
+
+
+class GreedyRule:
+    """T = 0: the drafter's argmax; the longest prefix matching the target's argmax."""
+
+    def propose(self, draft: Draft) -> Proposal:
+        return Proposal(draft.tokens.cpu())
+
+    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+        return accept_greedy(proposal.tokens, target_logits)
+
+
+class ExactMatchRule:
+    """T > 0, the reference's rule: the drafter's argmax; accepted while the target's samples equal it."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator):
+        self.params, self.generator = params, generator
+
+    def propose(self, draft: Draft) -> Proposal:
+        return Proposal(draft.tokens.cpu())
+
+    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+        return accept_exact_match(proposal.tokens, probabilities(target_logits, self.params), self.generator)
+
+
+class RejectionRule:
+    """T > 0, speculative sampling: drafts drawn from the drafter's distribution q, judged against p."""
+
+    def __init__(self, params: SamplingParams, generator: torch.Generator):
+        self.params, self.generator = params, generator
+
+    def propose(self, draft: Draft) -> Proposal:
+        q = probabilities(draft.logits.cpu(), self.params)
+        return Proposal(sample(q, self.generator), q)
+
+    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+        assert proposal.probs is not None  # RejectionRule.propose always sets them
+        p = probabilities(target_logits, self.params)
+        return accept_rejection(proposal.tokens, proposal.probs, p, self.generator)
+
+
+def acceptance_rule(name: str, params: SamplingParams, generator: torch.Generator) -> AcceptanceRule:
+    """The rule for a generation: greedy at T = 0, else `name` ("rejection" or "exact-match")."""
+    if params.greedy:
+        return GreedyRule()
+    if name == "exact-match":
+        return ExactMatchRule(params, generator)
+    if name == "rejection":
+        return RejectionRule(params, generator)
+    raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {name!r}")

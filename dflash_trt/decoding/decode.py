@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
-from ..runtime.base import DrafterEngine, TargetEngine
-from .acceptance import accept_exact_match, accept_greedy, accept_rejection
-from .sampling import SamplingParams, next_token, probabilities, sample
+from ..runtime.base import DrafterEngine, DrafterSession, TargetEngine
+from .acceptance import ACCEPTANCE_RULES, Proposal, acceptance_rule
+from .detokenizer import IncrementalDetokenizer
+from .sampling import SamplingParams, next_token
 from .stopping import StopChecker, truncate_at_stop
 
-ACCEPTANCE_RULES = ("rejection", "exact-match")
+__all__ = ["ACCEPTANCE_RULES", "ContextLengthError", "Generation", "GenerationConfig", "GenerationResult",
+           "GenerationStats", "InputError", "Round", "RoundTimings", "SpeculativeDecoder"]
 
 
 class InputError(ValueError):
@@ -47,6 +49,18 @@ class GenerationConfig:
 
 
 @dataclass
+class RoundTimings:
+    """Seconds one step spent in each part (wall clock, perf_counter)."""
+
+    draft_s: float = 0.0  # proposing: the drafter's call and drawing the drafts from its output
+    verify_s: float = 0.0  # verifying: the target's forward, the acceptance rule, the rollback
+    target_s: float = 0.0  # of which the target's forward (the prefill's forward in the first step)
+    accept_s: float = 0.0  # of which the acceptance rule
+    rollback_s: float = 0.0  # of which the target's KV cache rollback
+    total_s: float = 0.0  # the whole step, bookkeeping (stop check, text) included
+
+
+@dataclass
 class Round:
     """Tokens committed by one step: the prefill's first token, or a verified block."""
 
@@ -54,6 +68,7 @@ class Round:
     drafted: int  # draft tokens proposed this round
     accepted: int  # of which the target accepted
     prefill: bool = False
+    timings: RoundTimings = field(default_factory=RoundTimings)
 
 
 @dataclass
@@ -79,7 +94,7 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
         d["tokens_per_second"] = round(self.tokens_per_second, 2)
@@ -97,7 +112,7 @@ class GenerationResult:
 class SpeculativeDecoder:
     """Binds a target engine, an optional drafter engine and an optional tokenizer."""
 
-    def __init__(self, target: TargetEngine, drafter: DrafterEngine | None = None, tokenizer=None):
+    def __init__(self, target: TargetEngine, drafter: DrafterEngine | None = None, tokenizer: Any = None):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -134,9 +149,12 @@ class Generation:
         self.block_size = 1 if drafter is None else (config.block_size or drafter.block_size)
         self.params = config.sampling
         self.generator = self.params.generator()
-        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), decoder.tokenizer)
+        self.rule = acceptance_rule(config.acceptance, self.params, self.generator)  # chosen once
+        self.detokenizer = IncrementalDetokenizer(decoder.tokenizer) if decoder.tokenizer is not None else None
+        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.target_session = target.new_session()
-        self.drafter_session = drafter.new_session() if self.block_size > 1 else None
+        self.drafter_session: DrafterSession | None = (
+            drafter.new_session() if drafter is not None and self.block_size > 1 else None)
         self.generated: list[int] = []
         self.pending_features: torch.Tensor | None = None  # committed but not yet shown to the drafter
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size)
@@ -156,7 +174,7 @@ class Generation:
             raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
         total = len(self.prompt_ids) + cfg.max_new_tokens
         limit, who = target.max_context, "target"
-        drafter_limit = getattr(drafter, "max_context", None) if cfg.block_size != 1 else None  # None: unlimited
+        drafter_limit = drafter.max_context if drafter is not None and cfg.block_size != 1 else None  # None: unlimited
         if drafter_limit is not None and drafter_limit < limit:  # e.g. a TensorRT plan's profile
             limit, who = drafter_limit, "drafter"
         if total > limit:
@@ -198,35 +216,45 @@ class Generation:
         first = next_token(out.logits[-1], self.params, self.generator)
         self.pending_features = out.features
         self.stats.prefill_time_s = time.perf_counter() - t0
-        return self._commit([first], drafted=0, accepted=0, prefill=True)
+        timings = RoundTimings(target_s=self.stats.prefill_time_s)
+        return self._commit([first], drafted=0, accepted=0, timings=timings, started=t0, prefill=True)
 
     def _verify_round(self) -> Round:
+        """Propose (drafter), score (target), accept (the rule), roll back, commit."""
+        t0 = time.perf_counter()
         remaining = self.config.max_new_tokens - len(self.generated)
         size = min(self.block_size, remaining)
         last = self.generated[-1]
-
-        t0 = time.perf_counter()
-        draft_tokens, draft_probs = self._propose(last, size)
+        proposal = self._propose(last, size)
         t1 = time.perf_counter()
 
-        block = torch.tensor([last] + draft_tokens.tolist(), dtype=torch.long)
+        block = torch.tensor([last] + proposal.tokens.tolist(), dtype=torch.long)
         committed_len = self.target_session.length
         out = self.target_session.forward(block, features=self.drafter_session is not None)
-        accepted, bonus = self._accept(draft_tokens, draft_probs, out.logits)
+        t2 = time.perf_counter()
+        logits = out.logits.cpu()
+        if proposal.tokens.numel() == 0:  # the target alone: its own next token
+            accepted, bonus = 0, next_token(logits[0], self.params, self.generator)
+        else:
+            accepted, bonus = self.rule.accept(proposal, logits)
+        t3 = time.perf_counter()
         self.target_session.rollback(committed_len + accepted + 1)
         if out.features is not None:
             self.pending_features = out.features[: accepted + 1]
-        t2 = time.perf_counter()
+        t4 = time.perf_counter()
 
-        self.stats.draft_time_s += t1 - t0
-        self.stats.verify_time_s += t2 - t1
-        new = draft_tokens[:accepted].tolist() + [bonus]
-        return self._commit(new, drafted=len(draft_tokens), accepted=accepted)
+        timings = RoundTimings(draft_s=t1 - t0, verify_s=t4 - t1, target_s=t2 - t1, accept_s=t3 - t2,
+                               rollback_s=t4 - t3)
+        self.stats.draft_time_s += timings.draft_s
+        self.stats.verify_time_s += timings.verify_s
+        new = proposal.tokens[:accepted].tolist() + [bonus]
+        return self._commit(new, drafted=len(proposal.tokens), accepted=accepted, timings=timings, started=t0)
 
-    # ---- proposer / acceptance ----------------------------------------------------------
-    def _propose(self, last: int, size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _propose(self, last: int, size: int) -> Proposal:
+        nothing = Proposal(torch.empty(0, dtype=torch.long))
         if size < 2 or self.drafter_session is None:
-            return torch.empty(0, dtype=torch.long), None
+            return nothing
+        assert self.pending_features is not None  # set by the prefill and by every verified round
         try:
             draft = self.drafter_session.draft(self.pending_features, last, size)
         except Exception as e:
@@ -234,29 +262,22 @@ class Generation:
                 raise
             # Still lossless: from here on the target alone picks every token (block size 1).
             self.drafter_error, self.drafter_session, self.block_size = e, None, 1
-            return torch.empty(0, dtype=torch.long), None
+            return nothing
         self.pending_features = None
-        if self.params.greedy or self.config.acceptance == "exact-match":
-            return draft.tokens.cpu(), None
-        q = probabilities(draft.logits.cpu(), self.params)
-        return sample(q, self.generator), q
-
-    def _accept(self, draft: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor) -> tuple[int, int]:
-        logits = logits.cpu()
-        if draft.numel() == 0:
-            return 0, next_token(logits[0], self.params, self.generator)
-        if self.params.greedy:
-            return accept_greedy(draft, logits)
-        p = probabilities(logits, self.params)
-        if draft_probs is None:
-            return accept_exact_match(draft, p, self.generator)
-        return accept_rejection(draft, draft_probs, p, self.generator)
+        return self.rule.propose(draft)
 
     # ---- bookkeeping --------------------------------------------------------------------
-    def _commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> Round:
+    def _commit(self, new: list[int], drafted: int, accepted: int, timings: RoundTimings, started: float,
+                prefill: bool = False) -> Round:
         new = new[: self.config.max_new_tokens - len(self.generated)]
+        keep = self.stop.stop_token(new)
+        if keep is not None:
+            new = new[:keep]
+            self.finish_reason = "stop"
         self.generated.extend(new)
-        hit = self.stop.first_stop(self.generated, len(new))
+        if self.detokenizer is not None:
+            self.detokenizer.add(new)
+        hit = self.stop.stop_string() if keep is None else None
         if hit is not None:
             keep, self.stop_string = hit
             cut = len(self.generated) - keep
@@ -264,7 +285,7 @@ class Generation:
                 del self.generated[keep:]
                 new = new[: len(new) - cut]
             self.finish_reason = "stop"
-        elif len(self.generated) >= self.config.max_new_tokens:
+        elif self.finish_reason is None and len(self.generated) >= self.config.max_new_tokens:
             self.finish_reason = "length"
         s = self.stats
         s.new_tokens = len(self.generated)
@@ -273,14 +294,16 @@ class Generation:
             s.acceptance_lengths.append(len(new))
             s.drafted_tokens += drafted
             s.accepted_draft_tokens += accepted
-        s.total_time_s = time.perf_counter() - self._started
-        return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill)
+        now = time.perf_counter()
+        s.total_time_s = now - self._started
+        timings.total_s = now - started
+        return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill, timings=timings)
 
     def result(self) -> GenerationResult:
         if not self.done:
             raise RuntimeError("generation still running")
-        tok = self.decoder.tokenizer
+        assert self.finish_reason is not None  # done
         text = None
-        if tok is not None:
-            text = truncate_at_stop(tok.decode(self.generated, skip_special_tokens=True), self.stop_string)
+        if self.detokenizer is not None:
+            text = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
         return GenerationResult(list(self.generated), text, self.finish_reason, self.stats)

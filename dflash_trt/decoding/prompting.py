@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 FALLBACK_CHAT_FORMAT = "{role}: {content}\n"  # per message, then "assistant:" (tokenizers without a chat template)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`.
     Rendered to text first, then encoded without special tokens: `apply_chat_template(tokenize=True)`
     returns a BatchEncoding in transformers 5, and the template already writes any BOS it wants."""

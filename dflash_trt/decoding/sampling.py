@@ -18,7 +18,7 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     seed: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

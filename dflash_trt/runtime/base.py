@@ -31,13 +31,17 @@ class TargetSession(Protocol):
     def rollback(self, length: int) -> None:
         """Drop cached tokens beyond `length` (rejected draft tokens)."""
 
+    def close(self) -> None:
+        """Free the sequence's cache now (a served request ends); engines whose caches live in this
+        process let them go with the session, engines that keep them elsewhere release them."""
+
 
 @runtime_checkable
 class TargetEngine(Protocol):
     name: str
     vocab_size: int
-    max_context: int
-    feature_layer_ids: tuple[int, ...]
+    max_context: int  # prompt + new tokens may not exceed this
+    feature_layer_ids: tuple[int, ...]  # the layers whose features forward() returns, in order
 
     def new_session(self) -> TargetSession: ...
 
@@ -62,6 +66,8 @@ class DrafterSession(Protocol):
 class DrafterEngine(Protocol):
     name: str
     block_size: int  # the trained block size: the most a round may use
+    feature_layer_ids: tuple[int, ...]  # the target layers whose features it reads (the target must expose them)
+    max_context: int | None  # the longest context it can hold (a TensorRT plan's profile); None: no limit
 
     def new_session(self) -> DrafterSession: ...
 

@@ -7,6 +7,7 @@ The session keeps the drafter's context cache as numpy arrays and feeds it back 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -47,16 +48,28 @@ class OrtDrafterEngine:
     def from_artifact(cls, folder: Path, options: EngineOptions) -> OrtDrafterEngine:
         return cls(folder, options.precision, threads=options.threads)
 
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outputs: list[np.ndarray] = self.session.run(None, feeds)
+        return outputs
+
     def new_session(self) -> OrtDrafterSession:
         return OrtDrafterSession(self)
 
 
+class RoundGraphEngine(Protocol):
+    """What a session needs from its engine: the graph's contract and one call of the graph
+    (OrtDrafterEngine runs it in onnxruntime, dflash_trt.triton.bls.RemoteDrafterEngine as a Triton model)."""
+
+    meta: DrafterGraphMeta
+    mask_token_id: int
+
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """feeds by DRAFTER_INPUTS name -> [logits, draft_tokens, present_k, present_v]."""
+
+
 class OrtDrafterSession:
-    def __init__(self, engine: OrtDrafterEngine, run=None):
-        """run(feeds) -> [logits, draft_tokens, present_k, present_v]: one call of the round graph; by
-        default this engine's onnxruntime session (dflash_trt.triton.bls passes a Triton model call)."""
+    def __init__(self, engine: RoundGraphEngine):
         self.engine = engine
-        self.run = run or (lambda feeds: engine.session.run(None, feeds))
         empty = np.zeros(engine.meta.cache_shape(0), dtype=np.float32)
         self.past_k, self.past_v = empty, empty.copy()
 
@@ -69,7 +82,7 @@ class OrtDrafterSession:
         block = np.full((1, block_size), e.mask_token_id, dtype=np.int64)
         block[0, 0] = last_token
         feats = new_features.detach().to("cpu", torch.float32).numpy()[None]
-        logits, tokens, self.past_k, self.past_v = self.run(
+        logits, tokens, self.past_k, self.past_v = e.run(
             {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
         )
         return Draft(logits=torch.from_numpy(logits[0]), tokens=torch.from_numpy(tokens[0]))

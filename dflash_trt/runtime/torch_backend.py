@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -32,16 +33,18 @@ class TorchTargetEngine:
     @classmethod
     def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchTargetEngine:
         """Served from the Hugging Face checkpoint itself (no build step)."""
-        model = load_target(checkpoint, DTYPES[options.dtype]).to(options.device or "cpu")
+        model = load_target(checkpoint, DTYPES[options.dtype])
+        model.to(options.device or "cpu")  # type: ignore[arg-type]  # transformers types .to() by its decorator
         return cls(model, options.feature_layer_ids)
 
     @property
     def embed_weight(self) -> torch.Tensor:
-        return self.model.get_input_embeddings().weight
+        return cast(torch.Tensor, self.model.get_input_embeddings().weight)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.get_output_embeddings().weight
+        head: Any = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
+        return cast(torch.Tensor, head.weight)
 
     def new_session(self) -> "TorchTargetSession":
         return TorchTargetSession(self)
@@ -82,6 +85,9 @@ class TorchTargetSession:
         if extra:
             self.cache.crop(-extra)  # transformers 5: a negative count removes that many tokens
 
+    def close(self) -> None:
+        self.cache = DynamicCache(config=self.engine.model.config)  # the old cache's tensors go now
+
 
 class TorchDrafterEngine:
     """The drafter plus the target's embedding table and lm_head (shared, not copied)."""
@@ -94,7 +100,8 @@ class TorchDrafterEngine:
         self.lm_head_weight = lm_head_weight
         self.block_size = drafter.spec.block_size
         self.mask_token_id = drafter.spec.mask_token_id
-        self.feature_layer_ids = drafter.spec.target_layer_ids
+        self.feature_layer_ids = tuple(drafter.spec.target_layer_ids)
+        self.max_context: int | None = None  # the cache grows with the context (RoPE positions have no cap)
 
     @classmethod
     def for_target(cls, drafter: DFlashDrafter, target: TorchTargetEngine) -> TorchDrafterEngine:

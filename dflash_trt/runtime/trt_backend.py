@@ -12,6 +12,7 @@ context cache stays on the GPU between rounds (present_k of one round is past_k 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from ..formats import DrafterGraphMeta, plan_max_context, read_plan_manifest
 from .base import Draft, EngineOptions, EngineUnavailable
 
 
-def import_tensorrt():
+def import_tensorrt() -> Any:
     try:
         import tensorrt
     except ImportError as e:
@@ -30,7 +31,7 @@ def import_tensorrt():
     return tensorrt
 
 
-def _torch_dtype(trt, dtype) -> torch.dtype:
+def _torch_dtype(trt: Any, dtype: Any) -> torch.dtype:
     table = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32, trt.int64: torch.int64}
     if hasattr(trt, "bfloat16"):
         table[trt.bfloat16] = torch.bfloat16

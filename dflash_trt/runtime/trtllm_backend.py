@@ -139,3 +139,6 @@ class TrtllmTargetSession:
         if length > len(self.tokens):
             raise ValueError(f"cannot roll back to {length}: only {len(self.tokens)} tokens held")
         del self.tokens[length:]
+
+    def close(self) -> None:
+        """Nothing held here beyond the token list: the executor frees a request's KV blocks when it ends."""

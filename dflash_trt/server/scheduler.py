@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding import Generation, GenerationResult, Round
+from ..decoding.detokenizer import held_back
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -187,7 +188,6 @@ class Orchestrator:
             return self._finish(job, ErrorEvent("timeout", "the request exceeded the server's time limit"))
         gen = job.generation
         s = gen.stats
-        draft_before, verify_before = s.draft_time_s, s.verify_time_s
         try:  # only this thread touches the engines: no lock (the tokenizer serializes its own calls)
             rnd = gen.step()
             result = gen.result() if gen.done else None
@@ -208,8 +208,8 @@ class Orchestrator:
             m.ttft.observe(now - job.submitted)
         else:
             m.acceptance.observe(n)
-            m.draft_time.observe(s.draft_time_s - draft_before)
-            m.verify_time.observe(s.verify_time_s - verify_before)
+            m.draft_time.observe(rnd.timings.draft_s)
+            m.verify_time.observe(rnd.timings.verify_s)
             if n and job.last_event is not None:
                 for _ in range(n):
                     m.itl.observe((now - job.last_event) / n)
@@ -227,28 +227,18 @@ class Orchestrator:
             job._emit(error)
 
     def _safe_text(self, job: Job, result: GenerationResult | None) -> str | None:
-        """Text added by this round that can be shown now."""
-        gen, tok = job.generation, self.decoder.tokenizer
-        if tok is None:
+        """Text added by this round that can be shown now: the generation's detokenizer holds back a
+        partial character; here the end that may still begin a stop string waits too."""
+        gen = job.generation
+        if gen.detokenizer is None:
             return None
         if result is not None:  # the last round carries whatever is left of the final text
-            full = result.text
+            full = result.text or ""
         else:
-            full = tok.decode(gen.generated, skip_special_tokens=True)
-            full = full[: len(full) - _held_back(full, gen.config.stop_strings)]
+            full = gen.detokenizer.text
+            full = full[: len(full) - held_back(full, gen.config.stop_strings)]
         if not full.startswith(job.emitted_text):  # cannot happen with sane tokenizers; never repeat text
             return ""
         new = full[len(job.emitted_text):]
         job.emitted_text = full
         return new
-
-
-def _held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Characters at the end of text that may still change: a partial UTF-8 character or a partial stop string."""
-    hold = len(text) - len(text.rstrip("\ufffd"))
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                hold = max(hold, k)
-                break
-    return hold

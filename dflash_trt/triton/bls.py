@@ -119,13 +119,14 @@ class RemoteDrafterEngine:
         self.meta = DrafterGraphMeta.from_dict(meta)
         self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
         self.feature_layer_ids = self.meta.feature_layer_ids
+        self.max_context: int | None = None  # the ONNX graph takes any cache length
 
     def run(self, feeds: dict) -> list[np.ndarray]:
         out = self.infer(self.model, feeds, list(DRAFTER_OUTPUTS))
         return [np.array(out[name]) for name in DRAFTER_OUTPUTS]  # writable copies (torch.from_numpy)
 
     def new_session(self) -> OrtDrafterSession:
-        return OrtDrafterSession(self, run=self.run)
+        return OrtDrafterSession(self)
 
 
 # ---- the target model's side: sessions by id -------------------------------------------------
@@ -209,17 +210,3 @@ def pad_rows(rows: list[list[int]], pad: int = 0) -> tuple[np.ndarray, np.ndarra
 def unpad_rows(ids: np.ndarray, lengths: np.ndarray) -> list[list[int]]:
     ids = ids.reshape(len(lengths), -1)
     return [ids[i, : int(n)].tolist() for i, n in enumerate(lengths.reshape(-1))]
-
-
-def visible_text(tokenizer, ids: list[int], final: bool) -> str:
-    """Decoded text that later tokens cannot change: a trailing partial UTF-8 character (U+FFFD) is
-    held back until more tokens complete it or the sequence ends."""
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    return text if final else text.rstrip("\ufffd")
-
-
-def text_delta(tokenizer, ids: list[int], new: int, final: bool) -> str:
-    """Text added by the last `new` tokens of `ids`: the stream's chunks concatenate to the full text."""
-    before = visible_text(tokenizer, ids[: len(ids) - new], final=False)
-    now = visible_text(tokenizer, ids, final)
-    return now[len(before):] if now.startswith(before) else now  # (prefix always holds for byte-level BPE)

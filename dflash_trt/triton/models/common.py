@@ -22,6 +22,17 @@ def resolve(folder: Path, path: str) -> Path:
     return p if p.is_absolute() else folder / p
 
 
+def load_text_model(args: dict):
+    """(string parameters, the tokenizer) of a text model (pre/postprocessing): `tokenizer_dir` in its folder."""
+    from ...models.target import load_tokenizer
+
+    _, params, folder = load_config(args)
+    tokenizer = load_tokenizer(resolve(folder, params.get("tokenizer_dir", "tokenizer")))
+    if tokenizer is None:
+        raise RuntimeError(f"no tokenizer in {folder}: the repository was written without one")
+    return params, tokenizer
+
+
 def get(request, name: str, default=None) -> np.ndarray | None:
     t = pb_utils.get_input_tensor_by_name(request, name)
     return default if t is None else t.as_numpy()

@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import triton_python_backend_utils as pb_utils
 
-from ..bls import text_delta, unpad_rows
-from .common import error_response, get, load_config, resolve, strings
+from ...decoding.detokenizer import text_delta
+from ..bls import unpad_rows
+from .common import error_response, get, load_text_model, strings
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from ...models.target import load_tokenizer
-
-        _, params, folder = load_config(args)
-        self.tokenizer = load_tokenizer(resolve(folder, params.get("tokenizer_dir", "tokenizer")))
-        if self.tokenizer is None:
-            raise RuntimeError(f"no tokenizer in {folder}")
+        _, self.tokenizer = load_text_model(args)
 
     def execute(self, requests):
         responses = []

@@ -11,17 +11,12 @@ import triton_python_backend_utils as pb_utils
 
 from ...decoding.prompting import chat_prompt_ids
 from ..bls import pad_rows
-from .common import error_response, get, load_config, resolve
+from .common import error_response, get, load_text_model
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from ...models.target import load_tokenizer
-
-        _, params, folder = load_config(args)
-        self.tokenizer = load_tokenizer(resolve(folder, params.get("tokenizer_dir", "tokenizer")))
-        if self.tokenizer is None:
-            raise RuntimeError(f"no tokenizer in {folder}: the repository was written without one")
+        params, self.tokenizer = load_text_model(args)
         self.chat = params.get("chat_template", "false") == "true"
         if self.chat and not getattr(self.tokenizer, "chat_template", None):
             raise RuntimeError("chat_template is on but the tokenizer has no chat template")

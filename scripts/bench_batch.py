@@ -82,7 +82,7 @@ def main() -> int:
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
 
     t0 = time.perf_counter()
-    cost = measure_costs(btarget, bdrafter, rows=(1, 4, 16), blocks=(1, 4, 8), context=150)
+    cost = measure_costs(btarget, bdrafter, rows=(1, 4, 16), blocks=(1, 4, 8), context=150, repeats=2)
     cost_s = time.perf_counter() - t0
     print(f"cost model (measured in {cost_s:.1f}s): target {cost.target}, drafter {cost.drafter}", flush=True)
 

@@ -9,7 +9,7 @@ from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
-from dflash_trt.decoding import batch as batch_module
+from dflash_trt.decoding import acceptance as acceptance_module
 from dflash_trt.decoding.adaptive import CostModel, LinearCost
 from dflash_trt.decoding.batch import BatchDecoder
 from dflash_trt.runtime.batched import LoopedDrafterEngine
@@ -183,7 +183,7 @@ def test_batched_statistical_test_catches_a_broken_sampler(sharp_batch_pair, mon
         return draft.shape[0], int(sample(target_probs[draft.shape[0]], generator))
 
     model, drafter = sharp_batch_pair
-    monkeypatch.setattr(batch_module, "accept_rejection", accept_all)
+    monkeypatch.setattr(acceptance_module, "accept_rejection", accept_all)  # what RejectionRule calls
     expected = exact_joint(model, [1, 2, 3], SETTINGS["T1"](0), 3)
     counts, _ = batched_counts(model, drafter, [1, 2, 3], "T1", "rejection")
     assert chi_square_pvalue(counts, expected, N_SAMPLES) < 1e-6
@@ -239,3 +239,24 @@ def test_stop_tokens_and_validation(tiny_pair):
         dec.add([1, 96], GenerationConfig())
     with pytest.raises(ValueError, match="cost model"):
         BatchDecoder(target, drafter_engine, adaptive=True)
+
+
+def test_stop_strings_per_row_with_tokenizer(tmp_path):
+    """Text stops: each row's own stop string, the text cut as the single-sequence loop cuts it."""
+    from helpers import make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    model = make_tiny_target(vocab_size=len(tok), layers=4, seed=5)
+    drafter = make_tiny_drafter(model.config, layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    target, drafter_engine = batch_engines(model, drafter)
+    base = SpeculativeDecoder(TorchTargetEngine(model), None, tok)
+    prompts = [tok.encode("def fibonacci(n):"), tok.encode("for i in range(10):")]
+    fulls = [base.generate(p, GenerationConfig(max_new_tokens=30)) for p in prompts]
+    stop = fulls[0].text[8:11]
+    assert stop
+    got = BatchDecoder(target, drafter_engine, tok).generate(
+        prompts, [GenerationConfig(max_new_tokens=30, stop_strings=(stop,)), GenerationConfig(max_new_tokens=30)])
+    assert got[0].finish_reason == "stop" and got[0].text == fulls[0].text[: fulls[0].text.index(stop)]
+    alone = base.generate(prompts[0], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
+    assert got[0].token_ids == alone.token_ids  # cut after the same token as the single-sequence loop
+    assert got[1].token_ids == fulls[1].token_ids and got[1].text == fulls[1].text

@@ -29,12 +29,13 @@ import torch
 
 from ..runtime.base import Draft
 from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
-from .acceptance import accept_exact_match, accept_greedy, accept_rejection
+from .acceptance import Proposal, acceptance_rule
 from .adaptive import AcceptanceTracker, CostModel, RowChoice, choose_blocks
 from .decode import (
     ACCEPTANCE_RULES, ContextLengthError, GenerationConfig, GenerationResult, GenerationStats, InputError, Round,
 )
-from .sampling import next_token, probabilities, sample
+from .detokenizer import IncrementalDetokenizer
+from .sampling import next_token
 from .stopping import StopChecker, truncate_at_stop
 
 
@@ -70,8 +71,9 @@ class BatchRow:
         self.id, self.prompt_ids, self.config = rid, prompt_ids, config
         self.params = config.sampling
         self.generator = self.params.generator()
-        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), tokenizer)
-        self.tokenizer = tokenizer
+        self.rule = acceptance_rule(config.acceptance, self.params, self.generator)  # the single-sequence rules
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.can_draft = can_draft
         self.target_row: int | None = None
         self.drafter_row: int | None = None
@@ -94,9 +96,16 @@ class BatchRow:
         return self.config.max_new_tokens - len(self.generated)
 
     def commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> Round:
+        # the same order as Generation._commit: stop tokens, then stop strings, then the budget
         new = new[: self.remaining]
+        keep = self.stop.stop_token(new)
+        if keep is not None:
+            new = new[:keep]
+            self.finish_reason = "stop"
         self.generated.extend(new)
-        hit = self.stop.first_stop(self.generated, len(new))
+        if self.detokenizer is not None:
+            self.detokenizer.add(new)
+        hit = self.stop.stop_string() if keep is None else None
         if hit is not None:
             keep, self.stop_string = hit
             cut = len(self.generated) - keep
@@ -104,7 +113,7 @@ class BatchRow:
                 del self.generated[keep:]
                 new = new[: len(new) - cut]
             self.finish_reason = "stop"
-        elif self.remaining <= 0:
+        elif self.finish_reason is None and self.remaining <= 0:
             self.finish_reason = "length"
         s = self.stats
         s.new_tokens = len(self.generated)
@@ -120,8 +129,8 @@ class BatchRow:
         if not self.done:
             raise RuntimeError("row still running")
         text = None
-        if self.tokenizer is not None:
-            text = truncate_at_stop(self.tokenizer.decode(self.generated, skip_special_tokens=True), self.stop_string)
+        if self.detokenizer is not None:
+            text = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
         return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
 
 
@@ -289,10 +298,10 @@ class BatchDecoder:
         if not rows:
             return []
         blocks, proposals = [], []
-        for row, size, draft in zip(rows, sizes, drafts):
-            tokens, probs = self._proposal(row, draft)
-            proposals.append((tokens, probs))
-            blocks.append(torch.tensor([row.generated[-1]] + tokens.tolist(), dtype=torch.long))
+        for row, draft in zip(rows, drafts):
+            proposal = Proposal(torch.empty(0, dtype=torch.long)) if draft is None else row.rule.propose(draft)
+            proposals.append(proposal)
+            blocks.append(torch.tensor([row.generated[-1]] + proposal.tokens.tolist(), dtype=torch.long))
         committed = [self.target_session.length(r.target_row) for r in rows]  # type: ignore[arg-type]
         outs = self.target_session.forward(
             [r.target_row for r in rows],  # type: ignore[misc]
@@ -300,8 +309,12 @@ class BatchDecoder:
         )
         t3 = time.perf_counter()
         rounds = []
-        for row, (tokens, probs), out, length in zip(rows, proposals, outs, committed):
-            accepted, bonus = self._accept(row, tokens, probs, out.logits)
+        for row, proposal, out, length in zip(rows, proposals, outs, committed):
+            tokens, logits = proposal.tokens, out.logits.cpu()
+            if tokens.numel() == 0:  # the target alone: its own next token
+                accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
+            else:
+                accepted, bonus = row.rule.accept(proposal, logits)
             self.target_session.rollback(row.target_row, length + accepted + 1)  # type: ignore[arg-type]
             if row.drafter_row is not None and out.features is not None:
                 row.pending.append(out.features[: accepted + 1])
@@ -354,26 +367,3 @@ class BatchDecoder:
         if row.drafter_row is not None and self.drafter_session is not None:
             self.drafter_session.remove_row(row.drafter_row)
         row.drafter_row, row.pending = None, []
-
-    # ---- proposer / acceptance (the single-sequence rules, per row) ---------------------
-    @staticmethod
-    def _proposal(row: BatchRow, draft: Draft | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if draft is None:
-            return torch.empty(0, dtype=torch.long), None
-        if row.params.greedy or row.config.acceptance == "exact-match":
-            return draft.tokens.cpu(), None
-        q = probabilities(draft.logits.cpu(), row.params)
-        return sample(q, row.generator), q
-
-    @staticmethod
-    def _accept(row: BatchRow, draft: torch.Tensor, draft_probs: torch.Tensor | None,
-                logits: torch.Tensor) -> tuple[int, int]:
-        logits = logits.cpu()
-        if draft.numel() == 0:
-            return 0, next_token(logits[0], row.params, row.generator)
-        if row.params.greedy:
-            return accept_greedy(draft, logits)
-        p = probabilities(logits, row.params)
-        if draft_probs is None:
-            return accept_exact_match(draft, p, row.generator)
-        return accept_rejection(draft, draft_probs, p, row.generator)

@@ -25,6 +25,12 @@ FP16_GRAPH_FILE = "drafter_fp16.onnx"
 GRAPH_FILES = {"fp32": GRAPH_FILE, "fp16": FP16_GRAPH_FILE}  # by precision
 META_FILE = "drafter.json"
 
+# ---- the batched drafter round graph (builders/onnx_drafter_batch.py) ----------------------------
+# Ragged rows: per-row lengths as inputs, the cache [L, b, H, C, D] with C >= max(past_lengths) + n.
+BATCH_DRAFTER_INPUTS = ("block_ids", "block_lengths", "features", "new_lengths", "past_k", "past_v", "past_lengths")
+BATCH_DRAFTER_OUTPUTS = ("logits", "draft_tokens", "present_k", "present_v")
+BATCH_GRAPH_FILES = {"fp32": "drafter_batch.onnx", "fp16": "drafter_batch_fp16.onnx"}  # by precision
+
 
 @dataclass(frozen=True)
 class DrafterGraphMeta:

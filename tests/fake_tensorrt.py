@@ -61,7 +61,10 @@ def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
 
         def parse_from_file(self, path):
             calls.append(("parse_from_file", path))
-            self.network.inputs = [Tensor(n) for n in ("block_ids", "features", "past_k", "past_v")]
+            names = ("block_ids", "features", "past_k", "past_v")
+            if "drafter_batch" in str(path):  # the batched graph (builders/onnx_drafter_batch.py)
+                names = ("block_ids", "block_lengths", "features", "new_lengths", "past_k", "past_v", "past_lengths")
+            self.network.inputs = [Tensor(n) for n in names]
             return True
 
     class Profile:

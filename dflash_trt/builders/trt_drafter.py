@@ -63,12 +63,22 @@ def build_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, typing: st
                        max_context: int | None = None, max_new_tokens: int | None = None,
                        workspace_gib: float = 4.0) -> Path:
     """Parse the exported graph, add one optimization profile, build an FP16 plan, write plan + manifest."""
+    import_tensorrt()  # a missing TensorRT is the first thing to say
+    meta = DrafterGraphMeta.read(graph_dir)
+    return build_plan(graph_dir, out_dir, (GRAPH_FILE, FP16_GRAPH_FILE), profile_shapes(meta, max_context, max_new_tokens),
+                      PLAN_FILE, PLAN_MANIFEST, typing=typing, workspace_gib=workspace_gib)
+
+
+def build_plan(graph_dir: str | Path, out_dir: str | Path, graphs: tuple[str, str], shapes: dict[str, ProfileShapes],
+               plan_file: str, manifest_file: str, *, typing: str | None = None, workspace_gib: float = 4.0) -> Path:
+    """Build one graph (graphs = (fp32 file, fp16 file)) with one profile `shapes`; shared by the
+    single-sequence and the batched drafter plans."""
     trt = import_tensorrt()
     graph_dir, out_dir = Path(graph_dir), Path(out_dir)
     meta = DrafterGraphMeta.read(graph_dir)
     major = trt_major(trt)
     typing = choose_typing(major, typing)
-    onnx_path = graph_dir / (FP16_GRAPH_FILE if typing == "strong" else GRAPH_FILE)
+    onnx_path = graph_dir / (graphs[1] if typing == "strong" else graphs[0])
     if not onnx_path.is_file():
         raise FileNotFoundError(f"{onnx_path} not found (run `dflash-trt export-drafter` first)")
 
@@ -89,7 +99,6 @@ def build_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, typing: st
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(workspace_gib * (1 << 30)))
     if typing == "weak":
         config.set_flag(trt.BuilderFlag.FP16)  # 10.x only: fp16 kernels where TensorRT judges it safe
-    shapes = profile_shapes(meta, max_context, max_new_tokens)
     inputs = [network.get_input(i).name for i in range(network.num_inputs)]
     missing = set(inputs) ^ set(shapes)
     if missing:
@@ -104,11 +113,11 @@ def build_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, typing: st
     if plan is None:
         raise RuntimeError("TensorRT failed to build the drafter plan (see the TensorRT log above)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / PLAN_FILE).write_bytes(bytes(plan))
+    (out_dir / plan_file).write_bytes(bytes(plan))
     sources = [onnx_path, onnx_path.with_name(onnx_path.name + ".data"), graph_dir / META_FILE]
     manifest = {
         "backend": "tensorrt",
-        "plan": PLAN_FILE,
+        "plan": plan_file,
         "tensorrt_version": str(trt.__version__),
         "typing": typing,
         "precision": "fp16",
@@ -118,9 +127,9 @@ def build_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, typing: st
         "input_sha256": files_sha256([p for p in sources if p.is_file()]),
         "meta": json.loads(meta.to_json()),
     }
-    (out_dir / PLAN_MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    (out_dir / manifest_file).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     (out_dir / META_FILE).write_text(meta.to_json())  # the runtime contract travels with the plan
-    return out_dir / PLAN_FILE
+    return out_dir / plan_file
 
 
 def gpu_name() -> str | None:

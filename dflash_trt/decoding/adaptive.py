@@ -1,0 +1,212 @@
+"""Adaptive block size per step and per row: the block sizes that maximise expected committed tokens per second.
+
+Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r = 1 means no drafting):
+
+    time   = target(R, sum_r B_r) + [any row drafts] * drafter(D, sum_{r drafts} (B_r + n_r))
+    tokens = sum_r E(alpha_r, B_r),  E(alpha, B) = 1 + alpha + ... + alpha^(B-1)
+
+`target` and `drafter` are linear cost models (fixed + per row + per token), fitted from timed passes at
+start-up (`measure_costs`) or from observed steps (`CostModel.observe` / `refit`). E is the expected
+committed tokens of a round when each draft position is accepted with probability alpha given the ones
+before it (the bonus token included). alpha_r is each row's running estimate (`AcceptanceTracker`): accepted
+drafts over accepted + rejections, with decay, so a row whose drafts keep failing drafts less; a row that
+does not draft drifts back towards the prior, so it is tried again later. A compute-bound batch (large
+per-token cost) gets shorter blocks because the same extra tokens cost more time.
+
+`choose_blocks` maximises tokens / time by coordinate ascent over the rows (each row's best size with the
+others fixed, a few sweeps), started from "nobody drafts" and from "everyone drafts the most" (the drafter's
+fixed cost makes the objective non-concave), keeping the better result. Rows with a fixed size (a request's
+`block_size`) keep it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
+
+
+@dataclass
+class LinearCost:
+    """seconds = fixed + per_row * rows + per_token * tokens (0 for 0 rows)."""
+
+    fixed: float = 0.0
+    per_row: float = 0.0
+    per_token: float = 0.0
+
+    def __call__(self, rows: int, tokens: int) -> float:
+        return 0.0 if rows == 0 else self.fixed + self.per_row * rows + self.per_token * tokens
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> "LinearCost":
+        """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink)."""
+        if len(samples) < 3:
+            raise ValueError(f"fitting a cost model needs >= 3 samples, got {len(samples)}")
+        a = torch.tensor([[1.0, r, t] for r, t, _ in samples], dtype=torch.float64)
+        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
+        coef = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
+        return cls(*coef)
+
+
+@dataclass
+class CostModel:
+    target: LinearCost
+    drafter: LinearCost
+    window: int = 256  # observations kept for refits
+    _seen: dict[str, list[tuple[int, int, float]]] = field(default_factory=lambda: {"target": [], "drafter": []})
+
+    def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
+        drafting = [(b, n) for b, n in zip(blocks, new_context) if b > 1]
+        return self.target(len(blocks), sum(blocks)) + self.drafter(len(drafting), sum(b + n for b, n in drafting))
+
+    def observe(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
+        seen = self._seen[kind]
+        seen.append((rows, tokens, seconds))
+        del seen[: -self.window]
+
+    def refit(self, min_samples: int = 16) -> None:
+        """Refit from observed passes when they span enough distinct shapes (online adaptation)."""
+        for kind in ("target", "drafter"):
+            seen = self._seen[kind]
+            if len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3:
+                setattr(self, kind, LinearCost.fit(seen))
+
+
+def expected_tokens(alpha: float, block: int) -> float:
+    """Committed tokens of a round of `block` tokens (block - 1 drafts), per-position acceptance alpha."""
+    if block <= 1:
+        return 1.0
+    if alpha >= 1.0:
+        return float(block)
+    return (1.0 - alpha**block) / (1.0 - alpha)
+
+
+@dataclass
+class AcceptanceTracker:
+    """A row's running per-position acceptance estimate: (accepted + prior) / (accepted + rejections + prior)."""
+
+    prior_alpha: float = 0.6
+    prior_weight: float = 2.0  # pseudo-observations of the prior
+    decay: float = 0.9  # per round: older rounds count less
+    idle_decay: float = 0.97  # per step without drafting: drift back to the prior, so the row is tried again
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    @property
+    def alpha(self) -> float:
+        a = self.accepted + self.prior_alpha * self.prior_weight
+        return a / (self.accepted + self.rejected + self.prior_weight)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            self.accepted *= self.idle_decay
+            self.rejected *= self.idle_decay
+            return
+        self.accepted = self.accepted * self.decay + accepted
+        self.rejected = self.rejected * self.decay + (1.0 if accepted < drafted else 0.0)
+
+
+@dataclass(frozen=True)
+class RowChoice:
+    """What the policy knows about one verify row."""
+
+    alpha: float
+    max_block: int  # the drafter's block size, or fewer when the row has fewer tokens left; 1 = cannot draft
+    new_context: int = 1  # feature rows the drafter would take in for this row
+    fixed: int | None = None  # the request's own block_size: not chosen by the policy
+
+
+def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, sweeps: int = 3) -> list[int]:
+    """Per-row block sizes maximising expected tokens per second of the step (see module docstring)."""
+    if not rows:
+        return []
+
+    def score(blocks: list[int]) -> float:
+        tokens = sum(expected_tokens(r.alpha, b) for r, b in zip(rows, blocks))
+        seconds = cost.step_time(blocks, [r.new_context for r in rows])
+        return tokens / seconds if seconds > 0 else tokens
+
+    def ascend(blocks: list[int]) -> tuple[float, list[int]]:
+        best = score(blocks)
+        for _ in range(sweeps):
+            changed = False
+            for i, r in enumerate(rows):
+                if r.fixed is not None:
+                    continue
+                for b in range(1, r.max_block + 1):
+                    if b == blocks[i]:
+                        continue
+                    trial = blocks[:i] + [b] + blocks[i + 1:]
+                    s = score(trial)
+                    if s > best * (1 + 1e-9):
+                        best, blocks, changed = s, trial, True
+            if not changed:
+                break
+        return best, blocks
+
+    def start(free: Callable[[RowChoice], int]) -> list[int]:
+        return [r.fixed if r.fixed is not None else free(r) for r in rows]
+
+    low = ascend(start(lambda r: 1))
+    high = ascend(start(lambda r: r.max_block))
+    return high[1] if high[0] > low[0] else low[1]
+
+
+def measure_costs(target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, rows: Sequence[int] = (1, 4, 16), blocks: Sequence[int] = (1, 4, 8),
+                  context: int = 128, repeats: int = 3) -> CostModel:
+    """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
+
+    target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
+    The whole grid is timed `repeats` times over and each cell keeps its fastest pass, so a burst of load
+    from other processes spoils one pass of a cell, not the cell."""
+    vocab = int(target.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    setups = []
+    for r in rows:
+        sess = target.new_batch()
+        handles = [sess.add_row() for _ in range(r)]
+        outs = sess.forward(handles, [torch.randint(0, vocab, (context,), generator=g) for _ in handles],
+                            last_logits_only=True)
+        dsess, dh = None, []
+        if drafter is not None and outs[0].features is not None:
+            dsess = drafter.new_batch()
+            dh = [dsess.add_row() for _ in range(r)]
+            # fill the context cache
+            dsess.draft([DraftRequest(h, o.features, 1, 2) for h, o in zip(dh, outs) if o.features is not None])
+        setups.append((r, sess, handles, dsess, dh, outs[0].features))
+    best: dict[tuple[str, int, int], float] = {}
+
+    def keep(key: tuple[str, int, int], seconds: float) -> None:
+        best[key] = min(best.get(key, float("inf")), seconds)
+
+    for rep in range(repeats + 1):  # pass 0 warms up and is not kept
+        for r, sess, handles, dsess, dh, feats in setups:
+            for b in blocks:
+                ids = [torch.randint(0, vocab, (b,), generator=g) for _ in handles]
+                t0 = time.perf_counter()
+                sess.forward(handles, ids)
+                seconds = time.perf_counter() - t0
+                for h in handles:
+                    sess.rollback(h, context)
+                if rep:
+                    keep(("target", r, r * b), seconds)
+                if dsess is None or b < 2 or feats is None:
+                    continue
+                t0 = time.perf_counter()
+                dsess.draft([DraftRequest(h, feats[:1], 1, b) for h in dh])
+                seconds = time.perf_counter() - t0
+                if rep:
+                    keep(("drafter", r, r * (b + 1)), seconds)
+    t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]
+    d_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "drafter"]
+    target_cost = LinearCost.fit(t_samples)
+    drafter_cost = LinearCost.fit(d_samples) if len(d_samples) >= 3 else LinearCost()
+    model = CostModel(target_cost, drafter_cost)
+    for kind, samples in (("target", t_samples), ("drafter", d_samples)):
+        for r, t, sec in samples:  # online refits start from the start-up grid
+            model.observe(kind, r, t, sec)
+    return model

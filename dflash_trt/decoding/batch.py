@@ -1,0 +1,369 @@
+"""Batched draft-and-verify: every active request advances in one step of at most three passes.
+
+    step:  prefill(rows that joined)                 one target call, prompts padded to the longest
+           draft(rows whose block size is >= 2)      ONE drafter call, ragged (own context, own block)
+           verify(every running row)                 ONE target call, ragged (own length, own block)
+           accept / commit / roll back per row       the same rules, sampling settings and seeds as
+                                                     the single-sequence loop (decode.py)
+
+Joining rows are prefilled in their own call at the start of the step, interleaved between verify steps
+rather than packed into the verify call: a prompt is tens to thousands of tokens and a verify block is
+1..16, so one padded call would make every verifying row pay for the longest prompt; in a separate call
+only the joining rows pay. They take part in drafting and verification from the next step on.
+
+Each row keeps its own sampling generator and draws from it in the same order as `Generation`, so a
+seeded row with a fixed block size returns the same tokens alone or in any batch (up to float rounding
+of batched matmuls, which can only matter at near-exact ties). Block sizes come from the row's request
+(`GenerationConfig.block_size`), else from a policy: fixed (the drafter's trained size) or adaptive
+(`adaptive.choose_blocks`). With adaptive sizes a seed fixes the distribution, not the text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from ..runtime.base import Draft
+from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
+from .acceptance import Proposal, acceptance_rule
+from .adaptive import AcceptanceTracker, CostModel, RowChoice, choose_blocks
+from .decode import (
+    ACCEPTANCE_RULES, ContextLengthError, GenerationConfig, GenerationResult, GenerationStats, InputError, Round,
+)
+from .detokenizer import IncrementalDetokenizer
+from .sampling import next_token
+from .stopping import StopChecker, truncate_at_stop
+
+
+@dataclass
+class StepProfile:
+    """Where one step's time went, and its shape (rows, tokens per pass)."""
+
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    draft_rows: int = 0
+    draft_tokens: int = 0  # block tokens + new context rows the drafter ran
+    verify_rows: int = 0
+    verify_tokens: int = 0
+    committed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)  # chosen block size per verify row
+    prefill_s: float = 0.0
+    policy_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0  # acceptance, sampling, rollbacks, commits, stop checks
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Python outside the passes and the acceptance: batching, padding, bookkeeping."""
+        return max(0.0, self.total_s - self.prefill_s - self.policy_s - self.draft_s - self.verify_s - self.accept_s)
+
+
+class BatchRow:
+    """One request inside a BatchDecoder: the per-row state `Generation` keeps for a single sequence."""
+
+    def __init__(self, rid: int, prompt_ids: list[int], config: GenerationConfig, tokenizer: Any, can_draft: bool):
+        self.id, self.prompt_ids, self.config = rid, prompt_ids, config
+        self.params = config.sampling
+        self.generator = self.params.generator()
+        self.rule = acceptance_rule(config.acceptance, self.params, self.generator)  # the single-sequence rules
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
+        self.can_draft = can_draft
+        self.target_row: int | None = None
+        self.drafter_row: int | None = None
+        self.generated: list[int] = []
+        self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
+        self.acceptance = AcceptanceTracker()
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
+        self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+        self.stop_string: str | None = None
+        self.error: Exception | None = None
+        self.drafter_error: Exception | None = None
+        self._started = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - len(self.generated)
+
+    def commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> Round:
+        # the same order as Generation._commit: stop tokens, then stop strings, then the budget
+        new = new[: self.remaining]
+        keep = self.stop.stop_token(new)
+        if keep is not None:
+            new = new[:keep]
+            self.finish_reason = "stop"
+        self.generated.extend(new)
+        if self.detokenizer is not None:
+            self.detokenizer.add(new)
+        hit = self.stop.stop_string() if keep is None else None
+        if hit is not None:
+            keep, self.stop_string = hit
+            cut = len(self.generated) - keep
+            if cut:
+                del self.generated[keep:]
+                new = new[: len(new) - cut]
+            self.finish_reason = "stop"
+        elif self.finish_reason is None and self.remaining <= 0:
+            self.finish_reason = "length"
+        s = self.stats
+        s.new_tokens = len(self.generated)
+        if not prefill:
+            s.rounds += 1
+            s.acceptance_lengths.append(len(new))
+            s.drafted_tokens += drafted
+            s.accepted_draft_tokens += accepted
+        s.total_time_s = time.perf_counter() - self._started
+        return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill)
+
+    def result(self) -> GenerationResult:
+        if not self.done:
+            raise RuntimeError("row still running")
+        text = None
+        if self.detokenizer is not None:
+            text = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+        return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
+
+
+class BatchDecoder:
+    """All active requests of one worker; `step()` advances every one of them.
+
+    adaptive: choose each row's block size per step (`cost` is then required: measure it with
+    `adaptive.measure_costs`); otherwise rows without their own `block_size` use the drafter's trained one.
+    refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never)."""
+
+    def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer: Any = None, *,
+                 adaptive: bool = False, cost: CostModel | None = None, refit_every: int = 0):
+        if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
+            raise ValueError(
+                f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
+            )
+        if adaptive and cost is None:
+            raise ValueError("adaptive block sizes need a cost model (adaptive.measure_costs)")
+        self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.adaptive, self.cost, self.refit_every = adaptive, cost, refit_every
+        self._steps = 0
+        self.target_session = target.new_batch()
+        self.drafter_session = drafter.new_batch() if drafter is not None else None
+        self.joining: list[BatchRow] = []
+        self.running: list[BatchRow] = []
+        self.last_profile = StepProfile()
+        self._ids = itertools.count()
+
+    # ---- membership ---------------------------------------------------------------------
+    def add(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
+        """Queue a request; it is prefilled at the start of the next step."""
+        prompt = [int(t) for t in prompt_ids]
+        self._validate(prompt, config)
+        can_draft = self.drafter_session is not None and config.block_size != 1
+        row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft)
+        trained = self.drafter.block_size if self.drafter is not None else 1
+        row.stats.block_size = 1 if not can_draft else (config.block_size or trained)
+        self.joining.append(row)
+        return row
+
+    def cancel(self, row: BatchRow) -> None:
+        """Finish a row now (client gone, deadline): frees its cache slots; its tokens so far stay."""
+        if not row.done:
+            row.finish_reason = "cancelled"
+        self._release(row)
+
+    @property
+    def active(self) -> list[BatchRow]:
+        return self.joining + self.running
+
+    def _release(self, row: BatchRow) -> None:
+        if row in self.joining:
+            self.joining.remove(row)
+        if row in self.running:
+            self.running.remove(row)
+        if row.target_row is not None:
+            self.target_session.remove_row(row.target_row)
+            row.target_row = None
+        if row.drafter_row is not None and self.drafter_session is not None:
+            self.drafter_session.remove_row(row.drafter_row)
+            row.drafter_row = None
+        row.pending = []
+
+    def _validate(self, prompt: list[int], cfg: GenerationConfig) -> None:
+        target, drafter = self.target, self.drafter
+        if not prompt:
+            raise InputError("the prompt is empty")
+        bad = [t for t in prompt if not 0 <= t < target.vocab_size]
+        if bad:
+            raise InputError(f"token ids out of vocabulary (size {target.vocab_size}): {bad[:5]}")
+        if cfg.max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+        total = len(prompt) + cfg.max_new_tokens
+        if total > target.max_context:
+            raise ContextLengthError(
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
+                f"exceeds the target's context length {target.max_context}"
+            )
+        if cfg.block_size is not None:
+            limit = drafter.block_size if drafter is not None else 1
+            if not 1 <= cfg.block_size <= limit:
+                raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
+        if cfg.acceptance not in ACCEPTANCE_RULES:
+            raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[tuple[BatchRow, Round]]:
+        """Advance every active row once; returns the rounds committed (rows that finished are released)."""
+        prof = StepProfile()
+        t_start = time.perf_counter()
+        verifying = list(self.running)
+        rounds: list[tuple[BatchRow, Round]] = []
+        if self.joining:
+            rounds += self._prefill(prof)
+        if verifying:
+            rounds += self._verify(verifying, prof)
+        for row, _ in rounds:
+            if row.done:
+                self._release(row)
+        prof.committed_tokens = sum(len(r.token_ids) for _, r in rounds)
+        prof.total_s = time.perf_counter() - t_start
+        self.last_profile = prof
+        return rounds
+
+    def run(self) -> None:
+        while self.active:
+            self.step()
+
+    def generate(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig] | GenerationConfig
+                 = GenerationConfig()) -> list[GenerationResult]:
+        """Every prompt as one row of the same batch, run to the end."""
+        if isinstance(configs, GenerationConfig):
+            configs = [configs] * len(prompts)
+        rows = [self.add(p, c) for p, c in zip(prompts, configs)]
+        self.run()
+        return [r.result() for r in rows]
+
+    def _prefill(self, prof: StepProfile) -> list[tuple[BatchRow, Round]]:
+        rows, self.joining = self.joining, []
+        t0 = time.perf_counter()
+        for row in rows:
+            row.target_row = self.target_session.add_row()
+            if row.can_draft and self.drafter_session is not None:
+                row.drafter_row = self.drafter_session.add_row()
+        want = any(r.drafter_row is not None for r in rows)
+        outs = self.target_session.forward(
+            [r.target_row for r in rows if r.target_row is not None],
+            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows], last_logits_only=True, features=want,
+        )
+        rounds = []
+        for row, out in zip(rows, outs):
+            first = next_token(out.logits[-1].cpu(), row.params, row.generator)
+            if row.drafter_row is not None and out.features is not None:
+                row.pending = [out.features]
+            row.stats.prefill_time_s = time.perf_counter() - t0
+            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True)))
+            self.running.append(row)
+        prof.prefill_rows, prof.prefill_tokens = len(rows), sum(len(r.prompt_ids) for r in rows)
+        prof.prefill_s = time.perf_counter() - t0
+        return rounds
+
+    def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
+        default = self.drafter.block_size if self.drafter is not None else 1
+        caps = [min(default if r.drafter_row is not None else 1, r.remaining) for r in rows]
+        fixed = [None if r.config.block_size is None else min(r.config.block_size, c) for r, c in zip(rows, caps)]
+        if not self.adaptive or self.cost is None:
+            return [f if f is not None else c for f, c in zip(fixed, caps)]
+        # new_context=1: a row's backlog of features is a sunk cost, paid whenever it next drafts whatever the
+        # size; charging it would keep a row that skipped drafting from ever drafting again (its backlog grows).
+        choices = [RowChoice(r.acceptance.alpha, c, 1, f) for r, c, f in zip(rows, caps, fixed)]
+        return choose_blocks(choices, self.cost)
+
+    def _verify(self, rows: list[BatchRow], prof: StepProfile) -> list[tuple[BatchRow, Round]]:
+        t0 = time.perf_counter()
+        sizes = self._block_sizes(rows)
+        t1 = time.perf_counter()
+        drafts = self._draft(rows, sizes, prof)
+        failed = [r for r in rows if r.done]  # the drafter failed them (no fallback): they leave now
+        if failed:
+            keep = [i for i, r in enumerate(rows) if not r.done]
+            rows, sizes, drafts = [rows[i] for i in keep], [sizes[i] for i in keep], [drafts[i] for i in keep]
+            for r in failed:
+                self._release(r)
+        t2 = time.perf_counter()
+        if not rows:
+            return []
+        blocks, proposals = [], []
+        for row, draft in zip(rows, drafts):
+            proposal = Proposal(torch.empty(0, dtype=torch.long)) if draft is None else row.rule.propose(draft)
+            proposals.append(proposal)
+            blocks.append(torch.tensor([row.generated[-1]] + proposal.tokens.tolist(), dtype=torch.long))
+        committed = [self.target_session.length(r.target_row) for r in rows]  # type: ignore[arg-type]
+        outs = self.target_session.forward(
+            [r.target_row for r in rows],  # type: ignore[misc]
+            blocks, features=any(r.drafter_row is not None for r in rows),
+        )
+        t3 = time.perf_counter()
+        rounds = []
+        for row, proposal, out, length in zip(rows, proposals, outs, committed):
+            tokens, logits = proposal.tokens, out.logits.cpu()
+            if tokens.numel() == 0:  # the target alone: its own next token
+                accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
+            else:
+                accepted, bonus = row.rule.accept(proposal, logits)
+            self.target_session.rollback(row.target_row, length + accepted + 1)  # type: ignore[arg-type]
+            if row.drafter_row is not None and out.features is not None:
+                row.pending.append(out.features[: accepted + 1])
+            row.acceptance.update(int(tokens.numel()), accepted)
+            row.stats.draft_time_s += t2 - t1
+            row.stats.verify_time_s += t3 - t2
+            new = tokens[:accepted].tolist() + [bonus]
+            rounds.append((row, row.commit(new, drafted=int(tokens.numel()), accepted=accepted)))
+        t4 = time.perf_counter()
+        prof.verify_rows, prof.verify_tokens, prof.blocks = len(rows), sum(len(b) for b in blocks), [len(b) for b in blocks]
+        prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        if self.cost is not None and self.adaptive:
+            self.cost.observe("target", len(rows), prof.verify_tokens, t3 - t2)
+            if prof.draft_rows:
+                self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
+            self._steps += 1
+            if self.refit_every and self._steps % self.refit_every == 0:
+                self.cost.refit()  # online: the passes this worker really ran, at its real contexts
+        return rounds
+
+    def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:
+        drafts: list[Draft | None] = [None] * len(rows)
+        todo = [i for i, (r, s) in enumerate(zip(rows, sizes)) if s >= 2 and r.drafter_row is not None and r.pending]
+        if not todo or self.drafter_session is None:
+            return drafts
+        requests = []
+        for i in todo:
+            row = rows[i]
+            feats = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending)
+            requests.append(DraftRequest(row.drafter_row, feats, row.generated[-1], sizes[i]))  # type: ignore[arg-type]
+        try:
+            out = self.drafter_session.draft(requests)
+        except Exception as e:  # noqa: BLE001 - per-row handling below
+            for i in todo:
+                self._drafter_failed(rows[i], e)
+            return drafts
+        for i, d in zip(todo, out):
+            rows[i].pending = []
+            drafts[i] = d
+        prof.draft_rows, prof.draft_tokens = len(todo), sum(q.block_size + q.new_features.shape[0] for q in requests)
+        return drafts
+
+    def _drafter_failed(self, row: BatchRow, error: Exception) -> None:
+        if not row.config.drafter_fallback:
+            row.error, row.finish_reason = error, "error"
+            return
+        # Still lossless: from here on the target alone picks this row's tokens (block size 1). Its drafter
+        # cache may be half-written, so the row leaves the drafter for good.
+        row.drafter_error, row.can_draft = error, False
+        if row.drafter_row is not None and self.drafter_session is not None:
+            self.drafter_session.remove_row(row.drafter_row)
+        row.drafter_row, row.pending = None, []

@@ -1,0 +1,168 @@
+"""Batched engine sessions: many sequences ("rows") advanced by ONE forward pass each.
+
+The single-sequence protocols in `base.py` (one session = one sequence) stay as they are; these two
+add a session that holds every active row of a scheduler. Design:
+
+- A row is an integer handle from `add_row()`; `remove_row()` frees it (finished, cancelled). Rows join
+  and leave between calls, so a batch is never rebuilt when its membership changes.
+- `forward` / `draft` take the rows that take part in this call, each with its OWN number of new tokens
+  (ragged): a verify step mixes rows of different context lengths and block sizes. Backends pad to the
+  longest row and mask; callers never see padding (outputs are per row, unpadded).
+- The target's KV cache rolls each row back on its own (`rollback(row, length)`); the drafter's context
+  cache only grows (committed tokens), as in the single-sequence protocol.
+
+Backends: PyTorch (`torch_batch.py`: static preallocated per-row caches in the style of gpt-fast, grown
+by doubling), ONNX Runtime (`ort_batch.py`: the exported batched drafter graph). The TensorRT plan's
+batch-axis profile is in `builders/trt_drafter_batch.py` (written, not runnable here: no GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence, runtime_checkable
+
+import torch
+
+from .base import Draft, DrafterEngine, DrafterSession, TargetOutput
+
+
+@runtime_checkable
+class BatchTargetSession(Protocol):
+    def add_row(self) -> int:
+        """A new, empty row; returns its handle."""
+
+    def remove_row(self, row: int) -> None:
+        """Free a row's cache slot (the handle may be reused by a later add_row)."""
+
+    def length(self, row: int) -> int:
+        """Tokens held in this row's KV cache."""
+
+    def rollback(self, row: int, length: int) -> None:
+        """Drop this row's cached tokens beyond `length`; other rows are untouched."""
+
+    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
+                features: bool = True) -> list[TargetOutput]:
+        """Append tokens[i] ([n_i] ids, n_i >= 1) to rows[i] and score them, all rows in one pass.
+
+        Returns one TargetOutput per row: logits [n_i, V] (or [1, V] when last_logits_only) and
+        features [n_i, F] (None when not asked for)."""
+
+
+@runtime_checkable
+class BatchTargetEngine(Protocol):
+    name: str
+    vocab_size: int
+    max_context: int
+    feature_layer_ids: tuple[int, ...]
+
+    def new_batch(self) -> BatchTargetSession: ...
+
+
+@dataclass
+class DraftRequest:
+    """One row's part of a batched drafter call."""
+
+    row: int
+    new_features: torch.Tensor  # [n, F] features of the tokens committed since this row's last draft (n >= 1)
+    last_token: int  # block position 0; the drafter proposes block_size - 1 tokens after it
+    block_size: int  # >= 2
+
+
+@runtime_checkable
+class BatchDrafterSession(Protocol):
+    def add_row(self) -> int: ...
+
+    def remove_row(self, row: int) -> None: ...
+
+    def context_length(self, row: int) -> int:
+        """Context tokens whose K/V this row's drafter cache holds."""
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """One drafter pass for every request (rows of different context, new-token and block lengths)."""
+
+
+@runtime_checkable
+class BatchDrafterEngine(Protocol):
+    name: str
+    block_size: int
+    feature_layer_ids: tuple[int, ...]
+
+    def new_batch(self) -> BatchDrafterSession: ...
+
+
+class RowSlots:
+    """Row handles -> slots of a preallocated cache; freed slots are reused, the slot count only grows."""
+
+    def __init__(self) -> None:
+        self.lengths: list[int] = []  # per slot; meaningful only for live slots
+        self.live: list[bool] = []
+
+    def add(self) -> int:
+        for slot, used in enumerate(self.live):
+            if not used:
+                self.live[slot], self.lengths[slot] = True, 0
+                return slot
+        self.live.append(True)
+        self.lengths.append(0)
+        return len(self.live) - 1
+
+    def remove(self, row: int) -> None:
+        self.check(row)
+        self.live[row] = False
+
+    def check(self, row: int) -> None:
+        if not (0 <= row < len(self.live) and self.live[row]):
+            raise KeyError(f"no live row {row}")
+
+    @property
+    def capacity(self) -> int:
+        return len(self.live)
+
+
+def grown(current: int, needed: int, limit: int | None = None) -> int:
+    """Capacity after doubling until `needed` fits (capped at `limit` when given)."""
+    cap = max(current, 16)
+    while cap < needed:
+        cap *= 2
+    if limit is not None:
+        cap = min(cap, max(limit, needed))
+    return cap
+
+
+class LoopedDrafterEngine:
+    """A single-sequence DrafterEngine behind the batched protocol: one session per row, called in turn.
+
+    For backends without a batched graph yet (the TensorRT plan's runtime, a Triton model call) and for
+    test doubles: the loop runs unchanged, but the drafter costs one call per drafting row, not one pass."""
+
+    def __init__(self, engine: DrafterEngine):
+        self.engine = engine
+        self.name = f"looped-{engine.name}"
+        self.block_size = engine.block_size
+        self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
+        self.max_context = getattr(engine, "max_context", None)
+
+    def new_batch(self) -> "LoopedDrafterSession":
+        return LoopedDrafterSession(self.engine)
+
+
+class LoopedDrafterSession:
+    def __init__(self, engine: DrafterEngine):
+        self.engine = engine
+        self.sessions: dict[int, DrafterSession] = {}
+        self._next = 0
+
+    def add_row(self) -> int:
+        row, self._next = self._next, self._next + 1
+        self.sessions[row] = self.engine.new_session()
+        return row
+
+    def remove_row(self, row: int) -> None:
+        if self.sessions.pop(row, None) is None:
+            raise KeyError(f"no live row {row}")
+
+    def context_length(self, row: int) -> int:
+        return self.sessions[row].context_length
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        return [self.sessions[q.row].draft(q.new_features, q.last_token, q.block_size) for q in requests]

@@ -1,0 +1,283 @@
+"""PyTorch batched sessions (see `batched.py` for the protocol).
+
+Target: a static preallocated KV cache in the style of gpt-fast, `[layers, slots, kv_heads, C, head_dim]`,
+one slot per row, plus each row's length. A forward pads the rows' new tokens to the longest, writes
+the real tokens' K/V at their own positions (`length[r] + i`), and attends over the first
+max(length + n) cache positions with the mask `key position <= query position`. Stale K/V beyond a
+row's length (rolled-back drafts, other rows' longer contexts) are never visible, because every
+position a query can see was written in this pass or is committed, so a rollback is just
+`length[r] = m` (no copy). Slots and C grow by doubling (a copy, rare); removed rows free their slot.
+
+The layers are run here, not through the Hugging Face forward (whose caches hold one length for the
+whole batch): the same modules and weights (norms, q/k/v/o projections, Qwen3's q/k norms, rotary
+embedding, MLP), with the attention written out. Families: Qwen3, Qwen2, LLaMA, Mistral with full
+attention (sliding-window layers are refused).
+
+Drafter: the same slot scheme for its context cache; one round for all rows is
+`models.drafter_batch.ragged_round` (also what the batched ONNX graph computes).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from ..models.drafter import DFlashDrafter
+from ..models.drafter_batch import ragged_round
+from .base import Draft, TargetOutput
+from .batched import DraftRequest, RowSlots, grown
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's rotary embedding (rotate_half convention): x [b, heads, n, d], cos/sin [b, n, d]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None] + rotated * sin[:, None]
+
+
+def _row_index(rows: Sequence[int], device: torch.device) -> tuple[slice | None, torch.Tensor]:
+    """A slice when rows are consecutive slots (a view, no copy), and the index tensor either way."""
+    idx = torch.tensor(list(rows), dtype=torch.long, device=device)
+    first = rows[0]
+    consecutive = list(rows) == list(range(first, first + len(rows)))
+    return (slice(first, first + len(rows)) if consecutive else None), idx
+
+
+class TorchBatchTargetEngine:
+    name = "torch"
+
+    def __init__(self, model: PreTrainedModel, feature_layer_ids: tuple[int, ...] = ()):
+        text = model.config.get_text_config()
+        layer_types = getattr(text, "layer_types", None) or []
+        window = getattr(text, "sliding_window", None)
+        uses_window = any(t != "full_attention" for t in layer_types) or (
+            getattr(text, "use_sliding_window", True) and window is not None
+            and window < int(getattr(text, "max_position_embeddings", 1 << 30))
+        )
+        if uses_window:
+            raise ValueError("the batched target supports full-attention layers only (this one uses a sliding window)")
+        untyped: Any = model  # transformers' methods are untyped
+        self.model: Any = untyped
+        self.base: Any = untyped.get_decoder()
+        self.layers = list(self.base.layers)
+        attn = self.layers[0].self_attn
+        self.vocab_size = int(text.vocab_size)
+        self.max_context = int(getattr(text, "max_position_embeddings", 1 << 30))
+        self.num_layers = len(self.layers)
+        self.n_kv_heads = int(text.num_key_value_heads)
+        self.head_dim = int(attn.head_dim)
+        self.scaling = float(attn.scaling)
+        self.qk_norm = hasattr(attn, "q_norm")
+        self.feature_layer_ids = tuple(feature_layer_ids)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+
+    def new_batch(self) -> "TorchBatchTargetSession":
+        return TorchBatchTargetSession(self)
+
+
+class TorchBatchTargetSession:
+    def __init__(self, engine: TorchBatchTargetEngine):
+        self.engine = engine
+        self.slots = RowSlots()
+        shape = (engine.num_layers, 0, engine.n_kv_heads, 0, engine.head_dim)
+        self.k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        self.v = torch.zeros_like(self.k)
+
+    # ---- rows ---------------------------------------------------------------------------
+    def add_row(self) -> int:
+        return self.slots.add()
+
+    def remove_row(self, row: int) -> None:
+        self.slots.remove(row)
+
+    def length(self, row: int) -> int:
+        self.slots.check(row)
+        return self.slots.lengths[row]
+
+    def rollback(self, row: int, length: int) -> None:
+        current = self.length(row)
+        if not 0 <= length <= current:
+            raise ValueError(f"cannot roll row {row} back to {length}: it holds {current} tokens")
+        self.slots.lengths[row] = length
+
+    def _reserve(self, slots: int, length: int) -> None:
+        _, s, _, c, _ = self.k.shape
+        if slots <= s and length <= c:
+            return
+        new_s = s if slots <= s else max(slots, 2 * s, 4)
+        new_c = c if length <= c else grown(c, length, self.engine.max_context)
+        shape = (self.k.shape[0], new_s, self.k.shape[2], new_c, self.k.shape[4])
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        k[:, :s, :, :c], v[:, :s, :, :c] = self.k, self.v
+        self.k, self.v = k, v
+
+    # ---- the pass -----------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
+                features: bool = True) -> list[TargetOutput]:
+        e = self.engine
+        if not rows or len(rows) != len(tokens):
+            raise ValueError("forward needs one token tensor per row, and at least one row")
+        for r in rows:
+            self.slots.check(r)
+        if len(set(rows)) != len(rows):
+            raise ValueError("a row appears twice in one forward")
+        counts = [int(t.numel()) for t in tokens]
+        if min(counts) < 1:
+            raise ValueError("every row needs at least one new token")
+        starts = [self.slots.lengths[r] for r in rows]
+        end = max(s + n for s, n in zip(starts, counts))
+        if end > e.max_context:
+            raise ValueError(f"a row would hold {end} tokens, beyond the target's context length {e.max_context}")
+        self._reserve(self.slots.capacity, end)
+        b, n = len(rows), max(counts)
+        dev = e.device
+        ids = torch.zeros(b, n, dtype=torch.long, device=dev)
+        for i, t in enumerate(tokens):
+            ids[i, : counts[i]] = t.to(dev).view(-1)
+        count_t = torch.tensor(counts, device=dev)
+        valid = torch.arange(n, device=dev)[None, :] < count_t[:, None]  # [b, n]
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+        mask = (torch.arange(end, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, n, end]
+        vr, vi = valid.nonzero(as_tuple=True)
+        view, idx = _row_index(rows, dev)
+        w_rows, w_pos = idx[vr], pos[vr, vi]
+
+        x = e.base.embed_tokens(ids)
+        cos, sin = e.base.rotary_emb(x, pos)
+        want = set(e.feature_layer_ids) if features else set()
+        outs: dict[int, torch.Tensor] = {}
+        for li, layer in enumerate(e.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_proj(h).view(b, n, -1, e.head_dim)
+            k = attn.k_proj(h).view(b, n, -1, e.head_dim)
+            v = attn.v_proj(h).view(b, n, -1, e.head_dim)
+            if e.qk_norm:
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            ck, cv = self.k[li], self.v[li]
+            ck[w_rows, :, w_pos] = k.transpose(1, 2)[vr, vi]
+            cv[w_rows, :, w_pos] = v.transpose(1, 2)[vr, vi]
+            if view is not None:
+                keys, values = ck[view, :, :end], cv[view, :, :end]
+            else:
+                keys, values = ck.index_select(0, idx)[:, :, :end], cv.index_select(0, idx)[:, :, :end]
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=e.scaling, enable_gqa=True)
+            x = x + attn.o_proj(a.transpose(1, 2).reshape(b, n, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if li in want:
+                outs[li] = x
+        for r, s, c in zip(rows, starts, counts):
+            self.slots.lengths[r] = s + c
+
+        feats = torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1) if want else None
+        head = e.model.get_output_embeddings()
+        if last_logits_only:
+            last = e.base.norm(x[torch.arange(b, device=dev), count_t - 1])  # [b, H]
+            logits = head(last).float()
+            per_row = [logits[i : i + 1] for i in range(b)]
+        else:
+            flat = head(e.base.norm(x[vr, vi])).float()  # only real tokens reach the lm_head
+            per_row = list(flat.split(counts))
+        return [
+            TargetOutput(logits=per_row[i], features=None if feats is None else feats[i, : counts[i]])
+            for i in range(b)
+        ]
+
+
+class TorchBatchDrafterEngine:
+    """The drafter plus the target's embedding table and lm_head (shared, not copied)."""
+
+    name = "torch"
+
+    def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
+        self.drafter = drafter.eval()
+        self.embed_weight, self.lm_head_weight = embed_weight, lm_head_weight
+        self.block_size = drafter.spec.block_size
+        self.mask_token_id = drafter.spec.mask_token_id
+        self.feature_layer_ids = tuple(drafter.spec.target_layer_ids)
+        self.max_context = int(drafter.config.max_position_embeddings)
+
+    @classmethod
+    def for_target(cls, drafter: DFlashDrafter, target: TorchBatchTargetEngine) -> "TorchBatchDrafterEngine":
+        m = target.model
+        return cls(drafter.to(target.device), m.get_input_embeddings().weight, m.get_output_embeddings().weight)
+
+    def new_batch(self) -> "TorchBatchDrafterSession":
+        return TorchBatchDrafterSession(self)
+
+
+class TorchBatchDrafterSession:
+    def __init__(self, engine: TorchBatchDrafterEngine):
+        self.engine = engine
+        self.slots = RowSlots()
+        k, v = engine.drafter.empty_cache(batch=0, device=engine.embed_weight.device)
+        self.k, self.v = k, v
+
+    def add_row(self) -> int:
+        return self.slots.add()
+
+    def remove_row(self, row: int) -> None:
+        self.slots.remove(row)
+
+    def context_length(self, row: int) -> int:
+        self.slots.check(row)
+        return self.slots.lengths[row]
+
+    def _reserve(self, slots: int, length: int) -> None:
+        _, s, _, c, _ = self.k.shape
+        if slots <= s and length <= c:
+            return
+        new_s = s if slots <= s else max(slots, 2 * s, 4)
+        new_c = c if length <= c else grown(c, length)
+        shape = (self.k.shape[0], new_s, self.k.shape[2], new_c, self.k.shape[4])
+        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
+        k[:, :s, :, :c], v[:, :s, :, :c] = self.k, self.v
+        self.k, self.v = k, v
+
+    @torch.inference_mode()
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        e, d = self.engine, self.engine.drafter
+        if not requests:
+            return []
+        rows = [q.row for q in requests]
+        for r in rows:
+            self.slots.check(r)
+        if len(set(rows)) != len(rows):
+            raise ValueError("a row appears twice in one draft call")
+        dev = e.embed_weight.device
+        counts = [int(q.new_features.shape[0]) for q in requests]
+        blocks = [q.block_size for q in requests]
+        if min(counts) < 1 or min(blocks) < 2:
+            raise ValueError("each draft request needs >= 1 new feature row and a block of >= 2 tokens")
+        past = [self.slots.lengths[r] for r in rows]
+        b, n, nb = len(rows), max(counts), max(blocks)
+        cap = max(past) + n
+        self._reserve(self.slots.capacity, cap)
+        feats = torch.zeros(b, n, d.feature_size, dtype=self.k.dtype, device=dev)
+        ids = torch.full((b, nb), e.mask_token_id, dtype=torch.long, device=dev)
+        for i, q in enumerate(requests):
+            feats[i, : counts[i]] = q.new_features.to(device=dev, dtype=self.k.dtype)
+            ids[i, 0] = q.last_token
+        view, idx = _row_index(rows, dev)
+        if view is not None:
+            past_k, past_v = self.k[:, view, :, :cap], self.v[:, view, :, :cap]
+        else:
+            past_k, past_v = self.k[:, idx, :, :cap], self.v[:, idx, :, :cap]
+        hidden, past_k, past_v = ragged_round(
+            d, feats, torch.tensor(counts, device=dev), d.embed_block(ids, e.embed_weight),
+            torch.tensor(blocks, device=dev), past_k, past_v, torch.tensor(past, device=dev), inplace=True,
+        )
+        if view is None:  # a gathered copy: write it back
+            self.k[:, idx, :, :cap], self.v[:, idx, :, :cap] = past_k, past_v
+        for r, p, c in zip(rows, past, counts):
+            self.slots.lengths[r] = p + c
+        logits = d.logits(hidden[:, 1:], e.lm_head_weight).float()  # [b, nb-1, V]
+        tokens = logits.argmax(-1)
+        return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1]) for i in range(b)]

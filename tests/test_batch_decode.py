@@ -1,0 +1,262 @@
+"""The batched step is lossless: every row's greedy output equals the target alone (rows of different
+lengths and block sizes in one step, rows joining and leaving), seeded sampled rows return the same
+tokens alone or in a batch, and the sampling distribution stays exact (chi-square as in test_spec)."""
+
+import pytest
+import torch
+from helpers import NoisyOracleDrafter
+from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
+from tiny_models import make_tiny_drafter, make_tiny_target
+
+from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import acceptance as acceptance_module
+from dflash_trt.decoding.adaptive import CostModel, LinearCost
+from dflash_trt.decoding.batch import BatchDecoder
+from dflash_trt.runtime.batched import LoopedDrafterEngine
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+
+def batch_engines(model, drafter):
+    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    return target, TorchBatchDrafterEngine.for_target(drafter, target)
+
+
+def reference(model, prompt, n):
+    return SpeculativeDecoder(TorchTargetEngine(model)).generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
+
+
+def random_prompts(rng, count, vocab=95):
+    return [torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=rng)),), generator=rng).tolist()
+            for _ in range(count)]
+
+
+def test_greedy_rows_equal_target_alone_mixed_blocks(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    target, drafter_engine = batch_engines(model, drafter)
+    rng = torch.Generator().manual_seed(1)
+    prompts = random_prompts(rng, 6)
+    lengths = [int(torch.randint(1, 40, (1,), generator=rng)) for _ in prompts]
+    blocks = [None, 1, 2, 3, 5, 8]  # None: the drafter's trained size
+    dec = BatchDecoder(target, drafter_engine)
+    got = dec.generate(prompts, [GenerationConfig(max_new_tokens=n, block_size=b) for n, b in zip(lengths, blocks)])
+    for i, (p, n, r) in enumerate(zip(prompts, lengths, got)):
+        assert r.token_ids == reference(model, p, n), (family, i, blocks[i])
+        assert r.finish_reason == "length" and len(r.token_ids) == n
+    assert got[1].stats.drafted_tokens == 0  # block_size 1: target alone
+    assert not dec.active and dec.target_session.slots.live.count(True) == 0  # every row released
+
+
+class OracleBatch:
+    """Test double (not a hardware fake): one NoisyOracleDrafter per row, in the order rows are added,
+    behind the batched protocol (LoopedDrafterEngine), so rounds accept anywhere from 0 to B-1 drafts."""
+
+    def __init__(self, oracles):
+        self.oracles = list(oracles)
+        self.block_size, self.feature_layer_ids, self.name = 16, (0,), "oracle-batch"
+
+    def new_batch(self):
+        oracles = iter(self.oracles)
+        looped = LoopedDrafterEngine(self.oracles[0]).new_batch()
+
+        def add_row():
+            looped.engine = next(oracles)
+            return type(looped).add_row(looped)
+
+        looped.add_row = add_row
+        return looped
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, adaptive):
+    family, _, _, model, _ = tiny_pair
+    rng = torch.Generator().manual_seed(2)
+    prompts = random_prompts(rng, 6)
+    n = 40
+    refs = [reference(model, p, n) for p in prompts]
+    p_correct = [1.0, 0.9, 0.5, 0.0, 0.9, 0.7]
+    oracles = [NoisyOracleDrafter(r, len(p), 96, 16, pc, seed=i, feature_layer_ids=(0,))
+               for i, (r, p, pc) in enumerate(zip(refs, prompts, p_correct))]
+    target = TorchBatchTargetEngine(model, (0,))
+    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-5), LinearCost(5e-4, 1e-4, 1e-5)) if adaptive else None
+    dec = BatchDecoder(target, OracleBatch(oracles), adaptive=adaptive, cost=cost)
+    rows = [dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
+            dec.add(prompts[1], GenerationConfig(max_new_tokens=n, block_size=4))]
+    dec.step()
+    dec.step()
+    rows.append(dec.add(prompts[2], GenerationConfig(max_new_tokens=n)))  # joins mid-run
+    dec.step()
+    rows += [dec.add(p, GenerationConfig(max_new_tokens=n)) for p in prompts[3:]]
+    cancelled = rows[3]
+    seen_blocks = set()
+    while dec.active:
+        dec.step()
+        seen_blocks |= set(dec.last_profile.blocks)
+        if cancelled in dec.running and len(cancelled.generated) >= 5:
+            dec.cancel(cancelled)
+    for i, row in enumerate(rows):
+        r = row.result()
+        if row is cancelled:
+            assert r.finish_reason == "cancelled" and r.token_ids == refs[i][: len(r.token_ids)]
+            continue
+        assert r.token_ids == refs[i], (family, adaptive, i)
+        assert sum(r.stats.acceptance_lengths) == n - 1
+    assert max(len(a) for a in [rows[0].stats.acceptance_lengths]) > 0
+    assert max(rows[0].stats.acceptance_lengths) >= 8  # long accepted runs happened (p_correct 1.0)
+    if adaptive:
+        assert len(seen_blocks) > 2  # the policy chose different sizes
+        assert rows[3].stats.drafted_tokens < rows[0].stats.drafted_tokens  # a failing row drafts less
+
+
+def test_seeded_sampled_row_is_the_same_alone_or_in_a_batch(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    target, drafter_engine = batch_engines(model, drafter)
+    prompt = [4, 5, 6, 7]
+    cfg = GenerationConfig(max_new_tokens=30, block_size=4,
+                           sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
+    alone = BatchDecoder(target, drafter_engine).generate([prompt], cfg)[0].token_ids
+    rng = torch.Generator().manual_seed(3)
+    others = random_prompts(rng, 5)
+    mixed = [GenerationConfig(max_new_tokens=20 + 3 * i, block_size=[2, 8, None, 5, 1][i],
+                              sampling=SamplingParams(temperature=[0, 1.0, 0.5, 0, 1.2][i], seed=i))
+             for i in range(5)]
+    got = BatchDecoder(target, drafter_engine).generate(others[:2] + [prompt] + others[2:], mixed[:2] + [cfg] + mixed[2:])
+    assert got[2].token_ids == alone, family
+    # the single-sequence loop with the same seed and block size returns the same tokens too
+    single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    single = SpeculativeDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
+    assert single.generate(prompt, cfg).token_ids == alone
+
+
+N_SAMPLES = 2000
+
+
+@pytest.fixture(scope="module")
+def sharp_batch_pair():
+    model = make_tiny_target(vocab_size=V, layers=4, hidden=32, seed=3)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    drafter = make_tiny_drafter(model.config, layers=1, block_size=4, seed=4, mask_token_id=V - 1)
+    return model, drafter
+
+
+def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
+    """N_SAMPLES seeded rows, 400 per batch, next to rows of other lengths and settings."""
+    target, drafter_engine = batch_engines(model, drafter)
+    # a memory-bound target (tokens nearly free) so the policy drafts; sizes then follow each row's history
+    cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7)) if adaptive else None
+    counts, accepted = {}, 0
+    for start in range(0, N_SAMPLES, 400):
+        dec = BatchDecoder(target, drafter_engine, adaptive=adaptive, cost=cost)
+        rows = []
+        for seed in range(start, start + 400):
+            rows.append(dec.add(prompt, GenerationConfig(max_new_tokens=3, sampling=SETTINGS[setting](seed),
+                                                         block_size=None if adaptive else 4, acceptance=acceptance)))
+            if seed % 50 == 0:  # a distractor row: a longer prompt, greedy, another block size
+                dec.add(prompt * 3, GenerationConfig(max_new_tokens=5, block_size=2))
+        dec.run()
+        for r in rows:
+            key = tuple(r.result().token_ids)
+            counts[key] = counts.get(key, 0) + 1
+            accepted += r.stats.accepted_draft_tokens
+    return counts, accepted
+
+
+@pytest.mark.parametrize("setting, acceptance, adaptive", [
+    ("T1", "rejection", False), ("T0.7-topk4-topp0.9", "exact-match", False), ("T1", "rejection", True),
+])
+def test_batched_sampling_is_lossless(sharp_batch_pair, setting, acceptance, adaptive):
+    model, drafter = sharp_batch_pair
+    prompt = [1, 2, 3]
+    expected = exact_joint(model, prompt, SETTINGS[setting](0), 3)
+    counts, accepted = batched_counts(model, drafter, prompt, setting, acceptance, adaptive)
+    assert accepted > N_SAMPLES * 0.1, "drafts must be accepted often enough to test acceptance"
+    p = chi_square_pvalue(counts, expected, N_SAMPLES)
+    assert p > 1e-3, f"batched samples deviate from the target distribution (p={p:.2e})"
+
+
+def test_batched_statistical_test_catches_a_broken_sampler(sharp_batch_pair, monkeypatch):
+    """Negative control: accept every draft, then sample the bonus from the target."""
+    from dflash_trt.decoding.sampling import sample
+
+    def accept_all(draft, draft_probs, target_probs, generator):
+        return draft.shape[0], int(sample(target_probs[draft.shape[0]], generator))
+
+    model, drafter = sharp_batch_pair
+    monkeypatch.setattr(acceptance_module, "accept_rejection", accept_all)  # what RejectionRule calls
+    expected = exact_joint(model, [1, 2, 3], SETTINGS["T1"](0), 3)
+    counts, _ = batched_counts(model, drafter, [1, 2, 3], "T1", "rejection")
+    assert chi_square_pvalue(counts, expected, N_SAMPLES) < 1e-6
+
+
+class FailingBatchDrafter:
+    """Test double: a batched drafter whose calls raise (a broken engine)."""
+
+    def __init__(self, inner):
+        self.inner, self.name = inner, "failing"
+        self.block_size, self.feature_layer_ids = inner.block_size, inner.feature_layer_ids
+
+    def new_batch(self):
+        sess = self.inner.new_batch()
+
+        def draft(requests):
+            raise RuntimeError("drafter engine failed")
+
+        sess.draft = draft
+        return sess
+
+
+def test_drafter_failure_falls_back_per_row(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    target, drafter_engine = batch_engines(model, drafter)
+    dec = BatchDecoder(target, FailingBatchDrafter(drafter_engine))
+    ok = dec.add([1, 2, 3], GenerationConfig(max_new_tokens=12, drafter_fallback=True))
+    failed = dec.add([4, 5], GenerationConfig(max_new_tokens=12))
+    dec.run()
+    assert ok.result().token_ids == reference(model, [1, 2, 3], 12)
+    assert isinstance(ok.drafter_error, RuntimeError)
+    assert failed.result().finish_reason == "error" and isinstance(failed.error, RuntimeError)
+    assert not dec.active
+
+
+def test_stop_tokens_and_validation(tiny_pair):
+    from dflash_trt.decoding import ContextLengthError, InputError
+
+    family, _, _, model, drafter = tiny_pair
+    target, drafter_engine = batch_engines(model, drafter)
+    full = reference(model, [7, 8, 9], 40)
+    stop = full[12]
+    dec = BatchDecoder(target, drafter_engine)
+    r = dec.generate([[7, 8, 9], [1, 2]], [GenerationConfig(max_new_tokens=40, stop_token_ids=(stop,)),
+                                           GenerationConfig(max_new_tokens=40)])
+    assert r[0].token_ids == full[: full.index(stop) + 1] and r[0].finish_reason == "stop"
+    assert r[1].token_ids == reference(model, [1, 2], 40)
+    with pytest.raises(ContextLengthError):
+        dec.add([1] * 2000, GenerationConfig(max_new_tokens=100))
+    with pytest.raises(InputError, match="block_size"):
+        dec.add([1], GenerationConfig(block_size=9))
+    with pytest.raises(InputError, match="out of vocabulary"):
+        dec.add([1, 96], GenerationConfig())
+    with pytest.raises(ValueError, match="cost model"):
+        BatchDecoder(target, drafter_engine, adaptive=True)
+
+
+def test_stop_strings_per_row_with_tokenizer(tmp_path):
+    """Text stops: each row's own stop string, the text cut as the single-sequence loop cuts it."""
+    from helpers import make_tokenizer
+
+    tok = make_tokenizer(tmp_path)
+    model = make_tiny_target(vocab_size=len(tok), layers=4, seed=5)
+    drafter = make_tiny_drafter(model.config, layers=1, block_size=4, mask_token_id=tok.mask_token_id)
+    target, drafter_engine = batch_engines(model, drafter)
+    base = SpeculativeDecoder(TorchTargetEngine(model), None, tok)
+    prompts = [tok.encode("def fibonacci(n):"), tok.encode("for i in range(10):")]
+    fulls = [base.generate(p, GenerationConfig(max_new_tokens=30)) for p in prompts]
+    stop = fulls[0].text[8:11]
+    assert stop
+    got = BatchDecoder(target, drafter_engine, tok).generate(
+        prompts, [GenerationConfig(max_new_tokens=30, stop_strings=(stop,)), GenerationConfig(max_new_tokens=30)])
+    assert got[0].finish_reason == "stop" and got[0].text == fulls[0].text[: fulls[0].text.index(stop)]
+    alone = base.generate(prompts[0], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
+    assert got[0].token_ids == alone.token_ids  # cut after the same token as the single-sequence loop
+    assert got[1].token_ids == fulls[1].token_ids and got[1].text == fulls[1].text

@@ -1,0 +1,226 @@
+"""Batched engine sessions: every row of a batched pass equals the same row run alone (single-sequence
+sessions as the reference), per-row rollbacks, rows joining and leaving."""
+
+import pytest
+import torch
+
+from dflash_trt.runtime.batched import BatchDrafterSession, BatchTargetSession, DraftRequest
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+ATOL = 1e-4
+
+
+def engines(model, drafter):
+    layers = drafter.spec.target_layer_ids
+    single = TorchTargetEngine(model, layers)
+    batch = TorchBatchTargetEngine(model, layers)
+    return single, batch
+
+
+def ids(rng, n, vocab=95):
+    return torch.randint(0, vocab, (n,), generator=rng)
+
+
+def check_same(out, ref, what):
+    assert out.logits.shape == ref.logits.shape, what
+    torch.testing.assert_close(out.logits, ref.logits, atol=ATOL, rtol=1e-4, msg=what)
+    if ref.features is not None:
+        torch.testing.assert_close(out.features, ref.features, atol=ATOL, rtol=1e-4, msg=what)
+
+
+def test_batched_target_rows_equal_rows_alone_with_rollbacks(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    single, batch = engines(model, drafter)
+    rng = torch.Generator().manual_seed(0)
+    sess = batch.new_batch()
+    assert isinstance(sess, BatchTargetSession)
+    rows = [sess.add_row() for _ in range(3)]
+    refs = {r: single.new_session() for r in rows}
+    # prefill: three prompts of different lengths in one pass
+    prompts = [ids(rng, n) for n in (5, 17, 9)]
+    outs = sess.forward(rows, prompts)
+    for r, p, o in zip(rows, prompts, outs):
+        check_same(o, refs[r].forward(p), (family, "prefill", r))
+        assert sess.length(r) == len(p)
+    # verify-like steps: ragged blocks, then each row rolls back by its own amount
+    for step in range(4):
+        blocks = [ids(rng, n) for n in ((1, 8, 3), (4, 2, 6), (8, 8, 1), (2, 5, 7))[step]]
+        outs = sess.forward(rows, blocks)
+        for r, blk, o in zip(rows, blocks, outs):
+            ref = refs[r].forward(blk)
+            check_same(o, ref, (family, step, r))
+            keep = int(torch.randint(0, len(blk) + 1, (1,), generator=rng))
+            sess.rollback(r, sess.length(r) - keep)
+            refs[r].rollback(refs[r].length - keep)
+            assert sess.length(r) == refs[r].length
+    # last_logits_only and no features
+    outs = sess.forward(rows, [ids(rng, 3)] * 3, last_logits_only=True, features=False)
+    assert all(o.logits.shape == (1, 96) and o.features is None for o in outs)
+
+
+def test_batched_target_rows_join_and_leave(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    single, batch = engines(model, drafter)
+    rng = torch.Generator().manual_seed(1)
+    sess = batch.new_batch()
+    a, b = sess.add_row(), sess.add_row()
+    ref = {a: single.new_session(), b: single.new_session()}
+    for r in (a, b):
+        p = ids(rng, 6 + r)
+        check_same(sess.forward([r], [p])[0], ref[r].forward(p), (family, "prefill alone", r))
+    sess.remove_row(a)
+    with pytest.raises(KeyError):
+        sess.forward([a], [ids(rng, 1)])
+    c = sess.add_row()  # reuses a's slot: its stale cache must not leak into c
+    assert c == a and sess.length(c) == 0
+    ref[c] = single.new_session()
+    p = ids(rng, 4)
+    check_same(sess.forward([c], [p])[0], ref[c].forward(p), (family, "joined"))
+    d = sess.add_row()
+    ref[d] = single.new_session()
+    p = ids(rng, 40)  # long prompt: the cache grows while other rows hold state
+    check_same(sess.forward([d], [p])[0], ref[d].forward(p), (family, "grow"))
+    # non-consecutive subset (d, c) in reversed order, then everyone
+    for order in ([d, c], [b, d, c]):
+        blocks = [ids(rng, 1 + i * 2) for i in range(len(order))]
+        for r, blk, o in zip(order, blocks, sess.forward(order, blocks)):
+            check_same(o, ref[r].forward(blk), (family, order, r))
+    with pytest.raises(ValueError, match="roll"):
+        sess.rollback(b, sess.length(b) + 1)
+
+
+def drafter_engines(model, drafter):
+    single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    batch_t = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    return TorchDrafterEngine.for_target(drafter, single_t), TorchBatchDrafterEngine.for_target(drafter, batch_t)
+
+
+def check_drafts_match(batch_session, single_sessions, rng, rounds, feature_size, what):
+    """Ragged draft calls (rows of different new-context and block lengths) vs each row alone."""
+    for step, plan in enumerate(rounds):
+        reqs, refs = [], []
+        for row, (n, block) in plan.items():
+            feats = torch.randn(n, feature_size, generator=rng)
+            last = int(torch.randint(0, 95, (1,), generator=rng))
+            reqs.append(DraftRequest(row, feats, last, block))
+            refs.append(single_sessions[row].draft(feats, last, block))
+        for q, got, ref in zip(reqs, batch_session.draft(reqs), refs):
+            torch.testing.assert_close(got.logits, ref.logits, atol=ATOL, rtol=1e-4, msg=(what, step, q.row))
+            assert got.tokens.tolist() == ref.tokens.tolist(), (what, step, q.row)
+            assert batch_session.context_length(q.row) == single_sessions[q.row].context_length
+
+
+DRAFT_ROUNDS = [
+    {0: (7, 8), 1: (20, 4), 2: (1, 2)},  # first calls: prompts of different lengths
+    {0: (3, 8), 2: (8, 8)},  # row 1 sits this one out
+    {2: (1, 5), 1: (6, 3), 0: (2, 2)},  # another order
+    {1: (4, 6)},  # one row alone (batch axis 1) after the others grew the cache
+]
+
+
+def test_batched_torch_drafter_rows_equal_rows_alone(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    single, batch = drafter_engines(model, drafter)
+    rng = torch.Generator().manual_seed(2)
+    sess = batch.new_batch()
+    assert isinstance(sess, BatchDrafterSession)
+    rows = [sess.add_row() for _ in range(3)]
+    check_drafts_match(sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size, family)
+    sess.remove_row(1)
+    r = sess.add_row()
+    assert r == 1 and sess.context_length(r) == 0
+    check_drafts_match(sess, {r: single.new_session()}, rng, [{r: (5, 8)}], drafter.feature_size, (family, "rejoin"))
+
+
+@pytest.fixture(scope="module")
+def batch_graph(tiny_pair, tmp_path_factory):
+    from dflash_trt.builders.onnx_drafter_batch import export_batched_drafter
+
+    family, _, _, model, drafter = tiny_pair
+    out = tmp_path_factory.mktemp(f"onnx-batch-{family}")
+    export_batched_drafter(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight, out)
+    return out
+
+
+def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
+    """Real onnxruntime: the batched graph's rows equal the PyTorch single-sequence drafter's."""
+    import onnxruntime as ort
+
+    from dflash_trt.builders.onnx_drafter_batch import BATCH_GRAPH_FILE, BATCH_INPUT_NAMES
+    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+
+    family, _, _, model, drafter = tiny_pair
+    single, _ = drafter_engines(model, drafter)
+    graph = ort.InferenceSession(str(batch_graph / BATCH_GRAPH_FILE), providers=["CPUExecutionProvider"])
+    assert [i.name for i in graph.get_inputs()] == list(BATCH_INPUT_NAMES)
+    shapes = {i.name: i.shape for i in graph.get_inputs()}
+    # the batch, block, new-context and cache axes stayed symbolic (an int means the exporter fixed it)
+    assert all(isinstance(shapes[k][0], str) for k in ("block_ids", "features", "past_lengths"))
+    assert isinstance(shapes["past_k"][1], str) and isinstance(shapes["past_k"][3], str)
+    engine = OrtBatchDrafterEngine(batch_graph)
+    sess = engine.new_batch()
+    assert isinstance(sess, BatchDrafterSession)
+    rows = [sess.add_row() for _ in range(3)]
+    rng = torch.Generator().manual_seed(3)
+    check_drafts_match(sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size,
+                       (family, "onnx"))
+    out = sess.draft([DraftRequest(1, torch.randn(2, drafter.feature_size, generator=rng), 5, 8)])
+    assert out[0].tokens.shape == (7,)
+
+
+
+def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
+    """FAKE tensorrt (no TensorRT here): the batched plan gets one profile covering every input, with a batch axis."""
+    import sys
+
+    from fake_tensorrt import make
+
+    from dflash_trt.formats import DrafterGraphMeta
+    from dflash_trt.builders.onnx_drafter_batch import BATCH_INPUT_NAMES
+    from dflash_trt.builders.trt_drafter_batch import batch_profile_shapes, build_batched_drafter_plan
+
+    meta = DrafterGraphMeta(block_size=8, mask_token_id=95, feature_layer_ids=(1, 2), feature_size=128,
+                            num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=96, max_context=512)
+    graph = tmp_path / "onnx"
+    graph.mkdir()
+    for name in ("drafter_batch.onnx", "drafter_batch.onnx.data", "drafter_batch_fp16.onnx"):
+        (graph / name).write_bytes(name.encode())
+    (graph / "drafter.json").write_text(meta.to_json())
+    calls: list = []
+    monkeypatch.setitem(sys.modules, "tensorrt", make("11.0.0", calls))
+    plan = build_batched_drafter_plan(graph, tmp_path / "plan", max_rows=16, max_context=256, max_new_tokens=128)
+    assert plan.name == "drafter_batch.plan" and plan.is_file()
+    assert ("parse_from_file", str(graph / "drafter_batch_fp16.onnx")) in calls  # 11.x: strongly typed fp16 graph
+    shapes = {c[1]: c[2:] for c in calls if c[0] == "profile.set_shape"}
+    assert set(shapes) == set(BATCH_INPUT_NAMES)
+    assert shapes["block_ids"] == ((1, 2), (8, 8), (16, 8))
+    assert shapes["features"] == ((1, 1, 128), (8, 8, 128), (16, 128, 128))
+    assert shapes["past_k"] == ((2, 1, 2, 1, 16), (2, 8, 2, 136, 16), (2, 16, 2, 384, 16))
+    assert shapes["past_lengths"] == ((1,), (8,), (16,))
+    for name, s in shapes.items():  # min <= opt <= max on every axis
+        assert all(a <= b <= c for a, b, c in zip(*s)), name
+    with pytest.raises(ValueError, match="max_rows"):
+        batch_profile_shapes(meta, 0)
+
+
+def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_graph):
+    """The batched step on the real onnxruntime batched drafter: greedy rows equal the target alone."""
+    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+
+    family, _, _, model, drafter = tiny_pair
+    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    ort_drafter = OrtBatchDrafterEngine(batch_graph)
+    cost = measure_costs(target, ort_drafter, rows=(1, 2, 3), blocks=(1, 2, 4), context=16, repeats=1)
+    assert min(cost.target.fixed, cost.target.per_row, cost.target.per_token) >= 0 and cost.target(4, 8) > 0
+    rng = torch.Generator().manual_seed(5)
+    prompts = [ids(rng, n).tolist() for n in (3, 11, 25)]
+    configs = [GenerationConfig(max_new_tokens=n, block_size=b) for n, b in ((20, 8), (33, 3), (9, None))]
+    for adaptive in (False, True):
+        got = BatchDecoder(target, ort_drafter, adaptive=adaptive, cost=cost).generate(prompts, configs)
+        base = SpeculativeDecoder(TorchTargetEngine(model))
+        for p, c, r in zip(prompts, configs, got):
+            assert r.token_ids == base.generate(p, GenerationConfig(max_new_tokens=c.max_new_tokens)).token_ids, family

@@ -9,8 +9,11 @@ import threading
 import time
 
 import httpx
+import pytest
 import uvicorn
+from helpers import make_text_models
 
+from dflash_trt.loading import load_decoder
 from dflash_trt.server.app import ServerSettings, create_app
 
 
@@ -36,6 +39,28 @@ def running_server(decoder, **settings):
         server.should_exit = True
         thread.join(15)
         sock.close()
+
+
+def server_fixtures(name: str, serve=None):
+    """A server test file's module-scoped fixtures: `models` (the tiny text pair, saved in a temp folder
+    named after `name`), `decoder` (loaded from them) and `server` (the base url of serve(decoder), a
+    context manager yielding (url, _); running_server by default). Bind them at module level:
+    `models, decoder, server = server_fixtures("server")`."""
+
+    @pytest.fixture(scope="module")
+    def models(tmp_path_factory):
+        return make_text_models(tmp_path_factory.mktemp(name))
+
+    @pytest.fixture(scope="module")
+    def decoder(models):
+        return load_decoder(*models)
+
+    @pytest.fixture(scope="module")
+    def server(decoder):
+        with (serve or running_server)(decoder) as (url, _):
+            yield url
+
+    return models, decoder, server
 
 
 def sse_events(lines) -> list:

@@ -6,8 +6,7 @@ A real server on a real port, driven by httpx and the official `openai` client.
 import httpx
 import openai
 import pytest
-from helpers import make_text_models
-from server_harness import running_server
+from server_harness import server_fixtures
 
 from dflash_trt.decoding import GenerationConfig, LogitsAdjustment
 from dflash_trt.loading import load_decoder
@@ -17,20 +16,7 @@ MODEL = "dflash-trt"
 CHAT = [{"role": "user", "content": "def f(x):"}]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return make_text_models(tmp_path_factory.mktemp("openai-contract"))
-
-
-@pytest.fixture(scope="module")
-def decoder(models):
-    return load_decoder(*models)
-
-
-@pytest.fixture(scope="module")
-def server(decoder):
-    with running_server(decoder) as (url, _):
-        yield url
+models, decoder, server = server_fixtures("openai-contract")
 
 
 @pytest.fixture(scope="module")

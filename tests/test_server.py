@@ -11,8 +11,8 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import FaultyDrafter, make_text_models
-from server_harness import FaultyTarget, GatedTarget, metric, running_server, scrape, sse_events
+from helpers import FaultyDrafter
+from server_harness import FaultyTarget, GatedTarget, metric, running_server, scrape, server_fixtures, sse_events
 
 from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
 from dflash_trt.loading import load_decoder
@@ -21,14 +21,7 @@ from dflash_trt.server.app import chat_prompt_ids
 PROMPTS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os", "print(", "x = 1\n"]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return make_text_models(tmp_path_factory.mktemp("server"))
-
-
-@pytest.fixture(scope="module")
-def decoder(models):
-    return load_decoder(*models)
+models, decoder, server = server_fixtures("server")
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +36,6 @@ def reference(models, decoder):
         return (decoder if spec else base).generate(ids, cfg)
 
     return run
-
-
-@pytest.fixture(scope="module")
-def server(decoder):
-    with running_server(decoder) as (url, app):
-        yield url
 
 
 def test_health_ready_models(server):

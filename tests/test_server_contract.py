@@ -14,8 +14,8 @@ import time
 import httpx
 import pytest
 import torch
-from helpers import make_text_models, make_tiny_pair
-from server_harness import metric, scrape, sse_events
+from helpers import make_tiny_pair
+from server_harness import metric, scrape, server_fixtures, sse_events
 
 from dflash_trt.decoding import SamplingParams
 from dflash_trt.decoding.sampling import probabilities
@@ -59,20 +59,7 @@ def serving(decoder, on_listening=None, **settings):
         logger.setLevel(level)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    return make_text_models(tmp_path_factory.mktemp("contract"))
-
-
-@pytest.fixture(scope="module")
-def decoder(models):
-    return load_decoder(*models)
-
-
-@pytest.fixture(scope="module")
-def server(decoder):
-    with serving(decoder) as (url, _):
-        yield url
+models, decoder, server = server_fixtures("contract", serve=serving)
 
 
 def post_raw(url, path, body: dict, **kw):

@@ -17,15 +17,17 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import Callable, Mapping, TypeVar
 
 import torch
 from torch import nn
 
-from ..formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, FP16_GRAPH_FILE, GRAPH_FILE, META_FILE, DrafterGraphMeta
+from ..formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILES, META_FILE, DrafterGraphMeta
 from ..models.drafter import DFlashDrafter
 
 # Example sizes for tracing: all >= 2 and distinct, or the exporter fixes the axis (0/1 specialise).
 EXAMPLE_NEW, EXAMPLE_PAST = 3, 5
+RoundModule = TypeVar("RoundModule", bound=nn.Module)
 
 
 class DrafterRound(nn.Module):
@@ -154,14 +156,23 @@ def export_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_w
     The caller's drafter is left as it was: the graph is traced from an fp32 copy (callers such as the
     benchmark pass a live bf16/fp16 engine's drafter, which `.float()` / `.eval()` would change in place).
     """
+    return write_graphs(drafter, embed_weight, lm_head_weight, out_dir, fp16, DrafterRound, export_round, GRAPH_FILES)
+
+
+def write_graphs(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, out_dir: str | Path,
+                 fp16: bool, make_round: Callable[[DFlashDrafter, torch.Tensor, torch.Tensor], RoundModule],
+                 export: Callable[[RoundModule, DrafterGraphMeta, Path], Path],
+                 names: Mapping[str, str]) -> dict[str, Path]:
+    """Trace `make_round` (over an fp32 copy of the drafter) with `export` into out_dir/names["fp32"], check it,
+    optionally convert it to names["fp16"], and write drafter.json; returns the paths by precision (+ "meta")."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = graph_meta(drafter, int(lm_head_weight.shape[0]))
-    module = DrafterRound(copy.deepcopy(drafter).float(), embed_weight.float(), lm_head_weight.float())
-    files = {"fp32": export_round(module, meta, out / GRAPH_FILE)}
+    module = make_round(copy.deepcopy(drafter).float(), embed_weight.float(), lm_head_weight.float())
+    files = {"fp32": export(module, meta, out / names["fp32"])}
     check_graph(files["fp32"])
     if fp16:
-        files["fp16"] = to_fp16(files["fp32"], out / FP16_GRAPH_FILE)
+        files["fp16"] = to_fp16(files["fp32"], out / names["fp16"])
         check_graph(files["fp16"])
     (out / META_FILE).write_text(meta.to_json())
     files["meta"] = out / META_FILE

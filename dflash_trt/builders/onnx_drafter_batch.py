@@ -13,7 +13,6 @@ batched drafter, so the two backends compute one thing.
 
 from __future__ import annotations
 
-import copy
 import warnings
 from pathlib import Path
 
@@ -22,8 +21,8 @@ from torch import nn
 
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import ragged_round
-from ..formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, META_FILE, DrafterGraphMeta
-from .onnx_drafter import check_graph, graph_meta, to_fp16
+from ..formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DrafterGraphMeta
+from .onnx_drafter import write_graphs
 
 BATCH_INPUT_NAMES, BATCH_OUTPUT_NAMES = BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS
 BATCH_GRAPH_FILE, BATCH_FP16_GRAPH_FILE = BATCH_GRAPH_FILES["fp32"], BATCH_GRAPH_FILES["fp16"]
@@ -101,15 +100,5 @@ def export_batched_round(module: BatchedDrafterRound, meta: DrafterGraphMeta, pa
 def export_batched_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
                            out_dir: str | Path, fp16: bool = False) -> dict[str, Path]:
     """Write drafter_batch.onnx (+ .data), optionally its fp16 twin, and drafter.json into out_dir."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = graph_meta(drafter, int(lm_head_weight.shape[0]))
-    module = BatchedDrafterRound(copy.deepcopy(drafter).float(), embed_weight.float(), lm_head_weight.float())
-    files = {"fp32": export_batched_round(module, meta, out / BATCH_GRAPH_FILE)}
-    check_graph(files["fp32"])
-    if fp16:
-        files["fp16"] = to_fp16(files["fp32"], out / BATCH_FP16_GRAPH_FILE)
-        check_graph(files["fp16"])
-    (out / META_FILE).write_text(meta.to_json())
-    files["meta"] = out / META_FILE
-    return files
+    return write_graphs(drafter, embed_weight, lm_head_weight, out_dir, fp16, BatchedDrafterRound,
+                        export_batched_round, BATCH_GRAPH_FILES)

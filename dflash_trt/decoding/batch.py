@@ -33,6 +33,7 @@ from .acceptance import Proposal, acceptance_rule
 from .adaptive import AcceptanceTracker, CostModel, RowChoice, choose_blocks
 from .decode import (
     ACCEPTANCE_RULES, ContextLengthError, GenerationConfig, GenerationResult, GenerationStats, InputError, Round,
+    commit_tokens,
 )
 from .detokenizer import IncrementalDetokenizer
 from .sampling import next_token
@@ -96,33 +97,7 @@ class BatchRow:
         return self.config.max_new_tokens - len(self.generated)
 
     def commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> Round:
-        # the same order as Generation._commit: stop tokens, then stop strings, then the budget
-        new = new[: self.remaining]
-        keep = self.stop.stop_token(new)
-        if keep is not None:
-            new = new[:keep]
-            self.finish_reason = "stop"
-        self.generated.extend(new)
-        if self.detokenizer is not None:
-            self.detokenizer.add(new)
-        hit = self.stop.stop_string() if keep is None else None
-        if hit is not None:
-            keep, self.stop_string = hit
-            cut = len(self.generated) - keep
-            if cut:
-                del self.generated[keep:]
-                new = new[: len(new) - cut]
-            self.finish_reason = "stop"
-        elif self.finish_reason is None and self.remaining <= 0:
-            self.finish_reason = "length"
-        s = self.stats
-        s.new_tokens = len(self.generated)
-        if not prefill:
-            s.rounds += 1
-            s.acceptance_lengths.append(len(new))
-            s.drafted_tokens += drafted
-            s.accepted_draft_tokens += accepted
-        s.total_time_s = time.perf_counter() - self._started
+        new = commit_tokens(self, new, drafted, accepted, prefill)  # the same rules as Generation._commit
         return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill)
 
     def result(self) -> GenerationResult:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Protocol, Sequence
 
 import torch
 
@@ -26,8 +26,9 @@ from .processors import LogitsAdjustment
 from .sampling import SamplingParams, next_token
 from .stopping import StopChecker, truncate_at_stop
 
-__all__ = ["ACCEPTANCE_RULES", "ContextLengthError", "Generation", "GenerationConfig", "GenerationResult",
-           "GenerationStats", "InputError", "Round", "RoundTimings", "SpeculativeDecoder"]
+__all__ = ["ACCEPTANCE_RULES", "CommitState", "ContextLengthError", "Generation", "GenerationConfig",
+           "GenerationResult", "GenerationStats", "InputError", "Round", "RoundTimings", "SpeculativeDecoder",
+           "commit_tokens"]
 
 
 class InputError(ValueError):
@@ -111,6 +112,52 @@ class GenerationResult:
     text: str | None
     finish_reason: str  # "stop" or "length"
     stats: GenerationStats
+
+
+class CommitState(Protocol):
+    """What `commit_tokens` reads and updates: one sequence's output so far (a Generation, a batch row)."""
+
+    config: GenerationConfig
+    stop: StopChecker
+    detokenizer: IncrementalDetokenizer | None
+    generated: list[int]
+    stats: GenerationStats
+    finish_reason: str | None
+    stop_string: str | None
+    _started: float
+
+
+def commit_tokens(state: CommitState, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> list[int]:
+    """Append one round's tokens to a sequence and return those kept. The order: the token budget, stop
+    tokens, then stop strings (cutting the text back to the stop), then the budget as a finish reason;
+    updates the stats (a prefill counts no round)."""
+    new = new[: state.config.max_new_tokens - len(state.generated)]
+    keep = state.stop.stop_token(new)
+    if keep is not None:
+        new = new[:keep]
+        state.finish_reason = "stop"
+    state.generated.extend(new)
+    if state.detokenizer is not None:
+        state.detokenizer.add(new)
+    hit = state.stop.stop_string() if keep is None else None
+    if hit is not None:
+        keep, state.stop_string = hit
+        cut = len(state.generated) - keep
+        if cut:
+            del state.generated[keep:]
+            new = new[: len(new) - cut]
+        state.finish_reason = "stop"
+    elif state.finish_reason is None and len(state.generated) >= state.config.max_new_tokens:
+        state.finish_reason = "length"
+    s = state.stats
+    s.new_tokens = len(state.generated)
+    if not prefill:
+        s.rounds += 1
+        s.acceptance_lengths.append(len(new))
+        s.drafted_tokens += drafted
+        s.accepted_draft_tokens += accepted
+    s.total_time_s = time.perf_counter() - state._started
+    return new
 
 
 class SpeculativeDecoder:
@@ -284,34 +331,8 @@ class Generation:
     # ---- bookkeeping --------------------------------------------------------------------
     def _commit(self, new: list[int], drafted: int, accepted: int, timings: RoundTimings, started: float,
                 prefill: bool = False) -> Round:
-        new = new[: self.config.max_new_tokens - len(self.generated)]
-        keep = self.stop.stop_token(new)
-        if keep is not None:
-            new = new[:keep]
-            self.finish_reason = "stop"
-        self.generated.extend(new)
-        if self.detokenizer is not None:
-            self.detokenizer.add(new)
-        hit = self.stop.stop_string() if keep is None else None
-        if hit is not None:
-            keep, self.stop_string = hit
-            cut = len(self.generated) - keep
-            if cut:
-                del self.generated[keep:]
-                new = new[: len(new) - cut]
-            self.finish_reason = "stop"
-        elif self.finish_reason is None and len(self.generated) >= self.config.max_new_tokens:
-            self.finish_reason = "length"
-        s = self.stats
-        s.new_tokens = len(self.generated)
-        if not prefill:
-            s.rounds += 1
-            s.acceptance_lengths.append(len(new))
-            s.drafted_tokens += drafted
-            s.accepted_draft_tokens += accepted
-        now = time.perf_counter()
-        s.total_time_s = now - self._started
-        timings.total_s = now - started
+        new = commit_tokens(self, new, drafted, accepted, prefill)
+        timings.total_s = self.stats.total_time_s + self._started - started
         return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill, timings=timings)
 
     def result(self) -> GenerationResult:

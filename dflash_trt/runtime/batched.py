@@ -19,7 +19,7 @@ batch-axis profile is in `builders/trt_drafter_batch.py` (written, not runnable 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
@@ -127,6 +127,68 @@ def grown(current: int, needed: int, limit: int | None = None) -> int:
     if limit is not None:
         cap = min(cap, max(limit, needed))
     return cap
+
+
+class SlotCacheRows:
+    """The row bookkeeping of a session whose K/V cache is `[layers, slots, kv_heads, C, head_dim]`, one
+    slot per row: add/remove rows, each row's length, growing the cache (slots and C by doubling, a copy).
+
+    Works for numpy and torch arrays alike: a subclass says how to make a zero array (`_zeros`) and may
+    cap C (`cache_limit`)."""
+
+    cache_limit: int | None = None
+
+    def __init__(self, k: Any, v: Any) -> None:
+        self.slots = RowSlots()
+        self.k: Any = k
+        self.v: Any = v
+
+    def _zeros(self, shape: tuple[int, ...]) -> Any:
+        raise NotImplementedError
+
+    def add_row(self) -> int:
+        return self.slots.add()
+
+    def remove_row(self, row: int) -> None:
+        self.slots.remove(row)
+
+    def _row_length(self, row: int) -> int:
+        self.slots.check(row)
+        return self.slots.lengths[row]
+
+    def _plan_draft(self, requests: Sequence[DraftRequest]) -> tuple[list[int], list[int], list[int], list[int], int]:
+        """Check one batched drafter call (live rows, each once, >= 1 new feature row, blocks of >= 2 tokens)
+        and make room for it; returns its rows, new-feature counts, block sizes, past lengths and the cache
+        length the call uses (max(past) + max(counts))."""
+        rows = [q.row for q in requests]
+        for r in rows:
+            self.slots.check(r)
+        if len(set(rows)) != len(rows):
+            raise ValueError("a row appears twice in one draft call")
+        counts = [int(q.new_features.shape[0]) for q in requests]
+        blocks = [q.block_size for q in requests]
+        if min(counts) < 1 or min(blocks) < 2:
+            raise ValueError("each draft request needs >= 1 new feature row and a block of >= 2 tokens")
+        past = [self.slots.lengths[r] for r in rows]
+        cap = max(past) + max(counts)
+        self._reserve(self.slots.capacity, cap)
+        return rows, counts, blocks, past, cap
+
+    def _advance(self, rows: Sequence[int], past: Sequence[int], counts: Sequence[int]) -> None:
+        """Each row's length after a call wrote `counts` new positions after `past`."""
+        for r, p, c in zip(rows, past, counts):
+            self.slots.lengths[r] = p + c
+
+    def _reserve(self, slots: int, length: int) -> None:
+        _, s, _, c, _ = self.k.shape
+        if slots <= s and length <= c:
+            return
+        new_s = s if slots <= s else max(slots, 2 * s, 4)
+        new_c = c if length <= c else grown(c, length, self.cache_limit)
+        shape = (self.k.shape[0], new_s, self.k.shape[2], new_c, self.k.shape[4])
+        k, v = self._zeros(shape), self._zeros(shape)
+        k[:, :s, :, :c], v[:, :s, :, :c] = self.k, self.v
+        self.k, self.v = k, v
 
 
 class LoopedDrafterEngine:

@@ -7,7 +7,7 @@ The session keeps the drafter's context cache as numpy arrays and feeds it back 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -18,26 +18,35 @@ from .base import Draft, EngineOptions, EngineUnavailable
 PRECISIONS = tuple(GRAPH_FILES)
 
 
+def open_graph(folder: str | Path, files: Mapping[str, str], precision: str, providers: list[str] | None,
+               threads: int | None, export_hint: str) -> tuple[DrafterGraphMeta, Any]:
+    """An exported drafter graph's metadata and its onnxruntime session: `files[precision]` in `folder`,
+    on `providers` (CPU by default) with `threads` intra-op threads (onnxruntime's default when None)."""
+    try:
+        import onnxruntime as ort
+    except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
+        raise EngineUnavailable("the onnxruntime backend needs the `onnxruntime` package") from e
+    if precision not in files:
+        raise ValueError(f"precision must be one of {tuple(files)}, got {precision!r}")
+    folder = Path(folder)
+    meta = DrafterGraphMeta.read(folder)
+    path = folder / files[precision]
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found ({export_hint})")
+    options = ort.SessionOptions()
+    if threads:
+        options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+    return meta, session
+
+
 class OrtDrafterEngine:
     name = "onnxruntime"
 
     def __init__(self, folder: str | Path, precision: str = "fp32", providers: list[str] | None = None,
                  threads: int | None = None):
-        try:
-            import onnxruntime as ort
-        except ImportError as e:  # pragma: no cover - onnxruntime is a core dependency
-            raise EngineUnavailable("the onnxruntime backend needs the `onnxruntime` package") from e
-        if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-        folder = Path(folder)
-        self.meta = DrafterGraphMeta.read(folder)
-        path = folder / GRAPH_FILES[precision]
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} not found (export it with `dflash-trt export-drafter`)")
-        options = ort.SessionOptions()
-        if threads:
-            options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+        self.meta, self.session = open_graph(folder, GRAPH_FILES, precision, providers, threads,
+                                             "export it with `dflash-trt export-drafter`")
         self.precision = precision
         self.block_size = self.meta.block_size
         self.mask_token_id = self.meta.mask_token_id

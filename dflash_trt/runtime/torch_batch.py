@@ -28,7 +28,7 @@ from transformers import PreTrainedModel
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import ragged_round
 from .base import Draft, TargetOutput
-from .batched import DraftRequest, RowSlots, grown
+from .batched import DraftRequest, SlotCacheRows
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -79,41 +79,26 @@ class TorchBatchTargetEngine:
         return TorchBatchTargetSession(self)
 
 
-class TorchBatchTargetSession:
+class TorchBatchTargetSession(SlotCacheRows):
     def __init__(self, engine: TorchBatchTargetEngine):
         self.engine = engine
-        self.slots = RowSlots()
+        self.cache_limit = engine.max_context
         shape = (engine.num_layers, 0, engine.n_kv_heads, 0, engine.head_dim)
-        self.k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
-        self.v = torch.zeros_like(self.k)
+        k = torch.zeros(shape, dtype=engine.dtype, device=engine.device)
+        super().__init__(k, torch.zeros_like(k))
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
 
     # ---- rows ---------------------------------------------------------------------------
-    def add_row(self) -> int:
-        return self.slots.add()
-
-    def remove_row(self, row: int) -> None:
-        self.slots.remove(row)
-
     def length(self, row: int) -> int:
-        self.slots.check(row)
-        return self.slots.lengths[row]
+        return self._row_length(row)
 
     def rollback(self, row: int, length: int) -> None:
         current = self.length(row)
         if not 0 <= length <= current:
             raise ValueError(f"cannot roll row {row} back to {length}: it holds {current} tokens")
         self.slots.lengths[row] = length
-
-    def _reserve(self, slots: int, length: int) -> None:
-        _, s, _, c, _ = self.k.shape
-        if slots <= s and length <= c:
-            return
-        new_s = s if slots <= s else max(slots, 2 * s, 4)
-        new_c = c if length <= c else grown(c, length, self.engine.max_context)
-        shape = (self.k.shape[0], new_s, self.k.shape[2], new_c, self.k.shape[4])
-        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
-        k[:, :s, :, :c], v[:, :s, :, :c] = self.k, self.v
-        self.k, self.v = k, v
 
     # ---- the pass -----------------------------------------------------------------------
     @torch.inference_mode()
@@ -173,8 +158,7 @@ class TorchBatchTargetSession:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in want:
                 outs[li] = x
-        for r, s, c in zip(rows, starts, counts):
-            self.slots.lengths[r] = s + c
+        self._advance(rows, starts, counts)
 
         feats = torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1) if want else None
         head = e.model.get_output_embeddings()
@@ -213,53 +197,25 @@ class TorchBatchDrafterEngine:
         return TorchBatchDrafterSession(self)
 
 
-class TorchBatchDrafterSession:
+class TorchBatchDrafterSession(SlotCacheRows):
     def __init__(self, engine: TorchBatchDrafterEngine):
         self.engine = engine
-        self.slots = RowSlots()
-        k, v = engine.drafter.empty_cache(batch=0, device=engine.embed_weight.device)
-        self.k, self.v = k, v
+        super().__init__(*engine.drafter.empty_cache(batch=0, device=engine.embed_weight.device))
 
-    def add_row(self) -> int:
-        return self.slots.add()
-
-    def remove_row(self, row: int) -> None:
-        self.slots.remove(row)
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        return torch.zeros(shape, dtype=self.k.dtype, device=self.k.device)
 
     def context_length(self, row: int) -> int:
-        self.slots.check(row)
-        return self.slots.lengths[row]
-
-    def _reserve(self, slots: int, length: int) -> None:
-        _, s, _, c, _ = self.k.shape
-        if slots <= s and length <= c:
-            return
-        new_s = s if slots <= s else max(slots, 2 * s, 4)
-        new_c = c if length <= c else grown(c, length)
-        shape = (self.k.shape[0], new_s, self.k.shape[2], new_c, self.k.shape[4])
-        k, v = self.k.new_zeros(shape), self.v.new_zeros(shape)
-        k[:, :s, :, :c], v[:, :s, :, :c] = self.k, self.v
-        self.k, self.v = k, v
+        return self._row_length(row)
 
     @torch.inference_mode()
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         e, d = self.engine, self.engine.drafter
         if not requests:
             return []
-        rows = [q.row for q in requests]
-        for r in rows:
-            self.slots.check(r)
-        if len(set(rows)) != len(rows):
-            raise ValueError("a row appears twice in one draft call")
+        rows, counts, blocks, past, cap = self._plan_draft(requests)
         dev = e.embed_weight.device
-        counts = [int(q.new_features.shape[0]) for q in requests]
-        blocks = [q.block_size for q in requests]
-        if min(counts) < 1 or min(blocks) < 2:
-            raise ValueError("each draft request needs >= 1 new feature row and a block of >= 2 tokens")
-        past = [self.slots.lengths[r] for r in rows]
         b, n, nb = len(rows), max(counts), max(blocks)
-        cap = max(past) + n
-        self._reserve(self.slots.capacity, cap)
         feats = torch.zeros(b, n, d.feature_size, dtype=self.k.dtype, device=dev)
         ids = torch.full((b, nb), e.mask_token_id, dtype=torch.long, device=dev)
         for i, q in enumerate(requests):
@@ -276,8 +232,7 @@ class TorchBatchDrafterSession:
         )
         if view is None:  # a gathered copy: write it back
             self.k[:, idx, :, :cap], self.v[:, idx, :, :cap] = past_k, past_v
-        for r, p, c in zip(rows, past, counts):
-            self.slots.lengths[r] = p + c
+        self._advance(rows, past, counts)
         logits = d.logits(hidden[:, 1:], e.lm_head_weight).float()  # [b, nb-1, V]
         tokens = logits.argmax(-1)
         return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1]) for i in range(b)]

@@ -41,9 +41,19 @@ class StopChecker:
         for s in self.stop_strings:
             i = text.find(s, window_start)
             if i >= 0:
-                candidate = (self.detokenizer.tokens_to_reach(i + len(s)), i, s)
+                candidate = (self._fewest_tokens_holding(s, self.detokenizer.tokens_to_reach(i + len(s))), i, s)
                 best = candidate if best is None else min(best, candidate)
         return None if best is None else (best[0], best[2])
+
+    def _fewest_tokens_holding(self, stop: str, tokens: int) -> int:
+        """The stable text can lag a token behind: a U+FFFD that is really an invalid byte sequence is held
+        back until the next token shows it is not an incomplete character. Step back while the decode of
+        fewer tokens already holds the stop string (once per generation, at the hit)."""
+        assert self.detokenizer is not None
+        ids, decode = self.detokenizer.ids, self.detokenizer.tokenizer.decode
+        while tokens > 1 and stop in decode(ids[: tokens - 1], skip_special_tokens=True):
+            tokens -= 1
+        return tokens
 
 
 def truncate_at_stop(text: str, stop: str | None) -> str:

@@ -106,7 +106,7 @@ aiperf-env: $(AIPERF_VENV)/.installed
 
 $(AIPERF_VENV)/.installed:
 	test -x $(AIPERF_VENV)/bin/python || $(PYTHON) -m venv $(AIPERF_VENV)
-	$(AIPERF_VENV)/bin/python -m pip install -q "aiperf==0.13.0"
+	$(AIPERF_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) "aiperf==0.13.0"
 	touch $@
 
 bench-serve: venv aiperf-env

@@ -224,3 +224,45 @@ def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_gra
         base = SpeculativeDecoder(TorchTargetEngine(model))
         for p, c, r in zip(prompts, configs, got):
             assert r.token_ids == base.generate(p, GenerationConfig(max_new_tokens=c.max_new_tokens)).token_ids, family
+
+
+def test_loaded_engines_become_batched_ones(tiny_pair, batch_graph, tmp_path):
+    """batch_engines: each engine's own batched() (same weights), a looped drafter where no batched graph
+    exists, and a clear error for a target without a batched session."""
+    import shutil
+
+    from dflash_trt.builders.onnx_drafter import export_drafter
+    from dflash_trt.runtime.batched import LoopedDrafterEngine, batch_engines
+    from dflash_trt.runtime.ort_backend import OrtDrafterEngine
+    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+
+    family, _, _, model, drafter = tiny_pair
+    single_target, _ = engines(model, drafter)
+    single_drafter, _ = drafter_engines(model, drafter)
+    bt, bd = batch_engines(single_target, single_drafter)
+    assert isinstance(bt, TorchBatchTargetEngine) and isinstance(bd, TorchBatchDrafterEngine)
+    assert bt.model is model and bd.drafter is single_drafter.drafter  # the same weights, not copies
+    assert bt.feature_layer_ids == single_target.feature_layer_ids == bd.feature_layer_ids
+    assert batch_engines(single_target, None)[1] is None
+
+    folder = tmp_path / "onnx"
+    export_drafter(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight, folder, fp16=False)
+    assert isinstance(OrtDrafterEngine(folder).batched(), LoopedDrafterEngine)  # no batched graph there yet
+    for f in batch_graph.iterdir():
+        if f.name.startswith("drafter_batch"):
+            shutil.copy(f, folder / f.name)
+    assert isinstance(OrtDrafterEngine(folder).batched(), OrtBatchDrafterEngine)
+
+    class PlainDrafter:  # any drafter without batched(): looped
+        name, block_size, feature_layer_ids = "plain", 8, single_target.feature_layer_ids
+
+        def new_session(self):
+            return single_drafter.new_session()
+
+    assert isinstance(batch_engines(single_target, PlainDrafter())[1], LoopedDrafterEngine)
+
+    class PlainTarget:
+        name = "plain"
+
+    with pytest.raises(ValueError, match="plain target has no batched session"):
+        batch_engines(PlainTarget(), None)

@@ -228,3 +228,18 @@ class LoopedDrafterSession:
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self.sessions[q.row].draft(q.new_features, q.last_token, q.block_size) for q in requests]
+
+
+def batch_engines(target: Any, drafter: DrafterEngine | None = None
+                  ) -> tuple[BatchTargetEngine, BatchDrafterEngine | None]:
+    """The batched engines for loaded single-sequence ones: each engine's own `batched()`; a drafter
+    without one runs looped (one call per row), a target without one cannot be batched."""
+    make_target = getattr(target, "batched", None)
+    if make_target is None:
+        raise ValueError(f"the {getattr(target, 'name', type(target).__name__)} target has no batched session "
+                         "(no `batched()`), so it cannot run the batched loop")
+    batch_target = make_target()
+    if drafter is None:
+        return batch_target, None
+    make_drafter = getattr(drafter, "batched", None)
+    return batch_target, (make_drafter() if make_drafter is not None else LoopedDrafterEngine(drafter))

@@ -47,6 +47,7 @@ class OrtDrafterEngine:
                  threads: int | None = None):
         self.meta, self.session = open_graph(folder, GRAPH_FILES, precision, providers, threads,
                                              "export it with `dflash-trt export-drafter`")
+        self.folder, self.providers, self.threads = Path(folder), providers, threads
         self.precision = precision
         self.block_size = self.meta.block_size
         self.mask_token_id = self.meta.mask_token_id
@@ -63,6 +64,17 @@ class OrtDrafterEngine:
 
     def new_session(self) -> OrtDrafterSession:
         return OrtDrafterSession(self)
+
+    def batched(self) -> Any:
+        """The exported batched graph when its folder has one (one pass for all rows), else this graph
+        called once per row (`LoopedDrafterEngine`)."""
+        from ..formats import BATCH_GRAPH_FILES
+        from .batched import LoopedDrafterEngine
+        from .ort_batch import OrtBatchDrafterEngine
+
+        if (self.folder / BATCH_GRAPH_FILES[self.precision]).is_file():
+            return OrtBatchDrafterEngine(self.folder, self.precision, self.providers, self.threads)
+        return LoopedDrafterEngine(self)
 
 
 class RoundGraphEngine(Protocol):

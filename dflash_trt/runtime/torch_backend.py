@@ -49,6 +49,12 @@ class TorchTargetEngine:
     def new_session(self) -> "TorchTargetSession":
         return TorchTargetSession(self)
 
+    def batched(self) -> Any:
+        """The batched engine on the same model and weights (see runtime/batched.py)."""
+        from .torch_batch import TorchBatchTargetEngine
+
+        return TorchBatchTargetEngine(self.model, self.feature_layer_ids)
+
 
 class TorchTargetSession:
     def __init__(self, engine: TorchTargetEngine):
@@ -115,6 +121,12 @@ class TorchDrafterEngine:
 
     def new_session(self) -> "TorchDrafterSession":
         return TorchDrafterSession(self)
+
+    def batched(self) -> Any:
+        """The batched drafter on the same weights (and the target's shared embedding and lm_head)."""
+        from .torch_batch import TorchBatchDrafterEngine
+
+        return TorchBatchDrafterEngine(self.drafter, self.embed_weight, self.lm_head_weight)
 
 
 class TorchDrafterSession:

@@ -260,3 +260,74 @@ def test_stop_strings_per_row_with_tokenizer(tmp_path):
     alone = base.generate(prompts[0], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
     assert got[0].token_ids == alone.token_ids  # cut after the same token as the single-sequence loop
     assert got[1].token_ids == fulls[1].token_ids and got[1].text == fulls[1].text
+
+
+def single_decoder(model, drafter):
+    single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    return SpeculativeDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
+
+
+def test_logits_adjustments_match_the_single_sequence_loop(tiny_pair):
+    """Penalties, logit_bias and min_tokens act on the prefill's and every verify row's logits exactly as in
+    `Generation`: each row's tokens equal the single-sequence loop's (greedy and seeded sampling)."""
+    from dflash_trt.decoding.processors import LogitsAdjustment
+
+    family, _, _, model, drafter = tiny_pair
+    target, drafter_engine = batch_engines(model, drafter)
+    prompt = [3, 1, 4, 1, 5]
+    plain = reference(model, prompt, 24)
+    adjusts = [
+        LogitsAdjustment.of(frequency_penalty=1.5),
+        LogitsAdjustment.of(presence_penalty=2.0, logit_bias={plain[0]: -100.0}),  # the first token changes
+        LogitsAdjustment.of(logit_bias={plain[3]: 5.0}),
+        LogitsAdjustment.of(min_tokens=20, min_tokens_suppress=(plain[0], plain[1])),  # stop ids held back
+    ]
+    configs = [GenerationConfig(max_new_tokens=24, adjust=a, block_size=b) for a, b in zip(adjusts, (None, 4, 8, 3))]
+    configs += [GenerationConfig(max_new_tokens=24, adjust=adjusts[0], block_size=4,
+                                 sampling=SamplingParams(temperature=0.9, seed=11))]
+    got = BatchDecoder(target, drafter_engine).generate([prompt] * len(configs), configs)
+    single = single_decoder(model, drafter)
+    for i, (cfg, r) in enumerate(zip(configs, got)):
+        assert r.token_ids == single.generate(prompt, cfg).token_ids, (family, i)
+    assert got[1].token_ids[0] != plain[0] and got[0].token_ids != plain  # the adjustments did act
+    assert not set(got[3].token_ids[:20]) & {plain[0], plain[1]}
+
+
+def test_validation_matches_the_single_sequence_loop(tiny_pair):
+    """The drafter's context limit, and no drafter means block_size 1 only: the same errors as `Generation`."""
+    from dflash_trt.decoding import ContextLengthError, InputError
+
+    family, _, _, model, drafter = tiny_pair
+    target, _ = batch_engines(model, drafter)
+    single = single_decoder(model, drafter)
+    limited = TorchDrafterEngine.for_target(drafter, single.target)
+    limited.max_context = 40  # as a TensorRT plan's profile would cap it
+    batched = BatchDecoder(target, LoopedDrafterEngine(limited))
+    ref = SpeculativeDecoder(single.target, limited)
+    for prompt, n in (([1] * 30, 20), ([1] * 40, 5)):
+        with pytest.raises(ContextLengthError) as got:
+            batched.add(prompt, GenerationConfig(max_new_tokens=n))
+        with pytest.raises(ContextLengthError) as want:
+            ref.start(prompt, GenerationConfig(max_new_tokens=n))
+        assert str(got.value) == str(want.value) and "drafter's context length 40" in str(got.value)
+        assert got.value.prompt_alone == want.value.prompt_alone == (len(prompt) >= 40)
+    batched.add([1] * 30, GenerationConfig(max_new_tokens=20, block_size=1))  # no drafting: the target's limit
+    alone = BatchDecoder(target)
+    with pytest.raises(InputError, match="no drafter is loaded, so block_size must be 1, got 2"):
+        alone.add([1], GenerationConfig(block_size=2))
+    assert alone.generate([[1, 2]], GenerationConfig(max_new_tokens=5, block_size=1))[0].token_ids == \
+        reference(model, [1, 2], 5)
+
+
+def test_server_block_size_is_the_default_and_the_cap(tiny_pair):
+    family, _, _, model, drafter = tiny_pair
+    target, drafter_engine = batch_engines(model, drafter)
+    dec = BatchDecoder(target, drafter_engine, block_size=1)
+    rows = [dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10)),
+            dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10, block_size=4))]  # the request's own size wins
+    dec.run()
+    assert rows[0].stats.drafted_tokens == 0 and rows[0].stats.block_size == 1
+    assert rows[1].stats.drafted_tokens > 0 and rows[1].stats.block_size == 4
+    assert rows[0].result().token_ids == rows[1].result().token_ids == reference(model, [5, 6, 7], 10)
+    with pytest.raises(ValueError, match="block_size must be in 1..8"):
+        BatchDecoder(target, drafter_engine, block_size=9)

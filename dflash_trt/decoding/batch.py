@@ -32,8 +32,7 @@ from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftReques
 from .acceptance import Proposal, acceptance_rule
 from .adaptive import AcceptanceTracker, CostModel, RowChoice, choose_blocks
 from .decode import (
-    ACCEPTANCE_RULES, ContextLengthError, GenerationConfig, GenerationResult, GenerationStats, InputError, Round,
-    commit_tokens,
+    GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens, validate_request,
 )
 from .detokenizer import IncrementalDetokenizer
 from .sampling import next_token
@@ -96,9 +95,17 @@ class BatchRow:
     def remaining(self) -> int:
         return self.config.max_new_tokens - len(self.generated)
 
-    def commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> Round:
+    def commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False,
+               timings: RoundTimings | None = None) -> Round:
         new = commit_tokens(self, new, drafted, accepted, prefill)  # the same rules as Generation._commit
-        return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill)
+        return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill,
+                     timings=timings or RoundTimings())
+
+    def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """The target's logits as this request sees them (penalties, logit_bias, min_tokens), exactly as
+        `Generation._adjusted`: row i after the committed tokens + draft[:i]."""
+        adjust = self.config.adjust
+        return logits if adjust is None else adjust.apply(logits, self.generated, draft)
 
     def result(self) -> GenerationResult:
         if not self.done:
@@ -112,12 +119,18 @@ class BatchRow:
 class BatchDecoder:
     """All active requests of one worker; `step()` advances every one of them.
 
+    block_size: rows without their own `block_size` use this size (default: the drafter's trained one;
+    1 = the target alone); with `adaptive` it is the largest size the policy may choose.
     adaptive: choose each row's block size per step (`cost` is then required: measure it with
-    `adaptive.measure_costs`); otherwise rows without their own `block_size` use the drafter's trained one.
-    refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never)."""
+    `adaptive.measure_costs`); otherwise rows without their own `block_size` use `block_size`.
+    refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never).
+
+    Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
+    `cancel` and `step` belong to the one thread that runs the engines."""
 
     def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer: Any = None, *,
-                 adaptive: bool = False, cost: CostModel | None = None, refit_every: int = 0):
+                 block_size: int | None = None, adaptive: bool = False, cost: CostModel | None = None,
+                 refit_every: int = 0):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -125,6 +138,10 @@ class BatchDecoder:
         if adaptive and cost is None:
             raise ValueError("adaptive block sizes need a cost model (adaptive.measure_costs)")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        trained = drafter.block_size if drafter is not None else 1
+        if block_size is not None and not 1 <= block_size <= trained:
+            raise ValueError(f"block_size must be in 1..{trained} for this drafter, got {block_size}")
+        self.block_size = block_size or trained
         self.adaptive, self.cost, self.refit_every = adaptive, cost, refit_every
         self._steps = 0
         self.target_session = target.new_batch()
@@ -137,12 +154,21 @@ class BatchDecoder:
     # ---- membership ---------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
         """Queue a request; it is prefilled at the start of the next step."""
+        return self.join(self.new_row(prompt_ids, config))
+
+    def new_row(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
+        """Validate a request (InputError / ContextLengthError, the rules of `Generation`) and make its row,
+        not yet part of the batch. Touches no engine and no shared state: safe from any thread."""
         prompt = [int(t) for t in prompt_ids]
-        self._validate(prompt, config)
-        can_draft = self.drafter_session is not None and config.block_size != 1
+        validate_request(prompt, config, self.target, self.drafter)
+        size = config.block_size or self.block_size
+        can_draft = self.drafter_session is not None and size != 1
         row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft)
-        trained = self.drafter.block_size if self.drafter is not None else 1
-        row.stats.block_size = 1 if not can_draft else (config.block_size or trained)
+        row.stats.block_size = size if can_draft else 1
+        return row
+
+    def join(self, row: BatchRow) -> BatchRow:
+        """Add a row made by `new_row`; it is prefilled at the start of the next step."""
         self.joining.append(row)
         return row
 
@@ -168,28 +194,6 @@ class BatchDecoder:
             self.drafter_session.remove_row(row.drafter_row)
             row.drafter_row = None
         row.pending = []
-
-    def _validate(self, prompt: list[int], cfg: GenerationConfig) -> None:
-        target, drafter = self.target, self.drafter
-        if not prompt:
-            raise InputError("the prompt is empty")
-        bad = [t for t in prompt if not 0 <= t < target.vocab_size]
-        if bad:
-            raise InputError(f"token ids out of vocabulary (size {target.vocab_size}): {bad[:5]}")
-        if cfg.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-        total = len(prompt) + cfg.max_new_tokens
-        if total > target.max_context:
-            raise ContextLengthError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
-                f"exceeds the target's context length {target.max_context}"
-            )
-        if cfg.block_size is not None:
-            limit = drafter.block_size if drafter is not None else 1
-            if not 1 <= cfg.block_size <= limit:
-                raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
-        if cfg.acceptance not in ACCEPTANCE_RULES:
-            raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[tuple[BatchRow, Round]]:
@@ -237,20 +241,22 @@ class BatchDecoder:
         )
         rounds = []
         for row, out in zip(rows, outs):
-            first = next_token(out.logits[-1].cpu(), row.params, row.generator)
+            first = next_token(row.adjusted(out.logits[-1:].cpu())[-1], row.params, row.generator)
             if row.drafter_row is not None and out.features is not None:
                 row.pending = [out.features]
             row.stats.prefill_time_s = time.perf_counter() - t0
-            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True)))
+            timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
+            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
             self.running.append(row)
         prof.prefill_rows, prof.prefill_tokens = len(rows), sum(len(r.prompt_ids) for r in rows)
         prof.prefill_s = time.perf_counter() - t0
         return rounds
 
     def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
-        default = self.drafter.block_size if self.drafter is not None else 1
-        caps = [min(default if r.drafter_row is not None else 1, r.remaining) for r in rows]
-        fixed = [None if r.config.block_size is None else min(r.config.block_size, c) for r, c in zip(rows, caps)]
+        trained = self.drafter.block_size if self.drafter is not None else 1
+        limits = [min(trained if r.drafter_row is not None else 1, r.remaining) for r in rows]
+        caps = [min(self.block_size, lim) for lim in limits]  # the server's size: default, or the policy's cap
+        fixed = [None if r.config.block_size is None else min(r.config.block_size, lim) for r, lim in zip(rows, limits)]
         if not self.adaptive or self.cost is None:
             return [f if f is not None else c for f, c in zip(fixed, caps)]
         # new_context=1: a row's backlog of features is a sunk cost, paid whenever it next drafts whatever the
@@ -285,7 +291,9 @@ class BatchDecoder:
         t3 = time.perf_counter()
         rounds = []
         for row, proposal, out, length in zip(rows, proposals, outs, committed):
-            tokens, logits = proposal.tokens, out.logits.cpu()
+            ta = time.perf_counter()
+            tokens = proposal.tokens
+            logits = row.adjusted(out.logits.cpu(), tokens.tolist())
             if tokens.numel() == 0:  # the target alone: its own next token
                 accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
             else:
@@ -297,7 +305,10 @@ class BatchDecoder:
             row.stats.draft_time_s += t2 - t1
             row.stats.verify_time_s += t3 - t2
             new = tokens[:accepted].tolist() + [bonus]
-            rounds.append((row, row.commit(new, drafted=int(tokens.numel()), accepted=accepted)))
+            own = time.perf_counter() - ta  # this row's acceptance and rollback; the passes are shared
+            timings = RoundTimings(draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own,
+                                   total_s=t3 - t0 + own)
+            rounds.append((row, row.commit(new, drafted=int(tokens.numel()), accepted=accepted, timings=timings)))
         t4 = time.perf_counter()
         prof.verify_rows, prof.verify_tokens, prof.blocks = len(rows), sum(len(b) for b in blocks), [len(b) for b in blocks]
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3

@@ -28,7 +28,7 @@ from .stopping import StopChecker, truncate_at_stop
 
 __all__ = ["ACCEPTANCE_RULES", "CommitState", "ContextLengthError", "Generation", "GenerationConfig",
            "GenerationResult", "GenerationStats", "InputError", "Round", "RoundTimings", "SpeculativeDecoder",
-           "commit_tokens"]
+           "commit_tokens", "validate_request"]
 
 
 class InputError(ValueError):
@@ -160,6 +160,37 @@ def commit_tokens(state: CommitState, new: list[int], drafted: int, accepted: in
     return new
 
 
+def validate_request(prompt_ids: Sequence[int], cfg: GenerationConfig, target: Any, drafter: Any) -> None:
+    """Raise InputError (ContextLengthError for lengths) unless these engines can serve this request.
+    Shared by the single-sequence `Generation` and the batched loop, so both refuse the same requests."""
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < target.vocab_size]
+    if bad:
+        raise InputError(f"token ids out of vocabulary (size {target.vocab_size}): {bad[:5]}")
+    if cfg.max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    total = len(prompt_ids) + cfg.max_new_tokens
+    limit, who = target.max_context, "target"
+    drafter_limit = getattr(drafter, "max_context", None) if drafter is not None and cfg.block_size != 1 else None
+    if drafter_limit is not None and drafter_limit < limit:  # e.g. a TensorRT plan's profile; None: unlimited
+        limit, who = drafter_limit, "drafter"
+    if total > limit:
+        raise ContextLengthError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
+            f"exceeds the {who}'s context length {limit}",
+            prompt_alone=len(prompt_ids) >= limit,
+        )
+    if cfg.block_size is not None:
+        if drafter is None and cfg.block_size != 1:
+            raise InputError(f"no drafter is loaded, so block_size must be 1, got {cfg.block_size}")
+        limit = drafter.block_size if drafter is not None else 1
+        if not 1 <= cfg.block_size <= limit:
+            raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
+    if cfg.acceptance not in ACCEPTANCE_RULES:
+        raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")
+
+
 class SpeculativeDecoder:
     """Binds a target engine, an optional drafter engine and an optional tokenizer."""
 
@@ -219,33 +250,7 @@ class Generation:
         self._started = time.perf_counter()
 
     def _validate(self) -> None:
-        cfg, target, drafter = self.config, self.decoder.target, self.decoder.drafter
-        if not self.prompt_ids:
-            raise InputError("the prompt is empty")
-        bad = [t for t in self.prompt_ids if not 0 <= int(t) < target.vocab_size]
-        if bad:
-            raise InputError(f"token ids out of vocabulary (size {target.vocab_size}): {bad[:5]}")
-        if cfg.max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
-        total = len(self.prompt_ids) + cfg.max_new_tokens
-        limit, who = target.max_context, "target"
-        drafter_limit = drafter.max_context if drafter is not None and cfg.block_size != 1 else None  # None: unlimited
-        if drafter_limit is not None and drafter_limit < limit:  # e.g. a TensorRT plan's profile
-            limit, who = drafter_limit, "drafter"
-        if total > limit:
-            raise ContextLengthError(
-                f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
-                f"exceeds the {who}'s context length {limit}",
-                prompt_alone=len(self.prompt_ids) >= limit,
-            )
-        if cfg.block_size is not None:
-            if drafter is None and cfg.block_size != 1:
-                raise InputError(f"no drafter is loaded, so block_size must be 1, got {cfg.block_size}")
-            limit = drafter.block_size if drafter is not None else 1
-            if not 1 <= cfg.block_size <= limit:
-                raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
-        if cfg.acceptance not in ACCEPTANCE_RULES:
-            raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")
+        validate_request(self.prompt_ids, self.config, self.decoder.target, self.decoder.drafter)
 
     @property
     def done(self) -> bool:

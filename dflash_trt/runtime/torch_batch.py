@@ -186,7 +186,7 @@ class TorchBatchDrafterEngine:
         self.block_size = drafter.spec.block_size
         self.mask_token_id = drafter.spec.mask_token_id
         self.feature_layer_ids = tuple(drafter.spec.target_layer_ids)
-        self.max_context = int(drafter.config.max_position_embeddings)
+        self.max_context: int | None = None  # as TorchDrafterEngine: the cache grows, RoPE positions have no cap
 
     @classmethod
     def for_target(cls, drafter: DFlashDrafter, target: TorchBatchTargetEngine) -> "TorchBatchDrafterEngine":

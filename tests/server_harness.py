@@ -94,15 +94,23 @@ def scrape(url: str, **headers) -> str:
 
 
 class FaultyTarget:
-    """Wraps a real target engine; while `failing` is set, forward() raises (fault injection)."""
+    """Wraps a real target engine; while `failing` is set, forward() raises (fault injection). The server
+    runs the batched engine (`batched()`), wrapped the same way."""
 
     def __init__(self, engine):
         self.engine, self.failing = engine, False
         for attr in ("name", "vocab_size", "max_context", "feature_layer_ids"):
             setattr(self, attr, getattr(engine, attr))
 
+    def before_forward(self):
+        if self.failing:
+            raise RuntimeError("injected target failure")
+
     def new_session(self):
         return _FaultyTargetSession(self, self.engine.new_session())
+
+    def batched(self):
+        return _FaultyBatchTarget(self, self.engine.batched())
 
 
 class _FaultyTargetSession:
@@ -114,8 +122,7 @@ class _FaultyTargetSession:
         return self.inner.length
 
     def forward(self, token_ids, **kw):
-        if self.owner.failing:
-            raise RuntimeError("injected target failure")
+        self.owner.before_forward()
         return self.inner.forward(token_ids, **kw)
 
     def rollback(self, length):
@@ -123,6 +130,28 @@ class _FaultyTargetSession:
 
     def close(self):
         return self.inner.close()
+
+
+class _FaultyBatchTarget:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+        for attr in ("name", "vocab_size", "max_context", "feature_layer_ids"):
+            setattr(self, attr, getattr(inner, attr))
+
+    def new_batch(self):
+        return _FaultyBatchSession(self.owner, self.inner.new_batch())
+
+
+class _FaultyBatchSession:
+    def __init__(self, owner, inner):
+        self.owner, self.inner = owner, inner
+
+    def __getattr__(self, name):  # add_row, remove_row, length, rollback: the real session's
+        return getattr(self.inner, name)
+
+    def forward(self, rows, tokens, **kw):
+        self.owner.before_forward()
+        return self.inner.forward(rows, tokens, **kw)
 
 
 class GatedTarget(FaultyTarget):
@@ -133,14 +162,9 @@ class GatedTarget(FaultyTarget):
         super().__init__(engine)
         self.hold, self.gate, self.entered = threading.Event(), threading.Event(), threading.Event()
 
-    def new_session(self):
-        return _GatedTargetSession(self, self.engine.new_session())
-
-
-class _GatedTargetSession(_FaultyTargetSession):
-    def forward(self, token_ids, **kw):
-        if self.owner.hold.is_set():
-            self.owner.entered.set()
-            if not self.owner.gate.wait(60):
+    def before_forward(self):
+        if self.hold.is_set():
+            self.entered.set()
+            if not self.gate.wait(60):
                 raise RuntimeError("gate never opened")
-        return super().forward(token_ids, **kw)
+        super().before_forward()

@@ -21,7 +21,7 @@ def loop():
 
 
 def cancelled_job(loop, i: int) -> Job:
-    job = Job(id=str(i), generation=None, loop=loop, deadline=float("inf"))
+    job = Job(id=str(i), row=None, loop=loop, deadline=float("inf"))
     job.cancel()
     return job
 

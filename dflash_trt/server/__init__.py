@@ -1,1 +1,1 @@
-"""HTTP serving: FastAPI app (`app.create_app`), the round-robin orchestrator, metrics, `dflash-trt serve`."""
+"""HTTP serving: FastAPI app (`app.create_app`), the batching orchestrator, metrics, `dflash-trt serve`."""

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
+from ..decoding.batch import BatchDecoder
+from ..runtime.batched import batch_engines
 from .metrics import ServerMetrics
 from .scheduler import Orchestrator
 from .schemas import Limits, request_models
@@ -17,24 +21,52 @@ from .tokenizer import with_serialized_tokenizer
 class ServerSettings:
     api_key: str | None = None
     model_name: str = "dflash-trt"
-    max_active: int = 8  # generations advanced concurrently (each holds its own KV caches)
+    max_active: int = 8  # the most requests in one batched step (rows of the batch)
     max_queue: int = 64  # waiting requests beyond max_active; more get 429
     request_timeout_s: float = 300.0
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256  # chat requests without max_tokens (clipped to the context)
     # (completions without max_tokens get OpenAI's 16, /generate its documented 128)
     drain_timeout_s: float = 30.0
+    block_size: int | None = None  # every request's block size unless it asks for its own (1: target alone)
+    adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
+    refit_every: int = 64  # adaptive: refit the cost model from the served steps every N steps (0: never)
+
+
+log = logging.getLogger("dflash_trt.server")
+
+
+def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
+    """The batched loop on the loaded engines; with adaptive block sizes, the cost model is measured now."""
+    from ..decoding.adaptive import measure_costs
+
+    target, drafter = batch_engines(decoder.target, decoder.drafter)
+    adaptive = settings.adaptive and settings.block_size is None and drafter is not None
+    cost = None
+    if adaptive:
+        t0 = time.perf_counter()
+        rows = sorted({1, max(1, settings.max_active // 2), settings.max_active})
+        cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2))
+        t, d = cost.target, cost.drafter
+        log.info("adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8): target %.2f ms "
+                 "+ %.3f ms/row + %.3f ms/token, drafter %.2f ms + %.3f ms/row + %.3f ms/token",
+                 time.perf_counter() - t0, rows, 1e3 * t.fixed, 1e3 * t.per_row, 1e3 * t.per_token,
+                 1e3 * d.fixed, 1e3 * d.per_row, 1e3 * d.per_token)
+    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, adaptive=adaptive,
+                        cost=cost, refit_every=settings.refit_every)
 
 
 class Server:
-    """The decoder, the orchestrator, the metrics, the settings, and the limits the request models enforce."""
+    """The decoder (tokenizing, limits), its batched loop, the orchestrator stepping it, the metrics, the
+    settings, and the limits the request models enforce."""
 
     def __init__(self, decoder, settings: ServerSettings):
         self.decoder, self.settings = with_serialized_tokenizer(decoder), settings
         self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.models = request_models(self.limits)
         self.metrics = ServerMetrics()
-        self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)
+        self.batch = batch_decoder(self.decoder, settings)
+        self.orchestrator = Orchestrator(self.batch, self.metrics, settings.max_active, settings.max_queue)
         self.started = False
 
 

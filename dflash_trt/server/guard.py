@@ -108,10 +108,10 @@ def _log_request(rid: str, scope, status: int, latency: float) -> None:
               "latency_s": round(latency, 4)}
     job = scope.get("state", {}).get("job")
     if job is not None:
-        s = job.generation.stats
+        s = job.row.stats
         fields.update(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
                       tau=round(s.mean_acceptance_length, 3), rounds=s.rounds,
                       outcome=job.outcome or (job.cancelled.kind if job.cancelled else None),
-                      finish_reason=job.generation.finish_reason,
-                      drafter_fallback=job.generation.drafter_error is not None)
+                      finish_reason=job.row.finish_reason,
+                      drafter_fallback=job.row.drafter_error is not None)
     log.info(json.dumps(fields))

@@ -46,18 +46,18 @@ async def start_job(request: Request, server, make_prompt: Callable[[], list[int
                     make_config: Callable[[int], GenerationConfig], prompt_param: str) -> Job:
     """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429.
 
-    No engine lock: decoder.start() only validates and makes new, empty sessions; only the
-    orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
-    decoder, orch = server.decoder, server.orchestrator
+    No engine lock: BatchDecoder.new_row() only validates (the batched loop's rules) and makes the row;
+    only the orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
+    orch = server.orchestrator
 
     def prepare():
         ids = make_prompt()
-        return decoder.start(ids, make_config(len(ids)))
+        return server.batch.new_row(ids, make_config(len(ids)))
 
     try:
         orch.check_admission()
-        generation = await run_in_threadpool(prepare)
-        job = Job(id=request.state.request_id, generation=generation, loop=asyncio.get_running_loop(),
+        row = await run_in_threadpool(prepare)
+        job = Job(id=request.state.request_id, row=row, loop=asyncio.get_running_loop(),
                   deadline=time.monotonic() + server.settings.request_timeout_s)
         orch.submit(job)
     except ContextLengthError as e:
@@ -142,8 +142,8 @@ def usage(result) -> dict:
 
 
 def spec(job: Job) -> dict:
-    d = job.generation.stats.to_dict()
-    d["drafter_fallback"] = job.generation.drafter_error is not None
+    d = job.row.stats.to_dict()
+    d["drafter_fallback"] = job.row.drafter_error is not None
     return d
 
 

@@ -1,12 +1,15 @@
-"""The orchestrator: one worker thread advances every active Generation one round at a time.
+"""The orchestrator: one worker thread advances every active request in batched steps (decoding/batch.py).
 
-    submit -> bounded FIFO queue -> up to `max_active` generations, stepped round-robin
-           -> each round's tokens go back to the request's event loop as an event
+    submit -> bounded FIFO queue -> up to `max_active` rows of one BatchDecoder
+           -> step(): prefill the rows that joined (one target call), draft for every running row (one
+              drafter call), verify every running row (one target call), accept / commit per row
+           -> each row's round goes back to its request's event loop as an event
 
-Each Generation owns its target and drafter sessions (its KV caches), so interleaving requests
-never mixes their state. The PyTorch / ONNX Runtime backends run one sequence per forward pass:
-concurrency here means fair interleaving, not batched passes. A cancelled (disconnected),
-timed-out or failed request leaves at its next turn; the others go on.
+A new request joins at the next step: its prompt is prefilled in a call of its own at the start of that
+step, between two verify passes, not packed into the verify pass (a prompt is tens to thousands of tokens,
+a verify block 1..16: packing would make every verifying row pay for the longest prompt). A cancelled
+(disconnected) or timed-out request leaves before the next step; the others go on. If a batched pass
+raises, every row of that step fails (500) and the worker goes on serving new requests.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..decoding import Generation, GenerationResult, Round
+from ..decoding import GenerationResult, Round
+from ..decoding.batch import BatchDecoder, BatchRow, StepProfile
 from ..decoding.detokenizer import held_back
 
 log = logging.getLogger("dflash_trt.server")
@@ -49,7 +53,7 @@ class ErrorEvent:
 @dataclass
 class Job:
     id: str
-    generation: Generation
+    row: BatchRow  # validated by BatchDecoder.new_row in the request thread; the worker joins it to the batch
     loop: asyncio.AbstractEventLoop
     deadline: float  # time.monotonic() after which the request is abandoned
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -62,7 +66,7 @@ class Job:
     fallback_counted: bool = False
 
     def cancel(self, kind: str = "cancelled", message: str = "the client went away") -> None:
-        """Ask the worker to drop this job at its next turn (a no-op once finished)."""
+        """Ask the worker to drop this job before its next step (a no-op once finished)."""
         if self.cancelled is None:
             self.cancelled = ErrorEvent(kind, message)
 
@@ -74,7 +78,9 @@ class Job:
 
 
 class Orchestrator:
-    def __init__(self, decoder, metrics, max_active: int = 8, max_queue: int = 64):
+    """decoder: the BatchDecoder that only the worker thread steps; max_active: the most rows in one step."""
+
+    def __init__(self, decoder: BatchDecoder | None, metrics, max_active: int = 8, max_queue: int = 64):
         self.decoder, self.metrics = decoder, metrics
         self.max_active, self.max_queue = max_active, max_queue
         self._cv = threading.Condition()
@@ -130,7 +136,7 @@ class Orchestrator:
             self._finish(job, ErrorEvent(kind, message))
         self._pending.clear()
         self.metrics.queue_depth.set(0)
-        for job in self._active:  # the worker drops them at their next turn
+        for job in self._active:  # the worker drops them before its next step
             job.cancel(kind, message)
         self._cv.notify_all()
 
@@ -168,40 +174,90 @@ class Orchestrator:
                     self._cv.notify_all()
                     return
                 while self._pending and len(self._active) < self.max_active:
-                    self._active.append(self._pending.popleft())
-                turn = list(self._active)
+                    job = self._pending.popleft()
+                    if job.cancelled is not None:  # gone before it started: no engine work
+                        self._finish(job, job.cancelled)
+                        continue
+                    assert self.decoder is not None
+                    self.decoder.join(job.row)  # prefilled at the start of the next step
+                    self._active.append(job)
+                jobs = list(self._active)
                 self.metrics.queue_depth.set(len(self._pending))
                 self.metrics.inflight.set(len(self._active))
-            for job in turn:  # round-robin: every active job advances one round per turn
-                self._advance(job)
+            if jobs:
+                self._step(jobs)
             with self._cv:
                 self._active = [j for j in self._active if not j.finished]
                 self.metrics.inflight.set(len(self._active))
                 self._cv.notify_all()
 
-    def _advance(self, job: Job) -> None:
-        if job.finished:
+    def _step(self, jobs: list[Job]) -> None:
+        """One batched step for every active job (only this thread touches the engines: no lock)."""
+        assert self.decoder is not None
+        now = time.monotonic()
+        for job in jobs:
+            if job.cancelled is not None:
+                self._leave(job, job.cancelled)
+            elif now > job.deadline:
+                self._leave(job, ErrorEvent("timeout", "the request exceeded the server's time limit"))
+        live = [j for j in jobs if not j.finished]
+        if not live:
             return
-        if job.cancelled is not None:
-            return self._finish(job, job.cancelled)
-        if time.monotonic() > job.deadline:
-            return self._finish(job, ErrorEvent("timeout", "the request exceeded the server's time limit"))
-        gen = job.generation
-        s = gen.stats
-        try:  # only this thread touches the engines: no lock (the tokenizer serializes its own calls)
-            rnd = gen.step()
-            result = gen.result() if gen.done else None
+        try:
+            rounds = self.decoder.step()
+        except Exception as e:  # a batched pass failed: every row of this step fails, the server goes on
+            ids = ", ".join(j.id for j in live)
+            log.exception("batched step failed: engine failure for requests %s", ids)
+            for job in live:
+                self.metrics.engine_errors.inc()
+                self._leave(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
+            return
+        self._observe_step(self.decoder.last_profile)
+        by_row = {id(j.row): j for j in live}
+        for row, rnd in rounds:
+            job = by_row.get(id(row))
+            if job is not None:
+                self._deliver(job, rnd)
+        for job in live:  # left without a round: its drafter failed and it had no fallback
+            if not job.finished and job.row.finish_reason == "error":
+                log.error("request %s: drafter failure: %r", job.id, job.row.error)
+                self.metrics.engine_errors.inc()
+                self._leave(job, ErrorEvent("engine", f"{type(job.row.error).__name__} in the drafter (request {job.id})"))
+
+    def _leave(self, job: Job, error: ErrorEvent) -> None:
+        assert self.decoder is not None
+        self.decoder.cancel(job.row)  # frees its cache slots
+        self._finish(job, error)
+
+    def _observe_step(self, prof: StepProfile) -> None:
+        m = self.metrics
+        for size in prof.blocks:
+            m.block_size.observe(size)
+        for kind, rows, tokens in (("prefill", prof.prefill_rows, prof.prefill_tokens),
+                                   ("verify", prof.verify_rows, prof.verify_tokens)):
+            if rows:
+                m.batch_rows.labels(kind).observe(rows)
+                m.batch_tokens.labels(kind).observe(tokens)
+        for part, seconds in (("prefill", prof.prefill_s), ("policy", prof.policy_s), ("draft", prof.draft_s),
+                              ("verify", prof.verify_s), ("accept", prof.accept_s), ("overhead", prof.overhead_s)):
+            m.step_time.labels(part).observe(seconds)
+
+    def _deliver(self, job: Job, rnd: Round) -> None:
+        row = job.row
+        s = row.stats
+        try:
+            result = row.result() if row.done else None
             text = self._safe_text(job, result)
-        except Exception as e:  # an engine failure ends this request only
-            log.exception("request %s: engine failure", job.id)
+        except Exception as e:  # the tokenizer failed on this row's text: this request only
+            log.exception("request %s: failure after the engines", job.id)
             self.metrics.engine_errors.inc()
-            return self._finish(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
+            return self._leave(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
         now = time.monotonic()
         m = self.metrics
-        if gen.drafter_error is not None and not job.fallback_counted:
+        if row.drafter_error is not None and not job.fallback_counted:
             job.fallback_counted = True
             m.drafter_fallbacks.inc()
-            log.warning("request %s: drafter failed (%r); continuing on the target alone", job.id, gen.drafter_error)
+            log.warning("request %s: drafter failed (%r); continuing on the target alone", job.id, row.drafter_error)
         n = len(rnd.token_ids)
         m.generated_tokens.inc(n)
         if rnd.prefill:
@@ -229,7 +285,7 @@ class Orchestrator:
     def _safe_text(self, job: Job, result: GenerationResult | None) -> str | None:
         """Text added by this round that can be shown now: the generation's detokenizer holds back a
         partial character; here the end that may still begin a stop string waits too."""
-        gen = job.generation
+        gen = job.row
         if gen.detokenizer is None:
             return None
         if result is not None:  # the last round carries whatever is left of the final text

@@ -87,7 +87,7 @@ def test_drain_limit_cuts_long_requests(models, tmp_path):
 @pytest.mark.parametrize("flag,value,needle", [
     ("--port", "-1", ">= 0"), ("--port", "65536", "<= 65535"), ("--port", "http", "integer"),
     ("--max-queue", "-1", ">= 0"), ("--request-timeout", "nan", "finite"), ("--request-timeout", "0", "> 0"),
-    ("--drain-timeout", "inf", "finite"), ("--drain-timeout", "-1", ">= 0"),
+    ("--drain-timeout", "inf", "finite"), ("--drain-timeout", "-1", ">= 0"), ("--block-size", "0", ">= 1"),
 ])
 def test_bad_flags_are_usage_errors(flag, value, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -101,3 +101,30 @@ def test_bad_model_path_is_one_line(tmp_path, capsys):
     assert main(["serve", "--target", str(tmp_path / "missing")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
         f"dflash-trt serve: error: target directory not found: {tmp_path / 'missing'}"]
+
+
+def test_block_size_and_no_adaptive_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--block-size", "2", "--no-adaptive"])
+    assert exit_.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+def test_block_size_beyond_the_drafter_is_one_line(models, capsys):
+    assert main(["serve", "--target", str(models[0]), "--drafter", str(models[1]), "--block-size", "9"]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "dflash-trt serve: error: --block-size must be in 1..4 for this drafter, got 9"]
+
+
+def test_block_size_flag_reaches_the_decoder(models, tmp_path):
+    """--block-size 2: every verify row of every step has 2 tokens or fewer (read back from /metrics)."""
+    proc, url = start(models, tmp_path / "serve.log", "--block-size", "2")
+    try:
+        r = httpx.post(url + "/generate", json={"input_ids": [3, 4, 5], "max_tokens": 20}, timeout=120).json()
+        m = httpx.get(url + "/metrics", timeout=10).text
+        rows = metric(m, "dflash_block_size_count")
+        assert rows >= 10 and metric(m, "dflash_block_size_bucket", le="2.0") == rows
+        assert metric(m, "dflash_block_size_bucket", le="1.0") < rows  # it drafts: 1 draft token per round
+        assert r["spec"]["block_size"] == 2 and r["spec"]["drafted_tokens"] > 0
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

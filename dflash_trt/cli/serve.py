@@ -41,7 +41,12 @@ def register(sub) -> None:
         help="serve the models over HTTP (native /generate and OpenAI-compatible endpoints)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.fill("HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
-        "GET /v1/models, /health, /ready, /metrics. Requests are interleaved one verified round at a time.", 100),
+        "GET /v1/models, /health, /ready, /metrics. Every active request is a row of one batch: each step runs "
+        "ONE drafter pass and ONE target pass that verifies every row's block, then accepts per row; new requests "
+        "are prefilled in a call of their own between steps. Block sizes are chosen per step and per request "
+        "(adaptive, from a cost model measured at start-up) unless --block-size or --no-adaptive fixes them; "
+        "a request's own block_size wins. With adaptive sizes a seed fixes the distribution, not the text: "
+        "send a fixed block_size for reproducible sampled text.", 100),
         epilog="A tensor-parallel TensorRT-LLM target (tp = N > 1 in engines.toml) runs one process per GPU:\n"
         "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
         "Rank 0 runs the HTTP server and the loop; the other ranks only serve the engine (TensorRT-LLM leader mode).\n"
@@ -55,6 +60,15 @@ def register(sub) -> None:
     src.add_argument("--engines", type=Path, default=None,
                      help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
     src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
+    blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
+    one = blk.add_mutually_exclusive_group()
+    one.add_argument("--block-size", type=positive_int, default=None, metavar="N",
+                     help="every request's block size unless it sends its own (1..the drafter's trained size; "
+                     "1 = the target alone, with the drafter still loaded for requests that ask for more)")
+    one.add_argument("--no-adaptive", action="store_true",
+                     help="use the drafter's trained block size instead of choosing one per step and request "
+                     "(adaptive: the sizes that maximise expected tokens per second, from each request's "
+                     "acceptance so far and the cost of a batched pass, measured at start-up and refit online)")
     add_device_args(src)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
@@ -67,7 +81,8 @@ def register(sub) -> None:
     net.add_argument("--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-active", type=positive_int, default=8,
-                     help="generations advanced concurrently, round-robin (default 8)")
+                     help="the most requests in one batched step (rows of the batch); more wait in the queue "
+                     "(default 8)")
     lim.add_argument("--max-queue", type=non_negative_int, default=64,
                      help="requests waiting beyond --max-active; more get 429 with Retry-After (default 64)")
     lim.add_argument("--request-timeout", type=_seconds, default=300.0, help="seconds per request (default 300)")
@@ -108,8 +123,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
         drain_timeout_s=args.drain_timeout,
+        block_size=args.block_size,
+        adaptive=not args.no_adaptive,
     )
-    app = create_app(decoder, settings)
+    from .options import CliError
+
+    limit = decoder.drafter.block_size if decoder.drafter is not None else 1
+    if args.block_size is not None and args.block_size > limit:
+        close_engines(decoder)
+        raise CliError(f"--block-size must be in 1..{limit} for "
+                       f"{'this drafter' if decoder.drafter is not None else 'the target alone (--no-draft)'}, "
+                       f"got {args.block_size}")
+    try:  # batching the engines can fail (a target without a batched session): one line, engines closed
+        app = create_app(decoder, settings)
+    except ValueError as e:
+        close_engines(decoder)
+        raise CliError(f"cannot serve these engines: {e}") from None
     try:
         serve_app(app, args.host, args.port)
     finally:

@@ -50,6 +50,11 @@ def test_32_concurrent_greedy_requests_equal_each_alone(decoder):
     rows, passes = metric(m, "dflash_batch_rows_sum", **{"pass": "verify"}), metric(
         m, "dflash_batch_rows_count", **{"pass": "verify"})
     assert passes and rows / passes > 2, "the requests did not share verify passes"
+    assert metric(m, "dflash_batch_tokens_sum", **{"pass": "verify"}) >= rows  # >= 1 token per verify row
+    assert metric(m, "dflash_batch_rows_sum", **{"pass": "prefill"}) == len(todo)  # each prompt prefilled once
+    for part in ("prefill", "policy", "draft", "verify", "accept", "overhead"):  # one sample per step and part
+        assert metric(m, "dflash_step_seconds_count", part=part) == metric(m, "dflash_step_seconds_count", part="verify")
+    assert metric(m, "dflash_step_seconds_sum", part="verify") > 0
     for (prompt, n), got, ref in zip(todo, together, alone):
         assert got.status_code == ref.status_code == 200, got.text
         want = decoder.generate(decoder.encode(prompt), GenerationConfig(

@@ -64,8 +64,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=30)
     args = ap.parse_args()
     rng = random.Random(0)
-    print(f"| cost model | rows | previous ascent ms | exact ms | speed-up | rate previous | rate exact |")
-    print(f"|---|---:|---:|---:|---:|---:|---:|")
+    print("| cost model | rows | previous ascent ms | exact ms | speed-up | rate previous | rate exact |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, cost in COSTS.items():
         for n in args.rows:
             rows = [RowChoice(alpha=rng.random(), max_block=args.block) for _ in range(n)]

@@ -264,3 +264,21 @@ def test_cancelled_stream_stops_the_loop(server, reference, models):
     print(f"target calls after cancelling: {calls - before} of {expected.stats.rounds} rounds")
     assert calls - before < expected.stats.rounds // 2, (calls - before, expected.stats.rounds)
     assert server.alive()
+
+
+def test_batched_request_equals_each_row_alone_in_fewer_target_calls(server):
+    """Every row of a request is a row of one batched step: greedy, a batch returns what each prompt returns
+    alone, and dflash_target is called once per step for all rows (not once per row and round)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # for the call counts
+    alone, alone_calls = [], 0
+    for prompt in PROMPTS:
+        before = _target_calls(client)
+        alone.append(generate(server.http_url, [prompt], protocol="http", max_tokens=MAX_TOKENS).texts[0])
+        alone_calls += _target_calls(client) - before
+    before = _target_calls(client)
+    batched = generate(server.http_url, PROMPTS, protocol="http", max_tokens=MAX_TOKENS).texts
+    batch_calls = _target_calls(client) - before
+    assert batched == alone
+    print(f"dflash_target calls: {batch_calls} for the batch of {len(PROMPTS)}, {alone_calls} one by one")
+    assert batch_calls < alone_calls
+    client.close()

@@ -167,17 +167,20 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids)
     # tensorrt_llm and device "cuda": written against the real APIs, never run in this project (no GPU/TensorRT here).
     gpu = src.target_backend == "tensorrt_llm" or opt.device == "cuda"
     params = {"backend": src.target_backend, "engine_dir": "target", "device": opt.device,
-              "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600"}
-    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls).
+              "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600",
+              "batch_target": "true"}
+    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls). A call may carry several
+    # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
     cfg = model_config(TARGET, backend="python", instance_kind="KIND_GPU" if gpu else "KIND_CPU", instance_count=1,
-                       inputs=[tensor("session_id", "TYPE_UINT64", [1]), tensor("token_ids", "TYPE_INT64", [-1]),
-                               tensor("cache_length", "TYPE_INT64", [1]),
-                               tensor("rollback_to", "TYPE_INT64", [1], optional=True),
+                       inputs=[tensor("session_id", "TYPE_UINT64", [-1]), tensor("token_ids", "TYPE_INT64", [-1]),
+                               tensor("token_lengths", "TYPE_INT64", [-1], optional=True),
+                               tensor("cache_length", "TYPE_INT64", [-1]),
+                               tensor("rollback_to", "TYPE_INT64", [-1], optional=True),
                                tensor("last_logits_only", "TYPE_BOOL", [1], optional=True),
                                tensor("want_features", "TYPE_BOOL", [1], optional=True),
                                tensor("release", "TYPE_BOOL", [1], optional=True)],
                        outputs=[tensor("logits", "TYPE_FP32", [-1, -1]), tensor("features", "TYPE_FP32", [-1, -1]),
-                                tensor("length", "TYPE_INT64", [1])],
+                                tensor("length", "TYPE_INT64", [-1])],
                        parameters=params)
     write_config(repo / TARGET, cfg)
 

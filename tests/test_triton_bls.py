@@ -218,3 +218,46 @@ def test_batch_decoder_over_remote_engines_equals_each_row_alone(parts):
     assert [g.token_ids for g in got] == want
     assert ("dflash_target", 3) in calls  # verify steps carried every row in one call
     assert len(sessions) == 0  # finished rows released their sessions
+
+
+def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_per_step(parts, tmp_path):
+    """With the batched graph served (dflash_drafter_batch), a step drafts every row in ONE call; greedy output
+    still equals each row alone."""
+    import onnxruntime as ort
+
+    from dflash_trt.builders.triton_repo import _export_batched
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.formats import BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES
+    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
+    from dflash_trt.triton.bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine
+
+    target_dir, drafter_dir, onnx_dir, ort_drafter, target_engine = parts
+    _export_batched(drafter_dir, target_dir, tmp_path)
+    graph = ort.InferenceSession(str(tmp_path / BATCH_GRAPH_FILES["fp32"]), providers=["CPUExecutionProvider"])
+    single, _ = remote_decoder(parts)
+    prompts = [single.encode(p) for p in (PROMPT, "class Stack:", "import os\n\ndef main():")]
+    configs = [GenerationConfig(max_new_tokens=n) for n in (16, 9, 20)]
+    want = [single.generate(p, c).token_ids for p, c in zip(prompts, configs)]
+    sessions = TargetSessions(TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
+    calls = []
+    target_infer = _batch_infer(parts, sessions, calls)
+
+    def infer(model, inputs, outputs):
+        if model != "dflash_drafter_batch":
+            return target_infer(model, inputs, outputs)
+        calls.append((model, inputs["block_ids"].shape[0]))
+        return dict(zip(outputs, graph.run(list(BATCH_DRAFTER_OUTPUTS), inputs)))
+
+    meta = DrafterGraphMeta.read(onnx_dir)
+    target = RemoteBatchTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
+    drafter = RemoteBatchDrafterEngine(infer, "dflash_drafter_batch", json.loads(meta.to_json()))
+    decoder = BatchDecoder(target, drafter)
+    rows = [decoder.add(p, c) for p, c in zip(prompts, configs)]
+    steps = 0
+    while decoder.active:
+        before = len(calls)
+        decoder.step()
+        steps += 1
+        assert sum(1 for m, _ in calls[before:] if m == "dflash_drafter_batch") <= 1  # one drafter call per step
+    assert [r.result().token_ids for r in rows] == want
+    assert ("dflash_drafter_batch", 3) in calls and steps > 1

@@ -25,8 +25,10 @@ one per row. The model side keeps its sessions as the rows of ONE batched target
 (runtime/batched.py), so a call is one forward pass for all of them (`TargetSessions`). A single-sequence
 engine is wrapped as `LoopedTargetEngine` (its rows run in turn: correct, not faster).
 `RemoteBatchTargetEngine` is the BLS's side (a BatchTargetEngine), and the batched drafter is
-`LoopedDrafterEngine(RemoteDrafterEngine)`: one dflash_drafter call per drafting row and step (the
-served graph is the single-sequence one; the BLS keeps each row's drafter cache as before).
+`RemoteBatchDrafterEngine` when the repository serves the batched round graph (dflash_drafter_batch,
+written by `triton-repo` next to dflash_drafter): ONE call per step for every drafting row, the BLS keeping
+each row's drafter cache as a slot of one array. Otherwise (a TensorRT plan drafter: its batched plan is
+not served yet) `LoopedDrafterEngine(RemoteDrafterEngine)`: one dflash_drafter call per drafting row.
 
 `RemoteTargetEngine` / `RemoteDrafterEngine` implement the TargetEngine / DrafterEngine interfaces
 of dflash_trt.runtime.base, so `SpeculativeDecoder` / `Generation` (acceptance, sampling,
@@ -43,7 +45,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from ..formats import DRAFTER_OUTPUTS, DrafterGraphMeta
+from ..formats import BATCH_DRAFTER_OUTPUTS, DRAFTER_OUTPUTS, DrafterGraphMeta
 from ..runtime.base import TargetEngine, TargetOutput, TargetSession
 from ..runtime.ort_backend import OrtDrafterSession
 
@@ -222,6 +224,30 @@ class RemoteDrafterEngine:
 
     def new_session(self) -> OrtDrafterSession:
         return OrtDrafterSession(self)
+
+
+class RemoteBatchDrafterEngine:
+    """The batched drafter round graph served as a Triton model (dflash_drafter_batch): the ONNX Runtime batched
+    session's logic (runtime.ort_batch.OrtBatchDrafterSession, every row's cache a slot kept here in the BLS),
+    with its one graph call per step made through `infer`."""
+
+    name = "triton"
+
+    def __init__(self, infer: InferFn, model: str, meta: dict):
+        self.infer, self.model = infer, model
+        self.meta = DrafterGraphMeta.from_dict(meta)
+        self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
+        self.feature_layer_ids = tuple(self.meta.feature_layer_ids)
+        self.max_context: int | None = None
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        out = self.infer(self.model, feeds, list(BATCH_DRAFTER_OUTPUTS))
+        return [np.array(out[name]) for name in BATCH_DRAFTER_OUTPUTS]
+
+    def new_batch(self) -> Any:
+        from ..runtime.ort_batch import OrtBatchDrafterSession
+
+        return OrtBatchDrafterSession(self, self.run)  # type: ignore[arg-type]
 
 
 # ---- the target model's side: sessions by id -------------------------------------------------

@@ -4,8 +4,9 @@ and dflash_drafter.
 Inputs per row: input_ids [N, L] + input_length [N, 1] from preprocessing; optional max_tokens
 INT32, temperature FP32, seed UINT64, stream BOOL ([N, 1]). Batches: every row of every request in
 one execute() call is a row of ONE BatchDecoder, so a step is one dflash_target call that verifies every
-row (several sessions per call) and one dflash_drafter call per drafting row (the served drafter graph is
-the single-sequence one: `LoopedDrafterEngine`); each row keeps its own sampling settings and seed.
+row (several sessions per call) and one dflash_drafter_batch call for every drafting row (the batched
+graph; with only the single-sequence dflash_drafter, one call per drafting row); each row keeps its own
+sampling settings and seed.
 Decoupled: with stream on, each step sends one response per request (the tokens committed that step);
 with it off, one response at the end. A cancelled request leaves the batch at the next step. A failing
 step (a target call error) fails every request still running in this execute(), as they share the pass.
@@ -23,7 +24,7 @@ import triton_python_backend_utils as pb_utils
 from ...decoding import GenerationConfig, InputError, SamplingParams
 from ...decoding.batch import BatchDecoder
 from ...runtime.batched import LoopedDrafterEngine
-from ..bls import RemoteBatchTargetEngine, RemoteDrafterEngine, pad_rows, unpad_rows
+from ..bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine, RemoteDrafterEngine, pad_rows, unpad_rows
 from .common import error_response, get, load_config, scalar, strings
 
 
@@ -62,8 +63,12 @@ class TritonPythonModel:
         self.target = RemoteBatchTargetEngine(bls_infer, params.get("target_model", "dflash_target"),
                                               int(params["vocab_size"]), int(params["max_context"]),
                                               json.loads(params["feature_layer_ids"]))
-        self.drafter = LoopedDrafterEngine(RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"),
-                                                               json.loads(params["drafter_meta"])))
+        meta = json.loads(params["drafter_meta"])
+        if params.get("drafter_batch_model"):  # the batched graph: one drafter call per step
+            self.drafter = RemoteBatchDrafterEngine(bls_infer, params["drafter_batch_model"], meta)
+        else:  # the single-sequence graph: one call per drafting row
+            self.drafter = LoopedDrafterEngine(RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"),
+                                                                   meta))
         self.stop_ids = tuple(json.loads(params.get("stop_token_ids", "[]")))
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env demo engines triton triton-env bench bench-serve aiperf-env serve gpu-smoke models clean
+.PHONY: venv test test-tf457 tf457-env demo engines triton triton-env bench bench-serve bench-load aiperf-env serve gpu-smoke models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -111,6 +111,13 @@ $(AIPERF_VENV)/.installed:
 
 bench-serve: venv aiperf-env
 	$(BIN)/python scripts/bench_serve.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/bench-serve $(BENCH_SERVE_ARGS)
+
+# The load benchmark (issue 11): aiperf against the server at concurrency 1/4/16/32 x temperature 0/1 for the
+# batched target alone, DFlash at block 8 and adaptive DFlash, next to Hugging Face batched generate() on the
+# same held-out prompts, plus per-prompt ratios and a step profile. Writes results/load/ (README.md table,
+# results.json, load.png). About 20 minutes on 2 cores; run it on a quiet machine.
+bench-load: venv aiperf-env
+	$(BIN)/python scripts/bench_load.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
 
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -27,12 +25,9 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf  # noqa: E402
 from dflash_trt.server.process import start_serve  # noqa: E402
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET  # noqa: E402
-
-# aiperf's names for the numbers worth keeping (its JSON export: metric tag -> {unit, avg, p50, p99, ...})
-METRICS = ("request_throughput", "output_token_throughput", "time_to_first_token", "inter_token_latency",
-           "request_latency", "output_sequence_length", "request_count", "error_summary")
 
 
 def main(argv=None) -> int:
@@ -60,24 +55,13 @@ def main(argv=None) -> int:
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         for endpoint in args.endpoints.split(","):
-            artifacts = args.out / endpoint
-            cmd = [args.aiperf, "profile", "--url", url, "--endpoint-type", endpoint, "--streaming",
-                   "--model", model, "--tokenizer", str(args.target), "--request-count", str(args.requests),
-                   "--concurrency", str(args.concurrency), "--isl", str(args.isl), "--osl", str(args.osl),
-                   "--random-seed", "0", "--artifact-dir", str(artifacts), "--num-warmup-requests", "1",
-                   "--extra-inputs", json.dumps({"temperature": 0, "ignore_eos": True}),
-                   "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none"]
-            started = time.monotonic()
-            run = subprocess.run(cmd, capture_output=True, text=True)
-            (artifacts / "aiperf.log").parent.mkdir(parents=True, exist_ok=True)
-            (artifacts / "aiperf.log").write_text(run.stdout + run.stderr)
-            if run.returncode != 0:
-                print(f"aiperf failed on {endpoint} (exit {run.returncode}); its log: {artifacts / 'aiperf.log'}",
-                      file=sys.stderr)
-                print((run.stdout + run.stderr)[-3000:], file=sys.stderr)
+            run = AiperfRun(url, model, str(args.target), endpoint, args.concurrency, args.requests, isl=args.isl,
+                            osl=args.osl, extra_inputs={"temperature": 0})
+            try:
+                summary["endpoints"][endpoint] = run_aiperf(args.aiperf, run, args.out / endpoint)
+            except AiperfFailed as e:
+                print(f"aiperf failed on {endpoint}: {e}", file=sys.stderr)
                 return 1
-            summary["endpoints"][endpoint] = {"wall_s": round(time.monotonic() - started, 1),
-                                              **_metrics(artifacts)}
     finally:
         proc.terminate()
         proc.wait(60)
@@ -87,22 +71,6 @@ def main(argv=None) -> int:
                                           for k, v in m.items() if k != "wall_s"))
     print(f"wrote {args.out / 'summary.json'}")
     return 0
-
-
-def _metrics(artifacts: Path) -> dict:
-    """The kept metrics from aiperf's JSON export of the profiling phase (warm-up excluded)."""
-    export = artifacts / "profile_export_aiperf.json"
-    if not export.is_file():
-        raise SystemExit(f"aiperf wrote no {export.name} under {artifacts}")
-    data = json.loads(export.read_text())
-    found = {}
-    for name in METRICS:
-        value = data.get(name)
-        if isinstance(value, dict):
-            found[name] = {k: value[k] for k in ("unit", "avg", "p50", "p99") if k in value}
-        elif value is not None:
-            found[name] = value
-    return found
 
 
 if __name__ == "__main__":

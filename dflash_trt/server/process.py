@@ -1,4 +1,4 @@
-"""Start `dflash-trt serve` as a child process and wait until it answers (tests and scripts/load_bench.py).
+"""Start `dflash-trt serve` as a child process and wait until it answers (tests and the benchmark scripts).
 
 The child binds `--port 0` itself and reports the port it got in its listening line, so there is
 no window in which another process can take a port picked in advance. Its stdout and stderr go

@@ -1,0 +1,376 @@
+#!/usr/bin/env python3
+"""Load benchmark of `dflash-trt serve` with NVIDIA's aiperf, against Hugging Face batched generate().
+
+Held-out code prompts (never trained on), OpenAI completions endpoint, streaming, every request exactly
+--osl tokens (ignore_eos), at each concurrency C in --concurrency and temperature T in --temperatures:
+
+    hf-generate    Hugging Face generate() on left-padded batches of C of the same prompts, in process,
+                   no speculation: the external reference (no HTTP, so it is flattered, not handicapped)
+    target         the server with --block-size 1: the batched target alone, same step loop
+    dflash-b8      the server with --block-size 8: DFlash at a fixed block of 8
+    adaptive       the server as shipped: DFlash, block size chosen per step and per request
+
+aiperf measures output tokens/s, time to first token and inter-token latency (avg, p50, p99) per cell.
+In process, on the same models, it also measures per prompt (T = 0, 1 row): the target alone, the
+single-sequence DFlash loop (decoding/decode.py) and the batched step with adaptive blocks, on the code
+prompts (--osl tokens) and on --long-prompts longer ones (--long-osl tokens, where a weak drafter misses),
+and the profile of one batched adaptive step at 16 rows (draft / verify / acceptance / policy / Python).
+
+Writes results/load/{results.json, README.md, load.png} and aiperf's exports under results/load/aiperf/.
+Run it on a quiet machine: other processes' CPU time shows up as noise in every ratio.
+
+    make bench-load
+    .venv/bin/python scripts/bench_load.py --concurrency 1,16 --temperatures 0 --modes target,adaptive
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value  # noqa: E402
+from dflash_trt.bench.prompts import held_out_code_prompts  # noqa: E402
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET  # noqa: E402
+
+MODES = {  # server flags per mode
+    "target": ["--block-size", "1"],
+    "dflash-b8": ["--block-size", "8"],
+    "adaptive": [],
+}
+STEP_KEYS = ("prefill_s", "policy_s", "draft_s", "verify_s", "accept_s", "overhead_s", "total_s")
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--aiperf", default=str(REPO / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
+    ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
+    ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
+    ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated concurrencies (default 1,4,16,32)")
+    ap.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"server modes (default {','.join(MODES)})")
+    ap.add_argument("--prompts", type=int, default=32, help="held-out code prompts (default 32)")
+    ap.add_argument("--osl", type=int, default=64, help="tokens per request (default 64)")
+    ap.add_argument("--min-requests", type=int, default=16,
+                    help="requests per cell: max(this, 2 x concurrency) (default 16)")
+    ap.add_argument("--long-prompts", type=int, default=8, help="longer held-out prompts, per-prompt check (default 8)")
+    ap.add_argument("--long-osl", type=int, default=256, help="tokens per long prompt (default 256)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
+    ap.add_argument("--skip-in-process", action="store_true", help="only the aiperf cells (no HF, no per-prompt)")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "load", help="output folder")
+    return ap.parse_args(argv)
+
+
+def requests_for(c: int, args) -> int:
+    return max(args.min_requests, 2 * c)
+
+
+# ---- in process: Hugging Face batched generate(), per-prompt ratios, the step profile ----------------------
+def in_process(args, code_texts: list[str], long_texts: list[str], levels: list[int], temps: list[float]) -> dict:
+    from dflash_trt.config import validate_against_target
+    from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
+    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.target import load_target, load_tokenizer
+    from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+    model = load_target(args.target, torch.float32)
+    tok = load_tokenizer(args.target)
+    drafter = DFlashDrafter.from_pretrained(args.drafter, torch.float32)
+    validate_against_target(drafter.config, drafter.spec, model.config)
+    layers = drafter.spec.target_layer_ids
+    code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
+    long = [tok.encode(t, add_special_tokens=False) for t in long_texts]
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    out: dict = {"hf_generate": [], "per_prompt": [], "step_profile": {}}
+
+    # Hugging Face generate(): batches of C of the same request stream aiperf sends (prompts in order, wrapping)
+    for temp in temps:
+        for c in levels:
+            n_req = requests_for(c, args)
+            stream = [code[i % len(code)] for i in range(n_req)]
+            hf_generate(model, stream[:c], args.osl, pad, temp)  # warm-up at this shape
+            t0 = time.perf_counter()
+            tokens = 0
+            for start in range(0, n_req, c):
+                tokens += sum(len(o) for o in hf_generate(model, stream[start:start + c], args.osl, pad, temp))
+            secs = time.perf_counter() - t0
+            row = {"concurrency": c, "temperature": temp, "requests": n_req, "tokens": tokens,
+                   "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1)}
+            out["hf_generate"].append(row)
+            print("hf-generate", json.dumps(row), flush=True)
+
+    # per prompt, one row at a time: target alone, single-sequence DFlash, batched adaptive
+    starget = TorchTargetEngine(model, layers)
+    single = SpeculativeDecoder(starget, TorchDrafterEngine.for_target(drafter, starget))
+    btarget = TorchBatchTargetEngine(model, layers)
+    bdrafter = TorchBatchDrafterEngine.for_target(drafter, btarget)
+    t0 = time.perf_counter()
+    cost = measure_costs(btarget, bdrafter, rows=(1, 4, 16), blocks=(1, 4, 8), context=150, repeats=2)
+    out["cost_model"] = {"target": vars(cost.target), "drafter": vars(cost.drafter),
+                         "measured_s": round(time.perf_counter() - t0, 2)}
+    adaptive = BatchDecoder(btarget, bdrafter, adaptive=True, cost=cost, refit_every=0)
+
+    def timed(fn):
+        t = time.perf_counter()
+        ids = fn()
+        return ids, time.perf_counter() - t
+
+    def run_adaptive(prompt, n):
+        row = adaptive.add(prompt, GenerationConfig(max_new_tokens=n))
+        adaptive.run()
+        return row.result()
+
+    greedy = SamplingParams(0.0)
+    for kind, prompts, n in (("code", code, args.osl), ("long", long, args.long_osl)):
+        for i, p in enumerate(prompts):
+            cfg = GenerationConfig(max_new_tokens=n, sampling=greedy, stop_token_ids=())
+            alone, t_alone = timed(lambda: single.generate(p, GenerationConfig(max_new_tokens=n, block_size=1)))
+            dflash, t_single = timed(lambda: single.generate(p, cfg))
+            adapt, t_adapt = timed(lambda: run_adaptive(p, n))
+            row = {"set": kind, "prompt": i, "prompt_tokens": len(p), "new_tokens": len(alone.token_ids),
+                   "target_s": round(t_alone, 3), "single_dflash_s": round(t_single, 3),
+                   "adaptive_s": round(t_adapt, 3),
+                   "tau_single_b8": round(dflash.stats.mean_acceptance_length, 2),
+                   "tau_adaptive": round(adapt.stats.mean_acceptance_length, 2),
+                   "adaptive_vs_target": round(t_alone / t_adapt, 3),
+                   "single_vs_target": round(t_alone / t_single, 3),
+                   "equal": alone.token_ids == dflash.token_ids == adapt.token_ids}
+            out["per_prompt"].append(row)
+            print("per-prompt", json.dumps(row), flush=True)
+
+    # one batched adaptive step at 16 rows: where its time goes
+    dec = BatchDecoder(btarget, bdrafter, adaptive=True, cost=cost)
+    for p in code[:16]:
+        dec.add(p, GenerationConfig(max_new_tokens=args.osl, stop_token_ids=()))
+    steps = []
+    while dec.active:
+        dec.step()
+        steps.append(dec.last_profile)
+    verify = [s for s in steps if s.verify_rows and not s.prefill_rows]
+    out["step_profile"] = {
+        "rows": 16, "steps": len(verify), "mean_rows": round(statistics.mean(s.verify_rows for s in verify), 2),
+        "mean_verify_tokens": round(statistics.mean(s.verify_tokens for s in verify), 1),
+        "mean_block": round(statistics.mean(b for s in verify for b in s.blocks), 2),
+        "committed_per_step": round(statistics.mean(s.committed_tokens for s in verify), 2),
+        **{k.removesuffix("_s") + "_ms": round(1e3 * statistics.mean(getattr(s, k) for s in verify), 2)
+           for k in STEP_KEYS},
+    }
+    print("step profile", json.dumps(out["step_profile"]), flush=True)
+    return out
+
+
+def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: float) -> list[list[int]]:
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
+        do_sample=False)
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             pad_token_id=pad, eos_token_id=None, **sampling)
+    return out[:, width:].tolist()
+
+
+# ---- the server cells --------------------------------------------------------------------------------
+def server_cells(args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str]) -> list[dict]:
+    import httpx
+
+    from dflash_trt.server.process import start_serve
+
+    dataset = args.out / "prompts.jsonl"
+    dataset.write_text("".join(json.dumps({"text": t, "output_length": args.osl}) + "\n" for t in code_texts))
+    cells = []
+    for mode in modes:
+        serve = ["--target", str(args.target), "--drafter", str(args.drafter), "--max-active", str(max(levels)),
+                 "--max-queue", str(4 * max(levels)), *MODES[mode]]
+        if args.threads:
+            serve += ["--threads", str(args.threads)]
+        t0 = time.monotonic()
+        proc, url = start_serve(serve, args.out / f"serve-{mode}.log", timeout_s=600, env={"DFLASH_TRT_API_KEY": ""})
+        print(f"server {mode} up in {time.monotonic() - t0:.1f}s: {url}", flush=True)
+        try:
+            model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
+            for temp in temps:
+                for c in levels:
+                    run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args), warmup=c,
+                                    input_file=dataset, osl=args.osl, extra_inputs={"temperature": temp})
+                    m = run_aiperf(args.aiperf, run, args.out / "aiperf" / f"{mode}-t{temp:g}-c{c}")
+                    cell = {"mode": mode, "concurrency": c, "temperature": temp, "requests": run.requests,
+                            "tokens_per_s": value(m, "output_token_throughput"),
+                            "ttft_ms": {s: value(m, "time_to_first_token", s) for s in ("avg", "p50", "p99")},
+                            "itl_ms": {s: value(m, "inter_token_latency", s) for s in ("avg", "p50", "p99")},
+                            "osl": value(m, "output_sequence_length"), "errors": m.get("error_summary"),
+                            "wall_s": m["wall_s"]}
+                    cells.append(cell)
+                    print("aiperf", json.dumps(cell), flush=True)
+            metrics = httpx.get(url + "/metrics", timeout=30).text
+            (args.out / f"metrics-{mode}.txt").write_text(metrics)
+        finally:
+            proc.terminate()
+            proc.wait(60)
+    return cells
+
+
+# ---- the report --------------------------------------------------------------------------------------
+def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None, str]]:
+    """The issue's done-figures, each (what, passed, figure)."""
+    tps = {(c["mode"], c["concurrency"], c["temperature"]): c["tokens_per_s"] for c in cells}
+    hf = {(r["concurrency"], r["temperature"]): r["tokens_per_s"] for r in (proc or {}).get("hf_generate", [])}
+    found: list[tuple[str, bool | None, str]] = []
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    r = ratio(tps.get(("adaptive", 16, 0.0)), hf.get((16, 0.0)))
+    found.append(("c=16 T=0 adaptive >= 1.5x HF batched generate", None if r is None else r >= 1.5,
+                  "n/a" if r is None else f"{r:.2f}x"))
+    r = ratio(tps.get(("adaptive", 16, 0.0)), tps.get(("target", 16, 0.0)))
+    found.append(("c=16 T=0 adaptive >= 1.2x the server's batched target", None if r is None else r >= 1.2,
+                  "n/a" if r is None else f"{r:.2f}x"))
+    worst = [(ratio(v, tps.get(("target", c, t))), c, t) for (m, c, t), v in tps.items() if m == "adaptive"]
+    worst = [w for w in worst if w[0] is not None]
+    if worst:
+        w = min(worst)
+        found.append(("every cell: adaptive >= 0.95x batched target", w[0] >= 0.95,
+                      f"lowest {w[0]:.2f}x (c={w[1]}, T={w[2]:g})"))
+    if proc and proc.get("per_prompt"):
+        rows = proc["per_prompt"]
+        low = min(rows, key=lambda p: p["adaptive_vs_target"])
+        found.append(("every prompt: adaptive >= 0.9x the target alone", low["adaptive_vs_target"] >= 0.9,
+                      f"lowest {low['adaptive_vs_target']:.2f}x ({low['set']} prompt {low['prompt']}, "
+                      f"{low['prompt_tokens']} tokens, tau at B=8 {low['tau_single_b8']})"))
+        code = [p for p in rows if p["set"] == "code"]
+        r = sum(p["single_dflash_s"] for p in code) / sum(p["adaptive_s"] for p in code)
+        found.append(("c=1 T=0: batched adaptive >= 0.97x the single-sequence loop (same prompts)", r >= 0.97,
+                      f"{r:.2f}x"))
+        found.append(("greedy outputs equal to the target alone (per prompt, all three)",
+                      all(p["equal"] for p in rows), f"{sum(p['equal'] for p in rows)}/{len(rows)}"))
+    return found
+
+
+def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str:
+    hf = {(r["concurrency"], r["temperature"]): r["tokens_per_s"] for r in (proc or {}).get("hf_generate", [])}
+    by = {(c["mode"], c["concurrency"], c["temperature"]): c for c in cells}
+    modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
+    keys = sorted({(c["temperature"], c["concurrency"]) for c in cells})
+    lines = [f"# Load benchmark: {settings['target']} + {settings['drafter']}", "",
+             f"{settings['machine']}; aiperf, completions, streaming; held-out code prompts, {settings['osl']} "
+             "tokens per request (ignore_eos). Output tokens/s (higher is better); ratios side by side in one run.", "",
+             "| T | concurrency | HF generate | " + " | ".join(modes)
+             + " | adaptive / HF | adaptive / target | TTFT p50/p99 ms (adaptive) | ITL p50/p99 ms (adaptive) |",
+             "|---|---|---|" + "---|" * len(modes) + "---|---|---|---|"]
+    for t, c in keys:
+        a = by.get(("adaptive", c, t))
+        tg = by.get(("target", c, t))
+        h = hf.get((c, t))
+        vals = " | ".join(f"{by[(m, c, t)]['tokens_per_s']:.0f}" if (m, c, t) in by and by[(m, c, t)]["tokens_per_s"]
+                          else "-" for m in modes)
+        r_hf = f"{a['tokens_per_s'] / h:.2f}x" if a and h and a["tokens_per_s"] else "-"
+        r_t = f"{a['tokens_per_s'] / tg['tokens_per_s']:.2f}x" if a and tg and a["tokens_per_s"] and tg["tokens_per_s"] else "-"
+        lat = (f"{a['ttft_ms']['p50']:.0f} / {a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / "
+               f"{a['itl_ms']['p99']:.1f}") if a and a["ttft_ms"]["p50"] is not None else "- | -"
+        lines.append(f"| {t:g} | {c} | {h:.0f} | {vals} | {r_hf} | {r_t} | {lat} |" if h else
+                     f"| {t:g} | {c} | - | {vals} | {r_hf} | {r_t} | {lat} |")
+    lines += ["", "## Done-figures", ""]
+    lines += [f"- {'PASS' if ok else 'FAIL' if ok is not None else 'n/a'}: {what}: {fig}" for what, ok, fig in found]
+    if proc and proc.get("step_profile"):
+        p = proc["step_profile"]
+        lines += ["", f"## One batched adaptive step at {p['rows']} rows (mean of {p['steps']} steps)", "",
+                  f"{p['mean_verify_tokens']} target tokens per step (mean block {p['mean_block']}), "
+                  f"{p['committed_per_step']} tokens committed per step.", "",
+                  "| policy | draft | verify | acceptance | Python overhead | total |", "|---|---|---|---|---|---|",
+                  f"| {p['policy_ms']} ms | {p['draft_ms']} ms | {p['verify_ms']} ms | {p['accept_ms']} ms | "
+                  f"{p['overhead_ms']} ms | {p['total_ms']} ms |"]
+    if proc and proc.get("per_prompt"):
+        lines += ["", "## Per prompt, one request alone (T=0)", "",
+                  "| set | prompt | prompt tokens | new tokens | tau B=8 | tau adaptive | single B=8 / target | "
+                  "adaptive / target | equal |", "|---|---|---|---|---|---|---|---|---|"]
+        for p in proc["per_prompt"]:
+            lines.append(f"| {p['set']} | {p['prompt']} | {p['prompt_tokens']} | {p['new_tokens']} | "
+                         f"{p['tau_single_b8']} | {p['tau_adaptive']} | {p['single_vs_target']:.2f}x | "
+                         f"{p['adaptive_vs_target']:.2f}x | {p['equal']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(cells: list[dict], proc: dict | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    temps = sorted({c["temperature"] for c in cells})
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for mode in MODES:
+            pts = sorted((c["concurrency"], c["tokens_per_s"]) for c in cells
+                         if c["mode"] == mode and c["temperature"] == t and c["tokens_per_s"])
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=f"server {mode}")
+        hf = sorted((r["concurrency"], r["tokens_per_s"]) for r in (proc or {}).get("hf_generate", [])
+                    if r["temperature"] == t)
+        if hf:
+            ax.plot(*zip(*hf), marker="s", linestyle="--", color="gray", label="HF generate (batched)")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s")
+        ax.set_title(f"T = {t:g}")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        raise SystemExit(f"unknown modes {sorted(unknown)} (known: {', '.join(MODES)})")
+    if not Path(args.aiperf).is_file():
+        raise SystemExit(f"no aiperf at {args.aiperf}: run `make aiperf-env` (its own venv)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    code_texts = held_out_code_prompts(args.prompts)
+    long_texts = held_out_code_prompts(args.long_prompts, prefix_chars=1200) if args.long_prompts else []
+    t0 = time.monotonic()
+    proc = None if args.skip_in_process else in_process(args, code_texts, long_texts, levels, temps)
+    try:
+        cells = server_cells(args, code_texts, levels, temps, modes)
+    except AiperfFailed as e:
+        print(f"aiperf failed: {e}", file=sys.stderr)
+        return 1
+    settings = {"target": str(args.target), "drafter": str(args.drafter), "osl": args.osl,
+                "prompts": args.prompts, "long_prompts": args.long_prompts, "long_osl": args.long_osl,
+                "concurrency": levels, "temperatures": temps, "modes": modes, "threads": args.threads or
+                torch.get_num_threads(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
+                f"torch {torch.__version__}", "minutes": round((time.monotonic() - t0) / 60, 1)}
+    found = checks(cells, proc)
+    (args.out / "results.json").write_text(json.dumps(
+        {"settings": settings, "cells": cells, "in_process": proc,
+         "checks": [{"what": w, "passed": ok, "figure": f} for w, ok, f in found]}, indent=2) + "\n")
+    md = markdown(cells, proc, found, settings)
+    (args.out / "README.md").write_text(md)
+    plot(cells, proc, args.out / "load.png")
+    print("\n" + md)
+    print(f"wrote {args.out / 'results.json'}, {args.out / 'README.md'}, {args.out / 'load.png'} "
+          f"in {settings['minutes']} min")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""The load benchmark's plumbing (scripts/bench_load.py, dflash_trt/bench/aiperf.py): the aiperf command line,
+reading aiperf's export, and the done-figure checks and table made from the cells. The benchmark itself runs
+with `make bench-load`; nothing here times anything."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, export_metrics, value
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("bench_load", ROOT / "scripts" / "bench_load.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_aiperf_command_sends_the_dataset_and_sampling_settings(tmp_path):
+    run = AiperfRun("http://127.0.0.1:9", "m", "tok", concurrency=16, requests=32, warmup=16,
+                    input_file=tmp_path / "p.jsonl", osl=64, extra_inputs={"temperature": 1.0})
+    cmd = run.command("aiperf", tmp_path / "a")
+    assert cmd[:2] == ["aiperf", "profile"]
+    opts = dict(zip(cmd[2::1], cmd[3::1]))
+    assert opts["--concurrency"] == "16" and opts["--request-count"] == "32" and opts["--num-warmup-requests"] == "16"
+    assert opts["--custom-dataset-type"] == "single_turn" and opts["--input-file"].endswith("p.jsonl")
+    assert json.loads(opts["--extra-inputs"]) == {"ignore_eos": True, "temperature": 1.0}
+    assert "--isl" not in cmd and "--streaming" in cmd
+    synthetic = AiperfRun("u", "m", "tok", isl=32).command("aiperf", tmp_path)
+    assert synthetic[synthetic.index("--isl") + 1] == "32" and "--input-file" not in synthetic
+
+
+def test_export_metrics_reads_the_nested_export(tmp_path):
+    nested = tmp_path / "run" / "inner"
+    nested.mkdir(parents=True)
+    (nested / "profile_export_aiperf.json").write_text(json.dumps({
+        "output_token_throughput": {"unit": "tokens/sec", "avg": 512.5},
+        "time_to_first_token": {"unit": "ms", "avg": 30.0, "p50": 25.0, "p99": 90.0, "std": 3.0},
+        "unrelated": {"avg": 1}}))
+    m = export_metrics(tmp_path / "run")
+    assert value(m, "output_token_throughput") == 512.5
+    assert m["time_to_first_token"] == {"unit": "ms", "avg": 30.0, "p50": 25.0, "p99": 90.0}
+    assert "unrelated" not in m and value(m, "inter_token_latency") is None
+    with pytest.raises(AiperfFailed):
+        export_metrics(tmp_path / "nothing-here")
+
+
+def cell(mode, c, t, tps):
+    return {"mode": mode, "concurrency": c, "temperature": t, "tokens_per_s": tps,
+            "ttft_ms": {"avg": 10.0, "p50": 9.0, "p99": 20.0}, "itl_ms": {"avg": 5.0, "p50": 4.0, "p99": 8.0}}
+
+
+def test_checks_pass_and_fail_on_the_issue_figures():
+    bench = load_script()
+    proc = {"hf_generate": [{"concurrency": 16, "temperature": 0.0, "tokens_per_s": 400.0}],
+            "per_prompt": [
+                {"set": "code", "prompt": 0, "prompt_tokens": 100, "target_s": 1.0, "single_dflash_s": 0.40,
+                 "adaptive_s": 0.41, "adaptive_vs_target": 2.4, "tau_single_b8": 3.0, "equal": True,
+                 "new_tokens": 64, "tau_adaptive": 3.1, "single_vs_target": 2.5},
+                {"set": "long", "prompt": 3, "prompt_tokens": 291, "target_s": 1.0, "single_dflash_s": 2.7,
+                 "adaptive_s": 1.2, "adaptive_vs_target": 0.83, "tau_single_b8": 1.04, "equal": True,
+                 "new_tokens": 256, "tau_adaptive": 1.1, "single_vs_target": 0.37}]}
+    cells = [cell("target", 16, 0.0, 500.0), cell("adaptive", 16, 0.0, 650.0),
+             cell("target", 1, 1.0, 100.0), cell("adaptive", 1, 1.0, 90.0)]
+    found = {what: (ok, fig) for what, ok, fig in bench.checks(cells, proc)}
+    assert found["c=16 T=0 adaptive >= 1.5x HF batched generate"] == (True, "1.62x")
+    assert found["c=16 T=0 adaptive >= 1.2x the server's batched target"] == (True, "1.30x")
+    ok, fig = found["every cell: adaptive >= 0.95x batched target"]
+    assert ok is False and "0.90x (c=1, T=1)" in fig
+    ok, fig = found["every prompt: adaptive >= 0.9x the target alone"]
+    assert ok is False and "long prompt 3" in fig
+    ok, _ = found["c=1 T=0: batched adaptive >= 0.97x the single-sequence loop (same prompts)"]
+    assert ok is True  # 0.40 / 0.41 = 0.976
+    md = bench.markdown(cells, proc, bench.checks(cells, proc),
+                        {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"})
+    assert "| 0 | 16 | 400 | 500 | 650 | 1.62x | 1.30x |" in md
+    assert "- FAIL: every cell" in md

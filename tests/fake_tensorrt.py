@@ -191,6 +191,7 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
     """model_fn(tokens) -> {output name: np.ndarray [len(tokens), H]}: what the engine's marked outputs hold."""
     ex = types.ModuleType("tensorrt_llm.bindings.executor")
     ex.reused = []  # tokens reused per request, for tests
+    ex.iterations = []  # request ids run together, per modelled executor iteration
 
     class AdditionalModelOutput:
         def __init__(self, name, gather_context=False):
@@ -235,6 +236,7 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
             self.declared = {o.name for o in config.additional_model_outputs}
             self.blocks: set = set()  # (salt, tokens of a whole block prefix): the reusable KV blocks
             self.pending: dict = {}
+            self.ready: dict = {}  # responses computed, not yet awaited
             self.shutdown_called = False
             calls.append(("Executor", str(engine_dir), config))
 
@@ -253,22 +255,39 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
             self.pending[rid] = request
             return rid
 
-        def _error(self, msg):
-            return [types.SimpleNamespace(has_error=lambda: True, error_msg=msg, result=None)]
+        def enqueue_requests(self, requests):  # executor.h enqueueRequests: one id per request, in order
+            return [self.enqueue_request(r) for r in requests]
 
-        def await_responses(self, request_id):
-            r = self.pending.pop(request_id)
+        def _error(self, rid, msg):
+            return types.SimpleNamespace(has_error=lambda: True, error_msg=msg, result=None, request_id=rid)
+
+        def await_responses(self, ids=None):
+            """executor.h: an id -> its responses; a list of ids -> one list per id, in that order; None -> any
+            ready. Modelled in-flight batching: an await runs every request pending then as ONE iteration."""
+            calls.append(("await", ids))
+            if self.pending:
+                ex.iterations.append(sorted(self.pending))
+                for rid in sorted(self.pending):
+                    self.ready[rid] = self._run(rid, self.pending.pop(rid))
+            if ids is None:
+                out, self.ready = list(self.ready.values()), {}
+                return out
+            if isinstance(ids, int):
+                return [self.ready.pop(ids)] if ids in self.ready else []
+            return [[self.ready.pop(i)] if i in self.ready else [] for i in ids]
+
+        def _run(self, rid, r):
             tokens, salt, tpb = r.input_token_ids, r.cache_salt_id, self.tokens_per_block
             if len(tokens) > self.max_input_len:  # llmRequest.cpp validate
-                return self._error(f"Prompt length ({len(tokens)}) exceeds maximum input length ({self.max_input_len}).")
+                return self._error(rid, f"Prompt length ({len(tokens)}) exceeds maximum input length ({self.max_input_len}).")
             if r.output_config.return_context_logits and not self.gather_context_logits:
-                return self._error("gather_context_logits must be enabled at build time to return context logits")
+                return self._error(rid, "gather_context_logits must be enabled at build time to return context logits")
             wanted = r.output_config.additional_model_outputs
             if wanted and r.external_draft_tokens_config is not None:  # inflightBatchingUtils.cpp
-                return self._error("additional outputs with draft tokens: index mismatch")
+                return self._error(rid, "additional outputs with draft tokens: index mismatch")
             undeclared = [o.name for o in wanted if o.name not in self.declared]
             if undeclared:
-                return self._error(f"additional output {undeclared} not in ExecutorConfig")
+                return self._error(rid, f"additional output {undeclared} not in ExecutorConfig")
             reused = 0  # whole blocks of this salt's earlier requests; the last token is always computed
             if self.reuse:
                 while reused + tpb <= len(tokens) and (salt, tuple(tokens[: reused + tpb])) in self.blocks:
@@ -290,8 +309,9 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
                 outputs.append(types.SimpleNamespace(name="context_" + o.name, output=buf))  # llmRequest.cpp createResult
                 outputs.append(types.SimpleNamespace(name="generation_" + o.name,
                                                      output=np.zeros((1, 0, full.shape[-1]), np.float32)))
-            result = types.SimpleNamespace(output_token_ids=[[0]], context_logits=None, additional_outputs=outputs)
-            return [types.SimpleNamespace(has_error=lambda: False, error_msg="", result=result)]
+            result = types.SimpleNamespace(output_token_ids=[[0]], context_logits=None, additional_outputs=outputs,
+                                           is_final=True)
+            return types.SimpleNamespace(has_error=lambda: False, error_msg="", result=result, request_id=rid)
 
     ex.AdditionalModelOutput, ex.OutputConfig, ex.KvCacheConfig = AdditionalModelOutput, OutputConfig, KvCacheConfig
     ex.ExecutorConfig, ex.Request, ex.Executor = ExecutorConfig, Request, Executor

@@ -1,7 +1,9 @@
 """The adaptive block-size policy: decisions on synthetic costs and acceptance rates, the cost fit,
 and the acceptance tracker. Pure arithmetic: no models, no timing."""
 
+import itertools
 import math
+import random
 
 import pytest
 
@@ -66,6 +68,85 @@ def test_choice_beats_every_uniform_block_size():
 
         chosen = rate(choose_blocks(rows, cost))
         assert all(chosen >= rate([b] * len(rows)) * (1 - 1e-9) for b in range(1, 9))
+
+
+def _rate(rows, cost, blocks):
+    tokens = sum(expected_tokens(r.alpha, b) for r, b in zip(rows, blocks))
+    return tokens / cost.step_time(blocks, [r.new_context for r in rows])
+
+
+def _reference_ascent(rows, cost, sweeps=3):
+    """The previous policy, kept as a reference: coordinate ascent from "nobody drafts" and from
+    "everyone drafts the most", the better of the two."""
+    def ascend(blocks):
+        best = _rate(rows, cost, blocks)
+        for _ in range(sweeps):
+            changed = False
+            for i, r in enumerate(rows):
+                if r.fixed is not None:
+                    continue
+                for b in range(1, r.max_block + 1):
+                    trial = blocks[:i] + [b] + blocks[i + 1:]
+                    s = _rate(rows, cost, trial)
+                    if s > best * (1 + 1e-9):
+                        best, blocks, changed = s, trial, True
+            if not changed:
+                break
+        return best, blocks
+
+    low = ascend([r.fixed if r.fixed is not None else 1 for r in rows])
+    high = ascend([r.fixed if r.fixed is not None else r.max_block for r in rows])
+    return max(low, high, key=lambda x: x[0])[1]
+
+
+def _exhaustive(rows, cost):
+    choices = [[r.fixed] if r.fixed is not None else range(1, r.max_block + 1) for r in rows]
+    return max((list(c) for c in itertools.product(*choices)), key=lambda b: _rate(rows, cost, b))
+
+
+def _random_instance(rng, n_rows):
+    cost = CostModel(LinearCost(rng.uniform(1e-3, 20e-3), rng.uniform(0, 1e-3), rng.choice([1e-5, 1e-4, 1e-3, 3e-3])),
+                     LinearCost(rng.uniform(0, 20e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)))
+    rows = []
+    for _ in range(n_rows):
+        fixed = rng.choice([None] * 5 + [1, 3, 8])
+        rows.append(RowChoice(alpha=rng.choice([0.0, 1.0, rng.random(), rng.random()]), max_block=rng.randint(1, 8),
+                              new_context=rng.randint(1, 4), fixed=fixed))
+    return rows, cost
+
+
+def test_choice_is_the_exhaustive_optimum_on_small_random_instances():
+    rng = random.Random(11)
+    for _ in range(150):
+        rows, cost = _random_instance(rng, rng.randint(1, 4))
+        got = choose_blocks(rows, cost)
+        assert all(g == r.fixed for g, r in zip(got, rows) if r.fixed is not None)
+        assert all(1 <= g <= r.max_block for g, r in zip(got, rows) if r.fixed is None)
+        assert _rate(rows, cost, got) >= _rate(rows, cost, _exhaustive(rows, cost)) * (1 - 1e-9)
+
+
+def test_choice_never_scores_below_the_previous_coordinate_ascent():
+    rng = random.Random(12)
+    strictly_better = 0
+    for _ in range(60):
+        rows, cost = _random_instance(rng, rng.choice([8, 16, 32]))
+        new, old = _rate(rows, cost, choose_blocks(rows, cost)), _rate(rows, cost, _reference_ascent(rows, cost))
+        assert new >= old * (1 - 1e-9)
+        strictly_better += new > old * (1 + 1e-9)
+    print(f"exact optimum strictly better than the ascent on {strictly_better}/60 instances")
+
+
+def test_choice_edge_cases():
+    # every row fixed: returned as given, drafting or not
+    rows = [RowChoice(0.5, 8, fixed=4), RowChoice(0.5, 8, fixed=1)]
+    assert choose_blocks(rows, MEMORY_BOUND) == [4, 1]
+    # no row may draft
+    assert choose_blocks([RowChoice(0.99, 1)] * 5, MEMORY_BOUND) == [1] * 5
+    # a certain drafter drafts the most; a hopeless one not at all
+    assert choose_blocks([RowChoice(1.0, 8)], MEMORY_BOUND) == [8]
+    assert choose_blocks([RowChoice(0.0, 8)], MEMORY_BOUND) == [1]
+    # an unfitted (all-zero) cost model: time is free, so every free row drafts its most
+    assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(LinearCost(), LinearCost())) == [5, 2]
 
 
 def test_linear_cost_fit_recovers_coefficients_and_refits_online():

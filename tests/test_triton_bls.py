@@ -127,3 +127,137 @@ def test_target_checks_the_callers_cache_length(parts):
     call(7, [], release=True)
     with pytest.raises(LookupError, match="session expired: 7 "):
         call(7, [6], 3)
+
+
+def _batch_infer(parts, sessions, calls):
+    _, _, _, ort_drafter, _ = parts
+
+    def infer(model, inputs, outputs):
+        calls.append((model, np.asarray(inputs.get("session_id", [0])).size))
+        if model == "dflash_target":
+            out = serve_target(sessions, inputs)
+        else:
+            out = dict(zip(outputs, ort_drafter.session.run(outputs, inputs)))
+        return {name: out[name] for name in outputs}
+    return infer
+
+
+@pytest.mark.parametrize("model_side", ["batched", "looped"])
+def test_one_target_call_carries_several_sessions(parts, model_side):
+    """Ragged rows with their own rollbacks in one dflash_target call == each session called alone."""
+    import torch
+
+    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
+    from dflash_trt.triton.bls import RemoteBatchTargetEngine
+
+    *_, target_engine = parts
+    engine = (TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids) if model_side == "batched"
+              else target_engine)
+    sessions = TargetSessions(engine, ttl_s=60)
+    calls = []
+    remote = RemoteBatchTargetEngine(_batch_infer(parts, sessions, calls), "dflash_target", target_engine.vocab_size,
+                                     2048, target_engine.feature_layer_ids)
+    batch = remote.new_batch()
+    rows = [batch.add_row() for _ in range(3)]
+    alone = [target_engine.new_session() for _ in rows]
+    g = torch.Generator().manual_seed(0)
+    for step, sizes in enumerate([(7, 3, 12), (4, 1, 8), (2, 5, 1)]):
+        pieces = [torch.randint(0, target_engine.vocab_size, (n,), generator=g) for n in sizes]
+        outs = batch.forward(rows, pieces)
+        assert calls[-1] == ("dflash_target", 3)  # one call for the three sessions
+        for out, session, piece in zip(outs, alone, pieces):
+            want = session.forward(piece)
+            torch.testing.assert_close(out.logits, want.logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(out.features, want.features, atol=1e-4, rtol=1e-4)
+        if step == 1:  # per-row rollbacks ride on the next call
+            for row, session, back in zip(rows, alone, (2, 0, 5)):
+                batch.rollback(row, batch.length(row) - back)
+                session.rollback(session.length - back)
+    assert [batch.length(r) for r in rows] == [s.length for s in alone]
+    outs = batch.forward(rows[:2], [torch.tensor([1]), torch.tensor([2, 3])], last_logits_only=True, features=False)
+    assert [o.logits.shape[0] for o in outs] == [1, 1] and all(o.features is None for o in outs)
+    batch.remove_row(rows[0])
+    assert len(sessions) == 2
+
+
+def test_serve_target_rejects_inconsistent_batches(parts):
+    *_, target_engine = parts
+    sessions = TargetSessions(target_engine, ttl_s=60)
+    base = {"session_id": np.array([1, 2], np.uint64), "token_ids": np.arange(5, dtype=np.int64),
+            "cache_length": np.array([0, 0], np.int64)}
+    with pytest.raises(ValueError, match="do not split 5 token_ids into 2 sessions"):
+        serve_target(sessions, {**base, "token_lengths": np.array([2, 2], np.int64)})
+    with pytest.raises(ValueError, match="cache_length has 3 values for 2 sessions"):
+        serve_target(sessions, {**base, "token_lengths": np.array([2, 3]), "cache_length": np.zeros(3, np.int64)})
+    with pytest.raises(ValueError, match="appears twice"):
+        serve_target(sessions, {**base, "session_id": np.array([1, 1], np.uint64)})
+    out = serve_target(sessions, {**base, "token_lengths": np.array([2, 3], np.int64)})
+    assert out["length"].tolist() == [2, 3] and out["logits"].shape[0] == 5
+
+
+def test_batch_decoder_over_remote_engines_equals_each_row_alone(parts):
+    """The BLS's batched step: BatchDecoder over the remote batched target and the looped remote drafter,
+    greedy, equals each prompt through the single-sequence remote path."""
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.runtime.batched import LoopedDrafterEngine
+    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
+    from dflash_trt.triton.bls import RemoteBatchTargetEngine
+
+    _, _, onnx_dir, _, target_engine = parts
+    single, _ = remote_decoder(parts)
+    prompts = [single.encode(p) for p in (PROMPT, "class Stack:", "import os\n\ndef main():")]
+    configs = [GenerationConfig(max_new_tokens=n) for n in (16, 9, 20)]
+    want = [single.generate(p, c).token_ids for p, c in zip(prompts, configs)]
+    sessions = TargetSessions(TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
+    calls = []
+    infer = _batch_infer(parts, sessions, calls)
+    meta = DrafterGraphMeta.read(onnx_dir)
+    target = RemoteBatchTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
+    drafter = LoopedDrafterEngine(RemoteDrafterEngine(infer, "dflash_drafter", json.loads(meta.to_json())))
+    got = BatchDecoder(target, drafter).generate(prompts, configs)
+    assert [g.token_ids for g in got] == want
+    assert ("dflash_target", 3) in calls  # verify steps carried every row in one call
+    assert len(sessions) == 0  # finished rows released their sessions
+
+
+def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_per_step(parts, tmp_path):
+    """With the batched graph served (dflash_drafter_batch), a step drafts every row in ONE call; greedy output
+    still equals each row alone."""
+    import onnxruntime as ort
+
+    from dflash_trt.builders.triton_repo import _export_batched
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.formats import BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES
+    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
+    from dflash_trt.triton.bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine
+
+    target_dir, drafter_dir, onnx_dir, ort_drafter, target_engine = parts
+    _export_batched(drafter_dir, target_dir, tmp_path)
+    graph = ort.InferenceSession(str(tmp_path / BATCH_GRAPH_FILES["fp32"]), providers=["CPUExecutionProvider"])
+    single, _ = remote_decoder(parts)
+    prompts = [single.encode(p) for p in (PROMPT, "class Stack:", "import os\n\ndef main():")]
+    configs = [GenerationConfig(max_new_tokens=n) for n in (16, 9, 20)]
+    want = [single.generate(p, c).token_ids for p, c in zip(prompts, configs)]
+    sessions = TargetSessions(TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
+    calls = []
+    target_infer = _batch_infer(parts, sessions, calls)
+
+    def infer(model, inputs, outputs):
+        if model != "dflash_drafter_batch":
+            return target_infer(model, inputs, outputs)
+        calls.append((model, inputs["block_ids"].shape[0]))
+        return dict(zip(outputs, graph.run(list(BATCH_DRAFTER_OUTPUTS), inputs)))
+
+    meta = DrafterGraphMeta.read(onnx_dir)
+    target = RemoteBatchTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
+    drafter = RemoteBatchDrafterEngine(infer, "dflash_drafter_batch", json.loads(meta.to_json()))
+    decoder = BatchDecoder(target, drafter)
+    rows = [decoder.add(p, c) for p, c in zip(prompts, configs)]
+    steps = 0
+    while decoder.active:
+        before = len(calls)
+        decoder.step()
+        steps += 1
+        assert sum(1 for m, _ in calls[before:] if m == "dflash_drafter_batch") <= 1  # one drafter call per step
+    assert [r.result().token_ids for r in rows] == want
+    assert ("dflash_drafter_batch", 3) in calls and steps > 1

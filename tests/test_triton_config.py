@@ -14,7 +14,7 @@ from dflash_trt.triton.config import ConfigError, check_repository, parse_config
 from dflash_trt.builders.triton_repo import write_repository  # noqa: E402
 
 MODELS = {"dflash", "dflash_sync", "preprocessing", "postprocessing", "dflash_bls", "dflash_bls_sync",
-          "dflash_target", "dflash_drafter"}
+          "dflash_target", "dflash_drafter", "dflash_drafter_batch"}
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,11 @@ def test_repository_is_complete_and_valid(repo):
     assert steps == ["preprocessing", "dflash_bls", "postprocessing"]
     assert (repo / "dflash_drafter" / "1" / "drafter-onnx" / "drafter.onnx").is_file()
     assert (repo / "dflash_target" / "1" / "target" / "config.json").is_file()
+    # the batched drafter graph, and the BLS told to draft every row of a step in one call of it
+    assert (repo / "dflash_drafter_batch" / "1" / "drafter-onnx" / "drafter_batch.onnx").is_file()
+    batch = parse_config(repo / "dflash_drafter_batch" / "config.pbtxt")
+    assert [t.name for t in batch.input][:2] == ["block_ids", "block_lengths"]
+    assert bls.parameters["drafter_batch_model"].string_value == "dflash_drafter_batch"
 
 
 def test_broken_ensemble_map_is_caught(broken):
@@ -132,4 +137,6 @@ def test_engines_manifest_with_tensorrt_plan_gives_a_tensorrt_plan_drafter(repo,
     assert drafter.platform == "tensorrt_plan" and not drafter.backend
     assert (out / "dflash_drafter" / "1" / "model.plan").read_bytes().startswith(b"placeholder")
     assert [t.name for t in drafter.input] == ["block_ids", "features", "past_k", "past_v"]
+    assert not (out / "dflash_drafter_batch").exists()  # no batched plan served: the BLS loops per row
+    assert "drafter_batch_model" not in parse_config(out / "dflash_bls" / "config.pbtxt").parameters
     assert validate_repository(out) == []

@@ -220,8 +220,8 @@ def test_chat_template_preprocessing(server):
     assert ids == chat_prompt_ids(tok, [{"role": "user", "content": "def f"}])
 
 
-def _target_calls(client) -> int:
-    stats = client.get_inference_statistics("dflash_target", as_json=True)["model_stats"][0]["inference_stats"]
+def _target_calls(client, model: str = "dflash_target") -> int:
+    stats = client.get_inference_statistics(model, as_json=True)["model_stats"][0]["inference_stats"]
     return sum(int(stats[k].get("count", 0)) for k in ("success", "fail"))
 
 
@@ -264,3 +264,25 @@ def test_cancelled_stream_stops_the_loop(server, reference, models):
     print(f"target calls after cancelling: {calls - before} of {expected.stats.rounds} rounds")
     assert calls - before < expected.stats.rounds // 2, (calls - before, expected.stats.rounds)
     assert server.alive()
+
+
+def test_batched_request_equals_each_row_alone_in_fewer_target_calls(server):
+    """Every row of a request is a row of one batched step: greedy, a batch returns what each prompt returns
+    alone, and dflash_target is called once per step for all rows (not once per row and round)."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)  # for the call counts
+    alone, alone_calls = [], 0
+    for prompt in PROMPTS:
+        before = _target_calls(client)
+        alone.append(generate(server.http_url, [prompt], protocol="http", max_tokens=MAX_TOKENS).texts[0])
+        alone_calls += _target_calls(client) - before
+    before = _target_calls(client)
+    drafts = [_target_calls(client, m) for m in ("dflash_drafter", "dflash_drafter_batch")]
+    batched = generate(server.http_url, PROMPTS, protocol="http", max_tokens=MAX_TOKENS).texts
+    batch_calls = _target_calls(client) - before
+    assert batched == alone
+    # every drafting row of a step in one call of the batched graph; the single-sequence drafter unused
+    assert _target_calls(client, "dflash_drafter") == drafts[0]
+    assert 0 < _target_calls(client, "dflash_drafter_batch") - drafts[1] < batch_calls
+    print(f"dflash_target calls: {batch_calls} for the batch of {len(PROMPTS)}, {alone_calls} one by one")
+    assert batch_calls < alone_calls
+    client.close()

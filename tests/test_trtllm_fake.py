@@ -210,3 +210,118 @@ def test_the_fake_refuses_what_the_old_backend_did(fake, tiny):
     short = engine_folder(root, root / "target", "limit", max_seq_len=64, max_num_tokens=24)
     ex = module.Executor(short / "engine", "DECODER_ONLY", module.ExecutorConfig())
     assert ex.await_responses(ex.enqueue_request(module.Request(list(range(30)), 1)))[0].has_error()
+
+
+def _rows_alone(model, pieces):
+    """Per-row reference: each row's token pieces through its own single-sequence PyTorch session."""
+    ref = TorchTargetEngine(model, LAYERS)
+    return [[s.forward(p) for p in row] for s, row in ((ref.new_session(), row) for row in pieces)]
+
+
+def test_batched_forward_submits_every_row_before_awaiting_and_keeps_row_order(fake, tiny):
+    from dflash_trt.runtime.batched import BatchTargetEngine, BatchTargetSession
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    calls, module = fake
+    root, model, _ = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target")).batched()
+    assert isinstance(engine, BatchTargetEngine) and engine.max_context == 127 and engine.vocab_size == 96
+    batch = engine.new_batch()
+    assert isinstance(batch, BatchTargetSession)
+    rows = [batch.add_row() for _ in range(3)]
+    g = torch.Generator().manual_seed(3)
+    # ragged: different prompt lengths, then different block sizes, rows passed out of handle order
+    prompts = [torch.randint(0, 96, (n,), generator=g) for n in (5, 11, 8)]
+    blocks = [torch.randint(0, 96, (n,), generator=g) for n in (1, 4, 8)]
+    want = _rows_alone(model, [[p, b] for p, b in zip(prompts, blocks)])
+    order = [2, 0, 1]
+    for step, pieces in enumerate((prompts, blocks)):
+        start = len(calls)
+        outs = batch.forward([rows[i] for i in order], [pieces[i] for i in order])
+        events = calls[start:]
+        submitted = [k for k, c in enumerate(events) if hasattr(c, "input_token_ids")]
+        awaited = [k for k, c in enumerate(events) if isinstance(c, tuple) and c[0] == "await"]
+        assert len(submitted) == 3 and awaited and max(submitted) < min(awaited)  # all enqueued, then awaited
+        assert len(module.iterations[-1]) == 3  # the modelled executor ran the three rows in one iteration
+        for k, i in enumerate(order):
+            assert outs[k].logits.shape[0] == pieces[i].numel()
+            torch.testing.assert_close(outs[k].logits, want[i][step].logits, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(outs[k].features, want[i][step].features, atol=1e-4, rtol=1e-4)
+    assert [batch.length(r) for r in rows] == [6, 15, 16]
+    # last_logits_only and features=False per call
+    outs = batch.forward(rows[:2], [torch.tensor([1, 2]), torch.tensor([3])], last_logits_only=True, features=False)
+    assert [o.logits.shape for o in outs] == [(1, 96), (1, 96)] and all(o.features is None for o in outs)
+
+
+def test_batched_rollback_is_per_row(fake, tiny):
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    _, module = fake
+    root, model, _ = tiny
+    batch = TrtllmTargetEngine(engine_folder(root, root / "target")).batched().new_batch()
+    a, b = batch.add_row(), batch.add_row()
+    seq_a, seq_b = torch.arange(10, 30), torch.arange(40, 60)
+    batch.forward([a, b], [seq_a[:8], seq_b[:8]])
+    batch.forward([a, b], [seq_a[8:16], seq_b[8:16]])
+    batch.rollback(a, 9)  # row a rejects most of its block; row b keeps everything
+    assert (batch.length(a), batch.length(b)) == (9, 16)
+    # row a re-sends tokens it sent before at those positions (fresh salt); row b goes on
+    outs = batch.forward([a, b], [seq_a[9:12], seq_b[16:18]])
+    ref_a, ref_b = TorchTargetEngine(model, LAYERS).new_session(), TorchTargetEngine(model, LAYERS).new_session()
+    ref_a.forward(seq_a[:9])
+    ref_b.forward(seq_b[:16])
+    torch.testing.assert_close(outs[0].logits, ref_a.forward(seq_a[9:12]).logits, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(outs[1].logits, ref_b.forward(seq_b[16:18]).logits, atol=1e-4, rtol=1e-4)
+    assert batch.rows[a].salt_changes == 1 and batch.rows[b].salt_changes == 0
+    assert module.reused[-1] == 16  # row b reused its own prefix (whole blocks of 4)
+
+
+def test_batched_errors_commit_no_row_and_leave_the_session_usable(fake, tiny):
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    calls, _ = fake
+    root, model, _ = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target", "short", max_seq_len=64, max_num_tokens=24))
+    batch = engine.batched().new_batch()
+    a, b = batch.add_row(), batch.add_row()
+    before = len(calls)
+    with pytest.raises(ValueError, match="exceed the engine's input limit 24"):
+        batch.forward([a, b], [torch.arange(5), torch.arange(30)])
+    assert len(calls) == before  # refused before anything was submitted
+    assert (batch.length(a), batch.length(b)) == (0, 0)
+    with pytest.raises(ValueError, match="twice"):
+        batch.forward([a, a], [torch.arange(2), torch.arange(2)])
+    with pytest.raises(ValueError, match=">= 1 new token"):
+        batch.forward([a], [torch.tensor([], dtype=torch.long)])
+    with pytest.raises(KeyError):
+        batch.forward([a, 99], [torch.arange(2), torch.arange(2)])
+    # the runtime answers one row with an error: the call raises naming it, no row commits
+    engine.executor.max_input_len = 6  # (a runtime-side refusal the session's own check does not see)
+    with pytest.raises(RuntimeError, match="row 1 failed: Prompt length"):
+        batch.forward([a, b], [torch.arange(4), torch.arange(9)])
+    assert (batch.length(a), batch.length(b)) == (0, 0)
+    engine.executor.max_input_len = 24
+    outs = batch.forward([a, b], [torch.arange(4), torch.arange(9)])  # same tokens again: fresh salts, exact rows
+    want = _rows_alone(model, [[torch.arange(4)], [torch.arange(9)]])
+    torch.testing.assert_close(outs[1].logits, want[1][0].logits, atol=1e-4, rtol=1e-4)
+    assert torch.isfinite(outs[0].logits).all()
+    batch.remove_row(a)
+    with pytest.raises(KeyError):
+        batch.length(a)
+    assert batch.add_row() != a  # handles are never reused
+
+
+def test_batched_decoder_over_the_trtllm_target_equals_the_target_alone(fake, tiny):
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    root, model, drafter = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target")).batched()
+    prompts = [[5, 6, 7], list(range(20, 33)), [40, 41]]
+    base = SpeculativeDecoder(TorchTargetEngine(model))
+    want = [base.generate(p, GenerationConfig(max_new_tokens=16)).token_ids for p in prompts]
+    torch_target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    dec = BatchDecoder(engine, TorchBatchDrafterEngine.for_target(drafter, torch_target))
+    got = dec.generate(prompts, GenerationConfig(max_new_tokens=16, block_size=4))
+    assert [g.token_ids for g in got] == want

@@ -24,7 +24,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILE, META_FILE, PLAN_FILE, DrafterGraphMeta, serving_sources
+from ..formats import (
+    BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILE,
+    META_FILE, PLAN_FILE, DrafterGraphMeta, serving_sources,
+)
 from ..triton.config import Step, check_repository, model_config, tensor, write_config
 
 ENSEMBLE, BLS, PRE, POST = "dflash", "dflash_bls", "preprocessing", "postprocessing"
@@ -32,6 +35,7 @@ ENSEMBLE, BLS, PRE, POST = "dflash", "dflash_bls", "preprocessing", "postprocess
 # served non-decoupled (one response per request) behind a second ensemble.
 ENSEMBLE_SYNC, BLS_SYNC = "dflash_sync", "dflash_bls_sync"
 TARGET, DRAFTER = "dflash_target", "dflash_drafter"
+DRAFTER_BATCH = "dflash_drafter_batch"  # the batched round graph: one call drafts every row of a BLS step
 
 
 @dataclass
@@ -69,7 +73,21 @@ def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) ->
     from .onnx_drafter import export_from_checkpoints
 
     export_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
+    _export_batched(drafter_dir, target_dir, work)
     return Sources(target_dir, "torch", target_dir, "onnxruntime", work)
+
+
+def _export_batched(drafter_dir: Path, target_dir: Path, work: Path) -> None:
+    """The batched drafter graph next to the single-sequence one, for dflash_drafter_batch."""
+    import torch
+
+    from ..models.drafter import DFlashDrafter
+    from ..models.target import load_target
+    from .onnx_drafter_batch import export_batched_drafter
+
+    target = load_target(target_dir, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
+    export_batched_drafter(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight, work)
 
 
 def _target_meta(src: Sources) -> tuple[int, int]:
@@ -156,7 +174,32 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
         cfg = model_config(DRAFTER, backend="python", inputs=inputs, outputs=outputs,
                            parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads)})
     write_config(repo / DRAFTER, cfg)
+    if src.drafter_backend != "tensorrt" and (src.drafter_dir / BATCH_GRAPH_FILES["fp32"]).exists():
+        _drafter_batch_model(repo, src, opt, meta)
     return meta
+
+
+def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: DrafterGraphMeta) -> None:
+    """dflash_drafter_batch: the batched ONNX round graph (builders/onnx_drafter_batch.py), stateless like
+    dflash_drafter; each row's cache is one slot of the batch axis of past_k/past_v."""
+    L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
+    cache = ("TYPE_FP32", [L, -1, H, -1, D])
+    inputs = [tensor(name, *t) for name, t in zip(BATCH_DRAFTER_INPUTS, (
+        ("TYPE_INT64", [-1, -1]), ("TYPE_INT64", [-1]), ("TYPE_FP32", [-1, -1, F]), ("TYPE_INT64", [-1]),
+        cache, cache, ("TYPE_INT64", [-1])))]
+    outputs = [tensor(name, *t) for name, t in zip(BATCH_DRAFTER_OUTPUTS, (
+        ("TYPE_FP32", [-1, -1, V]), ("TYPE_INT64", [-1, -1]), cache, cache))]
+    version = repo / DRAFTER_BATCH / "1"
+    folder = version / "drafter-onnx"
+    folder.mkdir(parents=True)
+    batch_graph = BATCH_GRAPH_FILES["fp32"]
+    for name in (batch_graph, batch_graph + ".data", META_FILE):
+        if (src.drafter_dir / name).exists():
+            _copy(src.drafter_dir / name, folder / name, opt.symlink_weights)
+    (version / "model.py").write_text(shim("drafter"))
+    write_config(repo / DRAFTER_BATCH, model_config(
+        DRAFTER_BATCH, backend="python", inputs=inputs, outputs=outputs,
+        parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads), "graph": "batch"}))
 
 
 def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids) -> None:
@@ -167,17 +210,20 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids)
     # tensorrt_llm and device "cuda": written against the real APIs, never run in this project (no GPU/TensorRT here).
     gpu = src.target_backend == "tensorrt_llm" or opt.device == "cuda"
     params = {"backend": src.target_backend, "engine_dir": "target", "device": opt.device,
-              "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600"}
-    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls).
+              "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600",
+              "batch_target": "true"}
+    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls). A call may carry several
+    # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
     cfg = model_config(TARGET, backend="python", instance_kind="KIND_GPU" if gpu else "KIND_CPU", instance_count=1,
-                       inputs=[tensor("session_id", "TYPE_UINT64", [1]), tensor("token_ids", "TYPE_INT64", [-1]),
-                               tensor("cache_length", "TYPE_INT64", [1]),
-                               tensor("rollback_to", "TYPE_INT64", [1], optional=True),
+                       inputs=[tensor("session_id", "TYPE_UINT64", [-1]), tensor("token_ids", "TYPE_INT64", [-1]),
+                               tensor("token_lengths", "TYPE_INT64", [-1], optional=True),
+                               tensor("cache_length", "TYPE_INT64", [-1]),
+                               tensor("rollback_to", "TYPE_INT64", [-1], optional=True),
                                tensor("last_logits_only", "TYPE_BOOL", [1], optional=True),
                                tensor("want_features", "TYPE_BOOL", [1], optional=True),
                                tensor("release", "TYPE_BOOL", [1], optional=True)],
                        outputs=[tensor("logits", "TYPE_FP32", [-1, -1]), tensor("features", "TYPE_FP32", [-1, -1]),
-                                tensor("length", "TYPE_INT64", [1])],
+                                tensor("length", "TYPE_INT64", [-1])],
                        parameters=params)
     write_config(repo / TARGET, cfg)
 
@@ -199,6 +245,8 @@ def _bls_model(repo: Path, opt: RepoOptions, meta, vocab_size: int, max_context:
               "max_context": str(max_context), "feature_layer_ids": list(meta.feature_layer_ids),
               "drafter_meta": json.loads(meta.to_json()), "stop_token_ids": list(stop_ids),
               "default_max_tokens": str(opt.default_max_tokens)}
+    if (repo / DRAFTER_BATCH).exists():  # one drafter call per step for every drafting row
+        params["drafter_batch_model"] = DRAFTER_BATCH
     inputs = OPTIONAL_INPUTS if decoupled else [t for t in OPTIONAL_INPUTS if t.name != "stream"]
     write_config(repo / name, model_config(
         name, backend="python", max_batch_size=opt.max_batch_size, decoupled=decoupled, dynamic_batching=True,

@@ -24,6 +24,12 @@ What the 1.2 runtime does, and how this module follows it (source files of the 1
     (cpp/tensorrt_llm/executor/executorImpl.cpp, canEnqueueRequests); a non-leader calls `serve_worker()`,
     whose `shutdown()` returns when the leader shuts down (executorImpl.cpp, Executor::Impl::shutdown).
 
+Batched (`TrtllmTargetEngine.batched()`, runtime/batched.py's BatchTargetEngine): each row is one of these
+sessions; a step builds every row's request, submits them all in one `enqueue_requests` call and only then
+awaits them (`await_responses(ids)`: one list of responses per id, in the order of the ids; executor.h), so
+the executor's in-flight batching runs the rows together. A row's request and response handling is the
+single-sequence session's (`_prepare` / `_finish`), one place for both paths.
+
 NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here); the tests drive it
 against a labelled fake of the Executor that models the behaviours above.
 """
@@ -32,8 +38,9 @@ from __future__ import annotations
 
 import json
 import secrets
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.utils.dlpack
@@ -125,12 +132,41 @@ class TrtllmTargetEngine:
             raise RuntimeError("this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)")
         return TrtllmTargetSession(self)
 
+    def batched(self) -> "TrtllmBatchTargetEngine":
+        """The same engine behind the batched protocol (one executor, rows submitted together)."""
+        return TrtllmBatchTargetEngine(self)
+
     def serve_worker(self) -> None:
         """On a non-leader rank: take part in the tensor-parallel work until the leader shuts down."""
         self.executor.shutdown()
 
     def close(self) -> None:
         self.executor.shutdown()
+
+
+@dataclass
+class _Pending:
+    """A round built but not yet answered: its new tokens, the tokens held before them, its request."""
+
+    new: list[int]
+    held: int
+    features: bool
+    request: Any
+
+
+def _final_responses(executor: Any, request_ids: list[int]) -> list[Any]:
+    """Each request's final response, in the order of `request_ids`.
+
+    `await_responses(ids)` returns one list per id, in the order given, and a list may be empty
+    (executor.h); a non-streaming request answers once, so we await again the ids still unanswered."""
+    got: dict[int, Any] = {}
+    while len(got) < len(request_ids):
+        waiting = [i for i in request_ids if i not in got]
+        for rid, responses in zip(waiting, executor.await_responses(waiting)):
+            for response in responses:
+                if response.has_error() or getattr(response.result, "is_final", True):
+                    got[rid] = response
+    return [got[i] for i in request_ids]
 
 
 class _SentTokens:
@@ -174,6 +210,14 @@ class TrtllmTargetSession:
         return len(self.tokens)
 
     def forward(self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True) -> TargetOutput:
+        pending = self._prepare(token_ids, features)
+        request_id = self.engine.executor.enqueue_request(pending.request)
+        self._sent(pending)
+        response = _final_responses(self.engine.executor, [request_id])[0]
+        return self._finish(pending, response, last_logits_only)
+
+    def _prepare(self, token_ids: torch.Tensor, features: bool) -> "_Pending":
+        """Check a round and build its request (moving to a fresh salt if its new rows could come back unwritten)."""
         new = [int(t) for t in token_ids.view(-1).tolist()]
         n, held = len(new), len(self.tokens)
         if held + n > self.engine.max_context:
@@ -183,19 +227,32 @@ class TrtllmTargetSession:
             self.salt, self.sent = _new_salt(), _SentTokens()
             self.sent.add(0, self.tokens)
             self.salt_changes += 1
-        self.reuse_bound = held
-        result = self._request(self.tokens + new, features)
-        self.sent.add(held, new)
-        by_name = {str(o.name): _as_torch(o.output) for o in (result.additional_outputs or [])}
+        return _Pending(new, held, features, self._request(self.tokens + new, features))
+
+    def _sent(self, pending: "_Pending") -> None:
+        """Once a request is submitted its blocks may be cached, whatever becomes of the round: remember them."""
+        self.reuse_bound = pending.held
+        self.sent.add(pending.held, pending.new)
+
+    def _finish(self, pending: "_Pending", response: Any, last_logits_only: bool) -> TargetOutput:
+        """Read a round's rows from its response and commit its tokens (raises, committing nothing, on an error)."""
+        outputs = self._outputs(pending, response, last_logits_only)
+        self.tokens.extend(pending.new)
+        return outputs
+
+    def _outputs(self, pending: "_Pending", response: Any, last_logits_only: bool) -> TargetOutput:
+        if response.has_error():
+            raise RuntimeError(f"TensorRT-LLM request failed: {response.error_msg}")
+        held, n = pending.held, len(pending.new)
+        by_name = {str(o.name): _as_torch(o.output) for o in (response.result.additional_outputs or [])}
         hidden = self._new_rows(by_name, self.final_output_name, held, n)
         if last_logits_only:
             hidden = hidden[-1:]
         logits = hidden.to(self.engine.device, self.engine.lm_head.dtype) @ self.engine.lm_head.T
         feats = None
-        if features:
+        if pending.features:
             rows = [self._new_rows(by_name, CONTEXT_PREFIX + name, held, n) for name in self.engine.feature_outputs]
             feats = torch.cat(rows, -1).float().cpu()
-        self.tokens.extend(new)
         return TargetOutput(logits=logits.float().cpu(), features=feats)
 
     @property
@@ -217,18 +274,13 @@ class TrtllmTargetSession:
     def _request(self, tokens: list[int], features: bool) -> Any:
         e, trtllm = self.engine, self.engine.trtllm
         # Request(..., cache_salt_id=...): nanobind executor/request.cpp (1.2)
-        request = trtllm.Request(
+        return trtllm.Request(
             input_token_ids=tokens,
             max_tokens=1,  # the runtime samples one token after the context phase; we read the outputs instead
             streaming=False,
             output_config=e.output_config if features else e.output_config_no_features,
             cache_salt_id=self.salt,
         )
-        request_id = e.executor.enqueue_request(request)
-        response = e.executor.await_responses(request_id)[0]
-        if response.has_error():
-            raise RuntimeError(f"TensorRT-LLM request failed: {response.error_msg}")
-        return response.result
 
     def rollback(self, length: int) -> None:
         if length > len(self.tokens):
@@ -238,3 +290,72 @@ class TrtllmTargetSession:
 
     def close(self) -> None:
         """Nothing held here beyond the token list: the executor frees a request's KV blocks when it ends."""
+
+
+class TrtllmBatchTargetEngine:
+    """runtime/batched.py's BatchTargetEngine over one TrtllmTargetEngine: rows are single-sequence sessions
+    whose requests one `forward` submits together before awaiting any."""
+
+    name = "tensorrt_llm"
+
+    def __init__(self, engine: TrtllmTargetEngine):
+        self.engine = engine
+        self.vocab_size = engine.vocab_size
+        self.max_context = engine.max_context
+        self.feature_layer_ids = engine.feature_layer_ids
+
+    def new_batch(self) -> "TrtllmBatchTargetSession":
+        if not self.engine.is_leader:
+            raise RuntimeError("this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)")
+        return TrtllmBatchTargetSession(self.engine)
+
+
+class TrtllmBatchTargetSession:
+    def __init__(self, engine: TrtllmTargetEngine):
+        self.engine = engine
+        self.rows: dict[int, TrtllmTargetSession] = {}
+        self._next = 0
+
+    def add_row(self) -> int:
+        row, self._next = self._next, self._next + 1  # never reused: a stale handle fails loudly
+        self.rows[row] = TrtllmTargetSession(self.engine)
+        return row
+
+    def _row(self, row: int) -> TrtllmTargetSession:
+        if row not in self.rows:
+            raise KeyError(f"no live row {row}")
+        return self.rows[row]
+
+    def remove_row(self, row: int) -> None:
+        self._row(row).close()
+        del self.rows[row]
+
+    def length(self, row: int) -> int:
+        return self._row(row).length
+
+    def rollback(self, row: int, length: int) -> None:
+        self._row(row).rollback(length)
+
+    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
+                features: bool = True) -> list[TargetOutput]:
+        """Submit every row's round, then await them all; all rows commit, or (on any error) none does."""
+        if len(rows) != len(tokens):
+            raise ValueError(f"{len(rows)} rows but {len(tokens)} token lists")
+        if len(set(rows)) != len(rows):
+            raise ValueError("a row appears twice in one forward call")
+        sessions = [self._row(r) for r in rows]
+        for r, t in zip(rows, tokens):
+            if t.numel() < 1:
+                raise ValueError(f"row {r}: a forward needs >= 1 new token")
+        pending = [s._prepare(t, features) for s, t in zip(sessions, tokens)]  # every check before any submit
+        ids = list(self.engine.executor.enqueue_requests([p.request for p in pending]))
+        for s, p in zip(sessions, pending):
+            s._sent(p)
+        responses = _final_responses(self.engine.executor, ids)
+        for r, response in zip(rows, responses):
+            if response.has_error():
+                raise RuntimeError(f"TensorRT-LLM request of row {r} failed: {response.error_msg}")
+        outputs = [s._outputs(p, resp, last_logits_only) for s, p, resp in zip(sessions, pending, responses)]
+        for s, p in zip(sessions, pending):
+            s.tokens.extend(p.new)
+        return outputs

@@ -17,6 +17,19 @@ How a sequence's state is addressed across calls (the two caches live in differe
   stateless (any number of instances, TensorRT plan or ONNX Runtime alike) and the BLS keeps each
   sequence's cache between rounds, as the ONNX Runtime engine does in-process.
 
+Batched calls: one dflash_target call may carry several sessions (rows): `session_id`, `cache_length`,
+`rollback_to` hold one value per row and `token_lengths` says how many of the flat `token_ids` each row
+takes (ragged, in row order; absent = one row taking them all). `logits` / `features` come back as every
+row's rows concatenated in the same order (one logits row per session with `last_logits_only`), `length`
+one per row. The model side keeps its sessions as the rows of ONE batched target session
+(runtime/batched.py), so a call is one forward pass for all of them (`TargetSessions`). A single-sequence
+engine is wrapped as `LoopedTargetEngine` (its rows run in turn: correct, not faster).
+`RemoteBatchTargetEngine` is the BLS's side (a BatchTargetEngine), and the batched drafter is
+`RemoteBatchDrafterEngine` when the repository serves the batched round graph (dflash_drafter_batch,
+written by `triton-repo` next to dflash_drafter): ONE call per step for every drafting row, the BLS keeping
+each row's drafter cache as a slot of one array. Otherwise (a TensorRT plan drafter: its batched plan is
+not served yet) `LoopedDrafterEngine(RemoteDrafterEngine)`: one dflash_drafter call per drafting row.
+
 `RemoteTargetEngine` / `RemoteDrafterEngine` implement the TargetEngine / DrafterEngine interfaces
 of dflash_trt.runtime.base, so `SpeculativeDecoder` / `Generation` (acceptance, sampling,
 bookkeeping) run unchanged; this module only moves tensors. `infer(model, inputs, outputs)` is the
@@ -27,19 +40,19 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
-from ..formats import DRAFTER_OUTPUTS, DrafterGraphMeta
-from ..runtime.base import TargetOutput
+from ..formats import BATCH_DRAFTER_OUTPUTS, DRAFTER_OUTPUTS, DrafterGraphMeta
+from ..runtime.base import TargetEngine, TargetOutput, TargetSession
 from ..runtime.ort_backend import OrtDrafterSession
 
 InferFn = Callable[[str, dict, list], dict]  # (model name, {input: ndarray}, [output names]) -> {output: ndarray}
 
-TARGET_INPUTS = ["session_id", "token_ids", "cache_length", "rollback_to", "last_logits_only", "want_features",
-                 "release"]
+TARGET_INPUTS = ["session_id", "token_ids", "token_lengths", "cache_length", "rollback_to", "last_logits_only",
+                 "want_features", "release"]
 TARGET_OUTPUTS = ["logits", "features", "length"]
 
 
@@ -107,6 +120,90 @@ class RemoteTargetSession:
             pass
 
 
+class RemoteBatchTargetEngine:
+    """dflash_target as a BatchTargetEngine: one call per forward, carrying every row's session."""
+
+    name = "triton"
+
+    def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids):
+        self.infer, self.model = infer, model
+        self.vocab_size, self.max_context = int(vocab_size), int(max_context)
+        self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
+
+    def new_batch(self) -> "RemoteBatchTargetSession":
+        return RemoteBatchTargetSession(self)
+
+
+class RemoteBatchTargetSession:
+    def __init__(self, engine: RemoteBatchTargetEngine):
+        self.engine = engine
+        self.rows: dict[int, list[int]] = {}  # handle -> [session_id, length, rollback_to (-1: none)]
+        self._next = 0
+
+    def _row(self, row: int) -> list[int]:
+        if row not in self.rows:
+            raise KeyError(f"no live row {row}")
+        return self.rows[row]
+
+    def add_row(self) -> int:
+        row, self._next = self._next, self._next + 1
+        self.rows[row] = [new_session_id(), 0, -1]
+        return row
+
+    def remove_row(self, row: int) -> None:
+        """Forget the row and drop its model-side cache (best effort: the model also evicts idle sessions)."""
+        sid = self._row(row)[0]
+        del self.rows[row]
+        try:
+            self.engine.infer(self.engine.model, {
+                "session_id": np.array([sid], np.uint64), "token_ids": np.zeros(0, np.int64),
+                "release": np.array([True])}, TARGET_OUTPUTS)
+        except Exception:  # noqa: BLE001 - releasing must never mask the request's own outcome
+            pass
+
+    def length(self, row: int) -> int:
+        return self._row(row)[1]
+
+    def rollback(self, row: int, length: int) -> None:
+        state = self._row(row)
+        if not 0 <= length <= state[1]:
+            raise ValueError(f"cannot roll back to {length}: only {state[1]} tokens cached")
+        if length < state[1]:
+            state[1], state[2] = length, length
+
+    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
+                features: bool = True) -> list[TargetOutput]:
+        states = [self._row(r) for r in rows]
+        counts = [int(t.numel()) for t in tokens]
+        flat = torch.cat([t.reshape(-1) for t in tokens]) if tokens else torch.zeros(0, dtype=torch.long)
+        out = self.engine.infer(self.engine.model, {
+            "session_id": np.array([s[0] for s in states], np.uint64),
+            "token_ids": flat.detach().cpu().numpy().astype(np.int64, copy=False),
+            "token_lengths": np.array(counts, np.int64),
+            "cache_length": np.array([s[1] for s in states], np.int64),  # after the pending rollbacks
+            "rollback_to": np.array([s[2] for s in states], np.int64),
+            "last_logits_only": np.array([last_logits_only]),
+            "want_features": np.array([features]),
+        }, TARGET_OUTPUTS)
+        for s in states:
+            s[2] = -1
+        lengths = out["length"].reshape(-1).tolist()
+        for r, s, n, got in zip(rows, states, counts, lengths):
+            if int(got) != s[1] + n:
+                raise RuntimeError(f"{self.engine.model}: row {r} (session {s[0]}) holds {got} tokens, expected {s[1] + n}")
+        logits = torch.from_numpy(np.array(out["logits"], dtype=np.float32))
+        feats = np.array(out["features"], dtype=np.float32)
+        has_features = features and bool(self.engine.feature_layer_ids) and feats.size > 0
+        feats_t = torch.from_numpy(feats) if has_features else None
+        results, lo, fo = [], 0, 0
+        for s, n in zip(states, counts):
+            s[1] += n
+            k = 1 if last_logits_only else n
+            results.append(TargetOutput(logits=logits[lo:lo + k], features=None if feats_t is None else feats_t[fo:fo + n]))
+            lo, fo = lo + k, fo + n
+        return results
+
+
 class RemoteDrafterEngine:
     """The drafter round graph served as a Triton model: the same session logic as ONNX Runtime's
     (runtime.ort_backend.OrtDrafterSession), with the graph call made through `infer`."""
@@ -129,71 +226,174 @@ class RemoteDrafterEngine:
         return OrtDrafterSession(self)
 
 
+class RemoteBatchDrafterEngine:
+    """The batched drafter round graph served as a Triton model (dflash_drafter_batch): the ONNX Runtime batched
+    session's logic (runtime.ort_batch.OrtBatchDrafterSession, every row's cache a slot kept here in the BLS),
+    with its one graph call per step made through `infer`."""
+
+    name = "triton"
+
+    def __init__(self, infer: InferFn, model: str, meta: dict):
+        self.infer, self.model = infer, model
+        self.meta = DrafterGraphMeta.from_dict(meta)
+        self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
+        self.feature_layer_ids = tuple(self.meta.feature_layer_ids)
+        self.max_context: int | None = None
+
+    def run(self, feeds: dict) -> list[np.ndarray]:
+        out = self.infer(self.model, feeds, list(BATCH_DRAFTER_OUTPUTS))
+        return [np.array(out[name]) for name in BATCH_DRAFTER_OUTPUTS]
+
+    def new_batch(self) -> Any:
+        from ..runtime.ort_batch import OrtBatchDrafterSession
+
+        return OrtBatchDrafterSession(self, self.run)  # type: ignore[arg-type]
+
+
 # ---- the target model's side: sessions by id -------------------------------------------------
 
 class SessionExpired(LookupError):
     pass
 
 
+class LoopedTargetEngine:
+    """A single-sequence TargetEngine behind the batched protocol: one session per row, run in turn."""
+
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+        self.name = f"looped-{engine.name}"
+        self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
+        self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
+
+    def new_batch(self) -> "LoopedTargetSession":
+        return LoopedTargetSession(self.engine)
+
+
+class LoopedTargetSession:
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+        self.sessions: dict[int, TargetSession] = {}
+        self._next = 0
+
+    def add_row(self) -> int:
+        row, self._next = self._next, self._next + 1
+        self.sessions[row] = self.engine.new_session()
+        return row
+
+    def remove_row(self, row: int) -> None:
+        session = self.sessions.pop(row)
+        session.close()
+
+    def length(self, row: int) -> int:
+        return self.sessions[row].length
+
+    def rollback(self, row: int, length: int) -> None:
+        self.sessions[row].rollback(length)
+
+    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
+                features: bool = True) -> list[TargetOutput]:
+        return [self.sessions[r].forward(t, last_logits_only=last_logits_only, features=features)
+                for r, t in zip(rows, tokens)]
+
+
+def as_batch_target(engine: Any) -> Any:
+    """A BatchTargetEngine for dflash_target: the engine itself if it is one, its `batched()` form (TensorRT-LLM),
+    else the looped adapter."""
+    if hasattr(engine, "new_batch"):
+        return engine
+    if hasattr(engine, "batched"):
+        return engine.batched()
+    return LoopedTargetEngine(engine)
+
+
 class TargetSessions:
-    """session_id -> TargetSession, with idle eviction. Pure Python: dflash_target wraps it."""
+    """session_id -> a row of ONE batched target session, with idle eviction. Pure Python: dflash_target wraps it.
+
+    engine: a BatchTargetEngine, or a single-sequence TargetEngine (wrapped by `as_batch_target`)."""
 
     def __init__(self, engine, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self.engine, self.ttl_s, self.clock = engine, ttl_s, clock
-        self.sessions: dict[int, tuple[object, float]] = {}
+        self.engine = as_batch_target(engine)
+        self.batch = self.engine.new_batch()
+        self.ttl_s, self.clock = ttl_s, clock
+        self.sessions: dict[int, tuple[int, float]] = {}  # session_id -> (row, last used)
 
-    def get(self, session_id: int, cache_length: int):
-        """The session, created only when the caller starts a sequence (cache_length 0)."""
+    def get(self, session_id: int, cache_length: int) -> int:
+        """The session's row, created only when the caller starts a sequence (cache_length 0)."""
         now = self.clock()
         for sid in [s for s, (_, used) in self.sessions.items() if now - used > self.ttl_s]:
-            del self.sessions[sid]
+            self.release(sid)
         if session_id in self.sessions:
-            session = self.sessions[session_id][0]
+            row = self.sessions[session_id][0]
         elif cache_length == 0:
-            session = self.engine.new_session()
+            row = self.batch.add_row()
         else:
             raise SessionExpired(
                 f"session expired: {session_id} was idle longer than session_ttl_s={self.ttl_s:g} s, or released, "
                 f"while its caller still holds {cache_length} tokens: start the sequence again")
-        self.sessions[session_id] = (session, now)
-        return session
+        self.sessions[session_id] = (row, now)
+        return row
 
     def release(self, session_id: int) -> None:
-        self.sessions.pop(session_id, None)
+        entry = self.sessions.pop(session_id, None)
+        if entry is not None:
+            self.batch.remove_row(entry[0])
 
     def __len__(self) -> int:
         return len(self.sessions)
 
 
+def _per_row(inputs: dict, name: str, rows: int, default):
+    """An input with one value per row, or one value for all rows; `default` when absent."""
+    a = inputs.get(name)
+    if a is None:
+        return [default] * rows
+    values = np.asarray(a).reshape(-1).tolist()
+    if len(values) == 1:
+        return values * rows
+    if len(values) != rows:
+        raise ValueError(f"{name} has {len(values)} values for {rows} sessions")
+    return values
+
+
 def serve_target(sessions: TargetSessions, inputs: dict) -> dict:
     """One dflash_target call: {TARGET_INPUTS name: ndarray} -> {TARGET_OUTPUTS name: ndarray}.
     Optional inputs may be missing. Raises on any error (the model turns it into an error response)."""
-    def one(name, default):
-        a = inputs.get(name)
-        return default if a is None else np.asarray(a).reshape(-1)[0].item()
-
-    sid = int(one("session_id", 0))
-    if one("release", False):
-        sessions.release(sid)
+    sids = [int(s) for s in np.asarray(inputs.get("session_id", np.zeros(1, np.uint64))).reshape(-1).tolist()]
+    n = len(sids)
+    if len(set(sids)) != n:
+        raise ValueError("a session_id appears twice in one call")
+    if _per_row(inputs, "release", 1, False)[0]:
+        for sid in sids:
+            sessions.release(sid)
         return {"logits": np.zeros((0, 0), np.float32), "features": np.zeros((0, 0), np.float32),
-                "length": np.array([0], dtype=np.int64)}
-    cache_length = int(one("cache_length", -1))
-    if cache_length < 0:
+                "length": np.zeros(n, dtype=np.int64)}
+    ids = np.array(inputs["token_ids"], dtype=np.int64).reshape(-1)
+    counts = [int(c) for c in _per_row(inputs, "token_lengths", n, -1)] if "token_lengths" in inputs else [ids.size]
+    if len(counts) != n or min(counts) < 0 or sum(counts) != ids.size:
+        raise ValueError(f"token_lengths {counts} do not split {ids.size} token_ids into {n} sessions")
+    cache_lengths = [int(c) for c in _per_row(inputs, "cache_length", n, -1)]
+    if min(cache_lengths) < 0:
         raise ValueError("cache_length is required: the tokens the caller holds cached (0 starts a session)")
-    session = sessions.get(sid, cache_length)
-    rollback_to = int(one("rollback_to", -1))
-    if rollback_to >= 0:
-        session.rollback(rollback_to)
-    if session.length != cache_length:
-        raise ValueError(f"session {sid} holds {session.length} cached tokens but its caller expects {cache_length}")
-    ids = torch.from_numpy(np.array(inputs["token_ids"], dtype=np.int64).reshape(-1))
-    out = session.forward(ids, last_logits_only=bool(one("last_logits_only", False)),
-                          features=bool(one("want_features", False)))
+    rollbacks = [int(r) for r in _per_row(inputs, "rollback_to", n, -1)]
+    rows = [sessions.get(sid, c) for sid, c in zip(sids, cache_lengths)]
+    batch = sessions.batch
+    for sid, row, cache_length, rollback_to in zip(sids, rows, cache_lengths, rollbacks):
+        if rollback_to >= 0:
+            batch.rollback(row, rollback_to)
+        if batch.length(row) != cache_length:
+            raise ValueError(f"session {sid} holds {batch.length(row)} cached tokens but its caller expects {cache_length}")
+    pieces = np.split(ids, np.cumsum(counts)[:-1]) if n else []
+    outs = batch.forward(rows, [torch.from_numpy(p.copy()) for p in pieces],
+                         last_logits_only=bool(_per_row(inputs, "last_logits_only", 1, False)[0]),
+                         features=bool(_per_row(inputs, "want_features", 1, False)[0]))
 
-    def arr(t):
-        return np.zeros((0, 0), np.float32) if t is None else np.ascontiguousarray(t.detach().float().cpu().numpy())
+    def cat(ts):
+        if any(t is None for t in ts) or not ts:
+            return np.zeros((0, 0), np.float32)
+        return np.ascontiguousarray(torch.cat([t.detach().float().cpu() for t in ts]).numpy())
 
-    return {"logits": arr(out.logits), "features": arr(out.features), "length": np.array([session.length], np.int64)}
+    return {"logits": cat([o.logits for o in outs]), "features": cat([o.features for o in outs]),
+            "length": np.array([batch.length(r) for r in rows], np.int64)}
 
 
 # ---- batch bookkeeping shared by the BLS model and its tests ---------------------------------

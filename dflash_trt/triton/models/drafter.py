@@ -3,6 +3,8 @@
 Stateless: the context cache comes in as past_k/past_v and goes out as present_k/present_v, the
 same tensors a `tensorrt_plan` drafter model takes, so the BLS drives either the same way.
 Imports only onnxruntime, numpy and dflash_trt.formats (no torch), so the model loads fast.
+With `graph: batch` it serves the batched round graph instead (dflash_drafter_batch: BATCH_DRAFTER_INPUTS,
+a batch axis over rows, ragged via block_lengths / new_lengths / past_lengths).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ...formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILES
+from ...formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILES
 from .common import error_response, get, load_config, resolve
 
 
@@ -19,7 +21,10 @@ class TritonPythonModel:
         import onnxruntime as ort
 
         _, params, folder = load_config(args)
-        path = resolve(folder, params.get("onnx_dir", "drafter-onnx")) / GRAPH_FILES[params.get("precision", "fp32")]
+        batch = params.get("graph", "single") == "batch"
+        files = BATCH_GRAPH_FILES if batch else GRAPH_FILES
+        self.inputs, self.outputs = (BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS) if batch else (DRAFTER_INPUTS, DRAFTER_OUTPUTS)
+        path = resolve(folder, params.get("onnx_dir", "drafter-onnx")) / files[params.get("precision", "fp32")]
         options = ort.SessionOptions()
         threads = int(params.get("threads", "0"))
         if threads:
@@ -30,10 +35,10 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                feeds = {name: np.ascontiguousarray(get(request, name)) for name in DRAFTER_INPUTS}
-                outs = self.session.run(list(DRAFTER_OUTPUTS), feeds)
+                feeds = {name: np.ascontiguousarray(get(request, name)) for name in self.inputs}
+                outs = self.session.run(list(self.outputs), feeds)
                 responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in zip(DRAFTER_OUTPUTS, outs)]))
+                    [pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in zip(self.outputs, outs)]))
             except Exception as e:  # noqa: BLE001 - report to the caller, keep serving
                 responses.append(error_response(f"dflash_drafter: {type(e).__name__}: {e}"))
         return responses

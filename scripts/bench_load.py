@@ -61,7 +61,8 @@ def parse_args(argv=None):
     ap.add_argument("--prompts", type=int, default=32, help="held-out code prompts (default 32)")
     ap.add_argument("--osl", type=int, default=64, help="tokens per request (default 64)")
     ap.add_argument("--min-requests", type=int, default=16,
-                    help="requests per cell: max(this, 2 x concurrency) (default 16)")
+                    help="requests per cell: max(this, 4 x concurrency) (default 16): several waves, so the server "
+                    "runs in its steady state (finished rows replaced by new ones), not one batch's straggler tail")
     ap.add_argument("--long-prompts", type=int, default=8, help="longer held-out prompts, per-prompt check (default 8)")
     ap.add_argument("--long-osl", type=int, default=256, help="tokens per long prompt (default 256)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
@@ -71,7 +72,7 @@ def parse_args(argv=None):
 
 
 def requests_for(c: int, args) -> int:
-    return max(args.min_requests, 2 * c)
+    return max(args.min_requests, 4 * c)
 
 
 # ---- in process: Hugging Face batched generate(), per-prompt ratios, the step profile ----------------------

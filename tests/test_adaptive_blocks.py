@@ -200,3 +200,21 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
     seen = cost._seen["target"]
     assert len(seen) >= 16 and all(s > 0 for _, _, s in seen)
     assert cost.target != LinearCost(1e-2, 0.0, 1e-6)  # refitted from what ran
+
+
+def test_new_rows_start_from_what_finished_rows_of_their_regime_measured():
+    from dflash_trt.decoding.adaptive import AcceptancePrior
+
+    prior = AcceptancePrior(start=0.6, weight=0.5)
+    assert prior.tracker(sampled=True).alpha == pytest.approx(0.6)
+    failing = prior.tracker(sampled=True)
+    for _ in range(6):  # a sampled request whose drafts all fail
+        failing.update(drafted=7, accepted=0)
+    prior.observe(True, failing)
+    assert prior.alpha[True] == pytest.approx(0.3)  # halfway from 0.6 to the measured 0
+    assert prior.tracker(sampled=True).alpha == pytest.approx(0.3)
+    assert prior.tracker(sampled=False).alpha == pytest.approx(0.6)  # greedy rows keep their own estimate
+    short = prior.tracker(sampled=False)
+    short.update(drafted=7, accepted=0)  # one round says too little
+    prior.observe(False, short)
+    assert False not in prior.alpha

@@ -35,6 +35,10 @@ class AiperfRun:
     osl: int = 64  # tokens per request (max_tokens; ignore_eos makes every request generate them all)
     extra_inputs: dict = field(default_factory=dict)  # merged into every request body (temperature, ...)
     seed: int = 0
+    # aiperf is a multi-process client; on a small machine its default worker and record-processor counts
+    # take CPU from the server it measures. One of each drives 32 concurrent streams (they are async).
+    workers: int = 1
+    record_processors: int = 1
 
     def command(self, aiperf: str, artifacts: Path) -> list[str]:
         cmd = [aiperf, "profile", "--url", self.url, "--endpoint-type", self.endpoint, "--streaming",
@@ -42,6 +46,7 @@ class AiperfRun:
                "--concurrency", str(self.concurrency), "--osl", str(self.osl), "--random-seed", str(self.seed),
                "--artifact-dir", str(artifacts), "--num-warmup-requests", str(self.warmup),
                "--extra-inputs", json.dumps({"ignore_eos": True, **self.extra_inputs}),
+               "--workers-max", str(self.workers), "--record-processors", str(self.record_processors),
                "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none"]
         if self.input_file is not None:
             cmd += ["--input-file", str(self.input_file), "--custom-dataset-type", "single_turn"]

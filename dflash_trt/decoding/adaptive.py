@@ -99,6 +99,8 @@ class AcceptanceTracker:
     idle_decay: float = 0.97  # per step without drafting: drift back to the prior, so the row is tried again
     accepted: float = 0.0
     rejected: float = 0.0
+    total_accepted: int = 0  # over the row's life, undecayed: what the shared prior learns from
+    total_rejected: int = 0
 
     @property
     def alpha(self) -> float:
@@ -110,8 +112,35 @@ class AcceptanceTracker:
             self.accepted *= self.idle_decay
             self.rejected *= self.idle_decay
             return
+        rejected = 1 if accepted < drafted else 0
         self.accepted = self.accepted * self.decay + accepted
-        self.rejected = self.rejected * self.decay + (1.0 if accepted < drafted else 0.0)
+        self.rejected = self.rejected * self.decay + rejected
+        self.total_accepted += accepted
+        self.total_rejected += rejected
+
+
+@dataclass
+class AcceptancePrior:
+    """Where a new request's estimate starts: per sampling regime (greedy or sampled), the acceptance that
+    recently finished requests of that regime measured (a moving average over requests). A drafter that
+    hits 75 % of its drafts at T=0 and 30 % at T=1 would otherwise start every request from one guess and
+    spend each request's first rounds learning it again: at T=1 that is several failed blocks per request."""
+
+    start: float = 0.6
+    weight: float = 0.2  # per finished request
+    min_rounds: int = 2  # requests that drafted fewer rounds say too little
+    alpha: dict[bool, float] = field(default_factory=dict)
+
+    def tracker(self, sampled: bool) -> AcceptanceTracker:
+        return AcceptanceTracker(prior_alpha=self.alpha.get(sampled, self.start))
+
+    def observe(self, sampled: bool, row: AcceptanceTracker) -> None:
+        rounds = row.total_accepted + row.total_rejected
+        if row.total_rejected + (row.total_accepted > 0) < self.min_rounds or rounds == 0:
+            return
+        measured = row.total_accepted / rounds
+        old = self.alpha.get(sampled, self.start)
+        self.alpha[sampled] = (1 - self.weight) * old + self.weight * measured
 
 
 @dataclass(frozen=True)

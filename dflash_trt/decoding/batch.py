@@ -30,7 +30,7 @@ import torch
 from ..runtime.base import Draft
 from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
 from .acceptance import Proposal, acceptance_rule
-from .adaptive import AcceptanceTracker, CostModel, RowChoice, choose_blocks
+from .adaptive import AcceptancePrior, AcceptanceTracker, CostModel, RowChoice, choose_blocks
 from .decode import (
     GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens, validate_request,
 )
@@ -144,6 +144,7 @@ class BatchDecoder:
         self.block_size = block_size or trained
         self.adaptive, self.cost, self.refit_every = adaptive, cost, refit_every
         self._steps = 0
+        self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
         self.target_session = target.new_batch()
         self.drafter_session = drafter.new_batch() if drafter is not None else None
         self.joining: list[BatchRow] = []
@@ -164,6 +165,7 @@ class BatchDecoder:
         size = config.block_size or self.block_size
         can_draft = self.drafter_session is not None and size != 1
         row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft)
+        row.acceptance = self.prior.tracker(not row.params.greedy)
         row.stats.block_size = size if can_draft else 1
         return row
 
@@ -183,6 +185,8 @@ class BatchDecoder:
         return self.joining + self.running
 
     def _release(self, row: BatchRow) -> None:
+        if row.done and row.target_row is not None:
+            self.prior.observe(not row.params.greedy, row.acceptance)
         if row in self.joining:
             self.joining.remove(row)
         if row in self.running:

@@ -30,7 +30,11 @@ class ServerSettings:
     drain_timeout_s: float = 30.0
     block_size: int | None = None  # every request's block size unless it asks for its own (1: target alone)
     adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
-    refit_every: int = 64  # adaptive: refit the cost model from the served steps every N steps (0: never)
+    # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
+    # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,
+    # a collinear fit that cannot tell per-token from per-row cost and, on a loaded machine, inflates drafting
+    # until every row stays at block 1 (measured: 96 % of rows at block 1 at T=0 after the first refits).
+    refit_every: int = 0
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -46,7 +50,9 @@ def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
     if adaptive:
         t0 = time.perf_counter()
         rows = sorted({1, max(1, settings.max_active // 2), settings.max_active})
-        cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2))
+        # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
+        # the fit (with 2-3 repeats the fitted costs varied 2-3x between starts on a busy 2-core machine)
+        cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2), repeats=5)
         t, d = cost.target, cost.drafter
         log.info("adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8): target %.2f ms "
                  "+ %.3f ms/row + %.3f ms/token, drafter %.2f ms + %.3f ms/row + %.3f ms/token",

@@ -23,7 +23,7 @@ from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 
-from .base import Draft, DrafterEngine, DrafterSession, TargetOutput
+from .base import Draft, DrafterEngine, DrafterSession, TargetEngine, TargetOutput, TargetSession
 
 
 @runtime_checkable
@@ -228,6 +228,47 @@ class LoopedDrafterSession:
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         return [self.sessions[q.row].draft(q.new_features, q.last_token, q.block_size) for q in requests]
+
+
+class LoopedTargetEngine:
+    """A single-sequence TargetEngine behind the batched protocol: one session per row, run in turn (correct,
+    not faster: for a Triton target model whose engine has no batched session)."""
+
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+        self.name = f"looped-{engine.name}"
+        self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
+        self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
+
+    def new_batch(self) -> "LoopedTargetSession":
+        return LoopedTargetSession(self.engine)
+
+
+class LoopedTargetSession:
+    def __init__(self, engine: TargetEngine):
+        self.engine = engine
+        self.sessions: dict[int, TargetSession] = {}
+        self._next = 0
+
+    def add_row(self) -> int:
+        row, self._next = self._next, self._next + 1
+        self.sessions[row] = self.engine.new_session()
+        return row
+
+    def remove_row(self, row: int) -> None:
+        session = self.sessions.pop(row)
+        session.close()
+
+    def length(self, row: int) -> int:
+        return self.sessions[row].length
+
+    def rollback(self, row: int, length: int) -> None:
+        self.sessions[row].rollback(length)
+
+    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
+                features: bool = True) -> list[TargetOutput]:
+        return [self.sessions[r].forward(t, last_logits_only=last_logits_only, features=features)
+                for r, t in zip(rows, tokens)]
 
 
 def batch_engines(target: Any, drafter: DrafterEngine | None = None

@@ -46,7 +46,8 @@ import numpy as np
 import torch
 
 from ..formats import BATCH_DRAFTER_OUTPUTS, DRAFTER_OUTPUTS, DrafterGraphMeta
-from ..runtime.base import TargetEngine, TargetOutput, TargetSession
+from ..runtime.base import TargetOutput
+from ..runtime.batched import LoopedTargetEngine
 from ..runtime.ort_backend import OrtDrafterSession
 
 InferFn = Callable[[str, dict, list], dict]  # (model name, {input: ndarray}, [output names]) -> {output: ndarray}
@@ -254,46 +255,6 @@ class RemoteBatchDrafterEngine:
 
 class SessionExpired(LookupError):
     pass
-
-
-class LoopedTargetEngine:
-    """A single-sequence TargetEngine behind the batched protocol: one session per row, run in turn."""
-
-    def __init__(self, engine: TargetEngine):
-        self.engine = engine
-        self.name = f"looped-{engine.name}"
-        self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
-        self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
-
-    def new_batch(self) -> "LoopedTargetSession":
-        return LoopedTargetSession(self.engine)
-
-
-class LoopedTargetSession:
-    def __init__(self, engine: TargetEngine):
-        self.engine = engine
-        self.sessions: dict[int, TargetSession] = {}
-        self._next = 0
-
-    def add_row(self) -> int:
-        row, self._next = self._next, self._next + 1
-        self.sessions[row] = self.engine.new_session()
-        return row
-
-    def remove_row(self, row: int) -> None:
-        session = self.sessions.pop(row)
-        session.close()
-
-    def length(self, row: int) -> int:
-        return self.sessions[row].length
-
-    def rollback(self, row: int, length: int) -> None:
-        self.sessions[row].rollback(length)
-
-    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
-                features: bool = True) -> list[TargetOutput]:
-        return [self.sessions[r].forward(t, last_logits_only=last_logits_only, features=features)
-                for r, t in zip(rows, tokens)]
 
 
 def as_batch_target(engine: Any) -> Any:

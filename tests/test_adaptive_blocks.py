@@ -100,7 +100,8 @@ def _reference_ascent(rows, cost, sweeps=3):
 
 
 def _exhaustive(rows, cost):
-    choices = [[r.fixed] if r.fixed is not None else range(1, r.max_block + 1) for r in rows]
+    choices = [[r.fixed] if r.fixed is not None else range(2 if r.probe and r.max_block > 1 else 1, r.max_block + 1)
+               for r in rows]
     return max((list(c) for c in itertools.product(*choices)), key=lambda b: _rate(rows, cost, b))
 
 
@@ -111,7 +112,7 @@ def _random_instance(rng, n_rows):
     for _ in range(n_rows):
         fixed = rng.choice([None] * 5 + [1, 3, 8])
         rows.append(RowChoice(alpha=rng.choice([0.0, 1.0, rng.random(), rng.random()]), max_block=rng.randint(1, 8),
-                              new_context=rng.randint(1, 4), fixed=fixed))
+                              new_context=rng.randint(1, 4), fixed=fixed, probe=rng.random() < 0.2))
     return rows, cost
 
 
@@ -122,6 +123,7 @@ def test_choice_is_the_exhaustive_optimum_on_small_random_instances():
         got = choose_blocks(rows, cost)
         assert all(g == r.fixed for g, r in zip(got, rows) if r.fixed is not None)
         assert all(1 <= g <= r.max_block for g, r in zip(got, rows) if r.fixed is None)
+        assert all(g >= 2 for g, r in zip(got, rows) if r.probe and r.fixed is None and r.max_block >= 2)
         assert _rate(rows, cost, got) >= _rate(rows, cost, _exhaustive(rows, cost)) * (1 - 1e-9)
 
 
@@ -130,6 +132,7 @@ def test_choice_never_scores_below_the_previous_coordinate_ascent():
     strictly_better = 0
     for _ in range(60):
         rows, cost = _random_instance(rng, rng.choice([8, 16, 32]))
+        rows = [RowChoice(r.alpha, r.max_block, r.new_context, r.fixed) for r in rows]  # the ascent knows no probes
         new, old = _rate(rows, cost, choose_blocks(rows, cost)), _rate(rows, cost, _reference_ascent(rows, cost))
         assert new >= old * (1 - 1e-9)
         strictly_better += new > old * (1 + 1e-9)
@@ -147,6 +150,16 @@ def test_choice_edge_cases():
     assert choose_blocks([RowChoice(0.0, 8)], MEMORY_BOUND) == [1]
     # an unfitted (all-zero) cost model: time is free, so every free row drafts its most
     assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(LinearCost(), LinearCost())) == [5, 2]
+
+
+def test_a_probe_row_drafts_its_best_size_even_when_drafting_does_not_pay():
+    rows = [RowChoice(alpha=0.3, max_block=8) for _ in range(8)]
+    costly_drafter = CostModel(LinearCost(2e-3, 0.2e-3, 1e-3), LinearCost(50e-3, 1e-3, 1e-3))
+    probed = rows[:3] + [RowChoice(alpha=0.3, max_block=8, probe=True), RowChoice(0.9, 1, probe=True)] + rows[5:]
+    blocks = choose_blocks(probed, costly_drafter)
+    assert blocks[3] >= 2 and blocks[4] == 1  # a row that cannot draft is not forced to
+    assert blocks[:3] + blocks[5:] == [1] * 6  # the others stay put: drafting still does not pay for them
+    assert blocks == _exhaustive(probed, costly_drafter)
 
 
 def test_linear_cost_fit_recovers_coefficients_and_refits_online():

@@ -140,6 +140,30 @@ def sharp_batch_pair():
     return model, drafter
 
 
+@pytest.mark.parametrize("probe_every", [0, 8])
+def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every):
+    """A row the policy believes hopeless never drafts, so without probes it never learns otherwise; with
+    probes it drafts on probe steps, measures a perfect drafter and from then on drafts long blocks."""
+    from dflash_trt.decoding.adaptive import AcceptancePrior
+
+    _, _, _, model, _ = tiny_pair
+    prompt, n = [3, 1, 4, 1, 5], 48
+    ref = reference(model, prompt, n)
+    target = TorchBatchTargetEngine(model, (0,))
+    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
+    dec = BatchDecoder(target, OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=0,
+                                                               feature_layer_ids=(0,))]),
+                       adaptive=True, cost=cost, probe_every=probe_every)
+    dec.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
+    (result,) = dec.generate([prompt], GenerationConfig(max_new_tokens=n))
+    assert result.token_ids == ref
+    if probe_every == 0:
+        assert result.stats.drafted_tokens == 0  # frozen at block 1 for the whole request
+    else:
+        assert max(result.stats.acceptance_lengths) >= 8  # measured, then drafted long blocks
+        assert len(result.stats.acceptance_lengths) < 0.75 * n  # fewer rounds than the target alone takes
+
+
 def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     """N_SAMPLES seeded rows, 400 per batch, next to rows of other lengths and settings."""
     target, drafter_engine = batch_engines(model, drafter)

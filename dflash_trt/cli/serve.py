@@ -68,7 +68,7 @@ def register(sub) -> None:
     one.add_argument("--no-adaptive", action="store_true",
                      help="use the drafter's trained block size instead of choosing one per step and request "
                      "(adaptive: the sizes that maximise expected tokens per second, from each request's "
-                     "acceptance so far and the cost of a batched pass, measured at start-up and refit online)")
+                     "acceptance so far and the cost of a batched pass, measured at start-up)")
     add_device_args(src)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")

@@ -81,6 +81,7 @@ class BatchRow:
         self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
         self.acceptance = AcceptanceTracker()
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
+        self.last_draft_step = -(1 << 30)  # the decoder's verify step at which this row last drafted
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.stop_string: str | None = None
         self.error: Exception | None = None
@@ -124,13 +125,15 @@ class BatchDecoder:
     adaptive: choose each row's block size per step (`cost` is then required: measure it with
     `adaptive.measure_costs`); otherwise rows without their own `block_size` use `block_size`.
     refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never).
+    probe_every: with adaptive, every N verify steps each row that has not drafted in the last N steps drafts
+    one block (a probe, see `adaptive`), so that no row's acceptance estimate freezes (0 = never).
 
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
     `cancel` and `step` belong to the one thread that runs the engines."""
 
     def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer: Any = None, *,
                  block_size: int | None = None, adaptive: bool = False, cost: CostModel | None = None,
-                 refit_every: int = 0):
+                 refit_every: int = 0, probe_every: int = 16):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -142,8 +145,8 @@ class BatchDecoder:
         if block_size is not None and not 1 <= block_size <= trained:
             raise ValueError(f"block_size must be in 1..{trained} for this drafter, got {block_size}")
         self.block_size = block_size or trained
-        self.adaptive, self.cost, self.refit_every = adaptive, cost, refit_every
-        self._steps = 0
+        self.adaptive, self.cost, self.refit_every, self.probe_every = adaptive, cost, refit_every, probe_every
+        self._steps = 0  # verify steps so far
         self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
         self.target_session = target.new_batch()
         self.drafter_session = drafter.new_batch() if drafter is not None else None
@@ -265,7 +268,10 @@ class BatchDecoder:
             return [f if f is not None else c for f, c in zip(fixed, caps)]
         # new_context=1: a row's backlog of features is a sunk cost, paid whenever it next drafts whatever the
         # size; charging it would keep a row that skipped drafting from ever drafting again (its backlog grows).
-        choices = [RowChoice(r.acceptance.alpha, c, 1, f) for r, c, f in zip(rows, caps, fixed)]
+        probing = self.probe_every > 0 and self._steps % self.probe_every == 0
+        choices = [RowChoice(r.acceptance.alpha, c, 1, f,
+                             probe=probing and r.last_draft_step <= self._steps - self.probe_every)
+                   for r, c, f in zip(rows, caps, fixed)]
         return choose_blocks(choices, self.cost)
 
     def _verify(self, rows: list[BatchRow], prof: StepProfile) -> list[tuple[BatchRow, Round]]:
@@ -316,11 +322,11 @@ class BatchDecoder:
         t4 = time.perf_counter()
         prof.verify_rows, prof.verify_tokens, prof.blocks = len(rows), sum(len(b) for b in blocks), [len(b) for b in blocks]
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        self._steps += 1
         if self.cost is not None and self.adaptive:
             self.cost.observe("target", len(rows), prof.verify_tokens, t3 - t2)
             if prof.draft_rows:
                 self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
-            self._steps += 1
             if self.refit_every and self._steps % self.refit_every == 0:
                 self.cost.refit()  # online: the passes this worker really ran, at its real contexts
         return rounds
@@ -343,6 +349,7 @@ class BatchDecoder:
             return drafts
         for i, d in zip(todo, out):
             rows[i].pending = []
+            rows[i].last_draft_step = self._steps
             drafts[i] = d
         prof.draft_rows, prof.draft_tokens = len(todo), sum(q.block_size + q.new_features.shape[0] for q in requests)
         return drafts

@@ -1,12 +1,13 @@
 """PyTorch batched sessions (see `batched.py` for the protocol).
 
 Target: a static preallocated KV cache in the style of gpt-fast, `[layers, slots, kv_heads, C, head_dim]`,
-one slot per row, plus each row's length. A forward pads the rows' new tokens to the longest, writes
-the real tokens' K/V at their own positions (`length[r] + i`), and attends over the first
-max(length + n) cache positions with the mask `key position <= query position`. Stale K/V beyond a
-row's length (rolled-back drafts, other rows' longer contexts) are never visible, because every
-position a query can see was written in this pass or is committed, so a rollback is just
-`length[r] = m` (no copy). Slots and C grow by doubling (a copy, rare); removed rows free their slot.
+one slot per row, plus each row's length. A forward packs the rows' new tokens into one sequence (the
+projections, MLPs and lm_head see real tokens only, so a pass costs what its tokens cost), writes their
+K/V at their own positions (`length[r] + i`), and for attention alone pads the queries to the longest
+row and attends over the first max(length + n) cache positions with the mask `key position <= query
+position`. Stale K/V beyond a row's length (rolled-back drafts, other rows' longer contexts) are never
+visible, because every position a query can see was written in this pass or is committed, so a rollback
+is just `length[r] = m` (no copy). Slots and C grow by doubling (a copy, rare); removed rows free their slot.
 
 The layers are run here, not through the Hugging Face forward (whose caches hold one length for the
 whole batch): the same modules and weights (norms, q/k/v/o projections, Qwen3's q/k norms, rotary
@@ -119,60 +120,58 @@ class TorchBatchTargetSession(SlotCacheRows):
         if end > e.max_context:
             raise ValueError(f"a row would hold {end} tokens, beyond the target's context length {e.max_context}")
         self._reserve(self.slots.capacity, end)
-        b, n = len(rows), max(counts)
+        b, n, total = len(rows), max(counts), sum(counts)
         dev = e.device
-        ids = torch.zeros(b, n, dtype=torch.long, device=dev)
-        for i, t in enumerate(tokens):
-            ids[i, : counts[i]] = t.to(dev).view(-1)
+        # Packed: the real tokens of all rows in one sequence [1, T]. Every layer but attention runs on
+        # them alone (no padding, so a pass costs what its real tokens cost: rows with block 1 next to rows
+        # with block 8 do not pay for 8); attention scatters the queries into [rows, longest, ...] and back.
+        flat = torch.cat([t.to(dev).view(-1) for t in tokens])
         count_t = torch.tensor(counts, device=dev)
         valid = torch.arange(n, device=dev)[None, :] < count_t[:, None]  # [b, n]
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
         mask = (torch.arange(end, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, n, end]
-        vr, vi = valid.nonzero(as_tuple=True)
+        vr, vi = valid.nonzero(as_tuple=True)  # row-major: the order of `flat`
         view, idx = _row_index(rows, dev)
         w_rows, w_pos = idx[vr], pos[vr, vi]
 
-        x = e.base.embed_tokens(ids)
-        cos, sin = e.base.rotary_emb(x, pos)
+        x = e.base.embed_tokens(flat)[None]  # [1, T, H]
+        cos, sin = e.base.rotary_emb(x, w_pos[None])
         want = set(e.feature_layer_ids) if features else set()
         outs: dict[int, torch.Tensor] = {}
         for li, layer in enumerate(e.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(b, n, -1, e.head_dim)
-            k = attn.k_proj(h).view(b, n, -1, e.head_dim)
-            v = attn.v_proj(h).view(b, n, -1, e.head_dim)
+            q = attn.q_proj(h).view(1, total, -1, e.head_dim)
+            k = attn.k_proj(h).view(1, total, -1, e.head_dim)
+            v = attn.v_proj(h).view(1, total, -1, e.head_dim)
             if e.qk_norm:
                 q, k = attn.q_norm(q), attn.k_norm(k)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+            q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
             ck, cv = self.k[li], self.v[li]
-            ck[w_rows, :, w_pos] = k.transpose(1, 2)[vr, vi]
-            cv[w_rows, :, w_pos] = v.transpose(1, 2)[vr, vi]
+            ck[w_rows, :, w_pos] = k[0].transpose(0, 1)
+            cv[w_rows, :, w_pos] = v[0]
             if view is not None:
                 keys, values = ck[view, :, :end], cv[view, :, :end]
             else:
                 keys, values = ck.index_select(0, idx)[:, :, :end], cv.index_select(0, idx)[:, :, :end]
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=e.scaling, enable_gqa=True)
-            x = x + attn.o_proj(a.transpose(1, 2).reshape(b, n, -1))
+            qp = q.new_zeros(b, n, q.shape[1], e.head_dim)
+            qp[vr, vi] = q[0].transpose(0, 1)
+            a = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask, scale=e.scaling,
+                                               enable_gqa=True)
+            x = x + attn.o_proj(a.transpose(1, 2)[vr, vi].reshape(1, total, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in want:
-                outs[li] = x
+                outs[li] = x[0]
         self._advance(rows, starts, counts)
 
-        feats = torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1) if want else None
+        feats = torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1).split(counts) if want else None
         head = e.model.get_output_embeddings()
         if last_logits_only:
-            last = e.base.norm(x[torch.arange(b, device=dev), count_t - 1])  # [b, H]
-            logits = head(last).float()
-            per_row = [logits[i : i + 1] for i in range(b)]
+            last = e.base.norm(x[0, count_t.cumsum(0) - 1])  # [b, H]
+            per_row = list(head(last).float().split(1))
         else:
-            flat = head(e.base.norm(x[vr, vi])).float()  # only real tokens reach the lm_head
-            per_row = list(flat.split(counts))
-        return [
-            TargetOutput(logits=per_row[i], features=None if feats is None else feats[i, : counts[i]])
-            for i in range(b)
-        ]
+            per_row = list(head(e.base.norm(x[0])).float().split(counts))
+        return [TargetOutput(logits=per_row[i], features=None if feats is None else feats[i]) for i in range(b)]
 
 
 class TorchBatchDrafterEngine:

@@ -164,7 +164,7 @@ class TorchBatchTargetSession(SlotCacheRows):
                 outs[li] = x[0]
         self._advance(rows, starts, counts)
 
-        feats = torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1).split(counts) if want else None
+        feats = torch.split(torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1), counts) if want else None
         head = e.model.get_output_embeddings()
         if last_logits_only:
             last = e.base.norm(x[0, count_t.cumsum(0) - 1])  # [b, H]

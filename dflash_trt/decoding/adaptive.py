@@ -161,8 +161,12 @@ class RowChoice:
     probe: bool = False  # must draft this step (size >= 2) so that its acceptance estimate is measured again
 
 
-def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 100) -> list[int]:
-    """Per-row block sizes maximising expected tokens per second of the step (see module docstring)."""
+def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 100, min_gain: float = 0.0) -> list[int]:
+    """Per-row block sizes maximising expected tokens per second of the step (see module docstring).
+
+    min_gain: when nobody has to draft, drafting is chosen only if its expected rate beats not drafting by
+    this fraction (a margin for what the linear costs leave out: per-row acceptance work, the drafter's
+    backlog of context rows). Probe and fixed rows draft regardless."""
     if not rows:
         return []
     t, d = cost.target, cost.drafter
@@ -186,7 +190,7 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     lam = 0.0
     if all(c[0][0] <= 1 for c in cands):
         best_pick = [c[0] for c in cands]
-        lam = rate(best_pick, False)
+        lam = rate(best_pick, False) * (1.0 + min_gain)  # a drafting pick must beat this to be chosen
     # case 2: the drafter runs (its fixed cost paid): Dinkelbach on the separable ratio, from lam
     for _ in range(max_iter):
         pick = [max(c, key=lambda p: p[1] - lam * p[2]) for c in cands]

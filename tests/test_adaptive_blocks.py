@@ -197,7 +197,7 @@ def test_linear_cost_fit_recovers_coefficients_and_refits_online():
 def test_acceptance_tracker_falls_and_recovers():
     t = AcceptanceTracker()
     start = t.alpha
-    for _ in range(10):
+    for _ in range(20):
         t.update(drafted=7, accepted=0)
     low = t.alpha
     assert low < 0.2 < start

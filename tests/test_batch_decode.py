@@ -142,26 +142,27 @@ def sharp_batch_pair():
 
 @pytest.mark.parametrize("probe_every", [0, 8])
 def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every):
-    """A row the policy believes hopeless never drafts, so without probes it never learns otherwise; with
-    probes it drafts on probe steps, measures a perfect drafter and from then on drafts long blocks."""
+    """Rows the policy believes hopeless never draft, so without probes neither they nor the prior that the
+    next requests start from ever learn otherwise; with probes the rows measure a perfect drafter, the
+    prior learns it, and later requests draft long blocks from their first steps."""
     from dflash_trt.decoding.adaptive import AcceptancePrior
 
     _, _, _, model, _ = tiny_pair
-    prompt, n = [3, 1, 4, 1, 5], 48
+    prompt, n = [3, 1, 4, 1, 5], 40
     ref = reference(model, prompt, n)
     target = TorchBatchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
-    dec = BatchDecoder(target, OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=0,
-                                                               feature_layer_ids=(0,))]),
-                       adaptive=True, cost=cost, probe_every=probe_every)
+    oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=i, feature_layer_ids=(0,)) for i in range(4)]
+    dec = BatchDecoder(target, OracleBatch(oracles), adaptive=True, cost=cost, probe_every=probe_every)
     dec.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
-    (result,) = dec.generate([prompt], GenerationConfig(max_new_tokens=n))
-    assert result.token_ids == ref
+    results = [dec.generate([prompt], GenerationConfig(max_new_tokens=n))[0] for _ in oracles]  # one after another
+    assert all(r.token_ids == ref for r in results)
     if probe_every == 0:
-        assert result.stats.drafted_tokens == 0  # frozen at block 1 for the whole request
+        assert all(r.stats.drafted_tokens == 0 for r in results)  # frozen at block 1, request after request
     else:
-        assert max(result.stats.acceptance_lengths) >= 8  # measured, then drafted long blocks
-        assert len(result.stats.acceptance_lengths) < 0.75 * n  # fewer rounds than the target alone takes
+        last = results[-1].stats
+        assert max(last.acceptance_lengths) >= 8 and len(last.acceptance_lengths) < n // 2
+        assert dec.prior.alpha[False] > 0.3  # the prior learned from the probes
 
 
 def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):

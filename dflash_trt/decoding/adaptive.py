@@ -101,13 +101,16 @@ class AcceptanceTracker:
     """A row's running per-position acceptance estimate: (accepted + prior) / (accepted + rejections + prior)."""
 
     prior_alpha: float = 0.6
-    prior_weight: float = 2.0  # pseudo-observations of the prior
+    # pseudo-observations of the prior: at 2, one failed first round after the prompt (often the hardest
+    # position) put a row below the drafting threshold for most of a 64-token request
+    prior_weight: float = 4.0
     decay: float = 0.9  # per round: older rounds count less
     idle_decay: float = 0.97  # per step without drafting: drift back to the prior, so the row is tried again
     accepted: float = 0.0
     rejected: float = 0.0
     total_accepted: int = 0  # over the row's life, undecayed: what the shared prior learns from
     total_rejected: int = 0
+    drafted_rounds: int = 0
 
     @property
     def alpha(self) -> float:
@@ -120,6 +123,7 @@ class AcceptanceTracker:
             self.rejected *= self.idle_decay
             return
         rejected = 1 if accepted < drafted else 0
+        self.drafted_rounds += 1
         self.accepted = self.accepted * self.decay + accepted
         self.rejected = self.rejected * self.decay + rejected
         self.total_accepted += accepted
@@ -142,10 +146,10 @@ class AcceptancePrior:
         return AcceptanceTracker(prior_alpha=self.alpha.get(sampled, self.start))
 
     def observe(self, sampled: bool, row: AcceptanceTracker) -> None:
-        rounds = row.total_accepted + row.total_rejected
-        if row.total_rejected + (row.total_accepted > 0) < self.min_rounds or rounds == 0:
+        trials = row.total_accepted + row.total_rejected
+        if row.drafted_rounds < self.min_rounds or trials == 0:  # (a perfect drafter's rounds reject nothing)
             return
-        measured = row.total_accepted / rounds
+        measured = row.total_accepted / trials
         old = self.alpha.get(sampled, self.start)
         self.alpha[sampled] = (1 - self.weight) * old + self.weight * measured
 

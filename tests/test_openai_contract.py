@@ -8,7 +8,7 @@ import openai
 import pytest
 from server_harness import server_fixtures
 
-from dflash_trt.decoding import GenerationConfig, LogitsAdjustment
+from dflash_trt.decoding import GenerationConfig, LogitsAdjustment, SamplingParams
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.routes.openai import chat_prompt_ids
 
@@ -106,10 +106,40 @@ def test_fields_that_cannot_be_honoured_are_refused_by_name(server, path, field,
 
 @pytest.mark.parametrize("field,value", [("frequency_penalty", 5.0), ("presence_penalty", -2.5),
                                          ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
-                                         ("logit_bias", {"999999": 1}), ("min_tokens", -1)])
+                                         ("logit_bias", {"999999": 1}), ("min_tokens", -1), ("block_size", 0),
+                                         ("block_size", 99), ("block_size", 2.5)])
 def test_output_fields_out_of_range(server, field, value):
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, r.text
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_block_size_is_honoured_on_the_openai_endpoints(server, decoder, path):
+    """`block_size` (our extension, like vLLM's extra sampling fields): a seeded sampled request at a fixed
+    size returns what the decoder returns at that size; block 1 is the target alone; the size is read back
+    from /metrics."""
+    chat = path.endswith("chat/completions")
+    base = {"messages": CHAT} if chat else {"prompt": "def f(x):"}
+    ids = chat_prompt_ids(decoder, CHAT) if chat else decoder.encode("def f(x):")
+    block = decoder.drafter.block_size - 1
+    sampled = {**base, "max_tokens": 12, "temperature": 1.0, "seed": 5, "block_size": block}
+    r = post(server, path, sampled)
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message" if chat else "text"]
+    text = text["content"] if chat else text
+    want = decoder.generate(ids, GenerationConfig(max_new_tokens=12, block_size=block, sampling=SamplingParams(1.0, seed=5),
+                                                  stop_token_ids=decoder.default_stop_ids()))
+    assert text == want.text
+    before = _block_histogram(server)
+    assert post(server, path, {**base, "max_tokens": 6, "temperature": 0, "block_size": 1}).status_code == 200
+    after = _block_histogram(server)
+    assert after["count"] - before["count"] >= 5 and after["sum"] - before["sum"] == after["count"] - before["count"]
+
+
+def _block_histogram(url):
+    lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
+    return {k: float(next(ln.split()[-1] for ln in lines if ln.startswith(f"dflash_block_size_{k} ")))
+            for k in ("count", "sum")}
 
 
 def test_penalties_and_bias_act_and_stay_the_targets_own(server, decoder, target_alone):

@@ -20,14 +20,13 @@ from .scheduler import ErrorEvent, Job, QueueFull, RoundEvent, ShuttingDown
 from .schemas import stop_tuple
 
 
-def generation_config(server, body, max_tokens: int, temperature: float, block_size: int | None = None
-                      ) -> GenerationConfig:
+def generation_config(server, body, max_tokens: int, temperature: float) -> GenerationConfig:
     """The decoder's config for a request; nulls mean the defaults."""
     eos = server.decoder.default_stop_ids()
     return GenerationConfig(
         max_new_tokens=max_tokens,
         sampling=SamplingParams(temperature, _or(body.top_p, 1.0), _or(body.top_k, 0), body.seed),
-        block_size=block_size,
+        block_size=body.block_size,
         stop_token_ids=() if body.ignore_eos else eos,
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,

@@ -132,7 +132,7 @@ def request_models(limits: Limits) -> RequestModels:
 
     class OutputFields(BaseModel):
         """What changes the output, shared by the three endpoints (applied to the target's logits at every
-        verified position, so speculative decoding stays lossless)."""
+        verified position, so speculative decoding stays lossless), and the block size of its rounds."""
 
         frequency_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus count x this per token")
         presence_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus this once a token occurred")
@@ -141,6 +141,10 @@ def request_models(limits: Limits) -> RequestModels:
         min_tokens: Optional[Int(ge=0, le=ctx)] = Field(
             None, description="end-of-text cannot be generated before this many tokens (vLLM's)")
         ignore_eos: Optional[bool] = Field(None, description="do not stop at end-of-text (vLLM's)")
+        block_size: Optional[Int(ge=1, le=limits.max_block_size)] = Field(None, description=(
+            f"tokens per verified round, 1..the drafter's trained block size ({limits.max_block_size}); 1 = the "
+            "target alone; null = the server's choice (adaptive). Greedy output is the same whatever the size; "
+            "a seeded sampled request returns the same text only with a fixed size"))
 
         @field_validator("logit_bias")
         @classmethod
@@ -165,8 +169,6 @@ def request_models(limits: Limits) -> RequestModels:
         seed: Optional[Seed] = None
         stop: StopField = None
         stream: bool = False
-        block_size: Optional[Int(ge=1, le=limits.max_block_size, description=(
-            f"tokens per round, up to the drafter's trained block size ({limits.max_block_size})"))] = None
 
         @model_validator(mode="after")
         def _one_prompt(self):

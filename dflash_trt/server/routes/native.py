@@ -44,7 +44,7 @@ def router(models: RequestModels) -> APIRouter:
         job = await start_job(
             request, server,
             lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
-            lambda n: generation_config(server, body, body.max_tokens, body.temperature, body.block_size),
+            lambda n: generation_config(server, body, body.max_tokens, body.temperature),
             prompt_param="prompt" if body.prompt is not None else "input_ids")
 
         def final(result) -> dict:

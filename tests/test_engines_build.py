@@ -51,6 +51,11 @@ def test_manifest_then_nothing_to_do(tmp_path, checkpoints, monkeypatch):
     d = manifest["engines"]["drafter_onnx"]
     assert d["backend"] == "onnxruntime"
     assert {"drafter.onnx", "drafter.onnx.data", "drafter_fp16.onnx", "drafter_fp16.onnx.data", "drafter.json"} <= set(d["files"])
+    assert {"drafter_batch.onnx", "drafter_batch_fp16.onnx"} <= set(d["files"])  # the batched round too
+    from dflash_trt.runtime.ort_backend import OrtDrafterEngine
+    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+
+    assert isinstance(OrtDrafterEngine(cfg.output / d["dir"]).batched(), OrtBatchDrafterEngine)  # one pass per step
     assert d["versions"]["onnxruntime"] and d["versions"]["torch"]
     assert d["shapes"]["logits"][2] == 80 and d["shapes"]["features"][2] == 64  # 1 feature layer x hidden 64
     assert manifest["engines"]["target_torch"]["backend"] == "torch"

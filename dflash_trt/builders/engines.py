@@ -170,15 +170,20 @@ class BuildStep:
 
 def _onnx_key(ctx: BuildContext, vers: dict) -> tuple:
     return ("drafter-onnx", ctx.sources["target"]["sha256"], ctx.sources["drafter"]["sha256"], vers,
-            code_sha256("dflash_trt.models.drafter", "dflash_trt.builders.onnx_drafter"))
+            code_sha256("dflash_trt.models.drafter", "dflash_trt.builders.onnx_drafter",
+                        "dflash_trt.models.drafter_batch", "dflash_trt.builders.onnx_drafter_batch"))
 
 
 def _build_onnx(ctx: BuildContext, folder: Path) -> dict:
     from .onnx_drafter import export_from_checkpoints
+    from .onnx_drafter_batch import export_batched_from_checkpoints
 
     shutil.rmtree(folder, ignore_errors=True)
     ctx.log(f"exporting the drafter to ONNX in {folder} ...")
     export_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, folder, fp16=True)
+    # the batched round next to it: the server drafts every row of a step in one pass of this graph
+    ctx.log(f"exporting the batched drafter round (drafter_batch.onnx) in {folder} ...")
+    export_batched_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, folder, fp16=True)
     meta = DrafterGraphMeta.read(folder)
     return {
         "precisions": ["fp32", "fp16"], "serve_precision": "fp32",

@@ -102,3 +102,14 @@ def export_batched_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, l
     """Write drafter_batch.onnx (+ .data), optionally its fp16 twin, and drafter.json into out_dir."""
     return write_graphs(drafter, embed_weight, lm_head_weight, out_dir, fp16, BatchedDrafterRound,
                         export_batched_round, BATCH_GRAPH_FILES)
+
+
+def export_batched_from_checkpoints(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
+                                    fp16: bool = False) -> dict[str, Path]:
+    """export_batched_drafter from the two checkpoints (the target lends its embedding table and lm_head)."""
+    from ..models.target import load_target
+
+    target = load_target(Path(target_dir), torch.float32)
+    drafter = DFlashDrafter.from_pretrained(Path(drafter_dir), torch.float32)
+    return export_batched_drafter(drafter, target.get_input_embeddings().weight,
+                                  target.get_output_embeddings().weight, out_dir, fp16)

@@ -71,23 +71,11 @@ def sources_from_engines(engines_dir: Path) -> Sources:
 
 def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) -> Sources:
     from .onnx_drafter import export_from_checkpoints
+    from .onnx_drafter_batch import export_batched_from_checkpoints
 
     export_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
-    _export_batched(drafter_dir, target_dir, work)
+    export_batched_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
     return Sources(target_dir, "torch", target_dir, "onnxruntime", work)
-
-
-def _export_batched(drafter_dir: Path, target_dir: Path, work: Path) -> None:
-    """The batched drafter graph next to the single-sequence one, for dflash_drafter_batch."""
-    import torch
-
-    from ..models.drafter import DFlashDrafter
-    from ..models.target import load_target
-    from .onnx_drafter_batch import export_batched_drafter
-
-    target = load_target(target_dir, torch.float32)
-    drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
-    export_batched_drafter(drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight, work)
 
 
 def _target_meta(src: Sources) -> tuple[int, int]:

@@ -8,8 +8,9 @@
 
 Joining rows are prefilled in their own call at the start of the step, interleaved between verify steps
 rather than packed into the verify call: a prompt is tens to thousands of tokens and a verify block is
-1..16, so one padded call would make every verifying row pay for the longest prompt; in a separate call
-only the joining rows pay. They take part in drafting and verification from the next step on.
+1..16, so in one call every verifying row's attention would be padded to the longest prompt (the target
+packs real tokens for its projections and MLPs, but pads queries per row for attention); in a separate
+call only the joining rows pay. They take part in drafting and verification from the next step on.
 
 Each row keeps its own sampling generator and draws from it in the same order as `Generation`, so a
 seeded row with a fixed block size returns the same tokens alone or in any batch (up to float rounding

@@ -225,14 +225,14 @@ def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_pe
     still equals each row alone."""
     import onnxruntime as ort
 
-    from dflash_trt.builders.triton_repo import _export_batched
+    from dflash_trt.builders.onnx_drafter_batch import export_batched_from_checkpoints
     from dflash_trt.decoding.batch import BatchDecoder
     from dflash_trt.formats import BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES
     from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
     from dflash_trt.triton.bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine
 
     target_dir, drafter_dir, onnx_dir, ort_drafter, target_engine = parts
-    _export_batched(drafter_dir, target_dir, tmp_path)
+    export_batched_from_checkpoints(drafter_dir, target_dir, tmp_path)
     graph = ort.InferenceSession(str(tmp_path / BATCH_GRAPH_FILES["fp32"]), providers=["CPUExecutionProvider"])
     single, _ = remote_decoder(parts)
     prompts = [single.encode(p) for p in (PROMPT, "class Stack:", "import os\n\ndef main():")]

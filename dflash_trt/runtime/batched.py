@@ -19,11 +19,13 @@ batch-axis profile is in `builders/trt_drafter_batch.py` (written, not runnable 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
 
 import torch
 
 from .base import Draft, DrafterEngine, DrafterSession, TargetEngine, TargetOutput, TargetSession
+
+S = TypeVar("S")  # a single-sequence session type (PerRowSessions)
 
 
 @runtime_checkable
@@ -208,10 +210,12 @@ class LoopedDrafterEngine:
         return LoopedDrafterSession(self.engine)
 
 
-class LoopedDrafterSession:
-    def __init__(self, engine: DrafterEngine):
+class PerRowSessions(Generic[S]):
+    """Row bookkeeping of the looped adapters: one single-sequence session per row, made by the engine."""
+
+    def __init__(self, engine: Any):
         self.engine = engine
-        self.sessions: dict[int, DrafterSession] = {}
+        self.sessions: dict[int, S] = {}
         self._next = 0
 
     def add_row(self) -> int:
@@ -220,9 +224,15 @@ class LoopedDrafterSession:
         return row
 
     def remove_row(self, row: int) -> None:
-        if self.sessions.pop(row, None) is None:
+        session = self.sessions.pop(row, None)
+        if session is None:
             raise KeyError(f"no live row {row}")
+        close = getattr(session, "close", None)  # target sessions hold runtime resources (TargetSession.close)
+        if close is not None:
+            close()
 
+
+class LoopedDrafterSession(PerRowSessions[DrafterSession]):
     def context_length(self, row: int) -> int:
         return self.sessions[row].context_length
 
@@ -244,21 +254,7 @@ class LoopedTargetEngine:
         return LoopedTargetSession(self.engine)
 
 
-class LoopedTargetSession:
-    def __init__(self, engine: TargetEngine):
-        self.engine = engine
-        self.sessions: dict[int, TargetSession] = {}
-        self._next = 0
-
-    def add_row(self) -> int:
-        row, self._next = self._next, self._next + 1
-        self.sessions[row] = self.engine.new_session()
-        return row
-
-    def remove_row(self, row: int) -> None:
-        session = self.sessions.pop(row)
-        session.close()
-
+class LoopedTargetSession(PerRowSessions[TargetSession]):
     def length(self, row: int) -> int:
         return self.sessions[row].length
 

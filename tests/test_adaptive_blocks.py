@@ -194,6 +194,37 @@ def test_linear_cost_fit_recovers_coefficients_and_refits_online():
     assert model.drafter == LinearCost()  # no drafter observations: unchanged
 
 
+def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():
+    """The start-up grid said a target step is dear and drafting cheap; the real passes say the opposite
+    (a grid timed during a burst, a longer context for the drafter): the policy follows the passes."""
+    grid = CostModel(LinearCost(10e-3, 0.1e-3, 0.2e-3), LinearCost(3e-3, 0.05e-3, 0.05e-3))
+    row = [RowChoice(alpha=0.45, max_block=8)]
+    assert choose_blocks(row, grid, min_gain=0.1)[0] > 1  # priced by the grid, drafting looks > 10 % ahead
+    for _ in range(60):
+        grid.observe("target", 1, 1, 0.5 * grid.target(1, 1))
+        grid.observe("drafter", 1, 5, 2.0 * grid.drafter(1, 5))
+    assert grid.scale == pytest.approx({"target": 0.5, "drafter": 2.0}, rel=0.01)
+    target, drafter = grid.current()
+    assert target.fixed == pytest.approx(5e-3, rel=0.01) and drafter.per_token == pytest.approx(0.1e-3, rel=0.01)
+    assert grid.target.fixed == 10e-3  # the shape itself is kept
+    assert choose_blocks(row, grid, min_gain=0.1) == [1]
+    # one pass stalled by another process moves the correction by at most its weight x the clamp
+    before = grid.scale["target"]
+    grid.observe("target", 1, 1, 100.0)
+    assert grid.scale["target"] <= before + grid.scale_weight * (4.0 - before) + 1e-12
+    grid.observe("target", 1, 1, 0.0)  # a pass too short to time: ignored
+    # start-up samples are recorded without correcting; a refit starts the correction over
+    fresh = CostModel(LinearCost(1e-3, 0.0, 1e-4), LinearCost())
+    fresh.observe("target", 4, 4, 1.0, correct=False)
+    assert fresh.scale["target"] == 1.0 and fresh._seen["target"] == [(4, 4, 1.0)]
+    moved = CostModel(LinearCost(1e-3, 0.0, 1e-4), LinearCost())
+    for r, t in [(1, 1), (4, 8), (16, 64)] * 6:
+        moved.observe("target", r, t, 2e-3 + 1e-4 * t)
+    assert moved.scale["target"] > 1.0
+    moved.refit()
+    assert moved.scale["target"] == 1.0 and moved.target.per_token == pytest.approx(1e-4, rel=1e-6)
+
+
 def test_acceptance_tracker_falls_and_recovers():
     t = AcceptanceTracker()
     start = t.alpha

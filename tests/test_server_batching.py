@@ -132,8 +132,13 @@ def test_block_size_settings_reach_the_decoder(decoder):
         assert all(r.json()["spec"]["block_size"] == trained for r in trained_runs)  # rounds may be shorter)
     with running_server(decoder) as (url, app):  # the default: adaptive, with a cost model measured at start-up
         adaptive = post_all(url, bodies)
-        total, _ = block_counts(scrape(url))
+        m = scrape(url)
+        total, _ = block_counts(m)
         assert app.state.server.batch.adaptive and app.state.server.batch.cost.target(4, 8) > 0
         assert total > 0
+        # the running correction of the start-up costs is exported, and it has moved (real passes were timed)
+        scale = app.state.server.batch.cost.scale
+        assert {e: metric(m, "dflash_cost_correction", engine=e) for e in scale} == pytest.approx(scale)
+        assert scale["target"] != 1.0
     for a, b, c in zip(fixed, trained_runs, adaptive):  # lossless whatever the sizes
         assert a.json()["token_ids"] == b.json()["token_ids"] == c.json()["token_ids"]

@@ -6,7 +6,8 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
     tokens = sum_r E(alpha_r, B_r),  E(alpha, B) = 1 + alpha + ... + alpha^(B-1)
 
 `target` and `drafter` are linear cost models (fixed + per row + per token), fitted from timed passes at
-start-up (`measure_costs`) or from observed steps (`CostModel.observe` / `refit`). E is the expected
+start-up (`measure_costs`), each scaled by a running correction from the passes the decoder really runs
+(`CostModel.observe`; or refitted from them, `refit`). E is the expected
 committed tokens of a round when each draft position is accepted with probability alpha given the ones
 before it (the bonus token included). alpha_r is each row's running estimate (`AcceptanceTracker`): accepted
 drafts over accepted + rejections, with decay, so a row whose drafts keep failing drafts less; a row that
@@ -65,26 +66,53 @@ class LinearCost:
 
 @dataclass
 class CostModel:
+    """The two engines' costs: the fitted shapes (`target`, `drafter`) times a running correction each (`scale`).
+
+    The shapes come from a start-up grid at one context length, on a machine whose speed moves; what the
+    policy uses (`current`) is each shape times the recent ratio of observed to predicted seconds of that
+    engine's passes (`observe`). One number per engine stays identifiable from whatever shapes the policy
+    picks (a full online refit does not: the policy's own choices make its samples collinear), and it
+    follows what the grid cannot see: longer contexts (the drafter attends over all of it), other load on the
+    machine, or a start-up grid timed during a burst. Measured on the demo pair, one row, a 325-token prompt:
+    the grid said a target step costs 11.6 ms and a drafting round 17.7 ms; the real passes took about 6 and
+    17 ms, so drafting at the row's acceptance (tau 1.6) looked 14 % ahead and ran at 0.6x the target alone."""
+
     target: LinearCost
     drafter: LinearCost
     window: int = 256  # observations kept for refits
+    scale_weight: float = 0.1  # per observed pass: the correction follows the last ~10 passes
+    scale: dict[str, float] = field(default_factory=lambda: {"target": 1.0, "drafter": 1.0})
     _seen: dict[str, list[tuple[int, int, float]]] = field(default_factory=lambda: {"target": [], "drafter": []})
 
-    def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
-        drafting = [(b, n) for b, n in zip(blocks, new_context) if b > 1]
-        return self.target(len(blocks), sum(blocks)) + self.drafter(len(drafting), sum(b + n for b, n in drafting))
+    def current(self) -> tuple[LinearCost, LinearCost]:
+        """The target's and the drafter's costs as the policy should price them now (shape x correction)."""
+        return tuple(LinearCost(c.fixed * k, c.per_row * k, c.per_token * k)  # type: ignore[return-value]
+                     for c, k in ((self.target, self.scale["target"]), (self.drafter, self.scale["drafter"])))
 
-    def observe(self, kind: str, rows: int, tokens: int, seconds: float) -> None:
+    def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
+        target, drafter = self.current()
+        drafting = [(b, n) for b, n in zip(blocks, new_context) if b > 1]
+        return target(len(blocks), sum(blocks)) + drafter(len(drafting), sum(b + n for b, n in drafting))
+
+    def observe(self, kind: str, rows: int, tokens: int, seconds: float, correct: bool = True) -> None:
+        """Record a pass that ran; with `correct`, move the engine's correction towards observed / predicted
+        (each ratio clamped to [1/4, 4], so one pass stalled by another process moves it a little only)."""
         seen = self._seen[kind]
         seen.append((rows, tokens, seconds))
         del seen[: -self.window]
+        predicted = getattr(self, kind)(rows, tokens)
+        if correct and predicted > 0 and seconds > 0:
+            ratio = min(4.0, max(0.25, seconds / predicted))
+            self.scale[kind] += self.scale_weight * (ratio - self.scale[kind])
 
     def refit(self, min_samples: int = 16) -> None:
-        """Refit from observed passes when they span enough distinct shapes (online adaptation)."""
+        """Refit the shapes from observed passes when they span enough distinct shapes (online adaptation);
+        a refitted shape starts with no correction."""
         for kind in ("target", "drafter"):
             seen = self._seen[kind]
             if len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3:
                 setattr(self, kind, LinearCost.fit(seen))
+                self.scale[kind] = 1.0
 
 
 def expected_tokens(alpha: float, block: int) -> float:
@@ -173,7 +201,7 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     backlog of context rows). Probe and fixed rows draft regardless."""
     if not rows:
         return []
-    t, d = cost.target, cost.drafter
+    t, d = cost.current()
     free_sizes = [[r.fixed] if r.fixed is not None else list(range(2 if r.probe and r.max_block >= 2 else 1,
                                                                       max(1, r.max_block) + 1)) for r in rows]
     if t(len(rows), len(rows)) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
@@ -260,5 +288,5 @@ def measure_costs(target: BatchTargetEngine, drafter: BatchDrafterEngine | None 
     model = CostModel(target_cost, drafter_cost)
     for kind, samples in (("target", t_samples), ("drafter", d_samples)):
         for r, t, sec in samples:  # online refits start from the start-up grid
-            model.observe(kind, r, t, sec)
+            model.observe(kind, r, t, sec, correct=False)
     return model

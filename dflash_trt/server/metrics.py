@@ -46,6 +46,9 @@ class ServerMetrics:
         self.step_time = Histogram("dflash_step_seconds", "time of one batched step by part: prefill, policy "
                                    "(choosing block sizes), draft, verify, accept, overhead (Python bookkeeping)",
                                    ["part"], buckets=STEP_BUCKETS, registry=r)
+        self.cost_correction = Gauge("dflash_cost_correction", "adaptive block sizes: observed / start-up-predicted "
+                                     "seconds of recent passes, by engine (target, drafter); 1 = the start-up costs hold",
+                                     ["engine"], registry=r)
         self.engine_errors = Counter("dflash_engine_errors", "generations failed by an engine error", registry=r)
 
     def render(self) -> tuple[bytes, str]:

@@ -213,6 +213,9 @@ class Orchestrator:
                 self._leave(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
             return
         self._observe_step(self.decoder.last_profile)
+        if self.decoder.cost is not None and self.decoder.adaptive:
+            for engine, k in self.decoder.cost.scale.items():
+                self.metrics.cost_correction.labels(engine).set(k)
         by_row = {id(j.row): j for j in live}
         for row, rnd in rounds:
             job = by_row.get(id(row))

@@ -228,6 +228,7 @@ class TorchBatchDrafterSession(SlotCacheRows):
         hidden, past_k, past_v = ragged_round(
             d, feats, torch.tensor(counts, device=dev), d.embed_block(ids, e.embed_weight),
             torch.tensor(blocks, device=dev), past_k, past_v, torch.tensor(past, device=dev), inplace=True,
+            packed=True,
         )
         if view is None:  # a gathered copy: write it back
             self.k[:, idx, :, :cap], self.v[:, idx, :, :cap] = past_k, past_v

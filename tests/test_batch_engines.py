@@ -116,6 +116,7 @@ DRAFT_ROUNDS = [
     {0: (3, 8), 2: (8, 8)},  # row 1 sits this one out
     {2: (1, 5), 1: (6, 3), 0: (2, 2)},  # another order
     {1: (4, 6)},  # one row alone (batch axis 1) after the others grew the cache
+    {0: (2, 4), 1: (40, 4), 2: (1, 3)},  # a long backlog next to short ones (fixed-shape graphs: two calls)
 ]
 
 
@@ -159,12 +160,19 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
     assert all(isinstance(shapes[k][0], str) for k in ("block_ids", "features", "past_lengths"))
     assert isinstance(shapes["past_k"][1], str) and isinstance(shapes["past_k"][3], str)
     engine = OrtBatchDrafterEngine(batch_graph)
-    sess = engine.new_batch()
+    calls: list[int] = []  # rows per graph call
+
+    def run(feeds):
+        calls.append(len(feeds["block_ids"]))
+        return engine.session.run(None, feeds)
+
+    sess = engine.new_batch(run)
     assert isinstance(sess, BatchDrafterSession)
     rows = [sess.add_row() for _ in range(3)]
     rng = torch.Generator().manual_seed(3)
     check_drafts_match(sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size,
                        (family, "onnx"))
+    assert calls == [3, 2, 3, 1, 2, 1]  # one call per round, but the round with a 40-row backlog made two
     out = sess.draft([DraftRequest(1, torch.randn(2, drafter.feature_size, generator=rng), 5, 8)])
     assert out[0].tokens.shape == (7,)
 
@@ -266,3 +274,13 @@ def test_loaded_engines_become_batched_ones(tiny_pair, batch_graph, tmp_path):
 
     with pytest.raises(ValueError, match="plain target has no batched session"):
         batch_engines(PlainTarget(), None)
+
+
+def test_backlog_groups_split_only_rows_far_above_the_median():
+    from dflash_trt.runtime.batched import backlog_groups
+
+    assert backlog_groups([3, 2, 4, 1]) == [[0, 1, 2, 3]]
+    assert backlog_groups([3, 113, 2, 4, 150]) == [[0, 2, 3], [1, 4]]  # two rows brought their prompts
+    assert backlog_groups([20, 30, 25]) == [[0, 1, 2]]  # all long: one call, nothing to save
+    assert backlog_groups([1, 12]) == [[0, 1]]  # short padding is cheaper than a second call
+    assert backlog_groups([]) == []

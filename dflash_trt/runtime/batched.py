@@ -131,6 +131,19 @@ def grown(current: int, needed: int, limit: int | None = None) -> int:
     return cap
 
 
+def backlog_groups(counts: Sequence[int], min_long: int = 16, ratio: float = 4.0) -> list[list[int]]:
+    """Indices of a draft call's requests split into calls of similar new-context length, for drafters that
+    pad every row's new context to the longest (fixed-shape graphs: ONNX Runtime, TensorRT). A row drafting
+    for the first time brings its whole prompt (~100+ feature rows), the others a few: in one call, every
+    row pays for the prompt. Rows bringing more than `ratio` x the median and at least `min_long` go in a
+    second call (one more call's fixed cost, paid only on steps where such rows draft)."""
+    order = sorted(range(len(counts)), key=lambda i: counts[i])
+    median = counts[order[(len(order) - 1) // 2]] if order else 0
+    long = [i for i in range(len(counts)) if counts[i] >= min_long and counts[i] > ratio * median]
+    short = [i for i in range(len(counts)) if i not in set(long)]
+    return [g for g in (short, long) if g]
+
+
 class SlotCacheRows:
     """The row bookkeeping of a session whose K/V cache is `[layers, slots, kv_heads, C, head_dim]`, one
     slot per row: add/remove rows, each row's length, growing the cache (slots and C by doubling, a copy).

@@ -15,7 +15,7 @@ import torch
 
 from ..formats import BATCH_GRAPH_FILES
 from .base import Draft
-from .batched import DraftRequest, SlotCacheRows
+from .batched import DraftRequest, SlotCacheRows, backlog_groups
 from .ort_backend import open_graph
 
 PRECISIONS = tuple(BATCH_GRAPH_FILES)
@@ -55,6 +55,17 @@ class OrtBatchDrafterSession(SlotCacheRows):
         return self._row_length(row)
 
     def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        # the graph pads every row's new context to the longest: rows that just joined (their prompt) get a
+        # call of their own rather than making every row pay for it
+        groups = backlog_groups([int(q.new_features.shape[0]) for q in requests])
+        if len(groups) < 2:
+            return self._draft(requests)
+        drafts: dict[int, Draft] = {}
+        for group in groups:
+            drafts.update(zip(group, self._draft([requests[i] for i in group])))
+        return [drafts[i] for i in range(len(requests))]
+
+    def _draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
         e = self.engine
         if not requests:
             return []

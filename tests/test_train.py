@@ -160,6 +160,42 @@ def test_target_features_stop_at_the_deepest_layer_and_match_hidden_states():
     torch.testing.assert_close(target.lm_head(teacher), full.logits, atol=1e-5, rtol=1e-5)
 
 
+def test_feature_cache_extends_when_more_sequences_are_regenerated(tmp_path):
+    """Regenerating more prompts appends shards: the cache keeps what it holds and computes only the new
+    sequences; any other change (here: the first sequences differ) rebuilds it."""
+    from dflash_trt.train.drafter import FeatureCache
+    from dflash_trt.train.regen import SequenceSet
+
+    target = make_tiny_target(vocab_size=64, layers=4, seed=2)
+    first, more = _regen_set(), _regen_set(n=2, seed=9)
+    both = SequenceSet.from_arrays(np.concatenate([first.tokens, more.tokens]),
+                                   [*first.lengths.tolist(), *more.lengths.tolist()],
+                                   [*first.prompt_lens.tolist(), *more.prompt_lens.tolist()], [*first.ids, "q0", "q1"])
+
+    def cache(data, folder="c"):
+        return FeatureCache(tmp_path / folder, data, (1, 3), 64 * 2, 64, True).open_or_build(target, batch_tokens=40)
+
+    old = np.array(cache(first).features)
+    calls = []
+    hook = target.model.layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    grown = cache(both)
+    hook.remove()
+    assert grown.meta["done"] == 5 and sum(calls) == 2  # only the two new sequences went through the target
+    n_old = int(first.offsets[-1])
+    assert np.array_equal(np.array(grown.features[:n_old]), old)
+    fresh = cache(both, "fresh")
+    np.testing.assert_allclose(np.array(grown.features, dtype=np.float32), np.array(fresh.features, dtype=np.float32),
+                               atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.array(grown.teacher, dtype=np.float32), np.array(fresh.teacher, dtype=np.float32),
+                               atol=2e-3, rtol=2e-3)
+    calls.clear()
+    hook = target.model.layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
+    cache(SequenceSet.from_arrays(both.tokens, both.lengths.tolist(), both.prompt_lens.tolist(),
+                                  ["x", *both.ids[1:]]))  # a different first sequence: rebuilt from scratch
+    hook.remove()
+    assert sum(calls) == 5
+
+
 def test_feature_cache_is_written_once_and_gives_the_same_loss(tmp_path):
     from dflash_trt.train.drafter import FeatureCache, pad_batch
 

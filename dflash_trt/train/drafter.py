@@ -246,17 +246,25 @@ class FeatureCache:
         mode = "r+"
         if meta_file.is_file():
             have = json.loads(meta_file.read_text())
-            if {k: v for k, v in have.items() if k != "done"} != want:
+            if {k: v for k, v in have.items() if k != "done"} == want:
+                self.meta["done"] = have["done"]
+            elif self._extends(have):  # more regenerated shards after the same ones: compute only the new part
+                print(f"feature cache {self.folder}: {len(self.data) - have['sequences']} new sequences, extending",
+                      flush=True)
+                self._check_space(self.meta["tokens"] - have["tokens"])
+                for f, width in ((feat_file, self.meta["feature_size"]),
+                                 (teacher_file, self.meta["hidden_size"] if self.meta["teacher"] else 0)):
+                    if width:
+                        with open(f, "r+b") as fh:
+                            fh.truncate(self.meta["tokens"] * width * 2)
+                self.meta["done"] = have["done"]
+                meta_file.write_text(json.dumps(self.meta))
+            else:
                 print(f"feature cache {self.folder}: data or layers changed, rebuilding", flush=True)
                 shutil.rmtree(self.folder)
-            else:
-                self.meta["done"] = have["done"]
         if not meta_file.is_file():
             self.folder.mkdir(parents=True, exist_ok=True)
-            need = self.meta["tokens"] * (self.meta["feature_size"] + self.meta["hidden_size"] * self.meta["teacher"]) * 2
-            free = shutil.disk_usage(self.folder).free
-            if need > free * 0.9:
-                raise OSError(f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free in {self.folder}")
+            self._check_space(self.meta["tokens"])
             mode = "w+"
         n_tok = self.meta["tokens"]
         self.features = np.memmap(feat_file, np.float16, mode, shape=(n_tok, self.meta["feature_size"]))
@@ -266,6 +274,19 @@ class FeatureCache:
             meta_file.write_text(json.dumps(self.meta))
         self._build(target, batch_tokens)
         return self
+
+    def _check_space(self, tokens: int) -> None:
+        need = tokens * (self.meta["feature_size"] + self.meta["hidden_size"] * self.meta["teacher"]) * 2
+        free = shutil.disk_usage(self.folder).free
+        if need > free * 0.9:
+            raise OSError(f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free in {self.folder}")
+
+    def _extends(self, have: dict) -> bool:
+        """The cache on disk holds the first sequences of this set (same layers): regenerating appends shards."""
+        n = int(have.get("sequences", 0))
+        same_kind = all(have.get(k) == self.meta[k] for k in ("layer_ids", "feature_size", "hidden_size", "teacher"))
+        return (same_kind and 0 < n < len(self.data) and have.get("tokens") == int(self.data.offsets[n])
+                and have.get("ids_hash") == hash_ids(self.data.ids[:n]))
 
     def _build(self, target, batch_tokens: int) -> None:
         n, done = len(self.data), self.meta["done"]

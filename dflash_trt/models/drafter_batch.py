@@ -74,7 +74,7 @@ def ragged_round(
     else:
         ctx = drafter.project_context(features)
         ctx_cos, ctx_sin = drafter.rotary_emb(block_embeds, new_pos)
-    write = new_pos[:, None, :, None].expand(b, drafter.n_kv_heads, n, drafter.head_dim)
+        write = new_pos[:, None, :, None].expand(b, drafter.n_kv_heads, n, drafter.head_dim)
     x = block_embeds
     out_k, out_v = [], []
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}

@@ -165,6 +165,31 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
         assert dec.prior.alpha[False] > 0.3  # the prior learned from the probes
 
 
+def test_probes_back_off_while_they_change_nothing(tiny_pair):
+    """A drafter that never hits, at a load where drafting does not pay: the row is probed 4 steps after it
+    joined, then 8, 16, 32 steps after each probe (each one a backlog the drafter must take in), not every
+    4 steps; its tokens are still the target's own."""
+    from dflash_trt.decoding.adaptive import AcceptancePrior
+
+    _, _, _, model, _ = tiny_pair
+    prompt, n = [3, 1, 4, 1, 5], 100
+    ref = reference(model, prompt, n)
+    target = TorchBatchTargetEngine(model, (0,))
+    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
+    dec = BatchDecoder(target, OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0,
+                                                                feature_layer_ids=(0,))]),
+                       adaptive=True, cost=cost, probe_every=4)
+    dec.prior = AcceptancePrior(start=0.02)
+    row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
+    drafted_at = []
+    while dec.active:
+        for _, rnd in dec.step():
+            if rnd.drafted:
+                drafted_at.append(dec._steps - 1)  # the verify step that ran it
+    assert row.result().token_ids == ref
+    assert drafted_at == [4, 12, 28, 60] and row.probes == 4
+
+
 def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     """N_SAMPLES seeded rows, 400 per batch, next to rows of other lengths and settings."""
     target, drafter_engine = batch_engines(model, drafter)

@@ -165,7 +165,7 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
         assert dec.prior.alpha[False] > 0.3  # the prior learned from the probes
 
 
-def test_probes_back_off_while_they_change_nothing(tiny_pair):
+def test_probes_back_off_while_they_miss(tiny_pair):
     """A drafter that never hits, at a load where drafting does not pay: the row is probed 4 steps after it
     joined, then 8, 16, 32 steps after each probe (each one a backlog the drafter must take in), not every
     4 steps; its tokens are still the target's own."""

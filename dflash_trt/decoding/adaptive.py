@@ -28,8 +28,8 @@ Probes exist because the estimates feed on themselves: a row that does not draft
 unlucky early round (or a pessimistic prior) at a batch size where drafting pays only at the true acceptance
 would keep it at block 1 for good, and the prior that new rows start from would learn nothing either. The
 decoder probes every row that has not drafted lately, all on the same step (`BatchDecoder.probe_every`), so
-the drafter's fixed cost is paid once per probe step, not once per row; a row probed again and again
-without the policy then choosing to draft it is probed half as often each time (its backlog is the cost).
+the drafter's fixed cost is paid once per probe step, not once per row; a row whose probes keep missing is
+probed half as often each time (its backlog is the cost).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ class BatchRow:
         self.acceptance = AcceptanceTracker()
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
         self.last_draft_step = -(1 << 30)  # the decoder's verify step at which this row last drafted (or joined)
-        self.probes = 0  # probes since the policy last chose to draft this row: the next one waits 2^probes longer
+        self.probes = 0  # probes in a row that missed (accepted < half): the next one waits 2^probes longer
         self.probe_due = False
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.stop_string: str | None = None
@@ -129,8 +129,8 @@ class BatchDecoder:
     `adaptive.measure_costs`); otherwise rows without their own `block_size` use `block_size`.
     refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never).
     probe_every: with adaptive, every N verify steps each row that has not drafted in the last N x 2^k steps
-    (k: its probes since the policy last chose to draft it) drafts one block (a probe, see `adaptive`), so
-    that no row's acceptance estimate freezes, at a cost that backs off where probes change nothing (0 = never).
+    (k: its probes in a row that missed) drafts one block (a probe, see `adaptive`), so that no row's
+    acceptance estimate freezes, at a cost that backs off where probes keep missing (0 = never).
     min_gain: with adaptive, draft only when the cost model expects it to beat not drafting by this fraction
     (measured on the demo pair at 32 rows: the linear model underestimates a drafting step by 10-25 %).
 
@@ -278,7 +278,7 @@ class BatchDecoder:
         # size; charging it would keep a row that skipped drafting from ever drafting again (its backlog grows).
         # A probe makes the drafter take in the row's whole backlog (its prompt too, the first time), so probes
         # back off: a row is due probe_every x 2^probes steps after it last drafted or joined (a new row's
-        # estimate is the prior, fresh), and `probes` counts probes since the policy last chose to draft it.
+        # estimate is the prior, fresh), and `probes` counts the probes in a row that missed (see _verify).
         # (At 32 rows of the demo pair nothing drafts by choice; probing every row every 32 steps from its
         # first step made probe steps of 54 ms against 17 ms, in process.)
         probing = self.probe_every > 0 and self._steps % self.probe_every == 0
@@ -325,6 +325,10 @@ class BatchDecoder:
             if row.drafter_row is not None and out.features is not None:
                 row.pending.append(out.features[: accepted + 1])
             row.acceptance.update(int(tokens.numel()), accepted)
+            if tokens.numel():  # a probe that misses confirms the low estimate: the next one waits twice as long;
+                # one that hits (the estimate, and the prior new rows start from, must catch up) or a block the
+                # policy chose itself resets the wait
+                row.probes = row.probes + 1 if row.probe_due and 2 * accepted < tokens.numel() else 0
             row.stats.draft_time_s += t2 - t1
             row.stats.verify_time_s += t3 - t2
             new = tokens[:accepted].tolist() + [bonus]
@@ -364,7 +368,6 @@ class BatchDecoder:
             row = rows[i]
             row.pending = []
             row.last_draft_step = self._steps
-            row.probes = row.probes + 1 if row.probe_due else 0
             drafts[i] = d
         prof.draft_rows, prof.draft_tokens = len(todo), sum(q.block_size + q.new_features.shape[0] for q in requests)
         return drafts

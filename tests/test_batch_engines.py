@@ -284,3 +284,48 @@ def test_backlog_groups_split_only_rows_far_above_the_median():
     assert backlog_groups([20, 30, 25]) == [[0, 1, 2]]  # all long: one call, nothing to save
     assert backlog_groups([1, 12]) == [[0, 1]]  # short padding is cheaper than a second call
     assert backlog_groups([]) == []
+
+
+def test_scattered_rows_run_as_a_slot_span_or_gathered(tiny_pair):
+    """Calls whose slots lie close together run on the span of slots (the slots in between, live or free,
+    ride along as idle rows); scattered ones gather their rows. Either way each row equals itself alone,
+    and an idle row's cache is untouched (its next call still matches)."""
+    family, _, _, model, drafter = tiny_pair
+    single_t, batch_t = engines(model, drafter)
+    rng = torch.Generator().manual_seed(3)
+    t_sess = batch_t.new_batch()
+    rows = [t_sess.add_row() for _ in range(12)]
+    t_ref = {r: single_t.new_session() for r in rows}
+    t_sess.remove_row(6)  # a free slot inside the span
+    live = [r for r in rows if r != 6]
+    for r in live:
+        p = ids(rng, 3 + r)
+        check_same(t_sess.forward([r], [p])[0], t_ref[r].forward(p), (family, "prefill", r))
+    calls = [
+        live,  # every live row: the span 0..11 with the free slot idle
+        [10, 1, 3, 2, 4, 0, 5, 8, 9],  # a subset in any order: span 0..10, slots 6 (free) and 7 (live) idle
+        [11, 0],  # far apart: gathered
+        list(reversed(live)),
+    ]
+    for call in calls:
+        blocks = [ids(rng, 1 + (r % 4)) for r in call]
+        for r, blk, o in zip(call, blocks, t_sess.forward(call, blocks)):
+            check_same(o, t_ref[r].forward(blk), (family, "target", call, r))
+
+    # the drafter tolerates fewer idle rows (one per 8 in the call: an idle row costs it a whole block)
+    single_d, batch_d = drafter_engines(model, drafter)
+    d_sess = batch_d.new_batch()
+    rows = [d_sess.add_row() for _ in range(19)]
+    d_ref = {r: single_d.new_session() for r in rows}
+    d_sess.remove_row(6)
+    live = [r for r in rows if r != 6]
+    calls = [
+        live,  # span with the free slot idle
+        [r for r in live if r != 12],  # 17 rows: span 0..18 with slots 6 (free) and 12 (live) idle
+        [18, 0, 9],  # gathered
+        [r for r in live if r not in (12, 13, 14)],  # 15 rows, 4 idle: gathered
+        live,
+    ]
+    plan = [{r: (1 + r % 3, 2 + r % 5) for r in call} for call in calls]
+    plan[0] = {r: (4 + r, 4) for r in live}  # first drafts bring their prompt
+    check_drafts_match(d_sess, d_ref, rng, plan, drafter.feature_size, (family, "drafter"))

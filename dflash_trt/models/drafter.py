@@ -80,14 +80,23 @@ class DFlashAttention(nn.Module):
         cos: torch.Tensor,
         sin: torch.Tensor,
         mask: torch.Tensor | None,
+        block_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """x: block hidden [b, B, H]; ctx_k/ctx_v: cached + new context K/V [b, kvh, T, hd]."""
+        """x: block hidden [b, B, H]; ctx_k/ctx_v: cached + new context K/V [b, kvh, T, hd]. The block's own
+        K/V are appended to them, or, given `block_at` [b, B] (cache positions past each row's context),
+        written into ctx_k/ctx_v in place there (no copy of the cache; the mask then covers T keys only)."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, n, self.n_heads, self.head_dim)).transpose(1, 2)
         q = _rope(q, cos, sin)
         k_blk, v_blk = self.project_kv(x, cos, sin)
-        k = torch.cat([ctx_k, k_blk], dim=2)
-        v = torch.cat([ctx_v, v_blk], dim=2)
+        if block_at is None:
+            k = torch.cat([ctx_k, k_blk], dim=2)
+            v = torch.cat([ctx_v, v_blk], dim=2)
+        else:
+            at = torch.arange(b, device=x.device)[:, None], block_at
+            ctx_k.transpose(1, 2)[at] = k_blk.transpose(1, 2)
+            ctx_v.transpose(1, 2)[at] = v_blk.transpose(1, 2)
+            k, v = ctx_k, ctx_v
         # Grouped-query attention without copying K/V per head: the g query heads that share a KV
         # head are folded into the query axis, so a round never copies the O(context) cache.
         groups = self.n_heads // self.n_kv_heads
@@ -134,8 +143,8 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask)
+    def forward(self, x, ctx_k, ctx_v, cos, sin, mask=None, block_at=None):
+        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask, block_at)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, ctx_visible, block_size):

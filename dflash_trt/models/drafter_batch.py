@@ -1,9 +1,10 @@
-"""One drafter round for many rows at once (ragged), shared by the PyTorch batched session and the
-exported batched ONNX graph (so both compute exactly the same thing).
+"""One drafter round for many rows at once (ragged), in two forms that compute the same thing: padded
+(`ragged_round`, the exported batched ONNX graph's fixed-rank form) and packed (`packed_round`, the
+PyTorch batched session's: real rows only, the cache written in place).
 
 Row r holds `past_lengths[r]` context K/V in its cache, brings `new_lengths[r]` new context features
-and drafts a block of `block_lengths[r]` tokens. Inputs are padded to the longest row; padding is
-masked out of attention, so each row's result equals the single-row `DFlashDrafter.forward`.
+and drafts a block of `block_lengths[r]` tokens. Padding is masked out of attention, so each row's
+result equals the single-row `DFlashDrafter.forward`.
 
 The cache is `[layers, rows, kv_heads, C, head_dim]` with C >= max(past_lengths) + n (the padded
 new-context length): row r's new context K/V are written at positions past_lengths[r] + i. Padding
@@ -40,17 +41,11 @@ def ragged_round(
     past_v: torch.Tensor,
     past_lengths: torch.Tensor,
     inplace: bool = False,
-    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """features [b, n, F], new_lengths [b]; block_embeds [b, B, H], block_lengths [b]; past_k/past_v
     [L, b, kvh, C, hd], past_lengths [b]. Returns the block's final hidden states [b, B, H] and the
-    cache with the new context written (the same tensors when inplace, else new ones).
-
-    packed (with inplace): project only the real new-context rows, not the padding. New context goes
-    through per-token work only (projection, K/V, RoPE), so this is the same computation; it matters
-    because backlogs are ragged: a row drafting for the first time brings its whole prompt (~100+ rows),
-    the others a few, and padded every row paid for the prompt (16 rows of the demo pair, steady state:
-    151 drafter tokens a step, 8.7 ms against a 15 ms verify pass). The exported graph keeps the padded form."""
+    cache with the new context written (the same tensors when inplace, else new ones). This padded form
+    is the exported graph's; the PyTorch session runs `packed_round`, the same computation."""
     b, n, _ = features.shape
     n_block = block_embeds.shape[1]
     cap = past_k.shape[3]
@@ -64,28 +59,16 @@ def ragged_round(
         [cache_pos < ctx_len[:, None], torch.arange(n_block, device=dev)[None, :] < block_lengths[:, None]], dim=1
     )
     k_pos = torch.cat([cache_pos, blk_pos], dim=1)
-    if packed:
-        if not inplace:
-            raise ValueError("packed context needs inplace=True")
-        row_idx, col_idx = (torch.arange(n, device=dev)[None, :] < new_lengths[:, None]).nonzero(as_tuple=True)
-        pos = new_pos[row_idx, col_idx]  # [T]: each real context row's cache position
-        ctx = drafter.project_context(features[row_idx, col_idx][None])  # [1, T, H]
-        ctx_cos, ctx_sin = drafter.rotary_emb(block_embeds, pos[None])
-    else:
-        ctx = drafter.project_context(features)
-        ctx_cos, ctx_sin = drafter.rotary_emb(block_embeds, new_pos)
-        write = new_pos[:, None, :, None].expand(b, drafter.n_kv_heads, n, drafter.head_dim)
+    ctx = drafter.project_context(features)
+    ctx_cos, ctx_sin = drafter.rotary_emb(block_embeds, new_pos)
+    write = new_pos[:, None, :, None].expand(b, drafter.n_kv_heads, n, drafter.head_dim)
     x = block_embeds
     out_k, out_v = [], []
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}
     for i, layer in enumerate(drafter.layers):
         attn = layer.self_attn
         k_new, v_new = attn.project_kv(ctx, ctx_cos, ctx_sin)
-        if packed:  # [1, kvh, T, hd] -> row row_idx[t], position pos[t] of the [b, kvh, C, hd] cache
-            past_k[i].permute(0, 2, 1, 3)[row_idx, pos] = k_new[0].transpose(0, 1)
-            past_v[i].permute(0, 2, 1, 3)[row_idx, pos] = v_new[0].transpose(0, 1)
-            ctx_k, ctx_v = past_k[i], past_v[i]
-        elif inplace:
+        if inplace:
             ctx_k, ctx_v = past_k[i].scatter_(2, write, k_new), past_v[i].scatter_(2, write, v_new)
         else:
             ctx_k, ctx_v = past_k[i].scatter(2, write, k_new), past_v[i].scatter(2, write, v_new)
@@ -98,3 +81,49 @@ def ragged_round(
     if inplace:
         return drafter.norm(x), past_k, past_v
     return drafter.norm(x), torch.stack(out_k), torch.stack(out_v)
+
+
+def packed_round(
+    drafter: DFlashDrafter,
+    features: torch.Tensor,
+    feature_rows: torch.Tensor,
+    feature_positions: torch.Tensor,
+    block_embeds: torch.Tensor,
+    block_lengths: torch.Tensor,
+    context_lengths: torch.Tensor,
+    cache_k: torch.Tensor,
+    cache_v: torch.Tensor,
+) -> torch.Tensor:
+    """`ragged_round` without padding or copies (the PyTorch batched session's form; the same computation).
+
+    features [T, F]: the rows' real new context, one after another; feature t belongs to row
+    feature_rows[t] at cache position feature_positions[t]. block_embeds [b, B, H], block_lengths [b],
+    context_lengths [b]: each row's valid context after this round. cache_k/cache_v [L, b, kvh, C, hd],
+    C >= max(context_lengths) + B, written in place: the new context's K/V, and each row's block K/V as
+    scratch right after its context (beyond the row's valid length, so overwritten by later context and
+    never read as context). Returns the block's final hidden states [b, B, H].
+
+    Packing matters because backlogs are ragged (a row drafting for the first time brings its whole prompt,
+    ~100+ features, the others a few: padded, every row paid for the prompt); writing the block into the
+    cache spares each layer two copies of the whole cache (the concatenation of context and block keys)."""
+    n_block = block_embeds.shape[1]
+    cap = cache_k.shape[3]
+    dev = block_embeds.device
+    blk_pos = context_lengths[:, None] + torch.arange(n_block, device=dev)[None, :]  # [b, B]
+    blk_cos, blk_sin = drafter.rotary_emb(block_embeds, blk_pos)
+    cache_pos = torch.arange(cap, device=dev)[None, :].expand(block_embeds.shape[0], -1)
+    key_valid = cache_pos < (context_lengths + block_lengths)[:, None]  # the context, then the row's block
+    ctx = drafter.project_context(features[None])  # [1, T, H]
+    ctx_cos, ctx_sin = drafter.rotary_emb(block_embeds, feature_positions[None])
+    x = block_embeds
+    masks: dict[tuple[bool, int | None], torch.Tensor] = {}
+    for i, layer in enumerate(drafter.layers):
+        attn = layer.self_attn
+        k_new, v_new = attn.project_kv(ctx, ctx_cos, ctx_sin)  # [1, kvh, T, hd]
+        cache_k[i].transpose(1, 2)[feature_rows, feature_positions] = k_new[0].transpose(0, 1)
+        cache_v[i].transpose(1, 2)[feature_rows, feature_positions] = v_new[0].transpose(0, 1)
+        key = (attn.causal, attn.window)
+        if key not in masks:
+            masks[key] = _visible(attn, key_valid, blk_pos, cache_pos)
+        x = layer(x, cache_k[i], cache_v[i], blk_cos, blk_sin, masks[key], block_at=blk_pos)
+    return drafter.norm(x)

@@ -15,7 +15,7 @@ embedding, MLP), with the attention written out. Families: Qwen3, Qwen2, LLaMA, 
 attention (sliding-window layers are refused).
 
 Drafter: the same slot scheme for its context cache; one round for all rows is
-`models.drafter_batch.ragged_round` (also what the batched ONNX graph computes).
+`models.drafter_batch.packed_round` (the batched ONNX graph computes the same, padded: `ragged_round`).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..models.drafter import DFlashDrafter
-from ..models.drafter_batch import ragged_round
+from ..models.drafter_batch import packed_round
 from .base import Draft, TargetOutput
 from .batched import DraftRequest, SlotCacheRows
 
@@ -39,12 +39,32 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotated * sin[:, None]
 
 
-def _row_index(rows: Sequence[int], device: torch.device) -> tuple[slice | None, torch.Tensor]:
-    """A slice when rows are consecutive slots (a view, no copy), and the index tensor either way."""
-    idx = torch.tensor(list(rows), dtype=torch.long, device=device)
-    first = rows[0]
-    consecutive = list(rows) == list(range(first, first + len(rows)))
-    return (slice(first, first + len(rows)) if consecutive else None), idx
+class RowLayout:
+    """Where a call's rows sit in the batch its attention runs on.
+
+    Attention needs each row's cache as one `[rows, kv_heads, C, head_dim]` batch. When the call's slots
+    lie close together (the usual case: every live row verifies each step), that batch is the view of the
+    slot span lo..hi, no copy; slots in the span that are not in the call ride along as idle rows, whose
+    results are dropped. Otherwise (a few scattered rows, e.g. two joiners' prefill) the rows' caches are
+    gathered (a copy of their first `end` positions). Joins and leaves scatter the slots, so before this
+    most steady-state passes copied every row's K and V in every layer."""
+
+    def __init__(self, rows: Sequence[int], device: torch.device, max_idle: int):
+        self.slots = torch.tensor(list(rows), dtype=torch.long, device=device)
+        lo, hi = min(rows), max(rows)
+        if hi - lo + 1 <= len(rows) + max_idle:
+            self.span: slice | None = slice(lo, hi + 1)
+            self.size = hi - lo + 1
+            self.local = self.slots - lo  # each call row's place in the attention batch
+        else:
+            self.span, self.size = None, len(rows)
+            self.local = torch.arange(len(rows), device=device)
+
+    def batch(self, cache: torch.Tensor, end: int) -> torch.Tensor:
+        """One layer's cache [slots, heads, C, d] -> the attention batch's first `end` positions."""
+        if self.span is not None:
+            return cache[self.span, :, :end]
+        return cache[:, :, :end].index_select(0, self.slots)
 
 
 class TorchBatchTargetEngine:
@@ -129,10 +149,14 @@ class TorchBatchTargetSession(SlotCacheRows):
         count_t = torch.tensor(counts, device=dev)
         valid = torch.arange(n, device=dev)[None, :] < count_t[:, None]  # [b, n]
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
-        mask = (torch.arange(end, device=dev)[None, None, :] <= pos[:, :, None])[:, None]  # [b, 1, n, end]
         vr, vi = valid.nonzero(as_tuple=True)  # row-major: the order of `flat`
-        view, idx = _row_index(rows, dev)
-        w_rows, w_pos = idx[vr], pos[vr, vi]
+        # an idle row costs the target its share of attention only (projections and MLPs run on real tokens)
+        layout = RowLayout(rows, dev, max_idle=len(rows))
+        w_rows, w_pos, a_rows = layout.slots[vr], pos[vr, vi], layout.local[vr]
+        # idle rows of the span see positions 0..n-1 (never an empty softmax); their output is dropped
+        a_pos = torch.arange(n, device=dev)[None, :].repeat(layout.size, 1)
+        a_pos[layout.local] = pos
+        mask = (torch.arange(end, device=dev)[None, None, :] <= a_pos[:, :, None])[:, None]  # [S, 1, n, end]
 
         x = e.base.embed_tokens(flat)[None]  # [1, T, H]
         cos, sin = e.base.rotary_emb(x, w_pos[None])
@@ -150,15 +174,12 @@ class TorchBatchTargetSession(SlotCacheRows):
             ck, cv = self.k[li], self.v[li]
             ck[w_rows, :, w_pos] = k[0].transpose(0, 1)
             cv[w_rows, :, w_pos] = v[0]
-            if view is not None:
-                keys, values = ck[view, :, :end], cv[view, :, :end]
-            else:
-                keys, values = ck.index_select(0, idx)[:, :, :end], cv.index_select(0, idx)[:, :, :end]
-            qp = q.new_zeros(b, n, q.shape[1], e.head_dim)
-            qp[vr, vi] = q[0].transpose(0, 1)
+            keys, values = layout.batch(ck, end), layout.batch(cv, end)
+            qp = q.new_zeros(layout.size, n, q.shape[1], e.head_dim)
+            qp[a_rows, vi] = q[0].transpose(0, 1)
             a = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask, scale=e.scaling,
                                                enable_gqa=True)
-            x = x + attn.o_proj(a.transpose(1, 2)[vr, vi].reshape(1, total, -1))
+            x = x + attn.o_proj(a.transpose(1, 2)[a_rows, vi].reshape(1, total, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in want:
                 outs[li] = x[0]
@@ -212,27 +233,44 @@ class TorchBatchDrafterSession(SlotCacheRows):
         e, d = self.engine, self.engine.drafter
         if not requests:
             return []
-        rows, counts, blocks, past, cap = self._plan_draft(requests)
+        rows, counts, blocks, past, _ = self._plan_draft(requests)
         dev = e.embed_weight.device
-        b, n, nb = len(rows), max(counts), max(blocks)
-        feats = torch.zeros(b, n, d.feature_size, dtype=self.k.dtype, device=dev)
-        ids = torch.full((b, nb), e.mask_token_id, dtype=torch.long, device=dev)
-        for i, q in enumerate(requests):
-            feats[i, : counts[i]] = q.new_features.to(device=dev, dtype=self.k.dtype)
-            ids[i, 0] = q.last_token
-        view, idx = _row_index(rows, dev)
-        if view is not None:
-            past_k, past_v = self.k[:, view, :, :cap], self.v[:, view, :, :cap]
+        # idle rows cost the drafter a whole block each (unlike the target, where only attention pads), so
+        # few are worth a copy; gathering a row's cache (and writing it back) is cheap at drafter depth
+        layout = RowLayout(rows, dev, max_idle=len(rows) // 8)
+        nb = max(blocks)
+        # per attention row: valid context after this round and block length; idle rows of the span keep
+        # their context (their block's scratch K/V go after it) and run a 1-token block
+        if layout.span is not None:
+            span = range(layout.span.start, layout.span.stop)
+            context = [self.slots.lengths[s] if self.slots.live[s] else 0 for s in span]
+            block_len = [1] * len(span)
         else:
-            past_k, past_v = self.k[:, idx, :, :cap], self.v[:, idx, :, :cap]
-        hidden, past_k, past_v = ragged_round(
-            d, feats, torch.tensor(counts, device=dev), d.embed_block(ids, e.embed_weight),
-            torch.tensor(blocks, device=dev), past_k, past_v, torch.tensor(past, device=dev), inplace=True,
-            packed=True,
+            context, block_len = [0] * len(rows), [1] * len(rows)
+        local = layout.local.tolist()
+        for a, p, c, blk in zip(local, past, counts, blocks):
+            context[a], block_len[a] = p + c, blk
+        end = max(context) + nb
+        self._reserve(self.slots.capacity, end)
+        if layout.span is not None:
+            cache_k, cache_v = self.k[:, layout.span, :, :end], self.v[:, layout.span, :, :end]
+        else:
+            cache_k, cache_v = self.k[:, layout.slots, :, :end], self.v[:, layout.slots, :, :end]
+        count_t = torch.tensor(counts, device=dev)
+        first = torch.repeat_interleave(count_t.cumsum(0) - count_t, count_t)  # each feature's row start
+        feature_pos = torch.repeat_interleave(torch.tensor(past, device=dev), count_t)
+        feature_pos = feature_pos + torch.arange(len(first), device=dev) - first
+        ids = torch.full((layout.size, nb), e.mask_token_id, dtype=torch.long, device=dev)
+        ids[layout.local, 0] = torch.tensor([q.last_token for q in requests], device=dev)
+        hidden = packed_round(
+            d, torch.cat([q.new_features for q in requests]).to(device=dev, dtype=self.k.dtype),
+            torch.repeat_interleave(layout.local, count_t), feature_pos, d.embed_block(ids, e.embed_weight),
+            torch.tensor(block_len, device=dev), torch.tensor(context, device=dev), cache_k, cache_v,
         )
-        if view is None:  # a gathered copy: write it back
-            self.k[:, idx, :, :cap], self.v[:, idx, :, :cap] = past_k, past_v
+        if layout.span is None:  # a gathered copy: write it back
+            self.k[:, layout.slots, :, :end], self.v[:, layout.slots, :, :end] = cache_k, cache_v
         self._advance(rows, past, counts)
-        logits = d.logits(hidden[:, 1:], e.lm_head_weight).float()  # [b, nb-1, V]
+        logits = d.logits(hidden[layout.local, 1:], e.lm_head_weight).float()  # [b, nb-1, V]
         tokens = logits.argmax(-1)
-        return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1]) for i in range(b)]
+        return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1])
+                for i in range(len(rows))]

@@ -10,7 +10,8 @@ Held-out code prompts (never trained on), OpenAI completions endpoint, streaming
     dflash-b8      the server with --block-size 8: DFlash at a fixed block of 8
     adaptive       the server as shipped: DFlash, block size chosen per step and per request
 
-aiperf measures output tokens/s, time to first token and inter-token latency (avg, p50, p99) per cell.
+aiperf measures output tokens/s, time to first token and inter-token latency (avg, p50, p99) per cell. It
+shares the machine with the server, so it runs at a lower priority (--client-nice) and uses idle CPU only.
 In process, on the same models, it also measures per prompt (T = 0, 1 row, best of --repeats): the target alone, the
 single-sequence DFlash loop (decoding/decode.py) and the batched step with adaptive blocks, on the code
 prompts (--osl tokens) and on --long-prompts longer ones (--long-osl tokens, where a weak drafter misses),
@@ -69,6 +70,10 @@ def parse_args(argv=None):
                     help="per-prompt timings keep the best of this many runs (default 3; one 64-token run is ~0.5 s, "
                     "where a burst of load elsewhere decides a single timing)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
+    ap.add_argument("--client-nice", type=int, default=15,
+                    help="run aiperf at this niceness (default 15; 0 = as the server): on a machine it shares with "
+                    "the server, the client's own CPU use slows what it measures, which a client on another machine "
+                    "would not; the Hugging Face reference runs with no client at all")
     ap.add_argument("--skip-in-process", action="store_true", help="only the aiperf cells (no HF, no per-prompt)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "load", help="output folder")
     return ap.parse_args(argv)
@@ -212,7 +217,8 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
             for temp in temps:
                 for c in levels:
                     run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args), warmup=c,
-                                    input_file=dataset, osl=args.osl, extra_inputs={"temperature": temp})
+                                    input_file=dataset, osl=args.osl, extra_inputs={"temperature": temp},
+                                    nice=args.client_nice)
                     m = run_aiperf(args.aiperf, run, args.out / "aiperf" / f"{mode}-t{temp:g}-c{c}")
                     cell = {"mode": mode, "concurrency": c, "temperature": temp, "requests": run.requests,
                             "tokens_per_s": value(m, "output_token_throughput"),
@@ -273,7 +279,8 @@ def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str
     modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
     keys = sorted({(c["temperature"], c["concurrency"]) for c in cells})
     lines = [f"# Load benchmark: {settings['target']} + {settings['drafter']}", "",
-             f"{settings['machine']}; aiperf, completions, streaming; held-out code prompts, {settings['osl']} "
+             f"{settings['machine']}; aiperf (nice {settings.get('client_nice', 0)}), completions, streaming; "
+             f"held-out code prompts, {settings['osl']} "
              "tokens per request (ignore_eos). Output tokens/s (higher is better); ratios side by side in one run.", "",
              "| T | concurrency | HF generate | " + " | ".join(modes)
              + " | adaptive / HF | adaptive / target | TTFT p50/p99 ms (adaptive) | ITL p50/p99 ms (adaptive) |",
@@ -363,7 +370,7 @@ def main(argv=None) -> int:
         return 1
     settings = {"target": str(args.target), "drafter": str(args.drafter), "osl": args.osl,
                 "prompts": args.prompts, "long_prompts": args.long_prompts, "long_osl": args.long_osl,
-                "concurrency": levels, "temperatures": temps, "modes": modes, "threads": args.threads or
+                "concurrency": levels, "temperatures": temps, "modes": modes, "client_nice": args.client_nice, "threads": args.threads or
                 torch.get_num_threads(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                 f"torch {torch.__version__}", "minutes": round((time.monotonic() - t0) / 60, 1)}
     found = checks(cells, proc)

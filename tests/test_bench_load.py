@@ -34,6 +34,7 @@ def test_aiperf_command_sends_the_dataset_and_sampling_settings(tmp_path):
     assert "--isl" not in cmd and "--streaming" in cmd
     synthetic = AiperfRun("u", "m", "tok", isl=32).command("aiperf", tmp_path)
     assert synthetic[synthetic.index("--isl") + 1] == "32" and "--input-file" not in synthetic
+    assert AiperfRun("u", "m", "tok", nice=15).command("aiperf", tmp_path)[:5] == ["nice", "-n", "15", "aiperf", "profile"]
 
 
 def test_export_metrics_reads_the_nested_export(tmp_path):

@@ -70,6 +70,9 @@ def parse_args(argv=None):
                     help="per-prompt timings keep the best of this many runs (default 3; one 64-token run is ~0.5 s, "
                     "where a burst of load elsewhere decides a single timing)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
+    ap.add_argument("--load-repeats", type=int, default=2,
+                    help="aiperf runs per cell, the modes back to back in a rotating order (default 2; the cell "
+                    "reports its median run)")
     ap.add_argument("--client-nice", type=int, default=15,
                     help="run aiperf at this niceness (default 15; 0 = as the server): on a machine it shares with "
                     "the server, the client's own CPU use slows what it measures, which a client on another machine "
@@ -197,43 +200,60 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: 
 
 # ---- the server cells --------------------------------------------------------------------------------
 def server_cells(args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str]) -> list[dict]:
+    """Every mode's server runs at once (idle ones cost nothing); each cell is measured --load-repeats times,
+    the modes back to back in a rotating order, so that the machine's drift (20-40 % over minutes here)
+    falls on every mode alike instead of on whichever mode ran during a slow spell. A cell reports the run
+    with its median tokens/s and lists all runs."""
     import httpx
 
     from dflash_trt.server.process import start_serve
 
     dataset = args.out / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"text": t, "output_length": args.osl}) + "\n" for t in code_texts))
-    cells = []
-    for mode in modes:
-        serve = ["--target", str(args.target), "--drafter", str(args.drafter), "--max-active", str(max(levels)),
-                 "--max-queue", str(4 * max(levels)), *MODES[mode]]
-        if args.threads:
-            serve += ["--threads", str(args.threads)]
-        t0 = time.monotonic()
-        proc, url = start_serve(serve, args.out / f"serve-{mode}.log", timeout_s=600, env={"DFLASH_TRT_API_KEY": ""})
-        print(f"server {mode} up in {time.monotonic() - t0:.1f}s: {url}", flush=True)
-        try:
-            model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
-            for temp in temps:
-                for c in levels:
-                    run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args), warmup=c,
-                                    input_file=dataset, osl=args.osl, extra_inputs={"temperature": temp},
-                                    nice=args.client_nice)
-                    m = run_aiperf(args.aiperf, run, args.out / "aiperf" / f"{mode}-t{temp:g}-c{c}")
-                    cell = {"mode": mode, "concurrency": c, "temperature": temp, "requests": run.requests,
-                            "tokens_per_s": value(m, "output_token_throughput"),
-                            "ttft_ms": {s: value(m, "time_to_first_token", s) for s in ("avg", "p50", "p99")},
-                            "itl_ms": {s: value(m, "inter_token_latency", s) for s in ("avg", "p50", "p99")},
-                            "osl": value(m, "output_sequence_length"), "errors": m.get("error_summary"),
-                            "wall_s": m["wall_s"]}
-                    cells.append(cell)
-                    print("aiperf", json.dumps(cell), flush=True)
-            metrics = httpx.get(url + "/metrics", timeout=30).text
-            (args.out / f"metrics-{mode}.txt").write_text(metrics)
-        finally:
+    servers: dict[str, tuple] = {}
+    runs: dict[tuple, list[dict]] = {}
+    try:
+        for mode in modes:
+            serve = ["--target", str(args.target), "--drafter", str(args.drafter), "--max-active", str(max(levels)),
+                     "--max-queue", str(4 * max(levels)), *MODES[mode]]
+            if args.threads:
+                serve += ["--threads", str(args.threads)]
+            t0 = time.monotonic()
+            proc, url = start_serve(serve, args.out / f"serve-{mode}.log", timeout_s=600,
+                                    env={"DFLASH_TRT_API_KEY": ""})
+            servers[mode] = (proc, url)
+            print(f"server {mode} up in {time.monotonic() - t0:.1f}s: {url}", flush=True)
+            servers[mode] += (httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"],)
+        for temp in temps:
+            for c in levels:
+                for rnd in range(args.load_repeats):
+                    for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:
+                        _, url, model = servers[mode]
+                        run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args),
+                                        warmup=c, input_file=dataset, osl=args.osl,
+                                        extra_inputs={"temperature": temp}, nice=args.client_nice)
+                        m = run_aiperf(args.aiperf, run, args.out / "aiperf" / f"{mode}-t{temp:g}-c{c}-r{rnd}")
+                        cell = {"mode": mode, "concurrency": c, "temperature": temp, "requests": run.requests,
+                                "tokens_per_s": value(m, "output_token_throughput"),
+                                "ttft_ms": {s: value(m, "time_to_first_token", s) for s in ("avg", "p50", "p99")},
+                                "itl_ms": {s: value(m, "inter_token_latency", s) for s in ("avg", "p50", "p99")},
+                                "osl": value(m, "output_sequence_length"), "errors": m.get("error_summary"),
+                                "wall_s": m["wall_s"]}
+                        runs.setdefault((mode, c, temp), []).append(cell)
+                        print("aiperf", json.dumps(cell), flush=True)
+        for mode, (_, url, _) in servers.items():
+            (args.out / f"metrics-{mode}.txt").write_text(httpx.get(url + "/metrics", timeout=30).text)
+    finally:
+        for proc, *_ in servers.values():
             proc.terminate()
             proc.wait(60)
-    return cells
+    return [median_cell(rs) for rs in runs.values()]
+
+
+def median_cell(runs: list[dict]) -> dict:
+    """The run with the median tokens/s (the lower middle one of an even count), with every run's figure."""
+    ranked = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)
+    return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 # ---- the report --------------------------------------------------------------------------------------

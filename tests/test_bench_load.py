@@ -82,3 +82,12 @@ def test_checks_pass_and_fail_on_the_issue_figures():
                         {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"})
     assert "| 0 | 16 | 400 | 500 | 650 | 1.62x | 1.30x |" in md
     assert "- FAIL: every cell" in md
+
+
+def test_a_cell_reports_its_median_run_and_lists_them_all():
+    bench = load_script()
+    runs = [{"mode": "target", "tokens_per_s": t, "ttft_ms": {"p50": i}} for i, t in enumerate((700.0, 910.0, 820.0))]
+    cell = bench.median_cell(runs)
+    assert cell["tokens_per_s"] == 820.0 and cell["ttft_ms"] == {"p50": 2}  # the whole median run, not a mix
+    assert cell["runs_tokens_per_s"] == [700.0, 910.0, 820.0]
+    assert bench.median_cell(runs[:2])["tokens_per_s"] == 700.0  # even count: the lower middle

@@ -276,3 +276,26 @@ def test_tiny_temperature_is_greedy(tiny_pair):
     greedy = base.generate([3, 4], GenerationConfig(max_new_tokens=12)).token_ids
     tiny = spec.generate([3, 4], GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1e-308)))
     assert tiny.token_ids == greedy
+
+
+def test_sample_draws_each_row_from_its_own_distribution():
+    """The inverse-CDF sampler: unnormalised rows are fine, zero-probability tokens are never drawn, and the
+    draws fit the distribution (chi-square); a fixed seed repeats the draws."""
+    from dflash_trt.decoding.sampling import sample
+
+    probs = torch.tensor([[0.0, 2.0, 0.0, 5.0, 3.0, 0.0], [1.0, 1.0, 1.0, 1.0, 0.0, 4.0]])
+    n = 20000
+    draws = sample(probs.expand(n, -1, -1), torch.Generator().manual_seed(0))  # [n, 2]
+    assert draws.shape == (n, 2)
+    for row in range(2):
+        p = probs[row] / probs[row].sum()
+        counts = torch.bincount(draws[:, row], minlength=6)
+        assert all(counts[t] == 0 for t in range(6) if p[t] == 0)
+        expected = {t: float(p[t]) for t in range(6) if p[t] > 0}
+        pvalue = chi_square_pvalue({t: int(c) for t, c in enumerate(counts)}, expected, n)
+        assert pvalue > 1e-3, (row, counts.tolist())
+    again = sample(probs.expand(n, -1, -1), torch.Generator().manual_seed(0))
+    assert torch.equal(draws, again)
+    skewed = sample(probs[:1].expand(n, -1), torch.Generator().manual_seed(1))
+    assert chi_square_pvalue({t: int(c) for t, c in enumerate(torch.bincount(skewed, minlength=6))},
+                             {1: 0.5, 3: 0.25, 4: 0.25}, n) < 1e-6  # the test can tell a wrong distribution

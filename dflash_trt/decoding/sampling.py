@@ -60,9 +60,17 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of probs [..., V]."""
-    flat = probs.reshape(-1, probs.shape[-1])
-    return torch.multinomial(flat, 1, generator=generator).view(probs.shape[:-1])
+    """One token per row of probs [..., V] (need not sum to 1): inverse CDF, in float64.
+
+    One uniform draw per row against the cumulative sum: the first token whose cumulative mass exceeds it
+    (a zero-probability token owns an empty interval, so it is never drawn). torch.multinomial gives the
+    same distribution but took ~150 us a row over the demo's 4096-token vocabulary on this CPU, a sixth of a
+    16-row step at T=1; this takes a few."""
+    flat = probs.reshape(-1, probs.shape[-1]).double()
+    cdf = flat.cumsum(-1)
+    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device) * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, u, right=True).clamp_(max=flat.shape[-1] - 1)
+    return picks.view(probs.shape[:-1])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:

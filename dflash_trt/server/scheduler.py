@@ -25,6 +25,7 @@ from typing import Any
 from ..decoding import GenerationResult, Round
 from ..decoding.batch import BatchDecoder, BatchRow, StepProfile
 from ..decoding.detokenizer import held_back
+from ..runtime.cpu_threads import release_openmp_workers
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -92,6 +93,9 @@ class Orchestrator:
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
+        # The engines were loaded and timed on this thread; from now on only the worker runs them, and on a
+        # CPU it should be the only thread with OpenMP workers (see runtime.cpu_threads).
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="dflash-orchestrator", daemon=True)
         self._thread.start()
 

@@ -128,15 +128,24 @@ def stage_drafter(args) -> None:
     cfg = DrafterTrainConfig(
         block_size=args.block_size, num_layers=args.drafter_layers, steps=args.drafter_steps,
         time_budget_s=args.drafter_minutes * 60, batch_size=2 if args.smoke else 8,
-        seq_len=64 if args.smoke else 256, anchors_per_seq=8 if args.smoke else 32,
+        seq_len=64 if args.smoke else 256, anchors_per_seq=8 if args.smoke else 32, lr=args.drafter_lr,
+        kd_weight=args.drafter_kd_weight,
     )
-    data = args.cache / "regenerated.npy"
+    # prompt seed 1 is the first run's data; a continuation (--drafter-init) trains on prompts of another seed
+    seed = args.regen_seed
+    data = args.cache / ("regenerated.npy" if seed == 1 else f"regenerated-seed{seed}.npy")
     if not data.exists():
         prompt_len = 32 if args.smoke else 64
         regenerate_dataset(args.out / "target", data, n_sequences=args.regen_sequences,
-                           prompt_len=prompt_len, new_tokens=cfg.seq_len - prompt_len)
-    run = args.cache / "drafter-run"  # checkpoints + optimizer state stay out of models/
-    train_drafter_from_dirs(args.out / "target", data, run, cfg, resume=(run / "trainer_state.pt").exists())
+                           prompt_len=prompt_len, new_tokens=cfg.seq_len - prompt_len, seed=seed)
+    run = args.cache / ("drafter-run" if args.drafter_init is None else "drafter-run-continued")
+    if args.drafter_init is not None and not (run / "config.json").exists():
+        # warm start: the given drafter's weights, a fresh optimizer and schedule (no trainer state)
+        run.mkdir(parents=True, exist_ok=True)
+        DFlashDrafter.from_pretrained(args.drafter_init).float().save_pretrained(run)
+        (run / "init.json").write_text(json.dumps({"drafter_init": str(args.drafter_init)}))
+    resume = (run / "trainer_state.pt").exists() or args.drafter_init is not None
+    train_drafter_from_dirs(args.out / "target", data, run, cfg, resume=resume)
     out = args.out / "drafter"
     DFlashDrafter.from_pretrained(run).half().save_pretrained(out)  # fp16 on disk, fp32 when loaded
     shutil.copy(run / "training.json", out / "training.json")
@@ -160,6 +169,15 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)")
     p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
+    p.add_argument("--regen-seed", type=int, default=1,
+                   help="seed of the corpus prompts the target continues (1: the first run's data)")
+    p.add_argument("--drafter-init", type=Path, default=None,
+                   help="continue from this drafter (e.g. models/drafter) with a fresh schedule, in "
+                        "<cache>/drafter-run-continued, instead of a new drafter warm-started from target layers")
+    p.add_argument("--drafter-lr", type=float, default=6e-4)
+    p.add_argument("--drafter-kd-weight", type=float, default=0.0,
+                   help="weight of distillation from the target's distribution (KL) against cross-entropy "
+                        "on its greedy tokens; > 0 caches the target's final hidden states with the features")
     args = p.parse_args(argv)
     if args.smoke:
         global MAX_FILES

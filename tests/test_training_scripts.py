@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
 from helpers import CORPUS, make_tokenizer
 from tiny_models import make_tiny_target
 
@@ -31,6 +32,19 @@ def test_demo_script_smoke(tmp_path):
     out = run([CLI, "generate", "--target", tmp_path / "models" / "target", "--drafter", tmp_path / "models" / "drafter",
                "--prompt", "def f(x):", "--max-new-tokens", "8", "--json"])
     assert json.loads(out.stdout)["stats"]["new_tokens"] >= 1
+
+    # continuing the drafter: its weights, new data (other prompt seed, regenerated into a new cache
+    # folder), distillation on; the first run's drafter is where training starts
+    first = {k: v.clone() for k, v in drafter.state_dict().items()}
+    run([sys.executable, "scripts/make_demo_models.py", "--smoke", "--threads", "1", "--stages", "drafter",
+         "--out", tmp_path / "models", "--cache", tmp_path / "cache2", "--regen-seed", "2",
+         "--drafter-init", tmp_path / "models" / "drafter", "--drafter-kd-weight", "0.5", "--drafter-lr", "1e-9"])
+    assert (tmp_path / "cache2" / "regenerated-seed2.npy").exists()
+    assert json.loads((tmp_path / "cache2" / "drafter-run-continued" / "init.json").read_text())["drafter_init"]
+    continued = DFlashDrafter.from_pretrained(tmp_path / "models" / "drafter").state_dict()
+    # lr ~0: the continued drafter is the first one (fp16 on disk both times), not a new warm start
+    assert all(torch.allclose(first[k], continued[k], atol=1e-3) for k in first)
+    assert json.loads((tmp_path / "models" / "drafter" / "training.json").read_text())["config"]["kd_weight"] == 0.5
 
 
 def test_train_drafter_cli_smoke(tmp_path):

@@ -591,7 +591,7 @@ def load_training_sequences(data: str | Path, tokenizer, seq_len: int, regenerat
 
 
 def regenerate_dataset(target_dir: Path, out: Path, n_sequences: int, prompt_len: int, new_tokens: int,
-                       temperature: float = 0.0) -> None:
+                       temperature: float = 0.0, seed: int = 1) -> None:
     """For the demo: prompts from the training split of the stdlib corpus, continued by the target."""
     from ..models.target import load_target, load_tokenizer
     from .data import read_texts, stdlib_files, tokenize_corpus
@@ -600,9 +600,10 @@ def regenerate_dataset(target_dir: Path, out: Path, n_sequences: int, prompt_len
     tok = load_tokenizer(target_dir)
     cached = out.parent / "train.npy"
     tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
-    prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=1)
+    prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
     t = time.perf_counter()
     seqs = regenerate(target, prompts, new_tokens, temperature)
+    out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, seqs.astype(np.uint16 if len(tok) < 65536 else np.int32))
     print(f"regenerated {seqs.shape[0]} sequences x {seqs.shape[1]} tokens in {time.perf_counter() - t:.0f}s")
 

@@ -69,6 +69,8 @@ def parse_args(argv=None):
     ap.add_argument("--repeats", type=int, default=3,
                     help="per-prompt timings keep the best of this many runs (default 3; one 64-token run is ~0.5 s, "
                     "where a burst of load elsewhere decides a single timing)")
+    ap.add_argument("--drafter-dtype", default="auto",
+                    help="the drafter's dtype, in the servers and in process (default auto, as `dflash-trt serve`)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
     ap.add_argument("--load-repeats", type=int, default=2,
                     help="aiperf runs per cell, the modes back to back in a rotating order (default 2; the cell "
@@ -82,6 +84,12 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def resolved_drafter_dtype(name: str) -> str:
+    from dflash_trt.loading import drafter_dtype
+
+    return str(drafter_dtype(name, torch.float32, torch.device("cpu"))).removeprefix("torch.")
+
+
 def requests_for(c: int, args) -> int:
     return max(args.min_requests, 4 * c)
 
@@ -92,6 +100,7 @@ def in_process(args, code_texts: list[str], long_texts: list[str], levels: list[
     from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
     from dflash_trt.decoding.adaptive import measure_costs
     from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.loading import drafter_dtype
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_target, load_tokenizer
     from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
@@ -99,7 +108,8 @@ def in_process(args, code_texts: list[str], long_texts: list[str], levels: list[
 
     model = load_target(args.target, torch.float32)
     tok = load_tokenizer(args.target)
-    drafter = DFlashDrafter.from_pretrained(args.drafter, torch.float32)
+    drafter = DFlashDrafter.from_pretrained(args.drafter, drafter_dtype(args.drafter_dtype, torch.float32,
+                                                                        torch.device("cpu")))
     validate_against_target(drafter.config, drafter.spec, model.config)
     layers = drafter.spec.target_layer_ids
     code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
@@ -215,7 +225,7 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
     try:
         for mode in modes:
             serve = ["--target", str(args.target), "--drafter", str(args.drafter), "--max-active", str(max(levels)),
-                     "--max-queue", str(4 * max(levels)), *MODES[mode]]
+                     "--max-queue", str(4 * max(levels)), "--drafter-dtype", args.drafter_dtype, *MODES[mode]]
             if args.threads:
                 serve += ["--threads", str(args.threads)]
             t0 = time.monotonic()
@@ -299,7 +309,8 @@ def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str
     modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
     keys = sorted({(c["temperature"], c["concurrency"]) for c in cells})
     lines = [f"# Load benchmark: {settings['target']} + {settings['drafter']}", "",
-             f"{settings['machine']}; aiperf (nice {settings.get('client_nice', 0)}), completions, streaming; "
+             f"{settings['machine']}; drafter dtype {settings.get('drafter_dtype', 'float32')}; "
+             f"aiperf (nice {settings.get('client_nice', 0)}), completions, streaming; "
              f"held-out code prompts, {settings['osl']} "
              "tokens per request (ignore_eos). Output tokens/s (higher is better); ratios side by side in one run.", "",
              "| T | concurrency | HF generate | " + " | ".join(modes)
@@ -390,7 +401,9 @@ def main(argv=None) -> int:
         return 1
     settings = {"target": str(args.target), "drafter": str(args.drafter), "osl": args.osl,
                 "prompts": args.prompts, "long_prompts": args.long_prompts, "long_osl": args.long_osl,
-                "concurrency": levels, "temperatures": temps, "modes": modes, "client_nice": args.client_nice, "threads": args.threads or
+                "concurrency": levels, "temperatures": temps, "modes": modes, "client_nice": args.client_nice,
+                "drafter_dtype": f"{args.drafter_dtype} ({resolved_drafter_dtype(args.drafter_dtype)})",
+                "threads": args.threads or
                 torch.get_num_threads(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                 f"torch {torch.__version__}", "minutes": round((time.monotonic() - t0) / 60, 1)}
     found = checks(cells, proc)

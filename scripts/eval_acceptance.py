@@ -46,12 +46,15 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weights and activations of both models (default float32; bfloat16 is fast on CPUs with AMX)")
+    p.add_argument("--drafter-dtype", default="auto",
+                   help="the drafter's dtype (default auto, as `dflash-trt serve`: bfloat16 on a CPU with AMX next "
+                   "to a float32 target; see dflash_trt.loading.drafter_dtype)")
     p.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    decoder = load_decoder(args.target, args.drafter, dtype=args.dtype)
+    decoder = load_decoder(args.target, args.drafter, dtype=args.dtype, drafter_dtype_name=args.drafter_dtype)
     prompts = build_prompts(decoder, args)  # (kind, token ids)
     greedy = args.temperature == 0
     stops = ()
@@ -104,6 +107,7 @@ def main(argv=None) -> int:
         "total_time_speedup": round(sum(r["base_s"] for r in rows) / sum(r["dflash_s"] for r in rows), 3),
         "all_identical": (mismatches == 0) if greedy else None, "threads": torch.get_num_threads(),
         "temperature": args.temperature, "dtype": args.dtype,
+        "drafter_dtype": str(decoder.drafter.drafter.fc.weight.dtype).removeprefix("torch."),
         "by_kind": {k: {"prompts": len(rs), "mean_tau": round(statistics.mean(r["tau"] for r in rs), 3),
                         "median_speedup": round(statistics.median(r["speedup"] for r in rs), 3)}
                     for k in sorted({r["kind"] for r in rows}) for rs in [[r for r in rows if r["kind"] == k]]},

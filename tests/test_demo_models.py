@@ -47,3 +47,30 @@ def test_ar_draft_shares_the_tokenizer(decoder):
     ar = load_target(MODELS / "ar-draft")
     assert ar.config.vocab_size == decoder.target.vocab_size
     assert ar.config.num_hidden_layers <= 2
+
+
+def test_bfloat16_drafter_keeps_the_target_output(decoder):
+    """A drafter in bfloat16 next to the float32 target (what `--drafter-dtype auto` picks on an AMX CPU):
+    the output is still the float32 target's own, single-sequence and batched, and it still drafts well."""
+    import torch
+
+    from dflash_trt.decoding.batch import BatchDecoder
+
+    bf16 = load_decoder(MODELS / "target", MODELS / "drafter", drafter_dtype_name="bfloat16")
+    assert bf16.drafter.drafter.fc.weight.dtype == torch.bfloat16
+    assert bf16.drafter.embed_weight.dtype == torch.bfloat16  # its own copy of the target's table
+    assert next(bf16.target.model.parameters()).dtype == torch.float32
+    prompts = [decoder.encode(p) for p in ("def fibonacci(n):\n", "import os\n\n\nclass Path:\n", "for i in range(")]
+    config = GenerationConfig(max_new_tokens=48)
+    taus = []
+    for ids in prompts:
+        alone = decoder.generate(ids, GenerationConfig(max_new_tokens=48, block_size=1))
+        got = bf16.generate(ids, config)
+        assert got.token_ids == alone.token_ids
+        taus.append(got.stats.mean_acceptance_length)
+    assert max(taus) > 2.0, taus
+    batch = BatchDecoder(bf16.target.batched(), bf16.drafter.batched(), block_size=8)
+    rows = [batch.add(ids, config) for ids in prompts]
+    batch.run()
+    for ids, row in zip(prompts, rows):
+        assert row.result().token_ids == decoder.generate(ids, GenerationConfig(max_new_tokens=48, block_size=1)).token_ids

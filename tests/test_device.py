@@ -81,3 +81,39 @@ def test_non_leader_rank_serves_the_engine_only():
     worker, leader = Decoder(False), Decoder(True)
     assert serve_worker_rank(worker) and worker.target.served
     assert not serve_worker_rank(leader) and not leader.target.served
+
+
+@pytest.mark.parametrize("command", [["generate", "--input-ids", "1"], ["serve"], ["bench"]])
+def test_every_pytorch_command_takes_a_drafter_dtype(command):
+    assert build_parser().parse_args(command).drafter_dtype == "auto"
+    assert build_parser().parse_args([*command, "--drafter-dtype", "bf16"]).drafter_dtype == "bf16"
+
+
+def test_drafter_dtype_resolution(monkeypatch):
+    from dflash_trt.loading import drafter_dtype
+
+    cpu = torch.device("cpu")
+    assert drafter_dtype(None, torch.float32, cpu) is torch.float32  # the library default: the target's
+    assert drafter_dtype(None, torch.bfloat16, cpu) is torch.bfloat16
+    assert drafter_dtype("fp16", torch.float32, cpu) is torch.float16
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert drafter_dtype("auto", torch.float32, cpu) is torch.bfloat16
+    assert drafter_dtype("auto", torch.float16, cpu) is torch.float16  # only next to a float32 target
+    assert drafter_dtype("auto", torch.float32, torch.device("cuda")) is torch.float32
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # bf16 matmuls are slow there
+    assert drafter_dtype("auto", torch.float32, cpu) is torch.float32
+    with pytest.raises(ValueError, match="drafter dtype"):
+        drafter_dtype("int8", torch.float32, cpu)
+
+
+def test_drafter_in_its_own_dtype_shares_nothing_it_cannot(pair):
+    same = load_decoder(*pair)
+    assert same.drafter.embed_weight is same.target.embed_weight  # shared, not copied
+    mixed = load_decoder(*pair, drafter_dtype_name="bfloat16")
+    d = mixed.drafter
+    assert d.drafter.fc.weight.dtype is torch.bfloat16
+    assert d.embed_weight.dtype is torch.bfloat16 and d.lm_head_weight.dtype is torch.bfloat16
+    assert torch.equal(d.embed_weight, mixed.target.embed_weight.to(torch.bfloat16))
+    assert mixed.target.embed_weight.dtype is torch.float32
+    batched = mixed.drafter.batched()
+    assert batched.embed_weight is d.embed_weight

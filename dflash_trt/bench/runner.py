@@ -69,6 +69,7 @@ class BenchSettings:
     threads: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
+    drafter_dtype: str | None = None  # see loading.drafter_dtype (None: the target's)
     onnx_drafter: Path | None = None  # an exported drafter folder; None: export into a scratch folder
     prompt_lookup_tokens: int = 10
     max_ngram: int = 2
@@ -104,7 +105,7 @@ def load_everything(s: BenchSettings):
     needs_drafter = bool(want & {"dflash-torch", "dflash-ort"})
     if needs_drafter and s.drafter is None:
         raise BenchError("DFlash methods need --drafter")
-    decoder = load_decoder(s.target, s.drafter if needs_drafter else None, s.dtype, s.device)
+    decoder = load_decoder(s.target, s.drafter if needs_drafter else None, s.dtype, s.device, s.drafter_dtype)
     if decoder.tokenizer is None:
         raise BenchError(f"{s.target} has no tokenizer: the prompt sets are text")
     target: TorchTargetEngine = decoder.target

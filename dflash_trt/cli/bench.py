@@ -122,7 +122,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         temperatures=tuple(args.temperatures), max_new_tokens=tuple(args.max_new_tokens),
         prompt_sets=tuple(args.prompt_sets), prompts_per_set=args.prompts_per_set,
         long_prompts_per_set=args.long_prompts_per_set, repeats=args.repeats, threads=args.threads,
-        dtype=args.dtype, device=args.device, onnx_drafter=args.onnx_drafter, prompt_lookup_tokens=args.prompt_lookup_tokens,
+        dtype=args.dtype, device=args.device, drafter_dtype=args.drafter_dtype, onnx_drafter=args.onnx_drafter, prompt_lookup_tokens=args.prompt_lookup_tokens,
         max_ngram=args.max_ngram, assistant_tokens=args.assistant_tokens, timing_reps=args.timing_reps,
         tie_tolerance=args.tie_tolerance, corrupt_method=args.corrupt_method, max_minutes=args.max_minutes,
         plots=not args.no_plots,

@@ -47,7 +47,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.engines is not None:
         decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device)
     else:
-        decoder = load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device)
+        decoder = load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device,
+                               args.drafter_dtype)
     if serve_worker_rank(decoder):
         return 0
     try:

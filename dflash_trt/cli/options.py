@@ -69,9 +69,13 @@ def add_device_args(p) -> None:
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
                    help="weights dtype for the PyTorch engines (default float32, right for CPU; on a GPU use "
                    "bfloat16 / bf16 or float16 / fp16)")
+    p.add_argument("--drafter-dtype", choices=["auto", *DTYPE_CHOICES], default="auto",
+                   help="dtype of the PyTorch drafter (default auto: bfloat16 on a CPU with AMX next to a float32 "
+                   "target, where its batched passes run 1.3-1.7x faster; else --dtype). Output is unchanged "
+                   "either way: the target verifies every drafted token in --dtype")
 
 
-def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "cpu"):
+def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "cpu", drafter_dtype: str | None = None):
     from ..config import ConfigError
     from ..loading import load_decoder
 
@@ -81,7 +85,7 @@ def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "
     if drafter is not None and not drafter.is_dir():
         raise CliError(f"drafter directory not found: {drafter} (use --no-draft to run the target alone)")
     try:
-        return load_decoder(target, drafter, dtype, device)
+        return load_decoder(target, drafter, dtype, device, drafter_dtype)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as e:
         raise CliError(str(e)) from None
 

@@ -96,6 +96,16 @@ class TorchTargetSession:
         self.cache = DynamicCache(config=self.engine.model.config)  # the old cache's tensors go now
 
 
+def shared_weights(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's embedding table and lm_head as the drafter uses them: shared when the dtypes match, else
+    copies in the drafter's dtype (a bfloat16 drafter next to a float32 target; one copy when tied)."""
+    dtype = drafter.fc.weight.dtype
+    if embed.dtype == dtype and lm_head.dtype == dtype:
+        return embed, lm_head
+    embed_copy = embed.to(dtype)
+    return embed_copy, embed_copy if lm_head is embed else lm_head.to(dtype)
+
+
 class TorchDrafterEngine:
     """The drafter plus the target's embedding table and lm_head (shared, not copied)."""
 
@@ -112,7 +122,7 @@ class TorchDrafterEngine:
 
     @classmethod
     def for_target(cls, drafter: DFlashDrafter, target: TorchTargetEngine) -> TorchDrafterEngine:
-        return cls(drafter.to(target.device), target.embed_weight, target.lm_head_weight)
+        return cls(drafter.to(target.device), *shared_weights(drafter, target.embed_weight, target.lm_head_weight))
 
     @classmethod
     def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchDrafterEngine:

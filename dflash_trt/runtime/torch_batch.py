@@ -30,6 +30,7 @@ from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import packed_round
 from .base import Draft, TargetOutput
 from .batched import DraftRequest, SlotCacheRows
+from .torch_backend import shared_weights
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -211,7 +212,8 @@ class TorchBatchDrafterEngine:
     @classmethod
     def for_target(cls, drafter: DFlashDrafter, target: TorchBatchTargetEngine) -> "TorchBatchDrafterEngine":
         m = target.model
-        return cls(drafter.to(target.device), m.get_input_embeddings().weight, m.get_output_embeddings().weight)
+        return cls(drafter.to(target.device),
+                   *shared_weights(drafter, m.get_input_embeddings().weight, m.get_output_embeddings().weight))
 
     def new_batch(self) -> "TorchBatchDrafterSession":
         return TorchBatchDrafterSession(self)

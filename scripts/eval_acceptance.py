@@ -46,9 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                    help="weights and activations of both models (default float32; bfloat16 is fast on CPUs with AMX)")
-    p.add_argument("--drafter-dtype", default="auto",
-                   help="the drafter's dtype (default auto, as `dflash-trt serve`: bfloat16 on a CPU with AMX next "
-                   "to a float32 target; see dflash_trt.loading.drafter_dtype)")
+    p.add_argument("--drafter-dtype", default=None,
+                   help="the drafter's dtype (default --dtype, as `dflash-trt generate`; auto: bfloat16 on a CPU with "
+                   "AMX next to a float32 target; see dflash_trt.loading.drafter_dtype)")
     p.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
     args = p.parse_args(argv)
     if args.threads:

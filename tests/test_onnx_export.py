@@ -171,3 +171,15 @@ def test_drafter_context_limit_is_checked_up_front(exported):
     engine.max_context = target_limit + 100  # the smaller of the two limits applies
     with pytest.raises(ContextLengthError, match=f"exceeds the target's context length {target_limit}"):
         decoder.start(prompt, GenerationConfig(max_new_tokens=target_limit))
+
+
+def test_sessions_do_not_spin_next_to_the_target(exported):
+    """onnxruntime's intra-op workers spin after a run by default; next to the PyTorch target on the same
+    cores that halved the target's speed (runtime.cpu_threads.ort_session_options), so every session we
+    open turns it off, and still takes the thread count it is given."""
+    _, out, _, _, _ = exported
+    for threads in (None, 1):
+        engine = OrtDrafterEngine(out, threads=threads)
+        options = engine.session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+        assert options.intra_op_num_threads == (threads or 0)

@@ -14,6 +14,7 @@ import torch
 
 from ..formats import GRAPH_FILES, DrafterGraphMeta
 from .base import Draft, EngineOptions, EngineUnavailable
+from .cpu_threads import ort_session_options
 
 PRECISIONS = tuple(GRAPH_FILES)
 
@@ -33,10 +34,7 @@ def open_graph(folder: str | Path, files: Mapping[str, str], precision: str, pro
     path = folder / files[precision]
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found ({export_hint})")
-    options = ort.SessionOptions()
-    if threads:
-        options.intra_op_num_threads = threads
-    session = ort.InferenceSession(str(path), options, providers=providers or ["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(path), ort_session_options(ort, threads), providers=providers or ["CPUExecutionProvider"])
     return meta, session
 
 

@@ -13,6 +13,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ...formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILES
+from ...runtime.cpu_threads import ort_session_options
 from .common import error_response, get, load_config, resolve
 
 
@@ -25,10 +26,7 @@ class TritonPythonModel:
         files = BATCH_GRAPH_FILES if batch else GRAPH_FILES
         self.inputs, self.outputs = (BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS) if batch else (DRAFTER_INPUTS, DRAFTER_OUTPUTS)
         path = resolve(folder, params.get("onnx_dir", "drafter-onnx")) / files[params.get("precision", "fp32")]
-        options = ort.SessionOptions()
-        threads = int(params.get("threads", "0"))
-        if threads:
-            options.intra_op_num_threads = threads
+        options = ort_session_options(ort, int(params.get("threads", "0")))  # no spinning next to the target
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
     def execute(self, requests):

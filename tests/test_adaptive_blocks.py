@@ -110,7 +110,8 @@ def _exhaustive(rows, cost, min_gain=0.0):
 
 
 def _random_instance(rng, n_rows):
-    cost = CostModel(LinearCost(rng.uniform(1e-3, 20e-3), rng.uniform(0, 1e-3), rng.choice([1e-5, 1e-4, 1e-3, 3e-3])),
+    cost = CostModel(LinearCost(rng.uniform(1e-3, 20e-3), rng.uniform(0, 1e-3), rng.choice([1e-5, 1e-4, 1e-3, 3e-3]),
+                                one_token=rng.choice([None, rng.uniform(1e-3, 20e-3)])),
                      LinearCost(rng.uniform(0, 20e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)))
     rows = []
     for _ in range(n_rows):
@@ -192,6 +193,28 @@ def test_linear_cost_fit_recovers_coefficients_and_refits_online():
     model.refit()
     assert math.isclose(model.target.per_token, truth.per_token, rel_tol=1e-6)
     assert model.drafter == LinearCost()  # no drafter observations: unchanged
+
+
+def test_a_one_token_pass_is_priced_apart_from_the_line():
+    """On a CPU the one-token pass (a request alone, not drafting) is cheaper than the line through larger
+    passes says (vector, not matrix, products); priced by the line, a lone row drafts where it loses."""
+    line = LinearCost(10e-3, 0.0, 0.5e-3)
+    samples = [(r, r * b, line(r, r * b)) for r in (1, 4, 16) for b in (1, 4, 8) if (r, b) != (1, 1)]
+    fit = LinearCost.fit(samples + [(1, 1, 5e-3), (1, 1, 6e-3)])
+    assert math.isclose(fit.per_token, line.per_token, rel_tol=1e-6) and math.isclose(fit.fixed, line.fixed, rel_tol=1e-6)
+    assert fit.one_token == pytest.approx(5.5e-3) and fit(1, 1) == pytest.approx(5.5e-3)
+    assert fit(2, 2) == pytest.approx(line(2, 2)) and fit(1, 4) == pytest.approx(line(1, 4))
+    assert LinearCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None  # too few shapes without it
+    scaled = CostModel(fit, LinearCost(2e-3), scale={"target": 2.0, "drafter": 1.0}).current()[0]
+    assert scaled(1, 1) == pytest.approx(11e-3)  # the running correction applies to it too
+
+    row = [RowChoice(alpha=0.6, max_block=8)]
+    drafter = LinearCost(2e-3, 0.0, 0.0)
+    assert choose_blocks(row, CostModel(line, drafter)) != [1]  # by the line, drafting pays ...
+    assert choose_blocks(row, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == [1]  # ... it does not
+    two = [RowChoice(alpha=0.6, max_block=8)] * 2  # the exception is one row's one token only
+    assert choose_blocks(two, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == choose_blocks(
+        two, CostModel(line, drafter))
 
 
 def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():

@@ -5,7 +5,8 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
     time   = target(R, sum_r B_r) + [any row drafts] * drafter(D, sum_{r drafts} (B_r + n_r))
     tokens = sum_r E(alpha_r, B_r),  E(alpha, B) = 1 + alpha + ... + alpha^(B-1)
 
-`target` and `drafter` are linear cost models (fixed + per row + per token), fitted from timed passes at
+`target` and `drafter` are linear cost models (fixed + per row + per token; the target's one-token pass, a
+request alone not drafting, measured apart: see `LinearCost`), fitted from timed passes at
 start-up (`measure_costs`), each scaled by a running correction from the passes the decoder really runs
 (`CostModel.observe`; or refitted from them, `refit`). E is the expected
 committed tokens of a round when each draft position is accepted with probability alpha given the ones
@@ -45,24 +46,50 @@ from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftReques
 
 @dataclass
 class LinearCost:
-    """seconds = fixed + per_row * rows + per_token * tokens (0 for 0 rows)."""
+    """seconds = fixed + per_row * rows + per_token * tokens (0 for 0 rows); a pass of one token (one row,
+    no drafting: one request alone) costs `one_token` instead when it was measured.
+
+    Why the exception: on a CPU a one-token pass multiplies vectors (GEMV), any larger pass matrices, and
+    the step between them is no part of a line. Measured on the demo target, one row: 1 token 8.9 ms, 4
+    tokens 11.0, 8 tokens 11.7 (+2.0 ms for the first 3 drafted tokens, +0.8 for the next 4), while the
+    line through the whole grid put the 1-token pass at 10.3 ms. Priced by the line, drafting at one row
+    looked 30 % cheaper than it was, and a lone request whose drafts hit half the time (tau 2 at block 8)
+    drafted most steps and ran at 0.73x the target alone."""
 
     fixed: float = 0.0
     per_row: float = 0.0
     per_token: float = 0.0
+    one_token: float | None = None
 
     def __call__(self, rows: int, tokens: int) -> float:
+        if rows == 1 and tokens == 1 and self.one_token is not None:
+            return self.one_token
         return 0.0 if rows == 0 else self.fixed + self.per_row * rows + self.per_token * tokens
+
+    def scaled(self, k: float) -> "LinearCost":
+        return LinearCost(self.fixed * k, self.per_row * k, self.per_token * k,
+                          None if self.one_token is None else self.one_token * k)
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> "LinearCost":
-        """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink)."""
+        """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink).
+        One-token passes, when the other samples span enough shapes (3) for the line, are not on it:
+        `one_token` is their mean."""
+        single = [s for r, t, s in samples if r == 1 and t == 1]
+        rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)]
+        if single and len({(r, t) for r, t, _ in rest}) >= 3:
+            fixed, per_row, per_token = cls._line(rest)
+            return cls(fixed, per_row, per_token, one_token=sum(single) / len(single))
         if len(samples) < 3:
             raise ValueError(f"fitting a cost model needs >= 3 samples, got {len(samples)}")
+        return cls(*cls._line(samples))
+
+    @staticmethod
+    def _line(samples: Sequence[tuple[int, int, float]]) -> list[float]:
         a = torch.tensor([[1.0, r, t] for r, t, _ in samples], dtype=torch.float64)
         y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
-        coef = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
-        return cls(*coef)
+        coef: list[float] = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
+        return coef
 
 
 @dataclass
@@ -87,8 +114,7 @@ class CostModel:
 
     def current(self) -> tuple[LinearCost, LinearCost]:
         """The target's and the drafter's costs as the policy should price them now (shape x correction)."""
-        return tuple(LinearCost(c.fixed * k, c.per_row * k, c.per_token * k)  # type: ignore[return-value]
-                     for c, k in ((self.target, self.scale["target"]), (self.drafter, self.scale["drafter"])))
+        return self.target.scaled(self.scale["target"]), self.drafter.scaled(self.scale["drafter"])
 
     def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
         target, drafter = self.current()
@@ -223,14 +249,20 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     lam = 0.0
     if all(c[0][0] <= 1 for c in cands):
         best_pick = [c[0] for c in cands]
-        lam = rate(best_pick, False) * (1.0 + min_gain)  # a drafting pick must beat this to be chosen
-    # case 2: the drafter runs (its fixed cost paid): Dinkelbach on the separable ratio, from lam
+        lam = len(rows) / t(len(rows), len(rows)) * (1.0 + min_gain)  # a drafting pick must beat this
+    # case 2: the drafter runs (its fixed cost paid): Dinkelbach on the separable ratio over the picks where
+    # some row drafts, from lam; stop once the rate stops rising
     for _ in range(max_iter):
         pick = [max(c, key=lambda p: p[1] - lam * p[2]) for c in cands]
-        drafting = any(p[0] > 1 for p in pick)
+        if not any(p[0] > 1 for p in pick):  # the best drafting pick: one row switched, the one that loses least
+            switches = [(max(opts, key=lambda p: p[1] - lam * p[2]), i) for i, c in enumerate(cands)
+                        if (opts := [p for p in c if p[0] > 1])]
+            if not switches:  # no row can draft: case 1 was the only choice
+                break
+            best_switch, i = max(switches, key=lambda s: (s[0][1] - lam * s[0][2]) - (pick[s[1]][1] - lam * pick[s[1]][2]))
+            pick[i] = best_switch
         new = rate(pick, True)
-        # a pick without drafting rows is case 1 (or worse), already counted; stop once the rate stops rising
-        if best_pick is not None and (not drafting or new <= lam * (1 + 1e-12)):
+        if best_pick is not None and new <= lam * (1 + 1e-12):
             break
         best_pick, lam = pick, new
     assert best_pick is not None

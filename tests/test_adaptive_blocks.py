@@ -205,8 +205,15 @@ def test_a_one_token_pass_is_priced_apart_from_the_line():
     assert fit.one_token == pytest.approx(5.5e-3) and fit(1, 1) == pytest.approx(5.5e-3)
     assert fit(2, 2) == pytest.approx(line(2, 2)) and fit(1, 4) == pytest.approx(line(1, 4))
     assert LinearCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None  # too few shapes without it
-    scaled = CostModel(fit, LinearCost(2e-3), scale={"target": 2.0, "drafter": 1.0}).current()[0]
-    assert scaled(1, 1) == pytest.approx(11e-3)  # the running correction applies to it too
+    scaled = CostModel(fit, LinearCost(2e-3), scale={"target": 2.0, "target_one_token": 1.0, "drafter": 1.0}).current()[0]
+    assert scaled(1, 1) == pytest.approx(5.5e-3)  # with a running correction of its own ...
+    model = CostModel(fit, LinearCost(2e-3))
+    for _ in range(60):  # ... which one-token passes move, and only they
+        model.observe("target", 1, 1, 0.5 * fit(1, 1))
+        model.observe("target", 1, 8, 1.5 * fit(1, 8))
+    assert model.scale["target_one_token"] == pytest.approx(0.5, rel=0.01) and model.scale["target"] == pytest.approx(1.5, rel=0.01)
+    now = model.current()[0]
+    assert now(1, 1) == pytest.approx(0.5 * fit(1, 1), rel=0.01) and now(1, 8) == pytest.approx(1.5 * fit(1, 8), rel=0.01)
 
     row = [RowChoice(alpha=0.6, max_block=8)]
     drafter = LinearCost(2e-3, 0.0, 0.0)
@@ -226,7 +233,7 @@ def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():
     for _ in range(60):
         grid.observe("target", 1, 1, 0.5 * grid.target(1, 1))
         grid.observe("drafter", 1, 5, 2.0 * grid.drafter(1, 5))
-    assert grid.scale == pytest.approx({"target": 0.5, "drafter": 2.0}, rel=0.01)
+    assert grid.scale == pytest.approx({"target": 0.5, "target_one_token": 1.0, "drafter": 2.0}, rel=0.01)
     target, drafter = grid.current()
     assert target.fixed == pytest.approx(5e-3, rel=0.01) and drafter.per_token == pytest.approx(0.1e-3, rel=0.01)
     assert grid.target.fixed == 10e-3  # the shape itself is kept

@@ -47,7 +47,8 @@ class ServerMetrics:
                                    "(choosing block sizes), draft, verify, accept, overhead (Python bookkeeping)",
                                    ["part"], buckets=STEP_BUCKETS, registry=r)
         self.cost_correction = Gauge("dflash_cost_correction", "adaptive block sizes: observed / start-up-predicted "
-                                     "seconds of recent passes, by engine (target, drafter); 1 = the start-up costs hold",
+                                     "seconds of recent passes, by engine (target, target_one_token: a lone request's one-token passes, "
+                                     "drafter); 1 = the start-up costs hold",
                                      ["engine"], registry=r)
         self.engine_errors = Counter("dflash_engine_errors", "generations failed by an engine error", registry=r)
 

@@ -4,13 +4,17 @@
 Held-out code prompts (never trained on), OpenAI completions endpoint, streaming, every request exactly
 --osl tokens (ignore_eos), at each concurrency C in --concurrency and temperature T in --temperatures:
 
-    hf-generate    Hugging Face generate() on left-padded batches of C of the same prompts, in process,
-                   no speculation: the external reference (no HTTP, so it is flattered, not handicapped)
+    hf-generate    Hugging Face generate() on left-padded batches of C of the same prompts, in this
+                   process, no speculation: the external reference (no HTTP, so it is flattered, not
+                   handicapped). It takes its turn in the same rotation as the servers, so that its runs
+                   and theirs fall in the same minutes of the machine's drift
     target         the server with --block-size 1: the batched target alone, same step loop
     dflash-b8      the server with --block-size 8: DFlash at a fixed block of 8
     adaptive       the server as shipped: DFlash, block size chosen per step and per request
 
-aiperf measures output tokens/s, time to first token and inter-token latency (avg, p50, p99) per cell. It
+Each cell is run --load-repeats times, every mode (HF generate included) back to back in a rotating order,
+and reports its median run. aiperf measures output tokens/s, time to first token and inter-token latency
+(avg, p50, p99) per cell. It
 shares the machine with the server, so it runs at a lower priority (--client-nice) and uses idle CPU only.
 In process, on the same models, it also measures per prompt (T = 0, 1 row, best of --repeats): the target alone, the
 single-sequence DFlash loop (decoding/decode.py) and the batched step with adaptive blocks, on the code
@@ -72,14 +76,15 @@ def parse_args(argv=None):
     ap.add_argument("--drafter-dtype", default="auto",
                     help="the drafter's dtype, in the servers and in process (default auto, as `dflash-trt serve`)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
-    ap.add_argument("--load-repeats", type=int, default=2,
-                    help="aiperf runs per cell, the modes back to back in a rotating order (default 2; the cell "
-                    "reports its median run)")
+    ap.add_argument("--load-repeats", type=int, default=3,
+                    help="runs per cell, the modes and HF generate back to back in a rotating order (default 3; "
+                    "the cell reports its median run)")
     ap.add_argument("--client-nice", type=int, default=15,
                     help="run aiperf at this niceness (default 15; 0 = as the server): on a machine it shares with "
                     "the server, the client's own CPU use slows what it measures, which a client on another machine "
                     "would not; the Hugging Face reference runs with no client at all")
-    ap.add_argument("--skip-in-process", action="store_true", help="only the aiperf cells (no HF, no per-prompt)")
+    ap.add_argument("--skip-in-process", action="store_true",
+                    help="only the aiperf cells (no HF generate reference, no per-prompt runs, no step profile)")
     ap.add_argument("--out", type=Path, default=REPO / "results" / "load", help="output folder")
     return ap.parse_args(argv)
 
@@ -94,8 +99,8 @@ def requests_for(c: int, args) -> int:
     return max(args.min_requests, 4 * c)
 
 
-# ---- in process: Hugging Face batched generate(), per-prompt ratios, the step profile ----------------------
-def in_process(args, code_texts: list[str], long_texts: list[str], levels: list[int], temps: list[float]) -> dict:
+# ---- in process: per-prompt ratios, the step profile ----------------------
+def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
     from dflash_trt.config import validate_against_target
     from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
     from dflash_trt.decoding.adaptive import measure_costs
@@ -114,24 +119,7 @@ def in_process(args, code_texts: list[str], long_texts: list[str], levels: list[
     layers = drafter.spec.target_layer_ids
     code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
     long = [tok.encode(t, add_special_tokens=False) for t in long_texts]
-    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    out: dict = {"hf_generate": [], "per_prompt": [], "step_profile": {}, "repeats": args.repeats}
-
-    # Hugging Face generate(): batches of C of the same request stream aiperf sends (prompts in order, wrapping)
-    for temp in temps:
-        for c in levels:
-            n_req = requests_for(c, args)
-            stream = [code[i % len(code)] for i in range(n_req)]
-            hf_generate(model, stream[:c], args.osl, pad, temp)  # warm-up at this shape
-            t0 = time.perf_counter()
-            tokens = 0
-            for start in range(0, n_req, c):
-                tokens += sum(len(o) for o in hf_generate(model, stream[start:start + c], args.osl, pad, temp))
-            secs = time.perf_counter() - t0
-            row = {"concurrency": c, "temperature": temp, "requests": n_req, "tokens": tokens,
-                   "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1)}
-            out["hf_generate"].append(row)
-            print("hf-generate", json.dumps(row), flush=True)
+    out: dict = {"per_prompt": [], "step_profile": {}, "repeats": args.repeats}
 
     # per prompt, one row at a time: target alone, single-sequence DFlash, batched adaptive
     starget = TorchTargetEngine(model, layers)
@@ -196,6 +184,37 @@ def in_process(args, code_texts: list[str], long_texts: list[str], levels: list[
     return out
 
 
+class HFReference:
+    """Hugging Face generate() on the stream of requests aiperf sends (the prompts in order, wrapping), in
+    left-padded batches of C, one batch after the other: the reference each server mode is held against."""
+
+    name = "hf-generate"
+
+    def __init__(self, args, code_texts: list[str]):
+        from dflash_trt.models.target import load_target, load_tokenizer
+
+        self.model = load_target(args.target, torch.float32)
+        tok = load_tokenizer(args.target)
+        self.code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.osl, self.args = args.osl, args
+        self._warm: set[tuple[int, float]] = set()
+
+    def run(self, c: int, temp: float) -> dict:
+        n_req = requests_for(c, self.args)
+        stream = [self.code[i % len(self.code)] for i in range(n_req)]
+        if (c, temp) not in self._warm:  # warm-up at this shape, not timed
+            hf_generate(self.model, stream[:c], self.osl, self.pad, temp)
+            self._warm.add((c, temp))
+        t0 = time.perf_counter()
+        tokens = 0
+        for start in range(0, n_req, c):
+            tokens += sum(len(o) for o in hf_generate(self.model, stream[start:start + c], self.osl, self.pad, temp))
+        secs = time.perf_counter() - t0
+        return {"mode": self.name, "concurrency": c, "temperature": temp, "requests": n_req, "tokens": tokens,
+                "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1)}
+
+
 def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: float) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
@@ -209,11 +228,19 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: 
 
 
 # ---- the server cells --------------------------------------------------------------------------------
-def server_cells(args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str]) -> list[dict]:
+def rotation(members: list[str], rnd: int) -> list[str]:
+    """The order of round `rnd`: each round starts one member later, so no member always runs first."""
+    k = rnd % len(members)
+    return members[k:] + members[:k]
+
+
+def server_cells(args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str],
+                 hf: HFReference | None = None) -> tuple[list[dict], list[dict]]:
     """Every mode's server runs at once (idle ones cost nothing); each cell is measured --load-repeats times,
-    the modes back to back in a rotating order, so that the machine's drift (20-40 % over minutes here)
-    falls on every mode alike instead of on whichever mode ran during a slow spell. A cell reports the run
-    with its median tokens/s and lists all runs."""
+    the modes (and `hf`, the in-process reference, when given) back to back in a rotating order, so that the
+    machine's drift (20-40 % over minutes here, up to 2x between spells) falls on every mode and on the
+    reference alike instead of on whichever ran during a slow spell. A cell reports the run with its median
+    tokens/s and lists all runs. Returns the server cells and the reference's cells."""
     import httpx
 
     from dflash_trt.server.process import start_serve
@@ -237,7 +264,12 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
         for temp in temps:
             for c in levels:
                 for rnd in range(args.load_repeats):
-                    for mode in modes[rnd % len(modes):] + modes[: rnd % len(modes)]:
+                    for mode in rotation(modes + ([hf.name] if hf is not None else []), rnd):
+                        if hf is not None and mode == hf.name:
+                            row = hf.run(c, temp)
+                            runs.setdefault((mode, c, temp), []).append(row)
+                            print(mode, json.dumps(row), flush=True)
+                            continue
                         _, url, model = servers[mode]
                         run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args),
                                         warmup=c, input_file=dataset, osl=args.osl,
@@ -257,7 +289,8 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
         for proc, *_ in servers.values():
             proc.terminate()
             proc.wait(60)
-    return [median_cell(rs) for rs in runs.values()]
+    cells = [median_cell(rs) for rs in runs.values()]
+    return [c for c in cells if c["mode"] in MODES], [c for c in cells if c["mode"] not in MODES]
 
 
 def median_cell(runs: list[dict]) -> dict:
@@ -393,9 +426,10 @@ def main(argv=None) -> int:
     code_texts = held_out_code_prompts(args.prompts)
     long_texts = held_out_code_prompts(args.long_prompts, prefix_chars=1200) if args.long_prompts else []
     t0 = time.monotonic()
-    proc = None if args.skip_in_process else in_process(args, code_texts, long_texts, levels, temps)
+    proc = None if args.skip_in_process else in_process(args, code_texts, long_texts)
+    hf = None if args.skip_in_process else HFReference(args, code_texts)
     try:
-        cells = server_cells(args, code_texts, levels, temps, modes)
+        cells, reference = server_cells(args, code_texts, levels, temps, modes, hf)
     except AiperfFailed as e:
         print(f"aiperf failed: {e}", file=sys.stderr)
         return 1
@@ -406,6 +440,8 @@ def main(argv=None) -> int:
                 "threads": args.threads or
                 torch.get_num_threads(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
                 f"torch {torch.__version__}", "minutes": round((time.monotonic() - t0) / 60, 1)}
+    if proc is not None:
+        proc["hf_generate"] = reference
     found = checks(cells, proc)
     (args.out / "results.json").write_text(json.dumps(
         {"settings": settings, "cells": cells, "in_process": proc,

@@ -91,3 +91,12 @@ def test_a_cell_reports_its_median_run_and_lists_them_all():
     assert cell["tokens_per_s"] == 820.0 and cell["ttft_ms"] == {"p50": 2}  # the whole median run, not a mix
     assert cell["runs_tokens_per_s"] == [700.0, 910.0, 820.0]
     assert bench.median_cell(runs[:2])["tokens_per_s"] == 700.0  # even count: the lower middle
+
+
+def test_every_round_runs_every_member_and_the_first_place_rotates():
+    bench = load_script()
+    members = ["target", "dflash-b8", "adaptive", "hf-generate"]
+    rounds = [bench.rotation(members, r) for r in range(4)]
+    assert all(sorted(r) == sorted(members) for r in rounds)  # HF generate in every round, as every mode
+    assert [r[0] for r in rounds] == members  # each member leads one round: none always meets the same state
+    assert bench.rotation(members, 5) == rounds[1]

@@ -228,6 +228,38 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: 
 
 
 # ---- the server cells --------------------------------------------------------------------------------
+SERVER_SERIES = {  # /metrics series whose change over one aiperf run describes the server's batches
+    "verify_rows": ("dflash_batch_rows", {"pass": "verify"}),
+    "prefill_rows": ("dflash_batch_rows", {"pass": "prefill"}),
+    "blocks": ("dflash_block_size", {}),
+}
+
+
+def metric_sums(text: str) -> dict[str, tuple[float, float]]:
+    """(sum, count) of each SERVER_SERIES histogram in a /metrics page, and (busy seconds, steps) as "busy"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found: dict[str, list[float]] = {k: [0.0, 0.0] for k in (*SERVER_SERIES, "busy")}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            for key, (name, labels) in SERVER_SERIES.items():
+                if sample.name in (name + "_sum", name + "_count") and all(
+                        sample.labels.get(k) == v for k, v in labels.items()):
+                    found[key][0 if sample.name.endswith("_sum") else 1] += sample.value
+            if sample.name == "dflash_step_seconds_sum":
+                found["busy"][0] += sample.value
+    return {k: (v[0], v[1]) for k, v in found.items()}
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """What the server did during one run (aiperf's warm-up requests included): mean rows per verify pass
+    (how full the batch was), mean block size, prefill passes and seconds of engine work."""
+    d = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
+    per = lambda k: round(d[k][0] / d[k][1], 2) if d[k][1] else None  # noqa: E731
+    return {"mean_verify_rows": per("verify_rows"), "mean_block": per("blocks"),
+            "prefill_passes": int(d["prefill_rows"][1]), "engine_s": round(d["busy"][0], 2)}
+
+
 def rotation(members: list[str], rnd: int) -> list[str]:
     """The order of round `rnd`: each round starts one member later, so no member always runs first."""
     k = rnd % len(members)
@@ -274,13 +306,15 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
                         run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args),
                                         warmup=c, input_file=dataset, osl=args.osl,
                                         extra_inputs={"temperature": temp}, nice=args.client_nice)
+                        before = metric_sums(httpx.get(url + "/metrics", timeout=30).text)
                         m = run_aiperf(args.aiperf, run, args.out / "aiperf" / f"{mode}-t{temp:g}-c{c}-r{rnd}")
+                        after = metric_sums(httpx.get(url + "/metrics", timeout=30).text)
                         cell = {"mode": mode, "concurrency": c, "temperature": temp, "requests": run.requests,
                                 "tokens_per_s": value(m, "output_token_throughput"),
                                 "ttft_ms": {s: value(m, "time_to_first_token", s) for s in ("avg", "p50", "p99")},
                                 "itl_ms": {s: value(m, "inter_token_latency", s) for s in ("avg", "p50", "p99")},
                                 "osl": value(m, "output_sequence_length"), "errors": m.get("error_summary"),
-                                "wall_s": m["wall_s"]}
+                                "wall_s": m["wall_s"], "server": server_side(before, after)}
                         runs.setdefault((mode, c, temp), []).append(cell)
                         print("aiperf", json.dumps(cell), flush=True)
         for mode, (_, url, _) in servers.items():
@@ -361,6 +395,17 @@ def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str
                f"{a['itl_ms']['p99']:.1f}") if a and a["ttft_ms"]["p50"] is not None else "- | -"
         lines.append(f"| {t:g} | {c} | {h:.0f} | {vals} | {r_hf} | {r_t} | {lat} |" if h else
                      f"| {t:g} | {c} | - | {vals} | {r_hf} | {r_t} | {lat} |")
+    if any(c.get("server") for c in cells):
+        lines += ["", "## The server's batches (its /metrics over the median run, aiperf's warm-up included)", "",
+                  "Mean rows per verify pass (of C: requests between two of aiperf's, or waiting for the step, "
+                  "are not in it) / mean block size.", "",
+                  "| T | concurrency | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+        for t, c in keys:
+            parts = []
+            for m in modes:
+                srv = by.get((m, c, t), {}).get("server") or {}
+                parts.append(f"{srv['mean_verify_rows']} / {srv['mean_block']}" if srv.get("mean_verify_rows") else "-")
+            lines.append(f"| {t:g} | {c} | " + " | ".join(parts) + " |")
     lines += ["", "## Done-figures", ""]
     lines += [f"- {'PASS' if ok else 'FAIL' if ok is not None else 'n/a'}: {what}: {fig}" for what, ok, fig in found]
     if proc and proc.get("step_profile"):

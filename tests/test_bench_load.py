@@ -100,3 +100,22 @@ def test_every_round_runs_every_member_and_the_first_place_rotates():
     assert all(sorted(r) == sorted(members) for r in rounds)  # HF generate in every round, as every mode
     assert [r[0] for r in rounds] == members  # each member leads one round: none always meets the same state
     assert bench.rotation(members, 5) == rounds[1]
+
+
+def test_server_side_figures_come_from_the_metrics_deltas():
+    bench = load_script()
+
+    def page(verify_rows, verify_passes, blocks, block_rows, busy):
+        return (f'dflash_batch_rows_sum{{pass="verify"}} {verify_rows}\n'
+                f'dflash_batch_rows_count{{pass="verify"}} {verify_passes}\n'
+                'dflash_batch_rows_sum{pass="prefill"} 7\ndflash_batch_rows_count{pass="prefill"} 3\n'
+                f"dflash_block_size_sum {blocks}\ndflash_block_size_count {block_rows}\n"
+                f'dflash_step_seconds_sum{{part="verify"}} {busy}\ndflash_step_seconds_sum{{part="draft"}} 1.0\n')
+
+    before = bench.metric_sums(page(100, 10, 150, 100, 2.0))
+    after = bench.metric_sums(page(100 + 14 * 50, 10 + 50, 150 + 3 * 700, 100 + 700, 9.5))
+    srv = bench.server_side(before, after)
+    assert srv == {"mean_verify_rows": 14.0, "mean_block": 3.0, "prefill_passes": 0, "engine_s": 7.5}
+    cells = [dict(cell("adaptive", 16, 0.0, 650.0), server=srv), cell("target", 16, 0.0, 500.0)]
+    md = bench.markdown(cells, None, [], {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"})
+    assert "| 0 | 16 | - | 14.0 / 3.0 |" in md  # target's run carried no server figures

@@ -100,8 +100,8 @@ def _reference_ascent(rows, cost, sweeps=3):
 
 
 def _exhaustive(rows, cost, min_gain=0.0):
-    choices = [[r.fixed] if r.fixed is not None else range(2 if r.probe and r.max_block > 1 else 1, r.max_block + 1)
-               for r in rows]
+    choices = [[r.fixed] if r.fixed is not None else [r.max_block] if r.probe and r.max_block > 1
+               else range(1, r.max_block + 1) for r in rows]
     best = max((list(c) for c in itertools.product(*choices)), key=lambda b: _rate(rows, cost, b))
     quiet = [c[0] for c in choices]  # nobody drafts, when that is allowed
     if all(b == 1 for b in quiet) and _rate(rows, cost, best) <= _rate(rows, cost, quiet) * (1 + min_gain):
@@ -129,7 +129,7 @@ def test_choice_is_the_exhaustive_optimum_on_small_random_instances():
         got = choose_blocks(rows, cost, min_gain=gain)
         assert all(g == r.fixed for g, r in zip(got, rows) if r.fixed is not None)
         assert all(1 <= g <= r.max_block for g, r in zip(got, rows) if r.fixed is None)
-        assert all(g >= 2 for g, r in zip(got, rows) if r.probe and r.fixed is None and r.max_block >= 2)
+        assert all(g == r.max_block for g, r in zip(got, rows) if r.probe and r.fixed is None and r.max_block >= 2)
         assert _rate(rows, cost, got) >= _rate(rows, cost, _exhaustive(rows, cost, gain)) * (1 - 1e-9)
         if gain and all(b == 1 for b in _exhaustive(rows, cost, gain)):
             assert all(b == 1 for b in got)  # a drafting gain below the margin is not taken
@@ -169,12 +169,12 @@ def test_a_gain_below_the_margin_is_not_taken():
     assert choose_blocks(rows[:4], cost, min_gain=0.1) == choose_blocks(rows[:4], cost) != [1] * 4  # clear gains stay
 
 
-def test_a_probe_row_drafts_its_best_size_even_when_drafting_does_not_pay():
+def test_a_probe_row_drafts_its_whole_block_even_when_drafting_does_not_pay():
     rows = [RowChoice(alpha=0.3, max_block=8) for _ in range(8)]
     costly_drafter = CostModel(LinearCost(2e-3, 0.2e-3, 1e-3), LinearCost(50e-3, 1e-3, 1e-3))
     probed = rows[:3] + [RowChoice(alpha=0.3, max_block=8, probe=True), RowChoice(0.9, 1, probe=True)] + rows[5:]
     blocks = choose_blocks(probed, costly_drafter)
-    assert blocks[3] >= 2 and blocks[4] == 1  # a row that cannot draft is not forced to
+    assert blocks[3] == 8 and blocks[4] == 1  # a row that cannot draft is not forced to
     assert blocks[:3] + blocks[5:] == [1] * 6  # the others stay put: drafting still does not pay for them
     assert blocks == _exhaustive(probed, costly_drafter)
 

@@ -187,7 +187,40 @@ def test_probes_back_off_while_they_miss(tiny_pair):
             if rnd.drafted:
                 drafted_at.append(dec._steps - 1)  # the verify step that ran it
     assert row.result().token_ids == ref
-    assert drafted_at == [4, 12, 28, 60] and row.probes == 4
+    assert drafted_at == [4, 12, 28, 60] and dec.probe_misses[False] == 4
+
+
+def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_stops(tiny_pair):
+    """Short requests one after another, a drafter that never hits, a load where drafting does not pay: the
+    backoff belongs to the sampling regime, not to a request that ends before its own wait grows, so most
+    requests are never probed (each probe is a drafter pass over the row's backlog), and the waits double up
+    to 2^max_probe_backoff x probe_every steps and stay there, so the regime is still tried now and then."""
+    from dflash_trt.decoding.adaptive import AcceptancePrior
+
+    _, _, _, model, _ = tiny_pair
+    prompt, n, requests = [3, 1, 4, 1, 5], 12, 24
+    ref = reference(model, prompt, n)
+    target = TorchBatchTargetEngine(model, (0,))
+    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
+    oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)]
+    dec = BatchDecoder(target, OracleBatch(oracles), adaptive=True, cost=cost, probe_every=4, max_probe_backoff=3)
+    dec.prior = AcceptancePrior(start=0.02)
+    drafted_at, probed_requests = [], 0
+    for _ in range(requests):
+        row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
+        while dec.active:
+            for _, rnd in dec.step():
+                if rnd.drafted:
+                    drafted_at.append(dec._steps - 1)
+        assert row.result().token_ids == ref
+        probed_requests += row.result().stats.drafted_tokens > 0
+    gaps = [b - a for a, b in zip(drafted_at, drafted_at[1:])]
+    # the k-th wait is 4 x 2^k steps, capped at 2^3 x 4 (plus the steps until some row has gone 4 without drafting)
+    for k, gap in enumerate(gaps):
+        wait = 4 * 2 ** min(k + 1, 3)
+        assert wait <= gap < wait + n, (k, gaps)
+    assert len(gaps) >= 5 and dec.probe_misses[False] == 3  # capped, and probing never stops
+    assert probed_requests <= requests // 2  # the per-request backoff probed every one of them
 
 
 def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):

@@ -22,15 +22,17 @@ ratio of separable sums maximised by Dinkelbach's iteration: given the best rate
 independently takes the size maximising E(alpha_r, B) - lam * (its share of the time), and lam becomes the
 rate of that choice, until it stops rising (finitely many steps, each raising lam; usually 2-4). One step
 is O(rows x block) arithmetic, well under a millisecond at 32 rows (scripts/bench_choose_blocks.py).
-Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts (size >= 2),
-at the size that is best for the step given that it must.
+Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts its whole
+block (its largest size): the backlog it makes the drafter take in costs the same whatever the size, and a
+block of 2 would measure one position (at T=1 a hit half the time, whether drafting pays or not).
 
 Probes exist because the estimates feed on themselves: a row that does not draft measures nothing, so one
 unlucky early round (or a pessimistic prior) at a batch size where drafting pays only at the true acceptance
 would keep it at block 1 for good, and the prior that new rows start from would learn nothing either. The
 decoder probes every row that has not drafted lately, all on the same step (`BatchDecoder.probe_every`), so
-the drafter's fixed cost is paid once per probe step, not once per row; a row whose probes keep missing is
-probed half as often each time (its backlog is the cost).
+the drafter's fixed cost is paid once per probe step, not once per row; where probes keep missing, the next
+probe of that sampling regime (greedy or sampled) comes half as often each time (each probed row's backlog
+is the cost).
 """
 
 from __future__ import annotations
@@ -229,7 +231,7 @@ class RowChoice:
     max_block: int  # the drafter's block size, or fewer when the row has fewer tokens left; 1 = cannot draft
     new_context: int = 1  # feature rows the drafter would take in for this row
     fixed: int | None = None  # the request's own block_size: not chosen by the policy
-    probe: bool = False  # must draft this step (size >= 2) so that its acceptance estimate is measured again
+    probe: bool = False  # must draft its whole block this step, so that its acceptance estimate is measured again
 
 
 def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 100, min_gain: float = 0.0) -> list[int]:
@@ -241,8 +243,8 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     if not rows:
         return []
     t, d = cost.current()
-    free_sizes = [[r.fixed] if r.fixed is not None else list(range(2 if r.probe and r.max_block >= 2 else 1,
-                                                                      max(1, r.max_block) + 1)) for r in rows]
+    free_sizes = [[r.fixed] if r.fixed is not None else [r.max_block] if r.probe and r.max_block >= 2
+                  else list(range(1, max(1, r.max_block) + 1)) for r in rows]
     if t(len(rows), len(rows)) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
         return [sizes[-1] for sizes in free_sizes]
     # per row and candidate size: expected tokens and the row's share of the step time

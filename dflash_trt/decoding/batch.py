@@ -83,7 +83,6 @@ class BatchRow:
         self.acceptance = AcceptanceTracker()
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
         self.last_draft_step = -(1 << 30)  # the decoder's verify step at which this row last drafted (or joined)
-        self.probes = 0  # probes in a row that missed (accepted < half): the next one waits 2^probes longer
         self.probe_due = False
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.stop_string: str | None = None
@@ -128,9 +127,10 @@ class BatchDecoder:
     adaptive: choose each row's block size per step (`cost` is then required: measure it with
     `adaptive.measure_costs`); otherwise rows without their own `block_size` use `block_size`.
     refit_every: with adaptive, refit the cost model from the observed passes every N steps (0 = never).
-    probe_every: with adaptive, every N verify steps each row that has not drafted in the last N x 2^k steps
-    (k: its probes in a row that missed) drafts one block (a probe, see `adaptive`), so that no row's
-    acceptance estimate freezes, at a cost that backs off where probes keep missing (0 = never).
+    probe_every: with adaptive, a probe (see `adaptive`) every N x 2^k verify steps per sampling regime
+    (greedy, sampled; k: that regime's probes in a row that missed, at most `max_probe_backoff`): each row of
+    the regime that has not drafted in the last N steps drafts one block, so that no estimate freezes, at a
+    cost that backs off where probes keep missing (0 = never).
     min_gain: with adaptive, draft only when the cost model expects it to beat not drafting by this fraction
     (measured on the demo pair at 32 rows: the linear model underestimates a drafting step by 10-25 %).
 
@@ -139,7 +139,7 @@ class BatchDecoder:
 
     def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer: Any = None, *,
                  block_size: int | None = None, adaptive: bool = False, cost: CostModel | None = None,
-                 refit_every: int = 0, probe_every: int = 32, min_gain: float = 0.1):
+                 refit_every: int = 0, probe_every: int = 32, min_gain: float = 0.1, max_probe_backoff: int = 4):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -152,7 +152,9 @@ class BatchDecoder:
             raise ValueError(f"block_size must be in 1..{trained} for this drafter, got {block_size}")
         self.block_size = block_size or trained
         self.adaptive, self.cost, self.refit_every = adaptive, cost, refit_every
-        self.probe_every, self.min_gain = probe_every, min_gain
+        self.probe_every, self.min_gain, self.max_probe_backoff = probe_every, min_gain, max_probe_backoff
+        self.probe_misses: dict[bool, int] = {}  # per regime (sampled?): probes in a row that missed
+        self._next_probe: dict[bool, int] = {}  # per regime: the first verify step at which it may probe again
         self._steps = 0  # verify steps so far
         self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
         self.target_session = target.new_batch()
@@ -267,23 +269,38 @@ class BatchDecoder:
         prof.prefill_s = time.perf_counter() - t0
         return rounds
 
-    def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
+    def _limits(self, rows: list[BatchRow]) -> tuple[list[int], list[int | None]]:
+        """Each row's largest size this step (the server's size: default, or the policy's cap) and its fixed size."""
         trained = self.drafter.block_size if self.drafter is not None else 1
         limits = [min(trained if r.drafter_row is not None else 1, r.remaining) for r in rows]
-        caps = [min(self.block_size, lim) for lim in limits]  # the server's size: default, or the policy's cap
+        caps = [min(self.block_size, lim) for lim in limits]
         fixed = [None if r.config.block_size is None else min(r.config.block_size, lim) for r, lim in zip(rows, limits)]
+        return caps, fixed
+
+    def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
+        caps, fixed = self._limits(rows)
         if not self.adaptive or self.cost is None:
             return [f if f is not None else c for f, c in zip(fixed, caps)]
         # new_context=1: a row's backlog of features is a sunk cost, paid whenever it next drafts whatever the
         # size; charging it would keep a row that skipped drafting from ever drafting again (its backlog grows).
         # A probe makes the drafter take in the row's whole backlog (its prompt too, the first time), so probes
-        # back off: a row is due probe_every x 2^probes steps after it last drafted or joined (a new row's
-        # estimate is the prior, fresh), and `probes` counts the probes in a row that missed (see _verify).
-        # (At 32 rows of the demo pair nothing drafts by choice; probing every row every 32 steps from its
-        # first step made probe steps of 54 ms against 17 ms, in process.)
-        probing = self.probe_every > 0 and self._steps % self.probe_every == 0
+        # back off, per sampling regime rather than per row: requests are short next to a backoff (64 tokens
+        # here), so a row's own misses never grew its wait, and every request of a regime where drafting does
+        # not pay was probed about once (demo pair, 4 rows, T=1: adaptive 0.78-0.91x the target alone across
+        # runs, each request's probe a drafter pass over ~170 backlog features that accepted ~1 token). One
+        # probe step serves every stale row of the regime (the drafter's fixed cost paid once); if they miss,
+        # the regime's next probe waits twice as long (up to 2^max_probe_backoff x probe_every steps, so a
+        # regime whose traffic changes is still tried now and then); a hit resets it (see _verify). A probe
+        # drafts the row's whole block (see `adaptive`).
         for r in rows:
-            r.probe_due = probing and r.last_draft_step <= self._steps - self.probe_every * (1 << min(r.probes, 16))
+            r.probe_due = False
+        if self.probe_every > 0:
+            for regime in {not r.params.greedy for r in rows}:
+                if self._steps < self._next_probe.get(regime, 0):
+                    continue
+                for r in rows:
+                    if (not r.params.greedy) == regime and r.last_draft_step <= self._steps - self.probe_every:
+                        r.probe_due = True
         choices = [RowChoice(r.acceptance.alpha, c, 1, f, probe=r.probe_due) for r, c, f in zip(rows, caps, fixed)]
         return choose_blocks(choices, self.cost, min_gain=self.min_gain)
 
@@ -313,6 +330,7 @@ class BatchDecoder:
         )
         t3 = time.perf_counter()
         rounds = []
+        probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
         for row, proposal, out, length in zip(rows, proposals, outs, committed):
             ta = time.perf_counter()
             tokens = proposal.tokens
@@ -325,10 +343,9 @@ class BatchDecoder:
             if row.drafter_row is not None and out.features is not None:
                 row.pending.append(out.features[: accepted + 1])
             row.acceptance.update(int(tokens.numel()), accepted)
-            if tokens.numel():  # a probe that misses confirms the low estimate: the next one waits twice as long;
-                # one that hits (the estimate, and the prior new rows start from, must catch up) or a block the
-                # policy chose itself resets the wait
-                row.probes = row.probes + 1 if row.probe_due and 2 * accepted < tokens.numel() else 0
+            if row.probe_due and tokens.numel():
+                acc, drafted = probed.get(not row.params.greedy, (0, 0))
+                probed[not row.params.greedy] = (acc + accepted, drafted + int(tokens.numel()))
             row.stats.draft_time_s += t2 - t1
             row.stats.verify_time_s += t3 - t2
             new = tokens[:accepted].tolist() + [bonus]
@@ -336,6 +353,11 @@ class BatchDecoder:
             timings = RoundTimings(draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own,
                                    total_s=t3 - t0 + own)
             rounds.append((row, row.commit(new, drafted=int(tokens.numel()), accepted=accepted, timings=timings)))
+        for regime, (acc, drafted) in probed.items():  # probes that missed (accepted < half of the drafts)
+            # confirm the low estimates: the regime's next probe waits twice as long; a hit resets the wait
+            k = 0 if 2 * acc >= drafted else min(self.probe_misses.get(regime, 0) + 1, self.max_probe_backoff)
+            self.probe_misses[regime] = k
+            self._next_probe[regime] = self._steps + self.probe_every * (1 << k)
         t4 = time.perf_counter()
         prof.verify_rows, prof.verify_tokens, prof.blocks = len(rows), sum(len(b) for b in blocks), [len(b) for b in blocks]
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3

@@ -97,10 +97,14 @@ def test_drafter_dtype_resolution(monkeypatch):
     assert drafter_dtype(None, torch.bfloat16, cpu) is torch.bfloat16
     assert drafter_dtype("fp16", torch.float32, cpu) is torch.float16
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     assert drafter_dtype("auto", torch.float32, cpu) is torch.bfloat16
     assert drafter_dtype("auto", torch.float16, cpu) is torch.float16  # only next to a float32 target
     assert drafter_dtype("auto", torch.float32, torch.device("cuda")) is torch.float32
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)  # bf16 matmuls are slow there
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)  # AMD Zen 4: no AMX, bf16 dot products
+    assert drafter_dtype("auto", torch.float32, cpu) is torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)  # emulated: slower than float32
     assert drafter_dtype("auto", torch.float32, cpu) is torch.float32
     with pytest.raises(ValueError, match="drafter dtype"):
         drafter_dtype("int8", torch.float32, cpu)

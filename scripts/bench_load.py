@@ -19,7 +19,9 @@ shares the machine with the server, so it runs at a lower priority (--client-nic
 In process, on the same models, it also measures per prompt (T = 0, 1 row, best of --repeats): the target alone, the
 single-sequence DFlash loop (decoding/decode.py) and the batched step with adaptive blocks, on the code
 prompts (--osl tokens) and on --long-prompts longer ones (--long-osl tokens, where a weak drafter misses),
-and the profile of one batched adaptive step at 16 rows (draft / verify / acceptance / policy / Python).
+and the profile of one batched adaptive step at 16 rows (draft / verify / acceptance / policy / Python);
+and, at C=16 T=0, the engines alone: HF generate() against the batched decoder's steady state (target
+alone, adaptive) in this process, with no server and no client, which bounds what any server cell can reach.
 
 Writes results/load/{results.json, README.md, load.png} and aiperf's exports under results/load/aiperf/.
 Run it on a quiet machine: other processes' CPU time shows up as noise in every ratio.
@@ -181,6 +183,58 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
            for k in STEP_KEYS},
     }
     print("step profile", json.dumps(out["step_profile"]), flush=True)
+
+    out["engines_alone"] = engines_alone(model, code, btarget, bdrafter, cost, args,
+                                        pad=tok.pad_token_id if tok.pad_token_id is not None else 0)
+    return out
+
+
+def steady_state(decoder, stream: list[list[int]], c: int, n: int) -> int:
+    """Run `stream` through `decoder` with `c` requests in flight, each finished row replaced at once (what a
+    server with a client that never waits would do); returns the output tokens."""
+    from dflash_trt.decoding import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=n, stop_token_ids=())
+    rows = [decoder.add(p, cfg) for p in stream[:c]]
+    nxt, tokens = len(rows), 0
+    while rows:
+        decoder.step()
+        for r in [r for r in rows if r.done]:
+            rows.remove(r)
+            tokens += len(r.result().token_ids)
+            if nxt < len(stream):
+                rows.append(decoder.add(stream[nxt], cfg))
+                nxt += 1
+    return tokens
+
+
+def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, pad: int = 0, c: int = 16) -> dict:
+    """C=16, T=0 in this process, no HTTP server and no client: HF generate() (left-padded batches of C)
+    against the batched decoder's steady state (target alone, adaptive) on the same request stream, in a
+    rotating order, median of --load-repeats. What the engines can do here bounds what any server on the
+    same machine can: the server cells add HTTP, streaming and a client on the same cores."""
+    from dflash_trt.decoding.batch import BatchDecoder
+
+    stream = [code[i % len(code)] for i in range(requests_for(c, args))]
+    members = {
+        "hf-generate": lambda: sum(len(o) for s in range(0, len(stream), c)
+                                   for o in hf_generate(model, stream[s:s + c], args.osl, pad, 0.0)),
+        "target": lambda: steady_state(BatchDecoder(btarget, None), stream, c, args.osl),
+        "adaptive": lambda: steady_state(BatchDecoder(btarget, bdrafter, adaptive=True, cost=cost), stream, c,
+                                         args.osl),
+    }
+    members["hf-generate"]()  # warm-up at this shape
+    runs: dict[str, list[float]] = {m: [] for m in members}
+    for rnd in range(args.load_repeats):
+        for name in rotation(list(members), rnd):
+            t0 = time.perf_counter()
+            tokens = members[name]()
+            runs[name].append(round(tokens / (time.perf_counter() - t0), 1))
+    med = {m: statistics.median(v) for m, v in runs.items()}
+    out = {"concurrency": c, "temperature": 0.0, "requests": len(stream), "runs_tokens_per_s": runs,
+           "tokens_per_s": med, "adaptive_vs_hf": round(med["adaptive"] / med["hf-generate"], 3),
+           "target_vs_hf": round(med["target"] / med["hf-generate"], 3)}
+    print("engines alone", json.dumps(out), flush=True)
     return out
 
 
@@ -408,6 +462,17 @@ def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str
             lines.append(f"| {t:g} | {c} | " + " | ".join(parts) + " |")
     lines += ["", "## Done-figures", ""]
     lines += [f"- {'PASS' if ok else 'FAIL' if ok is not None else 'n/a'}: {what}: {fig}" for what, ok, fig in found]
+    if proc and proc.get("engines_alone"):
+        e = proc["engines_alone"]
+        tps = e["tokens_per_s"]
+        lines += ["", f"## The engines alone: C={e['concurrency']}, T=0, in process, no server, no client", "",
+                  "The same request stream, each finished request replaced at once; median of "
+                  f"{len(e['runs_tokens_per_s']['adaptive'])} runs in a rotating order. No server on this machine "
+                  "can beat these ratios: the cells above add HTTP, streaming and a client on the same cores.", "",
+                  "| HF generate | target (batched decoder) | adaptive | adaptive / HF | target / HF |",
+                  "|---|---|---|---|---|",
+                  f"| {tps['hf-generate']:.0f} | {tps['target']:.0f} | {tps['adaptive']:.0f} | "
+                  f"{e['adaptive_vs_hf']:.2f}x | {e['target_vs_hf']:.2f}x |"]
     if proc and proc.get("step_profile"):
         p = proc["step_profile"]
         lines += ["", f"## One batched adaptive step at {p['rows']} rows (mean of {p['steps']} steps)", "",

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, export_metrics, value
 
@@ -119,3 +120,41 @@ def test_server_side_figures_come_from_the_metrics_deltas():
     cells = [dict(cell("adaptive", 16, 0.0, 650.0), server=srv), cell("target", 16, 0.0, 500.0)]
     md = bench.markdown(cells, None, [], {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"})
     assert "| 0 | 16 | - | 14.0 / 3.0 |" in md  # target's run carried no server figures
+
+
+def test_the_steady_state_keeps_c_rows_in_flight_and_serves_every_request(tiny_pair):
+    """The in-process engine comparison: every request of the stream served once, in full, as the target alone
+    would serve it, with at most C rows in a step and C in most of them."""
+    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.runtime.torch_backend import TorchTargetEngine
+    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+    bench = load_script()
+    _, _, _, model, drafter = tiny_pair
+    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    dec = BatchDecoder(target, TorchBatchDrafterEngine.for_target(drafter, target))
+    rng = torch.Generator().manual_seed(3)
+    stream = [torch.randint(2, 95, (int(n),), generator=rng).tolist() for n in torch.randint(3, 30, (7,), generator=rng)]
+    rows_per_step, served = [], []
+    step, add = dec.step, dec.add
+    dec.step = lambda: (rows_per_step.append(len(dec.active)), step())[1]
+    dec.add = lambda p, cfg: served.append(add(p, cfg)) or served[-1]
+    assert bench.steady_state(dec, stream, c=3, n=6) == 7 * 6
+    assert [r.prompt_ids for r in served] == stream and all(r.done for r in served)
+    alone = SpeculativeDecoder(TorchTargetEngine(model))
+    assert [r.result().token_ids for r in served] == [
+        alone.generate(p, GenerationConfig(max_new_tokens=6)).token_ids for p in stream]
+    assert max(rows_per_step) == 3 and rows_per_step.count(3) >= len(rows_per_step) // 2
+
+
+def test_the_engines_alone_section_reports_both_ratios():
+    bench = load_script()
+    proc = {"engines_alone": {"concurrency": 16, "temperature": 0.0, "requests": 64,
+                              "runs_tokens_per_s": {"hf-generate": [800.0], "target": [880.0], "adaptive": [1040.0]},
+                              "tokens_per_s": {"hf-generate": 800.0, "target": 880.0, "adaptive": 1040.0},
+                              "adaptive_vs_hf": 1.3, "target_vs_hf": 1.1}}
+    md = bench.markdown([cell("adaptive", 16, 0.0, 650.0)], proc, [], {"target": "t", "drafter": "d", "osl": 64,
+                                                                       "machine": "cpu"})
+    assert "## The engines alone: C=16, T=0" in md
+    assert "| 800 | 880 | 1040 | 1.30x | 1.10x |" in md

@@ -60,6 +60,8 @@ test-tf457: tf457-env
 	DFLASH_EXPECT_TRANSFORMERS=$(TF457_VERSION) $(TF457_VENV)/bin/python -m pytest -q $(TF457_TESTS)
 
 test: venv triton-env
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest -q tests
 	$(MAKE) test-tf457

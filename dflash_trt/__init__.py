@@ -1,2 +1,3 @@
 """DFlash speculative decoding toolkit."""
+
 __version__ = "0.1.0"

@@ -46,7 +46,7 @@ class DFlashSpec:
     final_logit_softcapping: float | None = None
 
     @classmethod
-    def from_config(cls, config: Qwen3Config | dict[str, Any]) -> "DFlashSpec":
+    def from_config(cls, config: Qwen3Config | dict[str, Any]) -> DFlashSpec:
         raw = config if isinstance(config, dict) else config.to_dict()
         dflash = raw.get("dflash_config") or {}
         if not isinstance(dflash, dict):
@@ -69,7 +69,9 @@ class DFlashSpec:
                 raise ConfigError("dflash_config.target_layer_ids: missing and num_target_layers is not set either")
             layer_ids = build_target_layer_ids(int(num_target_layers), n_draft_layers)
         if not layer_ids or not all(isinstance(i, int) for i in layer_ids):
-            raise ConfigError(f"dflash_config.target_layer_ids: must be a non-empty list of integers, got {layer_ids!r}")
+            raise ConfigError(
+                f"dflash_config.target_layer_ids: must be a non-empty list of integers, got {layer_ids!r}"
+            )
         softcap = value("final_logit_softcapping")
         return cls(
             block_size=block_size,

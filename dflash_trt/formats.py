@@ -63,7 +63,9 @@ class DrafterGraphMeta:
     def read(cls, folder: str | Path) -> DrafterGraphMeta:
         path = Path(folder) / META_FILE
         if not path.is_file():
-            raise FileNotFoundError(f"no {META_FILE} in {folder}: not an exported drafter (run `dflash-trt export-drafter`)")
+            raise FileNotFoundError(
+                f"no {META_FILE} in {folder}: not an exported drafter (run `dflash-trt export-drafter`)"
+            )
         return cls.from_dict(json.loads(path.read_text()))
 
 
@@ -159,9 +161,14 @@ def serving_sources(engines_dir: str | Path) -> ServingSources:
         engines, serve = manifest["engines"], manifest["serve"]
         drafter, target = engines[serve["drafter"]], engines[serve["target"]]
         checkpoint = manifest["sources"]["target"]["path"]
-        target_dir = (resolve_manifest_path(engines_dir, target["checkpoint"]) if target["backend"] == "torch"
-                      else engines_dir / target["dir"])
+        target_dir = (
+            resolve_manifest_path(engines_dir, target["checkpoint"])
+            if target["backend"] == "torch"
+            else engines_dir / target["dir"]
+        )
         drafter_dir = engines_dir / drafter["dir"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path} is not a manifest `make engines` wrote ({type(e).__name__}: {e}): rebuild it") from None
+        raise ValueError(
+            f"{path} is not a manifest `make engines` wrote ({type(e).__name__}: {e}): rebuild it"
+        ) from None
     return ServingSources(drafter, drafter_dir, target, target_dir, resolve_manifest_path(engines_dir, checkpoint))

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from .config import validate_against_target
-from .models.drafter import DFlashDrafter
 from .decoding import SpeculativeDecoder
+from .models.drafter import DFlashDrafter
 from .models.target import DTYPES, load_target, load_tokenizer
 from .runtime.base import EngineOptions
 from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
@@ -24,8 +24,10 @@ def resolve_device(device: str | torch.device = "cpu") -> torch.device:
         raise ValueError(f"unknown device {device!r} (use cpu, cuda or cuda:N)") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {device!r}: no CUDA GPU visible to torch {torch.__version__} "
-                             "(a CPU build, or no GPU / driver); use --device cpu")
+            raise ValueError(
+                f"device {device!r}: no CUDA GPU visible to torch {torch.__version__} "
+                "(a CPU build, or no GPU / driver); use --device cpu"
+            )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {device!r}: only {torch.cuda.device_count()} CUDA GPU(s) visible")
     elif dev.type != "cpu":
@@ -61,7 +63,10 @@ def drafter_dtype(name: str | None, target_dtype: torch.dtype, device: torch.dev
 
 
 def load_decoder(
-    target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32", device: str = "cpu",
+    target_dir: str | Path,
+    drafter_dir: str | Path | None = None,
+    dtype: str = "float32",
+    device: str = "cpu",
     drafter_dtype_name: str | None = None,
 ) -> SpeculativeDecoder:
     """Load target (+ tokenizer when present) and, unless drafter_dir is None, the DFlash drafter, on `device`.
@@ -81,8 +86,9 @@ def load_decoder(
     return SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
 
 
-def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", draft: bool = True,
-                              device: str = "cpu") -> SpeculativeDecoder:
+def load_decoder_from_engines(
+    engines_dir: str | Path, dtype: str = "float32", draft: bool = True, device: str = "cpu"
+) -> SpeculativeDecoder:
     """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section.
 
     draft=False loads the target alone (the drafter engine is not touched). `device` places a PyTorch target.
@@ -98,6 +104,9 @@ def load_decoder_from_engines(engines_dir: str | Path, dtype: str = "float32", d
         drafter = registry.drafter_engine(src.drafter["backend"], src.drafter_dir, options)
     features = drafter.feature_layer_ids if drafter is not None else ()
     target_device = str(resolve_device(device)) if src.target["backend"] == "torch" else None
-    target = registry.target_engine(src.target["backend"], src.target_dir,
-                                    EngineOptions(dtype=dtype, device=target_device, feature_layer_ids=tuple(features)))
+    target = registry.target_engine(
+        src.target["backend"],
+        src.target_dir,
+        EngineOptions(dtype=dtype, device=target_device, feature_layer_ids=tuple(features)),
+    )
     return SpeculativeDecoder(target, drafter, tokenizer)

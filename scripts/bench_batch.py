@@ -48,8 +48,15 @@ def hf_generate(model, prompts: list[list[int]], n: int, pad: int) -> list[list[
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, pad_token_id=pad, eos_token_id=None)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            pad_token_id=pad,
+            eos_token_id=None,
+        )
     return out[:, width:].tolist()
 
 
@@ -59,8 +66,12 @@ def main() -> int:
     ap.add_argument("--drafter", default=str(DEMO_DRAFTER), help="DFlash drafter directory (default: demo)")
     ap.add_argument("--prompts", type=int, default=16, help="held-out code prompts (a multiple of every concurrency)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma-separated batch sizes")
-    ap.add_argument("--c1-prompts", type=int, default=None,
-                    help="prompts at concurrency 1 (default: all; fewer keeps a slow machine's run short)")
+    ap.add_argument(
+        "--c1-prompts",
+        type=int,
+        default=None,
+        help="prompts at concurrency 1 (default: all; fewer keeps a slow machine's run short)",
+    )
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     ap.add_argument("--out", default=str(REPO / "results" / "bench_batch.json"))
@@ -95,6 +106,7 @@ def main() -> int:
                 dec.step()
                 profiles.append(dec.last_profile)
             return [r.result().token_ids for r in rows], profiles
+
         return run
 
     methods = {
@@ -102,8 +114,10 @@ def main() -> int:
         "batch-target": batched(1, False),
         "batch-dflash-b8": batched(8, False),
         "batch-adaptive": batched(None, True),
-        "single-dflash": lambda batch: ([single.generate(p, GenerationConfig(max_new_tokens=n)).token_ids
-                                         for p in batch], []),
+        "single-dflash": lambda batch: (
+            [single.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p in batch],
+            [],
+        ),
     }
     for name, fn in methods.items():  # warm-up (allocations, first-call costs)
         fn(prompts[:2])
@@ -118,52 +132,84 @@ def main() -> int:
             t0 = time.perf_counter()
             subset = prompts[: args.c1_prompts] if c == 1 and args.c1_prompts else prompts
             for start in range(0, len(subset), c):
-                out, prof = fn(subset[start:start + c])
+                out, prof = fn(subset[start : start + c])
                 outputs += out
                 steps += prof
             secs = time.perf_counter() - t0
             tokens = sum(len(o) for o in outputs)
             if name == "batch-target":
                 reference.update(enumerate(outputs))
-            exact = None if name == "hf-generate" or not reference else all(
-                o == reference[i] for i, o in enumerate(outputs))
+            exact = (
+                None
+                if name == "hf-generate" or not reference
+                else all(o == reference[i] for i, o in enumerate(outputs))
+            )
             verify = [p for p in steps if p.verify_rows]
-            row = {"concurrency": c, "method": name, "tokens": tokens, "seconds": round(secs, 3),
-                   "tokens_per_s": round(tokens / secs, 1), "equal_to_target_alone": exact}
+            row = {
+                "concurrency": c,
+                "method": name,
+                "tokens": tokens,
+                "seconds": round(secs, 3),
+                "tokens_per_s": round(tokens / secs, 1),
+                "equal_to_target_alone": exact,
+            }
             if verify:
                 row["mean_block"] = round(statistics.mean(b for p in verify for b in p.blocks), 2)
                 row["tokens_per_verify_row"] = round(
-                    sum(p.committed_tokens for p in verify) / sum(p.verify_rows for p in verify), 2)
+                    sum(p.committed_tokens for p in verify) / sum(p.verify_rows for p in verify), 2
+                )
             results.append(row)
             print(json.dumps(row), flush=True)
             if c == max(levels) and verify:
                 keys = ("prefill_s", "policy_s", "draft_s", "verify_s", "accept_s", "overhead_s", "total_s")
                 profiles_out[name] = {
-                    "steps": len(verify), "rows": round(statistics.mean(p.verify_rows for p in verify), 2),
+                    "steps": len(verify),
+                    "rows": round(statistics.mean(p.verify_rows for p in verify), 2),
                     "verify_tokens": round(statistics.mean(p.verify_tokens for p in verify), 1),
-                    **{k.removesuffix("_s") + "_ms": round(1e3 * statistics.mean(getattr(p, k) for p in verify), 3)
-                       for k in keys},
+                    **{
+                        k.removesuffix("_s") + "_ms": round(1e3 * statistics.mean(getattr(p, k) for p in verify), 3)
+                        for k in keys
+                    },
                 }
 
     print("\n| concurrency | method | tokens/s | vs hf-generate | vs batch-target | mean block | equal to target |")
     print("|---|---|---|---|---|---|---|")
     for r in results:
         base = {m["method"]: m["tokens_per_s"] for m in results if m["concurrency"] == r["concurrency"]}
-        print(f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']} | {r['tokens_per_s'] / base['hf-generate']:.2f}x"
-              f" | {r['tokens_per_s'] / base['batch-target']:.2f}x | {r.get('mean_block', '')} |"
-              f" {r['equal_to_target_alone']} |")
+        print(
+            f"| {r['concurrency']} | {r['method']} | {r['tokens_per_s']} | {r['tokens_per_s'] / base['hf-generate']:.2f}x"
+            f" | {r['tokens_per_s'] / base['batch-target']:.2f}x | {r.get('mean_block', '')} |"
+            f" {r['equal_to_target_alone']} |"
+        )
     print(f"\nmean batched step at concurrency {max(levels)} (ms):")
     for name, p in profiles_out.items():
         print(f"  {name}: {p}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
-        "results": results, "step_profile": profiles_out,
-        "cost_model": {"target": vars(cost.target), "drafter": vars(cost.drafter), "measured_s": round(cost_s, 2)},
-        "settings": {"prompts": len(prompts), "max_new_tokens": n, "threads": args.threads,
-                     "target": args.target, "drafter": args.drafter, "prompt_set": "held-out code"},
-        "machine": {"platform": platform.platform(), "torch": torch.__version__},
-    }, indent=2) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "results": results,
+                "step_profile": profiles_out,
+                "cost_model": {
+                    "target": vars(cost.target),
+                    "drafter": vars(cost.drafter),
+                    "measured_s": round(cost_s, 2),
+                },
+                "settings": {
+                    "prompts": len(prompts),
+                    "max_new_tokens": n,
+                    "threads": args.threads,
+                    "target": args.target,
+                    "drafter": args.drafter,
+                    "prompt_set": "held-out code",
+                },
+                "machine": {"platform": platform.platform(), "torch": torch.__version__},
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {out}")
     return 0
 

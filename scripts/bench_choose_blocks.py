@@ -20,11 +20,14 @@ COSTS = {
 
 
 def rate(rows, cost, blocks):
-    return sum(expected_tokens(r.alpha, b) for r, b in zip(rows, blocks)) / cost.step_time(blocks, [r.new_context for r in rows])
+    return sum(expected_tokens(r.alpha, b) for r, b in zip(rows, blocks)) / cost.step_time(
+        blocks, [r.new_context for r in rows]
+    )
 
 
 def previous_ascent(rows, cost, sweeps=3):
     """The policy before: coordinate ascent calling a scoring closure per candidate, from two starts."""
+
     def ascend(blocks):
         best = rate(rows, cost, blocks)
         for _ in range(sweeps):
@@ -35,7 +38,7 @@ def previous_ascent(rows, cost, sweeps=3):
                 for b in range(1, r.max_block + 1):
                     if b == blocks[i]:
                         continue
-                    trial = blocks[:i] + [b] + blocks[i + 1:]
+                    trial = blocks[:i] + [b] + blocks[i + 1 :]
                     s = rate(rows, cost, trial)
                     if s > best * (1 + 1e-9):
                         best, blocks, changed = s, trial, True
@@ -71,8 +74,13 @@ def main() -> None:
             rows = [RowChoice(alpha=rng.random(), max_block=args.block) for _ in range(n)]
             old_ms = time_ms(lambda: previous_ascent(rows, cost), max(3, args.repeats // 5))
             new_ms = time_ms(lambda: choose_blocks(rows, cost), args.repeats)
-            old_rate, new_rate = rate(rows, cost, previous_ascent(rows, cost)), rate(rows, cost, choose_blocks(rows, cost))
-            print(f"| {name} | {n} | {old_ms:.3f} | {new_ms:.3f} | {old_ms / new_ms:.0f}x | {old_rate:.1f} | {new_rate:.1f} |")
+            old_rate, new_rate = (
+                rate(rows, cost, previous_ascent(rows, cost)),
+                rate(rows, cost, choose_blocks(rows, cost)),
+            )
+            print(
+                f"| {name} | {n} | {old_ms:.3f} | {new_ms:.3f} | {old_ms / new_ms:.0f}x | {old_rate:.1f} | {new_rate:.1f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -29,17 +29,31 @@ REPO = Path(__file__).resolve().parents[1]
 def build_models(args, workdir: Path):
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_target
+
     sys.path.insert(0, str(REPO / "tests"))  # the tiny-model factory is test scaffolding
     from tiny_models import make_tiny_drafter, make_tiny_target
 
     target_dir, drafter_dir = args.target, args.drafter
-    if target_dir and drafter_dir and (target_dir / "config.json").is_file() and (drafter_dir / "config.json").is_file():
+    if (
+        target_dir
+        and drafter_dir
+        and (target_dir / "config.json").is_file()
+        and (drafter_dir / "config.json").is_file()
+    ):
         return load_target(target_dir), DFlashDrafter.from_pretrained(drafter_dir), f"{target_dir} + {drafter_dir}"
-    target = make_tiny_target(workdir / "target", family="qwen3", vocab_size=args.vocab, layers=args.target_layers,
-                              hidden=args.hidden, max_position_embeddings=4096)
+    target = make_tiny_target(
+        workdir / "target",
+        family="qwen3",
+        vocab_size=args.vocab,
+        layers=args.target_layers,
+        hidden=args.hidden,
+        max_position_embeddings=4096,
+    )
     make_tiny_drafter(target.config, workdir / "drafter", layers=args.drafter_layers, block_size=args.block_size)
-    desc = (f"random Qwen3 target (hidden {args.hidden}, {args.target_layers} layers, vocab {args.vocab}) + "
-            f"DFlash drafter ({args.drafter_layers} layers, block {args.block_size})")
+    desc = (
+        f"random Qwen3 target (hidden {args.hidden}, {args.target_layers} layers, vocab {args.vocab}) + "
+        f"DFlash drafter ({args.drafter_layers} layers, block {args.block_size})"
+    )
     return target, DFlashDrafter.from_pretrained(workdir / "drafter"), desc
 
 
@@ -63,9 +77,13 @@ def time_rounds(session, context: int, feature_size: int, new_tokens: int, block
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", type=Path, default=REPO / "models" / "target", help="target checkpoint (default: demo)")
-    p.add_argument("--drafter", type=Path, default=REPO / "models" / "drafter", help="drafter checkpoint (default: demo)")
+    p.add_argument(
+        "--drafter", type=Path, default=REPO / "models" / "drafter", help="drafter checkpoint (default: demo)"
+    )
     p.add_argument("--contexts", default="128,1024", help="context lengths, comma-separated (default 128,1024)")
-    p.add_argument("--new-tokens", type=int, default=4, help="committed tokens per round fed to the drafter (default 4)")
+    p.add_argument(
+        "--new-tokens", type=int, default=4, help="committed tokens per round fed to the drafter (default 4)"
+    )
     p.add_argument("--rounds", type=int, default=30, help="timed rounds per cell (default 30)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--threads", type=int, default=2, help="CPU threads for torch and onnxruntime (default 2)")
@@ -98,21 +116,34 @@ def main() -> None:
         for name, engine in engines.items():
             base = None
             for ctx in contexts:
-                r = time_rounds(engine.new_session(), ctx, drafter.feature_size, args.new_tokens, block,
-                                args.rounds, args.warmup)
+                r = time_rounds(
+                    engine.new_session(), ctx, drafter.feature_size, args.new_tokens, block, args.rounds, args.warmup
+                )
                 base = base or r["median_ms"]
                 rows.append({"backend": name, "context": ctx, **r, "ratio_to_first": r["median_ms"] / base})
 
     print(f"models: {desc}; block {block}, {args.new_tokens} new tokens per round, {args.threads} threads")
     print(f"{'backend':<18} {'context':>8} {'median ms':>10} {'p90 ms':>8} {'vs first':>9}")
     for r in rows:
-        print(f"{r['backend']:<18} {r['context']:>8} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['ratio_to_first']:>8.2f}x")
+        print(
+            f"{r['backend']:<18} {r['context']:>8} {r['median_ms']:>10.2f} {r['p90_ms']:>8.2f} {r['ratio_to_first']:>8.2f}x"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "models": desc, "block_size": block, "new_tokens": args.new_tokens, "threads": args.threads,
-        "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-        "rows": rows,
-    }, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "models": desc,
+                "block_size": block,
+                "new_tokens": args.new_tokens,
+                "threads": args.threads,
+                "machine": platform.processor() or platform.machine(),
+                "torch": torch.__version__,
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 

@@ -67,26 +67,48 @@ def parse_args(argv=None):
     ap.add_argument("--modes", default=",".join(MODES), help=f"server modes (default {','.join(MODES)})")
     ap.add_argument("--prompts", type=int, default=32, help="held-out code prompts (default 32)")
     ap.add_argument("--osl", type=int, default=64, help="tokens per request (default 64)")
-    ap.add_argument("--min-requests", type=int, default=16,
-                    help="requests per cell: max(this, 4 x concurrency) (default 16): several waves, so the server "
-                    "runs in its steady state (finished rows replaced by new ones), not one batch's straggler tail")
+    ap.add_argument(
+        "--min-requests",
+        type=int,
+        default=16,
+        help="requests per cell: max(this, 4 x concurrency) (default 16): several waves, so the server "
+        "runs in its steady state (finished rows replaced by new ones), not one batch's straggler tail",
+    )
     ap.add_argument("--long-prompts", type=int, default=8, help="longer held-out prompts, per-prompt check (default 8)")
     ap.add_argument("--long-osl", type=int, default=256, help="tokens per long prompt (default 256)")
-    ap.add_argument("--repeats", type=int, default=3,
-                    help="per-prompt timings keep the best of this many runs (default 3; one 64-token run is ~0.5 s, "
-                    "where a burst of load elsewhere decides a single timing)")
-    ap.add_argument("--drafter-dtype", default="auto",
-                    help="the drafter's dtype, in the servers and in process (default auto, as `dflash-trt serve`)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="per-prompt timings keep the best of this many runs (default 3; one 64-token run is ~0.5 s, "
+        "where a burst of load elsewhere decides a single timing)",
+    )
+    ap.add_argument(
+        "--drafter-dtype",
+        default="auto",
+        help="the drafter's dtype, in the servers and in process (default auto, as `dflash-trt serve`)",
+    )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
-    ap.add_argument("--load-repeats", type=int, default=3,
-                    help="runs per cell, the modes and HF generate back to back in a rotating order (default 3; "
-                    "the cell reports its median run)")
-    ap.add_argument("--client-nice", type=int, default=15,
-                    help="run aiperf at this niceness (default 15; 0 = as the server): on a machine it shares with "
-                    "the server, the client's own CPU use slows what it measures, which a client on another machine "
-                    "would not; the Hugging Face reference runs with no client at all")
-    ap.add_argument("--skip-in-process", action="store_true",
-                    help="only the aiperf cells (no HF generate reference, no per-prompt runs, no step profile)")
+    ap.add_argument(
+        "--load-repeats",
+        type=int,
+        default=3,
+        help="runs per cell, the modes and HF generate back to back in a rotating order (default 3; "
+        "the cell reports its median run)",
+    )
+    ap.add_argument(
+        "--client-nice",
+        type=int,
+        default=15,
+        help="run aiperf at this niceness (default 15; 0 = as the server): on a machine it shares with "
+        "the server, the client's own CPU use slows what it measures, which a client on another machine "
+        "would not; the Hugging Face reference runs with no client at all",
+    )
+    ap.add_argument(
+        "--skip-in-process",
+        action="store_true",
+        help="only the aiperf cells (no HF generate reference, no per-prompt runs, no step profile)",
+    )
     ap.add_argument("--out", type=Path, default=REPO / "results" / "load", help="output folder")
     return ap.parse_args(argv)
 
@@ -115,8 +137,9 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
 
     model = load_target(args.target, torch.float32)
     tok = load_tokenizer(args.target)
-    drafter = DFlashDrafter.from_pretrained(args.drafter, drafter_dtype(args.drafter_dtype, torch.float32,
-                                                                        torch.device("cpu")))
+    drafter = DFlashDrafter.from_pretrained(
+        args.drafter, drafter_dtype(args.drafter_dtype, torch.float32, torch.device("cpu"))
+    )
     validate_against_target(drafter.config, drafter.spec, model.config)
     layers = drafter.spec.target_layer_ids
     code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
@@ -130,8 +153,11 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
     bdrafter = TorchBatchDrafterEngine.for_target(drafter, btarget)
     t0 = time.perf_counter()
     cost = measure_costs(btarget, bdrafter, rows=(1, 4, 16), blocks=(1, 4, 8), context=150, repeats=2)
-    out["cost_model"] = {"target": vars(cost.target), "drafter": vars(cost.drafter),
-                         "measured_s": round(time.perf_counter() - t0, 2)}
+    out["cost_model"] = {
+        "target": vars(cost.target),
+        "drafter": vars(cost.drafter),
+        "measured_s": round(time.perf_counter() - t0, 2),
+    }
     adaptive = BatchDecoder(btarget, bdrafter, adaptive=True, cost=cost, refit_every=0)
 
     def timed(fn):  # best of --repeats: load from elsewhere only ever adds time
@@ -154,14 +180,20 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
             alone, t_alone = timed(lambda: single.generate(p, GenerationConfig(max_new_tokens=n, block_size=1)))
             dflash, t_single = timed(lambda: single.generate(p, cfg))
             adapt, t_adapt = timed(lambda: run_adaptive(p, n))
-            row = {"set": kind, "prompt": i, "prompt_tokens": len(p), "new_tokens": len(alone.token_ids),
-                   "target_s": round(t_alone, 3), "single_dflash_s": round(t_single, 3),
-                   "adaptive_s": round(t_adapt, 3),
-                   "tau_single_b8": round(dflash.stats.mean_acceptance_length, 2),
-                   "tau_adaptive": round(adapt.stats.mean_acceptance_length, 2),
-                   "adaptive_vs_target": round(t_alone / t_adapt, 3),
-                   "single_vs_target": round(t_alone / t_single, 3),
-                   "equal": alone.token_ids == dflash.token_ids == adapt.token_ids}
+            row = {
+                "set": kind,
+                "prompt": i,
+                "prompt_tokens": len(p),
+                "new_tokens": len(alone.token_ids),
+                "target_s": round(t_alone, 3),
+                "single_dflash_s": round(t_single, 3),
+                "adaptive_s": round(t_adapt, 3),
+                "tau_single_b8": round(dflash.stats.mean_acceptance_length, 2),
+                "tau_adaptive": round(adapt.stats.mean_acceptance_length, 2),
+                "adaptive_vs_target": round(t_alone / t_adapt, 3),
+                "single_vs_target": round(t_alone / t_single, 3),
+                "equal": alone.token_ids == dflash.token_ids == adapt.token_ids,
+            }
             out["per_prompt"].append(row)
             print("per-prompt", json.dumps(row), flush=True)
 
@@ -175,17 +207,22 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
         steps.append(dec.last_profile)
     verify = [s for s in steps if s.verify_rows and not s.prefill_rows]
     out["step_profile"] = {
-        "rows": 16, "steps": len(verify), "mean_rows": round(statistics.mean(s.verify_rows for s in verify), 2),
+        "rows": 16,
+        "steps": len(verify),
+        "mean_rows": round(statistics.mean(s.verify_rows for s in verify), 2),
         "mean_verify_tokens": round(statistics.mean(s.verify_tokens for s in verify), 1),
         "mean_block": round(statistics.mean(b for s in verify for b in s.blocks), 2),
         "committed_per_step": round(statistics.mean(s.committed_tokens for s in verify), 2),
-        **{k.removesuffix("_s") + "_ms": round(1e3 * statistics.mean(getattr(s, k) for s in verify), 2)
-           for k in STEP_KEYS},
+        **{
+            k.removesuffix("_s") + "_ms": round(1e3 * statistics.mean(getattr(s, k) for s in verify), 2)
+            for k in STEP_KEYS
+        },
     }
     print("step profile", json.dumps(out["step_profile"]), flush=True)
 
-    out["engines_alone"] = engines_alone(model, code, btarget, bdrafter, cost, args,
-                                        pad=tok.pad_token_id if tok.pad_token_id is not None else 0)
+    out["engines_alone"] = engines_alone(
+        model, code, btarget, bdrafter, cost, args, pad=tok.pad_token_id if tok.pad_token_id is not None else 0
+    )
     return out
 
 
@@ -217,11 +254,13 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
 
     stream = [code[i % len(code)] for i in range(requests_for(c, args))]
     members = {
-        "hf-generate": lambda: sum(len(o) for s in range(0, len(stream), c)
-                                   for o in hf_generate(model, stream[s:s + c], args.osl, pad, 0.0)),
+        "hf-generate": lambda: sum(
+            len(o) for s in range(0, len(stream), c) for o in hf_generate(model, stream[s : s + c], args.osl, pad, 0.0)
+        ),
         "target": lambda: steady_state(BatchDecoder(btarget, None), stream, c, args.osl),
-        "adaptive": lambda: steady_state(BatchDecoder(btarget, bdrafter, adaptive=True, cost=cost), stream, c,
-                                         args.osl),
+        "adaptive": lambda: steady_state(
+            BatchDecoder(btarget, bdrafter, adaptive=True, cost=cost), stream, c, args.osl
+        ),
     }
     members["hf-generate"]()  # warm-up at this shape
     runs: dict[str, list[float]] = {m: [] for m in members}
@@ -231,9 +270,15 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
             tokens = members[name]()
             runs[name].append(round(tokens / (time.perf_counter() - t0), 1))
     med = {m: statistics.median(v) for m, v in runs.items()}
-    out = {"concurrency": c, "temperature": 0.0, "requests": len(stream), "runs_tokens_per_s": runs,
-           "tokens_per_s": med, "adaptive_vs_hf": round(med["adaptive"] / med["hf-generate"], 3),
-           "target_vs_hf": round(med["target"] / med["hf-generate"], 3)}
+    out = {
+        "concurrency": c,
+        "temperature": 0.0,
+        "requests": len(stream),
+        "runs_tokens_per_s": runs,
+        "tokens_per_s": med,
+        "adaptive_vs_hf": round(med["adaptive"] / med["hf-generate"], 3),
+        "target_vs_hf": round(med["target"] / med["hf-generate"], 3),
+    }
     print("engines alone", json.dumps(out), flush=True)
     return out
 
@@ -263,21 +308,36 @@ class HFReference:
         t0 = time.perf_counter()
         tokens = 0
         for start in range(0, n_req, c):
-            tokens += sum(len(o) for o in hf_generate(self.model, stream[start:start + c], self.osl, self.pad, temp))
+            tokens += sum(len(o) for o in hf_generate(self.model, stream[start : start + c], self.osl, self.pad, temp))
         secs = time.perf_counter() - t0
-        return {"mode": self.name, "concurrency": c, "temperature": temp, "requests": n_req, "tokens": tokens,
-                "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1)}
+        return {
+            "mode": self.name,
+            "concurrency": c,
+            "temperature": temp,
+            "requests": n_req,
+            "tokens": tokens,
+            "seconds": round(secs, 2),
+            "tokens_per_s": round(tokens / secs, 1),
+        }
 
 
 def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: float) -> list[list[int]]:
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(
-        do_sample=False)
+    sampling = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    )
     with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                             pad_token_id=pad, eos_token_id=None, **sampling)
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=pad,
+            eos_token_id=None,
+            **sampling,
+        )
     return out[:, width:].tolist()
 
 
@@ -298,7 +358,8 @@ def metric_sums(text: str) -> dict[str, tuple[float, float]]:
         for sample in family.samples:
             for key, (name, labels) in SERVER_SERIES.items():
                 if sample.name in (name + "_sum", name + "_count") and all(
-                        sample.labels.get(k) == v for k, v in labels.items()):
+                    sample.labels.get(k) == v for k, v in labels.items()
+                ):
                     found[key][0 if sample.name.endswith("_sum") else 1] += sample.value
             if sample.name == "dflash_step_seconds_sum":
                 found["busy"][0] += sample.value
@@ -310,8 +371,12 @@ def server_side(before: dict, after: dict) -> dict:
     (how full the batch was), mean block size, prefill passes and seconds of engine work."""
     d = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
     per = lambda k: round(d[k][0] / d[k][1], 2) if d[k][1] else None  # noqa: E731
-    return {"mean_verify_rows": per("verify_rows"), "mean_block": per("blocks"),
-            "prefill_passes": int(d["prefill_rows"][1]), "engine_s": round(d["busy"][0], 2)}
+    return {
+        "mean_verify_rows": per("verify_rows"),
+        "mean_block": per("blocks"),
+        "prefill_passes": int(d["prefill_rows"][1]),
+        "engine_s": round(d["busy"][0], 2),
+    }
 
 
 def rotation(members: list[str], rnd: int) -> list[str]:
@@ -320,8 +385,9 @@ def rotation(members: list[str], rnd: int) -> list[str]:
     return members[k:] + members[:k]
 
 
-def server_cells(args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str],
-                 hf: HFReference | None = None) -> tuple[list[dict], list[dict]]:
+def server_cells(
+    args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str], hf: HFReference | None = None
+) -> tuple[list[dict], list[dict]]:
     """Every mode's server runs at once (idle ones cost nothing); each cell is measured --load-repeats times,
     the modes (and `hf`, the in-process reference, when given) back to back in a rotating order, so that the
     machine's drift (20-40 % over minutes here, up to 2x between spells) falls on every mode and on the
@@ -337,13 +403,25 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
     runs: dict[tuple, list[dict]] = {}
     try:
         for mode in modes:
-            serve = ["--target", str(args.target), "--drafter", str(args.drafter), "--max-active", str(max(levels)),
-                     "--max-queue", str(4 * max(levels)), "--drafter-dtype", args.drafter_dtype, *MODES[mode]]
+            serve = [
+                "--target",
+                str(args.target),
+                "--drafter",
+                str(args.drafter),
+                "--max-active",
+                str(max(levels)),
+                "--max-queue",
+                str(4 * max(levels)),
+                "--drafter-dtype",
+                args.drafter_dtype,
+                *MODES[mode],
+            ]
             if args.threads:
                 serve += ["--threads", str(args.threads)]
             t0 = time.monotonic()
-            proc, url = start_serve(serve, args.out / f"serve-{mode}.log", timeout_s=600,
-                                    env={"DFLASH_TRT_API_KEY": ""})
+            proc, url = start_serve(
+                serve, args.out / f"serve-{mode}.log", timeout_s=600, env={"DFLASH_TRT_API_KEY": ""}
+            )
             servers[mode] = (proc, url)
             print(f"server {mode} up in {time.monotonic() - t0:.1f}s: {url}", flush=True)
             servers[mode] += (httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"],)
@@ -357,18 +435,35 @@ def server_cells(args, code_texts: list[str], levels: list[int], temps: list[flo
                             print(mode, json.dumps(row), flush=True)
                             continue
                         _, url, model = servers[mode]
-                        run = AiperfRun(url, model, str(args.target), "completions", c, requests_for(c, args),
-                                        warmup=c, input_file=dataset, osl=args.osl,
-                                        extra_inputs={"temperature": temp}, nice=args.client_nice)
+                        run = AiperfRun(
+                            url,
+                            model,
+                            str(args.target),
+                            "completions",
+                            c,
+                            requests_for(c, args),
+                            warmup=c,
+                            input_file=dataset,
+                            osl=args.osl,
+                            extra_inputs={"temperature": temp},
+                            nice=args.client_nice,
+                        )
                         before = metric_sums(httpx.get(url + "/metrics", timeout=30).text)
                         m = run_aiperf(args.aiperf, run, args.out / "aiperf" / f"{mode}-t{temp:g}-c{c}-r{rnd}")
                         after = metric_sums(httpx.get(url + "/metrics", timeout=30).text)
-                        cell = {"mode": mode, "concurrency": c, "temperature": temp, "requests": run.requests,
-                                "tokens_per_s": value(m, "output_token_throughput"),
-                                "ttft_ms": {s: value(m, "time_to_first_token", s) for s in ("avg", "p50", "p99")},
-                                "itl_ms": {s: value(m, "inter_token_latency", s) for s in ("avg", "p50", "p99")},
-                                "osl": value(m, "output_sequence_length"), "errors": m.get("error_summary"),
-                                "wall_s": m["wall_s"], "server": server_side(before, after)}
+                        cell = {
+                            "mode": mode,
+                            "concurrency": c,
+                            "temperature": temp,
+                            "requests": run.requests,
+                            "tokens_per_s": value(m, "output_token_throughput"),
+                            "ttft_ms": {s: value(m, "time_to_first_token", s) for s in ("avg", "p50", "p99")},
+                            "itl_ms": {s: value(m, "inter_token_latency", s) for s in ("avg", "p50", "p99")},
+                            "osl": value(m, "output_sequence_length"),
+                            "errors": m.get("error_summary"),
+                            "wall_s": m["wall_s"],
+                            "server": server_side(before, after),
+                        }
                         runs.setdefault((mode, c, temp), []).append(cell)
                         print("aiperf", json.dumps(cell), flush=True)
         for mode, (_, url, _) in servers.items():
@@ -398,29 +493,51 @@ def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None,
         return a / b if a and b else None
 
     r = ratio(tps.get(("adaptive", 16, 0.0)), hf.get((16, 0.0)))
-    found.append(("c=16 T=0 adaptive >= 1.5x HF batched generate", None if r is None else r >= 1.5,
-                  "n/a" if r is None else f"{r:.2f}x"))
+    found.append(
+        (
+            "c=16 T=0 adaptive >= 1.5x HF batched generate",
+            None if r is None else r >= 1.5,
+            "n/a" if r is None else f"{r:.2f}x",
+        )
+    )
     r = ratio(tps.get(("adaptive", 16, 0.0)), tps.get(("target", 16, 0.0)))
-    found.append(("c=16 T=0 adaptive >= 1.2x the server's batched target", None if r is None else r >= 1.2,
-                  "n/a" if r is None else f"{r:.2f}x"))
+    found.append(
+        (
+            "c=16 T=0 adaptive >= 1.2x the server's batched target",
+            None if r is None else r >= 1.2,
+            "n/a" if r is None else f"{r:.2f}x",
+        )
+    )
     worst = [(ratio(v, tps.get(("target", c, t))), c, t) for (m, c, t), v in tps.items() if m == "adaptive"]
     worst = [w for w in worst if w[0] is not None]
     if worst:
         w = min(worst)
-        found.append(("every cell: adaptive >= 0.95x batched target", w[0] >= 0.95,
-                      f"lowest {w[0]:.2f}x (c={w[1]}, T={w[2]:g})"))
+        found.append(
+            ("every cell: adaptive >= 0.95x batched target", w[0] >= 0.95, f"lowest {w[0]:.2f}x (c={w[1]}, T={w[2]:g})")
+        )
     if proc and proc.get("per_prompt"):
         rows = proc["per_prompt"]
         low = min(rows, key=lambda p: p["adaptive_vs_target"])
-        found.append(("every prompt: adaptive >= 0.9x the target alone", low["adaptive_vs_target"] >= 0.9,
-                      f"lowest {low['adaptive_vs_target']:.2f}x ({low['set']} prompt {low['prompt']}, "
-                      f"{low['prompt_tokens']} tokens, tau at B=8 {low['tau_single_b8']})"))
+        found.append(
+            (
+                "every prompt: adaptive >= 0.9x the target alone",
+                low["adaptive_vs_target"] >= 0.9,
+                f"lowest {low['adaptive_vs_target']:.2f}x ({low['set']} prompt {low['prompt']}, "
+                f"{low['prompt_tokens']} tokens, tau at B=8 {low['tau_single_b8']})",
+            )
+        )
         code = [p for p in rows if p["set"] == "code"]
         r = sum(p["single_dflash_s"] for p in code) / sum(p["adaptive_s"] for p in code)
-        found.append(("c=1 T=0: batched adaptive >= 0.97x the single-sequence loop (same prompts)", r >= 0.97,
-                      f"{r:.2f}x"))
-        found.append(("greedy outputs equal to the target alone (per prompt, all three)",
-                      all(p["equal"] for p in rows), f"{sum(p['equal'] for p in rows)}/{len(rows)}"))
+        found.append(
+            ("c=1 T=0: batched adaptive >= 0.97x the single-sequence loop (same prompts)", r >= 0.97, f"{r:.2f}x")
+        )
+        found.append(
+            (
+                "greedy outputs equal to the target alone (per prompt, all three)",
+                all(p["equal"] for p in rows),
+                f"{sum(p['equal'] for p in rows)}/{len(rows)}",
+            )
+        )
     return found
 
 
@@ -429,31 +546,57 @@ def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str
     by = {(c["mode"], c["concurrency"], c["temperature"]): c for c in cells}
     modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
     keys = sorted({(c["temperature"], c["concurrency"]) for c in cells})
-    lines = [f"# Load benchmark: {settings['target']} + {settings['drafter']}", "",
-             f"{settings['machine']}; drafter dtype {settings.get('drafter_dtype', 'float32')}; "
-             f"aiperf (nice {settings.get('client_nice', 0)}), completions, streaming; "
-             f"held-out code prompts, {settings['osl']} "
-             "tokens per request (ignore_eos). Output tokens/s (higher is better); ratios side by side in one run.", "",
-             "| T | concurrency | HF generate | " + " | ".join(modes)
-             + " | adaptive / HF | adaptive / target | TTFT p50/p99 ms (adaptive) | ITL p50/p99 ms (adaptive) |",
-             "|---|---|---|" + "---|" * len(modes) + "---|---|---|---|"]
+    lines = [
+        f"# Load benchmark: {settings['target']} + {settings['drafter']}",
+        "",
+        f"{settings['machine']}; drafter dtype {settings.get('drafter_dtype', 'float32')}; "
+        f"aiperf (nice {settings.get('client_nice', 0)}), completions, streaming; "
+        f"held-out code prompts, {settings['osl']} "
+        "tokens per request (ignore_eos). Output tokens/s (higher is better); ratios side by side in one run.",
+        "",
+        "| T | concurrency | HF generate | "
+        + " | ".join(modes)
+        + " | adaptive / HF | adaptive / target | TTFT p50/p99 ms (adaptive) | ITL p50/p99 ms (adaptive) |",
+        "|---|---|---|" + "---|" * len(modes) + "---|---|---|---|",
+    ]
     for t, c in keys:
         a = by.get(("adaptive", c, t))
         tg = by.get(("target", c, t))
         h = hf.get((c, t))
-        vals = " | ".join(f"{by[(m, c, t)]['tokens_per_s']:.0f}" if (m, c, t) in by and by[(m, c, t)]["tokens_per_s"]
-                          else "-" for m in modes)
+        vals = " | ".join(
+            f"{by[(m, c, t)]['tokens_per_s']:.0f}" if (m, c, t) in by and by[(m, c, t)]["tokens_per_s"] else "-"
+            for m in modes
+        )
         r_hf = f"{a['tokens_per_s'] / h:.2f}x" if a and h and a["tokens_per_s"] else "-"
-        r_t = f"{a['tokens_per_s'] / tg['tokens_per_s']:.2f}x" if a and tg and a["tokens_per_s"] and tg["tokens_per_s"] else "-"
-        lat = (f"{a['ttft_ms']['p50']:.0f} / {a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / "
-               f"{a['itl_ms']['p99']:.1f}") if a and a["ttft_ms"]["p50"] is not None else "- | -"
-        lines.append(f"| {t:g} | {c} | {h:.0f} | {vals} | {r_hf} | {r_t} | {lat} |" if h else
-                     f"| {t:g} | {c} | - | {vals} | {r_hf} | {r_t} | {lat} |")
+        r_t = (
+            f"{a['tokens_per_s'] / tg['tokens_per_s']:.2f}x"
+            if a and tg and a["tokens_per_s"] and tg["tokens_per_s"]
+            else "-"
+        )
+        lat = (
+            (
+                f"{a['ttft_ms']['p50']:.0f} / {a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / "
+                f"{a['itl_ms']['p99']:.1f}"
+            )
+            if a and a["ttft_ms"]["p50"] is not None
+            else "- | -"
+        )
+        lines.append(
+            f"| {t:g} | {c} | {h:.0f} | {vals} | {r_hf} | {r_t} | {lat} |"
+            if h
+            else f"| {t:g} | {c} | - | {vals} | {r_hf} | {r_t} | {lat} |"
+        )
     if any(c.get("server") for c in cells):
-        lines += ["", "## The server's batches (its /metrics over the median run, aiperf's warm-up included)", "",
-                  "Mean rows per verify pass (of C: requests between two of aiperf's, or waiting for the step, "
-                  "are not in it) / mean block size.", "",
-                  "| T | concurrency | " + " | ".join(modes) + " |", "|---|---|" + "---|" * len(modes)]
+        lines += [
+            "",
+            "## The server's batches (its /metrics over the median run, aiperf's warm-up included)",
+            "",
+            "Mean rows per verify pass (of C: requests between two of aiperf's, or waiting for the step, "
+            "are not in it) / mean block size.",
+            "",
+            "| T | concurrency | " + " | ".join(modes) + " |",
+            "|---|---|" + "---|" * len(modes),
+        ]
         for t, c in keys:
             parts = []
             for m in modes:
@@ -465,30 +608,48 @@ def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str
     if proc and proc.get("engines_alone"):
         e = proc["engines_alone"]
         tps = e["tokens_per_s"]
-        lines += ["", f"## The engines alone: C={e['concurrency']}, T=0, in process, no server, no client", "",
-                  "The same request stream, each finished request replaced at once; median of "
-                  f"{len(e['runs_tokens_per_s']['adaptive'])} runs in a rotating order. No server on this machine "
-                  "can beat these ratios: the cells above add HTTP, streaming and a client on the same cores.", "",
-                  "| HF generate | target (batched decoder) | adaptive | adaptive / HF | target / HF |",
-                  "|---|---|---|---|---|",
-                  f"| {tps['hf-generate']:.0f} | {tps['target']:.0f} | {tps['adaptive']:.0f} | "
-                  f"{e['adaptive_vs_hf']:.2f}x | {e['target_vs_hf']:.2f}x |"]
+        lines += [
+            "",
+            f"## The engines alone: C={e['concurrency']}, T=0, in process, no server, no client",
+            "",
+            "The same request stream, each finished request replaced at once; median of "
+            f"{len(e['runs_tokens_per_s']['adaptive'])} runs in a rotating order. No server on this machine "
+            "can beat these ratios: the cells above add HTTP, streaming and a client on the same cores.",
+            "",
+            "| HF generate | target (batched decoder) | adaptive | adaptive / HF | target / HF |",
+            "|---|---|---|---|---|",
+            f"| {tps['hf-generate']:.0f} | {tps['target']:.0f} | {tps['adaptive']:.0f} | "
+            f"{e['adaptive_vs_hf']:.2f}x | {e['target_vs_hf']:.2f}x |",
+        ]
     if proc and proc.get("step_profile"):
         p = proc["step_profile"]
-        lines += ["", f"## One batched adaptive step at {p['rows']} rows (mean of {p['steps']} steps)", "",
-                  f"{p['mean_verify_tokens']} target tokens per step (mean block {p['mean_block']}), "
-                  f"{p['committed_per_step']} tokens committed per step.", "",
-                  "| policy | draft | verify | acceptance | Python overhead | total |", "|---|---|---|---|---|---|",
-                  f"| {p['policy_ms']} ms | {p['draft_ms']} ms | {p['verify_ms']} ms | {p['accept_ms']} ms | "
-                  f"{p['overhead_ms']} ms | {p['total_ms']} ms |"]
+        lines += [
+            "",
+            f"## One batched adaptive step at {p['rows']} rows (mean of {p['steps']} steps)",
+            "",
+            f"{p['mean_verify_tokens']} target tokens per step (mean block {p['mean_block']}), "
+            f"{p['committed_per_step']} tokens committed per step.",
+            "",
+            "| policy | draft | verify | acceptance | Python overhead | total |",
+            "|---|---|---|---|---|---|",
+            f"| {p['policy_ms']} ms | {p['draft_ms']} ms | {p['verify_ms']} ms | {p['accept_ms']} ms | "
+            f"{p['overhead_ms']} ms | {p['total_ms']} ms |",
+        ]
     if proc and proc.get("per_prompt"):
-        lines += ["", f"## Per prompt, one request alone (T=0; each time the best of {proc.get('repeats', 1)} runs)", "",
-                  "| set | prompt | prompt tokens | new tokens | tau B=8 | tau adaptive | single B=8 / target | "
-                  "adaptive / target | equal |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Per prompt, one request alone (T=0; each time the best of {proc.get('repeats', 1)} runs)",
+            "",
+            "| set | prompt | prompt tokens | new tokens | tau B=8 | tau adaptive | single B=8 / target | "
+            "adaptive / target | equal |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for p in proc["per_prompt"]:
-            lines.append(f"| {p['set']} | {p['prompt']} | {p['prompt_tokens']} | {p['new_tokens']} | "
-                         f"{p['tau_single_b8']} | {p['tau_adaptive']} | {p['single_vs_target']:.2f}x | "
-                         f"{p['adaptive_vs_target']:.2f}x | {p['equal']} |")
+            lines.append(
+                f"| {p['set']} | {p['prompt']} | {p['prompt_tokens']} | {p['new_tokens']} | "
+                f"{p['tau_single_b8']} | {p['tau_adaptive']} | {p['single_vs_target']:.2f}x | "
+                f"{p['adaptive_vs_target']:.2f}x | {p['equal']} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -502,12 +663,16 @@ def plot(cells: list[dict], proc: dict | None, path: Path) -> None:
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4), squeeze=False)
     for ax, t in zip(axes[0], temps):
         for mode in MODES:
-            pts = sorted((c["concurrency"], c["tokens_per_s"]) for c in cells
-                         if c["mode"] == mode and c["temperature"] == t and c["tokens_per_s"])
+            pts = sorted(
+                (c["concurrency"], c["tokens_per_s"])
+                for c in cells
+                if c["mode"] == mode and c["temperature"] == t and c["tokens_per_s"]
+            )
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"server {mode}")
-        hf = sorted((r["concurrency"], r["tokens_per_s"]) for r in (proc or {}).get("hf_generate", [])
-                    if r["temperature"] == t)
+        hf = sorted(
+            (r["concurrency"], r["tokens_per_s"]) for r in (proc or {}).get("hf_generate", []) if r["temperature"] == t
+        )
         if hf:
             ax.plot(*zip(*hf), marker="s", linestyle="--", color="gray", label="HF generate (batched)")
         ax.set_xscale("log", base=2)
@@ -543,25 +708,45 @@ def main(argv=None) -> int:
     except AiperfFailed as e:
         print(f"aiperf failed: {e}", file=sys.stderr)
         return 1
-    settings = {"target": str(args.target), "drafter": str(args.drafter), "osl": args.osl,
-                "prompts": args.prompts, "long_prompts": args.long_prompts, "long_osl": args.long_osl,
-                "concurrency": levels, "temperatures": temps, "modes": modes, "client_nice": args.client_nice,
-                "drafter_dtype": f"{args.drafter_dtype} ({resolved_drafter_dtype(args.drafter_dtype)})",
-                "threads": args.threads or
-                torch.get_num_threads(), "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, "
-                f"torch {torch.__version__}", "minutes": round((time.monotonic() - t0) / 60, 1)}
+    settings = {
+        "target": str(args.target),
+        "drafter": str(args.drafter),
+        "osl": args.osl,
+        "prompts": args.prompts,
+        "long_prompts": args.long_prompts,
+        "long_osl": args.long_osl,
+        "concurrency": levels,
+        "temperatures": temps,
+        "modes": modes,
+        "client_nice": args.client_nice,
+        "drafter_dtype": f"{args.drafter_dtype} ({resolved_drafter_dtype(args.drafter_dtype)})",
+        "threads": args.threads or torch.get_num_threads(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "minutes": round((time.monotonic() - t0) / 60, 1),
+    }
     if proc is not None:
         proc["hf_generate"] = reference
     found = checks(cells, proc)
-    (args.out / "results.json").write_text(json.dumps(
-        {"settings": settings, "cells": cells, "in_process": proc,
-         "checks": [{"what": w, "passed": ok, "figure": f} for w, ok, f in found]}, indent=2) + "\n")
+    (args.out / "results.json").write_text(
+        json.dumps(
+            {
+                "settings": settings,
+                "cells": cells,
+                "in_process": proc,
+                "checks": [{"what": w, "passed": ok, "figure": f} for w, ok, f in found],
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     md = markdown(cells, proc, found, settings)
     (args.out / "README.md").write_text(md)
     plot(cells, proc, args.out / "load.png")
     print("\n" + md)
-    print(f"wrote {args.out / 'results.json'}, {args.out / 'README.md'}, {args.out / 'load.png'} "
-          f"in {settings['minutes']} min")
+    print(
+        f"wrote {args.out / 'results.json'}, {args.out / 'README.md'}, {args.out / 'load.png'} "
+        f"in {settings['minutes']} min"
+    )
     return 0
 
 

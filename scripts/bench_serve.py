@@ -31,8 +31,9 @@ from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET  # noqa: E402
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--aiperf", default=str(REPO / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
     ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
     ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
@@ -50,13 +51,30 @@ def main(argv=None) -> int:
     if args.threads:
         serve += ["--threads", str(args.threads)]
     proc, url = start_serve(serve, args.out / "serve.log", timeout_s=300, env={"DFLASH_TRT_API_KEY": ""})
-    summary = {"url": url, "target": str(args.target), "drafter": str(args.drafter), "requests": args.requests,
-               "concurrency": args.concurrency, "isl": args.isl, "osl": args.osl, "endpoints": {}}
+    summary = {
+        "url": url,
+        "target": str(args.target),
+        "drafter": str(args.drafter),
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "isl": args.isl,
+        "osl": args.osl,
+        "endpoints": {},
+    }
     try:
         model = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]["id"]
         for endpoint in args.endpoints.split(","):
-            run = AiperfRun(url, model, str(args.target), endpoint, args.concurrency, args.requests, isl=args.isl,
-                            osl=args.osl, extra_inputs={"temperature": 0})
+            run = AiperfRun(
+                url,
+                model,
+                str(args.target),
+                endpoint,
+                args.concurrency,
+                args.requests,
+                isl=args.isl,
+                osl=args.osl,
+                extra_inputs={"temperature": 0},
+            )
             try:
                 summary["endpoints"][endpoint] = run_aiperf(args.aiperf, run, args.out / endpoint)
             except AiperfFailed as e:
@@ -67,8 +85,10 @@ def main(argv=None) -> int:
         proc.wait(60)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     for endpoint, m in summary["endpoints"].items():
-        print(f"{endpoint}: " + ", ".join(f"{k} {v.get('avg', v) if isinstance(v, dict) else v}"
-                                          for k, v in m.items() if k != "wall_s"))
+        print(
+            f"{endpoint}: "
+            + ", ".join(f"{k} {v.get('avg', v) if isinstance(v, dict) else v}" for k, v in m.items() if k != "wall_s")
+        )
     print(f"wrote {args.out / 'summary.json'}")
     return 0
 

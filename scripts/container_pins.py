@@ -14,8 +14,18 @@ import argparse
 import importlib.metadata as md
 import sys
 
-KEEP = ("torch", "transformers", "tokenizers", "tensorrt", "tensorrt_llm", "tensorrt-cu13", "tensorrt-cu12",
-        "nvidia-modelopt", "numpy", "triton")
+KEEP = (
+    "torch",
+    "transformers",
+    "tokenizers",
+    "tensorrt",
+    "tensorrt_llm",
+    "tensorrt-cu13",
+    "tensorrt-cu12",
+    "nvidia-modelopt",
+    "numpy",
+    "triton",
+)
 
 
 def installed(names=KEEP) -> dict[str, str]:

@@ -23,10 +23,10 @@ from pathlib import Path
 import torch
 
 from dflash_trt.bench.prompts import held_out_code_prompts
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
-from dflash_trt.loading import load_decoder
 from dflash_trt.decoding import GenerationConfig
 from dflash_trt.decoding.sampling import SamplingParams
+from dflash_trt.loading import load_decoder
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
 
 def main(argv=None) -> int:
@@ -37,18 +37,29 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's trained size")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--prompt-file", type=Path, default=None,
-                   help="JSONL prompt set (dflash_trt.train.prompts, e.g. .cache/smollm2-drafter/prompts-held-out.jsonl); "
-                   "the first --prompts of it")
+    p.add_argument(
+        "--prompt-file",
+        type=Path,
+        default=None,
+        help="JSONL prompt set (dflash_trt.train.prompts, e.g. .cache/smollm2-drafter/prompts-held-out.jsonl); "
+        "the first --prompts of it",
+    )
     p.add_argument("--long-prompts", type=int, default=0, help="also N long held-out code prompts (default 0)")
     p.add_argument("--long-tokens", type=int, default=1000, help="tokens per long prompt (default 1000)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
-                   help="weights and activations of both models (default float32; bfloat16 is fast on CPUs with AMX)")
-    p.add_argument("--drafter-dtype", default=None,
-                   help="the drafter's dtype (default --dtype, as `dflash-trt generate`; auto: bfloat16 on a CPU with "
-                   "AMX next to a float32 target; see dflash_trt.loading.drafter_dtype)")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default="float32",
+        help="weights and activations of both models (default float32; bfloat16 is fast on CPUs with AMX)",
+    )
+    p.add_argument(
+        "--drafter-dtype",
+        default=None,
+        help="the drafter's dtype (default --dtype, as `dflash-trt generate`; auto: bfloat16 on a CPU with "
+        "AMX next to a float32 target; see dflash_trt.loading.drafter_dtype)",
+    )
     p.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
     args = p.parse_args(argv)
     if args.threads:
@@ -63,10 +74,12 @@ def main(argv=None) -> int:
 
         stops = tuple(stop_token_ids(decoder.tokenizer))
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    cfg_spec = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling,
-                                stop_token_ids=stops)
-    cfg_base = GenerationConfig(max_new_tokens=args.max_new_tokens, block_size=1, sampling=sampling,
-                                stop_token_ids=stops)
+    cfg_spec = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, block_size=args.block_size, sampling=sampling, stop_token_ids=stops
+    )
+    cfg_base = GenerationConfig(
+        max_new_tokens=args.max_new_tokens, block_size=1, sampling=sampling, stop_token_ids=stops
+    )
     decoder.generate(prompts[0][1], cfg_spec)  # warm-up (allocations, kernels)
 
     rows, mismatches = [], 0
@@ -82,44 +95,75 @@ def main(argv=None) -> int:
         same = runs["base"].token_ids == runs["dflash"].token_ids if greedy else None
         mismatches += same is False
         s = runs["dflash"].stats
-        rows.append({
-            "prompt": i, "kind": kind, "prompt_tokens": len(ids), "new_tokens": s.new_tokens,
-            "base_new_tokens": runs["base"].stats.new_tokens, "identical": same,
-            "tau": round(s.mean_acceptance_length, 3), "rounds": s.rounds,
-            "base_s": round(runs["base"].stats.total_time_s, 4), "dflash_s": round(s.total_time_s, 4),
-            # per-token time ratio: sampled runs (and EOS stops) may produce different lengths
-            "speedup": round((runs["base"].stats.total_time_s / max(1, runs["base"].stats.new_tokens))
-                             / (s.total_time_s / max(1, s.new_tokens)), 3),
-            "draft_s": round(s.draft_time_s, 4), "verify_s": round(s.verify_time_s, 4),
-        })
-        print(f"prompt {i:2d}: tau {rows[-1]['tau']:.2f}  speedup {rows[-1]['speedup']:.2f}x  identical {same}",
-              file=sys.stderr)
+        rows.append(
+            {
+                "prompt": i,
+                "kind": kind,
+                "prompt_tokens": len(ids),
+                "new_tokens": s.new_tokens,
+                "base_new_tokens": runs["base"].stats.new_tokens,
+                "identical": same,
+                "tau": round(s.mean_acceptance_length, 3),
+                "rounds": s.rounds,
+                "base_s": round(runs["base"].stats.total_time_s, 4),
+                "dflash_s": round(s.total_time_s, 4),
+                # per-token time ratio: sampled runs (and EOS stops) may produce different lengths
+                "speedup": round(
+                    (runs["base"].stats.total_time_s / max(1, runs["base"].stats.new_tokens))
+                    / (s.total_time_s / max(1, s.new_tokens)),
+                    3,
+                ),
+                "draft_s": round(s.draft_time_s, 4),
+                "verify_s": round(s.verify_time_s, 4),
+            }
+        )
+        print(
+            f"prompt {i:2d}: tau {rows[-1]['tau']:.2f}  speedup {rows[-1]['speedup']:.2f}x  identical {same}",
+            file=sys.stderr,
+        )
 
     taus = [r["tau"] for r in rows]
     speedups = [r["speedup"] for r in rows]
     summary = {
-        "prompts": len(rows), "max_new_tokens": args.max_new_tokens,
+        "prompts": len(rows),
+        "max_new_tokens": args.max_new_tokens,
         "block_size": args.block_size or decoder.drafter.block_size,
-        "mean_tau": round(statistics.mean(taus), 3), "min_tau": min(taus), "max_tau": max(taus),
+        "mean_tau": round(statistics.mean(taus), 3),
+        "min_tau": min(taus),
+        "max_tau": max(taus),
         "median_speedup": round(statistics.median(speedups), 3),
-        "speedup_p10_p90": [round(sorted(speedups)[len(speedups) // 10], 3),
-                            round(sorted(speedups)[(9 * len(speedups)) // 10], 3)],
+        "speedup_p10_p90": [
+            round(sorted(speedups)[len(speedups) // 10], 3),
+            round(sorted(speedups)[(9 * len(speedups)) // 10], 3),
+        ],
         "total_time_speedup": round(sum(r["base_s"] for r in rows) / sum(r["dflash_s"] for r in rows), 3),
-        "all_identical": (mismatches == 0) if greedy else None, "threads": torch.get_num_threads(),
-        "temperature": args.temperature, "dtype": args.dtype,
+        "all_identical": (mismatches == 0) if greedy else None,
+        "threads": torch.get_num_threads(),
+        "temperature": args.temperature,
+        "dtype": args.dtype,
         "drafter_dtype": str(decoder.drafter.drafter.fc.weight.dtype).removeprefix("torch."),
-        "by_kind": {k: {"prompts": len(rs), "mean_tau": round(statistics.mean(r["tau"] for r in rs), 3),
-                        "median_speedup": round(statistics.median(r["speedup"] for r in rs), 3)}
-                    for k in sorted({r["kind"] for r in rows}) for rs in [[r for r in rows if r["kind"] == k]]},
+        "by_kind": {
+            k: {
+                "prompts": len(rs),
+                "mean_tau": round(statistics.mean(r["tau"] for r in rs), 3),
+                "median_speedup": round(statistics.median(r["speedup"] for r in rs), 3),
+            }
+            for k in sorted({r["kind"] for r in rows})
+            for rs in [[r for r in rows if r["kind"] == k]]
+        },
     }
     print("| prompt | kind | prompt tokens | new tokens | tau | speedup | identical |\n|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['prompt']} | {r['kind']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['tau']:.2f} | "
-              f"{r['speedup']:.2f}x | {r['identical']} |")
+        print(
+            f"| {r['prompt']} | {r['kind']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['tau']:.2f} | "
+            f"{r['speedup']:.2f}x | {r['identical']} |"
+        )
     for k, v in summary["by_kind"].items():
         print(f"{k}: {v['prompts']} prompts, mean tau {v['mean_tau']:.2f}, median speedup {v['median_speedup']:.2f}x")
-    print(f"\nmean tau {summary['mean_tau']:.2f}, median speedup {summary['median_speedup']:.2f}x "
-          f"(total-time ratio {summary['total_time_speedup']:.2f}x), identical outputs: {summary['all_identical']}")
+    print(
+        f"\nmean tau {summary['mean_tau']:.2f}, median speedup {summary['median_speedup']:.2f}x "
+        f"(total-time ratio {summary['total_time_speedup']:.2f}x), identical outputs: {summary['all_identical']}"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "per_prompt": rows}, indent=1))
     return 0 if mismatches == 0 else 1

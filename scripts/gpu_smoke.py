@@ -48,8 +48,11 @@ def environment() -> dict:
 
     import torch
 
-    env = {"torch": torch.__version__, "cuda": torch.cuda.is_available(),
-           "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0}
+    env = {
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
     env["gpu_names"] = [torch.cuda.get_device_name(i) for i in range(env["gpus"])]
     for pkg in ("tensorrt", "tensorrt_llm", "transformers"):
         if importlib.util.find_spec(pkg) is None:
@@ -70,8 +73,9 @@ def prompts_ids(decoder, n: int) -> list[list[int]]:
     return [decoder.encode(p) for p in PROMPTS[:n]]
 
 
-def pytorch_stage(report: Report, target: Path, drafter: Path, device: str, dtype: str, max_new: int,
-                  n_prompts: int = 3) -> None:
+def pytorch_stage(
+    report: Report, target: Path, drafter: Path, device: str, dtype: str, max_new: int, n_prompts: int = 3
+) -> None:
     """DFlash vs the target alone vs HF generate() with the PyTorch engines on `device`."""
     import torch
 
@@ -93,17 +97,29 @@ def pytorch_stage(report: Report, target: Path, drafter: Path, device: str, dtyp
         t2 = time.perf_counter()
         with torch.inference_mode():
             x = torch.tensor([ids], device=model.device)
-            hf = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+            hf = model.generate(
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(ids) :].tolist()
         spec_s, base_s = spec_s + t1 - t0, base_s + t2 - t1
         taus.append(spec.stats.mean_acceptance_length)
         n = min(len(spec.token_ids), len(alone.token_ids), len(hf))
         if not (spec.token_ids == alone.token_ids and alone.token_ids[:n] == hf[:n]):
             mismatches.append(ids[:8])
     tau = sum(taus) / len(taus)
-    detail = f"tau {tau:.2f}, speedup {base_s / spec_s:.2f}x over the target alone ({len(taus)} prompts, {max_new} tokens)"
+    detail = (
+        f"tau {tau:.2f}, speedup {base_s / spec_s:.2f}x over the target alone ({len(taus)} prompts, {max_new} tokens)"
+    )
     if mismatches:
-        report.add("FAIL", part, f"greedy output differs from the target alone / HF generate for prompts {mismatches}; {detail}")
+        report.add(
+            "FAIL",
+            part,
+            f"greedy output differs from the target alone / HF generate for prompts {mismatches}; {detail}",
+        )
     else:
         report.add("PASS", part, f"greedy output == target alone == HF generate(); {detail}")
 
@@ -131,7 +147,9 @@ def engines_stage(report: Report, args, env: dict) -> Path | None:
         report.add("SKIP", name, why)
     for name in build.built + build.unchanged:
         report.add("PASS", f"built {name}", f"in {args.out} ({time.perf_counter() - t0:.0f} s for the build)")
-    return args.out if "target_tensorrt_llm" in manifest["engines"] or "drafter_tensorrt" in manifest["engines"] else None
+    return (
+        args.out if "target_tensorrt_llm" in manifest["engines"] or "drafter_tensorrt" in manifest["engines"] else None
+    )
 
 
 def cli_generate(engines: Path, tp: int, ids: list[int], max_new: int, no_draft: bool) -> dict:
@@ -140,7 +158,7 @@ def cli_generate(engines: Path, tp: int, ids: list[int], max_new: int, no_draft:
     argv = ["generate", "--input-ids", ",".join(map(str, ids)), "--max-new-tokens", str(max_new), "--json"]
     cmd = launch_command(engines, tp, argv + (["--no-draft"] if no_draft else []))
     i = cmd.index("dflash-trt")  # this interpreter's package, whatever dflash-trt is on PATH
-    cmd[i:i + 1] = [sys.executable, "-m", "dflash_trt.cli"]
+    cmd[i : i + 1] = [sys.executable, "-m", "dflash_trt.cli"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed: {out.stderr.strip().splitlines()[-1:]}")
@@ -160,8 +178,14 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
         for ids in prompts_ids(hf, 3):
             x = torch.tensor([ids], device=hf.target.model.device)
             with torch.inference_mode():
-                ref = hf.target.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_new_tokens,
-                                               do_sample=False, eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+                ref = hf.target.model.generate(
+                    x,
+                    attention_mask=torch.ones_like(x),
+                    max_new_tokens=args.max_new_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                )[0, len(ids) :].tolist()
             spec = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=False)
             base = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=True)
             n = min(len(spec["token_ids"]), len(ref))
@@ -173,10 +197,14 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
     except Exception as e:  # noqa: BLE001
         report.add("FAIL", part, f"{type(e).__name__}: {e}")
         return
-    detail = (f"tau {sum(taus) / len(taus):.2f}, speedup {sum(tps_spec) / sum(tps_base):.2f}x over the same target "
-              f"with --no-draft ({len(taus)} prompts)")
+    detail = (
+        f"tau {sum(taus) / len(taus):.2f}, speedup {sum(tps_spec) / sum(tps_base):.2f}x over the same target "
+        f"with --no-draft ({len(taus)} prompts)"
+    )
     if mismatches:
-        report.add("FAIL", part, f"greedy output differs from the Hugging Face target for prompts {mismatches}; {detail}")
+        report.add(
+            "FAIL", part, f"greedy output differs from the Hugging Face target for prompts {mismatches}; {detail}"
+        )
     else:
         report.add("PASS", part, f"greedy output == Hugging Face target alone; {detail}")
 
@@ -188,8 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help="HF target checkpoint (default: the demo model)")
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="DFlash drafter (default: the demo drafter)")
     p.add_argument("--tp", type=int, choices=[1, 2, 4, 8], default=1, help="tensor-parallel size of the target engine")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="PyTorch engines on CUDA (default float32: greedy equality without half-precision ties)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="PyTorch engines on CUDA (default float32: greedy equality without half-precision ties)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "gpu-smoke-engines", help="engines folder")
     args = p.parse_args(argv)

@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_trt.models.target import make_portable, save_portable
 from dflash_trt.train.data import read_texts, stdlib_files, tokenize_corpus, train_tokenizer
 from dflash_trt.train.lm import LMTrainConfig, train_lm
-from dflash_trt.models.target import make_portable, save_portable
 
 STAGES = ("tokenizer", "target", "drafter", "ar-draft")
 
@@ -33,12 +33,29 @@ def target_config(vocab: int, smoke: bool):
     from transformers import Qwen3Config
 
     if smoke:
-        return Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                           num_attention_heads=4, num_key_value_heads=1, head_dim=16, max_position_embeddings=2048)
+        return Qwen3Config(
+            vocab_size=vocab,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=16,
+            max_position_embeddings=2048,
+        )
     return Qwen3Config(
-        vocab_size=vocab, hidden_size=320, intermediate_size=960, num_hidden_layers=8, num_attention_heads=5,
-        num_key_value_heads=1, head_dim=64, max_position_embeddings=2048, rope_theta=10000.0,
-        tie_word_embeddings=False, eos_token_id=0, pad_token_id=0,
+        vocab_size=vocab,
+        hidden_size=320,
+        intermediate_size=960,
+        num_hidden_layers=8,
+        num_attention_heads=5,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        eos_token_id=0,
+        pad_token_id=0,
     )
 
 
@@ -106,17 +123,32 @@ def stage_lm(args, name: str) -> None:
     print(f"{name}: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers")
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
-    train_cfg = LMTrainConfig(steps=steps, time_budget_s=budget, eval_every=max(10, steps // 20),
-                              batch_size=4 if args.smoke else 16, seq_len=64 if args.smoke else 256)
+    train_cfg = LMTrainConfig(
+        steps=steps,
+        time_budget_s=budget,
+        eval_every=max(10, steps // 20),
+        batch_size=4 if args.smoke else 16,
+        seq_len=64 if args.smoke else 256,
+    )
     report = train_lm(model, train, held, train_cfg, log_path=args.cache / f"{name}-history.json")
     save_fp16(model, out)
     save_portable(tok, out)
-    (out / "training.json").write_text(json.dumps({
-        "data": "CPython stdlib *.py (training split: files whose sha1(relative path) % 10 != 0)",
-        "parameters": n_params, "train_tokens_seen": report.tokens, "steps": report.steps,
-        "seconds": round(report.seconds), "config": vars(train_cfg), "history": report.history,
-        "corpus_tokens": {"train": int(len(train)), "held_out": int(len(held))},
-    }, indent=1, default=str))
+    (out / "training.json").write_text(
+        json.dumps(
+            {
+                "data": "CPython stdlib *.py (training split: files whose sha1(relative path) % 10 != 0)",
+                "parameters": n_params,
+                "train_tokens_seen": report.tokens,
+                "steps": report.steps,
+                "seconds": round(report.seconds),
+                "config": vars(train_cfg),
+                "history": report.history,
+                "corpus_tokens": {"train": int(len(train)), "held_out": int(len(held))},
+            },
+            indent=1,
+            default=str,
+        )
+    )
 
 
 def stage_drafter(args) -> None:
@@ -126,9 +158,14 @@ def stage_drafter(args) -> None:
     from dflash_trt.train.drafter import DrafterTrainConfig, regenerate_dataset, train_drafter_from_dirs
 
     cfg = DrafterTrainConfig(
-        block_size=args.block_size, num_layers=args.drafter_layers, steps=args.drafter_steps,
-        time_budget_s=args.drafter_minutes * 60, batch_size=2 if args.smoke else 8,
-        seq_len=64 if args.smoke else 256, anchors_per_seq=8 if args.smoke else 32, lr=args.drafter_lr,
+        block_size=args.block_size,
+        num_layers=args.drafter_layers,
+        steps=args.drafter_steps,
+        time_budget_s=args.drafter_minutes * 60,
+        batch_size=2 if args.smoke else 8,
+        seq_len=64 if args.smoke else 256,
+        anchors_per_seq=8 if args.smoke else 32,
+        lr=args.drafter_lr,
         kd_weight=args.drafter_kd_weight,
     )
     # prompt seed 1 is the first run's data; a continuation (--drafter-init) trains on prompts of another seed
@@ -136,8 +173,14 @@ def stage_drafter(args) -> None:
     data = args.cache / ("regenerated.npy" if seed == 1 else f"regenerated-seed{seed}.npy")
     if not data.exists():
         prompt_len = 32 if args.smoke else 64
-        regenerate_dataset(args.out / "target", data, n_sequences=args.regen_sequences,
-                           prompt_len=prompt_len, new_tokens=cfg.seq_len - prompt_len, seed=seed)
+        regenerate_dataset(
+            args.out / "target",
+            data,
+            n_sequences=args.regen_sequences,
+            prompt_len=prompt_len,
+            new_tokens=cfg.seq_len - prompt_len,
+            seed=seed,
+        )
     run = args.cache / ("drafter-run" if args.drafter_init is None else "drafter-run-continued")
     if args.drafter_init is not None and not (run / "config.json").exists():
         # warm start: the given drafter's weights, a fresh optimizer and schedule (no trainer state)
@@ -166,18 +209,34 @@ def main(argv=None) -> int:
     p.add_argument("--drafter-layers", type=int, default=2)
     p.add_argument("--drafter-steps", type=int, default=2400)
     p.add_argument("--drafter-minutes", type=float, default=30)
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)",
+    )
     p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
-    p.add_argument("--regen-seed", type=int, default=1,
-                   help="seed of the corpus prompts the target continues (1: the first run's data)")
-    p.add_argument("--drafter-init", type=Path, default=None,
-                   help="continue from this drafter (e.g. models/drafter) with a fresh schedule, in "
-                        "<cache>/drafter-run-continued, instead of a new drafter warm-started from target layers")
+    p.add_argument(
+        "--regen-seed",
+        type=int,
+        default=1,
+        help="seed of the corpus prompts the target continues (1: the first run's data)",
+    )
+    p.add_argument(
+        "--drafter-init",
+        type=Path,
+        default=None,
+        help="continue from this drafter (e.g. models/drafter) with a fresh schedule, in "
+        "<cache>/drafter-run-continued, instead of a new drafter warm-started from target layers",
+    )
     p.add_argument("--drafter-lr", type=float, default=6e-4)
-    p.add_argument("--drafter-kd-weight", type=float, default=0.0,
-                   help="weight of distillation from the target's distribution (KL) against cross-entropy "
-                        "on its greedy tokens; > 0 caches the target's final hidden states with the features")
+    p.add_argument(
+        "--drafter-kd-weight",
+        type=float,
+        default=0.0,
+        help="weight of distillation from the target's distribution (KL) against cross-entropy "
+        "on its greedy tokens; > 0 caches the target's final hidden states with the features",
+    )
     args = p.parse_args(argv)
     if args.smoke:
         global MAX_FILES
@@ -189,8 +248,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     for stage in args.stages:
         t = time.perf_counter()
-        {"tokenizer": stage_tokenizer, "target": lambda a: stage_lm(a, "target"),
-         "drafter": stage_drafter, "ar-draft": lambda a: stage_lm(a, "ar-draft")}[stage](args)
+        {
+            "tokenizer": stage_tokenizer,
+            "target": lambda a: stage_lm(a, "target"),
+            "drafter": stage_drafter,
+            "ar-draft": lambda a: stage_lm(a, "ar-draft"),
+        }[stage](args)
         print(f"== {stage} done in {time.perf_counter() - t:.0f}s", flush=True)
     return 0
 

@@ -32,14 +32,25 @@ DEFAULT_PHASES = "prompts,regenerate,features,train"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=None,
-                   help="converted target (default: .cache/models/smollm2-135m-instruct, made by `make models`)")
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=None,
+        help="converted target (default: .cache/models/smollm2-135m-instruct, made by `make models`)",
+    )
     p.add_argument("--work", type=Path, default=REPO / ".cache" / "smollm2-drafter", help="work folder")
-    p.add_argument("--phases", default=DEFAULT_PHASES,
-                   help=f"comma-separated subset of {','.join(PHASES)} (default {DEFAULT_PHASES})")
+    p.add_argument(
+        "--phases",
+        default=DEFAULT_PHASES,
+        help=f"comma-separated subset of {','.join(PHASES)} (default {DEFAULT_PHASES})",
+    )
     p.add_argument("--publish-dir", type=Path, default=REPO / "models" / "smollm2-drafter")
-    p.add_argument("--committed", type=Path, default=REPO / "data" / "smollm2",
-                   help="committed prompts + regenerated responses: a fresh --work starts from them, publish updates them")
+    p.add_argument(
+        "--committed",
+        type=Path,
+        default=REPO / "data" / "smollm2",
+        help="committed prompts + regenerated responses: a fresh --work starts from them, publish updates them",
+    )
     p.add_argument("--prompts-per-file", type=int, default=6)
     p.add_argument("--max-prompts", type=int, default=None, help="use only the first N training prompts")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response budget when regenerating")
@@ -49,25 +60,41 @@ def parse_args(argv=None):
     p.add_argument("--block-size", type=int, default=8)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--target-layer-ids", default="1,14,27", help="target layers whose outputs feed the drafter")
-    p.add_argument("--mask-token-id", type=int, default=16,
-                   help="mask token (SmolLM2 has no mask token: default <empty_output>, id 16, a special token "
-                   "chat and code never produce)")
+    p.add_argument(
+        "--mask-token-id",
+        type=int,
+        default=16,
+        help="mask token (SmolLM2 has no mask token: default <empty_output>, id 16, a special token "
+        "chat and code never produce)",
+    )
     p.add_argument("--steps", type=int, default=4000, help="optimizer steps (the cosine schedule's length)")
     p.add_argument("--warmup-ratio", type=float, default=0.01)
-    p.add_argument("--loss-chunk-rows", type=int, default=128,
-                   help="rows per lm_head + loss chunk (128 x 49152 fp32 = 25 MB: under glibc's mmap threshold, "
-                   "so chunks reuse memory instead of faulting fresh pages)")
+    p.add_argument(
+        "--loss-chunk-rows",
+        type=int,
+        default=128,
+        help="rows per lm_head + loss chunk (128 x 49152 fp32 = 25 MB: under glibc's mmap threshold, "
+        "so chunks reuse memory instead of faulting fresh pages)",
+    )
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--anchors", type=int, default=32, help="anchor blocks per sequence")
     p.add_argument("--seq-len", type=int, default=1280, help="longest prompt + response trained on (cut beyond)")
     p.add_argument("--kd-weight", type=float, default=0.5, help="distillation weight (sampled generation)")
-    p.add_argument("--init-norm-scale", type=float, default=0.1,
-                   help="drafter final norm = this x the target's (tempers the first steps' logits)")
+    p.add_argument(
+        "--init-norm-scale",
+        type=float,
+        default=0.1,
+        help="drafter final norm = this x the target's (tempers the first steps' logits)",
+    )
     p.add_argument("--train-hours", type=float, default=None, help="stop training cleanly after this long")
     p.add_argument("--save-every", type=int, default=20)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads (default 1: on a shared, oversubscribed CPU two threads wait on each "
-                   "other at every op; measured 5x slower generation than one)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: on a shared, oversubscribed CPU two threads wait on each "
+        "other at every op; measured 5x slower generation than one)",
+    )
     return p.parse_args(argv)
 
 
@@ -106,9 +133,16 @@ def main(argv=None) -> int:
 
         prompts = load_prompts(train_prompts)[: args.max_prompts]
         target = load_target(target_dir)
-        data = regenerate_prompts(target, tokenizer, prompts, regen_dir, max_new_tokens=args.max_new_tokens,
-                                  batch=args.regen_batch, max_prompt_tokens=args.max_prompt_tokens,
-                                  time_budget_s=args.regen_minutes * 60 if args.regen_minutes else None)
+        data = regenerate_prompts(
+            target,
+            tokenizer,
+            prompts,
+            regen_dir,
+            max_new_tokens=args.max_new_tokens,
+            batch=args.regen_batch,
+            max_prompt_tokens=args.max_prompt_tokens,
+            time_budget_s=args.regen_minutes * 60 if args.regen_minutes else None,
+        )
         if data is not None:
             print(f"regenerated: {len(data)} sequences, {data.response_tokens} response tokens", flush=True)
 
@@ -121,20 +155,32 @@ def main(argv=None) -> int:
 
         data = SequenceSet.load(regen_dir)
         cfg = DrafterTrainConfig(
-            block_size=args.block_size, num_layers=args.layers,
+            block_size=args.block_size,
+            num_layers=args.layers,
             target_layer_ids=tuple(int(x) for x in args.target_layer_ids.split(",")),
-            mask_token_id=args.mask_token_id, steps=args.steps, batch_size=args.batch_size,
-            warmup_ratio=args.warmup_ratio, loss_chunk_rows=args.loss_chunk_rows,
+            mask_token_id=args.mask_token_id,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            warmup_ratio=args.warmup_ratio,
+            loss_chunk_rows=args.loss_chunk_rows,
             init_norm_scale=args.init_norm_scale,
-            anchors_per_seq=args.anchors, seq_len=args.seq_len, kd_weight=args.kd_weight, save_every=args.save_every,
+            anchors_per_seq=args.anchors,
+            seq_len=args.seq_len,
+            kd_weight=args.kd_weight,
+            save_every=args.save_every,
             time_budget_s=args.train_hours * 3600 if args.train_hours else None,
         )
         target = target or load_target(target_dir)
-        summary = train_drafter_on_sequences(target, data, work / "drafter", work / "features", cfg,
-                                             train="train" in phases)
-        summary["data"] = {"sequences": len(data), "response_tokens": data.response_tokens,
-                           "prompts": str(train_prompts.relative_to(REPO)) if train_prompts.is_relative_to(REPO)
-                           else str(train_prompts)}
+        summary = train_drafter_on_sequences(
+            target, data, work / "drafter", work / "features", cfg, train="train" in phases
+        )
+        summary["data"] = {
+            "sequences": len(data),
+            "response_tokens": data.response_tokens,
+            "prompts": str(train_prompts.relative_to(REPO))
+            if train_prompts.is_relative_to(REPO)
+            else str(train_prompts),
+        }
         (work / "drafter" / "training.json").write_text(json.dumps(summary, indent=1, default=str))
     if "publish" in phases:
         publish(work / "drafter", args.publish_dir, work)
@@ -200,11 +246,15 @@ def publish(ckpt: Path, dest: Path, work: Path) -> None:
     info = {
         "finished": False,
         "note": "training NOT finished: a snapshot of the background CPU run (see models/README.md)",
-        "steps": state["step"], "history": history[-5:],
+        "steps": state["step"],
+        "history": history[-5:],
         "train_seconds": history[-1]["seconds"] if history else 0,
-        "data": {"sequences": len(data), "response_tokens": data.response_tokens,
-                 "source": "SmolLM2-135M-Instruct's own greedy responses to standard-library prompts "
-                           "(chat / explain / code), training split by source file"},
+        "data": {
+            "sequences": len(data),
+            "response_tokens": data.response_tokens,
+            "source": "SmolLM2-135M-Instruct's own greedy responses to standard-library prompts "
+            "(chat / explain / code), training split by source file",
+        },
         "recipe": "scripts/train_smollm2_drafter.py",
         "published": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

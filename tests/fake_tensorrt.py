@@ -9,8 +9,8 @@ nothing about TensorRT itself, only that our code drives the API as documented.
 from __future__ import annotations
 
 import ctypes
-import json
 import enum
+import json
 import types
 from pathlib import Path
 
@@ -171,6 +171,7 @@ FILL = {"logits": 0.5, "draft_tokens": 7, "present_k": 1.0, "present_v": 2.0}
 # ---- TensorRT-LLM 1.2: a FAKE `tensorrt_llm.bindings.executor` and a FAKE `trtllm-build` check -----------------
 # Each behaviour below names the TensorRT-LLM 1.2 source it models; none of it was checked against a real runtime.
 
+
 def trtllm_build_refusals(argv: list[str]) -> list[str]:
     """The refusals of tensorrt_llm/commands/build.py (1.2) that a `trtllm-build` command line would hit."""
     flags: dict[str, str] = {}
@@ -207,15 +208,29 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
             self.enable_block_reuse = enable_block_reuse
 
     class ExecutorConfig:
-        def __init__(self, max_beam_width=1, kv_cache_config=None, additional_model_outputs=None,
-                     enable_chunked_context=False, **kw):
+        def __init__(
+            self,
+            max_beam_width=1,
+            kv_cache_config=None,
+            additional_model_outputs=None,
+            enable_chunked_context=False,
+            **kw,
+        ):
             self.kv_cache_config = kv_cache_config or KvCacheConfig()
             self.additional_model_outputs = list(additional_model_outputs or [])
             self.enable_chunked_context = enable_chunked_context
 
     class Request:
-        def __init__(self, input_token_ids, max_tokens, streaming=False, output_config=None, cache_salt_id=None,
-                     external_draft_tokens_config=None, **kw):
+        def __init__(
+            self,
+            input_token_ids,
+            max_tokens,
+            streaming=False,
+            output_config=None,
+            cache_salt_id=None,
+            external_draft_tokens_config=None,
+            **kw,
+        ):
             self.input_token_ids, self.max_tokens = list(input_token_ids), max_tokens
             self.output_config = output_config or OutputConfig()
             self.cache_salt_id, self.external_draft_tokens_config = cache_salt_id, external_draft_tokens_config
@@ -279,7 +294,9 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
         def _run(self, rid, r):
             tokens, salt, tpb = r.input_token_ids, r.cache_salt_id, self.tokens_per_block
             if len(tokens) > self.max_input_len:  # llmRequest.cpp validate
-                return self._error(rid, f"Prompt length ({len(tokens)}) exceeds maximum input length ({self.max_input_len}).")
+                return self._error(
+                    rid, f"Prompt length ({len(tokens)}) exceeds maximum input length ({self.max_input_len})."
+                )
             if r.output_config.return_context_logits and not self.gather_context_logits:
                 return self._error(rid, "gather_context_logits must be enabled at build time to return context logits")
             wanted = r.output_config.additional_model_outputs
@@ -306,11 +323,17 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
                 # reused tokens never written (uninitialised memory; NaN here so a misuse shows)
                 buf = np.full_like(full, np.nan)
                 buf[reused:] = full[reused:]
-                outputs.append(types.SimpleNamespace(name="context_" + o.name, output=buf))  # llmRequest.cpp createResult
-                outputs.append(types.SimpleNamespace(name="generation_" + o.name,
-                                                     output=np.zeros((1, 0, full.shape[-1]), np.float32)))
-            result = types.SimpleNamespace(output_token_ids=[[0]], context_logits=None, additional_outputs=outputs,
-                                           is_final=True)
+                outputs.append(
+                    types.SimpleNamespace(name="context_" + o.name, output=buf)
+                )  # llmRequest.cpp createResult
+                outputs.append(
+                    types.SimpleNamespace(
+                        name="generation_" + o.name, output=np.zeros((1, 0, full.shape[-1]), np.float32)
+                    )
+                )
+            result = types.SimpleNamespace(
+                output_token_ids=[[0]], context_logits=None, additional_outputs=outputs, is_final=True
+            )
             return types.SimpleNamespace(has_error=lambda: False, error_msg="", result=result, request_id=rid)
 
     ex.AdditionalModelOutput, ex.OutputConfig, ex.KvCacheConfig = AdditionalModelOutput, OutputConfig, KvCacheConfig

@@ -50,14 +50,29 @@ def make_text_models(root: Path) -> tuple[Path, Path]:
     return root / "target", root / "drafter"
 
 
-def make_tiny_pair(root: Path | None = None, *, family: str = "qwen3", vocab_size: int = 96, layers: int = 4,
-                   drafter_layers: int = 1, block_size: int = 4, seed: int = 0, drafter_seed: int = 0):
+def make_tiny_pair(
+    root: Path | None = None,
+    *,
+    family: str = "qwen3",
+    vocab_size: int = 96,
+    layers: int = 4,
+    drafter_layers: int = 1,
+    block_size: int = 4,
+    seed: int = 0,
+    drafter_seed: int = 0,
+):
     """A tiny random target (no tokenizer, so no end-of-text token stops a generation) and its drafter:
     (target model, drafter). With `root`, also saved as root/target and root/drafter."""
-    target = make_tiny_target(None if root is None else root / "target", family=family, vocab_size=vocab_size,
-                              layers=layers, seed=seed)
-    drafter = make_tiny_drafter(target.config, None if root is None else root / "drafter", layers=drafter_layers,
-                                block_size=block_size, seed=drafter_seed)
+    target = make_tiny_target(
+        None if root is None else root / "target", family=family, vocab_size=vocab_size, layers=layers, seed=seed
+    )
+    drafter = make_tiny_drafter(
+        target.config,
+        None if root is None else root / "drafter",
+        layers=drafter_layers,
+        block_size=block_size,
+        seed=drafter_seed,
+    )
     return target, drafter
 
 
@@ -135,8 +150,16 @@ class NoisyOracleDrafter:
     name = "noisy-oracle"
     max_context = None
 
-    def __init__(self, reference: list[int], prompt_len: int, vocab: int, block_size: int, p_correct: float, seed: int,
-                 feature_layer_ids=()):
+    def __init__(
+        self,
+        reference: list[int],
+        prompt_len: int,
+        vocab: int,
+        block_size: int,
+        p_correct: float,
+        seed: int,
+        feature_layer_ids=(),
+    ):
         self.reference, self.prompt_len, self.vocab = reference, prompt_len, vocab
         self.block_size, self.p_correct = block_size, p_correct
         self.feature_layer_ids = tuple(feature_layer_ids)
@@ -172,6 +195,7 @@ class _OracleSession:
 @torch.inference_mode()
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """Greedy continuation by Hugging Face generate(): the independent reference."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         pad_token_id=0, eos_token_id=None)
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, eos_token_id=None
+    )
+    return out[0, len(prompt) :].tolist()

@@ -8,7 +8,12 @@ import random
 import pytest
 
 from dflash_trt.decoding.adaptive import (
-    AcceptanceTracker, CostModel, LinearCost, RowChoice, choose_blocks, expected_tokens,
+    AcceptanceTracker,
+    CostModel,
+    LinearCost,
+    RowChoice,
+    choose_blocks,
+    expected_tokens,
 )
 
 # GPU-like: a pass costs about the same for 1 or 100 tokens (memory-bound)
@@ -50,8 +55,11 @@ def test_nobody_drafts_when_drafting_never_pays():
 
 
 def test_fixed_rows_and_caps_are_respected():
-    rows = [RowChoice(alpha=0.0, max_block=8, fixed=6), RowChoice(alpha=0.99, max_block=3),
-            RowChoice(alpha=0.99, max_block=1)]
+    rows = [
+        RowChoice(alpha=0.0, max_block=8, fixed=6),
+        RowChoice(alpha=0.99, max_block=3),
+        RowChoice(alpha=0.99, max_block=1),
+    ]
     blocks = choose_blocks(rows, MEMORY_BOUND)
     assert blocks[0] == 6  # a request's own block_size wins, even a hopeless one
     assert blocks[1] == 3 and blocks[2] == 1  # never beyond what the row may draft
@@ -62,6 +70,7 @@ def test_choice_beats_every_uniform_block_size():
     """The chosen mix scores at least as well as any single size for everyone (a brute-force check)."""
     rows = [RowChoice(alpha=a, max_block=8) for a in (0.95, 0.8, 0.5, 0.2, 0.05, 0.9)]
     for cost in (MEMORY_BOUND, COMPUTE_BOUND):
+
         def rate(blocks):
             tokens = sum(expected_tokens(r.alpha, b) for r, b in zip(rows, blocks))
             return tokens / cost.step_time(blocks, [1] * len(blocks))
@@ -78,6 +87,7 @@ def _rate(rows, cost, blocks):
 def _reference_ascent(rows, cost, sweeps=3):
     """The previous policy, kept as a reference: coordinate ascent from "nobody drafts" and from
     "everyone drafts the most", the better of the two."""
+
     def ascend(blocks):
         best = _rate(rows, cost, blocks)
         for _ in range(sweeps):
@@ -86,7 +96,7 @@ def _reference_ascent(rows, cost, sweeps=3):
                 if r.fixed is not None:
                     continue
                 for b in range(1, r.max_block + 1):
-                    trial = blocks[:i] + [b] + blocks[i + 1:]
+                    trial = blocks[:i] + [b] + blocks[i + 1 :]
                     s = _rate(rows, cost, trial)
                     if s > best * (1 + 1e-9):
                         best, blocks, changed = s, trial, True
@@ -100,8 +110,14 @@ def _reference_ascent(rows, cost, sweeps=3):
 
 
 def _exhaustive(rows, cost, min_gain=0.0):
-    choices = [[r.fixed] if r.fixed is not None else [r.max_block] if r.probe and r.max_block > 1
-               else range(1, r.max_block + 1) for r in rows]
+    choices = [
+        [r.fixed]
+        if r.fixed is not None
+        else [r.max_block]
+        if r.probe and r.max_block > 1
+        else range(1, r.max_block + 1)
+        for r in rows
+    ]
     best = max((list(c) for c in itertools.product(*choices)), key=lambda b: _rate(rows, cost, b))
     quiet = [c[0] for c in choices]  # nobody drafts, when that is allowed
     if all(b == 1 for b in quiet) and _rate(rows, cost, best) <= _rate(rows, cost, quiet) * (1 + min_gain):
@@ -110,14 +126,27 @@ def _exhaustive(rows, cost, min_gain=0.0):
 
 
 def _random_instance(rng, n_rows):
-    cost = CostModel(LinearCost(rng.uniform(1e-3, 20e-3), rng.uniform(0, 1e-3), rng.choice([1e-5, 1e-4, 1e-3, 3e-3]),
-                                one_token=rng.choice([None, rng.uniform(1e-3, 20e-3)])),
-                     LinearCost(rng.uniform(0, 20e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)))
+    cost = CostModel(
+        LinearCost(
+            rng.uniform(1e-3, 20e-3),
+            rng.uniform(0, 1e-3),
+            rng.choice([1e-5, 1e-4, 1e-3, 3e-3]),
+            one_token=rng.choice([None, rng.uniform(1e-3, 20e-3)]),
+        ),
+        LinearCost(rng.uniform(0, 20e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)),
+    )
     rows = []
     for _ in range(n_rows):
         fixed = rng.choice([None] * 5 + [1, 3, 8])
-        rows.append(RowChoice(alpha=rng.choice([0.0, 1.0, rng.random(), rng.random()]), max_block=rng.randint(1, 8),
-                              new_context=rng.randint(1, 4), fixed=fixed, probe=rng.random() < 0.2))
+        rows.append(
+            RowChoice(
+                alpha=rng.choice([0.0, 1.0, rng.random(), rng.random()]),
+                max_block=rng.randint(1, 8),
+                new_context=rng.randint(1, 4),
+                fixed=fixed,
+                probe=rng.random() < 0.2,
+            )
+        )
     return rows, cost
 
 
@@ -157,7 +186,10 @@ def test_choice_edge_cases():
     assert choose_blocks([RowChoice(1.0, 8)], MEMORY_BOUND) == [8]
     assert choose_blocks([RowChoice(0.0, 8)], MEMORY_BOUND) == [1]
     # an unfitted (all-zero) cost model: time is free, so every free row drafts its most
-    assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(LinearCost(), LinearCost())) == [5, 2]
+    assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(LinearCost(), LinearCost())) == [
+        5,
+        2,
+    ]
 
 
 def test_a_gain_below_the_margin_is_not_taken():
@@ -201,27 +233,40 @@ def test_a_one_token_pass_is_priced_apart_from_the_line():
     line = LinearCost(10e-3, 0.0, 0.5e-3)
     samples = [(r, r * b, line(r, r * b)) for r in (1, 4, 16) for b in (1, 4, 8) if (r, b) != (1, 1)]
     fit = LinearCost.fit(samples + [(1, 1, 5e-3), (1, 1, 6e-3)])
-    assert math.isclose(fit.per_token, line.per_token, rel_tol=1e-6) and math.isclose(fit.fixed, line.fixed, rel_tol=1e-6)
+    assert math.isclose(fit.per_token, line.per_token, rel_tol=1e-6) and math.isclose(
+        fit.fixed, line.fixed, rel_tol=1e-6
+    )
     assert fit.one_token == pytest.approx(5.5e-3) and fit(1, 1) == pytest.approx(5.5e-3)
     assert fit(2, 2) == pytest.approx(line(2, 2)) and fit(1, 4) == pytest.approx(line(1, 4))
-    assert LinearCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None  # too few shapes without it
-    scaled = CostModel(fit, LinearCost(2e-3), scale={"target": 2.0, "target_one_token": 1.0, "drafter": 1.0}).current()[0]
+    assert (
+        LinearCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None
+    )  # too few shapes without it
+    scaled = CostModel(fit, LinearCost(2e-3), scale={"target": 2.0, "target_one_token": 1.0, "drafter": 1.0}).current()[
+        0
+    ]
     assert scaled(1, 1) == pytest.approx(5.5e-3)  # with a running correction of its own ...
     model = CostModel(fit, LinearCost(2e-3))
     for _ in range(60):  # ... which one-token passes move, and only they
         model.observe("target", 1, 1, 0.5 * fit(1, 1))
         model.observe("target", 1, 8, 1.5 * fit(1, 8))
-    assert model.scale["target_one_token"] == pytest.approx(0.5, rel=0.01) and model.scale["target"] == pytest.approx(1.5, rel=0.01)
+    assert model.scale["target_one_token"] == pytest.approx(0.5, rel=0.01) and model.scale["target"] == pytest.approx(
+        1.5, rel=0.01
+    )
     now = model.current()[0]
-    assert now(1, 1) == pytest.approx(0.5 * fit(1, 1), rel=0.01) and now(1, 8) == pytest.approx(1.5 * fit(1, 8), rel=0.01)
+    assert now(1, 1) == pytest.approx(0.5 * fit(1, 1), rel=0.01) and now(1, 8) == pytest.approx(
+        1.5 * fit(1, 8), rel=0.01
+    )
 
     row = [RowChoice(alpha=0.6, max_block=8)]
     drafter = LinearCost(2e-3, 0.0, 0.0)
     assert choose_blocks(row, CostModel(line, drafter)) != [1]  # by the line, drafting pays ...
-    assert choose_blocks(row, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == [1]  # ... it does not
+    assert choose_blocks(row, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == [
+        1
+    ]  # ... it does not
     two = [RowChoice(alpha=0.6, max_block=8)] * 2  # the exception is one row's one token only
     assert choose_blocks(two, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == choose_blocks(
-        two, CostModel(line, drafter))
+        two, CostModel(line, drafter)
+    )
 
 
 def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():
@@ -275,7 +320,6 @@ def test_acceptance_tracker_falls_and_recovers():
 
 def test_decoder_refits_its_cost_model_online(tiny_pair):
     """With refit_every, the batched step feeds its observed passes back into the cost model."""
-    import torch
 
     from dflash_trt.decoding import GenerationConfig
     from dflash_trt.decoding.batch import BatchDecoder
@@ -284,8 +328,9 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
     _, _, _, model, drafter = tiny_pair
     target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
     cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7))
-    dec = BatchDecoder(target, TorchBatchDrafterEngine.for_target(drafter, target), adaptive=True, cost=cost,
-                       refit_every=4)
+    dec = BatchDecoder(
+        target, TorchBatchDrafterEngine.for_target(drafter, target), adaptive=True, cost=cost, refit_every=4
+    )
     dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
     seen = cost._seen["target"]
     assert len(seen) >= 16 and all(s > 0 for _, _, s in seen)

@@ -27,8 +27,10 @@ def reference(model, prompt, n):
 
 
 def random_prompts(rng, count, vocab=95):
-    return [torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=rng)),), generator=rng).tolist()
-            for _ in range(count)]
+    return [
+        torch.randint(0, vocab, (int(torch.randint(1, 40, (1,), generator=rng)),), generator=rng).tolist()
+        for _ in range(count)
+    ]
 
 
 def test_greedy_rows_equal_target_alone_mixed_blocks(tiny_pair):
@@ -75,13 +77,17 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
     n = 40
     refs = [reference(model, p, n) for p in prompts]
     p_correct = [1.0, 0.9, 0.5, 0.0, 0.9, 0.7]
-    oracles = [NoisyOracleDrafter(r, len(p), 96, 16, pc, seed=i, feature_layer_ids=(0,))
-               for i, (r, p, pc) in enumerate(zip(refs, prompts, p_correct))]
+    oracles = [
+        NoisyOracleDrafter(r, len(p), 96, 16, pc, seed=i, feature_layer_ids=(0,))
+        for i, (r, p, pc) in enumerate(zip(refs, prompts, p_correct))
+    ]
     target = TorchBatchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-5), LinearCost(5e-4, 1e-4, 1e-5)) if adaptive else None
     dec = BatchDecoder(target, OracleBatch(oracles), adaptive=adaptive, cost=cost)
-    rows = [dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
-            dec.add(prompts[1], GenerationConfig(max_new_tokens=n, block_size=4))]
+    rows = [
+        dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
+        dec.add(prompts[1], GenerationConfig(max_new_tokens=n, block_size=4)),
+    ]
     dec.step()
     dec.step()
     rows.append(dec.add(prompts[2], GenerationConfig(max_new_tokens=n)))  # joins mid-run
@@ -112,15 +118,23 @@ def test_seeded_sampled_row_is_the_same_alone_or_in_a_batch(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     target, drafter_engine = batch_engines(model, drafter)
     prompt = [4, 5, 6, 7]
-    cfg = GenerationConfig(max_new_tokens=30, block_size=4,
-                           sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
+    cfg = GenerationConfig(
+        max_new_tokens=30, block_size=4, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    )
     alone = BatchDecoder(target, drafter_engine).generate([prompt], cfg)[0].token_ids
     rng = torch.Generator().manual_seed(3)
     others = random_prompts(rng, 5)
-    mixed = [GenerationConfig(max_new_tokens=20 + 3 * i, block_size=[2, 8, None, 5, 1][i],
-                              sampling=SamplingParams(temperature=[0, 1.0, 0.5, 0, 1.2][i], seed=i))
-             for i in range(5)]
-    got = BatchDecoder(target, drafter_engine).generate(others[:2] + [prompt] + others[2:], mixed[:2] + [cfg] + mixed[2:])
+    mixed = [
+        GenerationConfig(
+            max_new_tokens=20 + 3 * i,
+            block_size=[2, 8, None, 5, 1][i],
+            sampling=SamplingParams(temperature=[0, 1.0, 0.5, 0, 1.2][i], seed=i),
+        )
+        for i in range(5)
+    ]
+    got = BatchDecoder(target, drafter_engine).generate(
+        others[:2] + [prompt] + others[2:], mixed[:2] + [cfg] + mixed[2:]
+    )
     assert got[2].token_ids == alone, family
     # the single-sequence loop with the same seed and block size returns the same tokens too
     single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
@@ -176,9 +190,13 @@ def test_probes_back_off_while_they_miss(tiny_pair):
     ref = reference(model, prompt, n)
     target = TorchBatchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
-    dec = BatchDecoder(target, OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0,
-                                                                feature_layer_ids=(0,))]),
-                       adaptive=True, cost=cost, probe_every=4)
+    dec = BatchDecoder(
+        target,
+        OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0, feature_layer_ids=(0,))]),
+        adaptive=True,
+        cost=cost,
+        probe_every=4,
+    )
     dec.prior = AcceptancePrior(start=0.02)
     row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
     drafted_at = []
@@ -202,7 +220,9 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     ref = reference(model, prompt, n)
     target = TorchBatchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
-    oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)]
+    oracles = [
+        NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)
+    ]
     dec = BatchDecoder(target, OracleBatch(oracles), adaptive=True, cost=cost, probe_every=4, max_probe_backoff=3)
     dec.prior = AcceptancePrior(start=0.02)
     drafted_at, probed_requests = [], 0
@@ -233,8 +253,17 @@ def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
         dec = BatchDecoder(target, drafter_engine, adaptive=adaptive, cost=cost)
         rows = []
         for seed in range(start, start + 400):
-            rows.append(dec.add(prompt, GenerationConfig(max_new_tokens=3, sampling=SETTINGS[setting](seed),
-                                                         block_size=None if adaptive else 4, acceptance=acceptance)))
+            rows.append(
+                dec.add(
+                    prompt,
+                    GenerationConfig(
+                        max_new_tokens=3,
+                        sampling=SETTINGS[setting](seed),
+                        block_size=None if adaptive else 4,
+                        acceptance=acceptance,
+                    ),
+                )
+            )
             if seed % 50 == 0:  # a distractor row: a longer prompt, greedy, another block size
                 dec.add(prompt * 3, GenerationConfig(max_new_tokens=5, block_size=2))
         dec.run()
@@ -245,9 +274,14 @@ def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     return counts, accepted
 
 
-@pytest.mark.parametrize("setting, acceptance, adaptive", [
-    ("T1", "rejection", False), ("T0.7-topk4-topp0.9", "exact-match", False), ("T1", "rejection", True),
-])
+@pytest.mark.parametrize(
+    "setting, acceptance, adaptive",
+    [
+        ("T1", "rejection", False),
+        ("T0.7-topk4-topp0.9", "exact-match", False),
+        ("T1", "rejection", True),
+    ],
+)
 def test_batched_sampling_is_lossless(sharp_batch_pair, setting, acceptance, adaptive):
     model, drafter = sharp_batch_pair
     prompt = [1, 2, 3]
@@ -310,8 +344,10 @@ def test_stop_tokens_and_validation(tiny_pair):
     full = reference(model, [7, 8, 9], 40)
     stop = full[12]
     dec = BatchDecoder(target, drafter_engine)
-    r = dec.generate([[7, 8, 9], [1, 2]], [GenerationConfig(max_new_tokens=40, stop_token_ids=(stop,)),
-                                           GenerationConfig(max_new_tokens=40)])
+    r = dec.generate(
+        [[7, 8, 9], [1, 2]],
+        [GenerationConfig(max_new_tokens=40, stop_token_ids=(stop,)), GenerationConfig(max_new_tokens=40)],
+    )
     assert r[0].token_ids == full[: full.index(stop) + 1] and r[0].finish_reason == "stop"
     assert r[1].token_ids == reference(model, [1, 2], 40)
     with pytest.raises(ContextLengthError):
@@ -338,7 +374,8 @@ def test_stop_strings_per_row_with_tokenizer(tmp_path):
     stop = fulls[0].text[8:11]
     assert stop
     got = BatchDecoder(target, drafter_engine, tok).generate(
-        prompts, [GenerationConfig(max_new_tokens=30, stop_strings=(stop,)), GenerationConfig(max_new_tokens=30)])
+        prompts, [GenerationConfig(max_new_tokens=30, stop_strings=(stop,)), GenerationConfig(max_new_tokens=30)]
+    )
     assert got[0].finish_reason == "stop" and got[0].text == fulls[0].text[: fulls[0].text.index(stop)]
     alone = base.generate(prompts[0], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
     assert got[0].token_ids == alone.token_ids  # cut after the same token as the single-sequence loop
@@ -366,8 +403,11 @@ def test_logits_adjustments_match_the_single_sequence_loop(tiny_pair):
         LogitsAdjustment.of(min_tokens=20, min_tokens_suppress=(plain[0], plain[1])),  # stop ids held back
     ]
     configs = [GenerationConfig(max_new_tokens=24, adjust=a, block_size=b) for a, b in zip(adjusts, (None, 4, 8, 3))]
-    configs += [GenerationConfig(max_new_tokens=24, adjust=adjusts[0], block_size=4,
-                                 sampling=SamplingParams(temperature=0.9, seed=11))]
+    configs += [
+        GenerationConfig(
+            max_new_tokens=24, adjust=adjusts[0], block_size=4, sampling=SamplingParams(temperature=0.9, seed=11)
+        )
+    ]
     got = BatchDecoder(target, drafter_engine).generate([prompt] * len(configs), configs)
     single = single_decoder(model, drafter)
     for i, (cfg, r) in enumerate(zip(configs, got)):
@@ -398,16 +438,19 @@ def test_validation_matches_the_single_sequence_loop(tiny_pair):
     alone = BatchDecoder(target)
     with pytest.raises(InputError, match="no drafter is loaded, so block_size must be 1, got 2"):
         alone.add([1], GenerationConfig(block_size=2))
-    assert alone.generate([[1, 2]], GenerationConfig(max_new_tokens=5, block_size=1))[0].token_ids == \
-        reference(model, [1, 2], 5)
+    assert alone.generate([[1, 2]], GenerationConfig(max_new_tokens=5, block_size=1))[0].token_ids == reference(
+        model, [1, 2], 5
+    )
 
 
 def test_server_block_size_is_the_default_and_the_cap(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     target, drafter_engine = batch_engines(model, drafter)
     dec = BatchDecoder(target, drafter_engine, block_size=1)
-    rows = [dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10)),
-            dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10, block_size=4))]  # the request's own size wins
+    rows = [
+        dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10)),
+        dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10, block_size=4)),
+    ]  # the request's own size wins
     dec.run()
     assert rows[0].stats.drafted_tokens == 0 and rows[0].stats.block_size == 1
     assert rows[1].stats.drafted_tokens > 0 and rows[1].stats.block_size == 4

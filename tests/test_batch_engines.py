@@ -170,12 +170,12 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
     assert isinstance(sess, BatchDrafterSession)
     rows = [sess.add_row() for _ in range(3)]
     rng = torch.Generator().manual_seed(3)
-    check_drafts_match(sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size,
-                       (family, "onnx"))
+    check_drafts_match(
+        sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size, (family, "onnx")
+    )
     assert calls == [3, 2, 3, 1, 2, 1]  # one call per round, but the round with a 40-row backlog made two
     out = sess.draft([DraftRequest(1, torch.randn(2, drafter.feature_size, generator=rng), 5, 8)])
     assert out[0].tokens.shape == (7,)
-
 
 
 def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
@@ -184,12 +184,21 @@ def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
 
     from fake_tensorrt import make
 
-    from dflash_trt.formats import DrafterGraphMeta
     from dflash_trt.builders.onnx_drafter_batch import BATCH_INPUT_NAMES
     from dflash_trt.builders.trt_drafter_batch import batch_profile_shapes, build_batched_drafter_plan
+    from dflash_trt.formats import DrafterGraphMeta
 
-    meta = DrafterGraphMeta(block_size=8, mask_token_id=95, feature_layer_ids=(1, 2), feature_size=128,
-                            num_layers=2, num_kv_heads=2, head_dim=16, vocab_size=96, max_context=512)
+    meta = DrafterGraphMeta(
+        block_size=8,
+        mask_token_id=95,
+        feature_layer_ids=(1, 2),
+        feature_size=128,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=16,
+        vocab_size=96,
+        max_context=512,
+    )
     graph = tmp_path / "onnx"
     graph.mkdir()
     for name in ("drafter_batch.onnx", "drafter_batch.onnx.data", "drafter_batch_fp16.onnx"):
@@ -254,7 +263,9 @@ def test_loaded_engines_become_batched_ones(tiny_pair, batch_graph, tmp_path):
     assert batch_engines(single_target, None)[1] is None
 
     folder = tmp_path / "onnx"
-    export_drafter(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight, folder, fp16=False)
+    export_drafter(
+        drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight, folder, fp16=False
+    )
     assert isinstance(OrtDrafterEngine(folder).batched(), LoopedDrafterEngine)  # no batched graph there yet
     for f in batch_graph.iterdir():
         if f.name.startswith("drafter_batch"):

@@ -26,8 +26,23 @@ def models(tmp_path_factory):
 
 
 def bench(models: Path, out: Path, *extra):
-    cmd = [CLI, "bench", "--smoke", "--threads", "1", "--no-progress", "--target", models / "target",
-           "--drafter", models / "drafter", "--ar-draft", models / "ar-draft", "--out", out, *extra]
+    cmd = [
+        CLI,
+        "bench",
+        "--smoke",
+        "--threads",
+        "1",
+        "--no-progress",
+        "--target",
+        models / "target",
+        "--drafter",
+        models / "drafter",
+        "--ar-draft",
+        models / "ar-draft",
+        "--out",
+        out,
+        *extra,
+    ]
     return subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
@@ -38,8 +53,16 @@ def test_bench_smoke_writes_table_json_and_plots(models, tmp_path):
     assert set(report) >= {"meta", "notes", "timings", "results", "summary", "acceptance_histograms", "equality"}
 
     names = [m["name"] for m in report["meta"]["methods"]]
-    assert names == ["baseline", "hf-generate", "dflash-torch-b2", "dflash-torch-b4", "dflash-ort-b2",
-                     "dflash-ort-b4", "hf-assisted", "prompt-lookup"]
+    assert names == [
+        "baseline",
+        "hf-generate",
+        "dflash-torch-b2",
+        "dflash-torch-b4",
+        "dflash-ort-b2",
+        "dflash-ort-b4",
+        "hf-assisted",
+        "prompt-lookup",
+    ]
     assert report["meta"]["skipped_block_sizes"] == [16]  # above the drafter's trained size 4
 
     # every temperature x length x set x method has a row, each with the numbers the table shows
@@ -73,8 +96,17 @@ def test_bench_smoke_writes_table_json_and_plots(models, tmp_path):
 
 
 def test_wrong_method_output_fails_the_benchmark(models, tmp_path):
-    proc = bench(models, tmp_path, "--temperatures", "0", "--methods", "dflash-torch",
-                 "--corrupt-method", "dflash-torch-b2", "--no-plots")
+    proc = bench(
+        models,
+        tmp_path,
+        "--temperatures",
+        "0",
+        "--methods",
+        "dflash-torch",
+        "--corrupt-method",
+        "dflash-torch-b2",
+        "--no-plots",
+    )
     assert proc.returncode == 1
     assert "MISMATCH: dflash-torch-b2" in proc.stderr and "greedy outputs differ" in proc.stderr
     eq = json.loads((tmp_path / "results.json").read_text())["equality"]

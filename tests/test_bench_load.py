@@ -24,8 +24,17 @@ def load_script():
 
 
 def test_aiperf_command_sends_the_dataset_and_sampling_settings(tmp_path):
-    run = AiperfRun("http://127.0.0.1:9", "m", "tok", concurrency=16, requests=32, warmup=16,
-                    input_file=tmp_path / "p.jsonl", osl=64, extra_inputs={"temperature": 1.0})
+    run = AiperfRun(
+        "http://127.0.0.1:9",
+        "m",
+        "tok",
+        concurrency=16,
+        requests=32,
+        warmup=16,
+        input_file=tmp_path / "p.jsonl",
+        osl=64,
+        extra_inputs={"temperature": 1.0},
+    )
     cmd = run.command("aiperf", tmp_path / "a")
     assert cmd[:2] == ["aiperf", "profile"]
     opts = dict(zip(cmd[2::1], cmd[3::1]))
@@ -35,16 +44,27 @@ def test_aiperf_command_sends_the_dataset_and_sampling_settings(tmp_path):
     assert "--isl" not in cmd and "--streaming" in cmd
     synthetic = AiperfRun("u", "m", "tok", isl=32).command("aiperf", tmp_path)
     assert synthetic[synthetic.index("--isl") + 1] == "32" and "--input-file" not in synthetic
-    assert AiperfRun("u", "m", "tok", nice=15).command("aiperf", tmp_path)[:5] == ["nice", "-n", "15", "aiperf", "profile"]
+    assert AiperfRun("u", "m", "tok", nice=15).command("aiperf", tmp_path)[:5] == [
+        "nice",
+        "-n",
+        "15",
+        "aiperf",
+        "profile",
+    ]
 
 
 def test_export_metrics_reads_the_nested_export(tmp_path):
     nested = tmp_path / "run" / "inner"
     nested.mkdir(parents=True)
-    (nested / "profile_export_aiperf.json").write_text(json.dumps({
-        "output_token_throughput": {"unit": "tokens/sec", "avg": 512.5},
-        "time_to_first_token": {"unit": "ms", "avg": 30.0, "p50": 25.0, "p99": 90.0, "std": 3.0},
-        "unrelated": {"avg": 1}}))
+    (nested / "profile_export_aiperf.json").write_text(
+        json.dumps(
+            {
+                "output_token_throughput": {"unit": "tokens/sec", "avg": 512.5},
+                "time_to_first_token": {"unit": "ms", "avg": 30.0, "p50": 25.0, "p99": 90.0, "std": 3.0},
+                "unrelated": {"avg": 1},
+            }
+        )
+    )
     m = export_metrics(tmp_path / "run")
     assert value(m, "output_token_throughput") == 512.5
     assert m["time_to_first_token"] == {"unit": "ms", "avg": 30.0, "p50": 25.0, "p99": 90.0}
@@ -54,22 +74,57 @@ def test_export_metrics_reads_the_nested_export(tmp_path):
 
 
 def cell(mode, c, t, tps):
-    return {"mode": mode, "concurrency": c, "temperature": t, "tokens_per_s": tps,
-            "ttft_ms": {"avg": 10.0, "p50": 9.0, "p99": 20.0}, "itl_ms": {"avg": 5.0, "p50": 4.0, "p99": 8.0}}
+    return {
+        "mode": mode,
+        "concurrency": c,
+        "temperature": t,
+        "tokens_per_s": tps,
+        "ttft_ms": {"avg": 10.0, "p50": 9.0, "p99": 20.0},
+        "itl_ms": {"avg": 5.0, "p50": 4.0, "p99": 8.0},
+    }
 
 
 def test_checks_pass_and_fail_on_the_issue_figures():
     bench = load_script()
-    proc = {"hf_generate": [{"concurrency": 16, "temperature": 0.0, "tokens_per_s": 400.0}],
-            "per_prompt": [
-                {"set": "code", "prompt": 0, "prompt_tokens": 100, "target_s": 1.0, "single_dflash_s": 0.40,
-                 "adaptive_s": 0.41, "adaptive_vs_target": 2.4, "tau_single_b8": 3.0, "equal": True,
-                 "new_tokens": 64, "tau_adaptive": 3.1, "single_vs_target": 2.5},
-                {"set": "long", "prompt": 3, "prompt_tokens": 291, "target_s": 1.0, "single_dflash_s": 2.7,
-                 "adaptive_s": 1.2, "adaptive_vs_target": 0.83, "tau_single_b8": 1.04, "equal": True,
-                 "new_tokens": 256, "tau_adaptive": 1.1, "single_vs_target": 0.37}]}
-    cells = [cell("target", 16, 0.0, 500.0), cell("adaptive", 16, 0.0, 650.0),
-             cell("target", 1, 1.0, 100.0), cell("adaptive", 1, 1.0, 90.0)]
+    proc = {
+        "hf_generate": [{"concurrency": 16, "temperature": 0.0, "tokens_per_s": 400.0}],
+        "per_prompt": [
+            {
+                "set": "code",
+                "prompt": 0,
+                "prompt_tokens": 100,
+                "target_s": 1.0,
+                "single_dflash_s": 0.40,
+                "adaptive_s": 0.41,
+                "adaptive_vs_target": 2.4,
+                "tau_single_b8": 3.0,
+                "equal": True,
+                "new_tokens": 64,
+                "tau_adaptive": 3.1,
+                "single_vs_target": 2.5,
+            },
+            {
+                "set": "long",
+                "prompt": 3,
+                "prompt_tokens": 291,
+                "target_s": 1.0,
+                "single_dflash_s": 2.7,
+                "adaptive_s": 1.2,
+                "adaptive_vs_target": 0.83,
+                "tau_single_b8": 1.04,
+                "equal": True,
+                "new_tokens": 256,
+                "tau_adaptive": 1.1,
+                "single_vs_target": 0.37,
+            },
+        ],
+    }
+    cells = [
+        cell("target", 16, 0.0, 500.0),
+        cell("adaptive", 16, 0.0, 650.0),
+        cell("target", 1, 1.0, 100.0),
+        cell("adaptive", 1, 1.0, 90.0),
+    ]
     found = {what: (ok, fig) for what, ok, fig in bench.checks(cells, proc)}
     assert found["c=16 T=0 adaptive >= 1.5x HF batched generate"] == (True, "1.62x")
     assert found["c=16 T=0 adaptive >= 1.2x the server's batched target"] == (True, "1.30x")
@@ -79,8 +134,9 @@ def test_checks_pass_and_fail_on_the_issue_figures():
     assert ok is False and "long prompt 3" in fig
     ok, _ = found["c=1 T=0: batched adaptive >= 0.97x the single-sequence loop (same prompts)"]
     assert ok is True  # 0.40 / 0.41 = 0.976
-    md = bench.markdown(cells, proc, bench.checks(cells, proc),
-                        {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"})
+    md = bench.markdown(
+        cells, proc, bench.checks(cells, proc), {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"}
+    )
     assert "| 0 | 16 | 400 | 500 | 650 | 1.62x | 1.30x |" in md
     assert "- FAIL: every cell" in md
 
@@ -107,11 +163,13 @@ def test_server_side_figures_come_from_the_metrics_deltas():
     bench = load_script()
 
     def page(verify_rows, verify_passes, blocks, block_rows, busy):
-        return (f'dflash_batch_rows_sum{{pass="verify"}} {verify_rows}\n'
-                f'dflash_batch_rows_count{{pass="verify"}} {verify_passes}\n'
-                'dflash_batch_rows_sum{pass="prefill"} 7\ndflash_batch_rows_count{pass="prefill"} 3\n'
-                f"dflash_block_size_sum {blocks}\ndflash_block_size_count {block_rows}\n"
-                f'dflash_step_seconds_sum{{part="verify"}} {busy}\ndflash_step_seconds_sum{{part="draft"}} 1.0\n')
+        return (
+            f'dflash_batch_rows_sum{{pass="verify"}} {verify_rows}\n'
+            f'dflash_batch_rows_count{{pass="verify"}} {verify_passes}\n'
+            'dflash_batch_rows_sum{pass="prefill"} 7\ndflash_batch_rows_count{pass="prefill"} 3\n'
+            f"dflash_block_size_sum {blocks}\ndflash_block_size_count {block_rows}\n"
+            f'dflash_step_seconds_sum{{part="verify"}} {busy}\ndflash_step_seconds_sum{{part="draft"}} 1.0\n'
+        )
 
     before = bench.metric_sums(page(100, 10, 150, 100, 2.0))
     after = bench.metric_sums(page(100 + 14 * 50, 10 + 50, 150 + 3 * 700, 100 + 700, 9.5))
@@ -135,7 +193,9 @@ def test_the_steady_state_keeps_c_rows_in_flight_and_serves_every_request(tiny_p
     target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
     dec = BatchDecoder(target, TorchBatchDrafterEngine.for_target(drafter, target))
     rng = torch.Generator().manual_seed(3)
-    stream = [torch.randint(2, 95, (int(n),), generator=rng).tolist() for n in torch.randint(3, 30, (7,), generator=rng)]
+    stream = [
+        torch.randint(2, 95, (int(n),), generator=rng).tolist() for n in torch.randint(3, 30, (7,), generator=rng)
+    ]
     rows_per_step, served = [], []
     step, add = dec.step, dec.add
     dec.step = lambda: (rows_per_step.append(len(dec.active)), step())[1]
@@ -144,17 +204,26 @@ def test_the_steady_state_keeps_c_rows_in_flight_and_serves_every_request(tiny_p
     assert [r.prompt_ids for r in served] == stream and all(r.done for r in served)
     alone = SpeculativeDecoder(TorchTargetEngine(model))
     assert [r.result().token_ids for r in served] == [
-        alone.generate(p, GenerationConfig(max_new_tokens=6)).token_ids for p in stream]
+        alone.generate(p, GenerationConfig(max_new_tokens=6)).token_ids for p in stream
+    ]
     assert max(rows_per_step) == 3 and rows_per_step.count(3) >= len(rows_per_step) // 2
 
 
 def test_the_engines_alone_section_reports_both_ratios():
     bench = load_script()
-    proc = {"engines_alone": {"concurrency": 16, "temperature": 0.0, "requests": 64,
-                              "runs_tokens_per_s": {"hf-generate": [800.0], "target": [880.0], "adaptive": [1040.0]},
-                              "tokens_per_s": {"hf-generate": 800.0, "target": 880.0, "adaptive": 1040.0},
-                              "adaptive_vs_hf": 1.3, "target_vs_hf": 1.1}}
-    md = bench.markdown([cell("adaptive", 16, 0.0, 650.0)], proc, [], {"target": "t", "drafter": "d", "osl": 64,
-                                                                       "machine": "cpu"})
+    proc = {
+        "engines_alone": {
+            "concurrency": 16,
+            "temperature": 0.0,
+            "requests": 64,
+            "runs_tokens_per_s": {"hf-generate": [800.0], "target": [880.0], "adaptive": [1040.0]},
+            "tokens_per_s": {"hf-generate": 800.0, "target": 880.0, "adaptive": 1040.0},
+            "adaptive_vs_hf": 1.3,
+            "target_vs_hf": 1.1,
+        }
+    }
+    md = bench.markdown(
+        [cell("adaptive", 16, 0.0, 650.0)], proc, [], {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"}
+    )
     assert "## The engines alone: C=16, T=0" in md
     assert "| 800 | 880 | 1040 | 1.30x | 1.10x |" in md

@@ -30,8 +30,18 @@ def run_cli(*args):
 
 def test_console_script_json_contract(models):
     target, drafter, _ = models
-    code, out, err = run_cli("generate", "--target", target, "--drafter", drafter, "--prompt", "def fibonacci(n):",
-                             "--max-new-tokens", "12", "--json")
+    code, out, err = run_cli(
+        "generate",
+        "--target",
+        target,
+        "--drafter",
+        drafter,
+        "--prompt",
+        "def fibonacci(n):",
+        "--max-new-tokens",
+        "12",
+        "--json",
+    )
     assert code == 0, err
     lines = out.strip().splitlines()
     assert len(lines) == 1
@@ -39,9 +49,15 @@ def test_console_script_json_contract(models):
     assert isinstance(data["text"], str)
     assert len(data["token_ids"]) <= 12 and all(isinstance(t, int) for t in data["token_ids"])
     stats = data["stats"]
-    for key, kind in [("rounds", int), ("acceptance_lengths", list), ("mean_acceptance_length", float),
-                      ("new_tokens", int), ("tokens_per_second", float), ("draft_time_s", float),
-                      ("verify_time_s", float)]:
+    for key, kind in [
+        ("rounds", int),
+        ("acceptance_lengths", list),
+        ("mean_acceptance_length", float),
+        ("new_tokens", int),
+        ("tokens_per_second", float),
+        ("draft_time_s", float),
+        ("verify_time_s", float),
+    ]:
         assert isinstance(stats[key], kind), key
     assert stats["new_tokens"] == len(data["token_ids"])
     assert sum(stats["acceptance_lengths"]) == stats["new_tokens"] - 1
@@ -54,12 +70,16 @@ def generate_json(capsys, *args) -> dict:
 
 def test_draft_and_no_draft_agree(models, capsys):
     target, drafter, bare = models
-    spec = generate_json(capsys, "--target", target, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 20)
+    spec = generate_json(
+        capsys, "--target", target, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 20
+    )
     alone = generate_json(capsys, "--target", target, "--input-ids", "5,6,7", "--max-new-tokens", 20, "--no-draft")
     assert spec["token_ids"] == alone["token_ids"]
     assert alone["stats"]["drafted_tokens"] == 0 and spec["stats"]["drafted_tokens"] > 0
     # a target without a tokenizer works with ids; text is null
-    no_tok = generate_json(capsys, "--target", bare, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 5)
+    no_tok = generate_json(
+        capsys, "--target", bare, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 5
+    )
     assert no_tok["text"] is None and len(no_tok["token_ids"]) == 5
 
 
@@ -100,6 +120,18 @@ def test_prompt_without_tokenizer_is_a_clear_error(models, capsys):
 def test_help_explains_every_flag():
     code, out, _ = run_cli("generate", "--help")
     assert code == 0
-    for flag in ("--target", "--drafter", "--prompt", "--input-ids", "--max-new-tokens", "--temperature", "--top-p",
-                 "--top-k", "--seed", "--block-size", "--no-draft", "--json"):
+    for flag in (
+        "--target",
+        "--drafter",
+        "--prompt",
+        "--input-ids",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-p",
+        "--top-k",
+        "--seed",
+        "--block-size",
+        "--no-draft",
+        "--json",
+    ):
         assert flag in out

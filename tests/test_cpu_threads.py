@@ -10,8 +10,10 @@ import torch
 
 from dflash_trt.runtime.cpu_threads import _loaded_libgomp, release_openmp_workers
 
-pytestmark = [pytest.mark.skipif(not _loaded_libgomp(), reason="this torch build does not run on libgomp"),
-              pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: torch runs no OpenMP team")]
+pytestmark = [
+    pytest.mark.skipif(not _loaded_libgomp(), reason="this torch build does not run on libgomp"),
+    pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU: torch runs no OpenMP team"),
+]
 
 
 def test_release_frees_the_calling_threads_openmp_workers():

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.settings import DEMO_DIR
+from dflash_trt.decoding import GenerationConfig
 from dflash_trt.loading import load_decoder
 from dflash_trt.models.target import load_target
-from dflash_trt.decoding import GenerationConfig
+from dflash_trt.settings import DEMO_DIR
 
 MODELS = Path(DEMO_DIR)
 
@@ -73,4 +73,6 @@ def test_bfloat16_drafter_keeps_the_target_output(decoder):
     rows = [batch.add(ids, config) for ids in prompts]
     batch.run()
     for ids, row in zip(prompts, rows):
-        assert row.result().token_ids == decoder.generate(ids, GenerationConfig(max_new_tokens=48, block_size=1)).token_ids
+        assert (
+            row.result().token_ids == decoder.generate(ids, GenerationConfig(max_new_tokens=48, block_size=1)).token_ids
+        )

@@ -5,12 +5,12 @@ import json
 
 import pytest
 import torch
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.cli import main
 from dflash_trt.cli.main import build_parser
-from dflash_trt.loading import DTYPES, load_decoder, resolve_device
-from tiny_models import make_tiny_drafter, make_tiny_target
 from dflash_trt.cli.options import serve_worker_rank
+from dflash_trt.loading import DTYPES, load_decoder, resolve_device
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -48,8 +48,9 @@ def test_resolve_device_refusals():
 @pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a machine without CUDA")
 def test_cuda_on_a_cpu_machine_is_one_clear_line(pair, capsys):
     target, drafter = pair
-    code = main(["generate", "--target", str(target), "--drafter", str(drafter), "--input-ids", "1,2",
-                 "--device", "cuda"])
+    code = main(
+        ["generate", "--target", str(target), "--drafter", str(drafter), "--input-ids", "1,2", "--device", "cuda"]
+    )
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 1 and len(err) == 1 and "no CUDA GPU visible" in err[0] and "--device cpu" in err[0]
 
@@ -60,8 +61,24 @@ def test_dtype_and_device_reach_both_engines(pair, capsys):
     assert decoder.target.model.dtype is torch.bfloat16 and decoder.target.device == torch.device("cpu")
     assert next(decoder.drafter.drafter.parameters()).dtype is torch.bfloat16
     assert decoder.drafter.embed_weight.device == decoder.target.device
-    code = main(["generate", "--target", str(target), "--drafter", str(drafter), "--input-ids", "1,2,3",
-                 "--max-new-tokens", "6", "--device", "cpu", "--dtype", "fp16", "--json"])
+    code = main(
+        [
+            "generate",
+            "--target",
+            str(target),
+            "--drafter",
+            str(drafter),
+            "--input-ids",
+            "1,2,3",
+            "--max-new-tokens",
+            "6",
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp16",
+            "--json",
+        ]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and len(out["token_ids"]) == 6
 

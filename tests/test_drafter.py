@@ -177,7 +177,9 @@ def test_features_are_outputs_of_the_named_layers(family):
     model = make_tiny_target(family=family, vocab_size=64, layers=5)
     captured = {}
     hooks = [
-        layer.register_forward_hook(lambda m, i, o, idx=idx: captured.__setitem__(idx, o[0] if isinstance(o, tuple) else o))
+        layer.register_forward_hook(
+            lambda m, i, o, idx=idx: captured.__setitem__(idx, o[0] if isinstance(o, tuple) else o)
+        )
         for idx, layer in enumerate(model.model.layers)
     ]
     ids = torch.tensor([[3, 5, 7, 9]])

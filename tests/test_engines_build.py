@@ -12,9 +12,9 @@ from helpers import make_tiny_pair
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.builders.engines import EnginesConfigError, build_engines, read_config
-from dflash_trt.formats import serving_sources
 from dflash_trt.builders.hashing import tree_sha256
 from dflash_trt.cli.options import load_engines_or_fail as _load_engines
+from dflash_trt.formats import serving_sources
 from dflash_trt.settings import DEMO_MODELS_HINT
 
 
@@ -26,8 +26,12 @@ def checkpoints(tmp_path_factory):
 
 
 def config_file(tmp_path, checkpoints, fmt="toml", **extra):
-    values = {"target": str(checkpoints / "target"), "drafter": str(checkpoints / "drafter"),
-              "output": str(tmp_path / "engines"), **extra}
+    values = {
+        "target": str(checkpoints / "target"),
+        "drafter": str(checkpoints / "drafter"),
+        "output": str(tmp_path / "engines"),
+        **extra,
+    }
     if fmt == "json":
         path = tmp_path / "engines.json"
         path.write_text(json.dumps(values))
@@ -50,7 +54,9 @@ def test_manifest_then_nothing_to_do(tmp_path, checkpoints, monkeypatch):
     assert manifest["sources"]["drafter"]["sha256"] == tree_sha256(checkpoints / "drafter")
     d = manifest["engines"]["drafter_onnx"]
     assert d["backend"] == "onnxruntime"
-    assert {"drafter.onnx", "drafter.onnx.data", "drafter_fp16.onnx", "drafter_fp16.onnx.data", "drafter.json"} <= set(d["files"])
+    assert {"drafter.onnx", "drafter.onnx.data", "drafter_fp16.onnx", "drafter_fp16.onnx.data", "drafter.json"} <= set(
+        d["files"]
+    )
     assert {"drafter_batch.onnx", "drafter_batch_fp16.onnx"} <= set(d["files"])  # the batched round too
     from dflash_trt.runtime.ort_backend import OrtDrafterEngine
     from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
@@ -64,8 +70,10 @@ def test_manifest_then_nothing_to_do(tmp_path, checkpoints, monkeypatch):
 
     # second run, unchanged inputs: no export, manifest untouched
     before = {p: p.stat().st_mtime_ns for p in cfg.output.rglob("*") if p.is_file()}
-    monkeypatch.setattr("dflash_trt.builders.onnx_drafter.export_from_checkpoints",
-                        lambda *a, **k: pytest.fail("re-exported with unchanged inputs"))
+    monkeypatch.setattr(
+        "dflash_trt.builders.onnx_drafter.export_from_checkpoints",
+        lambda *a, **k: pytest.fail("re-exported with unchanged inputs"),
+    )
     again, report = build_engines(cfg, log=lambda *_: None)
     assert report.built == [] and report.unchanged == ["drafter_onnx"]
     assert again == manifest
@@ -84,8 +92,13 @@ def test_changed_or_damaged_inputs_rebuild(tmp_path, checkpoints):
     _, report = build_engines(cfg, log=lambda *_: None)
     assert report.built == ["drafter_onnx"]
     # a changed checkpoint changes the key
-    make_tiny_drafter(make_tiny_target(family="qwen3", vocab_size=80, layers=4).config, ckpt / "drafter",
-                      layers=1, block_size=4, seed=1)
+    make_tiny_drafter(
+        make_tiny_target(family="qwen3", vocab_size=80, layers=4).config,
+        ckpt / "drafter",
+        layers=1,
+        block_size=4,
+        seed=1,
+    )
     second, report = build_engines(cfg, log=lambda *_: None)
     assert report.built == ["drafter_onnx"]
     assert second["sources"]["drafter"]["sha256"] != first["sources"]["drafter"]["sha256"]
@@ -125,9 +138,15 @@ def test_cli_engines_then_generate_equals_target_alone(tmp_path, checkpoints):
     assert "up to date drafter_onnx" in rerun.stdout and "built" not in rerun.stdout
 
     args = ["generate", "--input-ids", "3,1,4,1,5", "--max-new-tokens", "24", "--json"]
-    spec = subprocess.run(cli + args + ["--engines", str(tmp_path / "engines")], capture_output=True, text=True, timeout=300)
-    base = subprocess.run(cli + args + ["--target", str(checkpoints / "target"), "--no-draft"],
-                          capture_output=True, text=True, timeout=300)
+    spec = subprocess.run(
+        cli + args + ["--engines", str(tmp_path / "engines")], capture_output=True, text=True, timeout=300
+    )
+    base = subprocess.run(
+        cli + args + ["--target", str(checkpoints / "target"), "--no-draft"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert spec.returncode == 0 and base.returncode == 0, spec.stderr + base.stderr
     got, expected = json.loads(spec.stdout), json.loads(base.stdout)
     assert got["token_ids"] == expected["token_ids"]

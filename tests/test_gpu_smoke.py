@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,14 +18,23 @@ spec.loader.exec_module(gpu_smoke)
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip lines of a machine without a GPU")
 def test_make_gpu_smoke_on_a_cpu_machine_says_what_it_skipped():
-    out = subprocess.run(["make", "-s", "gpu-smoke", f"GPU_SMOKE_PYTHON={sys.executable}", "TP=2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        ["make", "-s", "gpu-smoke", f"GPU_SMOKE_PYTHON={sys.executable}", "TP=2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].startswith("environment: ") and '"cuda": false' in lines[0]
     skipped = {line.split(":")[0][5:] for line in lines if line.startswith("SKIP ")}
-    assert {"pytorch engines on cuda", "drafter TensorRT plan", "TensorRT-LLM target engine (tp 2)",
-            "engines end to end (generate --engines)"} <= skipped
+    assert {
+        "pytorch engines on cuda",
+        "drafter TensorRT plan",
+        "TensorRT-LLM target engine (tp 2)",
+        "engines end to end (generate --engines)",
+    } <= skipped
     assert any("no CUDA GPU visible" in line for line in lines)
     assert any("needs the Python package tensorrt_llm" in line for line in lines)
     assert lines[-1] == "gpu-smoke: 0 passed, 0 failed, 4 skipped"
@@ -43,7 +51,7 @@ def pair(tmp_path_factory):
 def test_pytorch_part_checks_equality_and_reports_tau_and_speedup(pair):
     report = gpu_smoke.Report()
     gpu_smoke.pytorch_stage(report, *pair, device="cpu", dtype="float32", max_new=12, n_prompts=2)
-    (status, part, detail), = report.rows
+    ((status, part, detail),) = report.rows
     assert status == "PASS" and part == "pytorch engines on cpu (float32)", detail
     assert "greedy output == target alone == HF generate()" in detail and "tau " in detail and "x over" in detail
 

@@ -14,8 +14,13 @@ from dflash_trt.decoding.sampling import probabilities
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 N_SAMPLES = 1000
-ADJUST = LogitsAdjustment.of(frequency_penalty=0.7, presence_penalty=0.6, logit_bias={1: 1.5, 7: -3.0, 9: 2.0},
-                             min_tokens=5, min_tokens_suppress=(2, 3))
+ADJUST = LogitsAdjustment.of(
+    frequency_penalty=0.7,
+    presence_penalty=0.6,
+    logit_bias={1: 1.5, 7: -3.0, 9: 2.0},
+    min_tokens=5,
+    min_tokens_suppress=(2, 3),
+)
 
 
 def naive_adjust(logits: torch.Tensor, generated: list[int], adj: LogitsAdjustment) -> torch.Tensor:
@@ -62,12 +67,17 @@ def test_greedy_with_adjustment_equals_target_alone(tiny_pair):
         if trial == 0:
             assert want == naive_greedy(model, prompt, n, ADJUST)
             assert want != base.generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids  # it does act
-        assert spec.generate(prompt, GenerationConfig(max_new_tokens=n, block_size=[2, 4, 8][trial],
-                                                      adjust=ADJUST)).token_ids == want, (family, trial)
+        assert (
+            spec.generate(
+                prompt, GenerationConfig(max_new_tokens=n, block_size=[2, 4, 8][trial], adjust=ADJUST)
+            ).token_ids
+            == want
+        ), (family, trial)
         # a drafter that proposes the adjusted reference: long accepted runs, rows deep in the block matter
         oracle = NoisyOracleDrafter(want, len(prompt), 96, 8, 0.9, seed=trial, feature_layer_ids=(0,))
         got = SpeculativeDecoder(TorchTargetEngine(model, (0,)), oracle).generate(
-            prompt, GenerationConfig(max_new_tokens=n, block_size=8, adjust=ADJUST))
+            prompt, GenerationConfig(max_new_tokens=n, block_size=8, adjust=ADJUST)
+        )
         assert got.token_ids == want, (family, trial)
         assert max(got.stats.acceptance_lengths) > 3
 
@@ -85,8 +95,9 @@ def sharp_pair():
     return model, drafter
 
 
-SMALL = LogitsAdjustment.of(frequency_penalty=1.5, presence_penalty=1.0, logit_bias={1: 2.0, 4: -1.0},
-                            min_tokens=2, min_tokens_suppress=(0,))
+SMALL = LogitsAdjustment.of(
+    frequency_penalty=1.5, presence_penalty=1.0, logit_bias={1: 2.0, 4: -1.0}, min_tokens=2, min_tokens_suppress=(0,)
+)
 
 
 def exact_joint_adjusted(model, prompt, params: SamplingParams, n: int, adj: LogitsAdjustment) -> dict:
@@ -112,8 +123,10 @@ def test_sampling_with_adjustment_is_the_adjusted_target(sharp_pair):
     assert max(abs(expected.get(k, 0) - plain.get(k, 0)) for k in {*expected, *plain}) > 0.05  # it matters
     counts, accepted = {}, 0
     for seed in range(N_SAMPLES):
-        r = spec.generate(prompt, GenerationConfig(max_new_tokens=3, sampling=SamplingParams(1.0, seed=seed),
-                                                   block_size=4, adjust=SMALL))
+        r = spec.generate(
+            prompt,
+            GenerationConfig(max_new_tokens=3, sampling=SamplingParams(1.0, seed=seed), block_size=4, adjust=SMALL),
+        )
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
         accepted += r.stats.accepted_draft_tokens
     assert accepted > N_SAMPLES * 0.1, "drafts must be accepted often enough to test acceptance"

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from dflash_trt.builders.onnx_drafter import DrafterRound, example_inputs, export_from_checkpoints
+from dflash_trt.decoding import ContextLengthError, GenerationConfig, SpeculativeDecoder
 from dflash_trt.formats import DRAFTER_INPUTS as INPUT_NAMES
 from dflash_trt.formats import DRAFTER_OUTPUTS as OUTPUT_NAMES
 from dflash_trt.formats import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.decoding import ContextLengthError, GenerationConfig, SpeculativeDecoder
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,9 @@ def test_fp16_token_agreement(exported):
 def test_empty_cache_first_round_matches_torch_session(exported):
     """The first round of a request has T = 0; the graph was traced at T = 5 and must not have specialised."""
     _, out, _, model, drafter = exported
-    torch_engine = TorchDrafterEngine(drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    torch_engine = TorchDrafterEngine(
+        drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    )
     ort_engine = OrtDrafterEngine(out)
     a, b = torch_engine.new_session(), ort_engine.new_session()
     assert b.context_length == 0

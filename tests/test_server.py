@@ -31,8 +31,12 @@ def reference(models, decoder):
 
     def run(prompt, n, stops=(), sampling=None, spec=False):
         ids = base.encode(prompt) if isinstance(prompt, str) else prompt
-        cfg = GenerationConfig(max_new_tokens=n, stop_token_ids=base.default_stop_ids(), stop_strings=tuple(stops),
-                               sampling=sampling or SamplingParams())
+        cfg = GenerationConfig(
+            max_new_tokens=n,
+            stop_token_ids=base.default_stop_ids(),
+            stop_strings=tuple(stops),
+            sampling=sampling or SamplingParams(),
+        )
         return (decoder if spec else base).generate(ids, cfg)
 
     return run
@@ -95,7 +99,7 @@ def test_generate_stream_reassembles(server, reference, decoder, sampling):
 
 def test_stop_string_never_leaks_into_stream(server, reference):
     free = reference("class Point:", 40)
-    stop = free.text[len(free.text) // 2:][:3]  # text the model really produces, likely spanning tokens
+    stop = free.text[len(free.text) // 2 :][:3]  # text the model really produces, likely spanning tokens
     want = reference("class Point:", 40, stops=[stop])
     assert want.finish_reason == "stop"
     events = _stream_generate(server, {"prompt": "class Point:", "max_tokens": 40, "stop": stop})
@@ -109,8 +113,11 @@ def test_openai_client_completions_and_chat(server, reference, decoder):
     c = client.completions.create(model="dflash-trt", prompt="def fibonacci(n):", max_tokens=12, temperature=0)
     assert c.choices[0].text == want.text and c.choices[0].finish_reason == want.finish_reason
     assert c.usage.completion_tokens == len(want.token_ids)
-    chunks = list(client.completions.create(model="dflash-trt", prompt="def fibonacci(n):", max_tokens=12,
-                                            temperature=0, stream=True))
+    chunks = list(
+        client.completions.create(
+            model="dflash-trt", prompt="def fibonacci(n):", max_tokens=12, temperature=0, stream=True
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
@@ -119,9 +126,14 @@ def test_openai_client_completions_and_chat(server, reference, decoder):
     r = client.chat.completions.create(model="dflash-trt", messages=messages, max_tokens=10, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
     assert r.usage.prompt_tokens == len(chat_prompt_ids(decoder, messages))
-    stream = client.chat.completions.create(model="dflash-trt", messages=messages, max_tokens=10, temperature=0,
-                                            stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model="dflash-trt",
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(stream)
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want.text
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
@@ -129,8 +141,9 @@ def test_openai_client_completions_and_chat(server, reference, decoder):
 
 
 def test_raw_sse_ends_with_done(server):
-    with httpx.stream("POST", server + "/v1/completions", json={"prompt": "import os", "max_tokens": 5,
-                                                                 "stream": True}, timeout=60) as r:
+    with httpx.stream(
+        "POST", server + "/v1/completions", json={"prompt": "import os", "max_tokens": 5, "stream": True}, timeout=60
+    ) as r:
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
 
@@ -166,8 +179,9 @@ def test_concurrent_requests_are_independent(server, reference, decoder):
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as client:
-            return await asyncio.gather(*[
-                client.post(server + "/generate", json={"prompt": p, "max_tokens": n, **s}) for p, n, s in cases])
+            return await asyncio.gather(
+                *[client.post(server + "/generate", json={"prompt": p, "max_tokens": n, **s}) for p, n, s in cases]
+            )
 
     responses = asyncio.run(main())
     for (prompt, n, sampling), r in zip(cases, responses):
@@ -230,8 +244,10 @@ def test_queue_full_gives_429_and_a_disconnect_frees_the_slot(decoder):
 
                 async def burst():
                     async with httpx.AsyncClient(timeout=60) as c:
-                        tasks = [asyncio.create_task(c.post(url + "/generate", json={"prompt": "x", "max_tokens": 3}))
-                                 for _ in range(4)]
+                        tasks = [
+                            asyncio.create_task(c.post(url + "/generate", json={"prompt": "x", "max_tokens": 3}))
+                            for _ in range(4)
+                        ]
                         # Three get 429 while the long job runs; one waits in the queue (no wall-clock guess:
                         # wait for the three, however loaded the machine is).
                         deadline = time.monotonic() + 60
@@ -270,8 +286,12 @@ def test_new_requests_do_not_wait_for_the_engines(models):
                 while not gated.entered.is_set():
                     assert not first.done(), first.result().text
                     await asyncio.sleep(0.02)
-                queued = asyncio.create_task(c.post(url + "/v1/chat/completions", json={
-                    "messages": [{"role": "user", "content": "print("}], "max_tokens": 3}))
+                queued = asyncio.create_task(
+                    c.post(
+                        url + "/v1/chat/completions",
+                        json={"messages": [{"role": "user", "content": "print("}], "max_tokens": 3},
+                    )
+                )
                 while metric((await c.get(url + "/metrics")).text, "dflash_queue_depth") < 1:
                     assert not queued.done(), queued.result().text  # tokenized and queued, not answered
                     await asyncio.sleep(0.02)
@@ -294,25 +314,30 @@ def test_client_hanging_up_during_upload_is_499(server):
     before = scrape(server)
     u = urlparse(server)
     with socket.create_connection((u.hostname, u.port), timeout=10) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: 1000\r\n\r\n{\"prompt\": ")
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"prompt": '
+        )
         time.sleep(0.2)  # let the server start reading the body
     deadline = time.monotonic() + 30
-    while metric(scrape(server), "dflash_requests_total", endpoint="/generate", status="499") \
-            == metric(before, "dflash_requests_total", endpoint="/generate", status="499"):
+    while metric(scrape(server), "dflash_requests_total", endpoint="/generate", status="499") == metric(
+        before, "dflash_requests_total", endpoint="/generate", status="499"
+    ):
         assert time.monotonic() < deadline, "the cut upload was never counted as 499"
         time.sleep(0.05)
     after = scrape(server)
-    assert metric(after, "dflash_requests_total", endpoint="/generate", status="500") == \
-        metric(before, "dflash_requests_total", endpoint="/generate", status="500")
+    assert metric(after, "dflash_requests_total", endpoint="/generate", status="500") == metric(
+        before, "dflash_requests_total", endpoint="/generate", status="500"
+    )
 
 
 def test_completions_default_max_tokens_is_openais_16_clipped_to_the_context(server, decoder):
     r = httpx.post(server + "/v1/completions", json={"prompt": [5, 9, 13], "temperature": 0}, timeout=60).json()
     assert r["usage"]["completion_tokens"] <= 16
     assert r["usage"]["completion_tokens"] == 16 or r["choices"][0]["finish_reason"] == "stop"
-    null = httpx.post(server + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": None, "temperature": 0},
-                      timeout=60)
+    null = httpx.post(
+        server + "/v1/completions", json={"prompt": [5, 9, 13], "max_tokens": None, "temperature": 0}, timeout=60
+    )
     assert null.json()["usage"] == r["usage"]  # an explicit null is the same default
     room = 3
     long_prompt = [5 + i % 50 for i in range(decoder.target.max_context - room)]
@@ -335,8 +360,12 @@ def test_auth(decoder):
     with running_server(decoder, api_key="s3cret") as (url, _):
         assert httpx.get(url + "/health").status_code == 200  # liveness stays open
         body = {"prompt": "import os", "max_tokens": 3}
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"},
-                        {"Authorization": "Basic s3cret"}):
+        for headers in (
+            {},
+            {"Authorization": "Bearer wrong"},
+            {"Authorization": "s3cret"},
+            {"Authorization": "Basic s3cret"},
+        ):
             r = httpx.post(url + "/generate", json=body, headers=headers, timeout=30)
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/metrics").status_code == 401
@@ -346,8 +375,12 @@ def test_auth(decoder):
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
         client = openai.OpenAI(base_url=url + "/v1", api_key="s3cret", max_retries=0)
-        assert client.completions.create(model="dflash-trt", prompt="import os", max_tokens=2,
-                                         temperature=0).usage.completion_tokens == 2
+        assert (
+            client.completions.create(
+                model="dflash-trt", prompt="import os", max_tokens=2, temperature=0
+            ).usage.completion_tokens
+            == 2
+        )
 
 
 BAD_GENERATE = [
@@ -382,8 +415,13 @@ def test_bad_generate_requests_are_400(server, body, needle):
 
 
 def test_other_bad_requests(server):
-    raw = [("/generate", b'{"prompt": "x",'), ("/generate", b"\xff\xfe"), ("/generate", b"NaN"),
-           ("/generate", b'{"prompt": "x", "temperature": NaN}'), ("/v1/completions", b"[" * 10000)]
+    raw = [
+        ("/generate", b'{"prompt": "x",'),
+        ("/generate", b"\xff\xfe"),
+        ("/generate", b"NaN"),
+        ("/generate", b'{"prompt": "x", "temperature": NaN}'),
+        ("/v1/completions", b"[" * 10000),
+    ]
     for path, content in raw:
         r = httpx.post(server + path, content=content, headers={"content-type": "application/json"}, timeout=30)
         assert r.status_code == 400 and "error" in r.json(), (path, content[:20], r.text)
@@ -400,8 +438,9 @@ def test_other_bad_requests(server):
 
 def test_tiny_temperature_is_greedy_not_nan(server, reference):
     """Found by the fuzz test: logits / 1e-308 overflow to inf and sampling produced NaN (a 500)."""
-    r = httpx.post(server + "/generate", json={"prompt": "import os", "max_tokens": 6, "temperature": 1e-308},
-                   timeout=30)
+    r = httpx.post(
+        server + "/generate", json={"prompt": "import os", "max_tokens": 6, "temperature": 1e-308}, timeout=30
+    )
     assert r.status_code == 200 and r.json()["token_ids"] == reference("import os", 6).token_ids
 
 
@@ -410,6 +449,8 @@ def test_chat_prompt_uses_the_template_when_there_is_one(models):
     messages = [{"role": "user", "content": "hi"}]
     fallback = decoder.tokenizer.decode(chat_prompt_ids(decoder, messages))
     assert fallback == "user: hi\nassistant:"
-    decoder.tokenizer.chat_template = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                                       "{% if add_generation_prompt %}<assistant>{% endif %}")
+    decoder.tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     assert decoder.tokenizer.decode(chat_prompt_ids(decoder, messages)) == "<user>hi<assistant>"

@@ -13,8 +13,18 @@ from server_harness import metric, running_server, scrape
 from dflash_trt.decoding import GenerationConfig, SamplingParams
 from dflash_trt.loading import load_decoder
 
-WORDS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os", "print(", "x = 1\n",
-         "while True:", "return a + b", "if x > 0:", "# comment"]
+WORDS = [
+    "def fibonacci(n):",
+    "for i in range(10):",
+    "class Point:",
+    "import os",
+    "print(",
+    "x = 1\n",
+    "while True:",
+    "return a + b",
+    "if x > 0:",
+    "# comment",
+]
 
 
 @pytest.fixture(scope="module")
@@ -47,31 +57,45 @@ def test_32_concurrent_greedy_requests_equal_each_alone(decoder):
         together = post_all(url, bodies)
         m = scrape(url)
         alone = [httpx.post(url + "/generate", json=b, timeout=120) for b in bodies]
-    rows, passes = metric(m, "dflash_batch_rows_sum", **{"pass": "verify"}), metric(
-        m, "dflash_batch_rows_count", **{"pass": "verify"})
+    rows, passes = (
+        metric(m, "dflash_batch_rows_sum", **{"pass": "verify"}),
+        metric(m, "dflash_batch_rows_count", **{"pass": "verify"}),
+    )
     assert passes and rows / passes > 2, "the requests did not share verify passes"
     assert metric(m, "dflash_batch_tokens_sum", **{"pass": "verify"}) >= rows  # >= 1 token per verify row
     assert metric(m, "dflash_batch_rows_sum", **{"pass": "prefill"}) == len(todo)  # each prompt prefilled once
     for part in ("prefill", "policy", "draft", "verify", "accept", "overhead"):  # one sample per step and part
-        assert metric(m, "dflash_step_seconds_count", part=part) == metric(m, "dflash_step_seconds_count", part="verify")
+        assert metric(m, "dflash_step_seconds_count", part=part) == metric(
+            m, "dflash_step_seconds_count", part="verify"
+        )
     assert metric(m, "dflash_step_seconds_sum", part="verify") > 0
     for (prompt, n), got, ref in zip(todo, together, alone):
         assert got.status_code == ref.status_code == 200, got.text
-        want = decoder.generate(decoder.encode(prompt), GenerationConfig(
-            max_new_tokens=n, stop_token_ids=decoder.default_stop_ids()))
+        want = decoder.generate(
+            decoder.encode(prompt), GenerationConfig(max_new_tokens=n, stop_token_ids=decoder.default_stop_ids())
+        )
         assert got.json()["token_ids"] == ref.json()["token_ids"] == want.token_ids, prompt
         assert got.json()["text"] == want.text
 
 
 def test_seeded_sampling_with_a_fixed_block_size_is_the_same_under_load(decoder):
     body = {"prompt": "def fibonacci(n):", "max_tokens": 30, "temperature": 1.0, "seed": 3, "block_size": 3}
-    load = [{"prompt": p, "max_tokens": n, **({"temperature": 0.9, "seed": i} if i % 2 else {})}
-            for i, (p, n) in enumerate(cases(11))]
+    load = [
+        {"prompt": p, "max_tokens": n, **({"temperature": 0.9, "seed": i} if i % 2 else {})}
+        for i, (p, n) in enumerate(cases(11))
+    ]
     with running_server(decoder, max_active=16) as (url, _):
         alone = httpx.post(url + "/generate", json=body, timeout=120).json()
         loaded = post_all(url, load[:5] + [body] + load[5:])[5].json()
-    want = decoder.generate(decoder.encode(body["prompt"]), GenerationConfig(
-        max_new_tokens=30, block_size=3, sampling=SamplingParams(1.0, seed=3), stop_token_ids=decoder.default_stop_ids()))
+    want = decoder.generate(
+        decoder.encode(body["prompt"]),
+        GenerationConfig(
+            max_new_tokens=30,
+            block_size=3,
+            sampling=SamplingParams(1.0, seed=3),
+            stop_token_ids=decoder.default_stop_ids(),
+        ),
+    )
     assert alone["token_ids"] == loaded["token_ids"] == want.token_ids
     assert alone["text"] == loaded["text"]
     assert alone["spec"]["drafted_tokens"] > 0 and alone["spec"]["block_size"] == 3
@@ -88,8 +112,10 @@ def test_a_client_leaving_frees_its_row_while_the_others_finish(decoder):
 
                 async def others():
                     async with httpx.AsyncClient(timeout=300) as c:
-                        tasks = [asyncio.create_task(c.post(url + "/generate", json={"prompt": p, "max_tokens": n}))
-                                 for p, n in todo]
+                        tasks = [
+                            asyncio.create_task(c.post(url + "/generate", json={"prompt": p, "max_tokens": n}))
+                            for p, n in todo
+                        ]
                         while metric((await c.get(url + "/metrics")).text, "dflash_inflight_requests") < 2:
                             await asyncio.sleep(0.01)  # the others joined the long row's batch
                         stream.close()  # ... and its client goes away
@@ -99,8 +125,9 @@ def test_a_client_leaving_frees_its_row_while_the_others_finish(decoder):
         m = scrape(url)
     for (prompt, n), r in zip(todo, responses):
         assert r.status_code == 200, r.text
-        want = decoder.generate(decoder.encode(prompt), GenerationConfig(
-            max_new_tokens=n, stop_token_ids=decoder.default_stop_ids()))
+        want = decoder.generate(
+            decoder.encode(prompt), GenerationConfig(max_new_tokens=n, stop_token_ids=decoder.default_stop_ids())
+        )
         assert r.json()["token_ids"] == want.token_ids
     assert metric(m, "dflash_request_latency_seconds_count", outcome="cancelled") == 1
     assert metric(m, "dflash_request_latency_seconds_count", outcome="ok") == len(todo)
@@ -110,8 +137,9 @@ def test_a_client_leaving_frees_its_row_while_the_others_finish(decoder):
 
 def block_counts(m):
     """(samples, samples of size <= b for b = 1..16) from the dflash_block_size histogram."""
-    return metric(m, "dflash_block_size_count"), {b: metric(m, "dflash_block_size_bucket", le=f"{b}.0")
-                                                  for b in range(1, 17)}
+    return metric(m, "dflash_block_size_count"), {
+        b: metric(m, "dflash_block_size_bucket", le=f"{b}.0") for b in range(1, 17)
+    }
 
 
 def test_block_size_settings_reach_the_decoder(decoder):

@@ -64,13 +64,17 @@ models, decoder, server = server_fixtures("contract", serve=serving)
 
 def post_raw(url, path, body: dict, **kw):
     """json.dumps escapes a lone surrogate as \\ud800 (httpx's own encoder cannot encode it at all)."""
-    return httpx.post(url + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"},
-                      timeout=60, **kw)
+    return httpx.post(
+        url + path, content=json.dumps(body).encode(), headers={"content-type": "application/json"}, timeout=60, **kw
+    )
 
 
 CHAT = {"messages": [{"role": "user", "content": "def f(x):"}], "max_tokens": 4}
-BODIES = {"/generate": {"prompt": "def f(x):", "max_tokens": 4},
-          "/v1/completions": {"prompt": "def f(x):", "max_tokens": 4}, "/v1/chat/completions": CHAT}
+BODIES = {
+    "/generate": {"prompt": "def f(x):", "max_tokens": 4},
+    "/v1/completions": {"prompt": "def f(x):", "max_tokens": 4},
+    "/v1/chat/completions": CHAT,
+}
 
 
 def test_top_p_below_float32s_smallest_number_keeps_the_top_token():
@@ -90,23 +94,32 @@ def test_tiny_top_p_is_the_argmax_not_a_500(server, path, stream):
     assert r.status_code == 200, r.text
     if not stream:
         got, want = r.json(), greedy.json()
-        key = (lambda j: j["token_ids"]) if path == "/generate" else (
-            lambda j: j["choices"][0].get("text", j["choices"][0].get("message", {}).get("content")))
+        key = (
+            (lambda j: j["token_ids"])
+            if path == "/generate"
+            else (lambda j: j["choices"][0].get("text", j["choices"][0].get("message", {}).get("content")))
+        )
         assert key(got) == key(want)  # top_p that small leaves only the most likely token
     else:
         events = sse_events(r.text.splitlines())
         assert events and not any(isinstance(e, dict) and ("error" in e or e.get("type") == "error") for e in events)
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/generate", {"prompt": "\ud800", "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"prompt": "x\udfff", "max_tokens": 4}, "prompt"),
-    ("/v1/completions", {"prompt": ["\ud800"], "max_tokens": 4}, "prompt"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
-     "messages.0.content"),
-    ("/generate", {"prompt": "x", "stop": "\ud800"}, "stop"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/generate", {"prompt": "\ud800", "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": "x\udfff", "max_tokens": 4}, "prompt"),
+        ("/v1/completions", {"prompt": ["\ud800"], "max_tokens": 4}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, "messages.0.content"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]},
+            "messages.0.content",
+        ),
+        ("/generate", {"prompt": "x", "stop": "\ud800"}, "stop"),
+    ],
+)
 def test_lone_surrogate_is_a_400_naming_the_field(server, path, body, param):
     r = post_raw(server, path, body)
     assert r.status_code == 400, r.text
@@ -121,12 +134,15 @@ def test_encode_refuses_a_lone_surrogate(decoder):
         decoder.encode("a\ud800b")
 
 
-@pytest.mark.parametrize("path,body,param", [
-    ("/generate", {"input_ids": [5] * 2048, "max_tokens": 1}, "input_ids"),
-    ("/v1/completions", {"prompt": [5] * 2048}, "prompt"),
-    ("/v1/completions", {"prompt": [5] * 2000, "max_tokens": 100}, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 2048}]}, "messages"),
-])
+@pytest.mark.parametrize(
+    "path,body,param",
+    [
+        ("/generate", {"input_ids": [5] * 2048, "max_tokens": 1}, "input_ids"),
+        ("/v1/completions", {"prompt": [5] * 2048}, "prompt"),
+        ("/v1/completions", {"prompt": [5] * 2000, "max_tokens": 100}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x = 1\n" * 2048}]}, "messages"),
+    ],
+)
 def test_context_overflow_names_the_field_to_change(server, path, body, param):
     r = post_raw(server, path, body)
     assert r.status_code == 400, r.text
@@ -150,8 +166,9 @@ def test_listening_line_comes_once_the_port_accepts(decoder):
 def test_malformed_http_is_a_json_400(server):
     host, port = server.rsplit("//", 1)[1].split(":")
     with socket.create_connection((host, int(port)), timeout=10) as s:
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: -1\r\n\r\n{}")
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: -1\r\n\r\n{}"
+        )
         reply = b""
         while chunk := s.recv(65536):
             reply += chunk
@@ -170,8 +187,10 @@ def test_non_streaming_client_hanging_up_stops_its_generation(tmp_path):
         host, port = url.rsplit("//", 1)[1].split(":")
         payload = json.dumps(long).encode()
         s = socket.create_connection((host, int(port)), timeout=10)
-        s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+        s.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload)
+        )
         deadline = time.monotonic() + 60
         while metric(scrape(url), "dflash_generated_tokens_total") < 1:
             assert time.monotonic() < deadline, "the request never started"

@@ -17,11 +17,18 @@ from server_harness import running_server
 from dflash_trt.decoding import GenerationConfig
 from dflash_trt.loading import load_decoder
 
-scalars = (st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
-           | st.floats(allow_nan=True, allow_infinity=True) | st.text(max_size=12))
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6),
-                                                                                             inner, max_size=3),
-                        max_leaves=8)
+scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+)
+anything = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
 
 
 TEXT = st.text(max_size=30)
@@ -35,14 +42,19 @@ SAMPLING = {
     "stream": st.booleans(),
 }
 MAX_TOKENS = st.integers(1, 6)  # valid requests must stay cheap
-MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
-                                           "content": TEXT}), min_size=1, max_size=3)
+MESSAGES = st.lists(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]), "content": TEXT}),
+    min_size=1,
+    max_size=3,
+)
 
 # endpoint -> (fields always sent, fields sometimes sent); every strategy here draws VALID values
 SCHEMAS = {
     "/generate": ({"max_tokens": MAX_TOKENS}, {"block_size": st.integers(1, 4), **SAMPLING}),
-    "/v1/completions": ({"max_tokens": MAX_TOKENS, "prompt": TEXT | IDS},
-                        {"n": st.just(1), "model": TEXT, "echo": st.just(False), **SAMPLING}),
+    "/v1/completions": (
+        {"max_tokens": MAX_TOKENS, "prompt": TEXT | IDS},
+        {"n": st.just(1), "model": TEXT, "echo": st.just(False), **SAMPLING},
+    ),
     "/v1/chat/completions": ({"messages": MESSAGES}, {"max_tokens": MAX_TOKENS, "n": st.just(1), **SAMPLING}),
 }
 FIELDS = {path: sorted({*req, *opt, "prompt", "input_ids", "junk"}) for path, (req, opt) in SCHEMAS.items()}
@@ -63,8 +75,10 @@ def json_body(draw, path):
 
 
 requests = st.sampled_from(sorted(SCHEMAS)).flatmap(
-    lambda path: st.tuples(st.just(path), json_body(path) | anything.map(lambda v: json.dumps(v).encode())
-                           | st.binary(max_size=64)))
+    lambda path: st.tuples(
+        st.just(path), json_body(path) | anything.map(lambda v: json.dumps(v).encode()) | st.binary(max_size=64)
+    )
+)
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +89,13 @@ def fuzz_server(tmp_path_factory):
             yield client, decoder
 
 
-@settings(max_examples=400, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=400,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
+)
 @given(request=requests)
 def test_fuzzed_requests_never_5xx(fuzz_server, request):
     client, _ = fuzz_server

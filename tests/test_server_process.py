@@ -28,8 +28,11 @@ def models(tmp_path_factory):
 
 
 def start(models, log, *extra):
-    return start_serve(["--target", str(models[0]), "--drafter", str(models[1]), "--threads", "1", *extra],
-                       log, env={"DFLASH_TRT_API_KEY": ""})
+    return start_serve(
+        ["--target", str(models[0]), "--drafter", str(models[1]), "--threads", "1", *extra],
+        log,
+        env={"DFLASH_TRT_API_KEY": ""},
+    )
 
 
 def wait_draining(url, headers=None):
@@ -84,11 +87,20 @@ def test_drain_limit_cuts_long_requests(models, tmp_path):
             proc.kill()
 
 
-@pytest.mark.parametrize("flag,value,needle", [
-    ("--port", "-1", ">= 0"), ("--port", "65536", "<= 65535"), ("--port", "http", "integer"),
-    ("--max-queue", "-1", ">= 0"), ("--request-timeout", "nan", "finite"), ("--request-timeout", "0", "> 0"),
-    ("--drain-timeout", "inf", "finite"), ("--drain-timeout", "-1", ">= 0"), ("--block-size", "0", ">= 1"),
-])
+@pytest.mark.parametrize(
+    "flag,value,needle",
+    [
+        ("--port", "-1", ">= 0"),
+        ("--port", "65536", "<= 65535"),
+        ("--port", "http", "integer"),
+        ("--max-queue", "-1", ">= 0"),
+        ("--request-timeout", "nan", "finite"),
+        ("--request-timeout", "0", "> 0"),
+        ("--drain-timeout", "inf", "finite"),
+        ("--drain-timeout", "-1", ">= 0"),
+        ("--block-size", "0", ">= 1"),
+    ],
+)
 def test_bad_flags_are_usage_errors(flag, value, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["serve", flag, value])
@@ -100,7 +112,8 @@ def test_bad_flags_are_usage_errors(flag, value, needle, capsys):
 def test_bad_model_path_is_one_line(tmp_path, capsys):
     assert main(["serve", "--target", str(tmp_path / "missing")]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        f"dflash-trt serve: error: target directory not found: {tmp_path / 'missing'}"]
+        f"dflash-trt serve: error: target directory not found: {tmp_path / 'missing'}"
+    ]
 
 
 def test_block_size_and_no_adaptive_exclude_each_other(capsys):
@@ -112,7 +125,8 @@ def test_block_size_and_no_adaptive_exclude_each_other(capsys):
 def test_block_size_beyond_the_drafter_is_one_line(models, capsys):
     assert main(["serve", "--target", str(models[0]), "--drafter", str(models[1]), "--block-size", "9"]) == 1
     assert capsys.readouterr().err.strip().splitlines() == [
-        "dflash-trt serve: error: --block-size must be in 1..4 for this drafter, got 9"]
+        "dflash-trt serve: error: --block-size must be in 1..4 for this drafter, got 9"
+    ]
 
 
 def test_block_size_flag_reaches_the_decoder(models, tmp_path):

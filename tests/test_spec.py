@@ -1,8 +1,5 @@
 """The draft-and-verify loop is lossless: greedy equality and sampling distribution, plus bookkeeping."""
 
-import itertools
-import math
-
 import pytest
 import torch
 from helpers import CountingDrafter, NoisyOracleDrafter, hf_greedy, make_tokenizer
@@ -130,8 +127,10 @@ def sample_counts(model, drafter, prompt, params_fn, acceptance, n_tokens=3):
     counts = {}
     accepted = 0
     for seed in range(N_SAMPLES):
-        r = spec.generate(prompt, GenerationConfig(max_new_tokens=n_tokens, sampling=params_fn(seed),
-                                                   block_size=4, acceptance=acceptance))
+        r = spec.generate(
+            prompt,
+            GenerationConfig(max_new_tokens=n_tokens, sampling=params_fn(seed), block_size=4, acceptance=acceptance),
+        )
         key = tuple(r.token_ids)
         counts[key] = counts.get(key, 0) + 1
         accepted += r.stats.accepted_draft_tokens
@@ -255,8 +254,10 @@ def test_draft_cost_per_round_does_not_grow_with_context(tiny_pair):
         for ctx in (16, 1000):
             rows.clear()
             counting.tokens_handed.clear()
-            gen = spec.start(list(range(1, 90)) * (ctx // 89) + list(range(1, 1 + ctx % 89)),
-                             GenerationConfig(max_new_tokens=30, block_size=8))
+            gen = spec.start(
+                list(range(1, 90)) * (ctx // 89) + list(range(1, 1 + ctx % 89)),
+                GenerationConfig(max_new_tokens=30, block_size=8),
+            )
             list(gen)
             per_context[ctx] = list(rows)
             assert rows[0] == ctx  # the first round sees the whole prompt once
@@ -297,5 +298,9 @@ def test_sample_draws_each_row_from_its_own_distribution():
     again = sample(probs.expand(n, -1, -1), torch.Generator().manual_seed(0))
     assert torch.equal(draws, again)
     skewed = sample(probs[:1].expand(n, -1), torch.Generator().manual_seed(1))
-    assert chi_square_pvalue({t: int(c) for t, c in enumerate(torch.bincount(skewed, minlength=6))},
-                             {1: 0.5, 3: 0.25, 4: 0.25}, n) < 1e-6  # the test can tell a wrong distribution
+    assert (
+        chi_square_pvalue(
+            {t: int(c) for t, c in enumerate(torch.bincount(skewed, minlength=6))}, {1: 0.5, 3: 0.25, 4: 0.25}, n
+        )
+        < 1e-6
+    )  # the test can tell a wrong distribution

@@ -83,8 +83,8 @@ def test_packed_forward_equals_inference_forward():
         packed = d.forward_packed(feats, emb, pos[None], anchors[None])
         k, v = d.empty_cache()
         for j, a in enumerate(anchors.tolist()):
-            single = d(feats[:, :a], emb[:, 4 * j: 4 * j + 4], k, v)[0]
-            torch.testing.assert_close(packed[:, 4 * j: 4 * j + 4], single, atol=1e-5, rtol=1e-5)
+            single = d(feats[:, :a], emb[:, 4 * j : 4 * j + 4], k, v)[0]
+            torch.testing.assert_close(packed[:, 4 * j : 4 * j + 4], single, atol=1e-5, rtol=1e-5)
 
 
 def test_block_sparse_attention_equals_the_dense_mask():
@@ -110,9 +110,20 @@ def test_block_sparse_attention_equals_the_dense_mask():
 
 def test_training_steps_reduce_loss_on_a_fixed_batch(tmp_path):
     target = make_tiny_target(vocab_size=64, layers=4, seed=1)
-    cfg = DrafterTrainConfig(block_size=4, num_layers=1, steps=30, batch_size=2, seq_len=32, anchors_per_seq=6,
-                             lr=3e-3, warmup_ratio=0.1, save_every=15, bf16=False, kd_weight=0.3,
-                             init_norm_scale=1.0)  # a random target's norm is 1: no overconfidence to temper
+    cfg = DrafterTrainConfig(
+        block_size=4,
+        num_layers=1,
+        steps=30,
+        batch_size=2,
+        seq_len=32,
+        anchors_per_seq=6,
+        lr=3e-3,
+        warmup_ratio=0.1,
+        save_every=15,
+        bf16=False,
+        kd_weight=0.3,
+        init_norm_scale=1.0,
+    )  # a random target's norm is 1: no overconfidence to temper
     drafter = new_drafter_for(target, cfg, mask_token_id=63)
     fixed = torch.randint(0, 60, (1, 32), generator=torch.Generator().manual_seed(3)).repeat(2, 1)
     g = torch.Generator().manual_seed(0)
@@ -139,7 +150,9 @@ def _regen_set(seed=1, n=3, vocab=60):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(14, 30, (n,), generator=g).tolist()
     seqs = [torch.randint(0, vocab, (L,), generator=g).numpy().astype(np.uint16) for L in lengths]
-    return SequenceSet.from_arrays(np.concatenate(seqs), lengths, [5 + i for i in range(n)], [f"p{i}" for i in range(n)])
+    return SequenceSet.from_arrays(
+        np.concatenate(seqs), lengths, [5 + i for i in range(n)], [f"p{i}" for i in range(n)]
+    )
 
 
 def test_target_features_stop_at_the_deepest_layer_and_match_hidden_states():
@@ -168,9 +181,12 @@ def test_feature_cache_extends_when_more_sequences_are_regenerated(tmp_path):
 
     target = make_tiny_target(vocab_size=64, layers=4, seed=2)
     first, more = _regen_set(), _regen_set(n=2, seed=9)
-    both = SequenceSet.from_arrays(np.concatenate([first.tokens, more.tokens]),
-                                   [*first.lengths.tolist(), *more.lengths.tolist()],
-                                   [*first.prompt_lens.tolist(), *more.prompt_lens.tolist()], [*first.ids, "q0", "q1"])
+    both = SequenceSet.from_arrays(
+        np.concatenate([first.tokens, more.tokens]),
+        [*first.lengths.tolist(), *more.lengths.tolist()],
+        [*first.prompt_lens.tolist(), *more.prompt_lens.tolist()],
+        [*first.ids, "q0", "q1"],
+    )
 
     def cache(data, folder="c"):
         return FeatureCache(tmp_path / folder, data, (1, 3), 64 * 2, 64, True).open_or_build(target, batch_tokens=40)
@@ -184,14 +200,17 @@ def test_feature_cache_extends_when_more_sequences_are_regenerated(tmp_path):
     n_old = int(first.offsets[-1])
     assert np.array_equal(np.array(grown.features[:n_old]), old)
     fresh = cache(both, "fresh")
-    np.testing.assert_allclose(np.array(grown.features, dtype=np.float32), np.array(fresh.features, dtype=np.float32),
-                               atol=2e-3, rtol=2e-3)
-    np.testing.assert_allclose(np.array(grown.teacher, dtype=np.float32), np.array(fresh.teacher, dtype=np.float32),
-                               atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(
+        np.array(grown.features, dtype=np.float32), np.array(fresh.features, dtype=np.float32), atol=2e-3, rtol=2e-3
+    )
+    np.testing.assert_allclose(
+        np.array(grown.teacher, dtype=np.float32), np.array(fresh.teacher, dtype=np.float32), atol=2e-3, rtol=2e-3
+    )
     calls.clear()
     hook = target.model.layers[0].register_forward_hook(lambda m, a, o: calls.append(a[0].shape[0]))
-    cache(SequenceSet.from_arrays(both.tokens, both.lengths.tolist(), both.prompt_lens.tolist(),
-                                  ["x", *both.ids[1:]]))  # a different first sequence: rebuilt from scratch
+    cache(
+        SequenceSet.from_arrays(both.tokens, both.lengths.tolist(), both.prompt_lens.tolist(), ["x", *both.ids[1:]])
+    )  # a different first sequence: rebuilt from scratch
     hook.remove()
     assert sum(calls) == 5
 
@@ -205,7 +224,10 @@ def test_feature_cache_is_written_once_and_gives_the_same_loss(tmp_path):
     data = _regen_set()
     cache = FeatureCache(tmp_path / "c", data, drafter.spec.target_layer_ids, drafter.feature_size, 64, True)
     cache.open_or_build(target, batch_tokens=40)
-    assert cache.meta["done"] == 3 and (tmp_path / "c" / "features.f16").stat().st_size == data.offsets[-1] * drafter.feature_size * 2
+    assert (
+        cache.meta["done"] == 3
+        and (tmp_path / "c" / "features.f16").stat().st_size == data.offsets[-1] * drafter.feature_size * 2
+    )
     mtime = (tmp_path / "c" / "features.f16").stat().st_mtime_ns
     again = FeatureCache(tmp_path / "c", data, drafter.spec.target_layer_ids, drafter.feature_size, 64, True)
     again.open_or_build(target)
@@ -221,8 +243,9 @@ def test_feature_cache_is_written_once_and_gives_the_same_loss(tmp_path):
     with torch.no_grad():
         kw = dict(lengths=batch.lengths, prompt_lens=batch.prompt_lens)
         a = drafter_loss(drafter, target, batch.tokens, cfg, torch.Generator().manual_seed(5), **kw)[0]
-        b = drafter_loss(drafter, target, batch.tokens, cfg, torch.Generator().manual_seed(5), features=feats,
-                         teacher=teacher, **kw)[0]
+        b = drafter_loss(
+            drafter, target, batch.tokens, cfg, torch.Generator().manual_seed(5), features=feats, teacher=teacher, **kw
+        )[0]
     torch.testing.assert_close(a, b, atol=2e-3, rtol=2e-3)  # fp16 storage
 
 
@@ -272,9 +295,11 @@ def test_drafter_config_carries_rope_theta_at_the_top_level(tmp_path):
     from tiny_models import tiny_target_config
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_config(tiny_target_config("llama", vocab_size=64, layers=4,
-                                                                 rope_parameters={"rope_type": "default",
-                                                                                  "rope_theta": 100000.0}))
+    target = AutoModelForCausalLM.from_config(
+        tiny_target_config(
+            "llama", vocab_size=64, layers=4, rope_parameters={"rope_type": "default", "rope_theta": 100000.0}
+        )
+    )
     drafter = new_drafter_for(target, DrafterTrainConfig(block_size=4, num_layers=1), mask_token_id=63)
     drafter.save_pretrained(tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())

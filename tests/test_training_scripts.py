@@ -22,23 +22,67 @@ def run(cmd, timeout=600):
 
 
 def test_demo_script_smoke(tmp_path):
-    run([sys.executable, "scripts/make_demo_models.py", "--smoke", "--threads", "1",
-         "--out", tmp_path / "models", "--cache", tmp_path / "cache"])
+    run(
+        [
+            sys.executable,
+            "scripts/make_demo_models.py",
+            "--smoke",
+            "--threads",
+            "1",
+            "--out",
+            tmp_path / "models",
+            "--cache",
+            tmp_path / "cache",
+        ]
+    )
     for name in ("target", "drafter", "ar-draft"):
         assert (tmp_path / "models" / name / "config.json").exists(), name
     drafter = DFlashDrafter.from_pretrained(tmp_path / "models" / "drafter")
     assert drafter.spec.block_size == 8
     # the smoke models serve: generate runs on them
-    out = run([CLI, "generate", "--target", tmp_path / "models" / "target", "--drafter", tmp_path / "models" / "drafter",
-               "--prompt", "def f(x):", "--max-new-tokens", "8", "--json"])
+    out = run(
+        [
+            CLI,
+            "generate",
+            "--target",
+            tmp_path / "models" / "target",
+            "--drafter",
+            tmp_path / "models" / "drafter",
+            "--prompt",
+            "def f(x):",
+            "--max-new-tokens",
+            "8",
+            "--json",
+        ]
+    )
     assert json.loads(out.stdout)["stats"]["new_tokens"] >= 1
 
     # continuing the drafter: its weights, new data (other prompt seed, regenerated into a new cache
     # folder), distillation on; the first run's drafter is where training starts
     first = {k: v.clone() for k, v in drafter.state_dict().items()}
-    run([sys.executable, "scripts/make_demo_models.py", "--smoke", "--threads", "1", "--stages", "drafter",
-         "--out", tmp_path / "models", "--cache", tmp_path / "cache2", "--regen-seed", "2",
-         "--drafter-init", tmp_path / "models" / "drafter", "--drafter-kd-weight", "0.5", "--drafter-lr", "1e-9"])
+    run(
+        [
+            sys.executable,
+            "scripts/make_demo_models.py",
+            "--smoke",
+            "--threads",
+            "1",
+            "--stages",
+            "drafter",
+            "--out",
+            tmp_path / "models",
+            "--cache",
+            tmp_path / "cache2",
+            "--regen-seed",
+            "2",
+            "--drafter-init",
+            tmp_path / "models" / "drafter",
+            "--drafter-kd-weight",
+            "0.5",
+            "--drafter-lr",
+            "1e-9",
+        ]
+    )
     assert (tmp_path / "cache2" / "regenerated-seed2.npy").exists()
     assert json.loads((tmp_path / "cache2" / "drafter-run-continued" / "init.json").read_text())["drafter_init"]
     continued = DFlashDrafter.from_pretrained(tmp_path / "models" / "drafter").state_dict()
@@ -51,9 +95,32 @@ def test_train_drafter_cli_smoke(tmp_path):
     tok = make_tokenizer(tmp_path / "target")
     make_tiny_target(tmp_path / "target", vocab_size=len(tok), layers=4)
     (tmp_path / "corpus.txt").write_text("".join(CORPUS) * 5)
-    args = [CLI, "train-drafter", "--target", tmp_path / "target", "--data", tmp_path / "corpus.txt",
-            "--out", tmp_path / "drafter", "--steps", "4", "--batch-size", "2", "--seq-len", "32",
-            "--anchors", "4", "--block-size", "4", "--layers", "1", "--regenerate", "4", "--prompt-len", "8"]
+    args = [
+        CLI,
+        "train-drafter",
+        "--target",
+        tmp_path / "target",
+        "--data",
+        tmp_path / "corpus.txt",
+        "--out",
+        tmp_path / "drafter",
+        "--steps",
+        "4",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--anchors",
+        "4",
+        "--block-size",
+        "4",
+        "--layers",
+        "1",
+        "--regenerate",
+        "4",
+        "--prompt-len",
+        "8",
+    ]
     run(args)
     drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
     assert drafter.spec.mask_token_id == tok.mask_token_id
@@ -73,19 +140,48 @@ def test_smollm2_recipe_runs_end_to_end_and_resumes(tmp_path):
     from dflash_trt.train.prompts import Prompt, save_prompts
 
     tok = make_tokenizer(tmp_path / "target")
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
-                         "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
     tok.save_pretrained(tmp_path / "target")
     make_tiny_target(tmp_path / "target", vocab_size=len(tok), layers=4)
     work = tmp_path / "work"
-    save_prompts([Prompt(f"p{i}", "a.py", "chat" if i % 2 else "code", text) for i, text in enumerate(CORPUS)],
-                 work / "prompts-train.jsonl")
+    save_prompts(
+        [Prompt(f"p{i}", "a.py", "chat" if i % 2 else "code", text) for i, text in enumerate(CORPUS)],
+        work / "prompts-train.jsonl",
+    )
     save_prompts([], work / "prompts-held-out.jsonl")
-    args = [sys.executable, "scripts/train_smollm2_drafter.py", "--target", tmp_path / "target", "--work", work,
-            "--max-new-tokens", "12", "--regen-batch", "2", "--block-size", "4", "--layers", "1",
-            "--target-layer-ids", "1", "--mask-token-id", str(tok.mask_token_id), "--batch-size", "2",
-            "--anchors", "4", "--save-every", "2", "--publish-dir", tmp_path / "published",
-            "--committed", tmp_path / "committed"]
+    args = [
+        sys.executable,
+        "scripts/train_smollm2_drafter.py",
+        "--target",
+        tmp_path / "target",
+        "--work",
+        work,
+        "--max-new-tokens",
+        "12",
+        "--regen-batch",
+        "2",
+        "--block-size",
+        "4",
+        "--layers",
+        "1",
+        "--target-layer-ids",
+        "1",
+        "--mask-token-id",
+        str(tok.mask_token_id),
+        "--batch-size",
+        "2",
+        "--anchors",
+        "4",
+        "--save-every",
+        "2",
+        "--publish-dir",
+        tmp_path / "published",
+        "--committed",
+        tmp_path / "committed",
+    ]
     run(args + ["--phases", "regenerate,features,train,publish", "--steps", "2"])
     info = json.loads((tmp_path / "published" / "training.json").read_text())
     assert info["steps"] == 2 and info["finished"] is False and info["data"]["sequences"] == len(CORPUS)

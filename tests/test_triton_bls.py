@@ -11,8 +11,8 @@ import pytest
 from helpers import make_text_models
 
 from dflash_trt.builders.onnx_drafter import export_from_checkpoints
-from dflash_trt.formats import DrafterGraphMeta
 from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+from dflash_trt.formats import DrafterGraphMeta
 from dflash_trt.loading import load_decoder
 from dflash_trt.models.target import load_target, load_tokenizer
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
@@ -108,8 +108,11 @@ def test_target_checks_the_callers_cache_length(parts):
     sessions = TargetSessions(target_engine, ttl_s=60)
 
     def call(sid, tokens, cache_length=None, **flags):
-        inputs = {"session_id": np.array([sid], np.uint64), "token_ids": np.array(tokens, np.int64),
-                  **{k: np.array([v]) for k, v in flags.items()}}
+        inputs = {
+            "session_id": np.array([sid], np.uint64),
+            "token_ids": np.array(tokens, np.int64),
+            **{k: np.array([v]) for k, v in flags.items()},
+        }
         if cache_length is not None:
             inputs["cache_length"] = np.array([cache_length], np.int64)
         return serve_target(sessions, inputs)
@@ -139,6 +142,7 @@ def _batch_infer(parts, sessions, calls):
         else:
             out = dict(zip(outputs, ort_drafter.session.run(outputs, inputs)))
         return {name: out[name] for name in outputs}
+
     return infer
 
 
@@ -151,12 +155,20 @@ def test_one_target_call_carries_several_sessions(parts, model_side):
     from dflash_trt.triton.bls import RemoteBatchTargetEngine
 
     *_, target_engine = parts
-    engine = (TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids) if model_side == "batched"
-              else target_engine)
+    engine = (
+        TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids)
+        if model_side == "batched"
+        else target_engine
+    )
     sessions = TargetSessions(engine, ttl_s=60)
     calls = []
-    remote = RemoteBatchTargetEngine(_batch_infer(parts, sessions, calls), "dflash_target", target_engine.vocab_size,
-                                     2048, target_engine.feature_layer_ids)
+    remote = RemoteBatchTargetEngine(
+        _batch_infer(parts, sessions, calls),
+        "dflash_target",
+        target_engine.vocab_size,
+        2048,
+        target_engine.feature_layer_ids,
+    )
     batch = remote.new_batch()
     rows = [batch.add_row() for _ in range(3)]
     alone = [target_engine.new_session() for _ in rows]
@@ -183,8 +195,11 @@ def test_one_target_call_carries_several_sessions(parts, model_side):
 def test_serve_target_rejects_inconsistent_batches(parts):
     *_, target_engine = parts
     sessions = TargetSessions(target_engine, ttl_s=60)
-    base = {"session_id": np.array([1, 2], np.uint64), "token_ids": np.arange(5, dtype=np.int64),
-            "cache_length": np.array([0, 0], np.int64)}
+    base = {
+        "session_id": np.array([1, 2], np.uint64),
+        "token_ids": np.arange(5, dtype=np.int64),
+        "cache_length": np.array([0, 0], np.int64),
+    }
     with pytest.raises(ValueError, match="do not split 5 token_ids into 2 sessions"):
         serve_target(sessions, {**base, "token_lengths": np.array([2, 2], np.int64)})
     with pytest.raises(ValueError, match="cache_length has 3 values for 2 sessions"):

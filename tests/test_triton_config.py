@@ -10,11 +10,20 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient is part of the dev
 
 from helpers import make_text_models  # noqa: E402
 
-from dflash_trt.triton.config import ConfigError, check_repository, parse_config, validate_repository  # noqa: E402
 from dflash_trt.builders.triton_repo import write_repository  # noqa: E402
+from dflash_trt.triton.config import ConfigError, check_repository, parse_config, validate_repository  # noqa: E402
 
-MODELS = {"dflash", "dflash_sync", "preprocessing", "postprocessing", "dflash_bls", "dflash_bls_sync",
-          "dflash_target", "dflash_drafter", "dflash_drafter_batch"}
+MODELS = {
+    "dflash",
+    "dflash_sync",
+    "preprocessing",
+    "postprocessing",
+    "dflash_bls",
+    "dflash_bls_sync",
+    "dflash_target",
+    "dflash_drafter",
+    "dflash_drafter_batch",
+}
 
 
 @pytest.fixture(scope="module")
@@ -126,12 +135,18 @@ def test_engines_manifest_with_tensorrt_plan_gives_a_tensorrt_plan_drafter(repo,
     (engines / "drafter-tensorrt" / "drafter.plan").write_bytes(b"placeholder, not a TensorRT plan")
     shutil.copy(repo / "dflash_drafter" / "1" / "drafter-onnx" / "drafter.json", engines / "drafter-tensorrt")
     target = repo / "dflash_target" / "1" / "target"
-    (engines / "manifest.json").write_text(json.dumps({
-        "sources": {"target": {"path": str(target)}},
-        "engines": {"drafter_trt": {"backend": "tensorrt", "role": "drafter", "dir": "drafter-tensorrt"},
-                    "target_torch": {"backend": "torch", "role": "target", "checkpoint": str(target)}},
-        "serve": {"drafter": "drafter_trt", "target": "target_torch"},
-    }))
+    (engines / "manifest.json").write_text(
+        json.dumps(
+            {
+                "sources": {"target": {"path": str(target)}},
+                "engines": {
+                    "drafter_trt": {"backend": "tensorrt", "role": "drafter", "dir": "drafter-tensorrt"},
+                    "target_torch": {"backend": "torch", "role": "target", "checkpoint": str(target)},
+                },
+                "serve": {"drafter": "drafter_trt", "target": "target_torch"},
+            }
+        )
+    )
     out = write_repository(tmp_path / "repo", engines=engines)
     drafter = parse_config(out / "dflash_drafter" / "config.pbtxt")
     assert drafter.platform == "tensorrt_plan" and not drafter.backend

@@ -22,10 +22,10 @@ from helpers import make_text_models  # noqa: E402
 from triton_fixtures import CHAT_PRE, add_chat_preprocessing  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
+from dflash_trt.builders.triton_repo import write_repository  # noqa: E402
 from dflash_trt.decoding import GenerationConfig  # noqa: E402
 from dflash_trt.loading import load_decoder  # noqa: E402
 from dflash_trt.triton.client import build_inputs, generate  # noqa: E402
-from dflash_trt.builders.triton_repo import write_repository  # noqa: E402
 from dflash_trt.triton.server import TritonServer, TritonUnavailable, server_env  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os"]
@@ -79,7 +79,9 @@ def test_greedy_reference_is_the_target_alone(models, reference):
     alone = load_decoder(target, None)
     for prompt in PROMPTS[:2]:
         ids = alone.encode(prompt)
-        plain = alone.generate(ids, GenerationConfig(max_new_tokens=MAX_TOKENS, stop_token_ids=alone.default_stop_ids()))
+        plain = alone.generate(
+            ids, GenerationConfig(max_new_tokens=MAX_TOKENS, stop_token_ids=alone.default_stop_ids())
+        )
         assert reference(prompt).token_ids == plain.token_ids
 
 
@@ -170,20 +172,37 @@ def test_bad_inputs_are_triton_errors_and_server_stays_up(server, reference, cas
 def test_cli_client(server, reference, capsys):
     from dflash_trt.cli import main
 
-    assert main(["triton-client", "--url", server.grpc_url, "--prompt", PROMPTS[0], "--max-tokens", str(MAX_TOKENS),
-                 "--stream"]) == 0
+    assert (
+        main(
+            [
+                "triton-client",
+                "--url",
+                server.grpc_url,
+                "--prompt",
+                PROMPTS[0],
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--stream",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out == reference(PROMPTS[0]).text + "\n"
-    assert main(["triton-client", "--url", server.http_url, "--protocol", "http", "--prompt", "",
-                 "--max-tokens", "3"]) == 1
+    assert (
+        main(["triton-client", "--url", server.http_url, "--protocol", "http", "--prompt", "", "--max-tokens", "3"])
+        == 1
+    )
     assert "text_input is empty" in capsys.readouterr().err
 
 
 def _target_call(client, sid: int, tokens: list[int], cache_length: int, release: bool = False):
     inputs = []
-    for name, dtype, value in (("session_id", "UINT64", np.array([sid], np.uint64)),
-                               ("token_ids", "INT64", np.array(tokens, np.int64)),
-                               ("cache_length", "INT64", np.array([cache_length], np.int64)),
-                               ("release", "BOOL", np.array([release]))):
+    for name, dtype, value in (
+        ("session_id", "UINT64", np.array([sid], np.uint64)),
+        ("token_ids", "INT64", np.array(tokens, np.int64)),
+        ("cache_length", "INT64", np.array([cache_length], np.int64)),
+        ("release", "BOOL", np.array([release])),
+    ):
         t = httpclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         inputs.append(t)
@@ -235,10 +254,12 @@ def test_cancelled_stream_stops_the_loop(server, reference, models):
     assert expected.finish_reason == "length" and expected.stats.rounds >= 40  # a long run to cut short
     ids = AutoTokenizer.from_pretrained(models[1]).encode(PROMPTS[0], add_special_tokens=False)
     inputs = []
-    for name, dtype, value in (("input_ids", "INT64", np.array([ids], np.int64)),
-                               ("input_length", "INT32", np.array([[len(ids)]], np.int32)),
-                               ("max_tokens", "INT32", np.array([[max_tokens]], np.int32)),
-                               ("stream", "BOOL", np.array([[True]]))):
+    for name, dtype, value in (
+        ("input_ids", "INT64", np.array([ids], np.int64)),
+        ("input_length", "INT32", np.array([[len(ids)]], np.int32)),
+        ("max_tokens", "INT32", np.array([[max_tokens]], np.int32)),
+        ("stream", "BOOL", np.array([[True]])),
+    ):
         t = grpcclient.InferInput(name, list(value.shape), dtype)
         t.set_data_from_numpy(value)
         inputs.append(t)

@@ -14,8 +14,17 @@ from dflash_trt.builders import trt_drafter
 from dflash_trt.formats import DrafterGraphMeta
 from dflash_trt.runtime.base import EngineUnavailable
 
-META = DrafterGraphMeta(block_size=8, mask_token_id=95, feature_layer_ids=(1, 2), feature_size=128, num_layers=2,
-                        num_kv_heads=2, head_dim=16, vocab_size=96, max_context=512)
+META = DrafterGraphMeta(
+    block_size=8,
+    mask_token_id=95,
+    feature_layer_ids=(1, 2),
+    feature_size=128,
+    num_layers=2,
+    num_kv_heads=2,
+    head_dim=16,
+    vocab_size=96,
+    max_context=512,
+)
 
 
 @pytest.fixture
@@ -111,8 +120,12 @@ def test_runtime_binds_every_tensor_by_name(monkeypatch, graph_dir, tmp_path):
         calls.clear()
         draft = session.draft(torch.randn(n_new, 128), last_token=3, block_size=6)
         shapes = {c[1]: c[2] for c in calls if c[0] == "set_input_shape"}
-        assert shapes == {"block_ids": (1, 6), "features": (1, n_new, 128),
-                          "past_k": (L, 1, H, expected_ctx - n_new, D), "past_v": (L, 1, H, expected_ctx - n_new, D)}
+        assert shapes == {
+            "block_ids": (1, 6),
+            "features": (1, n_new, 128),
+            "past_k": (L, 1, H, expected_ctx - n_new, D),
+            "past_v": (L, 1, H, expected_ctx - n_new, D),
+        }
         bound = [c[1] for c in calls if c[0] == "set_tensor_address"]
         assert sorted(bound) == sorted(io)  # every input and output, by name
         assert [c[0] for c in calls][-1] == "execute_async_v3"

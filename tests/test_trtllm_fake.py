@@ -11,9 +11,9 @@ import pytest
 import torch
 from fake_tensorrt import install_trtllm, make_trtllm_executor
 from helpers import NoisyOracleDrafter
+from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
-from tiny_models import make_tiny_drafter, make_tiny_target
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 LAYERS = (1, 2)  # build_target_layer_ids(5 layers, 2 drafter layers)
@@ -35,20 +35,37 @@ def hf_outputs(model):
         values = {f"dflash_feature_{i}": hs[i + 1][0].numpy() for i in LAYERS}
         values["dflash_final_hidden"] = hs[-1][0].numpy()  # after the final norm
         return values
+
     return run
 
 
 def engine_folder(root, target_dir, name="engine", max_seq_len=128, max_num_tokens=128, **build):
     folder = root / name
     (folder / "engine").mkdir(parents=True, exist_ok=True)
-    (folder / "engine" / "config.json").write_text(json.dumps({
-        "pretrained_config": {"vocab_size": 96},
-        "build_config": {"max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens,
-                         "plugin_config": {"tokens_per_block": 4}, **build}}))
-    (folder / "dflash_target.json").write_text(json.dumps({
-        "engine_dir": "engine", "feature_layer_ids": list(LAYERS),
-        "feature_outputs": [f"dflash_feature_{i}" for i in LAYERS], "final_hidden_output": "dflash_final_hidden",
-        "target_dir": str(target_dir)}))
+    (folder / "engine" / "config.json").write_text(
+        json.dumps(
+            {
+                "pretrained_config": {"vocab_size": 96},
+                "build_config": {
+                    "max_seq_len": max_seq_len,
+                    "max_num_tokens": max_num_tokens,
+                    "plugin_config": {"tokens_per_block": 4},
+                    **build,
+                },
+            }
+        )
+    )
+    (folder / "dflash_target.json").write_text(
+        json.dumps(
+            {
+                "engine_dir": "engine",
+                "feature_layer_ids": list(LAYERS),
+                "feature_outputs": [f"dflash_feature_{i}" for i in LAYERS],
+                "final_hidden_output": "dflash_final_hidden",
+                "target_dir": str(target_dir),
+            }
+        )
+    )
     return folder
 
 
@@ -165,7 +182,9 @@ def test_engine_without_the_marked_features_names_the_rebuild(monkeypatch, tiny)
     root, model, _ = tiny
     full = hf_outputs(model)
     # an engine built by plain trtllm-build marks only what its model class marks: no features here
-    install_trtllm(monkeypatch, make_trtllm_executor([], lambda t: {"dflash_final_hidden": full(t)["dflash_final_hidden"]}))
+    install_trtllm(
+        monkeypatch, make_trtllm_executor([], lambda t: {"dflash_final_hidden": full(t)["dflash_final_hidden"]})
+    )
     session = TrtllmTargetEngine(engine_folder(root, root / "target")).new_session()
     with pytest.raises(RuntimeError, match="no 'context_dflash_feature_1'.*rebuild it with `dflash-trt build-target`"):
         session.forward(torch.tensor([1, 2, 3]))
@@ -192,17 +211,25 @@ def test_the_fake_refuses_what_the_old_backend_did(fake, tiny):
     calls, module = fake
     root, _, _ = tiny
     folder = engine_folder(root, root / "target")
-    ex = module.Executor(folder / "engine", "DECODER_ONLY", module.ExecutorConfig(
-        kv_cache_config=module.KvCacheConfig(enable_block_reuse=True),
-        additional_model_outputs=[module.AdditionalModelOutput("dflash_feature_1", gather_context=True)]))
+    ex = module.Executor(
+        folder / "engine",
+        "DECODER_ONLY",
+        module.ExecutorConfig(
+            kv_cache_config=module.KvCacheConfig(enable_block_reuse=True),
+            additional_model_outputs=[module.AdditionalModelOutput("dflash_feature_1", gather_context=True)],
+        ),
+    )
     # context logits from an engine built without them
-    rid = ex.enqueue_request(module.Request([1, 2, 3], 1, output_config=module.OutputConfig(return_context_logits=True)))
+    rid = ex.enqueue_request(
+        module.Request([1, 2, 3], 1, output_config=module.OutputConfig(return_context_logits=True))
+    )
     assert ex.await_responses(rid)[0].has_error()
     # outputs come back prefixed, and reused rows are left unwritten (not dropped)
     cfg = module.OutputConfig(additional_model_outputs=[module.AdditionalModelOutput("dflash_feature_1", True)])
     ex.await_responses(ex.enqueue_request(module.Request(list(range(9)), 1, output_config=cfg, cache_salt_id=7)))
-    result = ex.await_responses(ex.enqueue_request(module.Request(list(range(12)), 1, output_config=cfg,
-                                                                  cache_salt_id=7)))[0].result
+    result = ex.await_responses(
+        ex.enqueue_request(module.Request(list(range(12)), 1, output_config=cfg, cache_salt_id=7))
+    )[0].result
     by_name = {o.name: o.output for o in result.additional_outputs}
     assert "dflash_feature_1" not in by_name and by_name["context_dflash_feature_1"].shape[0] == 12
     assert np.isnan(by_name["context_dflash_feature_1"][:8]).all()

@@ -2,7 +2,6 @@
 The FAKE trtllm-build check (tests/fake_tensorrt.py) models the refusals of tensorrt_llm/commands/build.py (1.2)."""
 
 import ast
-import json
 import subprocess
 import sys
 
@@ -11,14 +10,27 @@ from fake_tensorrt import trtllm_build_refusals
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.builders.trtllm_target import (
-    FATAL_BUILD_FLAGS, FEATURES_MODEL_FILE, TargetBuildError, TargetBuildSpec, engine_max_context, launch_command,
-    plan_target_build, spec_from_checkpoints,
+    FATAL_BUILD_FLAGS,
+    FEATURES_MODEL_FILE,
+    TargetBuildError,
+    TargetBuildSpec,
+    engine_max_context,
+    launch_command,
+    plan_target_build,
+    spec_from_checkpoints,
 )
 
 
 def spec(tp, model_type="qwen3", **kw):
-    base = dict(target_dir="/m/target", out_dir="/e/target", model_type=model_type, tp=tp, block_size=16,
-                feature_layer_ids=(1, 9, 17, 25, 33), num_layers=36)
+    base = dict(
+        target_dir="/m/target",
+        out_dir="/e/target",
+        model_type=model_type,
+        tp=tp,
+        block_size=16,
+        feature_layer_ids=(1, 9, 17, 25, 33),
+        num_layers=36,
+    )
     base.update(kw)
     from pathlib import Path
 
@@ -42,7 +54,9 @@ def test_plan_for_each_tp(tp):
     assert flag(convert, "--model_dir") == "/m/target" and flag(convert, "--output_dir") == "/e/target/checkpoint"
     assert flag(convert, "--feature_layer_ids") == "1,9,17,25,33"
     assert build[0] == "trtllm-build"
-    assert flag(build, "--checkpoint_dir") == "/e/target/checkpoint" and flag(build, "--output_dir") == "/e/target/engine"
+    assert (
+        flag(build, "--checkpoint_dir") == "/e/target/checkpoint" and flag(build, "--output_dir") == "/e/target/engine"
+    )
     assert trtllm_build_refusals(build) == []
     # no context logits (they switch KV reuse off) and no external-draft flags (refused with them, and
     # additional outputs cannot be combined with draft tokens)
@@ -63,8 +77,18 @@ def test_plan_for_each_tp(tp):
 
 def test_fake_build_check_refuses_the_previous_flags():
     """Negative control: the command line used before this design is refused by the modelled build.py."""
-    old = ["trtllm-build", "--model_cls_file", "f.py", "--speculative_decoding_mode", "draft_tokens_external",
-           "--max_draft_len", "15", "--gather_context_logits", "--workers", "2"]
+    old = [
+        "trtllm-build",
+        "--model_cls_file",
+        "f.py",
+        "--speculative_decoding_mode",
+        "draft_tokens_external",
+        "--max_draft_len",
+        "15",
+        "--gather_context_logits",
+        "--workers",
+        "2",
+    ]
     assert len(trtllm_build_refusals(old)) == 2
 
 
@@ -78,9 +102,26 @@ def test_max_context_follows_max_num_tokens():
 def test_dry_run_prints_build_and_launch_without_fatal_flags(tmp_path):
     target = make_tiny_target(tmp_path / "t", family="qwen3", vocab_size=64, layers=5)
     make_tiny_drafter(target.config, tmp_path / "d", layers=2, block_size=6)
-    out = subprocess.run([sys.executable, "-m", "dflash_trt.cli", "build-target", "--target", str(tmp_path / "t"),
-                          "--drafter", str(tmp_path / "d"), "--out", str(tmp_path / "e"), "--tp", "2", "--dry-run"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dflash_trt.cli",
+            "build-target",
+            "--target",
+            str(tmp_path / "t"),
+            "--drafter",
+            str(tmp_path / "d"),
+            "--out",
+            str(tmp_path / "e"),
+            "--tp",
+            "2",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     build = next(line for line in lines if line.startswith("trtllm-build")).split()
@@ -96,13 +137,16 @@ def test_llama_family_uses_llama_classes():
     assert flag(build, "--model_cls_name") == "DFlashLLaMAForCausalLM"
 
 
-@pytest.mark.parametrize("bad, message", [
-    (dict(tp=3), "tp must be one of"),
-    (dict(model_type="gemma3"), "cannot expose its layer features"),
-    (dict(feature_layer_ids=(1, 40)), r"feature layers \[40\] outside"),
-    (dict(block_size=1), "block_size must be >= 2"),
-    (dict(max_num_tokens=8), "max_num_tokens"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (dict(tp=3), "tp must be one of"),
+        (dict(model_type="gemma3"), "cannot expose its layer features"),
+        (dict(feature_layer_ids=(1, 40)), r"feature layers \[40\] outside"),
+        (dict(block_size=1), "block_size must be >= 2"),
+        (dict(max_num_tokens=8), "max_num_tokens"),
+    ],
+)
 def test_refusals_name_the_problem(bad, message):
     kw = dict(tp=1)
     kw.update(bad)

@@ -6,8 +6,10 @@ import shutil
 from pathlib import Path
 
 # A tiny Jinja chat template, so tests can tell a rendered chat prompt from plain text.
-CHAT_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 CHAT_PRE = "preprocessing_chat"
 
 

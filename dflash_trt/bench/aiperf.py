@@ -13,8 +13,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-METRICS = ("request_throughput", "output_token_throughput", "time_to_first_token", "inter_token_latency",
-           "request_latency", "output_sequence_length", "request_count", "error_summary")
+METRICS = (
+    "request_throughput",
+    "output_token_throughput",
+    "time_to_first_token",
+    "inter_token_latency",
+    "request_latency",
+    "output_sequence_length",
+    "request_count",
+    "error_summary",
+)
 
 
 class AiperfFailed(RuntimeError):
@@ -46,13 +54,41 @@ class AiperfRun:
 
     def command(self, aiperf: str, artifacts: Path) -> list[str]:
         cmd = ["nice", "-n", str(self.nice)] if self.nice else []
-        cmd += [aiperf, "profile", "--url", self.url, "--endpoint-type", self.endpoint, "--streaming",
-               "--model", self.model, "--tokenizer", self.tokenizer, "--request-count", str(self.requests),
-               "--concurrency", str(self.concurrency), "--osl", str(self.osl), "--random-seed", str(self.seed),
-               "--artifact-dir", str(artifacts), "--num-warmup-requests", str(self.warmup),
-               "--extra-inputs", json.dumps({"ignore_eos": True, **self.extra_inputs}),
-               "--workers-max", str(self.workers), "--record-processors", str(self.record_processors),
-               "--no-server-metrics", "--no-gpu-telemetry", "--ui-type", "none"]
+        cmd += [
+            aiperf,
+            "profile",
+            "--url",
+            self.url,
+            "--endpoint-type",
+            self.endpoint,
+            "--streaming",
+            "--model",
+            self.model,
+            "--tokenizer",
+            self.tokenizer,
+            "--request-count",
+            str(self.requests),
+            "--concurrency",
+            str(self.concurrency),
+            "--osl",
+            str(self.osl),
+            "--random-seed",
+            str(self.seed),
+            "--artifact-dir",
+            str(artifacts),
+            "--num-warmup-requests",
+            str(self.warmup),
+            "--extra-inputs",
+            json.dumps({"ignore_eos": True, **self.extra_inputs}),
+            "--workers-max",
+            str(self.workers),
+            "--record-processors",
+            str(self.record_processors),
+            "--no-server-metrics",
+            "--no-gpu-telemetry",
+            "--ui-type",
+            "none",
+        ]
         if self.input_file is not None:
             cmd += ["--input-file", str(self.input_file), "--custom-dataset-type", "single_turn"]
         else:
@@ -67,8 +103,10 @@ def run_aiperf(aiperf: str, run: AiperfRun, artifacts: Path) -> dict:
     proc = subprocess.run(run.command(aiperf, artifacts), capture_output=True, text=True)
     (artifacts / "aiperf.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0:
-        raise AiperfFailed(f"aiperf exited {proc.returncode} (log: {artifacts / 'aiperf.log'}):\n"
-                           + (proc.stdout + proc.stderr)[-3000:])
+        raise AiperfFailed(
+            f"aiperf exited {proc.returncode} (log: {artifacts / 'aiperf.log'}):\n"
+            + (proc.stdout + proc.stderr)[-3000:]
+        )
     return {"wall_s": round(time.monotonic() - started, 1), **export_metrics(artifacts)}
 
 

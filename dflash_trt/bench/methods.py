@@ -16,8 +16,8 @@ sampling, cache rollback, n-gram lookup, Python and generate() overhead).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -62,7 +62,9 @@ class ForwardTimer:
 
     def _pre(self, module, args, kwargs):
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
-        self.starts.append(int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else -1)
+        self.starts.append(
+            int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else -1
+        )
         self._t0 = time.perf_counter()
 
     def _post(self, module, args, output):
@@ -87,26 +89,42 @@ def rounds_from_cache_starts(starts: list[int], prompt_len: int, new_tokens: int
     return lengths if all(n >= 1 for n in lengths) and sum(lengths) == new_tokens else None
 
 
-def dflash_method(name: str, family: str, decoder, block_size: int, timer: ForwardTimer,
-                  backend: str | None = None) -> Method:
+def dflash_method(
+    name: str, family: str, decoder, block_size: int, timer: ForwardTimer, backend: str | None = None
+) -> Method:
     from ..decoding import GenerationConfig, SamplingParams
 
     def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
-        cfg = GenerationConfig(max_new_tokens=max_new, sampling=SamplingParams(temperature, seed=seed),
-                               block_size=block_size)
+        cfg = GenerationConfig(
+            max_new_tokens=max_new, sampling=SamplingParams(temperature, seed=seed), block_size=block_size
+        )
         timer.reset()
         t0 = time.perf_counter()
         result = decoder.generate(prompt_ids, cfg)
         seconds = time.perf_counter() - t0
         s = result.stats
-        return Run(result.token_ids, seconds, list(s.acceptance_lengths), timer.seconds,
-                   s.draft_time_s if block_size > 1 else 0.0, timer.calls)
+        return Run(
+            result.token_ids,
+            seconds,
+            list(s.acceptance_lengths),
+            timer.seconds,
+            s.draft_time_s if block_size > 1 else 0.0,
+            timer.calls,
+        )
 
     return Method(name, family, run, block_size, backend)
 
 
-def hf_method(name: str, family: str, model, timer: ForwardTimer, pad_token_id: int,
-              assistant=None, assistant_timer: ForwardTimer | None = None, **generate_kwargs) -> Method:
+def hf_method(
+    name: str,
+    family: str,
+    model,
+    timer: ForwardTimer,
+    pad_token_id: int,
+    assistant=None,
+    assistant_timer: ForwardTimer | None = None,
+    **generate_kwargs,
+) -> Method:
     """model.generate() with exactly max_new tokens (EOS disabled on the model objects by the caller)."""
 
     @torch.inference_mode()
@@ -126,7 +144,7 @@ def hf_method(name: str, family: str, model, timer: ForwardTimer, pad_token_id: 
         t0 = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         seconds = time.perf_counter() - t0
-        tokens = out[0, len(prompt_ids):].tolist()
+        tokens = out[0, len(prompt_ids) :].tolist()
         lengths = rounds_from_cache_starts(timer.starts, len(prompt_ids), len(tokens))
         if lengths is None:  # tau from the pass count alone
             lengths = [len(tokens) / max(timer.calls, 1)] * max(timer.calls, 1)

@@ -51,17 +51,19 @@ def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
             t_model = target_timer.seconds
             d_model = drafter_timer.seconds if drafter_timer else 0.0
             t = r.timings
-            rounds.append({
-                "target_model": t_model,
-                "target_glue": t.target_s - t_model,
-                "drafter_model": d_model,
-                "drafter_glue": t.draft_s - d_model,
-                "acceptance": t.accept_s,
-                "rollback": t.rollback_s,
-                "loop_overhead": total - t.target_s - t.draft_s - t.accept_s - t.rollback_s,
-                "total": total,
-                "tokens": len(r.token_ids),
-            })
+            rounds.append(
+                {
+                    "target_model": t_model,
+                    "target_glue": t.target_s - t_model,
+                    "drafter_model": d_model,
+                    "drafter_glue": t.draft_s - d_model,
+                    "acceptance": t.accept_s,
+                    "rollback": t.rollback_s,
+                    "loop_overhead": total - t.target_s - t.draft_s - t.accept_s - t.rollback_s,
+                    "total": total,
+                    "tokens": len(r.token_ids),
+                }
+            )
     finally:
         target_timer.remove()
         if drafter_timer:
@@ -70,8 +72,11 @@ def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
     per_round = {k: 1e3 * sum(r[k] for r in rounds) / n for k, _ in BUCKETS}
     total_ms = 1e3 * sum(r["total"] for r in rounds) / n
     return {
-        "rounds": n, "new_tokens": len(gen.generated), "tau": sum(r["tokens"] for r in rounds) / n,
-        "prefill_ms": prefill_ms, "round_ms": total_ms,
+        "rounds": n,
+        "new_tokens": len(gen.generated),
+        "tau": sum(r["tokens"] for r in rounds) / n,
+        "prefill_ms": prefill_ms,
+        "round_ms": total_ms,
         "round_ms_median": 1e3 * statistics.median(r["total"] for r in rounds),
         "per_round_ms": {k: round(v, 4) for k, v in per_round.items()},
         "share": {k: round(v / total_ms, 4) for k, v in per_round.items()},
@@ -87,16 +92,30 @@ def cprofile_top(decoder, prompt_ids, config, n: int = 15) -> list[dict]:
     stats = pstats.Stats(prof)
     rows = []
     for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
-        rows.append({"function": f"{Path(file).name}:{line}({func})", "calls": nc, "own_ms": tt * 1e3,
-                     "cumulative_ms": ct * 1e3})
+        rows.append(
+            {
+                "function": f"{Path(file).name}:{line}({func})",
+                "calls": nc,
+                "own_ms": tt * 1e3,
+                "cumulative_ms": ct * 1e3,
+            }
+        )
     rows.sort(key=lambda r: -r["own_ms"])
     return [{**r, "own_ms": round(r["own_ms"], 2), "cumulative_ms": round(r["cumulative_ms"], 2)} for r in rows[:n]]
 
 
-def profile_rounds(target_dir, drafter_dir, out: Path, max_new: int, threads: int | None, block_sizes,
-                   dtype: str = "float32", device: str = "cpu") -> dict:
-    from ..loading import load_decoder
+def profile_rounds(
+    target_dir,
+    drafter_dir,
+    out: Path,
+    max_new: int,
+    threads: int | None,
+    block_sizes,
+    dtype: str = "float32",
+    device: str = "cpu",
+) -> dict:
     from ..decoding import GenerationConfig
+    from ..loading import load_decoder
     from .prompts import held_out_code_prompts
 
     if threads:
@@ -113,10 +132,16 @@ def profile_rounds(target_dir, drafter_dir, out: Path, max_new: int, threads: in
     dflash = profile_generation(decoder, prompt, cfg)
     baseline = profile_generation(decoder, prompt, base_cfg)
     result = {
-        "target": str(target_dir), "drafter": str(drafter_dir), "block_size": block, "trained_block_size": trained,
-        "prompt_tokens": len(prompt), "max_new_tokens": max_new, "torch_threads": torch.get_num_threads(),
+        "target": str(target_dir),
+        "drafter": str(drafter_dir),
+        "block_size": block,
+        "trained_block_size": trained,
+        "prompt_tokens": len(prompt),
+        "max_new_tokens": max_new,
+        "torch_threads": torch.get_num_threads(),
         "buckets": dict(BUCKETS),
-        "dflash": dflash, "baseline": baseline,
+        "dflash": dflash,
+        "baseline": baseline,
         "cprofile_top_own_time": cprofile_top(decoder, prompt, cfg),
     }
     out = Path(out)
@@ -128,15 +153,21 @@ def profile_rounds(target_dir, drafter_dir, out: Path, max_new: int, threads: in
 
 def print_profile(p: dict) -> None:
     d, b = p["dflash"], p["baseline"]
-    print(f"DFlash round profile: block {p['block_size']} (trained {p['trained_block_size']}), "
-          f"{p['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, {p['torch_threads']} torch threads")
-    print(f"DFlash: {d['rounds']} rounds, tau {d['tau']:.2f}, {d['round_ms']:.2f} ms/round (median "
-          f"{d['round_ms_median']:.2f}), prefill {d['prefill_ms']:.1f} ms, {d['tokens_per_s']:.1f} tok/s")
+    print(
+        f"DFlash round profile: block {p['block_size']} (trained {p['trained_block_size']}), "
+        f"{p['prompt_tokens']}-token prompt, {d['new_tokens']} new tokens, {p['torch_threads']} torch threads"
+    )
+    print(
+        f"DFlash: {d['rounds']} rounds, tau {d['tau']:.2f}, {d['round_ms']:.2f} ms/round (median "
+        f"{d['round_ms_median']:.2f}), prefill {d['prefill_ms']:.1f} ms, {d['tokens_per_s']:.1f} tok/s"
+    )
     print(f"target alone (same loop, block 1): {b['round_ms']:.2f} ms/step, {b['tokens_per_s']:.1f} tok/s\n")
     print("| bucket | DFlash ms/round | share | baseline ms/step | share |\n|---|---|---|---|---|")
     for key, label in BUCKETS:
-        print(f"| {label} | {d['per_round_ms'][key]:.3f} | {100 * d['share'][key]:.1f}% | "
-              f"{b['per_round_ms'][key]:.3f} | {100 * b['share'][key]:.1f}% |")
+        print(
+            f"| {label} | {d['per_round_ms'][key]:.3f} | {100 * d['share'][key]:.1f}% | "
+            f"{b['per_round_ms'][key]:.3f} | {100 * b['share'][key]:.1f}% |"
+        )
     print("\ncProfile, most own time (inflated by profiling; see buckets above for real shares):")
     for r in p["cprofile_top_own_time"][:10]:
         print(f"  {r['own_ms']:9.1f} ms  {r['calls']:6d} calls  {r['function']}")

@@ -19,19 +19,31 @@ def markdown(report: dict) -> str:
     lines = []
     meta = report["meta"]
     m = meta["machine"]
-    lines.append(f"Machine: {m['processor']}, {m['cpus']} CPUs, torch threads {m['torch_threads']}; "
-                 f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
-                 f"onnxruntime {meta['versions']['onnxruntime']}.")
+    lines.append(
+        f"Machine: {m['processor']}, {m['cpus']} CPUs, torch threads {m['torch_threads']}; "
+        f"torch {meta['versions']['torch']}, transformers {meta['versions']['transformers']}, "
+        f"onnxruntime {meta['versions']['onnxruntime']}."
+    )
     groups = meta.get("prompt_groups", {})
     if groups.get("truncated_by_time_budget"):
-        lines.append(f"Time budget reached: {groups['run']} of {groups['planned']} prompt groups ran "
-                     f"(fewer prompts per cell than asked).")
+        lines.append(
+            f"Time budget reached: {groups['run']} of {groups['planned']} prompt groups ran "
+            f"(fewer prompts per cell than asked)."
+        )
     if meta["skipped_block_sizes"]:
-        lines.append(f"Block sizes {meta['skipped_block_sizes']} skipped: above the drafter's trained size "
-                     f"({meta['trained_block_size']}).")
-    lines += ["", "### Speedup over the target alone (median over all prompts, [min-max])", "",
-              "| method | " + " | ".join(f"T={t['temperature']:g}, {t['max_new_tokens']} tok" for t in _combos(report))
-              + " |", "|---|" + "---|" * len(_combos(report))]
+        lines.append(
+            f"Block sizes {meta['skipped_block_sizes']} skipped: above the drafter's trained size "
+            f"({meta['trained_block_size']})."
+        )
+    lines += [
+        "",
+        "### Speedup over the target alone (median over all prompts, [min-max])",
+        "",
+        "| method | "
+        + " | ".join(f"T={t['temperature']:g}, {t['max_new_tokens']} tok" for t in _combos(report))
+        + " |",
+        "|---|" + "---|" * len(_combos(report)),
+    ]
     by = {(h["method"], h["temperature"], h["max_new_tokens"]): h for h in report["summary"]}
     for method in dict.fromkeys(h["method"] for h in report["summary"]):
         cells = []
@@ -41,14 +53,20 @@ def markdown(report: dict) -> str:
                 cells.append("-")
                 continue
             sp = h["speedup"]
-            cells.append(f"{sp['median']:.2f}x [{sp['min']:.2f}-{sp['max']:.2f}], tau {h['mean_acceptance_length']:.2f}")
+            cells.append(
+                f"{sp['median']:.2f}x [{sp['min']:.2f}-{sp['max']:.2f}], tau {h['mean_acceptance_length']:.2f}"
+            )
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     for c in _combos(report):
         T, L = c["temperature"], c["max_new_tokens"]
-        lines += ["", f"### T={T:g}, {L} new tokens", "",
-                  "| set | method | tok/s | speedup (median [min-max]) | tau | ceiling | target / draft / other % "
-                  "| peak dRSS MB | " + ("greedy check |" if T == 0 else "target NLL |"),
-                  "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"### T={T:g}, {L} new tokens",
+            "",
+            "| set | method | tok/s | speedup (median [min-max]) | tau | ceiling | target / draft / other % "
+            "| peak dRSS MB | " + ("greedy check |" if T == 0 else "target NLL |"),
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in report["results"]:
             if r["temperature"] != T or r["max_new_tokens"] != L:
                 continue
@@ -58,13 +76,16 @@ def markdown(report: dict) -> str:
                 f"| {r['prompt_set']} | {r['method']} | {r['tokens_per_s']:.1f} | "
                 f"{sp['median']:.2f}x [{sp['min']:.2f}-{sp['max']:.2f}] | {r['mean_acceptance_length']:.2f} | "
                 f"{_num(r['ceiling'], '{:.2f}x')} | {_pct(ts['target'])} / {_pct(ts['draft'])} / {_pct(ts['other'])} | "
-                f"{_num(r['peak_rss_delta_mb'], '{:.1f}')} | {check} |")
+                f"{_num(r['peak_rss_delta_mb'], '{:.1f}')} | {check} |"
+            )
     eq = report["equality"]
     lines.append("")
     if eq["ran"]:
-        lines.append(f"Greedy equality with the baseline: {eq['identical']}/{eq['checked']} identical, "
-                     f"{len(eq['numerical_ties'])} numerical ties (logit gap <= {eq['tie_tolerance']:g}), "
-                     f"{len(eq['mismatches'])} mismatches -> {'PASSED' if eq['passed'] else 'FAILED'}.")
+        lines.append(
+            f"Greedy equality with the baseline: {eq['identical']}/{eq['checked']} identical, "
+            f"{len(eq['numerical_ties'])} numerical ties (logit gap <= {eq['tie_tolerance']:g}), "
+            f"{len(eq['mismatches'])} mismatches -> {'PASSED' if eq['passed'] else 'FAILED'}."
+        )
     else:
         lines.append(f"Greedy equality: not checked ({eq['reason']}).")
     for key in ("sampling", "tau", "ceiling", "memory"):
@@ -111,8 +132,13 @@ def plot(report: dict, out: Path) -> list[Path]:
     for ax, c in zip(axes[:, 0], combos):
         x = np.arange(len(methods))
         for k, name in enumerate(sets):
-            rows = {r["method"]: r for r in report["results"] if r["prompt_set"] == name
-                    and r["temperature"] == c["temperature"] and r["max_new_tokens"] == c["max_new_tokens"]}
+            rows = {
+                r["method"]: r
+                for r in report["results"]
+                if r["prompt_set"] == name
+                and r["temperature"] == c["temperature"]
+                and r["max_new_tokens"] == c["max_new_tokens"]
+            }
             nan = {"median": np.nan, "min": np.nan, "max": np.nan}  # a cell a time budget left empty
             sp = [rows[m]["speedup"] if m in rows else nan for m in methods]
             med = np.array([x["median"] for x in sp])
@@ -122,8 +148,9 @@ def plot(report: dict, out: Path) -> list[Path]:
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(x, methods, rotation=30, ha="right", fontsize=8)
         ax.set_ylabel("speedup vs target alone")
-        ax.set_title(f"T={c['temperature']:g}, {c['max_new_tokens']} new tokens (median, min-max over prompts)",
-                     fontsize=9)
+        ax.set_title(
+            f"T={c['temperature']:g}, {c['max_new_tokens']} new tokens (median, min-max over prompts)", fontsize=9
+        )
         ax.legend(fontsize=7)
     fig.tight_layout()
     paths = [out / "speedup.png"]
@@ -149,7 +176,7 @@ def plot(report: dict, out: Path) -> list[Path]:
             ax.set_xlabel("tokens per round", fontsize=8)
             ax.set_ylabel("fraction of rounds", fontsize=8)
             ax.legend(fontsize=7)
-        for ax in list(axes.flat)[len(shown):]:
+        for ax in list(axes.flat)[len(shown) :]:
             ax.axis("off")
         fig.tight_layout()
         paths.append(out / "acceptance_hist.png")

@@ -97,9 +97,9 @@ class BenchError(RuntimeError):
 
 # ---- setup ---------------------------------------------------------------------------------
 def load_everything(s: BenchSettings):
+    from ..decoding import SpeculativeDecoder
     from ..loading import load_decoder
     from ..runtime.torch_backend import TorchTargetEngine
-    from ..decoding import SpeculativeDecoder
 
     want = set(s.methods)
     needs_drafter = bool(want & {"dflash-torch", "dflash-ort"})
@@ -115,12 +115,16 @@ def load_everything(s: BenchSettings):
         from ..models.target import load_target
 
         if s.ar_draft is None or not (Path(s.ar_draft) / "config.json").is_file():
-            raise BenchError(f"hf-assisted needs a small autoregressive draft model (--ar-draft; {s.ar_draft} "
-                             "has no config.json); leave hf-assisted out of --methods to skip it")
+            raise BenchError(
+                f"hf-assisted needs a small autoregressive draft model (--ar-draft; {s.ar_draft} "
+                "has no config.json); leave hf-assisted out of --methods to skip it"
+            )
         assistant = load_target(s.ar_draft, model.dtype).to(model.device)
         if assistant.config.vocab_size != model.config.vocab_size:
-            raise BenchError(f"--ar-draft vocabulary ({assistant.config.vocab_size}) differs from the target's "
-                             f"({model.config.vocab_size}): assisted generation needs the same tokenizer")
+            raise BenchError(
+                f"--ar-draft vocabulary ({assistant.config.vocab_size}) differs from the target's "
+                f"({model.config.vocab_size}): assisted generation needs the same tokenizer"
+            )
     # Fixed-length runs: no method stops at EOS, so every run of a prompt makes the same number of tokens.
     for m in (model, assistant):
         if m is not None:
@@ -171,12 +175,23 @@ def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, a
         for b in usable_block_sizes(s, drafter):
             methods.append(dflash_method(f"{family}-b{b}", family, dec, b, timer, backend))
     if assistant is not None:
-        methods.append(hf_method("hf-assisted", "hf-assisted", model, timer, pad, assistant=assistant,
-                                 assistant_timer=assistant_timer))
+        methods.append(
+            hf_method(
+                "hf-assisted", "hf-assisted", model, timer, pad, assistant=assistant, assistant_timer=assistant_timer
+            )
+        )
     if "prompt-lookup" in s.methods:
-        methods.append(hf_method("prompt-lookup", "prompt-lookup", model, timer, pad,
-                                 prompt_lookup_num_tokens=s.prompt_lookup_tokens,
-                                 max_matching_ngram_size=s.max_ngram))
+        methods.append(
+            hf_method(
+                "prompt-lookup",
+                "prompt-lookup",
+                model,
+                timer,
+                pad,
+                prompt_lookup_num_tokens=s.prompt_lookup_tokens,
+                max_matching_ngram_size=s.max_ngram,
+            )
+        )
     return methods
 
 
@@ -223,8 +238,12 @@ def run_benchmark(s: BenchSettings) -> dict:
         add_sampled_nll(s, cells, prompts, model)
         report = {
             "meta": meta(s, decoder, drafters, assistant, methods, started, skipped),
-            "notes": {"memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
-                      "sampling": SAMPLING_NOTE, "tau": TAU_NOTE, "ceiling": CEILING_NOTE},
+            "notes": {
+                "memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
+                "sampling": SAMPLING_NOTE,
+                "tau": TAU_NOTE,
+                "ceiling": CEILING_NOTE,
+            },
             "timings": {str(L): c for L, c in costs.items()},
             "results": summarise(s, methods, cells, costs),
             "summary": headline(s, methods, cells),
@@ -232,8 +251,11 @@ def run_benchmark(s: BenchSettings) -> dict:
             "equality": equality,
         }
         report["meta"]["elapsed_s"] = round(time.time() - started, 1)
-        report["meta"]["prompt_groups"] = {"planned": len(plan), "run": done,
-                                           "truncated_by_time_budget": done < len(plan)}
+        report["meta"]["prompt_groups"] = {
+            "planned": len(plan),
+            "run": done,
+            "truncated_by_time_budget": done < len(plan),
+        }
         return report
     finally:
         for t in (timer, assistant_timer):
@@ -247,8 +269,9 @@ def run_benchmark(s: BenchSettings) -> dict:
 def check_plan(s: BenchSettings, methods: list[Method], prompts: dict, max_context: int) -> None:
     """Refuse settings the run cannot honour, before any timing."""
     if s.corrupt_method and s.corrupt_method not in {m.name for m in methods}:
-        raise BenchError(f"--corrupt-method {s.corrupt_method!r} is not among the methods run: "
-                         f"{', '.join(m.name for m in methods)}")
+        raise BenchError(
+            f"--corrupt-method {s.corrupt_method!r} is not among the methods run: {', '.join(m.name for m in methods)}"
+        )
     for L in s.max_new_tokens:
         longest = max(len(p) for ps in prompts.values() for p in ps) + L
         if longest > max_context:
@@ -270,26 +293,35 @@ def ceiling_costs(s: BenchSettings, target, drafters, methods: list[Method], pro
 def bench_plan(s: BenchSettings) -> list[tuple]:
     """(temperature, length, prompt set, prompt index) groups, prompt index outermost: if the time budget
     runs out, every cell still has its first prompts."""
-    return [(T, L, name, i) for i in range(max(s.prompts_per_set, s.long_prompts_per_set))
-            for T in s.temperatures for L in s.max_new_tokens for name in s.prompt_sets
-            if i < (s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)]
+    return [
+        (T, L, name, i)
+        for i in range(max(s.prompts_per_set, s.long_prompts_per_set))
+        for T in s.temperatures
+        for L in s.max_new_tokens
+        for name in s.prompt_sets
+        if i < (s.prompts_per_set if L <= s.long_threshold else s.long_prompts_per_set)
+    ]
 
 
-def run_groups(s: BenchSettings, methods: list[Method], prompts: dict, plan: list[tuple], started: float,
-               vocab_size: int) -> tuple[dict, int, PeakRSS]:
+def run_groups(
+    s: BenchSettings, methods: list[Method], prompts: dict, plan: list[tuple], started: float, vocab_size: int
+) -> tuple[dict, int, PeakRSS]:
     """Every method on every planned group, order rotated per prompt and repeat. Returns (cells, groups
     run, the peak-memory probe)."""
     from tqdm import tqdm
 
     peak = PeakRSS()
     cells: dict[tuple, Cell] = defaultdict(Cell)
-    bar = tqdm(total=len(plan) * s.repeats * len(methods), desc="bench", unit="run", file=sys.stderr,
-               disable=not s.progress)
+    bar = tqdm(
+        total=len(plan) * s.repeats * len(methods), desc="bench", unit="run", file=sys.stderr, disable=not s.progress
+    )
     done = 0
     for T, L, name, i in plan:
         if done and s.max_minutes is not None and time.time() - started > 60 * s.max_minutes:
-            print(f"bench: time budget of {s.max_minutes:g} min reached: ran {done} of {len(plan)} prompt groups",
-                  file=sys.stderr)
+            print(
+                f"bench: time budget of {s.max_minutes:g} min reached: ran {done} of {len(plan)} prompt groups",
+                file=sys.stderr,
+            )
             break
         done += 1
         ids = prompts[name][i]
@@ -336,13 +368,27 @@ def check_greedy(s: BenchSettings, methods: list[Method], cells, prompts, model)
                             identical += 1
                             continue
                         pos, gap = divergence_margin(model, prompts[name][i], reference, run.token_ids)
-                        entry = {"method": m.name, "prompt_set": name, "prompt": i, "repeat": r, "max_new_tokens": L,
-                                 "position": pos, "logit_gap": gap if gap != float("inf") else None,
-                                 "baseline_token": reference[pos] if pos < len(reference) else None,
-                                 "method_token": run.token_ids[pos] if pos < len(run.token_ids) else None}
+                        entry = {
+                            "method": m.name,
+                            "prompt_set": name,
+                            "prompt": i,
+                            "repeat": r,
+                            "max_new_tokens": L,
+                            "position": pos,
+                            "logit_gap": gap if gap != float("inf") else None,
+                            "baseline_token": reference[pos] if pos < len(reference) else None,
+                            "method_token": run.token_ids[pos] if pos < len(run.token_ids) else None,
+                        }
                         (ties if gap <= s.tie_tolerance else mismatches).append(entry)
-    return {"ran": True, "checked": checked, "identical": identical, "numerical_ties": ties,
-            "mismatches": mismatches, "tie_tolerance": s.tie_tolerance, "passed": not mismatches}
+    return {
+        "ran": True,
+        "checked": checked,
+        "identical": identical,
+        "numerical_ties": ties,
+        "mismatches": mismatches,
+        "tie_tolerance": s.tie_tolerance,
+        "passed": not mismatches,
+    }
 
 
 # ---- aggregation ---------------------------------------------------------------------------
@@ -353,8 +399,7 @@ def _per_prompt_rate(cell: Cell) -> dict[int, float]:
 
 def _quantiles(xs: list[float]) -> dict:
     xs = sorted(xs)
-    return {"median": round(statistics.median(xs), 3), "min": round(xs[0], 3), "max": round(xs[-1], 3),
-            "n": len(xs)}
+    return {"median": round(statistics.median(xs), 3), "min": round(xs[0], 3), "max": round(xs[-1], 3), "n": len(xs)}
 
 
 def summarise(s: BenchSettings, methods: list[Method], cells, costs) -> list[dict]:
@@ -378,9 +423,11 @@ def row(m: Method, cell: Cell, base_rate: dict, costs: dict, T: float, L: int, n
     tau = sum(lengths) / len(lengths) if lengths else 0.0
     total = sum(r.seconds for r in runs)
     drafts = [r.draft_s for r in runs]
-    split = {"target": sum(r.target_s for r in runs) / total,
-             "draft": None if None in drafts else sum(drafts) / total,
-             "other": sum(r.other_s for r in runs) / total}
+    split = {
+        "target": sum(r.target_s for r in runs) / total,
+        "draft": None if None in drafts else sum(drafts) / total,
+        "other": sum(r.other_s for r in runs) / total,
+    }
     peaks = [p for p in cell.peak_mb if p is not None]
     ceil = None
     if m.drafter_backend is not None and m.block_size and m.block_size > 1:
@@ -389,14 +436,22 @@ def row(m: Method, cell: Cell, base_rate: dict, costs: dict, T: float, L: int, n
         ceil = 1.0
     speed = _quantiles(ratios)
     return {
-        "temperature": T, "max_new_tokens": L, "prompt_set": name, "method": m.name, "family": m.family,
-        "block_size": m.block_size, "prompts": len(rate), "runs": len(runs),
+        "temperature": T,
+        "max_new_tokens": L,
+        "prompt_set": name,
+        "method": m.name,
+        "family": m.family,
+        "block_size": m.block_size,
+        "prompts": len(rate),
+        "runs": len(runs),
         "tokens": sum(len(r.token_ids) for r in runs),
         "tokens_per_s": round(sum(rate.values()) / len(rate), 2),
-        "speedup": speed, "speedup_per_prompt": [round(x, 3) for x in ratios],
+        "speedup": speed,
+        "speedup_per_prompt": [round(x, 3) for x in ratios],
         "mean_acceptance_length": round(tau, 3),
         "time_split": {k: (round(v, 4) if v is not None else None) for k, v in split.items()},
-        "ceiling": ceil, "gap_to_ceiling": round(ceil - speed["median"], 3) if ceil else None,
+        "ceiling": ceil,
+        "gap_to_ceiling": round(ceil - speed["median"], 3) if ceil else None,
         "peak_rss_delta_mb": round(max(peaks), 1) if peaks else None,
         "target_nll": round(statistics.mean(cell.nll), 4) if cell.nll else None,
     }
@@ -415,13 +470,22 @@ def headline(s: BenchSettings, methods: list[Method], cells) -> list[dict]:
                     base = _per_prompt_rate(cells[(T, L, name, "baseline")])
                     rate = _per_prompt_rate(cells[(T, L, name, m.name)])
                     ratios += [rate[i] / base[i] for i in rate]
-                    lengths += [a for rs in cells[(T, L, name, m.name)].runs.values() for r in rs
-                                for a in r.acceptance_lengths]
+                    lengths += [
+                        a for rs in cells[(T, L, name, m.name)].runs.values() for r in rs for a in r.acceptance_lengths
+                    ]
                 if not ratios:
                     continue
-                out.append({"temperature": T, "max_new_tokens": L, "method": m.name, "family": m.family,
-                            "block_size": m.block_size, "speedup": _quantiles(ratios),
-                            "mean_acceptance_length": round(sum(lengths) / len(lengths), 3) if lengths else 0.0})
+                out.append(
+                    {
+                        "temperature": T,
+                        "max_new_tokens": L,
+                        "method": m.name,
+                        "family": m.family,
+                        "block_size": m.block_size,
+                        "speedup": _quantiles(ratios),
+                        "mean_acceptance_length": round(sum(lengths) / len(lengths), 3) if lengths else 0.0,
+                    }
+                )
     return out
 
 
@@ -456,6 +520,7 @@ def meta(s: BenchSettings, decoder, drafters, assistant, methods, started, skipp
         weights["hf-assisted"] = target_mb + _mb(assistant)
     try:
         import onnxruntime
+
         ort_version = onnxruntime.__version__
     except ImportError:  # pragma: no cover
         ort_version = None
@@ -466,13 +531,24 @@ def meta(s: BenchSettings, decoder, drafters, assistant, methods, started, skipp
         "skipped_block_sizes": skipped,
         "trained_block_size": next(iter(drafters.values())).block_size if drafters else None,
         "weights_mb": {k: round(v, 1) for k, v in weights.items()},
-        "assistant": None if assistant is None else {
+        "assistant": None
+        if assistant is None
+        else {
             "num_assistant_tokens": assistant.generation_config.num_assistant_tokens,
             "schedule": assistant.generation_config.num_assistant_tokens_schedule,
-            "confidence_threshold": assistant.generation_config.assistant_confidence_threshold},
-        "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-                    "cpus": __import__("os").cpu_count(), "torch_threads": torch.get_num_threads()},
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "onnxruntime": ort_version, "python": platform.python_version()},
+            "confidence_threshold": assistant.generation_config.assistant_confidence_threshold,
+        },
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor() or platform.machine(),
+            "cpus": __import__("os").cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+        },
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "onnxruntime": ort_version,
+            "python": platform.python_version(),
+        },
         "started": time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(started)),
     }

@@ -17,14 +17,24 @@ import hashlib
 import json
 import os
 import shutil
-import tomllib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from ..formats import (DRAFTER_ONNX_DIR, DRAFTER_TRT_DIR, MANIFEST, MANIFEST_VERSION, TARGET_TRTLLM_DIR,
-                       DrafterGraphMeta, read_manifest, read_plan_manifest)
+import tomllib
+
+from ..formats import (
+    DRAFTER_ONNX_DIR,
+    DRAFTER_TRT_DIR,
+    MANIFEST,
+    MANIFEST_VERSION,
+    TARGET_TRTLLM_DIR,
+    DrafterGraphMeta,
+    read_manifest,
+    read_plan_manifest,
+)
 from .hashing import file_sha256, tree_sha256
 
 PRECISIONS = ("fp16", "fp32")
@@ -121,8 +131,10 @@ def _up_to_date(previous: dict | None, key: str, out: Path) -> bool:
     if not previous or previous.get("key") != key:
         return False
     folder = out / previous["dir"]
-    return all((folder / name).is_file() and file_sha256(folder / name) == sha
-               for name, sha in previous.get("files", {}).items())
+    return all(
+        (folder / name).is_file() and file_sha256(folder / name) == sha
+        for name, sha in previous.get("files", {}).items()
+    )
 
 
 def _record_files(folder: Path) -> dict[str, str]:
@@ -136,8 +148,11 @@ class BuildReport:
     skipped: dict[str, str] = field(default_factory=dict)
 
     def lines(self) -> list[str]:
-        return ([f"built      {n}" for n in self.built] + [f"up to date {n}" for n in self.unchanged]
-                + [f"skipped    {n}: {why}" for n, why in self.skipped.items()])
+        return (
+            [f"built      {n}" for n in self.built]
+            + [f"up to date {n}" for n in self.unchanged]
+            + [f"skipped    {n}: {why}" for n, why in self.skipped.items()]
+        )
 
 
 @dataclass
@@ -169,9 +184,18 @@ class BuildStep:
 
 
 def _onnx_key(ctx: BuildContext, vers: dict) -> tuple:
-    return ("drafter-onnx", ctx.sources["target"]["sha256"], ctx.sources["drafter"]["sha256"], vers,
-            code_sha256("dflash_trt.models.drafter", "dflash_trt.builders.onnx_drafter",
-                        "dflash_trt.models.drafter_batch", "dflash_trt.builders.onnx_drafter_batch"))
+    return (
+        "drafter-onnx",
+        ctx.sources["target"]["sha256"],
+        ctx.sources["drafter"]["sha256"],
+        vers,
+        code_sha256(
+            "dflash_trt.models.drafter",
+            "dflash_trt.builders.onnx_drafter",
+            "dflash_trt.models.drafter_batch",
+            "dflash_trt.builders.onnx_drafter_batch",
+        ),
+    )
 
 
 def _build_onnx(ctx: BuildContext, folder: Path) -> dict:
@@ -186,7 +210,8 @@ def _build_onnx(ctx: BuildContext, folder: Path) -> dict:
     export_batched_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, folder, fp16=True)
     meta = DrafterGraphMeta.read(folder)
     return {
-        "precisions": ["fp32", "fp16"], "serve_precision": "fp32",
+        "precisions": ["fp32", "fp16"],
+        "serve_precision": "fp32",
         "shapes": {
             "block_ids": [1, "B (2.." + str(meta.block_size) + ")"],
             "features": [1, "n", meta.feature_size],
@@ -211,15 +236,26 @@ def _build_trt(ctx: BuildContext, folder: Path) -> dict:
     from .trt_drafter import build_drafter_plan
 
     ctx.log(f"building the TensorRT drafter plan in {folder} ...")
-    build_drafter_plan(ctx.out / DRAFTER_ONNX_DIR, folder, max_context=ctx.cfg.max_seq_len,
-                       max_new_tokens=ctx.cfg.max_input_len)
+    build_drafter_plan(
+        ctx.out / DRAFTER_ONNX_DIR, folder, max_context=ctx.cfg.max_seq_len, max_new_tokens=ctx.cfg.max_input_len
+    )
     return {"shapes": read_plan_manifest(folder)["profile"]}
 
 
 def _trtllm_key(ctx: BuildContext, vers: dict) -> tuple:
     cfg = ctx.cfg
-    return ("target-trtllm", ctx.sources["target"]["sha256"], ctx.spec.target_layer_ids, ctx.block_size, cfg.tp,
-            cfg.precision, cfg.max_batch_size, cfg.max_seq_len, "no-context-logits", vers)
+    return (
+        "target-trtllm",
+        ctx.sources["target"]["sha256"],
+        ctx.spec.target_layer_ids,
+        ctx.block_size,
+        cfg.tp,
+        cfg.precision,
+        cfg.max_batch_size,
+        cfg.max_seq_len,
+        "no-context-logits",
+        vers,
+    )
 
 
 def _build_trtllm(ctx: BuildContext, folder: Path) -> dict:
@@ -227,22 +263,55 @@ def _build_trtllm(ctx: BuildContext, folder: Path) -> dict:
 
     cfg = ctx.cfg
     dtype = "float16" if cfg.precision == "fp16" else "float32"
-    plan = plan_target_build(spec_from_checkpoints(
-        cfg.target, cfg.drafter, folder, cfg.tp, ctx.block_size, dtype=dtype, max_batch_size=cfg.max_batch_size,
-        max_seq_len=cfg.max_seq_len))  # max_num_tokens = max_seq_len: max_input_len is the drafter plan's only
+    plan = plan_target_build(
+        spec_from_checkpoints(
+            cfg.target,
+            cfg.drafter,
+            folder,
+            cfg.tp,
+            ctx.block_size,
+            dtype=dtype,
+            max_batch_size=cfg.max_batch_size,
+            max_seq_len=cfg.max_seq_len,
+        )
+    )  # max_num_tokens = max_seq_len: max_input_len is the drafter plan's only
     run_plan(plan, ctx.log)
-    return {"tp": cfg.tp, "feature_outputs": plan.feature_outputs, "outputs": plan.outputs,
-            "shapes": {"max_batch_size": cfg.max_batch_size, "max_seq_len": cfg.max_seq_len,
-                       "max_context": plan.spec.max_context, "block_size": ctx.block_size}}
+    return {
+        "tp": cfg.tp,
+        "feature_outputs": plan.feature_outputs,
+        "outputs": plan.outputs,
+        "shapes": {
+            "max_batch_size": cfg.max_batch_size,
+            "max_seq_len": cfg.max_seq_len,
+            "max_context": plan.spec.max_context,
+            "block_size": ctx.block_size,
+        },
+    }
 
 
 # In order: the TensorRT plan is built from the ONNX export.
 STEPS = (
-    BuildStep("drafter_onnx", "onnxruntime", "drafter", DRAFTER_ONNX_DIR, False,
-              lambda: versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt"), _onnx_key, _build_onnx),
+    BuildStep(
+        "drafter_onnx",
+        "onnxruntime",
+        "drafter",
+        DRAFTER_ONNX_DIR,
+        False,
+        lambda: versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt"),
+        _onnx_key,
+        _build_onnx,
+    ),
     BuildStep("drafter_tensorrt", "tensorrt", "drafter", DRAFTER_TRT_DIR, True, _trt_versions, _trt_key, _build_trt),
-    BuildStep("target_tensorrt_llm", "tensorrt_llm", "target", TARGET_TRTLLM_DIR, True,
-              lambda: versions("tensorrt_llm", "tensorrt"), _trtllm_key, _build_trtllm),
+    BuildStep(
+        "target_tensorrt_llm",
+        "tensorrt_llm",
+        "target",
+        TARGET_TRTLLM_DIR,
+        True,
+        lambda: versions("tensorrt_llm", "tensorrt"),
+        _trtllm_key,
+        _build_trtllm,
+    ),
 )
 
 
@@ -272,8 +341,15 @@ def _run_step(step: BuildStep, ctx: BuildContext, previous: dict, report: BuildR
         return
     folder = ctx.out / step.folder
     fields = step.build(ctx, folder)
-    ctx.engines[step.name] = {"backend": step.backend, "role": step.role, "dir": step.folder, "key": key,
-                              "files": _record_files(folder), "versions": vers, **fields}
+    ctx.engines[step.name] = {
+        "backend": step.backend,
+        "role": step.role,
+        "dir": step.folder,
+        "key": key,
+        "files": _record_files(folder),
+        "versions": vers,
+        **fields,
+    }
     report.built.append(step.name)
 
 
@@ -296,8 +372,13 @@ def build_engines(cfg: EnginesConfig, log: Callable[[str], Any] = print) -> tupl
         _run_step(step, ctx, previous, report)
     engines = ctx.engines
     # The PyTorch target needs no build: it serves from the checkpoint (recorded by hash).
-    engines["target_torch"] = {"backend": "torch", "role": "target", "checkpoint": sources["target"]["path"],
-                               "sha256": sources["target"]["sha256"], "versions": versions("torch", "transformers")}
+    engines["target_torch"] = {
+        "backend": "torch",
+        "role": "target",
+        "checkpoint": sources["target"]["path"],
+        "sha256": sources["target"]["sha256"],
+        "versions": versions("torch", "transformers"),
+    }
     manifest = {
         "version": MANIFEST_VERSION,
         "config": cfg.settings() | {"block_size": ctx.block_size},

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -115,8 +116,9 @@ def to_fp16(src: Path, dst: Path) -> Path:
     half = convert_float_to_float16(model, keep_io_types=True)
     _sort_nodes(half.graph)  # the converter appends its input casts at the end of the node list
     dst.parent.mkdir(parents=True, exist_ok=True)
-    onnx.save_model(half, str(dst), save_as_external_data=True, all_tensors_to_one_file=True,
-                    location=dst.name + ".data")
+    onnx.save_model(
+        half, str(dst), save_as_external_data=True, all_tensors_to_one_file=True, location=dst.name + ".data"
+    )
     return dst
 
 
@@ -137,8 +139,8 @@ def _sort_nodes(graph) -> None:
             raise ValueError(f"graph has a cycle or a dangling input at node {rest[0].name!r}")
         pending = rest
     nodes = [type(n)() for n in ordered]
-    for copy, node in zip(nodes, ordered):
-        copy.CopyFrom(node)
+    for fresh, node in zip(nodes, ordered):
+        fresh.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(nodes)
 
@@ -149,8 +151,13 @@ def check_graph(path: Path) -> None:
     onnx.checker.check_model(str(path), full_check=False)  # path form: works with external data
 
 
-def export_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                   out_dir: str | Path, fp16: bool = True) -> dict[str, Path]:
+def export_drafter(
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    out_dir: str | Path,
+    fp16: bool = True,
+) -> dict[str, Path]:
     """Write drafter.onnx (+ .data), optionally drafter_fp16.onnx, and drafter.json into out_dir.
 
     The caller's drafter is left as it was: the graph is traced from an fp32 copy (callers such as the
@@ -159,10 +166,16 @@ def export_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_w
     return write_graphs(drafter, embed_weight, lm_head_weight, out_dir, fp16, DrafterRound, export_round, GRAPH_FILES)
 
 
-def write_graphs(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, out_dir: str | Path,
-                 fp16: bool, make_round: Callable[[DFlashDrafter, torch.Tensor, torch.Tensor], RoundModule],
-                 export: Callable[[RoundModule, DrafterGraphMeta, Path], Path],
-                 names: Mapping[str, str]) -> dict[str, Path]:
+def write_graphs(
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    out_dir: str | Path,
+    fp16: bool,
+    make_round: Callable[[DFlashDrafter, torch.Tensor, torch.Tensor], RoundModule],
+    export: Callable[[RoundModule, DrafterGraphMeta, Path], Path],
+    names: Mapping[str, str],
+) -> dict[str, Path]:
     """Trace `make_round` (over an fp32 copy of the drafter) with `export` into out_dir/names["fp32"], check it,
     optionally convert it to names["fp16"], and write drafter.json; returns the paths by precision (+ "meta")."""
     out = Path(out_dir)
@@ -179,8 +192,9 @@ def write_graphs(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_wei
     return files
 
 
-def export_from_checkpoints(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
-                            fp16: bool = True) -> dict[str, Path]:
+def export_from_checkpoints(
+    drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, fp16: bool = True
+) -> dict[str, Path]:
     """Load both checkpoints (fp32), validate the pair, export. Only the target's embedding and lm_head are kept."""
     from ..config import validate_against_target
     from ..models.target import load_target

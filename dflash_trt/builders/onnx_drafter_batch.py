@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DrafterGraphMeta
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import ragged_round
-from ..formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DrafterGraphMeta
 from .onnx_drafter import write_graphs
 
 BATCH_INPUT_NAMES, BATCH_OUTPUT_NAMES = BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS
@@ -44,8 +44,14 @@ class BatchedDrafterRound(nn.Module):
     def forward(self, block_ids, block_lengths, features, new_lengths, past_k, past_v, past_lengths):
         d = self.drafter
         hidden, present_k, present_v = ragged_round(
-            d, features, new_lengths, d.embed_block(block_ids, self.embed_weight), block_lengths,
-            past_k, past_v, past_lengths,
+            d,
+            features,
+            new_lengths,
+            d.embed_block(block_ids, self.embed_weight),
+            block_lengths,
+            past_k,
+            past_v,
+            past_lengths,
         )
         logits = d.logits(hidden[:, 1:], self.lm_head_weight).float()
         return logits, logits.argmax(-1), present_k, present_v
@@ -81,35 +87,60 @@ def export_batched_round(module: BatchedDrafterRound, meta: DrafterGraphMeta, pa
     n = Dim("new_tokens", min=1, max=meta.max_context)
     c = Dim("cache_len", min=1, max=2 * meta.max_context)
     dynamic_shapes = {
-        "block_ids": {0: b, 1: blk}, "block_lengths": {0: b},
-        "features": {0: b, 1: n}, "new_lengths": {0: b},
-        "past_k": {1: b, 3: c}, "past_v": {1: b, 3: c}, "past_lengths": {0: b},
+        "block_ids": {0: b, 1: blk},
+        "block_lengths": {0: b},
+        "features": {0: b, 1: n},
+        "new_lengths": {0: b},
+        "past_k": {1: b, 3: c},
+        "past_v": {1: b, 3: c},
+        "past_lengths": {0: b},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
         warnings.simplefilter("ignore")
         program = torch.onnx.export(
-            module, batch_example_inputs(meta, rows_ex, new_ex, cap_ex, meta.block_size),
-            dynamic_shapes=dynamic_shapes, input_names=list(BATCH_INPUT_NAMES),
-            output_names=list(BATCH_OUTPUT_NAMES), dynamo=True, external_data=True, optimize=True, verbose=False,
+            module,
+            batch_example_inputs(meta, rows_ex, new_ex, cap_ex, meta.block_size),
+            dynamic_shapes=dynamic_shapes,
+            input_names=list(BATCH_INPUT_NAMES),
+            output_names=list(BATCH_OUTPUT_NAMES),
+            dynamo=True,
+            external_data=True,
+            optimize=True,
+            verbose=False,
         )
         program.save(str(path), external_data=True)
     return path
 
 
-def export_batched_drafter(drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                           out_dir: str | Path, fp16: bool = False) -> dict[str, Path]:
+def export_batched_drafter(
+    drafter: DFlashDrafter,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    out_dir: str | Path,
+    fp16: bool = False,
+) -> dict[str, Path]:
     """Write drafter_batch.onnx (+ .data), optionally its fp16 twin, and drafter.json into out_dir."""
-    return write_graphs(drafter, embed_weight, lm_head_weight, out_dir, fp16, BatchedDrafterRound,
-                        export_batched_round, BATCH_GRAPH_FILES)
+    return write_graphs(
+        drafter,
+        embed_weight,
+        lm_head_weight,
+        out_dir,
+        fp16,
+        BatchedDrafterRound,
+        export_batched_round,
+        BATCH_GRAPH_FILES,
+    )
 
 
-def export_batched_from_checkpoints(drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path,
-                                    fp16: bool = False) -> dict[str, Path]:
+def export_batched_from_checkpoints(
+    drafter_dir: str | Path, target_dir: str | Path, out_dir: str | Path, fp16: bool = False
+) -> dict[str, Path]:
     """export_batched_drafter from the two checkpoints (the target lends its embedding table and lm_head)."""
     from ..models.target import load_target
 
     target = load_target(Path(target_dir), torch.float32)
     drafter = DFlashDrafter.from_pretrained(Path(drafter_dir), torch.float32)
-    return export_batched_drafter(drafter, target.get_input_embeddings().weight,
-                                  target.get_output_embeddings().weight, out_dir, fp16)
+    return export_batched_drafter(
+        drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight, out_dir, fp16
+    )

@@ -25,8 +25,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..formats import (
-    BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILE,
-    META_FILE, PLAN_FILE, DrafterGraphMeta, serving_sources,
+    BATCH_DRAFTER_INPUTS,
+    BATCH_DRAFTER_OUTPUTS,
+    BATCH_GRAPH_FILES,
+    DRAFTER_INPUTS,
+    DRAFTER_OUTPUTS,
+    GRAPH_FILE,
+    META_FILE,
+    PLAN_FILE,
+    DrafterGraphMeta,
+    serving_sources,
 )
 from ..triton.config import Step, check_repository, model_config, tensor, write_config
 
@@ -115,15 +123,27 @@ def _save_tokenizer(src: Path, dst: Path) -> object:
 
 # ---- the models -----------------------------------------------------------------------------
 
+
 def _text_models(repo: Path, src: Sources, opt: RepoOptions):
     tok = None
     for name, module, inputs, outputs in (
-        (PRE, "preprocessing", [tensor("text_input", "TYPE_STRING", [1])],
-         [tensor("input_ids", "TYPE_INT64", [-1]), tensor("input_length", "TYPE_INT32", [1])]),
-        (POST, "postprocessing",
-         [tensor("output_ids", "TYPE_INT64", [-1]), tensor("output_length", "TYPE_INT32", [1]),
-          tensor("new_tokens", "TYPE_INT32", [1]), tensor("finish_reason", "TYPE_STRING", [1])],
-         [tensor("text_output", "TYPE_STRING", [1])]),
+        (
+            PRE,
+            "preprocessing",
+            [tensor("text_input", "TYPE_STRING", [1])],
+            [tensor("input_ids", "TYPE_INT64", [-1]), tensor("input_length", "TYPE_INT32", [1])],
+        ),
+        (
+            POST,
+            "postprocessing",
+            [
+                tensor("output_ids", "TYPE_INT64", [-1]),
+                tensor("output_length", "TYPE_INT32", [1]),
+                tensor("new_tokens", "TYPE_INT32", [1]),
+                tensor("finish_reason", "TYPE_STRING", [1]),
+            ],
+            [tensor("text_output", "TYPE_STRING", [1])],
+        ),
     ):
         version = repo / name / "1"
         version.mkdir(parents=True)
@@ -132,9 +152,18 @@ def _text_models(repo: Path, src: Sources, opt: RepoOptions):
         params = {"tokenizer_dir": "tokenizer"}
         if name == PRE:
             params["chat_template"] = "true" if opt.chat_template else "false"
-        write_config(repo / name, model_config(name, backend="python", max_batch_size=opt.max_batch_size,
-                                               inputs=inputs, outputs=outputs, parameters=params,
-                                               dynamic_batching=True))
+        write_config(
+            repo / name,
+            model_config(
+                name,
+                backend="python",
+                max_batch_size=opt.max_batch_size,
+                inputs=inputs,
+                outputs=outputs,
+                parameters=params,
+                dynamic_batching=True,
+            ),
+        )
     return tok
 
 
@@ -142,10 +171,14 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
     meta = DrafterGraphMeta.read(src.drafter_dir)
     L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
     cache = ("TYPE_FP32", [L, 1, H, -1, D])
-    inputs = [tensor(name, *t) for name, t in zip(DRAFTER_INPUTS, (
-        ("TYPE_INT64", [1, -1]), ("TYPE_FP32", [1, -1, F]), cache, cache))]
-    outputs = [tensor(name, *t) for name, t in zip(DRAFTER_OUTPUTS, (
-        ("TYPE_FP32", [1, -1, V]), ("TYPE_INT64", [1, -1]), cache, cache))]
+    inputs = [
+        tensor(name, *t)
+        for name, t in zip(DRAFTER_INPUTS, (("TYPE_INT64", [1, -1]), ("TYPE_FP32", [1, -1, F]), cache, cache))
+    ]
+    outputs = [
+        tensor(name, *t)
+        for name, t in zip(DRAFTER_OUTPUTS, (("TYPE_FP32", [1, -1, V]), ("TYPE_INT64", [1, -1]), cache, cache))
+    ]
     version = repo / DRAFTER / "1"
     version.mkdir(parents=True)
     if src.drafter_backend == "tensorrt":
@@ -159,8 +192,13 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
             if (src.drafter_dir / name).exists():
                 _copy(src.drafter_dir / name, folder / name, opt.symlink_weights)
         (version / "model.py").write_text(shim("drafter"))
-        cfg = model_config(DRAFTER, backend="python", inputs=inputs, outputs=outputs,
-                           parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads)})
+        cfg = model_config(
+            DRAFTER,
+            backend="python",
+            inputs=inputs,
+            outputs=outputs,
+            parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads)},
+        )
     write_config(repo / DRAFTER, cfg)
     if src.drafter_backend != "tensorrt" and (src.drafter_dir / BATCH_GRAPH_FILES["fp32"]).exists():
         _drafter_batch_model(repo, src, opt, meta)
@@ -172,11 +210,25 @@ def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: Draft
     dflash_drafter; each row's cache is one slot of the batch axis of past_k/past_v."""
     L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
     cache = ("TYPE_FP32", [L, -1, H, -1, D])
-    inputs = [tensor(name, *t) for name, t in zip(BATCH_DRAFTER_INPUTS, (
-        ("TYPE_INT64", [-1, -1]), ("TYPE_INT64", [-1]), ("TYPE_FP32", [-1, -1, F]), ("TYPE_INT64", [-1]),
-        cache, cache, ("TYPE_INT64", [-1])))]
-    outputs = [tensor(name, *t) for name, t in zip(BATCH_DRAFTER_OUTPUTS, (
-        ("TYPE_FP32", [-1, -1, V]), ("TYPE_INT64", [-1, -1]), cache, cache))]
+    inputs = [
+        tensor(name, *t)
+        for name, t in zip(
+            BATCH_DRAFTER_INPUTS,
+            (
+                ("TYPE_INT64", [-1, -1]),
+                ("TYPE_INT64", [-1]),
+                ("TYPE_FP32", [-1, -1, F]),
+                ("TYPE_INT64", [-1]),
+                cache,
+                cache,
+                ("TYPE_INT64", [-1]),
+            ),
+        )
+    ]
+    outputs = [
+        tensor(name, *t)
+        for name, t in zip(BATCH_DRAFTER_OUTPUTS, (("TYPE_FP32", [-1, -1, V]), ("TYPE_INT64", [-1, -1]), cache, cache))
+    ]
     version = repo / DRAFTER_BATCH / "1"
     folder = version / "drafter-onnx"
     folder.mkdir(parents=True)
@@ -185,9 +237,16 @@ def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: Draft
         if (src.drafter_dir / name).exists():
             _copy(src.drafter_dir / name, folder / name, opt.symlink_weights)
     (version / "model.py").write_text(shim("drafter"))
-    write_config(repo / DRAFTER_BATCH, model_config(
-        DRAFTER_BATCH, backend="python", inputs=inputs, outputs=outputs,
-        parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads), "graph": "batch"}))
+    write_config(
+        repo / DRAFTER_BATCH,
+        model_config(
+            DRAFTER_BATCH,
+            backend="python",
+            inputs=inputs,
+            outputs=outputs,
+            parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads), "graph": "batch"},
+        ),
+    )
 
 
 def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids) -> None:
@@ -197,49 +256,95 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids)
     (version / "model.py").write_text(shim("target"))
     # tensorrt_llm and device "cuda": written against the real APIs, never run in this project (no GPU/TensorRT here).
     gpu = src.target_backend == "tensorrt_llm" or opt.device == "cuda"
-    params = {"backend": src.target_backend, "engine_dir": "target", "device": opt.device,
-              "feature_layer_ids": list(feature_layer_ids), "threads": str(opt.threads), "session_ttl_s": "600",
-              "batch_target": "true"}
+    params = {
+        "backend": src.target_backend,
+        "engine_dir": "target",
+        "device": opt.device,
+        "feature_layer_ids": list(feature_layer_ids),
+        "threads": str(opt.threads),
+        "session_ttl_s": "600",
+        "batch_target": "true",
+    }
     # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls). A call may carry several
     # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
-    cfg = model_config(TARGET, backend="python", instance_kind="KIND_GPU" if gpu else "KIND_CPU", instance_count=1,
-                       inputs=[tensor("session_id", "TYPE_UINT64", [-1]), tensor("token_ids", "TYPE_INT64", [-1]),
-                               tensor("token_lengths", "TYPE_INT64", [-1], optional=True),
-                               tensor("cache_length", "TYPE_INT64", [-1]),
-                               tensor("rollback_to", "TYPE_INT64", [-1], optional=True),
-                               tensor("last_logits_only", "TYPE_BOOL", [1], optional=True),
-                               tensor("want_features", "TYPE_BOOL", [1], optional=True),
-                               tensor("release", "TYPE_BOOL", [1], optional=True)],
-                       outputs=[tensor("logits", "TYPE_FP32", [-1, -1]), tensor("features", "TYPE_FP32", [-1, -1]),
-                                tensor("length", "TYPE_INT64", [-1])],
-                       parameters=params)
+    cfg = model_config(
+        TARGET,
+        backend="python",
+        instance_kind="KIND_GPU" if gpu else "KIND_CPU",
+        instance_count=1,
+        inputs=[
+            tensor("session_id", "TYPE_UINT64", [-1]),
+            tensor("token_ids", "TYPE_INT64", [-1]),
+            tensor("token_lengths", "TYPE_INT64", [-1], optional=True),
+            tensor("cache_length", "TYPE_INT64", [-1]),
+            tensor("rollback_to", "TYPE_INT64", [-1], optional=True),
+            tensor("last_logits_only", "TYPE_BOOL", [1], optional=True),
+            tensor("want_features", "TYPE_BOOL", [1], optional=True),
+            tensor("release", "TYPE_BOOL", [1], optional=True),
+        ],
+        outputs=[
+            tensor("logits", "TYPE_FP32", [-1, -1]),
+            tensor("features", "TYPE_FP32", [-1, -1]),
+            tensor("length", "TYPE_INT64", [-1]),
+        ],
+        parameters=params,
+    )
     write_config(repo / TARGET, cfg)
 
 
-OPTIONAL_INPUTS = [tensor("max_tokens", "TYPE_INT32", [1], optional=True),
-                   tensor("temperature", "TYPE_FP32", [1], optional=True),
-                   tensor("seed", "TYPE_UINT64", [1], optional=True),
-                   tensor("stream", "TYPE_BOOL", [1], optional=True)]
-BLS_OUTPUTS = [tensor("output_ids", "TYPE_INT64", [-1]), tensor("output_length", "TYPE_INT32", [1]),
-               tensor("new_tokens", "TYPE_INT32", [1]), tensor("finish_reason", "TYPE_STRING", [1])]
+OPTIONAL_INPUTS = [
+    tensor("max_tokens", "TYPE_INT32", [1], optional=True),
+    tensor("temperature", "TYPE_FP32", [1], optional=True),
+    tensor("seed", "TYPE_UINT64", [1], optional=True),
+    tensor("stream", "TYPE_BOOL", [1], optional=True),
+]
+BLS_OUTPUTS = [
+    tensor("output_ids", "TYPE_INT64", [-1]),
+    tensor("output_length", "TYPE_INT32", [1]),
+    tensor("new_tokens", "TYPE_INT32", [1]),
+    tensor("finish_reason", "TYPE_STRING", [1]),
+]
 
 
-def _bls_model(repo: Path, opt: RepoOptions, meta, vocab_size: int, max_context: int, stop_ids,
-               name: str = BLS, decoupled: bool = True) -> None:
+def _bls_model(
+    repo: Path,
+    opt: RepoOptions,
+    meta,
+    vocab_size: int,
+    max_context: int,
+    stop_ids,
+    name: str = BLS,
+    decoupled: bool = True,
+) -> None:
     version = repo / name / "1"
     version.mkdir(parents=True)
     (version / "model.py").write_text(shim("bls"))
-    params = {"target_model": TARGET, "drafter_model": DRAFTER, "vocab_size": str(vocab_size),
-              "max_context": str(max_context), "feature_layer_ids": list(meta.feature_layer_ids),
-              "drafter_meta": json.loads(meta.to_json()), "stop_token_ids": list(stop_ids),
-              "default_max_tokens": str(opt.default_max_tokens)}
+    params = {
+        "target_model": TARGET,
+        "drafter_model": DRAFTER,
+        "vocab_size": str(vocab_size),
+        "max_context": str(max_context),
+        "feature_layer_ids": list(meta.feature_layer_ids),
+        "drafter_meta": json.loads(meta.to_json()),
+        "stop_token_ids": list(stop_ids),
+        "default_max_tokens": str(opt.default_max_tokens),
+    }
     if (repo / DRAFTER_BATCH).exists():  # one drafter call per step for every drafting row
         params["drafter_batch_model"] = DRAFTER_BATCH
     inputs = OPTIONAL_INPUTS if decoupled else [t for t in OPTIONAL_INPUTS if t.name != "stream"]
-    write_config(repo / name, model_config(
-        name, backend="python", max_batch_size=opt.max_batch_size, decoupled=decoupled, dynamic_batching=True,
-        inputs=[tensor("input_ids", "TYPE_INT64", [-1]), tensor("input_length", "TYPE_INT32", [1]), *inputs],
-        outputs=BLS_OUTPUTS, parameters=params))
+    write_config(
+        repo / name,
+        model_config(
+            name,
+            backend="python",
+            max_batch_size=opt.max_batch_size,
+            decoupled=decoupled,
+            dynamic_batching=True,
+            inputs=[tensor("input_ids", "TYPE_INT64", [-1]), tensor("input_length", "TYPE_INT32", [1]), *inputs],
+            outputs=BLS_OUTPUTS,
+            parameters=params,
+        ),
+    )
 
 
 def _ensemble(repo: Path, opt: RepoOptions, name: str = ENSEMBLE, bls: str = BLS, stream: bool = True) -> None:
@@ -248,22 +353,53 @@ def _ensemble(repo: Path, opt: RepoOptions, name: str = ENSEMBLE, bls: str = BLS
     optional = {t.name: t.name for t in inputs}
     steps = [
         Step(PRE, {"text_input": "text_input"}, {"input_ids": "_input_ids", "input_length": "_input_length"}),
-        Step(bls, {"input_ids": "_input_ids", "input_length": "_input_length", **optional},
-             {"output_ids": "_output_ids", "output_length": "_output_length", "new_tokens": "num_tokens",
-              "finish_reason": "finish_reason"}),
-        Step(POST, {"output_ids": "_output_ids", "output_length": "_output_length", "new_tokens": "num_tokens",
-                    "finish_reason": "finish_reason"}, {"text_output": "text_output"}),
+        Step(
+            bls,
+            {"input_ids": "_input_ids", "input_length": "_input_length", **optional},
+            {
+                "output_ids": "_output_ids",
+                "output_length": "_output_length",
+                "new_tokens": "num_tokens",
+                "finish_reason": "finish_reason",
+            },
+        ),
+        Step(
+            POST,
+            {
+                "output_ids": "_output_ids",
+                "output_length": "_output_length",
+                "new_tokens": "num_tokens",
+                "finish_reason": "finish_reason",
+            },
+            {"text_output": "text_output"},
+        ),
     ]
-    write_config(repo / name, model_config(
-        name, platform="ensemble", max_batch_size=opt.max_batch_size, steps=steps,
-        inputs=[tensor("text_input", "TYPE_STRING", [1]), *inputs],
-        outputs=[tensor("text_output", "TYPE_STRING", [1]), tensor("finish_reason", "TYPE_STRING", [1]),
-                 tensor("num_tokens", "TYPE_INT32", [1])]))
+    write_config(
+        repo / name,
+        model_config(
+            name,
+            platform="ensemble",
+            max_batch_size=opt.max_batch_size,
+            steps=steps,
+            inputs=[tensor("text_input", "TYPE_STRING", [1]), *inputs],
+            outputs=[
+                tensor("text_output", "TYPE_STRING", [1]),
+                tensor("finish_reason", "TYPE_STRING", [1]),
+                tensor("num_tokens", "TYPE_INT32", [1]),
+            ],
+        ),
+    )
 
 
-def write_repository(out: str | Path, *, engines: str | Path | None = None, target: str | Path | None = None,
-                     drafter: str | Path | None = None, options: RepoOptions = RepoOptions(),
-                     overwrite: bool = False) -> Path:
+def write_repository(
+    out: str | Path,
+    *,
+    engines: str | Path | None = None,
+    target: str | Path | None = None,
+    drafter: str | Path | None = None,
+    options: RepoOptions = RepoOptions(),
+    overwrite: bool = False,
+) -> Path:
     out = Path(out)
     if out.exists():
         if not overwrite:

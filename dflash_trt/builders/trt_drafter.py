@@ -34,8 +34,9 @@ def trt_major(trt) -> int:
     return int(str(trt.__version__).split(".")[0])
 
 
-def profile_shapes(meta: DrafterGraphMeta, max_context: int | None = None, max_new_tokens: int | None = None
-                   ) -> dict[str, ProfileShapes]:
+def profile_shapes(
+    meta: DrafterGraphMeta, max_context: int | None = None, max_new_tokens: int | None = None
+) -> dict[str, ProfileShapes]:
     """min / opt / max for every dynamic input. opt = a steady-state round (B new tokens, half-full cache)."""
     B = meta.block_size
     ctx = min(max_context or meta.max_context, meta.max_context)
@@ -59,18 +60,41 @@ def choose_typing(major: int, requested: str | None) -> str:
     raise EngineUnavailable(f"TensorRT {major}.x is not supported: install TensorRT 10.x or 11.x")
 
 
-def build_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, typing: str | None = None,
-                       max_context: int | None = None, max_new_tokens: int | None = None,
-                       workspace_gib: float = 4.0) -> Path:
+def build_drafter_plan(
+    graph_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    typing: str | None = None,
+    max_context: int | None = None,
+    max_new_tokens: int | None = None,
+    workspace_gib: float = 4.0,
+) -> Path:
     """Parse the exported graph, add one optimization profile, build an FP16 plan, write plan + manifest."""
     import_tensorrt()  # a missing TensorRT is the first thing to say
     meta = DrafterGraphMeta.read(graph_dir)
-    return build_plan(graph_dir, out_dir, (GRAPH_FILE, FP16_GRAPH_FILE), profile_shapes(meta, max_context, max_new_tokens),
-                      PLAN_FILE, PLAN_MANIFEST, typing=typing, workspace_gib=workspace_gib)
+    return build_plan(
+        graph_dir,
+        out_dir,
+        (GRAPH_FILE, FP16_GRAPH_FILE),
+        profile_shapes(meta, max_context, max_new_tokens),
+        PLAN_FILE,
+        PLAN_MANIFEST,
+        typing=typing,
+        workspace_gib=workspace_gib,
+    )
 
 
-def build_plan(graph_dir: str | Path, out_dir: str | Path, graphs: tuple[str, str], shapes: dict[str, ProfileShapes],
-               plan_file: str, manifest_file: str, *, typing: str | None = None, workspace_gib: float = 4.0) -> Path:
+def build_plan(
+    graph_dir: str | Path,
+    out_dir: str | Path,
+    graphs: tuple[str, str],
+    shapes: dict[str, ProfileShapes],
+    plan_file: str,
+    manifest_file: str,
+    *,
+    typing: str | None = None,
+    workspace_gib: float = 4.0,
+) -> Path:
     """Build one graph (graphs = (fp32 file, fp16 file)) with one profile `shapes`; shared by the
     single-sequence and the batched drafter plans."""
     trt = import_tensorrt()

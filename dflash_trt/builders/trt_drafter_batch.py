@@ -18,8 +18,13 @@ BATCH_PLAN_FILE = "drafter_batch.plan"
 BATCH_PLAN_MANIFEST = "drafter_batch.plan.json"
 
 
-def batch_profile_shapes(meta: DrafterGraphMeta, max_rows: int, max_context: int | None = None,
-                         max_new_tokens: int | None = None, opt_rows: int | None = None) -> dict[str, ProfileShapes]:
+def batch_profile_shapes(
+    meta: DrafterGraphMeta,
+    max_rows: int,
+    max_context: int | None = None,
+    max_new_tokens: int | None = None,
+    opt_rows: int | None = None,
+) -> dict[str, ProfileShapes]:
     """min / opt / max per input. opt = a steady-state step: opt_rows rows (default max_rows / 2), each
     with a full block of new context and a half-full cache. The cache axis holds max(past) + new, so its
     max is the context plus the longest new-context run."""
@@ -47,10 +52,25 @@ def batch_profile_shapes(meta: DrafterGraphMeta, max_rows: int, max_context: int
     }
 
 
-def build_batched_drafter_plan(graph_dir: str | Path, out_dir: str | Path, *, max_rows: int = 32,
-                               typing: str | None = None, max_context: int | None = None,
-                               max_new_tokens: int | None = None, workspace_gib: float = 4.0) -> Path:
+def build_batched_drafter_plan(
+    graph_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    max_rows: int = 32,
+    typing: str | None = None,
+    max_context: int | None = None,
+    max_new_tokens: int | None = None,
+    workspace_gib: float = 4.0,
+) -> Path:
     meta = DrafterGraphMeta.read(graph_dir)
     shapes = batch_profile_shapes(meta, max_rows, max_context, max_new_tokens)
-    return build_plan(graph_dir, out_dir, (BATCH_GRAPH_FILES["fp32"], BATCH_GRAPH_FILES["fp16"]), shapes, BATCH_PLAN_FILE,
-                      BATCH_PLAN_MANIFEST, typing=typing, workspace_gib=workspace_gib)
+    return build_plan(
+        graph_dir,
+        out_dir,
+        (BATCH_GRAPH_FILES["fp32"], BATCH_GRAPH_FILES["fp16"]),
+        shapes,
+        BATCH_PLAN_FILE,
+        BATCH_PLAN_MANIFEST,
+        typing=typing,
+        workspace_gib=workspace_gib,
+    )

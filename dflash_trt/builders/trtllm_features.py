@@ -35,7 +35,9 @@ def _mark(module, name, dtype) -> None:
 def _mark_outputs(model, config) -> None:
     layer_ids = list(getattr(config, "dflash_feature_layer_ids", None) or [])
     if not layer_ids:
-        raise ValueError("checkpoint config has no dflash_feature_layer_ids: convert with dflash_trt.builders.trtllm_convert")
+        raise ValueError(
+            "checkpoint config has no dflash_feature_layer_ids: convert with dflash_trt.builders.trtllm_convert"
+        )
     if config.mapping.pp_size != 1:
         raise ValueError("DFlash feature outputs need pp_size == 1 (use tensor parallelism)")
     for i in layer_ids:

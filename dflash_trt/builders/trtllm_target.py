@@ -34,12 +34,18 @@ import json
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..formats import (  # noqa: F401 - re-exported: the engine folder's names live in formats.py
-    CONTEXT_PREFIX, FEATURE_OUTPUT, FINAL_HIDDEN_OUTPUT, GENERATION_PREFIX, TARGET_META_FILE, engine_max_context,
+    CONTEXT_PREFIX,
+    FEATURE_OUTPUT,
+    FINAL_HIDDEN_OUTPUT,
+    GENERATION_PREFIX,
+    TARGET_META_FILE,
+    engine_max_context,
     runtime_input_limit,
 )
 
@@ -143,13 +149,21 @@ def validate(spec: TargetBuildSpec) -> None:
 def convert_command(spec: TargetBuildSpec, python: str = sys.executable) -> list[str]:
     base_cls, _ = family_classes(spec.model_type)
     return [
-        python, "-m", "dflash_trt.builders.trtllm_convert",
-        "--model_dir", str(spec.target_dir),
-        "--output_dir", str(spec.checkpoint_dir),
-        "--model_cls", base_cls,
-        "--dtype", spec.dtype,
-        "--tp_size", str(spec.tp),
-        "--feature_layer_ids", ",".join(map(str, spec.feature_layer_ids)),
+        python,
+        "-m",
+        "dflash_trt.builders.trtllm_convert",
+        "--model_dir",
+        str(spec.target_dir),
+        "--output_dir",
+        str(spec.checkpoint_dir),
+        "--model_cls",
+        base_cls,
+        "--dtype",
+        spec.dtype,
+        "--tp_size",
+        str(spec.tp),
+        "--feature_layer_ids",
+        ",".join(map(str, spec.feature_layer_ids)),
     ]
 
 
@@ -158,19 +172,31 @@ def build_command(spec: TargetBuildSpec) -> list[str]:
     _, features_cls = family_classes(spec.model_type)
     return [
         "trtllm-build",
-        "--checkpoint_dir", str(spec.checkpoint_dir),
-        "--output_dir", str(spec.engine_dir),
+        "--checkpoint_dir",
+        str(spec.checkpoint_dir),
+        "--output_dir",
+        str(spec.engine_dir),
         # our subclass marks the feature layers and the final hidden state as outputs
-        "--model_cls_file", str(FEATURES_MODEL_FILE),
-        "--model_cls_name", features_cls,
-        "--use_paged_context_fmha", "enable",  # needed for KV block reuse with context FMHA
-        "--kv_cache_type", "paged",
-        "--gemm_plugin", "auto",
-        "--max_batch_size", str(spec.max_batch_size),
-        "--max_seq_len", str(spec.max_seq_len),
-        "--max_input_len", str(spec.max_context),
-        "--max_num_tokens", str(spec.num_tokens),
-        "--workers", "1",  # >1 pickles the --model_cls_file class into workers that cannot import it
+        "--model_cls_file",
+        str(FEATURES_MODEL_FILE),
+        "--model_cls_name",
+        features_cls,
+        "--use_paged_context_fmha",
+        "enable",  # needed for KV block reuse with context FMHA
+        "--kv_cache_type",
+        "paged",
+        "--gemm_plugin",
+        "auto",
+        "--max_batch_size",
+        str(spec.max_batch_size),
+        "--max_seq_len",
+        str(spec.max_seq_len),
+        "--max_input_len",
+        str(spec.max_context),
+        "--max_num_tokens",
+        str(spec.num_tokens),
+        "--workers",
+        "1",  # >1 pickles the --model_cls_file class into workers that cannot import it
     ]
 
 
@@ -198,8 +224,14 @@ def launch_command(engines_dir: str | Path, tp: int, argv: list[str]) -> list[st
 serve_command = launch_command  # the name earlier callers used
 
 
-def spec_from_checkpoints(target_dir: str | Path, drafter_dir: str | Path, out_dir: str | Path, tp: int,
-                          block_size: int | None = None, **kw: Any) -> TargetBuildSpec:
+def spec_from_checkpoints(
+    target_dir: str | Path,
+    drafter_dir: str | Path,
+    out_dir: str | Path,
+    tp: int,
+    block_size: int | None = None,
+    **kw: Any,
+) -> TargetBuildSpec:
     """Read model type, layer count and feature layers from the two config.json files (no weights loaded)."""
     from ..config import load_drafter_config
 
@@ -207,9 +239,14 @@ def spec_from_checkpoints(target_dir: str | Path, drafter_dir: str | Path, out_d
     text = raw.get("text_config") or raw
     _, spec = load_drafter_config(Path(drafter_dir))
     return TargetBuildSpec(
-        target_dir=Path(target_dir), out_dir=Path(out_dir), model_type=str(raw.get("model_type")), tp=tp,
-        block_size=block_size or spec.block_size, feature_layer_ids=tuple(spec.target_layer_ids),
-        num_layers=int(text["num_hidden_layers"]), **kw,
+        target_dir=Path(target_dir),
+        out_dir=Path(out_dir),
+        model_type=str(raw.get("model_type")),
+        tp=tp,
+        block_size=block_size or spec.block_size,
+        feature_layer_ids=tuple(spec.target_layer_ids),
+        num_layers=int(text["num_hidden_layers"]),
+        **kw,
     )
 
 

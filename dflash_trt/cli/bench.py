@@ -7,17 +7,24 @@ import sys
 from pathlib import Path
 
 # Flags whose default depends on --smoke (argparse default None = "not given").
-DEFAULTS = dict(prompts_per_set=3, long_prompts_per_set=1, max_new_tokens=[128, 512], block_sizes=[4, 8, 16],
-                repeats=1, timing_reps=20)
-SMOKE = dict(prompts_per_set=1, long_prompts_per_set=1, max_new_tokens=[16], block_sizes=[2, 4],
-             repeats=1, timing_reps=3)
+DEFAULTS = dict(
+    prompts_per_set=3,
+    long_prompts_per_set=1,
+    max_new_tokens=[128, 512],
+    block_sizes=[4, 8, 16],
+    repeats=1,
+    timing_reps=20,
+)
+SMOKE = dict(
+    prompts_per_set=1, long_prompts_per_set=1, max_new_tokens=[16], block_sizes=[2, 4], repeats=1, timing_reps=3
+)
 
 
 def register(sub) -> None:
-    from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
-    from .options import add_device_args, finite_float, positive_int
     from ..bench.prompts import PROMPT_SETS
     from ..bench.runner import FAMILIES
+    from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
+    from .options import add_device_args, finite_float, positive_int
 
     p = sub.add_parser(
         "bench",
@@ -32,99 +39,208 @@ def register(sub) -> None:
     )
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
-    p.add_argument("--ar-draft", type=Path, default=DEMO_DIR / "ar-draft",
-                   help=f"small autoregressive draft model for HF assisted generation, same tokenizer "
-                   f"(default {DEMO_DIR / 'ar-draft'})")
-    p.add_argument("--onnx-drafter", type=Path, default=None, metavar="DIR",
-                   help="an exported ONNX drafter folder (e.g. engines/drafter-onnx); default: export the "
-                   "drafter into a scratch folder at start")
+    p.add_argument(
+        "--ar-draft",
+        type=Path,
+        default=DEMO_DIR / "ar-draft",
+        help=f"small autoregressive draft model for HF assisted generation, same tokenizer "
+        f"(default {DEMO_DIR / 'ar-draft'})",
+    )
+    p.add_argument(
+        "--onnx-drafter",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="an exported ONNX drafter folder (e.g. engines/drafter-onnx); default: export the "
+        "drafter into a scratch folder at start",
+    )
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder (default results/bench)")
-    p.add_argument("--methods", nargs="+", choices=FAMILIES, default=list(FAMILIES),
-                   help="method families to run (default: all; the baseline always runs)")
-    p.add_argument("--block-sizes", nargs="+", type=positive_int, default=None,
-                   help="DFlash block sizes (default 4 8 16; sizes above the drafter's trained size are skipped)")
-    p.add_argument("--temperatures", nargs="+", type=finite_float, default=[0.0, 1.0],
-                   help="sampling temperatures (default 0 1; 0 = greedy, checked against the baseline)")
-    p.add_argument("--max-new-tokens", nargs="+", type=positive_int, default=None,
-                   help="new tokens per run (default 128 512); every run makes exactly this many (EOS ignored)")
-    p.add_argument("--prompt-sets", nargs="+", choices=list(PROMPT_SETS), default=list(PROMPT_SETS),
-                   help="prompt sets (default: all: held-out stdlib code, repetitive text, free text)")
-    p.add_argument("--prompts-per-set", type=positive_int, default=None,
-                   help="prompts per set for lengths <= 128 (default 3)")
-    p.add_argument("--long-prompts-per-set", type=positive_int, default=None,
-                   help="prompts per set for lengths > 128 (default 1: the 512-token runs dominate the time)")
-    p.add_argument("--repeats", type=positive_int, default=None,
-                   help="repetitions per prompt; method order rotates per prompt and repeat (default 1)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="CPU threads for torch and onnxruntime (default: torch's choice)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        choices=FAMILIES,
+        default=list(FAMILIES),
+        help="method families to run (default: all; the baseline always runs)",
+    )
+    p.add_argument(
+        "--block-sizes",
+        nargs="+",
+        type=positive_int,
+        default=None,
+        help="DFlash block sizes (default 4 8 16; sizes above the drafter's trained size are skipped)",
+    )
+    p.add_argument(
+        "--temperatures",
+        nargs="+",
+        type=finite_float,
+        default=[0.0, 1.0],
+        help="sampling temperatures (default 0 1; 0 = greedy, checked against the baseline)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        nargs="+",
+        type=positive_int,
+        default=None,
+        help="new tokens per run (default 128 512); every run makes exactly this many (EOS ignored)",
+    )
+    p.add_argument(
+        "--prompt-sets",
+        nargs="+",
+        choices=list(PROMPT_SETS),
+        default=list(PROMPT_SETS),
+        help="prompt sets (default: all: held-out stdlib code, repetitive text, free text)",
+    )
+    p.add_argument(
+        "--prompts-per-set", type=positive_int, default=None, help="prompts per set for lengths <= 128 (default 3)"
+    )
+    p.add_argument(
+        "--long-prompts-per-set",
+        type=positive_int,
+        default=None,
+        help="prompts per set for lengths > 128 (default 1: the 512-token runs dominate the time)",
+    )
+    p.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=None,
+        help="repetitions per prompt; method order rotates per prompt and repeat (default 1)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads for torch and onnxruntime (default: torch's choice)",
+    )
     add_device_args(p)
-    p.add_argument("--prompt-lookup-tokens", type=positive_int, default=10,
-                   help="prompt_lookup_num_tokens for prompt-lookup decoding (default 10)")
-    p.add_argument("--max-ngram", type=positive_int, default=2,
-                   help="max_matching_ngram_size for prompt-lookup decoding (default 2, HF's)")
-    p.add_argument("--assistant-tokens", type=positive_int, default=None,
-                   help="num_assistant_tokens for assisted generation (default: HF's default and schedule)")
-    p.add_argument("--timing-reps", type=positive_int, default=None,
-                   help="repetitions of each pass timed for the ceiling (default 20)")
-    p.add_argument("--tie-tolerance", type=finite_float, default=1e-3,
-                   help="greedy outputs that first differ where the target's two logits are within this are a "
-                   "numerical tie, reported but not a failure (default 1e-3)")
-    p.add_argument("--corrupt-method", default=None, metavar="NAME",
-                   help="self-test of the equality check: corrupt NAME's greedy outputs (e.g. dflash-torch-b4); "
-                   "the run must then exit 1")
-    p.add_argument("--max-minutes", type=finite_float, default=None,
-                   help="time budget: start no new prompt group after this many minutes (prompts run in order of "
-                   "index across all sets and settings, so a cut run still covers every cell); default: none")
+    p.add_argument(
+        "--prompt-lookup-tokens",
+        type=positive_int,
+        default=10,
+        help="prompt_lookup_num_tokens for prompt-lookup decoding (default 10)",
+    )
+    p.add_argument(
+        "--max-ngram",
+        type=positive_int,
+        default=2,
+        help="max_matching_ngram_size for prompt-lookup decoding (default 2, HF's)",
+    )
+    p.add_argument(
+        "--assistant-tokens",
+        type=positive_int,
+        default=None,
+        help="num_assistant_tokens for assisted generation (default: HF's default and schedule)",
+    )
+    p.add_argument(
+        "--timing-reps",
+        type=positive_int,
+        default=None,
+        help="repetitions of each pass timed for the ceiling (default 20)",
+    )
+    p.add_argument(
+        "--tie-tolerance",
+        type=finite_float,
+        default=1e-3,
+        help="greedy outputs that first differ where the target's two logits are within this are a "
+        "numerical tie, reported but not a failure (default 1e-3)",
+    )
+    p.add_argument(
+        "--corrupt-method",
+        default=None,
+        metavar="NAME",
+        help="self-test of the equality check: corrupt NAME's greedy outputs (e.g. dflash-torch-b4); "
+        "the run must then exit 1",
+    )
+    p.add_argument(
+        "--max-minutes",
+        type=finite_float,
+        default=None,
+        help="time budget: start no new prompt group after this many minutes (prompts run in order of "
+        "index across all sets and settings, so a cut run still covers every cell); default: none",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--smoke", action="store_true",
-                   help="a CI-sized run: 1 prompt per set, 16 new tokens, block sizes 2 4, 3 timing reps "
-                   "(explicit flags still apply to temperatures, methods and sets)")
-    p.add_argument("--profile", action="store_true",
-                   help="instead of the benchmark: profile DFlash rounds (target verify, drafter, acceptance, "
-                   "rollback, Python overhead), write profile.json to --out and print it")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="a CI-sized run: 1 prompt per set, 16 new tokens, block sizes 2 4, 3 timing reps "
+        "(explicit flags still apply to temperatures, methods and sets)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the benchmark: profile DFlash rounds (target verify, drafter, acceptance, "
+        "rollback, Python overhead), write profile.json to --out and print it",
+    )
     p.add_argument("--profile-tokens", type=positive_int, default=128, help="new tokens in the profiled run")
     p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from ..settings import DEMO_MODELS_HINT
-    from .options import CliError
-    from ..config import ConfigError
     from ..bench.report import markdown, plot, write_json
     from ..bench.runner import BenchError, BenchSettings, run_benchmark
+    from ..config import ConfigError
+    from ..settings import DEMO_MODELS_HINT
+    from .options import CliError
 
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
     if not args.target.is_dir():
-        raise CliError(f"target directory not found: {args.target} (the demo models come from "
-                       f"`{DEMO_MODELS_HINT}`; or pass --target/--drafter/--ar-draft)")
+        raise CliError(
+            f"target directory not found: {args.target} (the demo models come from "
+            f"`{DEMO_MODELS_HINT}`; or pass --target/--drafter/--ar-draft)"
+        )
     wants_drafter = args.profile or {"dflash-torch", "dflash-ort"} & set(args.methods)
     if wants_drafter and not args.drafter.is_dir():
         raise CliError(f"drafter directory not found: {args.drafter} (leave dflash-* out of --methods to skip DFlash)")
     if not args.profile and "hf-assisted" in args.methods and not (args.ar_draft / "config.json").is_file():
-        raise CliError(f"hf-assisted needs a small autoregressive draft model: {args.ar_draft} has no config.json "
-                       "(pass --ar-draft, or leave hf-assisted out of --methods)")
+        raise CliError(
+            f"hf-assisted needs a small autoregressive draft model: {args.ar_draft} has no config.json "
+            "(pass --ar-draft, or leave hf-assisted out of --methods)"
+        )
     if args.profile:
         from ..bench.profile import print_profile, profile_rounds
 
         try:
-            prof = profile_rounds(args.target, args.drafter, args.out, args.profile_tokens, args.threads,
-                                  args.block_sizes, args.dtype, args.device)
+            prof = profile_rounds(
+                args.target,
+                args.drafter,
+                args.out,
+                args.profile_tokens,
+                args.threads,
+                args.block_sizes,
+                args.dtype,
+                args.device,
+            )
         except (BenchError, ConfigError, ValueError, OSError) as e:
             raise CliError(str(e)) from None
         print_profile(prof)
         return 0
     settings = BenchSettings(
-        target=args.target, drafter=args.drafter, ar_draft=args.ar_draft, out=args.out,
-        methods=tuple(dict.fromkeys(["baseline", *args.methods])), block_sizes=tuple(args.block_sizes),
-        temperatures=tuple(args.temperatures), max_new_tokens=tuple(args.max_new_tokens),
-        prompt_sets=tuple(args.prompt_sets), prompts_per_set=args.prompts_per_set,
-        long_prompts_per_set=args.long_prompts_per_set, repeats=args.repeats, threads=args.threads,
-        dtype=args.dtype, device=args.device, drafter_dtype=args.drafter_dtype, onnx_drafter=args.onnx_drafter, prompt_lookup_tokens=args.prompt_lookup_tokens,
-        max_ngram=args.max_ngram, assistant_tokens=args.assistant_tokens, timing_reps=args.timing_reps,
-        tie_tolerance=args.tie_tolerance, corrupt_method=args.corrupt_method, max_minutes=args.max_minutes,
+        target=args.target,
+        drafter=args.drafter,
+        ar_draft=args.ar_draft,
+        out=args.out,
+        methods=tuple(dict.fromkeys(["baseline", *args.methods])),
+        block_sizes=tuple(args.block_sizes),
+        temperatures=tuple(args.temperatures),
+        max_new_tokens=tuple(args.max_new_tokens),
+        prompt_sets=tuple(args.prompt_sets),
+        prompts_per_set=args.prompts_per_set,
+        long_prompts_per_set=args.long_prompts_per_set,
+        repeats=args.repeats,
+        threads=args.threads,
+        dtype=args.dtype,
+        device=args.device,
+        drafter_dtype=args.drafter_dtype,
+        onnx_drafter=args.onnx_drafter,
+        prompt_lookup_tokens=args.prompt_lookup_tokens,
+        max_ngram=args.max_ngram,
+        assistant_tokens=args.assistant_tokens,
+        timing_reps=args.timing_reps,
+        tie_tolerance=args.tie_tolerance,
+        corrupt_method=args.corrupt_method,
+        max_minutes=args.max_minutes,
         plots=not args.no_plots,
         progress=not args.no_progress,
     )
@@ -141,9 +257,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     eq = report["equality"]
     if not eq["passed"]:
         for e in eq["mismatches"]:
-            print(f"MISMATCH: {e['method']} on {e['prompt_set']}#{e['prompt']} ({e['max_new_tokens']} tokens, repeat "
-                  f"{e['repeat']}): position {e['position']}, baseline token {e['baseline_token']}, method token "
-                  f"{e['method_token']}, logit gap {e['logit_gap']}", file=sys.stderr)
+            print(
+                f"MISMATCH: {e['method']} on {e['prompt_set']}#{e['prompt']} ({e['max_new_tokens']} tokens, repeat "
+                f"{e['repeat']}): position {e['position']}, baseline token {e['baseline_token']}, method token "
+                f"{e['method_token']}, logit gap {e['logit_gap']}",
+                file=sys.stderr,
+            )
         print("dflash-trt bench: error: greedy outputs differ from the target alone (see above)", file=sys.stderr)
         return 1
     return 0

@@ -12,7 +12,8 @@ def register(sub) -> None:
     from .options import add_model_args, positive_int
 
     p = sub.add_parser(
-        "export-drafter", help="export the drafter round (with the target's embedding and lm_head) to ONNX",
+        "export-drafter",
+        help="export the drafter round (with the target's embedding and lm_head) to ONNX",
         description="Write drafter.onnx (fp32), drafter_fp16.onnx (fp16 math, fp32 inputs/outputs), their .data "
         "weight files and drafter.json into OUT. One graph: block token ids -> embedding -> drafter layers -> "
         "target lm_head -> argmax, with the drafter's context KV cache as explicit inputs and outputs.",
@@ -23,65 +24,101 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_export_drafter)
 
     p = sub.add_parser(
-        "build-drafter", help="build a TensorRT FP16 plan from an exported drafter (needs TensorRT and a GPU)",
+        "build-drafter",
+        help="build a TensorRT FP16 plan from an exported drafter (needs TensorRT and a GPU)",
         description="Build drafter.plan + drafter.plan.json (TensorRT version, GPU, profile shapes, input hashes) "
         "from the folder `export-drafter` wrote. TensorRT 10: weak typing with FP16 kernels (default) or strongly "
         "typed fp16 graph; TensorRT 11: strongly typed only.",
     )
     p.add_argument("--onnx", type=Path, required=True, help="folder written by export-drafter")
     p.add_argument("--out", type=Path, required=True, help="output folder for the plan")
-    p.add_argument("--typing", choices=["weak", "strong"], default=None,
-                   help="weak: fp32 graph + BuilderFlag.FP16 (TensorRT 10 only); strong: the fp16 graph "
-                   "(default: weak on 10, strong on 11)")
-    p.add_argument("--max-context", type=positive_int, default=None,
-                   help="largest cache length T in the profile (default: the drafter's max positions)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=None,
-                   help="largest n (new context tokens per call; the prefill passes the whole prompt) (default: max context)")
+    p.add_argument(
+        "--typing",
+        choices=["weak", "strong"],
+        default=None,
+        help="weak: fp32 graph + BuilderFlag.FP16 (TensorRT 10 only); strong: the fp16 graph "
+        "(default: weak on 10, strong on 11)",
+    )
+    p.add_argument(
+        "--max-context",
+        type=positive_int,
+        default=None,
+        help="largest cache length T in the profile (default: the drafter's max positions)",
+    )
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=None,
+        help="largest n (new context tokens per call; the prefill passes the whole prompt) (default: max context)",
+    )
     p.set_defaults(func=cmd_build_drafter)
 
     p = sub.add_parser(
-        "build-target", help="convert + build a tensor-parallel TensorRT-LLM target engine (needs TensorRT-LLM 1.2)",
+        "build-target",
+        help="convert + build a tensor-parallel TensorRT-LLM target engine (needs TensorRT-LLM 1.2)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=textwrap.fill("HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine (TensorRT-LLM "
-        "1.2 engine path) whose model class marks the drafter's feature layers and the final hidden state as outputs. "
-        "Built without --gather_context_logits and without speculative-decoding flags, so the runtime keeps KV block "
-        "reuse on; every rank is built by one process (--workers 1). --dry-run prints the plan and the launch line "
-        "without running anything.", 100),
+        description=textwrap.fill(
+            "HF checkpoint -> TensorRT-LLM checkpoint (one rank file per GPU) -> trtllm-build engine (TensorRT-LLM "
+            "1.2 engine path) whose model class marks the drafter's feature layers and the final hidden state as outputs. "
+            "Built without --gather_context_logits and without speculative-decoding flags, so the runtime keeps KV block "
+            "reuse on; every rank is built by one process (--workers 1). --dry-run prints the plan and the launch line "
+            "without running anything.",
+            100,
+        ),
         epilog="launch (tp = N > 1: one process per GPU; rank 0 runs the loop and HTTP, the others the engine):\n"
         "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
         "tp = 1:\n  dflash-trt serve --engines engines\n"
         "(engines/ as written by `make engines` with tp = N in engines.toml). Not run on real hardware in this project.",
     )
     add_model_args(p, dtype=False)  # the drafter gives the feature layers and the block size
-    p.add_argument("--tp", type=positive_int, choices=[1, 2, 4, 8], default=1,
-                   help="tensor-parallel size = GPUs (default 1)")
+    p.add_argument(
+        "--tp", type=positive_int, choices=[1, 2, 4, 8], default=1, help="tensor-parallel size = GPUs (default 1)"
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (checkpoint/ and engine/ inside)")
     p.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's trained block size")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="engine dtype (default float16)")
     p.add_argument("--max-batch-size", type=positive_int, default=8, help="default 8")
-    p.add_argument("--max-seq-len", type=positive_int, default=4096,
-                   help="longest sequence, prompt + output (default 4096); the engine accepts max_seq_len - 1 tokens "
-                   "per request when --max-num-tokens >= it")
-    p.add_argument("--max-num-tokens", type=positive_int, default=None,
-                   help="tokens per engine pass (default: --max-seq-len, so a whole context fits one pass); the "
-                   "engine's context limit is min(max_seq_len - 1, max_num_tokens)")
+    p.add_argument(
+        "--max-seq-len",
+        type=positive_int,
+        default=4096,
+        help="longest sequence, prompt + output (default 4096); the engine accepts max_seq_len - 1 tokens "
+        "per request when --max-num-tokens >= it",
+    )
+    p.add_argument(
+        "--max-num-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per engine pass (default: --max-seq-len, so a whole context fits one pass); the "
+        "engine's context limit is min(max_seq_len - 1, max_num_tokens)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan and the launch line only")
     p.set_defaults(func=cmd_build_target)
 
     p = sub.add_parser(
-        "engines", help="build every engine this machine supports from one config file (what `make engines` runs)",
+        "engines",
+        help="build every engine this machine supports from one config file (what `make engines` runs)",
         description="Read the engines config (TOML or JSON: target, drafter, output, tp, block_size, precision, "
         "max_batch_size, max_input_len, max_seq_len), build the ONNX drafter always, the TensorRT plan and the "
         "TensorRT-LLM target where TensorRT / TensorRT-LLM and GPUs exist, write OUTPUT/manifest.json and report "
         "what was built, what was up to date and what was skipped and why. Unchanged inputs: nothing is rebuilt.",
     )
-    p.add_argument("--config", type=Path, default=REPO_ROOT / "engines.toml",
-                   help="engines config file (default: engines.toml at the repo root)")
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=REPO_ROOT / "engines.toml",
+        help="engines config file (default: engines.toml at the repo root)",
+    )
     p.add_argument("--target", type=Path, default=None, help="override the config's target checkpoint")
     p.add_argument("--drafter", type=Path, default=None, help="override the config's drafter checkpoint")
     p.add_argument("--out", type=Path, default=None, help="override the config's output folder")
-    p.add_argument("--tp", type=positive_int, choices=[1, 2, 4, 8], default=None,
-                   help="override the config's tensor-parallel size (1, 2, 4 or 8)")
+    p.add_argument(
+        "--tp",
+        type=positive_int,
+        choices=[1, 2, 4, 8],
+        default=None,
+        help="override the config's tensor-parallel size (1, 2, 4 or 8)",
+    )
     p.set_defaults(func=cmd_engines)
 
 
@@ -92,8 +129,8 @@ def _fail(e: Exception):
 
 
 def cmd_export_drafter(args: argparse.Namespace) -> int:
-    from ..config import ConfigError
     from ..builders.onnx_drafter import export_from_checkpoints
+    from ..config import ConfigError
 
     for role, path in (("drafter", args.drafter), ("target", args.target)):
         if not path.is_dir():
@@ -112,8 +149,9 @@ def cmd_build_drafter(args: argparse.Namespace) -> int:
     from ..runtime.base import EngineUnavailable
 
     try:
-        plan = build_drafter_plan(args.onnx, args.out, typing=args.typing, max_context=args.max_context,
-                                  max_new_tokens=args.max_new_tokens)
+        plan = build_drafter_plan(
+            args.onnx, args.out, typing=args.typing, max_context=args.max_context, max_new_tokens=args.max_new_tokens
+        )
     except (EngineUnavailable, FileNotFoundError, ValueError) as e:
         _fail(e)
     print(f"plan: {plan}")
@@ -123,8 +161,13 @@ def cmd_build_drafter(args: argparse.Namespace) -> int:
 def cmd_build_target(args: argparse.Namespace) -> int:
     import shlex
 
-    from ..builders.trtllm_target import (TargetBuildError, launch_command, plan_target_build, run_plan,
-                                          spec_from_checkpoints)
+    from ..builders.trtllm_target import (
+        TargetBuildError,
+        launch_command,
+        plan_target_build,
+        run_plan,
+        spec_from_checkpoints,
+    )
     from ..config import ConfigError
     from ..runtime.base import EngineUnavailable
 
@@ -132,15 +175,28 @@ def cmd_build_target(args: argparse.Namespace) -> int:
         for role, path in (("target", args.target), ("drafter", args.drafter)):
             if not (path / "config.json").is_file():
                 raise FileNotFoundError(f"{role} checkpoint not found: {path}")
-        plan = plan_target_build(spec_from_checkpoints(
-            args.target, args.drafter, args.out, args.tp, args.block_size, dtype=args.dtype,
-            max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len, max_num_tokens=args.max_num_tokens))
+        plan = plan_target_build(
+            spec_from_checkpoints(
+                args.target,
+                args.drafter,
+                args.out,
+                args.tp,
+                args.block_size,
+                dtype=args.dtype,
+                max_batch_size=args.max_batch_size,
+                max_seq_len=args.max_seq_len,
+                max_num_tokens=args.max_num_tokens,
+            )
+        )
         print(plan.describe())
         print("checkpoint files: " + ", ".join(plan.checkpoint_files))
         print("engine files:     " + ", ".join(plan.engine_files))
         print("engine outputs:   " + ", ".join(plan.outputs) + f"; max context {plan.spec.max_context} tokens")
-        print("launch: " + shlex.join(launch_command("engines", args.tp, ["serve"]) + ["--host", "0.0.0.0"])
-              + "   (engines/ from `make engines` with this tp)")
+        print(
+            "launch: "
+            + shlex.join(launch_command("engines", args.tp, ["serve"]) + ["--host", "0.0.0.0"])
+            + "   (engines/ from `make engines` with this tp)"
+        )
         if not args.dry_run:
             run_plan(plan)
     except (TargetBuildError, ConfigError, EngineUnavailable, FileNotFoundError) as e:
@@ -151,20 +207,25 @@ def cmd_build_target(args: argparse.Namespace) -> int:
 def cmd_engines(args: argparse.Namespace) -> int:
     import time
 
-    from ..settings import REPO_ROOT
-    from ..config import ConfigError
     from ..builders.engines import EnginesConfigError, build_engines, read_config
+    from ..config import ConfigError
+    from ..settings import REPO_ROOT
 
     t0 = time.perf_counter()
     try:
-        cfg = read_config(args.config if args.config.is_file() or args.config != REPO_ROOT / "engines.toml" else None,
-                          REPO_ROOT, {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp})
+        cfg = read_config(
+            args.config if args.config.is_file() or args.config != REPO_ROOT / "engines.toml" else None,
+            REPO_ROOT,
+            {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp},
+        )
         manifest, report = build_engines(cfg)
     except (EnginesConfigError, ConfigError, FileNotFoundError, ValueError) as e:
         _fail(e)
     for line in report.lines():
         print(line)
     serve = manifest["serve"]
-    print(f"serving: drafter {serve['drafter']}, target {serve['target']}; manifest {cfg.output / 'manifest.json'} "
-          f"({time.perf_counter() - t0:.1f} s)")
+    print(
+        f"serving: drafter {serve['drafter']}, target {serve['target']}; manifest {cfg.output / 'manifest.json'} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
     return 0

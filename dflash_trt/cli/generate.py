@@ -7,8 +7,18 @@ import json
 import sys
 from pathlib import Path
 
-from .options import (CliError, add_model_args, close_engines, finite_float, load_engines_or_fail, load_or_fail,
-                      non_negative_int, positive_int, serve_worker_rank, token_ids)
+from .options import (
+    CliError,
+    add_model_args,
+    close_engines,
+    finite_float,
+    load_engines_or_fail,
+    load_or_fail,
+    non_negative_int,
+    positive_int,
+    serve_worker_rank,
+    token_ids,
+)
 
 
 def register(sub) -> None:
@@ -27,16 +37,30 @@ def register(sub) -> None:
     g.add_argument("--top-p", type=finite_float, default=1.0, help="nucleus sampling mass in (0, 1] (default 1)")
     g.add_argument("--top-k", type=non_negative_int, default=0, help="sample among the k likeliest tokens; 0 = off")
     g.add_argument("--seed", type=int, default=None, help="random seed for sampling (default: random)")
-    g.add_argument("--block-size", type=positive_int, default=None,
-                   help="tokens per draft-and-verify round, up to the drafter's trained size (default: trained size)")
-    g.add_argument("--acceptance", choices=["rejection", "exact-match"], default="rejection",
-                   help="sampling acceptance rule: speculative rejection sampling with draft probabilities "
-                   "(default) or the reference's exact match with greedy drafts; both are lossless")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop string (repeatable); the text ends before it")
+    g.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="tokens per draft-and-verify round, up to the drafter's trained size (default: trained size)",
+    )
+    g.add_argument(
+        "--acceptance",
+        choices=["rejection", "exact-match"],
+        default="rejection",
+        help="sampling acceptance rule: speculative rejection sampling with draft probabilities "
+        "(default) or the reference's exact match with greedy drafts; both are lossless",
+    )
+    g.add_argument(
+        "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it"
+    )
     g.add_argument("--no-draft", action="store_true", help="run the target alone (autoregressive baseline)")
-    g.add_argument("--engines", type=Path, default=None, metavar="DIR",
-                   help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
+    g.add_argument(
+        "--engines",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter",
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
     g.set_defaults(func=cmd_generate)
 
@@ -47,8 +71,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.engines is not None:
         decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device)
     else:
-        decoder = load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device,
-                               args.drafter_dtype)
+        decoder = load_or_fail(
+            args.target, None if args.no_draft else args.drafter, args.dtype, args.device, args.drafter_dtype
+        )
     if serve_worker_rank(decoder):
         return 0
     try:
@@ -68,12 +93,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         close_engines(decoder)
     if args.json:
-        print(json.dumps({
-            "token_ids": result.token_ids,
-            "text": result.text,
-            "finish_reason": result.finish_reason,
-            "stats": result.stats.to_dict(),
-        }))
+        print(
+            json.dumps(
+                {
+                    "token_ids": result.token_ids,
+                    "text": result.text,
+                    "finish_reason": result.finish_reason,
+                    "stats": result.stats.to_dict(),
+                }
+            )
+        )
     else:
         print(result.text if result.text is not None else ",".join(map(str, result.token_ids)))
         s = result.stats

@@ -52,10 +52,18 @@ def token_ids(text: str) -> list[int]:
 
 
 def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
-    p.add_argument("--target", type=Path, default=DEMO_TARGET,
-                   help=f"Hugging Face target checkpoint directory (default: demo model {DEMO_TARGET})")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
-                   help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})")
+    p.add_argument(
+        "--target",
+        type=Path,
+        default=DEMO_TARGET,
+        help=f"Hugging Face target checkpoint directory (default: demo model {DEMO_TARGET})",
+    )
+    p.add_argument(
+        "--drafter",
+        type=Path,
+        default=DEMO_DRAFTER,
+        help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})",
+    )
     if dtype:  # commands that build engines choose their own precision
         add_device_args(p)
 
@@ -64,16 +72,28 @@ DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
 
 def add_device_args(p) -> None:
-    p.add_argument("--device", default="cpu", metavar="{cpu,cuda,cuda:N}",
-                   help="where the PyTorch engines run (default cpu); cuda needs a CUDA build of torch and a GPU")
-    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32",
-                   help="weights dtype for the PyTorch engines (default float32, right for CPU; on a GPU use "
-                   "bfloat16 / bf16 or float16 / fp16)")
-    p.add_argument("--drafter-dtype", choices=["auto", *DTYPE_CHOICES], default=None,
-                   help="dtype of the PyTorch drafter. auto: bfloat16 on a CPU with AMX or AVX512-BF16 next to a float32 target, "
-                   "else --dtype. Default: auto for serve (batched passes of 16-32 rows ran 1.1-1.5x faster in "
-                   "bfloat16 on 2 cores), --dtype for generate and bench (one sequence: 20%% slower in bfloat16). "
-                   "Output is unchanged either way: the target verifies every drafted token in --dtype")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        metavar="{cpu,cuda,cuda:N}",
+        help="where the PyTorch engines run (default cpu); cuda needs a CUDA build of torch and a GPU",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=DTYPE_CHOICES,
+        default="float32",
+        help="weights dtype for the PyTorch engines (default float32, right for CPU; on a GPU use "
+        "bfloat16 / bf16 or float16 / fp16)",
+    )
+    p.add_argument(
+        "--drafter-dtype",
+        choices=["auto", *DTYPE_CHOICES],
+        default=None,
+        help="dtype of the PyTorch drafter. auto: bfloat16 on a CPU with AMX or AVX512-BF16 next to a float32 target, "
+        "else --dtype. Default: auto for serve (batched passes of 16-32 rows ran 1.1-1.5x faster in "
+        "bfloat16 on 2 cores), --dtype for generate and bench (one sequence: 20%% slower in bfloat16). "
+        "Output is unchanged either way: the target verifies every drafted token in --dtype",
+    )
 
 
 def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "cpu", drafter_dtype: str | None = None):
@@ -112,8 +132,10 @@ def serve_worker_rank(decoder) -> bool:
     target = decoder.target
     if getattr(target, "is_leader", True):
         return False
-    print(json.dumps({"event": "tensor_parallel_worker", "detail": "not the leader rank: serving the engine only"}),
-          file=sys.stderr)
+    print(
+        json.dumps({"event": "tensor_parallel_worker", "detail": "not the leader rank: serving the engine only"}),
+        file=sys.stderr,
+    )
     target.serve_worker()
     return True
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import textwrap
 import os
+import textwrap
 from pathlib import Path
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
@@ -40,61 +40,112 @@ def register(sub) -> None:
         "serve",
         help="serve the models over HTTP (native /generate and OpenAI-compatible endpoints)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=textwrap.fill("HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
-        "GET /v1/models, /health, /ready, /metrics. Every active request is a row of one batch: each step runs "
-        "ONE drafter pass and ONE target pass that verifies every row's block, then accepts per row; new requests "
-        "are prefilled in a call of their own between steps. Block sizes are chosen per step and per request "
-        "(adaptive, from a cost model measured at start-up) unless --block-size or --no-adaptive fixes them; "
-        "a request's own block_size wins. With adaptive sizes a seed fixes the distribution, not the text: "
-        "send a fixed block_size for reproducible sampled text.", 100),
+        description=textwrap.fill(
+            "HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
+            "GET /v1/models, /health, /ready, /metrics. Every active request is a row of one batch: each step runs "
+            "ONE drafter pass and ONE target pass that verifies every row's block, then accepts per row; new requests "
+            "are prefilled in a call of their own between steps. Block sizes are chosen per step and per request "
+            "(adaptive, from a cost model measured at start-up) unless --block-size or --no-adaptive fixes them; "
+            "a request's own block_size wins. With adaptive sizes a seed fixes the distribution, not the text: "
+            "send a fixed block_size for reproducible sampled text.",
+            100,
+        ),
         epilog="A tensor-parallel TensorRT-LLM target (tp = N > 1 in engines.toml) runs one process per GPU:\n"
         "  mpirun -n N --allow-run-as-root dflash-trt serve --engines engines --host 0.0.0.0\n"
         "Rank 0 runs the HTTP server and the loop; the other ranks only serve the engine (TensorRT-LLM leader mode).\n"
         "A GPU without TensorRT: dflash-trt serve --device cuda --dtype bf16 (PyTorch engines on the GPU).",
     )
     src = p.add_argument_group("models (default: the demo models)")
-    src.add_argument("--target", type=Path, default=DEMO_TARGET,
-                     help=f"Hugging Face target checkpoint directory (default: {DEMO_TARGET})")
-    src.add_argument("--drafter", type=Path, default=DEMO_DRAFTER,
-                     help=f"DFlash drafter checkpoint directory (default: {DEMO_DRAFTER})")
-    src.add_argument("--engines", type=Path, default=None,
-                     help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter")
+    src.add_argument(
+        "--target",
+        type=Path,
+        default=DEMO_TARGET,
+        help=f"Hugging Face target checkpoint directory (default: {DEMO_TARGET})",
+    )
+    src.add_argument(
+        "--drafter",
+        type=Path,
+        default=DEMO_DRAFTER,
+        help=f"DFlash drafter checkpoint directory (default: {DEMO_DRAFTER})",
+    )
+    src.add_argument(
+        "--engines",
+        type=Path,
+        default=None,
+        help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter",
+    )
     src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
     blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
     one = blk.add_mutually_exclusive_group()
-    one.add_argument("--block-size", type=positive_int, default=None, metavar="N",
-                     help="every request's block size unless it sends its own (1..the drafter's trained size; "
-                     "1 = the target alone, with the drafter still loaded for requests that ask for more)")
-    one.add_argument("--no-adaptive", action="store_true",
-                     help="use the drafter's trained block size instead of choosing one per step and request "
-                     "(adaptive: the sizes that maximise expected tokens per second, from each request's "
-                     "acceptance so far and the cost of a batched pass, measured at start-up)")
+    one.add_argument(
+        "--block-size",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="every request's block size unless it sends its own (1..the drafter's trained size; "
+        "1 = the target alone, with the drafter still loaded for requests that ask for more)",
+    )
+    one.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="use the drafter's trained block size instead of choosing one per step and request "
+        "(adaptive: the sizes that maximise expected tokens per second, from each request's "
+        "acceptance so far and the cost of a batched pass, measured at start-up)",
+    )
     add_device_args(src)
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    net.add_argument("--port", type=_port, default=8000,
-                     help="port (default 8000); 0 picks a free one, reported on stderr as "
-                     '{"event": "listening", "host": ..., "port": N}')
-    net.add_argument("--api-key", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-                     f"(default: ${API_KEY_ENV} if set, else no auth)")
-    net.add_argument("--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)")
+    net.add_argument(
+        "--port",
+        type=_port,
+        default=8000,
+        help="port (default 8000); 0 picks a free one, reported on stderr as "
+        '{"event": "listening", "host": ..., "port": N}',
+    )
+    net.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
+        f"(default: ${API_KEY_ENV} if set, else no auth)",
+    )
+    net.add_argument(
+        "--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)"
+    )
     lim = p.add_argument_group("limits")
-    lim.add_argument("--max-active", type=positive_int, default=8,
-                     help="the most requests in one batched step (rows of the batch); more wait in the queue "
-                     "(default 8)")
-    lim.add_argument("--max-queue", type=non_negative_int, default=64,
-                     help="requests waiting beyond --max-active; more get 429 with Retry-After (default 64)")
+    lim.add_argument(
+        "--max-active",
+        type=positive_int,
+        default=8,
+        help="the most requests in one batched step (rows of the batch); more wait in the queue (default 8)",
+    )
+    lim.add_argument(
+        "--max-queue",
+        type=non_negative_int,
+        default=64,
+        help="requests waiting beyond --max-active; more get 429 with Retry-After (default 64)",
+    )
     lim.add_argument("--request-timeout", type=_seconds, default=300.0, help="seconds per request (default 300)")
-    lim.add_argument("--max-body-bytes", type=positive_int, default=1 << 20,
-                     help="largest request body; more gets 413 (default 1 MiB)")
-    lim.add_argument("--default-max-tokens", type=positive_int, default=256,
-                     help="chat requests without max_tokens generate at most this many, clipped to the context "
-                     "left (default 256); /v1/completions without max_tokens keeps OpenAI's default of 16 and "
-                     "/generate its own default of 128")
-    lim.add_argument("--drain-timeout", type=_drain_seconds, default=30.0,
-                     help="on SIGTERM/SIGINT: seconds to let in-flight requests finish while new ones get 503 "
-                     "(default 30); a second signal exits at once")
+    lim.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=1 << 20,
+        help="largest request body; more gets 413 (default 1 MiB)",
+    )
+    lim.add_argument(
+        "--default-max-tokens",
+        type=positive_int,
+        default=256,
+        help="chat requests without max_tokens generate at most this many, clipped to the context "
+        "left (default 256); /v1/completions without max_tokens keeps OpenAI's default of 16 and "
+        "/generate its own default of 128",
+    )
+    lim.add_argument(
+        "--drain-timeout",
+        type=_drain_seconds,
+        default=30.0,
+        help="on SIGTERM/SIGINT: seconds to let in-flight requests finish while new ones get 503 "
+        "(default 30); a second signal exits at once",
+    )
     lim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=cmd_serve)
 
@@ -131,9 +182,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     limit = decoder.drafter.block_size if decoder.drafter is not None else 1
     if args.block_size is not None and args.block_size > limit:
         close_engines(decoder)
-        raise CliError(f"--block-size must be in 1..{limit} for "
-                       f"{'this drafter' if decoder.drafter is not None else 'the target alone (--no-draft)'}, "
-                       f"got {args.block_size}")
+        raise CliError(
+            f"--block-size must be in 1..{limit} for "
+            f"{'this drafter' if decoder.drafter is not None else 'the target alone (--no-draft)'}, "
+            f"got {args.block_size}"
+        )
     try:  # batching the engines can fail (a target without a batched session): one line, engines closed
         app = create_app(decoder, settings)
     except ValueError as e:
@@ -147,10 +200,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _load_models(args):
-    from .options import load_or_fail, load_engines_or_fail
+    from .options import load_engines_or_fail, load_or_fail
 
     if args.engines is not None:
         return load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device), args.engines.resolve().name
-    return (load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device,
-                             args.drafter_dtype or "auto"),  # batched: see --drafter-dtype
-            args.target.resolve().name)
+    return (
+        load_or_fail(
+            args.target, None if args.no_draft else args.drafter, args.dtype, args.device, args.drafter_dtype or "auto"
+        ),  # batched: see --drafter-dtype
+        args.target.resolve().name,
+    )

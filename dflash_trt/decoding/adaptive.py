@@ -38,8 +38,8 @@ is the cost).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -68,14 +68,18 @@ class LinearCost:
             return self.one_token
         return 0.0 if rows == 0 else self.fixed + self.per_row * rows + self.per_token * tokens
 
-    def scaled(self, k: float, k_one_token: float | None = None) -> "LinearCost":
+    def scaled(self, k: float, k_one_token: float | None = None) -> LinearCost:
         """The line times k; the one-token pass times k_one_token (k when None)."""
         k1 = k if k_one_token is None else k_one_token
-        return LinearCost(self.fixed * k, self.per_row * k, self.per_token * k,
-                          None if self.one_token is None else self.one_token * k1)
+        return LinearCost(
+            self.fixed * k,
+            self.per_row * k,
+            self.per_token * k,
+            None if self.one_token is None else self.one_token * k1,
+        )
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> "LinearCost":
+    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> LinearCost:
         """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink).
         One-token passes, when the other samples span enough shapes (3) for the line, are not on it:
         `one_token` is their mean."""
@@ -123,8 +127,10 @@ class CostModel:
 
     def current(self) -> tuple[LinearCost, LinearCost]:
         """The target's and the drafter's costs as the policy should price them now (shape x correction)."""
-        return (self.target.scaled(self.scale["target"], self.scale["target_one_token"]),
-                self.drafter.scaled(self.scale["drafter"]))
+        return (
+            self.target.scaled(self.scale["target"], self.scale["target_one_token"]),
+            self.drafter.scaled(self.scale["drafter"]),
+        )
 
     def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
         target, drafter = self.current()
@@ -139,7 +145,11 @@ class CostModel:
         del seen[: -self.window]
         shape = getattr(self, kind)
         predicted = shape(rows, tokens)
-        key = "target_one_token" if kind == "target" and (rows, tokens) == (1, 1) and shape.one_token is not None else kind
+        key = (
+            "target_one_token"
+            if kind == "target" and (rows, tokens) == (1, 1) and shape.one_token is not None
+            else kind
+        )
         if correct and predicted > 0 and seconds > 0:
             ratio = min(4.0, max(0.25, seconds / predicted))
             self.scale[key] += self.scale_weight * (ratio - self.scale[key])
@@ -243,16 +253,29 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     if not rows:
         return []
     t, d = cost.current()
-    free_sizes = [[r.fixed] if r.fixed is not None else [r.max_block] if r.probe and r.max_block >= 2
-                  else list(range(1, max(1, r.max_block) + 1)) for r in rows]
+    free_sizes = [
+        [r.fixed]
+        if r.fixed is not None
+        else [r.max_block]
+        if r.probe and r.max_block >= 2
+        else list(range(1, max(1, r.max_block) + 1))
+        for r in rows
+    ]
     if t(len(rows), len(rows)) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
         return [sizes[-1] for sizes in free_sizes]
     # per row and candidate size: expected tokens and the row's share of the step time
     cands = []
     for r, sizes in zip(rows, free_sizes):
-        cands.append([(b, expected_tokens(r.alpha, b),
-                       t.per_token * b + (d.per_row + d.per_token * (b + r.new_context) if b > 1 else 0.0))
-                      for b in sizes])
+        cands.append(
+            [
+                (
+                    b,
+                    expected_tokens(r.alpha, b),
+                    t.per_token * b + (d.per_row + d.per_token * (b + r.new_context) if b > 1 else 0.0),
+                )
+                for b in sizes
+            ]
+        )
     shared = t.fixed + t.per_row * len(rows)
 
     def rate(pick: list[tuple[int, float, float]], drafting: bool) -> float:
@@ -269,11 +292,16 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     for _ in range(max_iter):
         pick = [max(c, key=lambda p: p[1] - lam * p[2]) for c in cands]
         if not any(p[0] > 1 for p in pick):  # the best drafting pick: one row switched, the one that loses least
-            switches = [(max(opts, key=lambda p: p[1] - lam * p[2]), i) for i, c in enumerate(cands)
-                        if (opts := [p for p in c if p[0] > 1])]
+            switches = [
+                (max(opts, key=lambda p: p[1] - lam * p[2]), i)
+                for i, c in enumerate(cands)
+                if (opts := [p for p in c if p[0] > 1])
+            ]
             if not switches:  # no row can draft: case 1 was the only choice
                 break
-            best_switch, i = max(switches, key=lambda s: (s[0][1] - lam * s[0][2]) - (pick[s[1]][1] - lam * pick[s[1]][2]))
+            best_switch, i = max(
+                switches, key=lambda s: (s[0][1] - lam * s[0][2]) - (pick[s[1]][1] - lam * pick[s[1]][2])
+            )
             pick[i] = best_switch
         new = rate(pick, True)
         if best_pick is not None and new <= lam * (1 + 1e-12):
@@ -283,8 +311,14 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     return [p[0] for p in best_pick]
 
 
-def measure_costs(target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, rows: Sequence[int] = (1, 4, 16), blocks: Sequence[int] = (1, 4, 8),
-                  context: int = 128, repeats: int = 3) -> CostModel:
+def measure_costs(
+    target: BatchTargetEngine,
+    drafter: BatchDrafterEngine | None = None,
+    rows: Sequence[int] = (1, 4, 16),
+    blocks: Sequence[int] = (1, 4, 8),
+    context: int = 128,
+    repeats: int = 3,
+) -> CostModel:
     """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
     target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
@@ -296,8 +330,9 @@ def measure_costs(target: BatchTargetEngine, drafter: BatchDrafterEngine | None 
     for r in rows:
         sess = target.new_batch()
         handles = [sess.add_row() for _ in range(r)]
-        outs = sess.forward(handles, [torch.randint(0, vocab, (context,), generator=g) for _ in handles],
-                            last_logits_only=True)
+        outs = sess.forward(
+            handles, [torch.randint(0, vocab, (context,), generator=g) for _ in handles], last_logits_only=True
+        )
         dsess, dh = None, []
         if drafter is not None and outs[0].features is not None:
             dsess = drafter.new_batch()

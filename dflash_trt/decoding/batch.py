@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -33,7 +34,13 @@ from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftReques
 from .acceptance import Proposal, acceptance_rule
 from .adaptive import AcceptancePrior, AcceptanceTracker, CostModel, RowChoice, choose_blocks
 from .decode import (
-    GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens, validate_request,
+    GenerationConfig,
+    GenerationResult,
+    GenerationStats,
+    Round,
+    RoundTimings,
+    commit_tokens,
+    validate_request,
 )
 from .detokenizer import IncrementalDetokenizer
 from .sampling import next_token
@@ -98,11 +105,13 @@ class BatchRow:
     def remaining(self) -> int:
         return self.config.max_new_tokens - len(self.generated)
 
-    def commit(self, new: list[int], drafted: int, accepted: int, prefill: bool = False,
-               timings: RoundTimings | None = None) -> Round:
+    def commit(
+        self, new: list[int], drafted: int, accepted: int, prefill: bool = False, timings: RoundTimings | None = None
+    ) -> Round:
         new = commit_tokens(self, new, drafted, accepted, prefill)  # the same rules as Generation._commit
-        return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill,
-                     timings=timings or RoundTimings())
+        return Round(
+            token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill, timings=timings or RoundTimings()
+        )
 
     def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits as this request sees them (penalties, logit_bias, min_tokens), exactly as
@@ -137,9 +146,20 @@ class BatchDecoder:
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
     `cancel` and `step` belong to the one thread that runs the engines."""
 
-    def __init__(self, target: BatchTargetEngine, drafter: BatchDrafterEngine | None = None, tokenizer: Any = None, *,
-                 block_size: int | None = None, adaptive: bool = False, cost: CostModel | None = None,
-                 refit_every: int = 0, probe_every: int = 32, min_gain: float = 0.1, max_probe_backoff: int = 4):
+    def __init__(
+        self,
+        target: BatchTargetEngine,
+        drafter: BatchDrafterEngine | None = None,
+        tokenizer: Any = None,
+        *,
+        block_size: int | None = None,
+        adaptive: bool = False,
+        cost: CostModel | None = None,
+        refit_every: int = 0,
+        probe_every: int = 32,
+        min_gain: float = 0.1,
+        max_probe_backoff: int = 4,
+    ):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -234,8 +254,11 @@ class BatchDecoder:
         while self.active:
             self.step()
 
-    def generate(self, prompts: Sequence[Sequence[int]], configs: Sequence[GenerationConfig] | GenerationConfig
-                 = GenerationConfig()) -> list[GenerationResult]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        configs: Sequence[GenerationConfig] | GenerationConfig = GenerationConfig(),
+    ) -> list[GenerationResult]:
         """Every prompt as one row of the same batch, run to the end."""
         if isinstance(configs, GenerationConfig):
             configs = [configs] * len(prompts)
@@ -254,7 +277,9 @@ class BatchDecoder:
         want = any(r.drafter_row is not None for r in rows)
         outs = self.target_session.forward(
             [r.target_row for r in rows if r.target_row is not None],
-            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows], last_logits_only=True, features=want,
+            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows],
+            last_logits_only=True,
+            features=want,
         )
         rounds = []
         for row, out in zip(rows, outs):
@@ -326,7 +351,8 @@ class BatchDecoder:
         committed = [self.target_session.length(r.target_row) for r in rows]  # type: ignore[arg-type]
         outs = self.target_session.forward(
             [r.target_row for r in rows],  # type: ignore[misc]
-            blocks, features=any(r.drafter_row is not None for r in rows),
+            blocks,
+            features=any(r.drafter_row is not None for r in rows),
         )
         t3 = time.perf_counter()
         rounds = []
@@ -350,8 +376,9 @@ class BatchDecoder:
             row.stats.verify_time_s += t3 - t2
             new = tokens[:accepted].tolist() + [bonus]
             own = time.perf_counter() - ta  # this row's acceptance and rollback; the passes are shared
-            timings = RoundTimings(draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own,
-                                   total_s=t3 - t0 + own)
+            timings = RoundTimings(
+                draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
+            )
             rounds.append((row, row.commit(new, drafted=int(tokens.numel()), accepted=accepted, timings=timings)))
         for regime, (acc, drafted) in probed.items():  # probes that missed (accepted < half of the drafts)
             # confirm the low estimates: the regime's next probe waits twice as long; a hit resets the wait
@@ -359,7 +386,11 @@ class BatchDecoder:
             self.probe_misses[regime] = k
             self._next_probe[regime] = self._steps + self.probe_every * (1 << k)
         t4 = time.perf_counter()
-        prof.verify_rows, prof.verify_tokens, prof.blocks = len(rows), sum(len(b) for b in blocks), [len(b) for b in blocks]
+        prof.verify_rows, prof.verify_tokens, prof.blocks = (
+            len(rows),
+            sum(len(b) for b in blocks),
+            [len(b) for b in blocks],
+        )
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
         self._steps += 1
         if self.cost is not None and self.adaptive:

@@ -14,8 +14,9 @@ drafter) the same code is plain autoregressive decoding with the target: the bas
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -26,9 +27,21 @@ from .processors import LogitsAdjustment
 from .sampling import SamplingParams, next_token
 from .stopping import StopChecker, truncate_at_stop
 
-__all__ = ["ACCEPTANCE_RULES", "CommitState", "ContextLengthError", "Generation", "GenerationConfig",
-           "GenerationResult", "GenerationStats", "InputError", "Round", "RoundTimings", "SpeculativeDecoder",
-           "commit_tokens", "validate_request"]
+__all__ = [
+    "ACCEPTANCE_RULES",
+    "CommitState",
+    "ContextLengthError",
+    "Generation",
+    "GenerationConfig",
+    "GenerationResult",
+    "GenerationStats",
+    "InputError",
+    "Round",
+    "RoundTimings",
+    "SpeculativeDecoder",
+    "commit_tokens",
+    "validate_request",
+]
 
 
 class InputError(ValueError):
@@ -201,7 +214,7 @@ class SpeculativeDecoder:
             )
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
 
-    def start(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> "Generation":
+    def start(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> Generation:
         return Generation(self, list(prompt_ids), config)
 
     def generate(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> GenerationResult:
@@ -240,7 +253,8 @@ class Generation:
         self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.target_session = target.new_session()
         self.drafter_session: DrafterSession | None = (
-            drafter.new_session() if drafter is not None and self.block_size > 1 else None)
+            drafter.new_session() if drafter is not None and self.block_size > 1 else None
+        )
         self.generated: list[int] = []
         self.pending_features: torch.Tensor | None = None  # committed but not yet shown to the drafter
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=self.block_size)
@@ -304,8 +318,9 @@ class Generation:
             self.pending_features = out.features[: accepted + 1]
         t4 = time.perf_counter()
 
-        timings = RoundTimings(draft_s=t1 - t0, verify_s=t4 - t1, target_s=t2 - t1, accept_s=t3 - t2,
-                               rollback_s=t4 - t3)
+        timings = RoundTimings(
+            draft_s=t1 - t0, verify_s=t4 - t1, target_s=t2 - t1, accept_s=t3 - t2, rollback_s=t4 - t3
+        )
         self.stats.draft_time_s += timings.draft_s
         self.stats.verify_time_s += timings.verify_s
         new = proposal.tokens[:accepted].tolist() + [bonus]
@@ -334,8 +349,9 @@ class Generation:
         return self.rule.propose(draft)
 
     # ---- bookkeeping --------------------------------------------------------------------
-    def _commit(self, new: list[int], drafted: int, accepted: int, timings: RoundTimings, started: float,
-                prefill: bool = False) -> Round:
+    def _commit(
+        self, new: list[int], drafted: int, accepted: int, timings: RoundTimings, started: float, prefill: bool = False
+    ) -> Round:
         new = commit_tokens(self, new, drafted, accepted, prefill)
         timings.total_s = self.stats.total_time_s + self._started - started
         return Round(token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill, timings=timings)

@@ -9,7 +9,8 @@ until later tokens complete it. `text` only ever grows: what it holds, later tok
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Protocol
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 REPLACEMENT = "\ufffd"  # what a decoder prints for an incomplete UTF-8 sequence
 
@@ -38,17 +39,17 @@ class IncrementalDetokenizer:
         start = len(self.text)
         for t in token_ids:
             self.ids.append(int(t))
-            before = self._decode(self.ids[self._prefix:self._read])
-            now = self._decode(self.ids[self._prefix:])
+            before = self._decode(self.ids[self._prefix : self._read])
+            now = self._decode(self.ids[self._prefix :])
             if len(now) > len(before) and not now.endswith(REPLACEMENT):
-                self.text += now[len(before):]
+                self.text += now[len(before) :]
                 self._prefix, self._read = self._read, len(self.ids)
             self.offsets.append(len(self.text))
         return self.text[start:]
 
     def final_text(self) -> str:
         """The whole text once the sequence has ended: any held-back partial character included."""
-        tail = self._decode(self.ids[self._prefix:])[len(self._decode(self.ids[self._prefix:self._read])):]
+        tail = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
         return self.text + tail
 
     def tokens_to_reach(self, end: int) -> int:
@@ -76,5 +77,5 @@ def text_delta(tokenizer: Tokenizer, ids: list[int], new: int, final: bool) -> s
     Triton's postprocessing model): the chunks of a stream concatenate to the final text."""
     detok = IncrementalDetokenizer(tokenizer, ids[: len(ids) - new])
     before = len(detok.text)
-    detok.add(ids[len(ids) - new:])
+    detok.add(ids[len(ids) - new :])
     return (detok.final_text() if final else detok.text)[before:]

@@ -10,8 +10,8 @@ proposal needs no adjustment (rejection sampling is exact for any proposal).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -25,19 +25,32 @@ class LogitsAdjustment:
     min_tokens_suppress: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-           logit_bias: dict[int, float] | None = None, min_tokens: int = 0,
-           min_tokens_suppress: Sequence[int] = ()) -> "LogitsAdjustment | None":
+    def of(
+        cls,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        min_tokens: int = 0,
+        min_tokens_suppress: Sequence[int] = (),
+    ) -> LogitsAdjustment | None:
         """The adjustment, or None when it would change nothing."""
-        adj = cls(float(frequency_penalty), float(presence_penalty),
-                  tuple(sorted((int(k), float(v)) for k, v in (logit_bias or {}).items())),
-                  int(min_tokens), tuple(min_tokens_suppress))
+        adj = cls(
+            float(frequency_penalty),
+            float(presence_penalty),
+            tuple(sorted((int(k), float(v)) for k, v in (logit_bias or {}).items())),
+            int(min_tokens),
+            tuple(min_tokens_suppress),
+        )
         return adj if adj.active else None
 
     @property
     def active(self) -> bool:
-        return bool(self.frequency_penalty or self.presence_penalty or self.logit_bias
-                    or (self.min_tokens > 0 and self.min_tokens_suppress))
+        return bool(
+            self.frequency_penalty
+            or self.presence_penalty
+            or self.logit_bias
+            or (self.min_tokens > 0 and self.min_tokens_suppress)
+        )
 
     def apply(self, logits: torch.Tensor, generated: Sequence[int], draft: Sequence[int] = ()) -> torch.Tensor:
         """logits [R, V], row i following `generated` + draft[:i] (R <= len(draft) + 1): adjusted copy, float32."""

@@ -6,7 +6,6 @@ from dataclasses import dataclass
 
 import torch
 
-
 # Temperatures this small are greedy (as in vLLM): logits / 1e-308 overflow to inf, then NaN.
 GREEDY_BELOW = 1e-5
 

@@ -25,7 +25,9 @@ class TargetSession(Protocol):
     def length(self) -> int:
         """Tokens held in the KV cache (all committed after a rollback)."""
 
-    def forward(self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True) -> TargetOutput:
+    def forward(
+        self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
+    ) -> TargetOutput:
         """Append token_ids [n] at positions length..length+n-1 and score them."""
 
     def rollback(self, length: int) -> None:

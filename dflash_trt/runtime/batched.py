@@ -18,8 +18,9 @@ batch-axis profile is in `builders/trt_drafter_batch.py` (written, not runnable 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, Sequence, TypeVar, runtime_checkable
+from typing import Any, Generic, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -42,8 +43,14 @@ class BatchTargetSession(Protocol):
     def rollback(self, row: int, length: int) -> None:
         """Drop this row's cached tokens beyond `length`; other rows are untouched."""
 
-    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
-                features: bool = True) -> list[TargetOutput]:
+    def forward(
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        *,
+        last_logits_only: bool = False,
+        features: bool = True,
+    ) -> list[TargetOutput]:
         """Append tokens[i] ([n_i] ids, n_i >= 1) to rows[i] and score them, all rows in one pass.
 
         Returns one TargetOutput per row: logits [n_i, V] (or [1, V] when last_logits_only) and
@@ -219,7 +226,7 @@ class LoopedDrafterEngine:
         self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
         self.max_context = getattr(engine, "max_context", None)
 
-    def new_batch(self) -> "LoopedDrafterSession":
+    def new_batch(self) -> LoopedDrafterSession:
         return LoopedDrafterSession(self.engine)
 
 
@@ -263,7 +270,7 @@ class LoopedTargetEngine:
         self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
         self.feature_layer_ids = tuple(getattr(engine, "feature_layer_ids", ()))
 
-    def new_batch(self) -> "LoopedTargetSession":
+    def new_batch(self) -> LoopedTargetSession:
         return LoopedTargetSession(self.engine)
 
 
@@ -274,20 +281,31 @@ class LoopedTargetSession(PerRowSessions[TargetSession]):
     def rollback(self, row: int, length: int) -> None:
         self.sessions[row].rollback(length)
 
-    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
-                features: bool = True) -> list[TargetOutput]:
-        return [self.sessions[r].forward(t, last_logits_only=last_logits_only, features=features)
-                for r, t in zip(rows, tokens)]
+    def forward(
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        *,
+        last_logits_only: bool = False,
+        features: bool = True,
+    ) -> list[TargetOutput]:
+        return [
+            self.sessions[r].forward(t, last_logits_only=last_logits_only, features=features)
+            for r, t in zip(rows, tokens)
+        ]
 
 
-def batch_engines(target: Any, drafter: DrafterEngine | None = None
-                  ) -> tuple[BatchTargetEngine, BatchDrafterEngine | None]:
+def batch_engines(
+    target: Any, drafter: DrafterEngine | None = None
+) -> tuple[BatchTargetEngine, BatchDrafterEngine | None]:
     """The batched engines for loaded single-sequence ones: each engine's own `batched()`; a drafter
     without one runs looped (one call per row), a target without one cannot be batched."""
     make_target = getattr(target, "batched", None)
     if make_target is None:
-        raise ValueError(f"the {getattr(target, 'name', type(target).__name__)} target has no batched session "
-                         "(no `batched()`), so it cannot run the batched loop")
+        raise ValueError(
+            f"the {getattr(target, 'name', type(target).__name__)} target has no batched session "
+            "(no `batched()`), so it cannot run the batched loop"
+        )
     batch_target = make_target()
     if drafter is None:
         return batch_target, None

@@ -6,8 +6,9 @@ The session keeps the drafter's context cache as numpy arrays and feeds it back 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -19,8 +20,14 @@ from .cpu_threads import ort_session_options
 PRECISIONS = tuple(GRAPH_FILES)
 
 
-def open_graph(folder: str | Path, files: Mapping[str, str], precision: str, providers: list[str] | None,
-               threads: int | None, export_hint: str) -> tuple[DrafterGraphMeta, Any]:
+def open_graph(
+    folder: str | Path,
+    files: Mapping[str, str],
+    precision: str,
+    providers: list[str] | None,
+    threads: int | None,
+    export_hint: str,
+) -> tuple[DrafterGraphMeta, Any]:
     """An exported drafter graph's metadata and its onnxruntime session: `files[precision]` in `folder`,
     on `providers` (CPU by default) with `threads` intra-op threads (onnxruntime's default when None)."""
     try:
@@ -34,17 +41,25 @@ def open_graph(folder: str | Path, files: Mapping[str, str], precision: str, pro
     path = folder / files[precision]
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found ({export_hint})")
-    session = ort.InferenceSession(str(path), ort_session_options(ort, threads), providers=providers or ["CPUExecutionProvider"])
+    session = ort.InferenceSession(
+        str(path), ort_session_options(ort, threads), providers=providers or ["CPUExecutionProvider"]
+    )
     return meta, session
 
 
 class OrtDrafterEngine:
     name = "onnxruntime"
 
-    def __init__(self, folder: str | Path, precision: str = "fp32", providers: list[str] | None = None,
-                 threads: int | None = None):
-        self.meta, self.session = open_graph(folder, GRAPH_FILES, precision, providers, threads,
-                                             "export it with `dflash-trt export-drafter`")
+    def __init__(
+        self,
+        folder: str | Path,
+        precision: str = "fp32",
+        providers: list[str] | None = None,
+        threads: int | None = None,
+    ):
+        self.meta, self.session = open_graph(
+            folder, GRAPH_FILES, precision, providers, threads, "export it with `dflash-trt export-drafter`"
+        )
         self.folder, self.providers, self.threads = Path(folder), providers, threads
         self.precision = precision
         self.block_size = self.meta.block_size

@@ -7,8 +7,8 @@ the returned caches back.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -25,16 +25,27 @@ RunFn = Callable[[dict[str, np.ndarray]], Sequence[np.ndarray]]
 class OrtBatchDrafterEngine:
     name = "onnxruntime"
 
-    def __init__(self, folder: str | Path, precision: str = "fp32", providers: list[str] | None = None,
-                 threads: int | None = None):
-        self.meta, self.session = open_graph(folder, BATCH_GRAPH_FILES, precision, providers, threads,
-                                             "export it with dflash_trt.builders.onnx_drafter_batch")
+    def __init__(
+        self,
+        folder: str | Path,
+        precision: str = "fp32",
+        providers: list[str] | None = None,
+        threads: int | None = None,
+    ):
+        self.meta, self.session = open_graph(
+            folder,
+            BATCH_GRAPH_FILES,
+            precision,
+            providers,
+            threads,
+            "export it with dflash_trt.builders.onnx_drafter_batch",
+        )
         self.block_size = self.meta.block_size
         self.mask_token_id = self.meta.mask_token_id
         self.feature_layer_ids = tuple(self.meta.feature_layer_ids)
         self.max_context: int | None = None
 
-    def new_batch(self, run: RunFn | None = None) -> "OrtBatchDrafterSession":
+    def new_batch(self, run: RunFn | None = None) -> OrtBatchDrafterSession:
         return OrtBatchDrafterSession(self, run)
 
 
@@ -77,15 +88,23 @@ class OrtBatchDrafterSession(SlotCacheRows):
             feats[i, : counts[i]] = q.new_features.detach().to("cpu", torch.float32).numpy()
             ids[i, 0] = q.last_token
         idx = np.asarray(rows)
-        logits, tokens, present_k, present_v = self.run({
-            "block_ids": ids, "block_lengths": np.asarray(blocks, np.int64), "features": feats,
-            "new_lengths": np.asarray(counts, np.int64), "past_k": self.k[:, idx, :, :cap],
-            "past_v": self.v[:, idx, :, :cap], "past_lengths": np.asarray(past, np.int64),
-        })
+        logits, tokens, present_k, present_v = self.run(
+            {
+                "block_ids": ids,
+                "block_lengths": np.asarray(blocks, np.int64),
+                "features": feats,
+                "new_lengths": np.asarray(counts, np.int64),
+                "past_k": self.k[:, idx, :, :cap],
+                "past_v": self.v[:, idx, :, :cap],
+                "past_lengths": np.asarray(past, np.int64),
+            }
+        )
         self.k[:, idx, :, :cap], self.v[:, idx, :, :cap] = present_k, present_v
         self._advance(rows, past, counts)
         return [
-            Draft(logits=torch.from_numpy(np.ascontiguousarray(logits[i, : blocks[i] - 1])),
-                  tokens=torch.from_numpy(np.ascontiguousarray(tokens[i, : blocks[i] - 1])))
+            Draft(
+                logits=torch.from_numpy(np.ascontiguousarray(logits[i, : blocks[i] - 1])),
+                tokens=torch.from_numpy(np.ascontiguousarray(tokens[i, : blocks[i] - 1])),
+            )
             for i in range(b)
         ]

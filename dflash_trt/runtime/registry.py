@@ -37,12 +37,23 @@ BACKENDS: dict[tuple[str, str], Backend] = {
         Backend("torch", "drafter", "dflash_trt.runtime.torch_backend:TorchDrafterEngine", ("torch",)),
         Backend("torch", "target", "dflash_trt.runtime.torch_backend:TorchTargetEngine", ("torch",)),
         Backend("onnxruntime", "drafter", "dflash_trt.runtime.ort_backend:OrtDrafterEngine", ("onnxruntime",)),
-        Backend("tensorrt", "drafter", "dflash_trt.runtime.trt_backend:TrtDrafterEngine", ("tensorrt",), True,
-                "install the `gpu` extra (pip install 'dflash-trt[gpu]') on a machine with an NVIDIA GPU, "
-                "or use NVIDIA's TensorRT-LLM container"),
-        Backend("tensorrt_llm", "target", "dflash_trt.runtime.trtllm_backend:TrtllmTargetEngine",
-                ("tensorrt_llm",), True,
-                "use NVIDIA's TensorRT-LLM 1.2 container (see the Dockerfile) on a machine with NVIDIA GPUs"),
+        Backend(
+            "tensorrt",
+            "drafter",
+            "dflash_trt.runtime.trt_backend:TrtDrafterEngine",
+            ("tensorrt",),
+            True,
+            "install the `gpu` extra (pip install 'dflash-trt[gpu]') on a machine with an NVIDIA GPU, "
+            "or use NVIDIA's TensorRT-LLM container",
+        ),
+        Backend(
+            "tensorrt_llm",
+            "target",
+            "dflash_trt.runtime.trtllm_backend:TrtllmTargetEngine",
+            ("tensorrt_llm",),
+            True,
+            "use NVIDIA's TensorRT-LLM 1.2 container (see the Dockerfile) on a machine with NVIDIA GPUs",
+        ),
     )
 }
 

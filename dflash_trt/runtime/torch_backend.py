@@ -46,7 +46,7 @@ class TorchTargetEngine:
         head: Any = self.model.get_output_embeddings()  # type: ignore[no-untyped-call]
         return cast(torch.Tensor, head.weight)
 
-    def new_session(self) -> "TorchTargetSession":
+    def new_session(self) -> TorchTargetSession:
         return TorchTargetSession(self)
 
     def batched(self) -> Any:
@@ -68,7 +68,9 @@ class TorchTargetSession:
         return self.cache.get_seq_length()
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True) -> TargetOutput:
+    def forward(
+        self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
+    ) -> TargetOutput:
         start = self.length
         ids = token_ids.to(self.engine.device).view(1, -1)
         positions = torch.arange(start, start + ids.shape[1], device=ids.device).unsqueeze(0)
@@ -96,7 +98,9 @@ class TorchTargetSession:
         self.cache = DynamicCache(config=self.engine.model.config)  # the old cache's tensors go now
 
 
-def shared_weights(drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_weights(
+    drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embedding table and lm_head as the drafter uses them: shared when the dtypes match, else
     copies in the drafter's dtype (a bfloat16 drafter next to a float32 target; one copy when tied)."""
     dtype = drafter.fc.weight.dtype
@@ -126,10 +130,12 @@ class TorchDrafterEngine:
 
     @classmethod
     def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchDrafterEngine:
-        raise ValueError(f"the PyTorch drafter {checkpoint} runs on its target's embedding and lm_head: load it "
-                         "with its target (dflash_trt.loading.load_decoder), or export it (`dflash-trt export-drafter`)")
+        raise ValueError(
+            f"the PyTorch drafter {checkpoint} runs on its target's embedding and lm_head: load it "
+            "with its target (dflash_trt.loading.load_decoder), or export it (`dflash-trt export-drafter`)"
+        )
 
-    def new_session(self) -> "TorchDrafterSession":
+    def new_session(self) -> TorchDrafterSession:
         return TorchDrafterSession(self)
 
     def batched(self) -> Any:

@@ -20,7 +20,8 @@ Drafter: the same slot scheme for its context cache; one round for all rows is
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -76,7 +77,8 @@ class TorchBatchTargetEngine:
         layer_types = getattr(text, "layer_types", None) or []
         window = getattr(text, "sliding_window", None)
         uses_window = any(t != "full_attention" for t in layer_types) or (
-            getattr(text, "use_sliding_window", True) and window is not None
+            getattr(text, "use_sliding_window", True)
+            and window is not None
             and window < int(getattr(text, "max_position_embeddings", 1 << 30))
         )
         if uses_window:
@@ -97,7 +99,7 @@ class TorchBatchTargetEngine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
 
-    def new_batch(self) -> "TorchBatchTargetSession":
+    def new_batch(self) -> TorchBatchTargetSession:
         return TorchBatchTargetSession(self)
 
 
@@ -124,8 +126,14 @@ class TorchBatchTargetSession(SlotCacheRows):
 
     # ---- the pass -----------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
-                features: bool = True) -> list[TargetOutput]:
+    def forward(
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        *,
+        last_logits_only: bool = False,
+        features: bool = True,
+    ) -> list[TargetOutput]:
         e = self.engine
         if not rows or len(rows) != len(tokens):
             raise ValueError("forward needs one token tensor per row, and at least one row")
@@ -178,8 +186,9 @@ class TorchBatchTargetSession(SlotCacheRows):
             keys, values = layout.batch(ck, end), layout.batch(cv, end)
             qp = q.new_zeros(layout.size, n, q.shape[1], e.head_dim)
             qp[a_rows, vi] = q[0].transpose(0, 1)
-            a = F.scaled_dot_product_attention(qp.transpose(1, 2), keys, values, attn_mask=mask, scale=e.scaling,
-                                               enable_gqa=True)
+            a = F.scaled_dot_product_attention(
+                qp.transpose(1, 2), keys, values, attn_mask=mask, scale=e.scaling, enable_gqa=True
+            )
             x = x + attn.o_proj(a.transpose(1, 2)[a_rows, vi].reshape(1, total, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in want:
@@ -210,12 +219,14 @@ class TorchBatchDrafterEngine:
         self.max_context: int | None = None  # as TorchDrafterEngine: the cache grows, RoPE positions have no cap
 
     @classmethod
-    def for_target(cls, drafter: DFlashDrafter, target: TorchBatchTargetEngine) -> "TorchBatchDrafterEngine":
+    def for_target(cls, drafter: DFlashDrafter, target: TorchBatchTargetEngine) -> TorchBatchDrafterEngine:
         m = target.model
-        return cls(drafter.to(target.device),
-                   *shared_weights(drafter, m.get_input_embeddings().weight, m.get_output_embeddings().weight))
+        return cls(
+            drafter.to(target.device),
+            *shared_weights(drafter, m.get_input_embeddings().weight, m.get_output_embeddings().weight),
+        )
 
-    def new_batch(self) -> "TorchBatchDrafterSession":
+    def new_batch(self) -> TorchBatchDrafterSession:
         return TorchBatchDrafterSession(self)
 
 
@@ -265,14 +276,19 @@ class TorchBatchDrafterSession(SlotCacheRows):
         ids = torch.full((layout.size, nb), e.mask_token_id, dtype=torch.long, device=dev)
         ids[layout.local, 0] = torch.tensor([q.last_token for q in requests], device=dev)
         hidden = packed_round(
-            d, torch.cat([q.new_features for q in requests]).to(device=dev, dtype=self.k.dtype),
-            torch.repeat_interleave(layout.local, count_t), feature_pos, d.embed_block(ids, e.embed_weight),
-            torch.tensor(block_len, device=dev), torch.tensor(context, device=dev), cache_k, cache_v,
+            d,
+            torch.cat([q.new_features for q in requests]).to(device=dev, dtype=self.k.dtype),
+            torch.repeat_interleave(layout.local, count_t),
+            feature_pos,
+            d.embed_block(ids, e.embed_weight),
+            torch.tensor(block_len, device=dev),
+            torch.tensor(context, device=dev),
+            cache_k,
+            cache_v,
         )
         if layout.span is None:  # a gathered copy: write it back
             self.k[:, layout.slots, :, :end], self.v[:, layout.slots, :, :end] = cache_k, cache_v
         self._advance(rows, past, counts)
         logits = d.logits(hidden[layout.local, 1:], e.lm_head_weight).float()  # [b, nb-1, V]
         tokens = logits.argmax(-1)
-        return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1])
-                for i in range(len(rows))]
+        return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1]) for i in range(len(rows))]

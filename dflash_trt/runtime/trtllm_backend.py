@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import json
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.utils.dlpack
@@ -53,7 +54,9 @@ def _executor_module() -> Any:
     try:
         import tensorrt_llm.bindings.executor as trtllm
     except ImportError as e:
-        raise EngineUnavailable("the tensorrt_llm target needs TensorRT-LLM 1.2 (NVIDIA's container, see the Dockerfile)") from e
+        raise EngineUnavailable(
+            "the tensorrt_llm target needs TensorRT-LLM 1.2 (NVIDIA's container, see the Dockerfile)"
+        ) from e
     return trtllm
 
 
@@ -71,7 +74,9 @@ def load_lm_head(target_dir: str | Path) -> torch.Tensor:
 
     files = sorted(Path(target_dir).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors in {target_dir}: the lm_head for verification logits comes from there")
+        raise FileNotFoundError(
+            f"no *.safetensors in {target_dir}: the lm_head for verification logits comes from there"
+        )
     for wanted in ("lm_head.weight", "model.embed_tokens.weight"):
         for f in files:
             with safe_open(str(f), framework="pt") as st:
@@ -97,7 +102,8 @@ class TrtllmTargetEngine:
         if config.get("build_config", {}).get("gather_context_logits"):
             raise EngineUnavailable(
                 f"{engine_dir} was built with --gather_context_logits: TensorRT-LLM 1.2 then disables KV block reuse "
-                "and every round re-runs the whole sequence; rebuild it with `dflash-trt build-target`")
+                "and every round re-runs the whole sequence; rebuild it with `dflash-trt build-target`"
+            )
         pretrained = config.get("pretrained_config", {})
         self.feature_layer_ids: tuple[int, ...] = tuple(int(i) for i in meta["feature_layer_ids"])
         self.feature_outputs: list[str] = list(meta["feature_outputs"])
@@ -112,11 +118,14 @@ class TrtllmTargetEngine:
         outputs = [trtllm.AdditionalModelOutput(name, gather_context=True) for name in names]
         self.output_config = trtllm.OutputConfig(additional_model_outputs=outputs)
         self.output_config_no_features = trtllm.OutputConfig(
-            additional_model_outputs=[trtllm.AdditionalModelOutput(self.final_output, gather_context=True)])
+            additional_model_outputs=[trtllm.AdditionalModelOutput(self.final_output, gather_context=True)]
+        )
         # ExecutorConfig / KvCacheConfig: nanobind executor/executorConfig.cpp (1.2)
         executor_config = trtllm.ExecutorConfig(
             max_beam_width=1,
-            kv_cache_config=trtllm.KvCacheConfig(enable_block_reuse=True, free_gpu_memory_fraction=kv_cache_free_fraction),
+            kv_cache_config=trtllm.KvCacheConfig(
+                enable_block_reuse=True, free_gpu_memory_fraction=kv_cache_free_fraction
+            ),
             additional_model_outputs=outputs,
         )
         self.executor: Any = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
@@ -124,15 +133,17 @@ class TrtllmTargetEngine:
         self.is_leader = bool(self.executor.can_enqueue_requests())
 
     @classmethod
-    def from_artifact(cls, folder: Path, options: EngineOptions) -> "TrtllmTargetEngine":
+    def from_artifact(cls, folder: Path, options: EngineOptions) -> TrtllmTargetEngine:
         return cls(folder, device=options.device)  # the feature layers were fixed when the engine was built
 
-    def new_session(self) -> "TrtllmTargetSession":
+    def new_session(self) -> TrtllmTargetSession:
         if not self.is_leader:
-            raise RuntimeError("this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)")
+            raise RuntimeError(
+                "this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)"
+            )
         return TrtllmTargetSession(self)
 
-    def batched(self) -> "TrtllmBatchTargetEngine":
+    def batched(self) -> TrtllmBatchTargetEngine:
         """The same engine behind the batched protocol (one executor, rows submitted together)."""
         return TrtllmBatchTargetEngine(self)
 
@@ -187,13 +198,13 @@ class _SentTokens:
 
     def add(self, held: int, new: list[int]) -> None:
         node = self.path[held]
-        del self.path[held + 1:]
+        del self.path[held + 1 :]
         for token in new:
             node = node.setdefault(token, {})
             self.path.append(node)
 
     def truncate(self, length: int) -> None:
-        del self.path[length + 1:]
+        del self.path[length + 1 :]
 
 
 class TrtllmTargetSession:
@@ -209,38 +220,42 @@ class TrtllmTargetSession:
     def length(self) -> int:
         return len(self.tokens)
 
-    def forward(self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True) -> TargetOutput:
+    def forward(
+        self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
+    ) -> TargetOutput:
         pending = self._prepare(token_ids, features)
         request_id = self.engine.executor.enqueue_request(pending.request)
         self._sent(pending)
         response = _final_responses(self.engine.executor, [request_id])[0]
         return self._finish(pending, response, last_logits_only)
 
-    def _prepare(self, token_ids: torch.Tensor, features: bool) -> "_Pending":
+    def _prepare(self, token_ids: torch.Tensor, features: bool) -> _Pending:
         """Check a round and build its request (moving to a fresh salt if its new rows could come back unwritten)."""
         new = [int(t) for t in token_ids.view(-1).tolist()]
         n, held = len(new), len(self.tokens)
         if held + n > self.engine.max_context:
-            raise ValueError(f"{held + n} tokens exceed the engine's input limit {self.engine.max_context} "
-                             "(min(max_seq_len - 1, max_num_tokens) of its build)")
+            raise ValueError(
+                f"{held + n} tokens exceed the engine's input limit {self.engine.max_context} "
+                "(min(max_seq_len - 1, max_num_tokens) of its build)"
+            )
         if self.sent.already_sent(held, new):  # their rows could come back unwritten: start a fresh salt
             self.salt, self.sent = _new_salt(), _SentTokens()
             self.sent.add(0, self.tokens)
             self.salt_changes += 1
         return _Pending(new, held, features, self._request(self.tokens + new, features))
 
-    def _sent(self, pending: "_Pending") -> None:
+    def _sent(self, pending: _Pending) -> None:
         """Once a request is submitted its blocks may be cached, whatever becomes of the round: remember them."""
         self.reuse_bound = pending.held
         self.sent.add(pending.held, pending.new)
 
-    def _finish(self, pending: "_Pending", response: Any, last_logits_only: bool) -> TargetOutput:
+    def _finish(self, pending: _Pending, response: Any, last_logits_only: bool) -> TargetOutput:
         """Read a round's rows from its response and commit its tokens (raises, committing nothing, on an error)."""
         outputs = self._outputs(pending, response, last_logits_only)
         self.tokens.extend(pending.new)
         return outputs
 
-    def _outputs(self, pending: "_Pending", response: Any, last_logits_only: bool) -> TargetOutput:
+    def _outputs(self, pending: _Pending, response: Any, last_logits_only: bool) -> TargetOutput:
         if response.has_error():
             raise RuntimeError(f"TensorRT-LLM request failed: {response.error_msg}")
         held, n = pending.held, len(pending.new)
@@ -263,8 +278,10 @@ class TrtllmTargetSession:
     def _new_rows(by_name: dict[str, torch.Tensor], name: str, held: int, n: int) -> torch.Tensor:
         """Rows held..held+n-1 of a context output sized to the request (rows of reused tokens are unwritten)."""
         if name not in by_name:
-            raise RuntimeError(f"engine returned no {name!r} (got {sorted(by_name)}): rebuild it with "
-                               "`dflash-trt build-target` (outputs marked by trtllm_features.py)")
+            raise RuntimeError(
+                f"engine returned no {name!r} (got {sorted(by_name)}): rebuild it with "
+                "`dflash-trt build-target` (outputs marked by trtllm_features.py)"
+            )
         t = by_name[name]
         t = t.reshape(-1, t.shape[-1])
         if t.shape[0] != held + n:
@@ -304,9 +321,11 @@ class TrtllmBatchTargetEngine:
         self.max_context = engine.max_context
         self.feature_layer_ids = engine.feature_layer_ids
 
-    def new_batch(self) -> "TrtllmBatchTargetSession":
+    def new_batch(self) -> TrtllmBatchTargetSession:
         if not self.engine.is_leader:
-            raise RuntimeError("this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)")
+            raise RuntimeError(
+                "this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)"
+            )
         return TrtllmBatchTargetSession(self.engine)
 
 
@@ -336,8 +355,14 @@ class TrtllmBatchTargetSession:
     def rollback(self, row: int, length: int) -> None:
         self._row(row).rollback(length)
 
-    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
-                features: bool = True) -> list[TargetOutput]:
+    def forward(
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        *,
+        last_logits_only: bool = False,
+        features: bool = True,
+    ) -> list[TargetOutput]:
         """Submit every row's round, then await them all; all rows commit, or (on any error) none does."""
         if len(rows) != len(tokens):
             raise ValueError(f"{len(rows)} rows but {len(tokens)} token lists")

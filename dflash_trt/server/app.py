@@ -38,9 +38,13 @@ def create_app(decoder, settings: ServerSettings | None = None) -> FastAPI:
             server.started = False
             await run_in_threadpool(server.orchestrator.stop)
 
-    app = FastAPI(title="dflash-trt", version="0.1.0", lifespan=lifespan,
-                  description="DFlash speculative decoding server: native and OpenAI-compatible endpoints. "
-                  "Every error is a JSON body {\"error\": {\"message\", \"type\", \"param\", \"code\"}}.")
+    app = FastAPI(
+        title="dflash-trt",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="DFlash speculative decoding server: native and OpenAI-compatible endpoints. "
+        'Every error is a JSON body {"error": {"message", "type", "param", "code"}}.',
+    )
     app.state.server = server
     app.include_router(native.router(server.models))
     app.include_router(openai.router(server.models))

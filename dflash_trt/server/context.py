@@ -54,13 +54,28 @@ def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
         # the fit (with 2-3 repeats the fitted costs varied 2-3x between starts on a busy 2-core machine)
         cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2), repeats=5)
         t, d = cost.target, cost.drafter
-        log.info("adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8): target %.2f ms "
-                 "+ %.3f ms/row + %.3f ms/token (one token alone: %s), drafter %.2f ms + %.3f ms/row + %.3f ms/token",
-                 time.perf_counter() - t0, rows, 1e3 * t.fixed, 1e3 * t.per_row, 1e3 * t.per_token,
-                 "-" if t.one_token is None else f"{1e3 * t.one_token:.2f} ms",
-                 1e3 * d.fixed, 1e3 * d.per_row, 1e3 * d.per_token)
-    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, adaptive=adaptive,
-                        cost=cost, refit_every=settings.refit_every)
+        log.info(
+            "adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8): target %.2f ms "
+            "+ %.3f ms/row + %.3f ms/token (one token alone: %s), drafter %.2f ms + %.3f ms/row + %.3f ms/token",
+            time.perf_counter() - t0,
+            rows,
+            1e3 * t.fixed,
+            1e3 * t.per_row,
+            1e3 * t.per_token,
+            "-" if t.one_token is None else f"{1e3 * t.one_token:.2f} ms",
+            1e3 * d.fixed,
+            1e3 * d.per_row,
+            1e3 * d.per_token,
+        )
+    return BatchDecoder(
+        target,
+        drafter,
+        decoder.tokenizer,
+        block_size=settings.block_size,
+        adaptive=adaptive,
+        cost=cost,
+        refit_every=settings.refit_every,
+    )
 
 
 class Server:

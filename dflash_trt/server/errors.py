@@ -19,14 +19,22 @@ log = logging.getLogger("dflash_trt.server")
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type_: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
-def error_response(status: int, message: str, type_: str = "invalid_request_error", param=None, code=None,
-                   headers=None) -> JSONResponse:
+def error_response(
+    status: int, message: str, type_: str = "invalid_request_error", param=None, code=None, headers=None
+) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
 
@@ -67,8 +75,13 @@ async def _validation_error(request: Request, exc: RequestValidationError):
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
-    return error_response(exc.status_code, str(exc.detail), "invalid_request_error",
-                          code="not_found" if exc.status_code == 404 else None, headers=exc.headers)
+    return error_response(
+        exc.status_code,
+        str(exc.detail),
+        "invalid_request_error",
+        code="not_found" if exc.status_code == 404 else None,
+        headers=exc.headers,
+    )
 
 
 async def _internal_error(request: Request, exc: Exception):

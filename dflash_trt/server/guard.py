@@ -53,20 +53,34 @@ class Guard:
         try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
             if settings.api_key and path not in OPEN_PATHS and not _authorized(headers, settings.api_key):
-                return await reply(error_response(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", "authentication_error",
-                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}))
+                return await reply(
+                    error_response(
+                        401,
+                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                        "authentication_error",
+                        code="invalid_api_key",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
+                )
             if server.orchestrator.draining and path not in DRAIN_OPEN_PATHS:
-                return await reply(error_response(503, "the server is shutting down", "server_error",
-                                                  code="shutting_down", headers={"Retry-After": "5"}))
+                return await reply(
+                    error_response(
+                        503,
+                        "the server is shutting down",
+                        "server_error",
+                        code="shutting_down",
+                        headers={"Retry-After": "5"},
+                    )
+                )
             if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
                 # We only speak JSON: parse the body as JSON whatever the client labelled it.
                 scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
                 scope["headers"].append((b"content-type", b"application/json"))
             declared = headers.get("content-length")
             if declared is not None and not declared.isdigit():
-                return await reply(error_response(400, f"Content-Length is not a byte count: {declared!r}",
-                                                  code="bad_http_request"))
+                return await reply(
+                    error_response(400, f"Content-Length is not a byte count: {declared!r}", code="bad_http_request")
+                )
             if declared is not None and int(declared) > settings.max_body_bytes:
                 return await reply(_too_large(settings.max_body_bytes))
             body, more = [], True
@@ -104,14 +118,23 @@ def _authorized(headers: dict, key: str) -> bool:
 
 
 def _log_request(rid: str, scope, status: int, latency: float) -> None:
-    fields = {"request_id": rid, "method": scope["method"], "path": scope["path"], "status": status,
-              "latency_s": round(latency, 4)}
+    fields = {
+        "request_id": rid,
+        "method": scope["method"],
+        "path": scope["path"],
+        "status": status,
+        "latency_s": round(latency, 4),
+    }
     job = scope.get("state", {}).get("job")
     if job is not None:
         s = job.row.stats
-        fields.update(prompt_tokens=s.prompt_tokens, new_tokens=s.new_tokens,
-                      tau=round(s.mean_acceptance_length, 3), rounds=s.rounds,
-                      outcome=job.outcome or (job.cancelled.kind if job.cancelled else None),
-                      finish_reason=job.row.finish_reason,
-                      drafter_fallback=job.row.drafter_error is not None)
+        fields.update(
+            prompt_tokens=s.prompt_tokens,
+            new_tokens=s.new_tokens,
+            tau=round(s.mean_acceptance_length, 3),
+            rounds=s.rounds,
+            outcome=job.outcome or (job.cancelled.kind if job.cancelled else None),
+            finish_reason=job.row.finish_reason,
+            drafter_fallback=job.row.drafter_error is not None,
+        )
     log.info(json.dumps(fields))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -31,9 +31,12 @@ def generation_config(server, body, max_tokens: int, temperature: float) -> Gene
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,
         adjust=LogitsAdjustment.of(
-            frequency_penalty=_or(body.frequency_penalty, 0.0), presence_penalty=_or(body.presence_penalty, 0.0),
+            frequency_penalty=_or(body.frequency_penalty, 0.0),
+            presence_penalty=_or(body.presence_penalty, 0.0),
             logit_bias={int(k): v for k, v in (body.logit_bias or {}).items()},
-            min_tokens=_or(body.min_tokens, 0), min_tokens_suppress=eos),
+            min_tokens=_or(body.min_tokens, 0),
+            min_tokens_suppress=eos,
+        ),
     )
 
 
@@ -41,8 +44,13 @@ def _or(value, default):
     return default if value is None else value
 
 
-async def start_job(request: Request, server, make_prompt: Callable[[], list[int]],
-                    make_config: Callable[[int], GenerationConfig], prompt_param: str) -> Job:
+async def start_job(
+    request: Request,
+    server,
+    make_prompt: Callable[[], list[int]],
+    make_config: Callable[[int], GenerationConfig],
+    prompt_param: str,
+) -> Job:
     """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429.
 
     No engine lock: BatchDecoder.new_row() only validates (the batched loop's rules) and makes the row;
@@ -56,17 +64,23 @@ async def start_job(request: Request, server, make_prompt: Callable[[], list[int
     try:
         orch.check_admission()
         row = await run_in_threadpool(prepare)
-        job = Job(id=request.state.request_id, row=row, loop=asyncio.get_running_loop(),
-                  deadline=time.monotonic() + server.settings.request_timeout_s)
+        job = Job(
+            id=request.state.request_id,
+            row=row,
+            loop=asyncio.get_running_loop(),
+            deadline=time.monotonic() + server.settings.request_timeout_s,
+        )
         orch.submit(job)
     except ContextLengthError as e:
-        raise ApiError(400, str(e), param=prompt_param if e.prompt_alone else "max_tokens",
-                       code="context_length_exceeded") from None
+        raise ApiError(
+            400, str(e), param=prompt_param if e.prompt_alone else "max_tokens", code="context_length_exceeded"
+        ) from None
     except (InputError, ValueError) as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     except QueueFull as e:
-        raise ApiError(429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full",
-                       headers={"Retry-After": "1"}) from None
+        raise ApiError(
+            429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
+        ) from None
     except ShuttingDown as e:
         raise ApiError(503, str(e), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
     request.state.job = job
@@ -100,8 +114,9 @@ class JobStream(StreamingResponse):
     """A streaming response that cancels its job however the response ends (disconnect included)."""
 
     def __init__(self, content, job: Job):
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
         self.job = job
 
     async def __call__(self, scope, receive, send):
@@ -136,8 +151,11 @@ def stream(job: Job, on_round, on_error, done_marker: bool) -> JobStream:
 
 def usage(result) -> dict:
     s = result.stats
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.new_tokens,
-            "total_tokens": s.prompt_tokens + s.new_tokens}
+    return {
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.new_tokens,
+        "total_tokens": s.prompt_tokens + s.new_tokens,
+    }
 
 
 def spec(job: Job) -> dict:

@@ -43,8 +43,9 @@ def listening_port(log_text: str) -> int | None:
     return None
 
 
-def start_serve(serve_args: list[str], log_path: Path, timeout_s: float = 120.0,
-                env: dict | None = None) -> tuple[subprocess.Popen, str]:
+def start_serve(
+    serve_args: list[str], log_path: Path, timeout_s: float = 120.0, env: dict | None = None
+) -> tuple[subprocess.Popen, str]:
     """Run `dflash-trt serve --host 127.0.0.1 --port 0 *serve_args`; return (process, base url) once
     GET /health answers 200. Output goes to log_path. Raises ServerFailed (the child is killed)."""
     import httpx
@@ -53,8 +54,12 @@ def start_serve(serve_args: list[str], log_path: Path, timeout_s: float = 120.0,
     log_path.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **(env or {})}
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*serve_command(), "serve", "--host", "127.0.0.1", "--port", "0", *serve_args],
-                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [*serve_command(), "serve", "--host", "127.0.0.1", "--port", "0", *serve_args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     deadline = time.monotonic() + timeout_s
     url = None
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import BaseModel
 
@@ -19,7 +19,7 @@ class Usage(BaseModel):
 
 class GenerateResponse(BaseModel):
     id: str
-    text: Optional[str]  # null when the target has no tokenizer
+    text: str | None  # null when the target has no tokenizer
     token_ids: list[int]
     finish_reason: FinishReason
     usage: Usage
@@ -30,8 +30,8 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: None
-    finish_reason: Optional[FinishReason]
-    token_ids: Optional[list[int]] = None  # only when the target has no tokenizer
+    finish_reason: FinishReason | None
+    token_ids: list[int] | None = None  # only when the target has no tokenizer
 
 
 class Completion(BaseModel):
@@ -40,13 +40,13 @@ class Completion(BaseModel):
     created: int
     model: str
     choices: list[CompletionChoice]
-    usage: Optional[Usage] = None
-    spec: Optional[dict[str, Any]] = None
+    usage: Usage | None = None
+    spec: dict[str, Any] | None = None
 
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
-    content: Optional[str]
+    content: str | None
 
 
 class ChatChoice(BaseModel):
@@ -91,7 +91,7 @@ class Ready(BaseModel):
 
 ERRORS = {
     400: "invalid request: a field out of range or of the wrong type, a prompt too long for the context, "
-         "an unsupported field",
+    "an unsupported field",
     401: "missing or wrong API key (when the server has one)",
     404: "unknown model",
     413: "request body too large",
@@ -109,9 +109,15 @@ def errors(*codes: int) -> dict:
 
 def streamed(model: type[BaseModel], description: str, *codes: int) -> dict:
     """200 as JSON, or (stream: true) as server-sent events, plus the error statuses."""
-    return {200: {"model": model, "description": description, "content": {"text/event-stream": {
-        "schema": SSE_EVENT}}}, **errors(*codes)}
+    return {
+        200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}},
+        **errors(*codes),
+    }
 
 
-SSE_EVENT = {"type": "object", "description": "one server-sent event: a `data: <JSON chunk>` line (or `data: [DONE]`)",
-             "properties": {"data": {"type": "string"}, "event": {"type": "string"}}, "required": ["data"]}
+SSE_EVENT = {
+    "type": "object",
+    "description": "one server-sent event: a `data: <JSON chunk>` line (or `data: [DONE]`)",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+    "required": ["data"],
+}

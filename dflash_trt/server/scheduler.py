@@ -229,7 +229,9 @@ class Orchestrator:
             if not job.finished and job.row.finish_reason == "error":
                 log.error("request %s: drafter failure: %r", job.id, job.row.error)
                 self.metrics.engine_errors.inc()
-                self._leave(job, ErrorEvent("engine", f"{type(job.row.error).__name__} in the drafter (request {job.id})"))
+                self._leave(
+                    job, ErrorEvent("engine", f"{type(job.row.error).__name__} in the drafter (request {job.id})")
+                )
 
     def _leave(self, job: Job, error: ErrorEvent) -> None:
         assert self.decoder is not None
@@ -240,13 +242,21 @@ class Orchestrator:
         m = self.metrics
         for size in prof.blocks:
             m.block_size.observe(size)
-        for kind, rows, tokens in (("prefill", prof.prefill_rows, prof.prefill_tokens),
-                                   ("verify", prof.verify_rows, prof.verify_tokens)):
+        for kind, rows, tokens in (
+            ("prefill", prof.prefill_rows, prof.prefill_tokens),
+            ("verify", prof.verify_rows, prof.verify_tokens),
+        ):
             if rows:
                 m.batch_rows.labels(kind).observe(rows)
                 m.batch_tokens.labels(kind).observe(tokens)
-        for part, seconds in (("prefill", prof.prefill_s), ("policy", prof.policy_s), ("draft", prof.draft_s),
-                              ("verify", prof.verify_s), ("accept", prof.accept_s), ("overhead", prof.overhead_s)):
+        for part, seconds in (
+            ("prefill", prof.prefill_s),
+            ("policy", prof.policy_s),
+            ("draft", prof.draft_s),
+            ("verify", prof.verify_s),
+            ("accept", prof.accept_s),
+            ("overhead", prof.overhead_s),
+        ):
             m.step_time.labels(part).observe(seconds)
 
     def _deliver(self, job: Job, rnd: Round) -> None:
@@ -302,6 +312,6 @@ class Orchestrator:
             full = full[: len(full) - held_back(full, gen.config.stop_strings)]
         if not full.startswith(job.emitted_text):  # cannot happen with sane tokenizers; never repeat text
             return ""
-        new = full[len(job.emitted_text):]
+        new = full[len(job.emitted_text) :]
         job.emitted_text = full
         return new

@@ -15,9 +15,19 @@ a file path: a request can only carry text, token ids and numbers.
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, WithJsonSchema, ConfigDict, Field, StrictStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictStr,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 MAX_SEED = 2**53 - 1  # JSON numbers are doubles to many clients and validators: exact up to 2**53
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
@@ -38,8 +48,12 @@ class Limits:
     @classmethod
     def from_decoder(cls, decoder, model_name: str) -> "Limits":
         drafter = decoder.drafter
-        return cls(max_context=decoder.target.max_context, vocab_size=decoder.target.vocab_size,
-                   max_block_size=drafter.block_size if drafter is not None else 1, model_name=model_name)
+        return cls(
+            max_context=decoder.target.max_context,
+            vocab_size=decoder.target.vocab_size,
+            max_block_size=drafter.block_size if drafter is not None else 1,
+            model_name=model_name,
+        )
 
 
 def _unicode(text: str) -> str:
@@ -53,10 +67,15 @@ def _unicode(text: str) -> str:
 
 Text = Annotated[StrictStr, AfterValidator(_unicode)]  # every string that reaches the tokenizer
 NonEmptyText = Annotated[StrictStr, Field(min_length=1), AfterValidator(_unicode)]
-StopField = Optional[Union[Annotated[Text, Field(min_length=1)],
-                           Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOPS)]]]
+StopField = (
+    Annotated[Text, Field(min_length=1)]
+    | Annotated[list[Annotated[Text, Field(min_length=1)]], Field(max_length=MAX_STOPS)]
+    | None
+)
 Temperature = Annotated[float, Field(ge=0.0, le=100.0, description="0 is greedy; below 1e-5 counts as 0")]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+
+
 def _whole(v):
     """JSON Schema's integer includes 4.0; strict pydantic's does not. Booleans and strings stay refused."""
     return int(v) if type(v) is float and v.is_integer() else v
@@ -122,29 +141,46 @@ def request_models(limits: Limits) -> RequestModels:
     ctx = limits.max_context
     TokenId = Int(ge=0, le=limits.vocab_size - 1)
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=ctx)]
-    MaxTokens = Int(ge=1, le=max(1, ctx - 1), description=(
-        f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"))
-    bias_schema = {"type": "object", "additionalProperties": False, "maxProperties": 300, "patternProperties": {
-        token_id_pattern(limits.vocab_size - 1): {"type": "number", "minimum": -100.0, "maximum": 100.0}}}
-    LogitBias = Annotated[dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")],
-                               Annotated[float, Field(ge=-100.0, le=100.0)]],
-                          Field(max_length=300), WithJsonSchema(bias_schema)]
+    MaxTokens = Int(
+        ge=1,
+        le=max(1, ctx - 1),
+        description=(f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"),
+    )
+    bias_schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "maxProperties": 300,
+        "patternProperties": {
+            token_id_pattern(limits.vocab_size - 1): {"type": "number", "minimum": -100.0, "maximum": 100.0}
+        },
+    }
+    LogitBias = Annotated[
+        dict[Annotated[str, Field(pattern=r"^(0|[1-9][0-9]{0,9})$")], Annotated[float, Field(ge=-100.0, le=100.0)]],
+        Field(max_length=300),
+        WithJsonSchema(bias_schema),
+    ]
 
     class OutputFields(BaseModel):
         """What changes the output, shared by the three endpoints (applied to the target's logits at every
         verified position, so speculative decoding stays lossless), and the block size of its rounds."""
 
-        frequency_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus count x this per token")
-        presence_penalty: Optional[Penalty] = Field(None, description="OpenAI's: minus this once a token occurred")
-        logit_bias: Optional[LogitBias] = Field(
-            None, description="token id (as a string) -> bias added to its logit, -100..100")
-        min_tokens: Optional[Int(ge=0, le=ctx)] = Field(
-            None, description="end-of-text cannot be generated before this many tokens (vLLM's)")
-        ignore_eos: Optional[bool] = Field(None, description="do not stop at end-of-text (vLLM's)")
-        block_size: Optional[Int(ge=1, le=limits.max_block_size)] = Field(None, description=(
-            f"tokens per verified round, 1..the drafter's trained block size ({limits.max_block_size}); 1 = the "
-            "target alone; null = the server's choice (adaptive). Greedy output is the same whatever the size; "
-            "a seeded sampled request returns the same text only with a fixed size"))
+        frequency_penalty: Penalty | None = Field(None, description="OpenAI's: minus count x this per token")
+        presence_penalty: Penalty | None = Field(None, description="OpenAI's: minus this once a token occurred")
+        logit_bias: LogitBias | None = Field(
+            None, description="token id (as a string) -> bias added to its logit, -100..100"
+        )
+        min_tokens: Int(ge=0, le=ctx) | None = Field(
+            None, description="end-of-text cannot be generated before this many tokens (vLLM's)"
+        )
+        ignore_eos: bool | None = Field(None, description="do not stop at end-of-text (vLLM's)")
+        block_size: Int(ge=1, le=limits.max_block_size) | None = Field(
+            None,
+            description=(
+                f"tokens per verified round, 1..the drafter's trained block size ({limits.max_block_size}); 1 = the "
+                "target alone; null = the server's choice (adaptive). Greedy output is the same whatever the size; "
+                "a seeded sampled request returns the same text only with a fixed size"
+            ),
+        )
 
         @field_validator("logit_bias")
         @classmethod
@@ -157,8 +193,13 @@ def request_models(limits: Limits) -> RequestModels:
     class GenerateRequest(OutputFields):
         """POST /generate: our native API. Exactly one of prompt / input_ids."""
 
-        model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="GenerateRequest",
-                                  json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]})
+        model_config = ConfigDict(
+            extra="forbid",
+            strict=True,
+            allow_inf_nan=False,
+            title="GenerateRequest",
+            json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]},
+        )
 
         prompt: NonEmptyText = None  # not Optional: absent, never null (exactly one of the two is sent)
         input_ids: TokenIds = None
@@ -166,7 +207,7 @@ def request_models(limits: Limits) -> RequestModels:
         temperature: Temperature = 0.0
         top_p: TopP = 1.0
         top_k: TopK = 0
-        seed: Optional[Seed] = None
+        seed: Seed | None = None
         stop: StopField = None
         stream: bool = False
 
@@ -181,18 +222,22 @@ def request_models(limits: Limits) -> RequestModels:
 
         model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
-        model: Optional[StrictStr] = Field(None, description="the only model, or null; another is a 404",
-                                           json_schema_extra={"enum": [limits.model_name, None]})
-        temperature: Optional[Temperature] = Field(
-            None, description=f"default {OPENAI_DEFAULT_TEMPERATURE} (OpenAI's); 0 is greedy")
-        top_p: Optional[TopP] = None
-        top_k: Optional[TopK] = None
-        seed: Optional[Seed] = None
+        model: StrictStr | None = Field(
+            None,
+            description="the only model, or null; another is a 404",
+            json_schema_extra={"enum": [limits.model_name, None]},
+        )
+        temperature: Temperature | None = Field(
+            None, description=f"default {OPENAI_DEFAULT_TEMPERATURE} (OpenAI's); 0 is greedy"
+        )
+        top_p: TopP | None = None
+        top_k: TopK | None = None
+        seed: Seed | None = None
         stop: StopField = None
-        stream: Optional[bool] = None
-        stream_options: Optional[StreamOptions] = None
-        n: Optional[Literal[1]] = Field(None, description="one choice per request")
-        user: Optional[StrictStr] = None
+        stream: bool | None = None
+        stream_options: StreamOptions | None = None
+        n: Literal[1] | None = Field(None, description="one choice per request")
+        user: StrictStr | None = None
 
         @field_validator(*(k for k in UNSUPPORTED if isinstance(k, str)), mode="before", check_fields=False)
         @classmethod
@@ -208,13 +253,14 @@ def request_models(limits: Limits) -> RequestModels:
 
         model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="CompletionRequest")
 
-        prompt: Union[NonEmptyText, Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)], TokenIds]
-        max_tokens: Optional[MaxTokens] = Field(None, description=(
-            f"default {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's), clipped to the context left"))
-        echo: Optional[Literal[False]] = Field(None, description="not supported: false or null")
-        best_of: Optional[Literal[1]] = None
-        logprobs: Optional[Literal[0]] = Field(None, description="not supported: null or 0")
-        suffix: Optional[Literal[""]] = Field(None, description="not supported: null or empty")
+        prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | TokenIds
+        max_tokens: MaxTokens | None = Field(
+            None, description=(f"default {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's), clipped to the context left")
+        )
+        echo: Literal[False] | None = Field(None, description="not supported: false or null")
+        best_of: Literal[1] | None = None
+        logprobs: Literal[0] | None = Field(None, description="not supported: null or 0")
+        suffix: Literal[""] | None = Field(None, description="not supported: null or empty")
 
         @field_validator("prompt")
         @classmethod
@@ -227,19 +273,21 @@ def request_models(limits: Limits) -> RequestModels:
         model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="ChatCompletionRequest")
 
         messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
-        max_tokens: Optional[MaxTokens] = Field(None, description="default: the server's --default-max-tokens")
-        max_completion_tokens: Optional[MaxTokens] = None
-        logprobs: Optional[Literal[False]] = Field(None, description="not supported: false or null")
-        top_logprobs: Optional[Literal[0]] = Field(None, description="not supported: null or 0")
-        response_format: Optional[TextFormat] = Field(None, description="only {'type': 'text'}")
-        tools: Optional[Annotated[list[dict[str, Any]], Field(max_length=0)]] = Field(
-            None, description="not supported: no tools (null or [])")
-        tool_choice: Optional[Literal["none", "auto"]] = Field(None, description="without tools: none or auto")
-        parallel_tool_calls: Optional[bool] = None
-        functions: Optional[Annotated[list[dict[str, Any]], Field(max_length=0)]] = Field(
-            None, description="not supported: null or []")
-        function_call: Optional[Literal["none", "auto"]] = None
-        modalities: Optional[Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)]] = None
+        max_tokens: MaxTokens | None = Field(None, description="default: the server's --default-max-tokens")
+        max_completion_tokens: MaxTokens | None = None
+        logprobs: Literal[False] | None = Field(None, description="not supported: false or null")
+        top_logprobs: Literal[0] | None = Field(None, description="not supported: null or 0")
+        response_format: TextFormat | None = Field(None, description="only {'type': 'text'}")
+        tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
+            None, description="not supported: no tools (null or [])"
+        )
+        tool_choice: Literal["none", "auto"] | None = Field(None, description="without tools: none or auto")
+        parallel_tool_calls: bool | None = None
+        functions: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
+            None, description="not supported: null or []"
+        )
+        function_call: Literal["none", "auto"] | None = None
+        modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
 
     return RequestModels(GenerateRequest, CompletionRequest, ChatCompletionRequest)
 
@@ -247,7 +295,7 @@ def request_models(limits: Limits) -> RequestModels:
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
-    include_usage: Optional[bool] = None
+    include_usage: bool | None = None
 
 
 class TextFormat(BaseModel):
@@ -267,7 +315,7 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: Optional[Union[Text, list[TextPart]]] = None
+    content: Text | list[TextPart] | None = None
 
     @field_validator("content")
     @classmethod
@@ -276,16 +324,17 @@ class ChatMessage(BaseModel):
         return "".join(p.text for p in v) if isinstance(v, list) else v
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
+def error_body(
+    message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
+) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
 class ErrorDetail(BaseModel):
     message: str
     type: str
-    param: Optional[str] = None
-    code: Optional[str] = None
+    param: str | None = None
+    code: str | None = None
 
 
 class ErrorBody(BaseModel):

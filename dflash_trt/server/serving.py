@@ -29,8 +29,10 @@ def _http_protocol():
     class JsonErrorProtocol(AutoHTTPProtocol):
         def send_400_response(self, msg: str) -> None:
             body = json.dumps(error_body(f"malformed HTTP request: {msg}", code="bad_http_request")).encode()
-            head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
-                    b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body))
+            head = (
+                b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body)
+            )
             self.transport.write(head + body)
             self.transport.close()
 
@@ -53,8 +55,9 @@ def make_server(app, host: str, port: int):
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:  # the app started and the socket listens: a client may connect now
-                logging.getLogger("dflash_trt.server").info(json.dumps(
-                    {"event": LISTENING_EVENT, "host": host, "port": sockets[0].getsockname()[1]}))
+                logging.getLogger("dflash_trt.server").info(
+                    json.dumps({"event": LISTENING_EVENT, "host": host, "port": sockets[0].getsockname()[1]})
+                )
 
         def handle_exit(self, sig, frame):
             if self.draining:  # second signal: stop now
@@ -75,7 +78,15 @@ def make_server(app, host: str, port: int):
             self.should_exit = True
 
     # access_log off: the app writes its own JSON line per request; "info" keeps uvicorn's "running on" line.
-    config = uvicorn.Config(app, host=host, port=port, log_level="info", access_log=False,
-                            timeout_graceful_shutdown=5, lifespan="on", http=_http_protocol())
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+        http=_http_protocol(),
+    )
     sock = config.bind_socket()  # bound here so that --port 0 can report the port it got
     return DrainingServer(config), sock

@@ -23,7 +23,8 @@ def make_optimizer(params, lr: float, total_steps: int, warmup_ratio: float, wei
     no_decay = [p for p in params if p.dim() < 2]  # norms are not decayed
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=lr, betas=(0.9, 0.95),
+        lr=lr,
+        betas=(0.9, 0.95),
     )
     warmup = max(1, int(total_steps * warmup_ratio))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: cosine_with_warmup(s, total_steps, warmup))
@@ -31,8 +32,13 @@ def make_optimizer(params, lr: float, total_steps: int, warmup_ratio: float, wei
 
 
 def save_state(path: Path, step: int, opt, sched, extra: dict | None = None) -> None:
-    state = {"step": step, "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-             "rng": torch.get_rng_state(), **(extra or {})}
+    state = {
+        "step": step,
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": torch.get_rng_state(),
+        **(extra or {}),
+    }
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     tmp.replace(path)  # never leave a half-written state behind
@@ -51,8 +57,20 @@ def autocast(enabled: bool):
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
-def run_steps(params, opt, sched, step_fn, *, start: int, total: int, clip: float, every: int,
-              on_every, time_budget_s: float | None = None, desc: str = "train") -> int:
+def run_steps(
+    params,
+    opt,
+    sched,
+    step_fn,
+    *,
+    start: int,
+    total: int,
+    clip: float,
+    every: int,
+    on_every,
+    time_budget_s: float | None = None,
+    desc: str = "train",
+) -> int:
     """The one step loop both trainers use: `step_fn(step)` returns (loss tensor, tokens, postfix dict);
     backward, clip, AdamW + schedule step; running loss and tokens/s on a progress bar; every `every`
     steps and at the end `on_every(step, running_loss, seconds, last)`. Stops after `total` steps or

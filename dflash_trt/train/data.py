@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import sysconfig
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Iterable, Iterator
 
 import numpy as np
 import torch
@@ -67,8 +67,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, mask_token=MASK_TOKEN,
-                                   pad_token=EOS_TOKEN, model_max_length=2048)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, mask_token=MASK_TOKEN, pad_token=EOS_TOKEN, model_max_length=2048
+    )
     from ..models.target import save_portable
 
     save_portable(fast, out)  # loadable by transformers 4.57 (TensorRT-LLM 1.2's pin) and 5.x

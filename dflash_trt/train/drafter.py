@@ -74,8 +74,9 @@ class DrafterTrainConfig:
 # ---------------------------------------------------------------------------------------
 # Blocks, mask, weights: the pieces the tests check
 # ---------------------------------------------------------------------------------------
-def sample_anchors(seq_len: int, block_size: int, count: int, generator: torch.Generator,
-                   start: int = 1) -> torch.Tensor:
+def sample_anchors(
+    seq_len: int, block_size: int, count: int, generator: torch.Generator, start: int = 1
+) -> torch.Tensor:
     """Distinct sorted anchors in [start, seq_len - 2]: each has context before it and at least one
     label after it (labels past the end are masked, so the last tokens, EOS included, are trained too)."""
     start = max(1, start)
@@ -100,8 +101,9 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     return torch.exp(-(k - 1) / gamma)
 
 
-def build_blocks(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int,
-                 length: int | None = None):
+def build_blocks(
+    tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int, length: int | None = None
+):
     """Block ids [m*B], positions [m*B], labels [m, B-1] and label validity [m, B-1] (label inside the
     first `length` tokens) for one sequence."""
     length = tokens.shape[0] if length is None else length
@@ -208,6 +210,7 @@ def target_hidden(target, tokens: torch.Tensor, layer_ids, teacher: bool = False
             outs[idx] = output[0] if isinstance(output, tuple) else output
             if stop_early and idx == deepest:
                 raise _Deep
+
         return fn
 
     handles = [layers[i].register_forward_hook(hook(i)) for i in set(layer_ids)]
@@ -228,19 +231,25 @@ class FeatureCache:
     """The target's features (and teacher hidden) of every token of a SequenceSet, fp16 in memory-mapped
     files, aligned with the set's flat token array. Built once (resumably); `meta.json` says what it holds."""
 
-    def __init__(self, folder: Path, data: SequenceSet, layer_ids, feature_size: int, hidden_size: int,
-                 teacher: bool):
+    def __init__(self, folder: Path, data: SequenceSet, layer_ids, feature_size: int, hidden_size: int, teacher: bool):
         self.folder, self.data = folder, data
-        self.meta = {"layer_ids": list(layer_ids), "feature_size": feature_size, "hidden_size": hidden_size,
-                     "teacher": teacher, "sequences": len(data), "tokens": int(data.offsets[-1]),
-                     "ids_hash": hash_ids(data.ids), "done": 0}
+        self.meta = {
+            "layer_ids": list(layer_ids),
+            "feature_size": feature_size,
+            "hidden_size": hidden_size,
+            "teacher": teacher,
+            "sequences": len(data),
+            "tokens": int(data.offsets[-1]),
+            "ids_hash": hash_ids(data.ids),
+            "done": 0,
+        }
         self.features: np.memmap | None = None
         self.teacher: np.memmap | None = None
 
     def _files(self):
         return self.folder / "features.f16", self.folder / "teacher.f16", self.folder / "meta.json"
 
-    def open_or_build(self, target, batch_tokens: int = 8192) -> "FeatureCache":
+    def open_or_build(self, target, batch_tokens: int = 8192) -> FeatureCache:
         feat_file, teacher_file, meta_file = self._files()
         want = {k: v for k, v in self.meta.items() if k != "done"}
         mode = "r+"
@@ -249,11 +258,15 @@ class FeatureCache:
             if {k: v for k, v in have.items() if k != "done"} == want:
                 self.meta["done"] = have["done"]
             elif self._extends(have):  # more regenerated shards after the same ones: compute only the new part
-                print(f"feature cache {self.folder}: {len(self.data) - have['sequences']} new sequences, extending",
-                      flush=True)
+                print(
+                    f"feature cache {self.folder}: {len(self.data) - have['sequences']} new sequences, extending",
+                    flush=True,
+                )
                 self._check_space(self.meta["tokens"] - have["tokens"])
-                for f, width in ((feat_file, self.meta["feature_size"]),
-                                 (teacher_file, self.meta["hidden_size"] if self.meta["teacher"] else 0)):
+                for f, width in (
+                    (feat_file, self.meta["feature_size"]),
+                    (teacher_file, self.meta["hidden_size"] if self.meta["teacher"] else 0),
+                ):
                     if width:
                         with open(f, "r+b") as fh:
                             fh.truncate(self.meta["tokens"] * width * 2)
@@ -285,8 +298,12 @@ class FeatureCache:
         """The cache on disk holds the first sequences of this set (same layers): regenerating appends shards."""
         n = int(have.get("sequences", 0))
         same_kind = all(have.get(k) == self.meta[k] for k in ("layer_ids", "feature_size", "hidden_size", "teacher"))
-        return (same_kind and 0 < n < len(self.data) and have.get("tokens") == int(self.data.offsets[n])
-                and have.get("ids_hash") == hash_ids(self.data.ids[:n]))
+        return (
+            same_kind
+            and 0 < n < len(self.data)
+            and have.get("tokens") == int(self.data.offsets[n])
+            and have.get("ids_hash") == hash_ids(self.data.ids[:n])
+        )
 
     def _build(self, target, batch_tokens: int) -> None:
         n, done = len(self.data), self.meta["done"]
@@ -298,7 +315,7 @@ class FeatureCache:
         i = done
         while i < n:
             j = i + 1  # as many sequences as fit in `batch_tokens` (padded)
-            while j < n and (j + 1 - i) * max(lengths[i: j + 1]) <= batch_tokens:
+            while j < n and (j + 1 - i) * max(lengths[i : j + 1]) <= batch_tokens:
                 j += 1
             batch = pad_batch([self.data.sequence(k) for k in range(i, j)], [0] * (j - i))
             # right padding needs no attention mask: causal attention never looks at later (pad) tokens
@@ -318,8 +335,11 @@ class FeatureCache:
             bar.update(batch.tokens.shape[0])
             bar.set_postfix(tok_s=f"{tokens_done / (time.perf_counter() - t0):.0f}")
         bar.close()
-        print(f"target features: {tokens_done} tokens in {time.perf_counter() - t0:.0f}s "
-              f"({tokens_done / (time.perf_counter() - t0):.0f} tokens/s) -> {self.folder}", flush=True)
+        print(
+            f"target features: {tokens_done} tokens in {time.perf_counter() - t0:.0f}s "
+            f"({tokens_done / (time.perf_counter() - t0):.0f} tokens/s) -> {self.folder}",
+            flush=True,
+        )
 
     def get(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         a, b = self.data.offsets[k], self.data.offsets[k + 1]
@@ -364,9 +384,17 @@ def chunked_loss(hidden, labels, weights, teacher, lm_head, drafter, cfg: Drafte
     return total, torch.cat(correct) if correct else torch.zeros(0, dtype=torch.bool)
 
 
-def drafter_loss(drafter, target, tokens: torch.Tensor, cfg: DrafterTrainConfig, generator: torch.Generator,
-                 features: torch.Tensor | None = None, lengths: torch.Tensor | None = None,
-                 prompt_lens: torch.Tensor | None = None, teacher: torch.Tensor | None = None):
+def drafter_loss(
+    drafter,
+    target,
+    tokens: torch.Tensor,
+    cfg: DrafterTrainConfig,
+    generator: torch.Generator,
+    features: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    prompt_lens: torch.Tensor | None = None,
+    teacher: torch.Tensor | None = None,
+):
     """Loss and top-1 accuracy per block position for right-padded sequences [b, S] (`lengths`, default
     all S; anchors from `prompt_lens` on, default 1). `features` / `teacher`: the target's, when cached
     (else the target runs here, as deep as needed)."""
@@ -379,15 +407,17 @@ def drafter_loss(drafter, target, tokens: torch.Tensor, cfg: DrafterTrainConfig,
         features, teacher = target_hidden(target, tokens, drafter.spec.target_layer_ids, teacher=want_teacher)
     embed = target.get_input_embeddings().weight
     lm_head = target.get_output_embeddings().weight
-    per_seq = [sample_anchors(int(lengths[i]), B, cfg.anchors_per_seq, generator, start=int(prompt_lens[i]))
-               for i in range(b)]
+    per_seq = [
+        sample_anchors(int(lengths[i]), B, cfg.anchors_per_seq, generator, start=int(prompt_lens[i])) for i in range(b)
+    ]
     m = max(1, max(len(a) for a in per_seq))
     ids, positions, labels, valid, anchors = [], [], [], [], []
     for i, a in enumerate(per_seq):
         n_real = len(a)
         a = torch.cat([a, torch.ones(m - n_real, dtype=torch.long)])  # padding blocks carry no loss
-        blk_ids, blk_pos, blk_labels, blk_valid = build_blocks(tokens[i], a, B, drafter.spec.mask_token_id,
-                                                               int(lengths[i]))
+        blk_ids, blk_pos, blk_labels, blk_valid = build_blocks(
+            tokens[i], a, B, drafter.spec.mask_token_id, int(lengths[i])
+        )
         blk_valid[n_real:] = False
         ids.append(blk_ids)
         positions.append(blk_pos)
@@ -406,8 +436,7 @@ def drafter_loss(drafter, target, tokens: torch.Tensor, cfg: DrafterTrainConfig,
         idx = (anchors[:, :, None] + torch.arange(B - 1)[None, None, :]).clamp(max=s - 1)
         rows_teacher = teacher[torch.arange(b)[:, None, None], idx][valid]
     with autocast(cfg.bf16):
-        total, correct = chunked_loss(hidden[valid], labels[valid], weights[valid], rows_teacher, lm_head,
-                                      drafter, cfg)
+        total, correct = chunked_loss(hidden[valid], labels[valid], weights[valid], rows_teacher, lm_head, drafter, cfg)
     loss = total / weights[valid].sum().clamp(min=1e-6)
     hits = torch.zeros(b, m, B - 1)
     hits[valid] = correct.float()
@@ -428,8 +457,9 @@ def as_sequence_set(sequences: np.ndarray | SequenceSet, seq_len: int) -> Sequen
         raise ValueError(f"sequences of {seqs.shape[1]} tokens are shorter than seq_len {seq_len}")
     per_row = seqs.shape[1] // seq_len
     windows = seqs[:, : per_row * seq_len].reshape(-1, seq_len)
-    return SequenceSet.from_arrays(windows.reshape(-1), [seq_len] * len(windows), [1] * len(windows),
-                                   [str(i) for i in range(len(windows))])
+    return SequenceSet.from_arrays(
+        windows.reshape(-1), [seq_len] * len(windows), [1] * len(windows), [str(i) for i in range(len(windows))]
+    )
 
 
 def open_feature_cache(folder: Path | None, data: SequenceSet, drafter, target, teacher: bool) -> FeatureCache | None:
@@ -439,17 +469,30 @@ def open_feature_cache(folder: Path | None, data: SequenceSet, drafter, target, 
         return None
     hidden = target.config.get_text_config().hidden_size
     try:
-        return FeatureCache(folder, data, drafter.spec.target_layer_ids, drafter.feature_size, hidden,
-                            teacher).open_or_build(target)
+        return FeatureCache(
+            folder, data, drafter.spec.target_layer_ids, drafter.feature_size, hidden, teacher
+        ).open_or_build(target)
     except OSError as e:
-        print("\n" + "!" * 78 + f"\nWARNING: feature cache {folder} cannot be written ({e}).\n"
-              "Training continues WITHOUT it: the target runs again at every step (several times slower).\n"
-              + "!" * 78 + "\n", file=sys.stderr, flush=True)
+        print(
+            "\n" + "!" * 78 + f"\nWARNING: feature cache {folder} cannot be written ({e}).\n"
+            "Training continues WITHOUT it: the target runs again at every step (several times slower).\n"
+            + "!" * 78
+            + "\n",
+            file=sys.stderr,
+            flush=True,
+        )
         return None
 
 
-def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray | SequenceSet, out: Path,
-                  cfg: DrafterTrainConfig, resume: bool = False, feature_cache: Path | None | str = "default") -> dict:
+def train_drafter(
+    drafter: DFlashDrafter,
+    target,
+    sequences: np.ndarray | SequenceSet,
+    out: Path,
+    cfg: DrafterTrainConfig,
+    resume: bool = False,
+    feature_cache: Path | None | str = "default",
+) -> dict:
     """Train on regenerated sequences (SequenceSet) or fixed-length token rows [N, >= seq_len]; writes
     checkpoints (published format) into `out`. `feature_cache`: folder of the target-feature cache
     (default `out/feature-cache`; None: no cache, the target runs every step)."""
@@ -486,25 +529,54 @@ def train_drafter(drafter: DFlashDrafter, target, sequences: np.ndarray | Sequen
                 feats[r, :n] = torch.from_numpy(np.asarray(f[:n], dtype=np.float32))
                 if teacher is not None:
                     teacher[r, :n] = torch.from_numpy(np.asarray(t[:n], dtype=np.float32))
-        loss, acc = drafter_loss(drafter, target, batch.tokens, cfg, gen, features=feats, lengths=batch.lengths,
-                                 prompt_lens=batch.prompt_lens, teacher=teacher)
+        loss, acc = drafter_loss(
+            drafter,
+            target,
+            batch.tokens,
+            cfg,
+            gen,
+            features=feats,
+            lengths=batch.lengths,
+            prompt_lens=batch.prompt_lens,
+            teacher=teacher,
+        )
         last_acc[0] = acc
         predicted = int((batch.lengths - batch.prompt_lens).clamp(min=0).sum())
         return loss, predicted, {"acc1": f"{float(acc[0]):.2f}"}
 
     def on_every(step: int, running: float, elapsed: float, last: bool) -> None:
-        history.append({"step": step, "loss": round(running, 4),
-                        "accuracy_by_position": [round(float(a), 3) for a in last_acc[0]],
-                        "seconds": round(elapsed, 1)})
+        history.append(
+            {
+                "step": step,
+                "loss": round(running, 4),
+                "accuracy_by_position": [round(float(a), 3) for a in last_acc[0]],
+                "seconds": round(elapsed, 1),
+            }
+        )
         tqdm.write(json.dumps(history[-1]))
         _save_checkpoint(drafter, out)
         save_state(out / STATE_FILE, step, opt, sched, {"history": history})
 
-    step = run_steps(drafter.parameters(), opt, sched, step_fn, start=start_step, total=cfg.steps, clip=cfg.clip,
-                     every=cfg.save_every, on_every=on_every, time_budget_s=cfg.time_budget_s, desc="train-drafter")
+    step = run_steps(
+        drafter.parameters(),
+        opt,
+        sched,
+        step_fn,
+        start=start_step,
+        total=cfg.steps,
+        clip=cfg.clip,
+        every=cfg.save_every,
+        on_every=on_every,
+        time_budget_s=cfg.time_budget_s,
+        desc="train-drafter",
+    )
     drafter.eval()
-    summary = {"steps": step, "history": history, "config": asdict(cfg),
-               "seconds": round(time.perf_counter() - t_start)}
+    summary = {
+        "steps": step,
+        "history": history,
+        "config": asdict(cfg),
+        "seconds": round(time.perf_counter() - t_start),
+    }
     (out / "training.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
@@ -519,8 +591,9 @@ def _save_checkpoint(drafter: DFlashDrafter, out: Path) -> None:
     tmp.rmdir()
 
 
-def train_drafter_on_sequences(target, data: SequenceSet, out: Path, feature_dir: Path, cfg: DrafterTrainConfig,
-                               train: bool = True) -> dict:
+def train_drafter_on_sequences(
+    target, data: SequenceSet, out: Path, feature_dir: Path, cfg: DrafterTrainConfig, train: bool = True
+) -> dict:
     """The recipe script's entry: a new drafter (or the checkpoint in `out`, resumed), the feature cache
     in `feature_dir`, then training (or only the cache when `train` is False)."""
     mask = cfg.mask_token_id
@@ -531,9 +604,12 @@ def train_drafter_on_sequences(target, data: SequenceSet, out: Path, feature_dir
     else:
         drafter = new_drafter_for(target, cfg, mask)
     n = sum(p.numel() for p in drafter.parameters())
-    print(f"drafter: {n / 1e6:.2f}M parameters, {cfg.num_layers} layers, block {cfg.block_size}, features of "
-          f"target layers {list(drafter.spec.target_layer_ids)}; {len(data)} sequences, "
-          f"{data.response_tokens} response tokens", flush=True)
+    print(
+        f"drafter: {n / 1e6:.2f}M parameters, {cfg.num_layers} layers, block {cfg.block_size}, features of "
+        f"target layers {list(drafter.spec.target_layer_ids)}; {len(data)} sequences, "
+        f"{data.response_tokens} response tokens",
+        flush=True,
+    )
     if not train:
         open_feature_cache(feature_dir, data, drafter, target, teacher=cfg.kd_weight > 0)
         return {"steps": 0}
@@ -544,17 +620,25 @@ def train_drafter_on_sequences(target, data: SequenceSet, out: Path, feature_dir
 # Data for the CLI and the demo script: fixed-length continuations of corpus prompts
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
-def regenerate(target, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, batch: int = 32,
-               seed: int = 0) -> np.ndarray:
+def regenerate(
+    target, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, batch: int = 32, seed: int = 0
+) -> np.ndarray:
     """The target's own continuations of equal-length prompts: [N, prompt_len + new_tokens]."""
     torch.manual_seed(seed)
     outs = []
     for i in tqdm(range(0, prompts.shape[0], batch), desc="regenerate", unit="batch"):
         chunk = prompts[i : i + batch]
         gen = target.generate(
-            chunk, attention_mask=torch.ones_like(chunk), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-            do_sample=temperature > 0, temperature=temperature if temperature > 0 else None,
-            top_p=None, top_k=None, pad_token_id=0, eos_token_id=None,
+            chunk,
+            attention_mask=torch.ones_like(chunk),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=0,
+            eos_token_id=None,
         )
         outs.append(gen.numpy())
     return np.concatenate(outs)
@@ -571,9 +655,15 @@ def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:
     return tokens[: n * length].reshape(n, length)
 
 
-def load_training_sequences(data: str | Path, tokenizer, seq_len: int, regenerate_with=None,
-                            n_sequences: int = 512, prompt_len: int = 64,
-                            temperature: float = 0.0) -> np.ndarray | SequenceSet:
+def load_training_sequences(
+    data: str | Path,
+    tokenizer,
+    seq_len: int,
+    regenerate_with=None,
+    n_sequences: int = 512,
+    prompt_len: int = 64,
+    temperature: float = 0.0,
+) -> np.ndarray | SequenceSet:
     """`data`: a .npy of token sequences, regenerated responses (a .npz or a folder of shard-*.npz from
     `train.regen`: anchors in the responses only), or text (file, folder, 'stdlib'). With
     `regenerate_with` (the target), prompts cut from the text are continued by the target itself."""
@@ -590,8 +680,15 @@ def load_training_sequences(data: str | Path, tokenizer, seq_len: int, regenerat
     return regenerate(regenerate_with, prompts, max(seq_len - prompt_len, 1), temperature)
 
 
-def regenerate_dataset(target_dir: Path, out: Path, n_sequences: int, prompt_len: int, new_tokens: int,
-                       temperature: float = 0.0, seed: int = 1) -> None:
+def regenerate_dataset(
+    target_dir: Path,
+    out: Path,
+    n_sequences: int,
+    prompt_len: int,
+    new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 1,
+) -> None:
     """For the demo: prompts from the training split of the stdlib corpus, continued by the target."""
     from ..models.target import load_target, load_tokenizer
     from .data import read_texts, stdlib_files, tokenize_corpus
@@ -608,8 +705,9 @@ def regenerate_dataset(target_dir: Path, out: Path, n_sequences: int, prompt_len
     print(f"regenerated {seqs.shape[0]} sequences x {seqs.shape[1]} tokens in {time.perf_counter() - t:.0f}s")
 
 
-def train_drafter_from_dirs(target_dir: Path, data: Path, out: Path, cfg: DrafterTrainConfig,
-                            resume: bool = False) -> dict:
+def train_drafter_from_dirs(
+    target_dir: Path, data: Path, out: Path, cfg: DrafterTrainConfig, resume: bool = False
+) -> dict:
     from ..models.target import load_target, load_tokenizer
 
     target = load_target(target_dir)
@@ -623,6 +721,8 @@ def train_drafter_from_dirs(target_dir: Path, data: Path, out: Path, cfg: Drafte
     else:
         drafter = new_drafter_for(target, cfg, mask)
     n = sum(p.numel() for p in drafter.parameters())
-    print(f"drafter: {n / 1e6:.2f}M parameters, {cfg.num_layers} layers, block {cfg.block_size}, "
-          f"features of target layers {list(drafter.spec.target_layer_ids)}; {len(sequences)} sequences")
+    print(
+        f"drafter: {n / 1e6:.2f}M parameters, {cfg.num_layers} layers, block {cfg.block_size}, "
+        f"features of target layers {list(drafter.spec.target_layer_ids)}; {len(sequences)} sequences"
+    )
     return train_drafter(drafter, target, sequences, out, cfg, resume=resume)

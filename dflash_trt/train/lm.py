@@ -51,8 +51,9 @@ def held_out_loss(model, tokens: np.ndarray, cfg: LMTrainConfig) -> float:
     return sum(losses) / len(losses)
 
 
-def train_lm(model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTrainConfig,
-             log_path: Path | None = None) -> LMTrainReport:
+def train_lm(
+    model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTrainConfig, log_path: Path | None = None
+) -> LMTrainReport:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     opt, sched = make_optimizer(model.parameters(), cfg.lr, cfg.steps, cfg.warmup_ratio)
@@ -68,15 +69,30 @@ def train_lm(model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTr
         return loss, x.numel(), {}
 
     def on_every(step: int, running: float, elapsed: float, last: bool) -> None:
-        entry = {"step": step, "tokens": report.tokens, "train_loss": round(running, 4),
-                 "held_out_loss": round(held_out_loss(model, eval_tokens, cfg), 4), "seconds": round(elapsed, 1)}
+        entry = {
+            "step": step,
+            "tokens": report.tokens,
+            "train_loss": round(running, 4),
+            "held_out_loss": round(held_out_loss(model, eval_tokens, cfg), 4),
+            "seconds": round(elapsed, 1),
+        }
         report.history.append(entry)
         tqdm.write(json.dumps(entry))
         if log_path is not None:
             log_path.write_text(json.dumps(report.history, indent=1))
 
-    run_steps(model.parameters(), opt, sched, step_fn, start=0, total=cfg.steps, clip=cfg.clip,
-              every=cfg.eval_every, on_every=on_every, time_budget_s=cfg.time_budget_s)
+    run_steps(
+        model.parameters(),
+        opt,
+        sched,
+        step_fn,
+        start=0,
+        total=cfg.steps,
+        clip=cfg.clip,
+        every=cfg.eval_every,
+        on_every=on_every,
+        time_budget_s=cfg.time_budget_s,
+    )
     report.seconds = time.perf_counter() - start
     model.eval()
     return report

@@ -64,12 +64,13 @@ def prompts_from_file(path: Path, rel: str, rng: random.Random, long_chars: int 
             verb = rng.choice(["Write a Python function", "Implement a Python function", "Write a function"])
             out.append(Prompt(pid + "c", rel, "chat", f"{verb} `{fn.name}({args})` that {sentence}."))
         if 3 <= src.count("\n") <= 40 and len(src) < 1500 and rng.random() < 0.3:
-            out.append(Prompt(pid + "e", rel, "explain",
-                              f"Explain what this Python function does:\n\n```python\n{src}\n```"))
+            out.append(
+                Prompt(pid + "e", rel, "explain", f"Explain what this Python function does:\n\n```python\n{src}\n```")
+            )
         if doc and fn.body and fn.end_lineno and fn.end_lineno - fn.lineno >= 4:
             # prefix: everything up to the end of the docstring (the body is the model's to write)
             body_start = fn.body[1].lineno - 1 if len(fn.body) > 1 else fn.body[0].end_lineno
-            head = "".join(lines[fn.lineno - 1 - len(fn.decorator_list): body_start])
+            head = "".join(lines[fn.lineno - 1 - len(fn.decorator_list) : body_start])
             before = "".join(lines[: fn.lineno - 1 - len(fn.decorator_list)])
             if rng.random() < 0.35 and len(before) > long_chars // 2:
                 out.append(Prompt(pid + "L", rel, "code", before[-long_chars:] + head))

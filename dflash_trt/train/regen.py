@@ -33,7 +33,7 @@ class SequenceSet:
         return len(self.prompt_lens)
 
     def sequence(self, i: int) -> np.ndarray:
-        return self.tokens[self.offsets[i]: self.offsets[i + 1]]
+        return self.tokens[self.offsets[i] : self.offsets[i + 1]]
 
     @property
     def lengths(self) -> np.ndarray:
@@ -44,8 +44,13 @@ class SequenceSet:
         return int((self.lengths - self.prompt_lens).sum())
 
     def save(self, path: Path) -> None:
-        np.savez_compressed(path, tokens=self.tokens, lengths=self.lengths.astype(np.int32),
-                            prompt_lens=self.prompt_lens.astype(np.int32), ids=self.ids.astype(str))
+        np.savez_compressed(
+            path,
+            tokens=self.tokens,
+            lengths=self.lengths.astype(np.int32),
+            prompt_lens=self.prompt_lens.astype(np.int32),
+            ids=self.ids.astype(str),
+        )
 
     @classmethod
     def from_arrays(cls, tokens, lengths, prompt_lens, ids) -> SequenceSet:
@@ -60,10 +65,12 @@ class SequenceSet:
         parts = [np.load(f) for f in files]
         if not parts:
             raise FileNotFoundError(f"no regenerated sequences in {path}")
-        return cls.from_arrays(np.concatenate([p["tokens"] for p in parts]),
-                               np.concatenate([p["lengths"] for p in parts]),
-                               np.concatenate([p["prompt_lens"] for p in parts]),
-                               np.concatenate([p["ids"] for p in parts]))
+        return cls.from_arrays(
+            np.concatenate([p["tokens"] for p in parts]),
+            np.concatenate([p["lengths"] for p in parts]),
+            np.concatenate([p["prompt_lens"] for p in parts]),
+            np.concatenate([p["ids"] for p in parts]),
+        )
 
 
 def stop_token_ids(tokenizer) -> list[int]:
@@ -89,24 +96,42 @@ def cut_response(generated: list[int], stops: set[int], pad: int) -> list[int]:
 
 
 @torch.no_grad()
-def generate_batch(target, encoded: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int,
-                   temperature: float = 0.0) -> list[list[int]]:
+def generate_batch(
+    target, encoded: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int, temperature: float = 0.0
+) -> list[list[int]]:
     """Left-padded batched generation with an attention mask; the responses, cut at the first stop."""
     width = max(len(e) for e in encoded)
     ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, e in enumerate(encoded):
-        ids[r, width - len(e):] = torch.tensor(e)
-        mask[r, width - len(e):] = 1
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                          temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                          eos_token_id=stops, pad_token_id=pad_id)
+        ids[r, width - len(e) :] = torch.tensor(e)
+        mask[r, width - len(e) :] = 1
+    out = target.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=temperature > 0,
+        temperature=temperature if temperature > 0 else None,
+        top_p=None,
+        top_k=None,
+        eos_token_id=stops,
+        pad_token_id=pad_id,
+    )
     return [cut_response(row.tolist(), set(stops), pad_id) for row in out[:, width:]]
 
 
-def regenerate_prompts(target, tokenizer, prompts: list[Prompt], out_dir: Path, max_new_tokens: int = 256,
-                       batch: int = 16, max_prompt_tokens: int = 1024, temperature: float = 0.0,
-                       time_budget_s: float | None = None, seed: int = 0) -> SequenceSet | None:
+def regenerate_prompts(
+    target,
+    tokenizer,
+    prompts: list[Prompt],
+    out_dir: Path,
+    max_new_tokens: int = 256,
+    batch: int = 16,
+    max_prompt_tokens: int = 1024,
+    temperature: float = 0.0,
+    time_budget_s: float | None = None,
+    seed: int = 0,
+) -> SequenceSet | None:
     """Regenerate responses for `prompts` not yet in `out_dir`'s shards; returns everything stored."""
     out_dir.mkdir(parents=True, exist_ok=True)
     done: set[str] = set()
@@ -121,22 +146,27 @@ def regenerate_prompts(target, tokenizer, prompts: list[Prompt], out_dir: Path, 
                 todo.append((p.id, enc))
     # length-sorted windows: little padding per batch, yet chat / code / long prompts stay mixed over time
     window = batch * 8
-    todo = [x for i in range(0, len(todo), window) for x in sorted(todo[i: i + window], key=lambda t: len(t[1]))]
+    todo = [x for i in range(0, len(todo), window) for x in sorted(todo[i : i + window], key=lambda t: len(t[1]))]
     stops = stop_token_ids(tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stops[0]
     dtype = np.uint16 if len(tokenizer) < 65536 else np.int32
     torch.manual_seed(seed + len(shards))
-    print(f"regenerate: {len(done)} done, {len(todo)} to go (batch {batch}, up to {max_new_tokens} new tokens)",
-          flush=True)
+    print(
+        f"regenerate: {len(done)} done, {len(todo)} to go (batch {batch}, up to {max_new_tokens} new tokens)",
+        flush=True,
+    )
     t0, new_tokens, index = time.perf_counter(), 0, len(shards)
     bar = tqdm(range(0, len(todo), batch), desc="regenerate", unit="batch")
     for start in bar:
-        chunk = todo[start: start + batch]
+        chunk = todo[start : start + batch]
         responses = generate_batch(target, [e for _, e in chunk], max_new_tokens, stops, pad, temperature)
         seqs = [e + r for (_, e), r in zip(chunk, responses)]
-        SequenceSet.from_arrays(np.concatenate([np.asarray(s, dtype=dtype) for s in seqs]),
-                                [len(s) for s in seqs], [len(e) for _, e in chunk],
-                                [i for i, _ in chunk]).save(out_dir / f"shard-{index:05d}.npz")
+        SequenceSet.from_arrays(
+            np.concatenate([np.asarray(s, dtype=dtype) for s in seqs]),
+            [len(s) for s in seqs],
+            [len(e) for _, e in chunk],
+            [i for i, _ in chunk],
+        ).save(out_dir / f"shard-{index:05d}.npz")
         index += 1
         new_tokens += sum(len(r) for r in responses)
         elapsed = time.perf_counter() - t0
@@ -145,6 +175,9 @@ def regenerate_prompts(target, tokenizer, prompts: list[Prompt], out_dir: Path, 
             print(f"regenerate: time budget reached after {index} shards", flush=True)
             break
     if new_tokens:
-        print(f"regenerate: {new_tokens} response tokens in {time.perf_counter() - t0:.0f}s "
-              f"({new_tokens / (time.perf_counter() - t0):.1f} tokens/s)", flush=True)
+        print(
+            f"regenerate: {new_tokens} response tokens in {time.perf_counter() - t0:.0f}s "
+            f"({new_tokens / (time.perf_counter() - t0):.1f} tokens/s)",
+            flush=True,
+        )
     return SequenceSet.load(out_dir) if any(out_dir.glob("shard-*.npz")) else None

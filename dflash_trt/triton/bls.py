@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import secrets
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -52,8 +53,16 @@ from ..runtime.ort_backend import OrtDrafterSession
 
 InferFn = Callable[[str, dict, list], dict]  # (model name, {input: ndarray}, [output names]) -> {output: ndarray}
 
-TARGET_INPUTS = ["session_id", "token_ids", "token_lengths", "cache_length", "rollback_to", "last_logits_only",
-                 "want_features", "release"]
+TARGET_INPUTS = [
+    "session_id",
+    "token_ids",
+    "token_lengths",
+    "cache_length",
+    "rollback_to",
+    "last_logits_only",
+    "want_features",
+    "release",
+]
 TARGET_OUTPUTS = ["logits", "features", "length"]
 
 
@@ -69,7 +78,7 @@ class RemoteTargetEngine:
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
         self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
 
-    def new_session(self) -> "RemoteTargetSession":
+    def new_session(self) -> RemoteTargetSession:
         return RemoteTargetSession(self, new_session_id())
 
 
@@ -95,17 +104,23 @@ class RemoteTargetSession:
         }
         return self.engine.infer(self.engine.model, inputs, TARGET_OUTPUTS)
 
-    def forward(self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True) -> TargetOutput:
+    def forward(
+        self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
+    ) -> TargetOutput:
         out = self._request(token_ids.detach().cpu().numpy(), last_logits_only, features)
         self._rollback_to = -1
         length, expected = int(out["length"].reshape(-1)[0]), self._length + int(token_ids.numel())
         if length != expected:
-            raise RuntimeError(f"{self.engine.model}: session {self.session_id} holds {length} tokens, expected {expected}")
+            raise RuntimeError(
+                f"{self.engine.model}: session {self.session_id} holds {length} tokens, expected {expected}"
+            )
         self._length = length
         feats = out["features"]
         has_features = features and bool(self.engine.feature_layer_ids) and feats.size > 0
-        return TargetOutput(logits=torch.from_numpy(np.array(out["logits"], dtype=np.float32)),
-                            features=torch.from_numpy(np.array(feats, dtype=np.float32)) if has_features else None)
+        return TargetOutput(
+            logits=torch.from_numpy(np.array(out["logits"], dtype=np.float32)),
+            features=torch.from_numpy(np.array(feats, dtype=np.float32)) if has_features else None,
+        )
 
     def rollback(self, length: int) -> None:
         if not 0 <= length <= self._length:
@@ -131,7 +146,7 @@ class RemoteBatchTargetEngine:
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
         self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
 
-    def new_batch(self) -> "RemoteBatchTargetSession":
+    def new_batch(self) -> RemoteBatchTargetSession:
         return RemoteBatchTargetSession(self)
 
 
@@ -156,9 +171,15 @@ class RemoteBatchTargetSession:
         sid = self._row(row)[0]
         del self.rows[row]
         try:
-            self.engine.infer(self.engine.model, {
-                "session_id": np.array([sid], np.uint64), "token_ids": np.zeros(0, np.int64),
-                "release": np.array([True])}, TARGET_OUTPUTS)
+            self.engine.infer(
+                self.engine.model,
+                {
+                    "session_id": np.array([sid], np.uint64),
+                    "token_ids": np.zeros(0, np.int64),
+                    "release": np.array([True]),
+                },
+                TARGET_OUTPUTS,
+            )
         except Exception:  # noqa: BLE001 - releasing must never mask the request's own outcome
             pass
 
@@ -172,26 +193,38 @@ class RemoteBatchTargetSession:
         if length < state[1]:
             state[1], state[2] = length, length
 
-    def forward(self, rows: Sequence[int], tokens: Sequence[torch.Tensor], *, last_logits_only: bool = False,
-                features: bool = True) -> list[TargetOutput]:
+    def forward(
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        *,
+        last_logits_only: bool = False,
+        features: bool = True,
+    ) -> list[TargetOutput]:
         states = [self._row(r) for r in rows]
         counts = [int(t.numel()) for t in tokens]
         flat = torch.cat([t.reshape(-1) for t in tokens]) if tokens else torch.zeros(0, dtype=torch.long)
-        out = self.engine.infer(self.engine.model, {
-            "session_id": np.array([s[0] for s in states], np.uint64),
-            "token_ids": flat.detach().cpu().numpy().astype(np.int64, copy=False),
-            "token_lengths": np.array(counts, np.int64),
-            "cache_length": np.array([s[1] for s in states], np.int64),  # after the pending rollbacks
-            "rollback_to": np.array([s[2] for s in states], np.int64),
-            "last_logits_only": np.array([last_logits_only]),
-            "want_features": np.array([features]),
-        }, TARGET_OUTPUTS)
+        out = self.engine.infer(
+            self.engine.model,
+            {
+                "session_id": np.array([s[0] for s in states], np.uint64),
+                "token_ids": flat.detach().cpu().numpy().astype(np.int64, copy=False),
+                "token_lengths": np.array(counts, np.int64),
+                "cache_length": np.array([s[1] for s in states], np.int64),  # after the pending rollbacks
+                "rollback_to": np.array([s[2] for s in states], np.int64),
+                "last_logits_only": np.array([last_logits_only]),
+                "want_features": np.array([features]),
+            },
+            TARGET_OUTPUTS,
+        )
         for s in states:
             s[2] = -1
         lengths = out["length"].reshape(-1).tolist()
         for r, s, n, got in zip(rows, states, counts, lengths):
             if int(got) != s[1] + n:
-                raise RuntimeError(f"{self.engine.model}: row {r} (session {s[0]}) holds {got} tokens, expected {s[1] + n}")
+                raise RuntimeError(
+                    f"{self.engine.model}: row {r} (session {s[0]}) holds {got} tokens, expected {s[1] + n}"
+                )
         logits = torch.from_numpy(np.array(out["logits"], dtype=np.float32))
         feats = np.array(out["features"], dtype=np.float32)
         has_features = features and bool(self.engine.feature_layer_ids) and feats.size > 0
@@ -200,7 +233,9 @@ class RemoteBatchTargetSession:
         for s, n in zip(states, counts):
             s[1] += n
             k = 1 if last_logits_only else n
-            results.append(TargetOutput(logits=logits[lo:lo + k], features=None if feats_t is None else feats_t[fo:fo + n]))
+            results.append(
+                TargetOutput(logits=logits[lo : lo + k], features=None if feats_t is None else feats_t[fo : fo + n])
+            )
             lo, fo = lo + k, fo + n
         return results
 
@@ -253,6 +288,7 @@ class RemoteBatchDrafterEngine:
 
 # ---- the target model's side: sessions by id -------------------------------------------------
 
+
 class SessionExpired(LookupError):
     pass
 
@@ -290,7 +326,8 @@ class TargetSessions:
         else:
             raise SessionExpired(
                 f"session expired: {session_id} was idle longer than session_ttl_s={self.ttl_s:g} s, or released, "
-                f"while its caller still holds {cache_length} tokens: start the sequence again")
+                f"while its caller still holds {cache_length} tokens: start the sequence again"
+            )
         self.sessions[session_id] = (row, now)
         return row
 
@@ -326,8 +363,11 @@ def serve_target(sessions: TargetSessions, inputs: dict) -> dict:
     if _per_row(inputs, "release", 1, False)[0]:
         for sid in sids:
             sessions.release(sid)
-        return {"logits": np.zeros((0, 0), np.float32), "features": np.zeros((0, 0), np.float32),
-                "length": np.zeros(n, dtype=np.int64)}
+        return {
+            "logits": np.zeros((0, 0), np.float32),
+            "features": np.zeros((0, 0), np.float32),
+            "length": np.zeros(n, dtype=np.int64),
+        }
     ids = np.array(inputs["token_ids"], dtype=np.int64).reshape(-1)
     counts = [int(c) for c in _per_row(inputs, "token_lengths", n, -1)] if "token_lengths" in inputs else [ids.size]
     if len(counts) != n or min(counts) < 0 or sum(counts) != ids.size:
@@ -342,22 +382,31 @@ def serve_target(sessions: TargetSessions, inputs: dict) -> dict:
         if rollback_to >= 0:
             batch.rollback(row, rollback_to)
         if batch.length(row) != cache_length:
-            raise ValueError(f"session {sid} holds {batch.length(row)} cached tokens but its caller expects {cache_length}")
+            raise ValueError(
+                f"session {sid} holds {batch.length(row)} cached tokens but its caller expects {cache_length}"
+            )
     pieces = np.split(ids, np.cumsum(counts)[:-1]) if n else []
-    outs = batch.forward(rows, [torch.from_numpy(p.copy()) for p in pieces],
-                         last_logits_only=bool(_per_row(inputs, "last_logits_only", 1, False)[0]),
-                         features=bool(_per_row(inputs, "want_features", 1, False)[0]))
+    outs = batch.forward(
+        rows,
+        [torch.from_numpy(p.copy()) for p in pieces],
+        last_logits_only=bool(_per_row(inputs, "last_logits_only", 1, False)[0]),
+        features=bool(_per_row(inputs, "want_features", 1, False)[0]),
+    )
 
     def cat(ts):
         if any(t is None for t in ts) or not ts:
             return np.zeros((0, 0), np.float32)
         return np.ascontiguousarray(torch.cat([t.detach().float().cpu() for t in ts]).numpy())
 
-    return {"logits": cat([o.logits for o in outs]), "features": cat([o.features for o in outs]),
-            "length": np.array([batch.length(r) for r in rows], np.int64)}
+    return {
+        "logits": cat([o.logits for o in outs]),
+        "features": cat([o.features for o in outs]),
+        "length": np.array([batch.length(r) for r in rows], np.int64),
+    }
 
 
 # ---- batch bookkeeping shared by the BLS model and its tests ---------------------------------
+
 
 def pad_rows(rows: list[list[int]], pad: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Ragged rows -> ([N, max_len] int64 padded, [N, 1] int32 lengths)."""

@@ -7,8 +7,8 @@ HTTP and unary gRPC call `dflash_sync` (one response); `--stream` (gRPC) calls t
 from __future__ import annotations
 
 import queue
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -33,8 +33,14 @@ def _module(protocol: str):
     return mod
 
 
-def build_inputs(mod, prompts: list[str], max_tokens: int | None = None, temperature: float | None = None,
-                 seed: int | None = None, stream: bool | None = None) -> list:
+def build_inputs(
+    mod,
+    prompts: list[str],
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    stream: bool | None = None,
+) -> list:
     n = len(prompts)
 
     def add(name, dtype, array):
@@ -59,9 +65,18 @@ def _strings(result, name: str) -> list[str]:
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in result.as_numpy(name).reshape(-1)]
 
 
-def generate(url: str, prompts: list[str], *, protocol: str = "grpc", stream: bool = False,
-             max_tokens: int | None = None, temperature: float | None = None, seed: int | None = None,
-             on_chunk: Callable[[list[str]], None] | None = None, timeout_s: float = 300) -> Reply:
+def generate(
+    url: str,
+    prompts: list[str],
+    *,
+    protocol: str = "grpc",
+    stream: bool = False,
+    max_tokens: int | None = None,
+    temperature: float | None = None,
+    seed: int | None = None,
+    on_chunk: Callable[[list[str]], None] | None = None,
+    timeout_s: float = 300,
+) -> Reply:
     mod = _module(protocol)
     if stream and protocol != "grpc":
         raise ValueError("streaming needs gRPC (Triton's HTTP endpoint refuses decoupled models)")

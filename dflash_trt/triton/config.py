@@ -29,7 +29,9 @@ def pb2():
     try:
         from tritonclient.grpc import model_config_pb2
     except ImportError as e:
-        raise ConfigError("Triton model configs need the `tritonclient` package: pip install 'dflash-trt[triton]'") from e
+        raise ConfigError(
+            "Triton model configs need the `tritonclient` package: pip install 'dflash-trt[triton]'"
+        ) from e
     return model_config_pb2
 
 
@@ -54,10 +56,21 @@ class Step:
     output_map: dict
 
 
-def model_config(name: str, *, backend: str | None = None, platform: str | None = None, max_batch_size: int = 0,
-                 inputs=(), outputs=(), parameters: dict | None = None, instance_kind: str | None = "KIND_CPU",
-                 instance_count: int = 1, decoupled: bool = False, dynamic_batching: bool = False,
-                 steps: list[Step] | None = None):
+def model_config(
+    name: str,
+    *,
+    backend: str | None = None,
+    platform: str | None = None,
+    max_batch_size: int = 0,
+    inputs=(),
+    outputs=(),
+    parameters: dict | None = None,
+    instance_kind: str | None = "KIND_CPU",
+    instance_count: int = 1,
+    decoupled: bool = False,
+    dynamic_batching: bool = False,
+    steps: list[Step] | None = None,
+):
     m = pb2()
     cfg = m.ModelConfig(name=name, max_batch_size=max_batch_size)
     if backend:
@@ -65,8 +78,9 @@ def model_config(name: str, *, backend: str | None = None, platform: str | None 
     if platform:
         cfg.platform = platform
     for t in inputs:
-        cfg.input.append(m.ModelInput(name=t.name, data_type=m.DataType.Value(t.dtype), dims=list(t.dims),
-                                      optional=t.optional))
+        cfg.input.append(
+            m.ModelInput(name=t.name, data_type=m.DataType.Value(t.dtype), dims=list(t.dims), optional=t.optional)
+        )
     for t in outputs:
         cfg.output.append(m.ModelOutput(name=t.name, data_type=m.DataType.Value(t.dtype), dims=list(t.dims)))
     for key, value in (parameters or {}).items():
@@ -78,8 +92,9 @@ def model_config(name: str, *, backend: str | None = None, platform: str | None 
             step.input_map.update(s.input_map)
             step.output_map.update(s.output_map)
     elif instance_kind:
-        cfg.instance_group.append(m.ModelInstanceGroup(kind=m.ModelInstanceGroup.Kind.Value(instance_kind),
-                                                       count=instance_count))
+        cfg.instance_group.append(
+            m.ModelInstanceGroup(kind=m.ModelInstanceGroup.Kind.Value(instance_kind), count=instance_count)
+        )
     if decoupled:
         cfg.model_transaction_policy.decoupled = True
     if dynamic_batching:
@@ -111,6 +126,7 @@ def parse_config(path: Path):
 
 
 # ---- semantic checks ----------------------------------------------------------------------------
+
 
 def _model_file(cfg) -> str:
     if cfg.default_model_filename:
@@ -147,15 +163,21 @@ def _check_ensemble(name: str, cfg, configs: dict) -> list[str]:
             errors.append(f"{name}: step model {step.model_name!r} is not in the repository")
             continue
         if sub.max_batch_size < cfg.max_batch_size:
-            errors.append(f"{name}: max_batch_size {cfg.max_batch_size} exceeds {step.model_name}'s {sub.max_batch_size}")
+            errors.append(
+                f"{name}: max_batch_size {cfg.max_batch_size} exceeds {step.model_name}'s {sub.max_batch_size}"
+            )
         _, sub_out = _signature(sub, cfg.max_batch_size)
         for out_name, ens_name in step.output_map.items():
             if out_name not in sub_out:
-                errors.append(f"{name}: output_map of step {step.model_name!r} names output {out_name!r}, "
-                              f"which {step.model_name} does not have (it has {sorted(sub_out)})")
+                errors.append(
+                    f"{name}: output_map of step {step.model_name!r} names output {out_name!r}, "
+                    f"which {step.model_name} does not have (it has {sorted(sub_out)})"
+                )
                 continue
             if ens_name in producers:
-                errors.append(f"{name}: tensor {ens_name!r} is produced twice ({producers[ens_name]} and {step.model_name})")
+                errors.append(
+                    f"{name}: tensor {ens_name!r} is produced twice ({producers[ens_name]} and {step.model_name})"
+                )
             produced[ens_name] = sub_out[out_name]
             producers[ens_name] = step.model_name
     for step in steps:
@@ -166,20 +188,28 @@ def _check_ensemble(name: str, cfg, configs: dict) -> list[str]:
         for in_name, ens_name in step.input_map.items():
             consumed.add(ens_name)
             if in_name not in sub_in:
-                errors.append(f"{name}: input_map of step {step.model_name!r} names input {in_name!r}, "
-                              f"which {step.model_name} does not have (it has {sorted(sub_in)})")
+                errors.append(
+                    f"{name}: input_map of step {step.model_name!r} names input {in_name!r}, "
+                    f"which {step.model_name} does not have (it has {sorted(sub_in)})"
+                )
                 continue
             if ens_name not in produced:
-                errors.append(f"{name}: step {step.model_name!r} reads {ens_name!r}, which no ensemble input "
-                              f"or step output provides (known: {sorted(produced)})")
+                errors.append(
+                    f"{name}: step {step.model_name!r} reads {ens_name!r}, which no ensemble input "
+                    f"or step output provides (known: {sorted(produced)})"
+                )
                 continue
             (pd, pdims), (cd, cdims) = produced[ens_name], sub_in[in_name]
             if pd != cd:
-                errors.append(f"{name}: {ens_name!r} is {pd} from {producers[ens_name]} but {step.model_name} "
-                              f"input {in_name!r} wants {cd}")
+                errors.append(
+                    f"{name}: {ens_name!r} is {pd} from {producers[ens_name]} but {step.model_name} "
+                    f"input {in_name!r} wants {cd}"
+                )
             elif not _dims_agree(pdims, cdims):
-                errors.append(f"{name}: {ens_name!r} has dims {pdims} from {producers[ens_name]} but "
-                              f"{step.model_name} input {in_name!r} wants {cdims}")
+                errors.append(
+                    f"{name}: {ens_name!r} has dims {pdims} from {producers[ens_name]} but "
+                    f"{step.model_name} input {in_name!r} wants {cdims}"
+                )
         required = {t.name for t in sub.input if not t.optional}
         missing = required - set(step.input_map)
         if missing:
@@ -188,11 +218,15 @@ def _check_ensemble(name: str, cfg, configs: dict) -> list[str]:
         if out_name not in produced:
             errors.append(f"{name}: ensemble output {out_name!r} is produced by no step")
         elif produced[out_name][0] != dtype:
-            errors.append(f"{name}: ensemble output {out_name!r} is {dtype} but {producers[out_name]} makes "
-                          f"{produced[out_name][0]}")
+            errors.append(
+                f"{name}: ensemble output {out_name!r} is {dtype} but {producers[out_name]} makes "
+                f"{produced[out_name][0]}"
+            )
         elif not _dims_agree(produced[out_name][1], dims):
-            errors.append(f"{name}: ensemble output {out_name!r} has dims {dims} but {producers[out_name]} makes "
-                          f"{produced[out_name][1]}")
+            errors.append(
+                f"{name}: ensemble output {out_name!r} has dims {dims} but {producers[out_name]} makes "
+                f"{produced[out_name][1]}"
+            )
     unused = sorted(set(ens_in) - consumed)
     if unused:
         errors.append(f"{name}: ensemble inputs {unused} are not read by any step")

@@ -26,9 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_VENV = Path(__file__).resolve().parents[2] / ".venv-triton"
-PROBE = ("import json, sys, sysconfig, pathlib, pytriton; root = pathlib.Path(pytriton.__file__).parent; "
-         "print(json.dumps({'libdir': sysconfig.get_config_var('LIBDIR'), 'version': '%d.%d' % sys.version_info[:2], "
-         "'dist': str(root / 'tritonserver'), 'libs': str(root.parent / 'nvidia_pytriton.libs')}))")
+PROBE = (
+    "import json, sys, sysconfig, pathlib, pytriton; root = pathlib.Path(pytriton.__file__).parent; "
+    "print(json.dumps({'libdir': sysconfig.get_config_var('LIBDIR'), 'version': '%d.%d' % sys.version_info[:2], "
+    "'dist': str(root / 'tritonserver'), 'libs': str(root.parent / 'nvidia_pytriton.libs')}))"
+)
 
 
 class TritonUnavailable(RuntimeError):
@@ -80,9 +82,18 @@ def free_port() -> int:
 class TritonServer:
     """A running tritonserver on loopback ports; use as a context manager (always stopped)."""
 
-    def __init__(self, repo: str | Path, *, http_port: int | None = None, grpc_port: int | None = None,
-                 metrics_port: int | None = None, venv: str | Path | None = None, log_path: str | Path | None = None,
-                 host: str = "127.0.0.1", verbose: bool = False):
+    def __init__(
+        self,
+        repo: str | Path,
+        *,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
+        metrics_port: int | None = None,
+        venv: str | Path | None = None,
+        log_path: str | Path | None = None,
+        host: str = "127.0.0.1",
+        verbose: bool = False,
+    ):
         self.repo = Path(repo).absolute()
         self.host = host
         self.http_port = http_port or free_port()
@@ -102,18 +113,28 @@ class TritonServer:
         return f"{self.host}:{self.grpc_port}"
 
     def command(self) -> list[str]:
-        return [str(self.senv.binary), f"--model-repository={self.repo}", f"--backend-directory={self.senv.backends}",
-                f"--http-address={self.host}", f"--http-port={self.http_port}",
-                f"--grpc-address={self.host}", f"--grpc-port={self.grpc_port}",
-                f"--metrics-address={self.host}", f"--metrics-port={self.metrics_port}",
-                "--allow-cpu-metrics=false", "--allow-gpu-metrics=false",
-                "--disable-auto-complete-config",  # configs are complete; skips one stub start per model
-                "--exit-timeout-secs=5", "--log-verbose=1" if self.verbose else "--log-verbose=0"]
+        return [
+            str(self.senv.binary),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={self.senv.backends}",
+            f"--http-address={self.host}",
+            f"--http-port={self.http_port}",
+            f"--grpc-address={self.host}",
+            f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.host}",
+            f"--metrics-port={self.metrics_port}",
+            "--allow-cpu-metrics=false",
+            "--allow-gpu-metrics=false",
+            "--disable-auto-complete-config",  # configs are complete; skips one stub start per model
+            "--exit-timeout-secs=5",
+            "--log-verbose=1" if self.verbose else "--log-verbose=0",
+        ]
 
-    def start(self, timeout_s: float = 180) -> "TritonServer":
+    def start(self, timeout_s: float = 180) -> TritonServer:
         log = open(self.log_path, "w")
-        self.process = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.senv.env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.senv.env, start_new_session=True
+        )
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -158,7 +179,7 @@ class TritonServer:
             pass
         p.wait(timeout=10)
 
-    def __enter__(self) -> "TritonServer":
+    def __enter__(self) -> TritonServer:
         return self.start() if self.process is None else self
 
     def __exit__(self, *exc) -> None:

@@ -29,35 +29,67 @@ def router(models: RequestModels) -> APIRouter:
             return error_response(503, "engines not loaded", "server_error", code="not_ready")
         return {"status": "ready", "model": server.settings.model_name, "drafter": server.decoder.drafter is not None}
 
-    @r.get("/metrics", summary="Prometheus metrics", response_class=Response, responses={
-        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
-        **errors(401)})
+    @r.get(
+        "/metrics",
+        summary="Prometheus metrics",
+        response_class=Response,
+        responses={
+            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
+            **errors(401),
+        },
+    )
     async def metrics(server: ServerDep):
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
-    @r.post("/generate", summary="generate from text or token ids",
-            responses=streamed(GenerateResponse, "the result; with stream: one `round` event per verified round, "
-                               "then a `final` event (or an `error` event)", 400, 401, 413, 429, 500, 503, 504))
+    @r.post(
+        "/generate",
+        summary="generate from text or token ids",
+        responses=streamed(
+            GenerateResponse,
+            "the result; with stream: one `round` event per verified round, then a `final` event (or an `error` event)",
+            400,
+            401,
+            413,
+            429,
+            500,
+            503,
+            504,
+        ),
+    )
     async def generate(body: GenerateRequest, request: Request, server: ServerDep):
         decoder = server.decoder
         job = await start_job(
-            request, server,
+            request,
+            server,
             lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
             lambda n: generation_config(server, body, body.max_tokens, body.temperature),
-            prompt_param="prompt" if body.prompt is not None else "input_ids")
+            prompt_param="prompt" if body.prompt is not None else "input_ids",
+        )
 
         def final(result) -> dict:
-            return {"id": job.id, "text": result.text, "token_ids": result.token_ids,
-                    "finish_reason": result.finish_reason, "usage": usage(result), "spec": spec(job)}
+            return {
+                "id": job.id,
+                "text": result.text,
+                "token_ids": result.token_ids,
+                "finish_reason": result.finish_reason,
+                "usage": usage(result),
+                "spec": spec(job),
+            }
 
         if not body.stream:
             return final(await wait_result(request, job))
 
         def on_round(event: RoundEvent):
             rnd = event.round
-            yield {"type": "round", "token_ids": rnd.token_ids, "text": event.text, "accepted": rnd.accepted,
-                   "drafted": rnd.drafted, "prefill": rnd.prefill}
+            yield {
+                "type": "round",
+                "token_ids": rnd.token_ids,
+                "text": event.text,
+                "accepted": rnd.accepted,
+                "drafted": rnd.drafted,
+                "prefill": rnd.prefill,
+            }
             if event.result is not None:
                 yield {"type": "final", **final(event.result)}
 

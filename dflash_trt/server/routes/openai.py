@@ -33,18 +33,28 @@ def router(models: RequestModels) -> APIRouter:
         _check_model(server, model)
         return _card(server)
 
-    @r.post("/completions", summary="text completion (OpenAI)",
-            responses=streamed(Completion, "the completion; with stream: `text_completion` chunks, then "
-                               "`data: [DONE]`", *GENERATION_ERRORS))
+    @r.post(
+        "/completions",
+        summary="text completion (OpenAI)",
+        responses=streamed(
+            Completion, "the completion; with stream: `text_completion` chunks, then `data: [DONE]`", *GENERATION_ERRORS
+        ),
+    )
     async def completions(body: CompletionRequest, request: Request, server: ServerDep):
         _check_model(server, body.model)
         decoder, prompt = server.decoder, body.prompt
         job = await start_job(
-            request, server, lambda: decoder.encode(prompt) if isinstance(prompt, str) else list(prompt),
-            lambda n: generation_config(server, body, _max_tokens(server, body.max_tokens,
-                                                                  COMPLETIONS_DEFAULT_MAX_TOKENS, n),
-                                        _temperature(body)),
-            prompt_param="prompt")
+            request,
+            server,
+            lambda: decoder.encode(prompt) if isinstance(prompt, str) else list(prompt),
+            lambda n: generation_config(
+                server,
+                body,
+                _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n),
+                _temperature(body),
+            ),
+            prompt_param="prompt",
+        )
         created, cid = int(time.time()), f"cmpl-{job.id}"
 
         def choice(text, finish_reason, token_ids=None):
@@ -54,13 +64,20 @@ def router(models: RequestModels) -> APIRouter:
             return c
 
         def envelope(choices, **extra):
-            return {"id": cid, "object": "text_completion", "created": created, "model": server.settings.model_name,
-                    "choices": choices, **extra}
+            return {
+                "id": cid,
+                "object": "text_completion",
+                "created": created,
+                "model": server.settings.model_name,
+                "choices": choices,
+                **extra,
+            }
 
         if not body.stream:
             result = await wait_result(request, job)
-            return envelope([choice(result.text, result.finish_reason, result.token_ids)],
-                            usage=usage(result), spec=spec(job))
+            return envelope(
+                [choice(result.text, result.finish_reason, result.token_ids)], usage=usage(result), spec=spec(job)
+            )
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -72,29 +89,48 @@ def router(models: RequestModels) -> APIRouter:
 
         return stream(job, on_round, lambda err: err.body, done_marker=True)
 
-    @r.post("/chat/completions", summary="chat completion (OpenAI), text messages only",
-            responses=streamed(ChatCompletion, "the reply; with stream: `chat.completion.chunk` chunks, then "
-                               "`data: [DONE]`", *GENERATION_ERRORS))
+    @r.post(
+        "/chat/completions",
+        summary="chat completion (OpenAI), text messages only",
+        responses=streamed(
+            ChatCompletion,
+            "the reply; with stream: `chat.completion.chunk` chunks, then `data: [DONE]`",
+            *GENERATION_ERRORS,
+        ),
+    )
     async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep):
         _check_model(server, body.model)
         messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
         asked = body.max_completion_tokens or body.max_tokens
         job = await start_job(
-            request, server, lambda: chat_prompt_ids(server.decoder, messages),
-            lambda n: generation_config(server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n),
-                                        _temperature(body)),
-            prompt_param="messages")
+            request,
+            server,
+            lambda: chat_prompt_ids(server.decoder, messages),
+            lambda n: generation_config(
+                server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n), _temperature(body)
+            ),
+            prompt_param="messages",
+        )
         created, cid = int(time.time()), f"chatcmpl-{job.id}"
 
         def envelope(choices, obj="chat.completion", **extra):
-            return {"id": cid, "object": obj, "created": created, "model": server.settings.model_name,
-                    "choices": choices, **extra}
+            return {
+                "id": cid,
+                "object": obj,
+                "created": created,
+                "model": server.settings.model_name,
+                "choices": choices,
+                **extra,
+            }
 
         if not body.stream:
             result = await wait_result(request, job)
             message = {"role": "assistant", "content": result.text}
-            return envelope([{"index": 0, "message": message, "logprobs": None,
-                              "finish_reason": result.finish_reason}], usage=usage(result), spec=spec(job))
+            return envelope(
+                [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}],
+                usage=usage(result),
+                spec=spec(job),
+            )
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
@@ -102,11 +138,14 @@ def router(models: RequestModels) -> APIRouter:
             delta = {"content": event.text or ""}
             if event.round.prefill:
                 delta["role"] = "assistant"
-            yield envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}],
-                           "chat.completion.chunk")
+            yield envelope(
+                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], "chat.completion.chunk"
+            )
             if event.result is not None:
-                yield envelope([{"index": 0, "delta": {}, "logprobs": None,
-                                 "finish_reason": event.result.finish_reason}], "chat.completion.chunk")
+                yield envelope(
+                    [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.result.finish_reason}],
+                    "chat.completion.chunk",
+                )
                 if include_usage:
                     yield envelope([], "chat.completion.chunk", usage=usage(event.result))
 
@@ -116,14 +155,23 @@ def router(models: RequestModels) -> APIRouter:
 
 
 def _card(server: Server) -> dict:
-    return {"id": server.settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-trt",
-            "max_model_len": server.limits.max_context}
+    return {
+        "id": server.settings.model_name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "dflash-trt",
+        "max_model_len": server.limits.max_context,
+    }
 
 
 def _check_model(server: Server, model: str | None) -> None:
     if model is not None and model != server.settings.model_name:
-        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{server.settings.model_name}'",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this server serves '{server.settings.model_name}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def _temperature(body) -> float:

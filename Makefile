@@ -51,7 +51,7 @@ $(TF457_STAMP): pyproject.toml $(CONSTRAINTS)
 	$(TF457_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test-core]' 'transformers==$(TF457_VERSION)'
 	touch $(TF457_STAMP)
 
-# The core under transformers 4.57.1 (about 2 min of CPU): checkpoints/tokenizers portable, CLI generate on the
+# The core under transformers 4.57.1 (a short leg): checkpoints/tokenizers portable, CLI generate on the
 # demo models, greedy equality, the TensorRT-LLM session (fake executor), devices, a server smoke.
 TF457_TESTS := tests/test_portable.py tests/test_demo_models.py tests/test_trtllm_fake.py tests/test_device.py \
 	tests/test_spec.py::test_greedy_equals_target_alone_with_real_drafter \
@@ -117,7 +117,7 @@ bench-serve: venv aiperf-env
 # The load benchmark (issue 11): aiperf against the server at concurrency 1/4/16/32 x temperature 0/1 for the
 # batched target alone, DFlash at block 8 and adaptive DFlash, next to Hugging Face batched generate() on the
 # same held-out prompts, plus per-prompt ratios and a step profile. Writes results/load/ (README.md table,
-# results.json, load.png). About 20 minutes on 2 cores; run it on a quiet machine.
+# results.json, load.png). Long (durations in docs/benchmarks.md); run it on a quiet machine.
 bench-load: venv aiperf-env
 	$(BIN)/python scripts/bench_load.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
 

@@ -80,8 +80,8 @@ def parse_args(argv=None):
         "--repeats",
         type=int,
         default=3,
-        help="per-prompt timings keep the best of this many runs (default 3; one 64-token run is ~0.5 s, "
-        "where a burst of load elsewhere decides a single timing)",
+        help="per-prompt timings keep the best of this many runs (default 3; a 64-token run is so short "
+        "that a burst of load elsewhere decides a single timing)",
     )
     ap.add_argument(
         "--drafter-dtype",
@@ -390,7 +390,7 @@ def server_cells(
 ) -> tuple[list[dict], list[dict]]:
     """Every mode's server runs at once (idle ones cost nothing); each cell is measured --load-repeats times,
     the modes (and `hf`, the in-process reference, when given) back to back in a rotating order, so that the
-    machine's drift (20-40 % over minutes here, up to 2x between spells) falls on every mode and on the
+    machine's drift (large over minutes, larger between spells: docs/benchmarks.md) falls on every mode and on the
     reference alike instead of on whichever ran during a slow spell. A cell reports the run with its median
     tokens/s and lists all runs. Returns the server cells and the reference's cells."""
     import httpx

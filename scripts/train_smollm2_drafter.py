@@ -93,7 +93,7 @@ def parse_args(argv=None):
         type=int,
         default=1,
         help="torch threads (default 1: on a shared, oversubscribed CPU two threads wait on each "
-        "other at every op; measured 5x slower generation than one)",
+        "other at every op: generation runs several times slower than with one)",
     )
     return p.parse_args(argv)
 

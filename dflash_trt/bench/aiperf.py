@@ -49,7 +49,7 @@ class AiperfRun:
     record_processors: int = 1
     # niceness of the client: sharing the server's cores, aiperf's own CPU use (it parses every streamed
     # event) is taken from the server it measures; a lower priority lets it use idle CPU only, as a client
-    # on another machine would. Measured on 2 cores, c=16, target alone: 628 tokens/s at 0, 809 at 15.
+    # on another machine would (the measurement: docs/benchmarks.md).
     nice: int = 0
 
     def command(self, aiperf: str, artifacts: Path) -> list[str]:

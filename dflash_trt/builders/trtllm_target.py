@@ -7,7 +7,7 @@ Two steps, planned here as pure functions (testable without TensorRT-LLM) and ex
      drafter's feature layers (`dflash_feature_{i}`) and the final-norm hidden state (`dflash_final_hidden`,
      from which the orchestrator computes the verification logits with the target's lm_head).
 
-Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs in the README):
+Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs/deployment.md):
   * no `--gather_context_logits`: an engine built with it gets KV block reuse switched off at executor start
     (`cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp`, fixExecutorConfig), so every round
     would re-run the whole sequence. Verification reads the marked final hidden state instead.

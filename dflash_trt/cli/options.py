@@ -90,8 +90,8 @@ def add_device_args(p) -> None:
         choices=["auto", *DTYPE_CHOICES],
         default=None,
         help="dtype of the PyTorch drafter. auto: bfloat16 on a CPU with AMX or AVX512-BF16 next to a float32 target, "
-        "else --dtype. Default: auto for serve (batched passes of 16-32 rows ran 1.1-1.5x faster in "
-        "bfloat16 on 2 cores), --dtype for generate and bench (one sequence: 20%% slower in bfloat16). "
+        "else --dtype. Default: auto for serve (there a batched pass of many rows runs faster in "
+        "bfloat16), --dtype for generate and bench (a single sequence's passes run slower in bfloat16). "
         "Output is unchanged either way: the target verifies every drafted token in --dtype",
     )
 

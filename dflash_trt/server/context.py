@@ -33,7 +33,7 @@ class ServerSettings:
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,
     # a collinear fit that cannot tell per-token from per-row cost and, on a loaded machine, inflates drafting
-    # until every row stays at block 1 (measured: 96 % of rows at block 1 at T=0 after the first refits).
+    # until every row stays at block 1 (measured: docs/benchmarks.md, measurements behind design choices).
     refit_every: int = 0
 
 
@@ -51,7 +51,7 @@ def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
         t0 = time.perf_counter()
         rows = sorted({1, max(1, settings.max_active // 2), settings.max_active})
         # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
-        # the fit (with 2-3 repeats the fitted costs varied 2-3x between starts on a busy 2-core machine)
+        # the fit (with fewer repeats the fitted costs varied severalfold between starts on a busy machine)
         cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2), repeats=5)
         t, d = cost.target, cost.drafter
         log.info(

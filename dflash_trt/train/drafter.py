@@ -61,8 +61,8 @@ class DrafterTrainConfig:
     kd_weight: float = 0.0  # 0 = plain cross-entropy; 1 = distillation only
     kd_temperature: float = 1.0
     init_from_target: bool = True  # start drafter layers from target layers (same shapes)
-    # drafter final norm = this x the target's final norm (with init_from_target). On SmolLM2-135M (12 steps,
-    # lr 6e-4): scale 1 starts at loss 21 (overconfident logits), 0.5 at 13, 0.1 at 10.5 and stays lowest.
+    # drafter final norm = this x the target's final norm (with init_from_target): a small scale tempers the
+    # first steps' overconfident logits (the losses per scale that chose 0.1: docs/benchmarks.md).
     init_norm_scale: float = 0.1
     loss_chunk_rows: int = 1024  # rows per chunk of the lm_head + loss (memory: chunk x vocab fp32)
     save_every: int = 200

@@ -9,7 +9,7 @@ keeps numpy 2. The catches this module handles:
   * the stub ignores PYTHONPATH; it finds its site-packages from the first `python3` on PATH, so
     PATH starts with the venv's bin (dflash_trt and torch/onnxruntime come from there);
   * the stub for the interpreter's Python version is copied beside libtriton_python.so.
-In production, serve the same repository with NVIDIA's Triton container instead (README).
+In production, serve the same repository with NVIDIA's Triton container instead (docs/deployment.md).
 """
 
 from __future__ import annotations

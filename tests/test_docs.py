@@ -1,0 +1,56 @@
+"""The README and docs/ pages: every relative link resolves (file and, for Markdown, heading anchor), every docs
+page is linked from the README exactly once, and the README stays a newcomer's page (at most 200 lines)."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Written on other branches of issue 25 (the deploy/ folder, the GPU-node page); empty this set once they are in.
+PENDING = {"deploy/README.md", "docs/gpu.md"}
+
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+FENCE = re.compile(r"^```.*?^```", re.S | re.M)
+
+
+def links(page: Path) -> list[str]:
+    return LINK.findall(FENCE.sub("", page.read_text()))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading ids: lower case, punctuation dropped, spaces to hyphens."""
+    out = set()
+    for line in FENCE.sub("", page.read_text()).splitlines():
+        if line.startswith("#"):
+            text = line.lstrip("#").strip().lower()
+            out.add(re.sub(r"\s", "-", re.sub(r"[^\w\- ]", "", text)))
+    return out
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for page in PAGES:
+        for target in links(page):
+            if re.match(r"[a-z]+:", target):  # https:, mailto:
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
+            if rel in PENDING:
+                continue
+            if not dest.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
+
+
+def test_readme_links_each_docs_page_once_and_stays_short():
+    readme = ROOT / "README.md"
+    targets = [t.partition("#")[0] for t in links(readme)]
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        rel = page.relative_to(ROOT).as_posix()
+        assert targets.count(rel) == 1, f"README links {rel} {targets.count(rel)} times"
+    for rel in PENDING:
+        assert targets.count(rel) == 1, rel
+    assert len(readme.read_text().splitlines()) <= 200

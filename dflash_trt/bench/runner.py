@@ -13,6 +13,7 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from ..decoding import SpeculativeDecoder
     from ..models.target import CausalLM
     from ..runtime.base import DrafterEngine, TargetEngine
+    from ..runtime.ort_backend import OrtDrafterEngine
 
 # (temperature, max_new_tokens, prompt set, prompt index): one group of runs of every method
 Group = tuple[float, int, str, int]
@@ -111,9 +113,8 @@ class BenchError(RuntimeError):
 # ---- setup ---------------------------------------------------------------------------------
 def load_everything(
     s: BenchSettings,
-) -> tuple[SpeculativeDecoder, SpeculativeDecoder, dict[str, DrafterEngine], CausalLM | None, OnnxExport | None]:
-    """The decoder, the baseline (the same target, no drafter), the drafters by backend, the assistant model
-    and the ONNX export the ONNX Runtime drafter reads."""
+) -> tuple[SpeculativeDecoder, SpeculativeDecoder, dict[str, DrafterEngine], CausalLM | None]:
+    """The decoder, the baseline (the same target, no drafter), the drafters by backend, the assistant model."""
     from ..decoding import SpeculativeDecoder
     from ..loading import load_decoder
 
@@ -149,28 +150,24 @@ def load_everything(
     if assistant is not None and s.assistant_tokens:
         assistant.generation_config.num_assistant_tokens = s.assistant_tokens
     drafters: dict[str, DrafterEngine] = {}
-    export = None
     if decoder.drafter is not None:
         if "dflash-torch" in want:
             drafters["torch"] = decoder.drafter
         if "dflash-ort" in want:
-            drafters["onnxruntime"], export = ort_drafter(decoder, s)
+            drafters["onnxruntime"] = ort_drafter(decoder, s)
     base = SpeculativeDecoder(target, None, decoder.tokenizer)
-    return decoder, base, drafters, assistant, export
+    return decoder, base, drafters, assistant
 
 
-@dataclass
-class OnnxExport:
-    """The exported drafter folder the ONNX Runtime engine reads, and the scratch folder holding it when the
-    benchmark exported it itself (removed at the end of the run)."""
-
-    folder: Path
-    scratch: tempfile.TemporaryDirectory[str] | None
+# The scratch folder of each ONNX export the benchmark made, held as long as its engine lives: when the engine
+# goes, the entry goes and TemporaryDirectory's finalizer removes the folder (run_benchmark cleans up first).
+_SCRATCH: weakref.WeakKeyDictionary[DrafterEngine, tempfile.TemporaryDirectory[str]] = weakref.WeakKeyDictionary()
 
 
-def ort_drafter(decoder: SpeculativeDecoder, s: BenchSettings) -> tuple[DrafterEngine, OnnxExport]:
+def ort_drafter(decoder: SpeculativeDecoder, s: BenchSettings) -> OrtDrafterEngine:
     from ..runtime import registry
     from ..runtime.base import EngineOptions
+    from ..runtime.ort_backend import OrtDrafterEngine
     from ..runtime.torch_backend import TorchDrafterEngine
 
     folder = s.onnx_drafter
@@ -187,9 +184,13 @@ def ort_drafter(decoder: SpeculativeDecoder, s: BenchSettings) -> tuple[DrafterE
             )
         export_drafter(d.drafter, d.embed_weight, d.lm_head_weight, folder, fp16=False)
     engine = registry.drafter_engine("onnxruntime", folder, EngineOptions(precision="fp32", threads=s.threads))
-    # The scratch export lives as long as the run (run_benchmark removes it at the end; failing that,
-    # TemporaryDirectory's finalizer does when the process exits).
-    return engine, OnnxExport(Path(folder), scratch)
+    assert isinstance(engine, OrtDrafterEngine)  # the registry's onnxruntime drafter
+    engine.folder = Path(folder)
+    # The scratch export lives as long as the engine (run_benchmark removes it at the end; failing that,
+    # TemporaryDirectory's finalizer does when the engine goes or the process exits).
+    if scratch is not None:
+        _SCRATCH[engine] = scratch
+    return engine
 
 
 def build_methods(
@@ -257,7 +258,7 @@ def run_benchmark(s: BenchSettings) -> dict[str, Any]:
     started = time.time()
     if s.threads:
         torch.set_num_threads(s.threads)
-    decoder, base, drafters, assistant, export = load_everything(s)
+    decoder, base, drafters, assistant = load_everything(s)
     model = target_model(decoder)
     timer = ForwardTimer(model)
     assistant_timer = ForwardTimer(assistant) if assistant is not None else None
@@ -276,7 +277,7 @@ def run_benchmark(s: BenchSettings) -> dict[str, Any]:
         equality = check_greedy(s, methods, cells, prompts, model)
         add_sampled_nll(s, cells, prompts, model)
         report: dict[str, Any] = {
-            "meta": meta(s, decoder, drafters, export, assistant, methods, started, skipped),
+            "meta": meta(s, decoder, drafters, assistant, methods, started, skipped),
             "notes": {
                 "memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
                 "sampling": SAMPLING_NOTE,
@@ -300,8 +301,10 @@ def run_benchmark(s: BenchSettings) -> dict[str, Any]:
         for t in (timer, assistant_timer):
             if t is not None:
                 t.remove()
-        if export is not None and export.scratch is not None:
-            export.scratch.cleanup()
+        for d in drafters.values():
+            scratch = _SCRATCH.pop(d, None)
+            if scratch is not None:
+                scratch.cleanup()
 
 
 def check_plan(s: BenchSettings, methods: list[Method], prompts: dict[str, list[list[int]]], max_context: int) -> None:
@@ -574,7 +577,6 @@ def meta(
     s: BenchSettings,
     decoder: SpeculativeDecoder,
     drafters: dict[str, DrafterEngine],
-    export: OnnxExport | None,
     assistant: CausalLM | None,
     methods: list[Method],
     started: float,
@@ -582,6 +584,7 @@ def meta(
 ) -> dict[str, Any]:
     import transformers
 
+    from ..runtime.ort_backend import OrtDrafterEngine
     from ..runtime.torch_backend import TorchDrafterEngine
 
     target_mb = _mb(target_model(decoder))
@@ -589,8 +592,9 @@ def meta(
     torch_drafter = drafters.get("torch")
     if isinstance(torch_drafter, TorchDrafterEngine):
         weights["dflash-torch"] = target_mb + _mb(torch_drafter.drafter)
-    if "onnxruntime" in drafters and export is not None:
-        folder = export.folder
+    ort_engine = drafters.get("onnxruntime")
+    if isinstance(ort_engine, OrtDrafterEngine):
+        folder = ort_engine.folder
         weights["dflash-ort"] = target_mb + sum(f.stat().st_size for f in folder.glob("drafter.onnx*")) / 2**20
     if assistant is not None:
         weights["hf-assisted"] = target_mb + _mb(assistant)

@@ -74,7 +74,8 @@ def load_decoder(
     """
     torch_dtype = DTYPES[dtype]
     dev = resolve_device(device)
-    model = load_target(target_dir, torch_dtype).to(dev)
+    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub loses the bound self
+    model = load_target(target_dir, torch_dtype).to(dev)  # type: ignore[arg-type]
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is None:
         return SpeculativeDecoder(TorchTargetEngine(model), None, tokenizer)

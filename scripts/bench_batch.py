@@ -22,25 +22,23 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dflash_trt.bench.prompts import held_out_code_prompts
+from dflash_trt.config import validate_against_target
+from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding.adaptive import measure_costs
+from dflash_trt.decoding.batch import BatchDecoder, StepProfile
+from dflash_trt.models.drafter import DFlashDrafter
+from dflash_trt.models.target import load_target, load_tokenizer
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
-from dflash_trt.bench.prompts import held_out_code_prompts  # noqa: E402
-from dflash_trt.config import validate_against_target  # noqa: E402
-from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder  # noqa: E402
-from dflash_trt.decoding.adaptive import measure_costs  # noqa: E402
-from dflash_trt.decoding.batch import BatchDecoder, StepProfile  # noqa: E402
-from dflash_trt.models.drafter import DFlashDrafter  # noqa: E402
-from dflash_trt.models.target import load_target, load_tokenizer  # noqa: E402
-from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine  # noqa: E402
-from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine  # noqa: E402
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def hf_generate(model, prompts: list[list[int]], n: int, pad: int) -> list[list[int]]:

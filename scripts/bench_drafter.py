@@ -16,7 +16,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,9 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 def build_models(args, workdir: Path):
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_target
-
-    sys.path.insert(0, str(REPO / "tests"))  # the tiny-model factory is test scaffolding
-    from tiny_models import make_tiny_drafter, make_tiny_target
+    from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
     target_dir, drafter_dir = args.target, args.drafter
     if (

@@ -42,12 +42,11 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value
+from dflash_trt.bench.prompts import held_out_code_prompts
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
-from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value  # noqa: E402
-from dflash_trt.bench.prompts import held_out_code_prompts  # noqa: E402
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 MODES = {  # server flags per mode
     "target": ["--block-size", "1"],

@@ -22,12 +22,11 @@ from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf
+from dflash_trt.server.process import start_serve
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
-from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf  # noqa: E402
-from dflash_trt.server.process import start_serve  # noqa: E402
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv=None) -> int:

@@ -6,11 +6,9 @@ models under models/ are the trained ones.
 """
 
 import argparse
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tiny-model factory is test scaffolding
-from tiny_models import make_tiny_drafter, make_tiny_target  # noqa: E402
+from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
 
 def main() -> None:

@@ -178,49 +178,6 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
     assert out[0].tokens.shape == (7,)
 
 
-def test_batched_tensorrt_profile_with_fake_tensorrt(monkeypatch, tmp_path):
-    """FAKE tensorrt (no TensorRT here): the batched plan gets one profile covering every input, with a batch axis."""
-    import sys
-
-    from fake_tensorrt import make
-
-    from dflash_trt.builders.onnx_drafter_batch import BATCH_INPUT_NAMES
-    from dflash_trt.builders.trt_drafter_batch import batch_profile_shapes, build_batched_drafter_plan
-    from dflash_trt.formats import DrafterGraphMeta
-
-    meta = DrafterGraphMeta(
-        block_size=8,
-        mask_token_id=95,
-        feature_layer_ids=(1, 2),
-        feature_size=128,
-        num_layers=2,
-        num_kv_heads=2,
-        head_dim=16,
-        vocab_size=96,
-        max_context=512,
-    )
-    graph = tmp_path / "onnx"
-    graph.mkdir()
-    for name in ("drafter_batch.onnx", "drafter_batch.onnx.data", "drafter_batch_fp16.onnx"):
-        (graph / name).write_bytes(name.encode())
-    (graph / "drafter.json").write_text(meta.to_json())
-    calls: list = []
-    monkeypatch.setitem(sys.modules, "tensorrt", make("11.0.0", calls))
-    plan = build_batched_drafter_plan(graph, tmp_path / "plan", max_rows=16, max_context=256, max_new_tokens=128)
-    assert plan.name == "drafter_batch.plan" and plan.is_file()
-    assert ("parse_from_file", str(graph / "drafter_batch_fp16.onnx")) in calls  # 11.x: strongly typed fp16 graph
-    shapes = {c[1]: c[2:] for c in calls if c[0] == "profile.set_shape"}
-    assert set(shapes) == set(BATCH_INPUT_NAMES)
-    assert shapes["block_ids"] == ((1, 2), (8, 8), (16, 8))
-    assert shapes["features"] == ((1, 1, 128), (8, 8, 128), (16, 128, 128))
-    assert shapes["past_k"] == ((2, 1, 2, 1, 16), (2, 8, 2, 136, 16), (2, 16, 2, 384, 16))
-    assert shapes["past_lengths"] == ((1,), (8,), (16,))
-    for name, s in shapes.items():  # min <= opt <= max on every axis
-        assert all(a <= b <= c for a, b, c in zip(*s)), name
-    with pytest.raises(ValueError, match="max_rows"):
-        batch_profile_shapes(meta, 0)
-
-
 def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_graph):
     """The batched step on the real onnxruntime batched drafter: greedy rows equal the target alone."""
     from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder

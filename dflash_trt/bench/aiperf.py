@@ -12,6 +12,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 METRICS = (
     "request_throughput",
@@ -41,7 +42,7 @@ class AiperfRun:
     input_file: Path | None = None  # single_turn JSONL ({"text", "output_length"}); None: synthetic prompts
     isl: int = 64  # synthetic prompt tokens (without input_file)
     osl: int = 64  # tokens per request (max_tokens; ignore_eos makes every request generate them all)
-    extra_inputs: dict = field(default_factory=dict)  # merged into every request body (temperature, ...)
+    extra_inputs: dict[str, Any] = field(default_factory=dict)  # merged into every request body (temperature, ...)
     seed: int = 0
     # aiperf is a multi-process client; on a small machine its default worker and record-processor counts
     # take CPU from the server it measures. One of each drives 32 concurrent streams (they are async).
@@ -96,7 +97,7 @@ class AiperfRun:
         return cmd
 
 
-def run_aiperf(aiperf: str, run: AiperfRun, artifacts: Path) -> dict:
+def run_aiperf(aiperf: str, run: AiperfRun, artifacts: Path) -> dict[str, Any]:
     """Run one profile into `artifacts`; returns the kept metrics plus the run's wall time."""
     artifacts.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -110,13 +111,13 @@ def run_aiperf(aiperf: str, run: AiperfRun, artifacts: Path) -> dict:
     return {"wall_s": round(time.monotonic() - started, 1), **export_metrics(artifacts)}
 
 
-def export_metrics(artifacts: Path) -> dict:
+def export_metrics(artifacts: Path) -> dict[str, Any]:
     """The kept metrics from aiperf's JSON export under `artifacts` (searched: aiperf may nest it)."""
     exports = sorted(artifacts.rglob("profile_export_aiperf.json"))
     if not exports:
         raise AiperfFailed(f"aiperf wrote no profile_export_aiperf.json under {artifacts}")
     data = json.loads(exports[-1].read_text())
-    found: dict = {}
+    found: dict[str, Any] = {}
     for name in METRICS:
         value = data.get(name)
         if isinstance(value, dict):
@@ -126,7 +127,7 @@ def export_metrics(artifacts: Path) -> dict:
     return found
 
 
-def value(metrics: dict, name: str, stat: str = "avg") -> float | None:
+def value(metrics: dict[str, Any], name: str, stat: str = "avg") -> float | None:
     """One number out of `export_metrics`' result (None when aiperf did not report it)."""
     m = metrics.get(name)
     return float(m[stat]) if isinstance(m, dict) and m.get(stat) is not None else None

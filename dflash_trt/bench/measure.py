@@ -7,22 +7,46 @@ import ctypes
 import re
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from ..models.target import CausalLM
+    from ..runtime.base import DrafterEngine, TargetEngine
 
 PROC_STATUS = Path("/proc/self/status")
 CLEAR_REFS = Path("/proc/self/clear_refs")
 
 
+class PassCosts(TypedDict):
+    """Median ms of the passes a round is made of (see pass_costs)."""
+
+    context_tokens: int
+    target_step_ms: float
+    verify_ms: dict[int, float]  # block size -> ms
+    draft_ms: dict[str, dict[int, float]]  # drafter backend -> block size -> ms
+
+
+class CachedDrafterSession(Protocol):
+    """A drafter session whose context K/V can be saved and put back (the PyTorch and ONNX Runtime ones)."""
+
+    past_k: Any
+    past_v: Any
+
+    def draft(self, new_features: torch.Tensor, last_token: int, block_size: int) -> Any: ...
+
+
 # ---- per-pass costs: t(one target step), t(verify B tokens), t(draft B) ----------------------
 def _sync() -> None:
     """CUDA kernels run asynchronously: wait for them before reading the clock (a no-op on CPU)."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         torch.cuda.synchronize()
 
 
-def _median_ms(fn, reps: int, warmup: int = 2) -> float:
+def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -36,7 +60,9 @@ def _median_ms(fn, reps: int, warmup: int = 2) -> float:
 
 
 @torch.inference_mode()
-def pass_costs(target, drafters: dict, context_ids: list[int], block_sizes: list[int], reps: int) -> dict:
+def pass_costs(
+    target: TargetEngine, drafters: dict[str, DrafterEngine], context_ids: list[int], block_sizes: list[int], reps: int
+) -> PassCosts:
     """Median ms of the passes one round is made of, with the KV caches holding len(context_ids) tokens.
 
     target_step_ms: one token through the target + rollback (a baseline decode step);
@@ -48,15 +74,15 @@ def pass_costs(target, drafters: dict, context_ids: list[int], block_sizes: list
     n = session.length
     last = torch.tensor(context_ids[-1:])
 
-    def step():
+    def step() -> None:
         session.forward(last, features=False)
         session.rollback(n)
 
-    costs = {"context_tokens": n, "target_step_ms": _median_ms(step, reps), "verify_ms": {}, "draft_ms": {}}
+    costs: PassCosts = {"context_tokens": n, "target_step_ms": _median_ms(step, reps), "verify_ms": {}, "draft_ms": {}}
     for b in block_sizes:
         block = torch.tensor((context_ids * b)[:b])
 
-        def verify(block=block):
+        def verify(block: torch.Tensor = block) -> None:
             session.forward(block, features=bool(drafters))
             session.rollback(n)
 
@@ -64,13 +90,15 @@ def pass_costs(target, drafters: dict, context_ids: list[int], block_sizes: list
     for backend, engine in drafters.items():
         costs["draft_ms"][backend] = {}
         feats = out.features
+        assert feats is not None  # asked for whenever there are drafters
         for b in block_sizes:
             new = (b + 1) // 2
-            ds = engine.new_session()
+            # both backends' sessions keep the context cache in past_k / past_v
+            ds = cast(CachedDrafterSession, engine.new_session())
             ds.draft(feats[:-new], context_ids[-1], b)  # the context, minus what this round brings
             past = (ds.past_k, ds.past_v)
 
-            def draft(ds=ds, past=past, new=new, b=b):
+            def draft(ds: CachedDrafterSession = ds, past: tuple[Any, Any] = past, new: int = new, b: int = b) -> None:
                 ds.past_k, ds.past_v = past
                 ds.draft(feats[-new:], context_ids[-1], b)
 
@@ -78,14 +106,17 @@ def pass_costs(target, drafters: dict, context_ids: list[int], block_sizes: list
     return costs
 
 
-def ceiling(tau: float, costs: dict, block_size: int, backend: str) -> float:
+def ceiling(tau: float, costs: PassCosts, block_size: int, backend: str) -> float:
     """tau x t(one target step) / (t(verify B) + t(draft B)): the speedup if nothing else cost time."""
     return tau * costs["target_step_ms"] / (costs["verify_ms"][block_size] + costs["draft_ms"][backend][block_size])
 
 
 # ---- peak memory ---------------------------------------------------------------------------
 def _status_kb(field: str) -> int:
-    return int(re.search(rf"^{field}:\s+(\d+) kB", PROC_STATUS.read_text(), re.M).group(1))
+    found = re.search(rf"^{field}:\s+(\d+) kB", PROC_STATUS.read_text(), re.M)
+    if found is None:
+        raise OSError(f"no {field} in {PROC_STATUS}")
+    return int(found.group(1))
 
 
 def _malloc_trim() -> None:
@@ -100,7 +131,7 @@ class PeakRSS:
     (VmHWM) reset to the current RSS (`echo 5 > /proc/self/clear_refs`, Linux), run, then
     VmHWM - RSS at the reset. Unavailable (None) where the kernel does not allow the reset."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.available = PROC_STATUS.exists() and self._try_reset()
         self.base_kb = 0
 
@@ -123,14 +154,10 @@ class PeakRSS:
             return None
         return max(0, _status_kb("VmHWM") - self.base_kb) / 1024
 
-    @staticmethod
-    def rss_mb() -> float | None:
-        return _status_kb("VmRSS") / 1024 if PROC_STATUS.exists() else None
-
 
 # ---- the target's view of a continuation (a loose check of sampled outputs) ------------------
 @torch.inference_mode()
-def target_nll(model, prompt_ids: list[int], tokens: list[int], temperature: float) -> float:
+def target_nll(model: CausalLM, prompt_ids: list[int], tokens: list[int], temperature: float) -> float:
     """Mean negative log-likelihood per generated token under the target's softmax(logits / T)."""
     if not tokens:
         return float("nan")
@@ -141,7 +168,9 @@ def target_nll(model, prompt_ids: list[int], tokens: list[int], temperature: flo
 
 
 @torch.inference_mode()
-def divergence_margin(model, prompt_ids: list[int], reference: list[int], other: list[int]) -> tuple[int, float]:
+def divergence_margin(
+    model: CausalLM, prompt_ids: list[int], reference: list[int], other: list[int]
+) -> tuple[int, float]:
     """First position where two greedy outputs differ, and the target's logit gap there between the
     two tokens (near 0: a numerical tie the two code paths may break differently)."""
     i = next((k for k, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))

@@ -18,15 +18,21 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
+    from ..models.target import CausalLM
 
 
 @dataclass
 class Run:
     token_ids: list[int]
     seconds: float
-    acceptance_lengths: list[int]  # tokens committed per target pass after the first token
+    # tokens committed per target pass after the first token (a mean, for HF methods whose rounds are unseen)
+    acceptance_lengths: list[int] | list[float]
     target_s: float = 0.0
     draft_s: float | None = 0.0  # None: the proposer's time is not separable (inside other_s)
     target_calls: int = 0
@@ -46,11 +52,23 @@ class Method:
     lossless: bool = True  # greedy output must equal the baseline's
 
 
+def target_model(decoder: SpeculativeDecoder) -> CausalLM:
+    """The Hugging Face model inside the decoder's PyTorch target engine (the benchmarks time it with forward
+    hooks and run its generate())."""
+    from ..runtime.torch_backend import TorchTargetEngine
+
+    if not isinstance(decoder.target, TorchTargetEngine):
+        raise TypeError(f"the benchmark needs a PyTorch target engine, not {type(decoder.target).__name__}")
+    # load_decoder loads it with AutoModelForCausalLM (the engine types it as a plain PreTrainedModel)
+    return cast("CausalLM", decoder.target.model)
+
+
 class ForwardTimer:
     """Wall time and call count of a module's forward passes, plus the KV length each pass started at."""
 
     def __init__(self, module: torch.nn.Module):
-        self.module, self.seconds, self.calls, self.starts = module, 0.0, 0, []
+        self.module, self.seconds, self.calls = module, 0.0, 0
+        self.starts: list[int] = []
         self._t0 = 0.0
         self._handles = [
             module.register_forward_pre_hook(self._pre, with_kwargs=True),
@@ -60,14 +78,14 @@ class ForwardTimer:
     def reset(self) -> None:
         self.seconds, self.calls, self.starts = 0.0, 0, []
 
-    def _pre(self, module, args, kwargs):
+    def _pre(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         cache = kwargs.get("past_key_values", kwargs.get("cache"))
         self.starts.append(
             int(cache.get_seq_length()) if cache is not None and hasattr(cache, "get_seq_length") else -1
         )
         self._t0 = time.perf_counter()
 
-    def _post(self, module, args, output):
+    def _post(self, module: torch.nn.Module, args: tuple[Any, ...], output: Any) -> None:
         self.seconds += time.perf_counter() - self._t0
         self.calls += 1
 
@@ -90,7 +108,12 @@ def rounds_from_cache_starts(starts: list[int], prompt_len: int, new_tokens: int
 
 
 def dflash_method(
-    name: str, family: str, decoder, block_size: int, timer: ForwardTimer, backend: str | None = None
+    name: str,
+    family: str,
+    decoder: SpeculativeDecoder,
+    block_size: int,
+    timer: ForwardTimer,
+    backend: str | None = None,
 ) -> Method:
     from ..decoding import GenerationConfig, SamplingParams
 
@@ -118,18 +141,20 @@ def dflash_method(
 def hf_method(
     name: str,
     family: str,
-    model,
+    model: CausalLM,
     timer: ForwardTimer,
     pad_token_id: int,
-    assistant=None,
+    assistant: CausalLM | None = None,
     assistant_timer: ForwardTimer | None = None,
-    **generate_kwargs,
+    **generate_kwargs: Any,
 ) -> Method:
     """model.generate() with exactly max_new tokens (EOS disabled on the model objects by the caller)."""
 
     @torch.inference_mode()
     def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
-        kwargs = dict(max_new_tokens=max_new, eos_token_id=None, pad_token_id=pad_token_id, **generate_kwargs)
+        kwargs: dict[str, Any] = dict(
+            max_new_tokens=max_new, eos_token_id=None, pad_token_id=pad_token_id, **generate_kwargs
+        )
         if temperature > 0:
             # the same distribution as our loop: plain softmax(logits / T), no top-k / top-p
             kwargs.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
@@ -138,6 +163,7 @@ def hf_method(
             kwargs.update(do_sample=False)
         if assistant is not None:
             kwargs["assistant_model"] = assistant
+            assert assistant_timer is not None  # an assistant comes with its timer
             assistant_timer.reset()
         ids = torch.tensor([prompt_ids], device=model.device)
         timer.reset()
@@ -145,11 +171,15 @@ def hf_method(
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
         seconds = time.perf_counter() - t0
         tokens = out[0, len(prompt_ids) :].tolist()
-        lengths = rounds_from_cache_starts(timer.starts, len(prompt_ids), len(tokens))
+        lengths: list[int] | list[float] | None = rounds_from_cache_starts(timer.starts, len(prompt_ids), len(tokens))
         if lengths is None:  # tau from the pass count alone
             lengths = [len(tokens) / max(timer.calls, 1)] * max(timer.calls, 1)
         # HF's first pass is the prefill AND the first verification, so it counts as a round here
-        draft_s = assistant_timer.seconds if assistant is not None else (None if family == "prompt-lookup" else 0.0)
+        draft_s = (
+            assistant_timer.seconds
+            if assistant_timer is not None and assistant is not None
+            else (None if family == "prompt-lookup" else 0.0)
+        )
         return Run(tokens, seconds, lengths, timer.seconds, draft_s, timer.calls)
 
     return Method(name, family, run)

@@ -12,9 +12,14 @@ import json
 import pstats
 import statistics
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from ..decoding import GenerationConfig, SpeculativeDecoder
 
 BUCKETS = (
     ("target_model", "target verify: the HF model's forward"),
@@ -27,16 +32,16 @@ BUCKETS = (
 )
 
 
-def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
+def profile_generation(decoder: SpeculativeDecoder, prompt_ids: list[int], config: GenerationConfig) -> dict[str, Any]:
     """Run one generation with timers on every part of a round; per-round mean ms per bucket."""
-    from .methods import ForwardTimer
+    from .methods import ForwardTimer, target_model
 
-    target_timer = ForwardTimer(decoder.target.model)
+    target_timer = ForwardTimer(target_model(decoder))
     drafter_module = getattr(decoder.drafter, "drafter", None)
     drafter_timer = ForwardTimer(drafter_module) if isinstance(drafter_module, torch.nn.Module) else None
     gen = decoder.start(prompt_ids, config)
-    rounds: list[dict] = []
-    prefill_ms = None
+    rounds: list[dict[str, Any]] = []
+    prefill_ms: float | None = None
     try:
         while not gen.done:
             target_timer.reset()
@@ -84,14 +89,18 @@ def profile_generation(decoder, prompt_ids: list[int], config) -> dict:
     }
 
 
-def cprofile_top(decoder, prompt_ids, config, n: int = 15) -> list[dict]:
+def cprofile_top(
+    decoder: SpeculativeDecoder, prompt_ids: list[int], config: GenerationConfig, n: int = 15
+) -> list[dict[str, Any]]:
     prof = cProfile.Profile()
     prof.enable()
     decoder.generate(prompt_ids, config)
     prof.disable()
     stats = pstats.Stats(prof)
-    rows = []
-    for (file, line, func), (cc, nc, tt, ct, callers) in stats.stats.items():
+    rows: list[dict[str, Any]] = []
+    # Stats.stats (func -> (cc, nc, tt, ct, callers)) is real but left out of typeshed's stub
+    table: dict[tuple[str, int, str], tuple[int, int, float, float, Any]] = getattr(stats, "stats")
+    for (file, line, func), (cc, nc, tt, ct, callers) in table.items():
         rows.append(
             {
                 "function": f"{Path(file).name}:{line}({func})",
@@ -105,23 +114,26 @@ def cprofile_top(decoder, prompt_ids, config, n: int = 15) -> list[dict]:
 
 
 def profile_rounds(
-    target_dir,
-    drafter_dir,
+    target_dir: str | Path,
+    drafter_dir: str | Path,
     out: Path,
     max_new: int,
     threads: int | None,
-    block_sizes,
+    block_sizes: Sequence[int],
     dtype: str = "float32",
     device: str = "cpu",
-) -> dict:
+) -> dict[str, Any]:
     from ..decoding import GenerationConfig
     from ..loading import load_decoder
     from .prompts import held_out_code_prompts
 
     if threads:
         torch.set_num_threads(threads)
+    from .methods import target_model
+
     decoder = load_decoder(target_dir, drafter_dir, dtype, device)
-    decoder.target.model.generation_config.eos_token_id = None
+    target_model(decoder).generation_config.eos_token_id = None
+    assert decoder.drafter is not None  # loaded with a drafter folder
     trained = decoder.drafter.block_size
     usable = [b for b in block_sizes if 2 <= b <= trained]
     block = max(usable) if usable else trained
@@ -151,7 +163,7 @@ def profile_rounds(
     return result
 
 
-def print_profile(p: dict) -> None:
+def print_profile(p: dict[str, Any]) -> None:
     d, b = p["dflash"], p["baseline"]
     print(
         f"DFlash round profile: block {p['block_size']} (trained {p['trained_block_size']}), "

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}"
 
 
-def _num(x, fmt: str = "{:.2f}") -> str:
+def _num(x: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if x is None else fmt.format(x)
 
 
-def markdown(report: dict) -> str:
+def markdown(report: dict[str, Any]) -> str:
     """Headline table (all prompt sets pooled), then one detailed table per temperature and length."""
     lines = []
     meta = report["meta"]
@@ -93,12 +94,12 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _combos(report: dict) -> list[dict]:
+def _combos(report: dict[str, Any]) -> list[dict[str, Any]]:
     seen = dict.fromkeys((h["temperature"], h["max_new_tokens"]) for h in report["summary"])
     return [{"temperature": t, "max_new_tokens": n} for t, n in seen]
 
 
-def _check(report: dict, r: dict) -> str:
+def _check(report: dict[str, Any], r: dict[str, Any]) -> str:
     if r["family"] == "baseline" and r["runs"] == r["prompts"]:
         return "reference"
     eq = report["equality"]
@@ -108,14 +109,14 @@ def _check(report: dict, r: dict) -> str:
     return "MISMATCH" if bad else ("identical" + (f" ({ties} ties)" if ties else ""))
 
 
-def write_json(report: dict, out: Path) -> Path:
+def write_json(report: dict[str, Any], out: Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     path = out / "results.json"
     path.write_text(json.dumps(report, indent=1) + "\n")
     return path
 
 
-def plot(report: dict, out: Path) -> list[Path]:
+def plot(report: dict[str, Any], out: Path) -> list[Path]:
     """speedup.png (by method and block size, per prompt set) and acceptance_hist.png."""
     import matplotlib
 

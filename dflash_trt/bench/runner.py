@@ -13,15 +13,30 @@ import statistics
 import sys
 import tempfile
 import time
+import weakref
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .measure import PeakRSS, ceiling, divergence_margin, pass_costs, target_nll
-from .methods import ForwardTimer, Method, dflash_method, hf_method
+from .measure import PassCosts, PeakRSS, ceiling, divergence_margin, pass_costs, target_nll
+from .methods import ForwardTimer, Method, Run, dflash_method, hf_method, target_model
 from .prompts import PROMPT_SETS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ..decoding import SpeculativeDecoder
+    from ..models.target import CausalLM
+    from ..runtime.base import DrafterEngine, TargetEngine
+    from ..runtime.ort_backend import OrtDrafterEngine
+
+# (temperature, max_new_tokens, prompt set, prompt index): one group of runs of every method
+Group = tuple[float, int, str, int]
+# (temperature, max_new_tokens, prompt set, method name): one cell of the report
+CellKey = tuple[float, int, str, str]
 
 DFLASH_FAMILIES = {"torch": "dflash-torch", "onnxruntime": "dflash-ort"}  # drafter backend -> method family
 FAMILIES = ("baseline", "hf-generate", "dflash-torch", "dflash-ort", "hf-assisted", "prompt-lookup")
@@ -86,9 +101,9 @@ class BenchSettings:
 class Cell:
     """All runs of one method on one prompt set at one temperature and length."""
 
-    runs: dict = field(default_factory=lambda: defaultdict(list))  # prompt index -> [Run per repeat]
-    peak_mb: list = field(default_factory=list)
-    nll: list = field(default_factory=list)
+    runs: dict[int, list[Run]] = field(default_factory=lambda: defaultdict(list))  # prompt index -> [Run per repeat]
+    peak_mb: list[float | None] = field(default_factory=list)
+    nll: list[float] = field(default_factory=list)
 
 
 class BenchError(RuntimeError):
@@ -96,10 +111,12 @@ class BenchError(RuntimeError):
 
 
 # ---- setup ---------------------------------------------------------------------------------
-def load_everything(s: BenchSettings):
+def load_everything(
+    s: BenchSettings,
+) -> tuple[SpeculativeDecoder, SpeculativeDecoder, dict[str, DrafterEngine], CausalLM | None]:
+    """The decoder, the baseline (the same target, no drafter), the drafters by backend, the assistant model."""
     from ..decoding import SpeculativeDecoder
     from ..loading import load_decoder
-    from ..runtime.torch_backend import TorchTargetEngine
 
     want = set(s.methods)
     needs_drafter = bool(want & {"dflash-torch", "dflash-ort"})
@@ -108,9 +125,9 @@ def load_everything(s: BenchSettings):
     decoder = load_decoder(s.target, s.drafter if needs_drafter else None, s.dtype, s.device, s.drafter_dtype)
     if decoder.tokenizer is None:
         raise BenchError(f"{s.target} has no tokenizer: the prompt sets are text")
-    target: TorchTargetEngine = decoder.target
-    model = target.model
-    assistant = None
+    target = decoder.target
+    model = target_model(decoder)
+    assistant: CausalLM | None = None
     if "hf-assisted" in want:
         from ..models.target import load_target
 
@@ -119,7 +136,8 @@ def load_everything(s: BenchSettings):
                 f"hf-assisted needs a small autoregressive draft model (--ar-draft; {s.ar_draft} "
                 "has no config.json); leave hf-assisted out of --methods to skip it"
             )
-        assistant = load_target(s.ar_draft, model.dtype).to(model.device)
+        # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub loses the bound self
+        assistant = load_target(s.ar_draft, model.dtype).to(model.device)  # type: ignore[arg-type]
         if assistant.config.vocab_size != model.config.vocab_size:
             raise BenchError(
                 f"--ar-draft vocabulary ({assistant.config.vocab_size}) differs from the target's "
@@ -131,7 +149,7 @@ def load_everything(s: BenchSettings):
             m.generation_config.eos_token_id = None
     if assistant is not None and s.assistant_tokens:
         assistant.generation_config.num_assistant_tokens = s.assistant_tokens
-    drafters = {}
+    drafters: dict[str, DrafterEngine] = {}
     if decoder.drafter is not None:
         if "dflash-torch" in want:
             drafters["torch"] = decoder.drafter
@@ -141,30 +159,52 @@ def load_everything(s: BenchSettings):
     return decoder, base, drafters, assistant
 
 
-def ort_drafter(decoder, s: BenchSettings):
+# The scratch folder of each ONNX export the benchmark made, held as long as its engine lives: when the engine
+# goes, the entry goes and TemporaryDirectory's finalizer removes the folder (run_benchmark cleans up first).
+_SCRATCH: weakref.WeakKeyDictionary[DrafterEngine, tempfile.TemporaryDirectory[str]] = weakref.WeakKeyDictionary()
+
+
+def ort_drafter(decoder: SpeculativeDecoder, s: BenchSettings) -> OrtDrafterEngine:
     from ..runtime import registry
     from ..runtime.base import EngineOptions
+    from ..runtime.ort_backend import OrtDrafterEngine
+    from ..runtime.torch_backend import TorchDrafterEngine
 
     folder = s.onnx_drafter
+    scratch = None
     if folder is None:
         from ..builders.onnx_drafter import export_drafter
 
         scratch = tempfile.TemporaryDirectory(prefix="dflash-bench-onnx-")
         folder = Path(scratch.name)
         d = decoder.drafter
+        if not isinstance(d, TorchDrafterEngine):
+            raise BenchError(
+                "exporting the drafter for ONNX Runtime needs the PyTorch drafter (or pass --onnx-drafter)"
+            )
         export_drafter(d.drafter, d.embed_weight, d.lm_head_weight, folder, fp16=False)
     engine = registry.drafter_engine("onnxruntime", folder, EngineOptions(precision="fp32", threads=s.threads))
+    assert isinstance(engine, OrtDrafterEngine)  # the registry's onnxruntime drafter
     engine.folder = Path(folder)
     # The scratch export lives as long as the engine (run_benchmark removes it at the end; failing that,
     # TemporaryDirectory's finalizer does when the engine goes or the process exits).
-    engine.scratch = scratch if s.onnx_drafter is None else None
+    if scratch is not None:
+        _SCRATCH[engine] = scratch
     return engine
 
 
-def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, assistant_timer) -> list[Method]:
+def build_methods(
+    s: BenchSettings,
+    decoder: SpeculativeDecoder,
+    base: SpeculativeDecoder,
+    drafters: dict[str, DrafterEngine],
+    assistant: CausalLM | None,
+    timer: ForwardTimer,
+    assistant_timer: ForwardTimer | None,
+) -> list[Method]:
     from ..decoding import SpeculativeDecoder
 
-    model = decoder.target.model
+    model = target_model(decoder)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else 0
     methods = [dflash_method("baseline", "baseline", base, 1, timer)]
     if "hf-generate" in s.methods:
@@ -195,14 +235,14 @@ def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, a
     return methods
 
 
-def usable_block_sizes(s: BenchSettings, drafter) -> list[int]:
+def usable_block_sizes(s: BenchSettings, drafter: DrafterEngine) -> list[int]:
     """Requested block sizes up to the drafter's trained size (a round cannot draft past it)."""
     return [b for b in s.block_sizes if 2 <= b <= drafter.block_size]
 
 
-def make_prompts(s: BenchSettings, tokenizer) -> dict[str, list[list[int]]]:
+def make_prompts(s: BenchSettings, tokenizer: PreTrainedTokenizerBase) -> dict[str, list[list[int]]]:
     n = max(s.prompts_per_set, s.long_prompts_per_set)
-    prompts = {}
+    prompts: dict[str, list[list[int]]] = {}
     for name in s.prompt_sets:
         texts = PROMPT_SETS[name](n)
         prompts[name] = [list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
@@ -210,23 +250,23 @@ def make_prompts(s: BenchSettings, tokenizer) -> dict[str, list[list[int]]]:
 
 
 # ---- the run -------------------------------------------------------------------------------
-def run_benchmark(s: BenchSettings) -> dict:
+def run_benchmark(s: BenchSettings) -> dict[str, Any]:
     """Load, check, time the passes, run the plan, summarise: one report (results.json)."""
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity_error()  # generate()'s advice to users is noise in a benchmark's output
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # generate()'s advice to users is noise in a benchmark's output
     started = time.time()
     if s.threads:
         torch.set_num_threads(s.threads)
     decoder, base, drafters, assistant = load_everything(s)
-    model = decoder.target.model
+    model = target_model(decoder)
     timer = ForwardTimer(model)
     assistant_timer = ForwardTimer(assistant) if assistant is not None else None
     try:
         methods = build_methods(s, decoder, base, drafters, assistant, timer, assistant_timer)
         prompts = make_prompts(s, decoder.tokenizer)
         check_plan(s, methods, prompts, decoder.target.max_context)
-        trained = usable_block_sizes(s, next(iter(drafters.values()))) if drafters else s.block_sizes
+        trained = usable_block_sizes(s, next(iter(drafters.values()))) if drafters else list(s.block_sizes)
         skipped = [b for b in s.block_sizes if b not in trained]
         costs = ceiling_costs(s, decoder.target, drafters, methods, prompts)
         warm = prompts[s.prompt_sets[0]][0]  # first calls allocate and pick kernels
@@ -236,7 +276,7 @@ def run_benchmark(s: BenchSettings) -> dict:
         cells, done, peak = run_groups(s, methods, prompts, plan, started, decoder.target.vocab_size)
         equality = check_greedy(s, methods, cells, prompts, model)
         add_sampled_nll(s, cells, prompts, model)
-        report = {
+        report: dict[str, Any] = {
             "meta": meta(s, decoder, drafters, assistant, methods, started, skipped),
             "notes": {
                 "memory": MEMORY_NOTE if peak.available else "peak memory: unavailable on this OS",
@@ -262,11 +302,12 @@ def run_benchmark(s: BenchSettings) -> dict:
             if t is not None:
                 t.remove()
         for d in drafters.values():
-            if getattr(d, "scratch", None) is not None:
-                d.scratch.cleanup()
+            scratch = _SCRATCH.pop(d, None)
+            if scratch is not None:
+                scratch.cleanup()
 
 
-def check_plan(s: BenchSettings, methods: list[Method], prompts: dict, max_context: int) -> None:
+def check_plan(s: BenchSettings, methods: list[Method], prompts: dict[str, list[list[int]]], max_context: int) -> None:
     """Refuse settings the run cannot honour, before any timing."""
     if s.corrupt_method and s.corrupt_method not in {m.name for m in methods}:
         raise BenchError(
@@ -278,9 +319,15 @@ def check_plan(s: BenchSettings, methods: list[Method], prompts: dict, max_conte
             raise BenchError(f"a prompt plus {L} new tokens ({longest}) exceeds the target's context ({max_context})")
 
 
-def ceiling_costs(s: BenchSettings, target, drafters, methods: list[Method], prompts: dict) -> dict:
+def ceiling_costs(
+    s: BenchSettings,
+    target: TargetEngine,
+    drafters: dict[str, DrafterEngine],
+    methods: list[Method],
+    prompts: dict[str, list[list[int]]],
+) -> dict[int, PassCosts]:
     """Per-pass costs for the ceiling, at a typical context for each length (prompt + half the new tokens)."""
-    costs = {}
+    costs: dict[int, PassCosts] = {}
     typical = int(statistics.median(len(p) for ps in prompts.values() for p in ps))
     ctx_source = [t for ps in prompts.values() for p in ps for t in p]
     block_sizes = sorted({m.block_size for m in methods if m.block_size and m.block_size > 1})
@@ -290,7 +337,7 @@ def ceiling_costs(s: BenchSettings, target, drafters, methods: list[Method], pro
     return costs
 
 
-def bench_plan(s: BenchSettings) -> list[tuple]:
+def bench_plan(s: BenchSettings) -> list[Group]:
     """(temperature, length, prompt set, prompt index) groups, prompt index outermost: if the time budget
     runs out, every cell still has its first prompts."""
     return [
@@ -304,14 +351,19 @@ def bench_plan(s: BenchSettings) -> list[tuple]:
 
 
 def run_groups(
-    s: BenchSettings, methods: list[Method], prompts: dict, plan: list[tuple], started: float, vocab_size: int
-) -> tuple[dict, int, PeakRSS]:
+    s: BenchSettings,
+    methods: list[Method],
+    prompts: dict[str, list[list[int]]],
+    plan: list[Group],
+    started: float,
+    vocab_size: int,
+) -> tuple[dict[CellKey, Cell], int, PeakRSS]:
     """Every method on every planned group, order rotated per prompt and repeat. Returns (cells, groups
     run, the peak-memory probe)."""
     from tqdm import tqdm
 
     peak = PeakRSS()
-    cells: dict[tuple, Cell] = defaultdict(Cell)
+    cells: dict[CellKey, Cell] = defaultdict(Cell)
     bar = tqdm(
         total=len(plan) * s.repeats * len(methods), desc="bench", unit="run", file=sys.stderr, disable=not s.progress
     )
@@ -330,7 +382,7 @@ def run_groups(
             for m in methods[rot:] + methods[:rot]:
                 bar.set_postfix_str(f"T={T:g} {L} {name}#{i} {m.name}")
                 peak.reset()
-                run = m.run(ids, L, T, seed=1000 * i + r)
+                run = m.run(ids, L, T, 1000 * i + r)  # the seed
                 cell = cells[(T, L, name, m.name)]
                 cell.peak_mb.append(peak.peak_delta_mb())
                 if T == 0 and m.name == s.corrupt_method and run.token_ids:
@@ -341,7 +393,9 @@ def run_groups(
     return cells, done, peak
 
 
-def add_sampled_nll(s: BenchSettings, cells: dict, prompts: dict, model) -> None:
+def add_sampled_nll(
+    s: BenchSettings, cells: dict[CellKey, Cell], prompts: dict[str, list[list[int]]], model: CausalLM
+) -> None:
     """The target's NLL of each sampled output (the loose losslessness check at T > 0)."""
     for (T, L, name, mname), cell in cells.items():
         if T > 0:
@@ -349,8 +403,16 @@ def add_sampled_nll(s: BenchSettings, cells: dict, prompts: dict, model) -> None
 
 
 # ---- greedy equality -----------------------------------------------------------------------
-def check_greedy(s: BenchSettings, methods: list[Method], cells, prompts, model) -> dict:
-    checked, identical, ties, mismatches = 0, 0, [], []
+def check_greedy(
+    s: BenchSettings,
+    methods: list[Method],
+    cells: dict[CellKey, Cell],
+    prompts: dict[str, list[list[int]]],
+    model: CausalLM,
+) -> dict[str, Any]:
+    checked, identical = 0, 0
+    ties: list[dict[str, Any]] = []
+    mismatches: list[dict[str, Any]] = []
     if 0.0 not in s.temperatures:
         return {"ran": False, "reason": "no temperature-0 runs", "checked": 0, "passed": True}
     for L in s.max_new_tokens:
@@ -397,13 +459,15 @@ def _per_prompt_rate(cell: Cell) -> dict[int, float]:
     return {i: len(runs[0].token_ids) / statistics.median(r.seconds for r in runs) for i, runs in cell.runs.items()}
 
 
-def _quantiles(xs: list[float]) -> dict:
+def _quantiles(xs: list[float]) -> dict[str, float]:
     xs = sorted(xs)
     return {"median": round(statistics.median(xs), 3), "min": round(xs[0], 3), "max": round(xs[-1], 3), "n": len(xs)}
 
 
-def summarise(s: BenchSettings, methods: list[Method], cells, costs) -> list[dict]:
-    rows = []
+def summarise(
+    s: BenchSettings, methods: list[Method], cells: dict[CellKey, Cell], costs: dict[int, PassCosts]
+) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     for T in s.temperatures:
         for L in s.max_new_tokens:
             for name in s.prompt_sets:
@@ -415,17 +479,19 @@ def summarise(s: BenchSettings, methods: list[Method], cells, costs) -> list[dic
     return rows
 
 
-def row(m: Method, cell: Cell, base_rate: dict, costs: dict, T: float, L: int, name: str) -> dict:
+def row(
+    m: Method, cell: Cell, base_rate: dict[int, float], costs: PassCosts, T: float, L: int, name: str
+) -> dict[str, Any]:
     runs = [r for rs in cell.runs.values() for r in rs]
     rate = _per_prompt_rate(cell)
     ratios = [rate[i] / base_rate[i] for i in rate]
     lengths = [a for r in runs for a in r.acceptance_lengths]
     tau = sum(lengths) / len(lengths) if lengths else 0.0
     total = sum(r.seconds for r in runs)
-    drafts = [r.draft_s for r in runs]
+    drafts = [r.draft_s for r in runs if r.draft_s is not None]
     split = {
         "target": sum(r.target_s for r in runs) / total,
-        "draft": None if None in drafts else sum(drafts) / total,
+        "draft": None if len(drafts) < len(runs) else sum(drafts) / total,
         "other": sum(r.other_s for r in runs) / total,
     }
     peaks = [p for p in cell.peak_mb if p is not None]
@@ -457,13 +523,14 @@ def row(m: Method, cell: Cell, base_rate: dict, costs: dict, T: float, L: int, n
     }
 
 
-def headline(s: BenchSettings, methods: list[Method], cells) -> list[dict]:
+def headline(s: BenchSettings, methods: list[Method], cells: dict[CellKey, Cell]) -> list[dict[str, Any]]:
     """Per method, temperature and length: the median speedup over every prompt of every set."""
-    out = []
+    out: list[dict[str, Any]] = []
     for T in s.temperatures:
         for L in s.max_new_tokens:
             for m in methods:
-                ratios, lengths = [], []
+                ratios: list[float] = []
+                lengths: list[float] = []
                 for name in s.prompt_sets:
                     if (T, L, name, m.name) not in cells:
                         continue
@@ -489,9 +556,9 @@ def headline(s: BenchSettings, methods: list[Method], cells) -> list[dict]:
     return out
 
 
-def histograms(methods: list[Method], cells) -> dict:
+def histograms(methods: list[Method], cells: dict[CellKey, Cell]) -> dict[str, dict[str, dict[str, int]]]:
     """Counts of tokens committed per round, per method and temperature (all sets and lengths pooled)."""
-    out: dict = {}
+    out: dict[str, dict[str, dict[str, int]]] = {}
     for (T, L, name, mname), cell in cells.items():
         h = out.setdefault(mname, {}).setdefault(f"{T:g}", {})
         for rs in cell.runs.values():
@@ -502,19 +569,32 @@ def histograms(methods: list[Method], cells) -> dict:
     return out
 
 
-def _mb(module) -> float:
+def _mb(module: torch.nn.Module) -> float:
     return sum(p.numel() * p.element_size() for p in module.parameters()) / 2**20
 
 
-def meta(s: BenchSettings, decoder, drafters, assistant, methods, started, skipped) -> dict:
+def meta(
+    s: BenchSettings,
+    decoder: SpeculativeDecoder,
+    drafters: dict[str, DrafterEngine],
+    assistant: CausalLM | None,
+    methods: list[Method],
+    started: float,
+    skipped: list[int],
+) -> dict[str, Any]:
     import transformers
 
-    target_mb = _mb(decoder.target.model)
+    from ..runtime.ort_backend import OrtDrafterEngine
+    from ..runtime.torch_backend import TorchDrafterEngine
+
+    target_mb = _mb(target_model(decoder))
     weights = {"baseline": target_mb, "hf-generate": target_mb, "prompt-lookup": target_mb}
-    if "torch" in drafters:
-        weights["dflash-torch"] = target_mb + _mb(drafters["torch"].drafter)
-    if "onnxruntime" in drafters:
-        folder = drafters["onnxruntime"].folder
+    torch_drafter = drafters.get("torch")
+    if isinstance(torch_drafter, TorchDrafterEngine):
+        weights["dflash-torch"] = target_mb + _mb(torch_drafter.drafter)
+    ort_engine = drafters.get("onnxruntime")
+    if isinstance(ort_engine, OrtDrafterEngine):
+        folder = ort_engine.folder
         weights["dflash-ort"] = target_mb + sum(f.stat().st_size for f in folder.glob("drafter.onnx*")) / 2**20
     if assistant is not None:
         weights["hf-assisted"] = target_mb + _mb(assistant)

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 
@@ -36,6 +36,9 @@ from ..formats import (
     read_plan_manifest,
 )
 from .hashing import file_sha256, tree_sha256
+
+if TYPE_CHECKING:
+    from ..config import DFlashSpec
 
 PRECISIONS = ("fp16", "fp32")
 
@@ -56,16 +59,16 @@ class EnginesConfig:
     max_input_len: int = 2048
     max_seq_len: int = 4096
 
-    def settings(self) -> dict:
+    def settings(self) -> dict[str, Any]:
         d = asdict(self)
         return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
 
-def read_config(path: str | Path | None, base: Path, overrides: dict | None = None) -> EnginesConfig:
+def read_config(path: str | Path | None, base: Path, overrides: dict[str, Any] | None = None) -> EnginesConfig:
     """TOML or JSON; relative paths are relative to `base` (the repo root). Missing keys take defaults."""
     from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
-    raw: dict = {}
+    raw: dict[str, Any] = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -98,7 +101,7 @@ def read_config(path: str | Path | None, base: Path, overrides: dict | None = No
 
 
 def versions(*packages: str) -> dict[str, str | None]:
-    out = {}
+    out: dict[str, str | None] = {}
     for name in packages:
         try:
             out[name] = metadata.version(name)
@@ -113,11 +116,14 @@ def code_sha256(*modules: str) -> str:
 
     digest = hashlib.sha256()
     for name in modules:
-        digest.update(Path(importlib.util.find_spec(name).origin).read_bytes())
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"no source file for module {name}")
+        digest.update(Path(spec.origin).read_bytes())
     return digest.hexdigest()
 
 
-def step_key(*parts) -> str:
+def step_key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -127,7 +133,7 @@ def _relative_to(folder: Path, path: Path) -> str:
     return os.path.relpath(path.resolve(), folder.resolve())
 
 
-def _up_to_date(previous: dict | None, key: str, out: Path) -> bool:
+def _up_to_date(previous: dict[str, Any] | None, key: str, out: Path) -> bool:
     if not previous or previous.get("key") != key:
         return False
     folder = out / previous["dir"]
@@ -161,10 +167,10 @@ class BuildContext:
 
     cfg: EnginesConfig
     out: Path
-    sources: dict  # role -> {"path", "sha256"} (paths relative to `out`)
-    spec: Any  # the drafter's DFlashSpec (feature layers, trained block size)
+    sources: dict[str, dict[str, str]]  # role -> {"path", "sha256"} (paths relative to `out`)
+    spec: DFlashSpec  # the drafter's (feature layers, trained block size)
     block_size: int
-    engines: dict[str, dict]  # manifest entries of the steps already done (built or up to date)
+    engines: dict[str, dict[str, Any]]  # manifest entries of the steps already done (built or up to date)
     log: Callable[[str], Any]
 
 
@@ -178,12 +184,12 @@ class BuildStep:
     role: str  # "drafter" or "target"
     folder: str  # below the engines folder
     needs: bool  # whether the registry must find `backend` usable here (a package, a GPU); else skipped
-    versions: Callable[[], dict]  # tool versions that change the output
-    key: Callable[[BuildContext, dict], tuple]  # (context, versions) -> what the key hashes
-    build: Callable[[BuildContext, Path], dict]  # writes the folder; returns the entry's step-specific fields
+    versions: Callable[[], dict[str, Any]]  # tool versions that change the output
+    key: Callable[[BuildContext, dict[str, Any]], tuple[Any, ...]]  # (context, versions) -> what the key hashes
+    build: Callable[[BuildContext, Path], dict[str, Any]]  # writes the folder; returns the entry's step-specific fields
 
 
-def _onnx_key(ctx: BuildContext, vers: dict) -> tuple:
+def _onnx_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
     return (
         "drafter-onnx",
         ctx.sources["target"]["sha256"],
@@ -198,7 +204,7 @@ def _onnx_key(ctx: BuildContext, vers: dict) -> tuple:
     )
 
 
-def _build_onnx(ctx: BuildContext, folder: Path) -> dict:
+def _build_onnx(ctx: BuildContext, folder: Path) -> dict[str, Any]:
     from .onnx_drafter import export_from_checkpoints
     from .onnx_drafter_batch import export_batched_from_checkpoints
 
@@ -221,18 +227,18 @@ def _build_onnx(ctx: BuildContext, folder: Path) -> dict:
     }
 
 
-def _trt_versions() -> dict:
+def _trt_versions() -> dict[str, Any]:
     from .trt_drafter import gpu_name
 
     return versions("tensorrt") | {"gpu": gpu_name()}
 
 
-def _trt_key(ctx: BuildContext, vers: dict) -> tuple:
+def _trt_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
     cfg = ctx.cfg
     return ("drafter-trt", ctx.engines["drafter_onnx"]["key"], vers, cfg.precision, cfg.max_seq_len, cfg.max_input_len)
 
 
-def _build_trt(ctx: BuildContext, folder: Path) -> dict:
+def _build_trt(ctx: BuildContext, folder: Path) -> dict[str, Any]:
     from .trt_drafter import build_drafter_plan
 
     ctx.log(f"building the TensorRT drafter plan in {folder} ...")
@@ -242,7 +248,7 @@ def _build_trt(ctx: BuildContext, folder: Path) -> dict:
     return {"shapes": read_plan_manifest(folder)["profile"]}
 
 
-def _trtllm_key(ctx: BuildContext, vers: dict) -> tuple:
+def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
     cfg = ctx.cfg
     return (
         "target-trtllm",
@@ -258,7 +264,7 @@ def _trtllm_key(ctx: BuildContext, vers: dict) -> tuple:
     )
 
 
-def _build_trtllm(ctx: BuildContext, folder: Path) -> dict:
+def _build_trtllm(ctx: BuildContext, folder: Path) -> dict[str, Any]:
     from .trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
 
     cfg = ctx.cfg
@@ -326,7 +332,7 @@ def _check_checkpoints(cfg: EnginesConfig) -> None:
             )
 
 
-def _run_step(step: BuildStep, ctx: BuildContext, previous: dict, report: BuildReport) -> None:
+def _run_step(step: BuildStep, ctx: BuildContext, previous: dict[str, Any], report: BuildReport) -> None:
     from ..runtime.registry import unavailable_reason
 
     reason = unavailable_reason(step.role, step.backend) if step.needs else None
@@ -353,7 +359,7 @@ def _run_step(step: BuildStep, ctx: BuildContext, previous: dict, report: BuildR
     report.built.append(step.name)
 
 
-def build_engines(cfg: EnginesConfig, log: Callable[[str], Any] = print) -> tuple[dict, BuildReport]:
+def build_engines(cfg: EnginesConfig, log: Callable[[str], Any] = print) -> tuple[dict[str, Any], BuildReport]:
     from ..config import load_drafter_config
 
     _check_checkpoints(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable
 from pathlib import Path
 
 
@@ -24,5 +25,5 @@ def tree_sha256(folder: str | Path) -> str:
     return h.hexdigest()
 
 
-def files_sha256(paths) -> dict[str, str]:
+def files_sha256(paths: Iterable[str | Path]) -> dict[str, str]:
     return {Path(p).name: file_sha256(p) for p in paths}

@@ -18,13 +18,16 @@ import copy
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import torch
 from torch import nn
 
 from ..formats import DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILES, META_FILE, DrafterGraphMeta
 from ..models.drafter import DFlashDrafter
+
+if TYPE_CHECKING:
+    import onnx
 
 # Example sizes for tracing: all >= 2 and distinct, or the exporter fixes the axis (0/1 specialise).
 EXAMPLE_NEW, EXAMPLE_PAST = 3, 5
@@ -34,6 +37,9 @@ RoundModule = TypeVar("RoundModule", bound=nn.Module)
 class DrafterRound(nn.Module):
     """drafter + the target's embedding and lm_head + argmax: exactly what one round computes."""
 
+    embed_weight: torch.Tensor  # buffers (registered in __init__)
+    lm_head_weight: torch.Tensor
+
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
         self.drafter = drafter.eval()
@@ -41,7 +47,9 @@ class DrafterRound(nn.Module):
         self.register_buffer("embed_weight", embed_weight.detach().clone(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach().clone(), persistent=False)
 
-    def forward(self, block_ids, features, past_k, past_v):
+    def forward(
+        self, block_ids: torch.Tensor, features: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.drafter
         hidden, present_k, present_v = d(features, d.embed_block(block_ids, self.embed_weight), past_k, past_v)
         logits = d.logits(hidden[:, 1:], self.lm_head_weight).float()
@@ -62,7 +70,9 @@ def graph_meta(drafter: DFlashDrafter, vocab_size: int) -> DrafterGraphMeta:
     )
 
 
-def example_inputs(meta: DrafterGraphMeta, new: int = EXAMPLE_NEW, past: int = EXAMPLE_PAST, block: int | None = None):
+def example_inputs(
+    meta: DrafterGraphMeta, new: int = EXAMPLE_NEW, past: int = EXAMPLE_PAST, block: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     block = block or meta.block_size
     g = torch.Generator().manual_seed(0)
     ids = torch.full((1, block), meta.mask_token_id, dtype=torch.long)
@@ -103,6 +113,7 @@ def export_round(module: DrafterRound, meta: DrafterGraphMeta, path: Path) -> Pa
             optimize=True,
             verbose=False,
         )
+        assert program is not None  # dynamo=True returns the program
         program.save(str(path), external_data=True)
     return path
 
@@ -122,7 +133,7 @@ def to_fp16(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _sort_nodes(graph) -> None:
+def _sort_nodes(graph: onnx.GraphProto) -> None:
     """Topological order of graph.node (ONNX requires it; ORT tolerates it, the checker does not)."""
     ready = {i.name for i in graph.input} | {t.name for t in graph.initializer} | {""}
     pending, ordered = list(graph.node), []
@@ -202,6 +213,6 @@ def export_from_checkpoints(
     target = load_target(target_dir, torch.float32)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, torch.float32)
     validate_against_target(drafter.config, drafter.spec, target.config)
-    embed = target.get_input_embeddings().weight
-    head = target.get_output_embeddings().weight
+    embed = cast(torch.Tensor, target.get_input_embeddings().weight)
+    head: torch.Tensor = target.get_output_embeddings().weight  # type: ignore[no-untyped-call]  # unannotated
     return export_drafter(drafter, embed, head, out_dir, fp16=fp16)

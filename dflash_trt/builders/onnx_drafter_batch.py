@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import nn
@@ -35,13 +36,25 @@ def batch_cache_shape(meta: DrafterGraphMeta, rows: int, length: int) -> tuple[i
 class BatchedDrafterRound(nn.Module):
     """ragged_round + the target's embedding and lm_head + argmax."""
 
+    embed_weight: torch.Tensor  # buffers (registered in __init__)
+    lm_head_weight: torch.Tensor
+
     def __init__(self, drafter: DFlashDrafter, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor):
         super().__init__()
         self.drafter = drafter.eval()
         self.register_buffer("embed_weight", embed_weight.detach().clone(), persistent=False)
         self.register_buffer("lm_head_weight", lm_head_weight.detach().clone(), persistent=False)
 
-    def forward(self, block_ids, block_lengths, features, new_lengths, past_k, past_v, past_lengths):
+    def forward(
+        self,
+        block_ids: torch.Tensor,
+        block_lengths: torch.Tensor,
+        features: torch.Tensor,
+        new_lengths: torch.Tensor,
+        past_k: torch.Tensor,
+        past_v: torch.Tensor,
+        past_lengths: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         d = self.drafter
         hidden, present_k, present_v = ragged_round(
             d,
@@ -62,7 +75,7 @@ def _distinct_sizes(avoid: int, count: int) -> list[int]:
     return [s for s in (2, 3, 5, 7, 11, 13, 17) if s != avoid][:count]
 
 
-def batch_example_inputs(meta: DrafterGraphMeta, rows: int, new: int, cap: int, block: int):
+def batch_example_inputs(meta: DrafterGraphMeta, rows: int, new: int, cap: int, block: int) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)
     ids = torch.full((rows, block), meta.mask_token_id, dtype=torch.long)
     ids[:, 0] = 1
@@ -109,6 +122,7 @@ def export_batched_round(module: BatchedDrafterRound, meta: DrafterGraphMeta, pa
             optimize=True,
             verbose=False,
         )
+        assert program is not None  # dynamo=True returns the program
         program.save(str(path), external_data=True)
     return path
 
@@ -141,6 +155,6 @@ def export_batched_from_checkpoints(
 
     target = load_target(Path(target_dir), torch.float32)
     drafter = DFlashDrafter.from_pretrained(Path(drafter_dir), torch.float32)
-    return export_batched_drafter(
-        drafter, target.get_input_embeddings().weight, target.get_output_embeddings().weight, out_dir, fp16
-    )
+    embed = cast(torch.Tensor, target.get_input_embeddings().weight)
+    head: torch.Tensor = target.get_output_embeddings().weight  # type: ignore[no-untyped-call]  # unannotated
+    return export_batched_drafter(drafter, embed, head, out_dir, fp16)

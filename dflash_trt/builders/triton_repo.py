@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,7 +125,7 @@ def _save_tokenizer(src: Path, dst: Path) -> object:
 # ---- the models -----------------------------------------------------------------------------
 
 
-def _text_models(repo: Path, src: Sources, opt: RepoOptions):
+def _text_models(repo: Path, src: Sources, opt: RepoOptions) -> object:
     tok = None
     for name, module, inputs, outputs in (
         (
@@ -167,7 +168,7 @@ def _text_models(repo: Path, src: Sources, opt: RepoOptions):
     return tok
 
 
-def _drafter_model(repo: Path, src: Sources, opt: RepoOptions):
+def _drafter_model(repo: Path, src: Sources, opt: RepoOptions) -> DrafterGraphMeta:
     meta = DrafterGraphMeta.read(src.drafter_dir)
     L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
     cache = ("TYPE_FP32", [L, 1, H, -1, D])
@@ -249,7 +250,7 @@ def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: Draft
     )
 
 
-def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids) -> None:
+def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids: Sequence[int]) -> None:
     version = repo / TARGET / "1"
     version.mkdir(parents=True)
     _copy(src.target_dir, version / "target", opt.symlink_weights)
@@ -309,10 +310,10 @@ BLS_OUTPUTS = [
 def _bls_model(
     repo: Path,
     opt: RepoOptions,
-    meta,
+    meta: DrafterGraphMeta,
     vocab_size: int,
     max_context: int,
-    stop_ids,
+    stop_ids: Sequence[int],
     name: str = BLS,
     decoupled: bool = True,
 ) -> None:

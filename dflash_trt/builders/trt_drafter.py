@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ..formats import FP16_GRAPH_FILE, GRAPH_FILE, META_FILE, PLAN_FILE, PLAN_MANIFEST, DrafterGraphMeta
 from ..runtime.base import EngineUnavailable
@@ -30,7 +31,7 @@ class ProfileShapes:
     max: tuple[int, ...]
 
 
-def trt_major(trt) -> int:
+def trt_major(trt: Any) -> int:  # the tensorrt module (untyped)
     return int(str(trt.__version__).split(".")[0])
 
 
@@ -41,7 +42,10 @@ def profile_shapes(
     B = meta.block_size
     ctx = min(max_context or meta.max_context, meta.max_context)
     new = min(max_new_tokens or ctx, ctx)  # the prefill hands the whole prompt's features at once
-    cache = lambda t: (meta.num_layers, 1, meta.num_kv_heads, t, meta.head_dim)  # noqa: E731
+
+    def cache(t: int) -> tuple[int, ...]:
+        return (meta.num_layers, 1, meta.num_kv_heads, t, meta.head_dim)
+
     return {
         "block_ids": ProfileShapes((1, 2), (1, B), (1, B)),
         "features": ProfileShapes((1, 1, meta.feature_size), (1, B, meta.feature_size), (1, new, meta.feature_size)),

@@ -15,15 +15,20 @@ Pipeline parallelism is refused (layer ids would be rank-local).
 NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here).
 """
 
+from typing import Any
+
 from tensorrt_llm.models import LLaMAForCausalLM, QWenForCausalLM
+
+# tensorrt_llm is not installed here (and untyped): its modules, configs and tensors are Any; the model
+# classes below subclass it, hence their `type: ignore[misc]` (subclassing Any).
 
 FINAL_HIDDEN_OUTPUT = "dflash_final_hidden"  # = trtllm_target.FINAL_HIDDEN_OUTPUT (this file is loaded standalone)
 
 
-def _mark(module, name, dtype) -> None:
+def _mark(module: Any, name: str, dtype: Any) -> None:
     original = module.forward
 
-    def forward(*args, _original=original, **kwargs):
+    def forward(*args: Any, _original: Any = original, **kwargs: Any) -> Any:
         out = _original(*args, **kwargs)
         hidden = out[0] if isinstance(out, tuple) else out
         hidden.mark_output(name, dtype)
@@ -32,7 +37,7 @@ def _mark(module, name, dtype) -> None:
     object.__setattr__(module, "forward", forward)  # Module.__setattr__ would try to register it
 
 
-def _mark_outputs(model, config) -> None:
+def _mark_outputs(model: Any, config: Any) -> None:
     layer_ids = list(getattr(config, "dflash_feature_layer_ids", None) or [])
     if not layer_ids:
         raise ValueError(
@@ -45,13 +50,13 @@ def _mark_outputs(model, config) -> None:
     _mark(model.transformer.ln_f, FINAL_HIDDEN_OUTPUT, config.dtype)
 
 
-class DFlashLLaMAForCausalLM(LLaMAForCausalLM):
-    def __init__(self, config):
+class DFlashLLaMAForCausalLM(LLaMAForCausalLM):  # type: ignore[misc]
+    def __init__(self, config: Any):
         super().__init__(config)
         _mark_outputs(self, config)
 
 
-class DFlashQWenForCausalLM(QWenForCausalLM):
-    def __init__(self, config):
+class DFlashQWenForCausalLM(QWenForCausalLM):  # type: ignore[misc]
+    def __init__(self, config: Any):
         super().__init__(config)
         _mark_outputs(self, config)

@@ -20,7 +20,7 @@ SMOKE = dict(
 )
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from ..bench.prompts import PROMPT_SETS
     from ..bench.runner import FAMILIES
     from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
@@ -256,11 +256,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(f"wrote {path}" + "".join(f", {p}" for p in plots), file=sys.stderr)
     eq = report["equality"]
     if not eq["passed"]:
-        for e in eq["mismatches"]:
+        for m in eq["mismatches"]:
             print(
-                f"MISMATCH: {e['method']} on {e['prompt_set']}#{e['prompt']} ({e['max_new_tokens']} tokens, repeat "
-                f"{e['repeat']}): position {e['position']}, baseline token {e['baseline_token']}, method token "
-                f"{e['method_token']}, logit gap {e['logit_gap']}",
+                f"MISMATCH: {m['method']} on {m['prompt_set']}#{m['prompt']} ({m['max_new_tokens']} tokens, repeat "
+                f"{m['repeat']}): position {m['position']}, baseline token {m['baseline_token']}, method token "
+                f"{m['method_token']}, logit gap {m['logit_gap']}",
                 file=sys.stderr,
             )
         print("dflash-trt bench: error: greedy outputs differ from the target alone (see above)", file=sys.stderr)

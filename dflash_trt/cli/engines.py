@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import textwrap
 from pathlib import Path
+from typing import NoReturn
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from ..settings import REPO_ROOT
     from .options import add_model_args, positive_int
 
@@ -122,7 +123,7 @@ def register(sub) -> None:
     p.set_defaults(func=cmd_engines)
 
 
-def _fail(e: Exception):
+def _fail(e: Exception) -> NoReturn:
     from .options import CliError
 
     raise CliError(str(e)) from None

@@ -21,7 +21,7 @@ from .options import (
 )
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     g = sub.add_parser(
         "generate",
         help="generate a continuation with draft-and-verify (or the target alone)",

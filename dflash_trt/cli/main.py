@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code: int = args.func(args)  # the command's cmd_* function (set_defaults)
+        return code
     except CliError as e:
         print(f"dflash-trt {args.command}: error: {e}", file=sys.stderr)
         return 1

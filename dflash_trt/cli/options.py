@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, cast
 
 from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET
+
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
 
 
 class CliError(Exception):
     """Printed as one line, exit code 1 (2 for usage errors via argparse)."""
 
 
-def int_at_least(minimum: int):
+def int_at_least(minimum: int) -> Callable[[str], int]:
     """An argparse type: an integer >= minimum, with a one-line message otherwise."""
 
     def parse(text: str) -> int:
@@ -71,7 +76,7 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
 DTYPE_CHOICES = ["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]
 
 
-def add_device_args(p) -> None:
+def add_device_args(p: argparse._ActionsContainer) -> None:  # a parser or an argument group
     p.add_argument(
         "--device",
         default="cpu",
@@ -96,7 +101,9 @@ def add_device_args(p) -> None:
     )
 
 
-def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "cpu", drafter_dtype: str | None = None):
+def load_or_fail(
+    target: Path, drafter: Path | None, dtype: str, device: str = "cpu", drafter_dtype: str | None = None
+) -> SpeculativeDecoder:
     from ..config import ConfigError
     from ..loading import load_decoder
 
@@ -111,7 +118,7 @@ def load_or_fail(target: Path, drafter: Path | None, dtype: str, device: str = "
         raise CliError(str(e)) from None
 
 
-def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool, device: str = "cpu"):
+def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool, device: str = "cpu") -> SpeculativeDecoder:
     from ..config import ConfigError
     from ..loading import load_decoder_from_engines
     from ..runtime.base import EngineUnavailable
@@ -122,7 +129,15 @@ def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool, device: str 
         raise CliError(f"engines {engines}: {e}") from None
 
 
-def serve_worker_rank(decoder) -> bool:
+class TensorParallelRank(Protocol):
+    """A target engine that runs on every rank of `mpirun -n tp` (TensorRT-LLM's)."""
+
+    is_leader: bool
+
+    def serve_worker(self) -> None: ...
+
+
+def serve_worker_rank(decoder: SpeculativeDecoder) -> bool:
     """Under `mpirun -n tp` with a tp > 1 TensorRT-LLM target, every rank loads the engine but only the leader
     runs the loop (and HTTP). On another rank: keep the engine's tensor-parallel work going until the leader
     shuts down, then return True (the caller exits). False on the leader and for every other backend."""
@@ -136,11 +151,11 @@ def serve_worker_rank(decoder) -> bool:
         json.dumps({"event": "tensor_parallel_worker", "detail": "not the leader rank: serving the engine only"}),
         file=sys.stderr,
     )
-    target.serve_worker()
+    cast(TensorParallelRank, target).serve_worker()  # only a tensor-parallel target has a non-leader rank
     return True
 
 
-def close_engines(decoder) -> None:
+def close_engines(decoder: SpeculativeDecoder) -> None:
     """The leader's shutdown releases the other ranks (TensorRT-LLM executorImpl.cpp, Executor::Impl::shutdown)."""
     close = getattr(decoder.target, "close", None)
     if close is not None:

@@ -6,6 +6,10 @@ import argparse
 import os
 import textwrap
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
 
@@ -32,7 +36,7 @@ def _drain_seconds(text: str) -> float:
     return _seconds(text, allow_zero=True)
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from ..settings import DEMO_DRAFTER, DEMO_TARGET
     from .options import add_device_args, non_negative_int, positive_int
 
@@ -199,7 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_models(args):
+def _load_models(args: argparse.Namespace) -> tuple[SpeculativeDecoder, str]:
     from .options import load_engines_or_fail, load_or_fail
 
     if args.engines is not None:

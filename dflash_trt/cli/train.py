@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from .options import finite_float, positive_int, token_ids
 
     p = sub.add_parser(
@@ -121,6 +121,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
                 prompt_len=args.prompt_len,
                 temperature=args.gen_temperature,
             )
+            if not isinstance(seqs, np.ndarray):
+                raise CliError(f"--regenerate continues prompts cut from text; {data} holds regenerated sequences")
             args.out.mkdir(parents=True, exist_ok=True)
             data = args.out / "regenerated.npy"
             np.save(data, seqs)

@@ -6,11 +6,13 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
 
-def register(sub) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "triton-repo",
         help="write a Triton model repository (ensemble + BLS draft-and-verify)",
@@ -143,7 +145,7 @@ def cmd_repo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _exit_on_sigterm(signum, frame):
+def _exit_on_sigterm(signum: int, frame: FrameType | None) -> NoReturn:
     raise KeyboardInterrupt  # so `finally` stops the server (the default SIGTERM action would orphan it)
 
 
@@ -213,7 +215,8 @@ def cmd_client(args: argparse.Namespace) -> int:
             on_chunk=show,
         )
     except Exception as e:  # noqa: BLE001 - tritonclient raises its own exception types; show the message
-        message = e.message() if callable(getattr(e, "message", None)) else str(e)
+        message_of = getattr(e, "message", None)
+        message = str(message_of()) if callable(message_of) else str(e)
         raise CliError(f"{url}: {message}") from None
     if args.json:
         print(

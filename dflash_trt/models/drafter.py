@@ -13,7 +13,9 @@ that the same code exports to ONNX with the cache as graph inputs and outputs.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +29,14 @@ from ..config import ConfigError, DFlashSpec, drafter_config_from_dict, load_dra
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 
+# transformers leaves these unannotated; their signatures, as used here
+_rotate_half = cast(Callable[[torch.Tensor], torch.Tensor], rotate_half)
+_qwen3_mlp = cast(Callable[[Qwen3Config], nn.Module], Qwen3MLP)
+
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # x: [b, heads, n, hd]; cos/sin: [b, n, hd]
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+    return x * cos[:, None] + _rotate_half(x) * sin[:, None]
 
 
 def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: int | None) -> torch.Tensor:
@@ -49,9 +55,11 @@ def _visibility(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool, window: 
 class DFlashAttention(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
+        # Qwen3Config fills an unset num_key_value_heads with num_attention_heads
+        kv_heads = config.num_key_value_heads
+        self.n_kv_heads = kv_heads if kv_heads is not None else self.n_heads
         bias = bool(getattr(config, "attention_bias", False))
         self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
@@ -60,11 +68,11 @@ class DFlashAttention(nn.Module):
         self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         layer_types = getattr(config, "layer_types", None)
-        sliding = bool(layer_types) and layer_types[layer_idx] == "sliding_attention"
+        sliding = bool(layer_types and layer_types[layer_idx] == "sliding_attention")
         explicit_causal = getattr(config, "is_causal", None)
         # Same rule as the reference: only sliding-window layers are causal unless the config says so.
         self.causal = sliding if explicit_causal is None else bool(explicit_causal)
-        self.window = config.sliding_window if sliding else None
+        self.window: int | None = config.sliding_window if sliding else None
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, n, _ = x.shape
@@ -105,7 +113,8 @@ class DFlashAttention(nn.Module):
             mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
         out = out.reshape(b, self.n_heads, n, self.head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        result: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        return result
 
     def forward_blocks(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, ctx_visible: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -132,24 +141,45 @@ class DFlashAttention(nn.Module):
         out = (torch.einsum("bkgmis,bksd->bkgmid", p_ctx.to(ctx_v.dtype), ctx_v).float()
                + torch.einsum("bkgmij,bkmjd->bkgmid", p_blk.to(v_blk.dtype), v_blk).float()) / denom
         out = out.to(v_blk.dtype)  # bf16 under autocast, else fp32
-        return self.o_proj(out.reshape(b, self.n_heads, n, hd).transpose(1, 2).reshape(b, n, -1))
+        result: torch.Tensor = self.o_proj(out.reshape(b, self.n_heads, n, hd).transpose(1, 2).reshape(b, n, -1))
+        return result
 
 
 class DFlashLayer(nn.Module):
     def __init__(self, config: Qwen3Config, layer_idx: int):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = _qwen3_mlp(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, mask=None, block_at=None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None = None,
+        block_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask, block_at)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
-    def forward_blocks(self, x, ctx_k, ctx_v, cos, sin, ctx_visible, block_size):
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_visible: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
         x = x + self.self_attn.forward_blocks(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, ctx_visible, block_size)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
+        return out
 
 
 class DFlashDrafter(nn.Module):
@@ -163,16 +193,23 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        attn = self.layers[0].self_attn
+        attn = self.decoder_layers[0].self_attn
         self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
-        self._needs_mask = any(l.self_attn.causal or l.self_attn.window is not None for l in self.layers)
+        self._needs_mask = any(l.self_attn.causal or l.self_attn.window is not None for l in self.decoder_layers)
+
+    @property
+    def decoder_layers(self) -> list[DFlashLayer]:
+        """`layers` with their type (an nn.ModuleList types its items as plain Modules)."""
+        return cast("list[DFlashLayer]", list(self.layers))
 
     # ---- shapes -------------------------------------------------------------------------
     @property
     def feature_size(self) -> int:
         return self.fc.in_features
 
-    def empty_cache(self, batch: int = 1, dtype: torch.dtype | None = None, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    def empty_cache(
+        self, batch: int = 1, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         shape = (len(self.layers), batch, self.n_kv_heads, 0, self.head_dim)
         dtype = dtype or self.fc.weight.dtype
         device = device or self.fc.weight.device
@@ -180,7 +217,8 @@ class DFlashDrafter(nn.Module):
 
     def project_context(self, features: torch.Tensor) -> torch.Tensor:
         """Concatenated target features [b, n, L*H] -> drafter context [b, n, H]."""
-        return self.hidden_norm(self.fc(features))
+        projected: torch.Tensor = self.hidden_norm(self.fc(features))
+        return projected
 
     # ---- inference ----------------------------------------------------------------------
     def forward(
@@ -208,7 +246,7 @@ class DFlashDrafter(nn.Module):
         ctx = self.project_context(features)
         x = block_embeds
         new_k, new_v = [], []
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             k_new, v_new = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
             ctx_k = torch.cat([past_k[i], k_new], dim=2)
             ctx_v = torch.cat([past_v[i], v_new], dim=2)
@@ -218,7 +256,7 @@ class DFlashDrafter(nn.Module):
                 attn = layer.self_attn
                 mask = _visibility(positions[past + n :], positions, attn.causal, attn.window)
             x = layer(x, ctx_k, ctx_v, blk_cos, blk_sin, mask)
-        return self.norm(x), torch.stack(new_k), torch.stack(new_v)
+        return self.final_norm(x), torch.stack(new_k), torch.stack(new_v)
 
     # ---- training ----------------------------------------------------------------------
     def forward_packed(self, features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
@@ -240,10 +278,10 @@ class DFlashDrafter(nn.Module):
         blk_cos, blk_sin = self.rotary_emb(block_embeds, block_positions)
         ctx_visible = torch.arange(s, device=features.device)[None, None, :] < anchors[:, :, None]
         x = block_embeds
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
             x = layer.forward_blocks(x, ctx_k, ctx_v, blk_cos, blk_sin, ctx_visible, block_size)
-        return self.norm(x)
+        return self.final_norm(x)
 
     def forward_packed_dense(
         self,
@@ -265,10 +303,15 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary_emb(ctx, ctx_pos)
         blk_cos, blk_sin = self.rotary_emb(block_embeds, block_positions)
         x = block_embeds
-        for layer in self.layers:
+        for layer in self.decoder_layers:
             ctx_k, ctx_v = layer.self_attn.project_kv(ctx, ctx_cos, ctx_sin)
             x = layer(x, ctx_k, ctx_v, blk_cos, blk_sin, mask)
-        return self.norm(x)
+        return self.final_norm(x)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        """`norm(x)`, typed."""
+        normed: torch.Tensor = self.norm(x)
+        return normed
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """Draft logits through the TARGET's lm_head (with the optional knobs newer drafters use)."""
@@ -284,12 +327,12 @@ class DFlashDrafter(nn.Module):
 
     # ---- checkpoints --------------------------------------------------------------------
     @classmethod
-    def from_config(cls, raw: dict) -> "DFlashDrafter":
+    def from_config(cls, raw: dict[str, Any]) -> DFlashDrafter:
         config, spec = drafter_config_from_dict(raw)
         return cls(config, spec)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "DFlashDrafter":
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> DFlashDrafter:
         """Load a published-format drafter directory (config.json + safetensors), no remote code."""
         path = Path(path)
         if not path.is_dir():

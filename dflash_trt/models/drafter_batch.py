@@ -65,7 +65,7 @@ def ragged_round(
     x = block_embeds
     out_k, out_v = [], []
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-    for i, layer in enumerate(drafter.layers):
+    for i, layer in enumerate(drafter.decoder_layers):
         attn = layer.self_attn
         k_new, v_new = attn.project_kv(ctx, ctx_cos, ctx_sin)
         if inplace:
@@ -79,8 +79,8 @@ def ragged_round(
             masks[key] = _visible(attn, key_valid, blk_pos, k_pos)
         x = layer(x, ctx_k, ctx_v, blk_cos, blk_sin, masks[key])
     if inplace:
-        return drafter.norm(x), past_k, past_v
-    return drafter.norm(x), torch.stack(out_k), torch.stack(out_v)
+        return drafter.final_norm(x), past_k, past_v
+    return drafter.final_norm(x), torch.stack(out_k), torch.stack(out_v)
 
 
 def packed_round(
@@ -117,7 +117,7 @@ def packed_round(
     ctx_cos, ctx_sin = drafter.rotary_emb(block_embeds, feature_positions[None])
     x = block_embeds
     masks: dict[tuple[bool, int | None], torch.Tensor] = {}
-    for i, layer in enumerate(drafter.layers):
+    for i, layer in enumerate(drafter.decoder_layers):
         attn = layer.self_attn
         k_new, v_new = attn.project_kv(ctx, ctx_cos, ctx_sin)  # [1, kvh, T, hd]
         cache_k[i].transpose(1, 2)[feature_rows, feature_positions] = k_new[0].transpose(0, 1)
@@ -126,4 +126,4 @@ def packed_round(
         if key not in masks:
             masks[key] = _visible(attn, key_valid, blk_pos, cache_pos)
         x = layer(x, cache_k[i], cache_v[i], blk_cos, blk_sin, masks[key], block_at=blk_pos)
-    return drafter.norm(x)
+    return drafter.final_norm(x)

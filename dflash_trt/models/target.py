@@ -3,17 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    # what transformers annotates AutoModelForCausalLM.from_pretrained to return: PreTrainedModel + GenerationMixin
+    from typing import TypeAlias
+
+    from transformers.models.auto.modeling_auto import _BaseModelWithGenerate
+
+    CausalLM: TypeAlias = _BaseModelWithGenerate
 
 SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # short names: --dtype bf16
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
     """Load a local HF checkpoint; never downloads, never runs remote code."""
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -27,18 +35,20 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> PreTrai
 
     # a per-tensor "Loading weights" bar on every CLI call is noise for small local checkpoints
     bar_was_on = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
+    # (the `type: ignore`s here and below: transformers leaves these functions unannotated)
+    hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, trust_remote_code=False, dtype=dtype, attn_implementation="sdpa"
         )
     finally:
         if bar_was_on:
-            hf_logging.enable_progress_bar()
-    return model.eval()
+            hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
+    loaded: CausalLM = model.eval()  # type: ignore[no-untyped-call]
+    return loaded
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path) -> PreTrainedTokenizerBase | None:
     """The target's tokenizer, or None when the directory has none (then only token ids work)."""
     path = Path(path)
     if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
@@ -77,7 +87,13 @@ def make_portable(folder: str | Path) -> None:
             cfg.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def save_portable(obj, folder: str | Path) -> None:
+class SavesPretrained(Protocol):
+    """A Hugging Face model or tokenizer."""
+
+    def save_pretrained(self, save_directory: Any, /) -> Any: ...
+
+
+def save_portable(obj: SavesPretrained, folder: str | Path) -> None:
     """`obj.save_pretrained(folder)` (model or tokenizer), then make_portable."""
     obj.save_pretrained(folder)
     make_portable(folder)

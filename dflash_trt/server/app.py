@@ -9,7 +9,9 @@ The app is built from the loaded decoder, so the request models (and /openapi.js
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
@@ -21,15 +23,18 @@ from .guard import Guard
 from .routes import native, openai
 from .routes.openai import chat_prompt_ids
 
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
+
 __all__ = ["ApiError", "Server", "ServerSettings", "chat_prompt_ids", "create_app"]
 
 
-def create_app(decoder, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(decoder: SpeculativeDecoder, settings: ServerSettings | None = None) -> FastAPI:
     """An app serving `decoder` (a SpeculativeDecoder). The orchestrator runs for the app's lifespan."""
     server = Server(decoder, settings or ServerSettings())
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         server.orchestrator.start()
         server.started = True
         try:
@@ -50,11 +55,11 @@ def create_app(decoder, settings: ServerSettings | None = None) -> FastAPI:
     app.include_router(openai.router(server.models))
     app.add_middleware(Guard, server=server)
     install_error_handlers(app)
-    app.openapi = lambda: _openapi(app)
+    app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
     return app
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI) -> dict[str, Any]:
     """FastAPI's document, told the truth about validation errors: they are 400s with our error body
     (errors.py), not 422s with FastAPI's."""
     if app.openapi_schema is None:

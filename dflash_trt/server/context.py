@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated, cast
 
 from fastapi import Depends, Request
 
@@ -15,6 +15,9 @@ from .metrics import ServerMetrics
 from .scheduler import Orchestrator
 from .schemas import Limits, request_models
 from .tokenizer import with_serialized_tokenizer
+
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
 
 
 @dataclass
@@ -40,7 +43,7 @@ class ServerSettings:
 log = logging.getLogger("dflash_trt.server")
 
 
-def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
+def batch_decoder(decoder: SpeculativeDecoder, settings: ServerSettings) -> BatchDecoder:
     """The batched loop on the loaded engines; with adaptive block sizes, the cost model is measured now."""
     from ..decoding.adaptive import measure_costs
 
@@ -82,7 +85,7 @@ class Server:
     """The decoder (tokenizing, limits), its batched loop, the orchestrator stepping it, the metrics, the
     settings, and the limits the request models enforce."""
 
-    def __init__(self, decoder, settings: ServerSettings):
+    def __init__(self, decoder: SpeculativeDecoder, settings: ServerSettings):
         self.decoder, self.settings = with_serialized_tokenizer(decoder), settings
         self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.models = request_models(self.limits)
@@ -93,7 +96,7 @@ class Server:
 
 
 def get_server(request: Request) -> Server:
-    return request.app.state.server
+    return cast(Server, request.app.state.server)  # create_app puts it there
 
 
 ServerDep = Annotated[Server, Depends(get_server)]

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ExceptionHandler
 
 from .schemas import error_body
 
@@ -26,14 +29,19 @@ class ApiError(Exception):
         type_: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
-        headers: dict | None = None,
+        headers: dict[str, str] | None = None,
     ):
         super().__init__(message)
         self.status, self.body, self.headers = status, error_body(message, type_, param, code), headers
 
 
 def error_response(
-    status: int, message: str, type_: str = "invalid_request_error", param=None, code=None, headers=None
+    status: int,
+    message: str,
+    type_: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | None = None,
+    headers: Mapping[str, str] | None = None,
 ) -> JSONResponse:
     return JSONResponse(error_body(message, type_, param, code), status_code=status, headers=headers)
 
@@ -50,17 +58,18 @@ def job_error(kind: str, message: str) -> ApiError:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    app.add_exception_handler(ApiError, _api_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
-    app.add_exception_handler(StarletteHTTPException, _http_error)
+    # Starlette types a handler for every exception; each of these gets only the class it is registered for
+    app.add_exception_handler(ApiError, cast(ExceptionHandler, _api_error))
+    app.add_exception_handler(RequestValidationError, cast(ExceptionHandler, _validation_error))
+    app.add_exception_handler(StarletteHTTPException, cast(ExceptionHandler, _http_error))
     app.add_exception_handler(Exception, _internal_error)
 
 
-async def _api_error(request: Request, exc: ApiError):
+async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
 
-async def _validation_error(request: Request, exc: RequestValidationError):
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
     if errors and errors[0].get("type") == "json_invalid":
         message = "malformed JSON body: " + str(errors[0].get("ctx", {}).get("error", "cannot parse"))
@@ -74,7 +83,7 @@ async def _validation_error(request: Request, exc: RequestValidationError):
     return error_response(400, message, param=".".join(loc) or None, code=first.get("type"))
 
 
-async def _http_error(request: Request, exc: StarletteHTTPException):
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     return error_response(
         exc.status_code,
         str(exc.detail),
@@ -84,19 +93,19 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     )
 
 
-async def _internal_error(request: Request, exc: Exception):
+async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
     rid = request.scope.get("state", {}).get("request_id")
     log.error("request %s: unhandled %s", rid, type(exc).__name__, exc_info=exc)
     return error_response(500, f"internal error (request {rid})", "server_error")
 
 
-def _specificity(error: dict):
+def _specificity(error: dict[str, Any]) -> tuple[bool, int]:
     """Which of pydantic's errors to report: for a value that fits no member of a union (a prompt is text,
     a list of one text, or token ids) the member whose check got furthest, not "should be a valid string"."""
     return (error.get("type", "").endswith("_type"), -len(error.get("loc", ())))
 
 
-def _field_path(loc) -> list[str]:
+def _field_path(loc: Sequence[int | str]) -> list[str]:
     """pydantic's error location without "body" and without its names for union members."""
     return [str(p) for p in loc if isinstance(p, int) or (p != "body" and _FIELD.fullmatch(p) and p not in _TAGS)]
 

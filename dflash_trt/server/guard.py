@@ -12,8 +12,15 @@ import json
 import logging
 import time
 import uuid
+from typing import TYPE_CHECKING, Any
+
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import error_response
+
+if TYPE_CHECKING:
+    from .context import Server
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -24,10 +31,10 @@ DRAIN_OPEN_PATHS = ("/health", "/metrics")  # still answered while draining
 
 
 class Guard:
-    def __init__(self, app, server):
+    def __init__(self, app: ASGIApp, server: Server):
         self.app, self.server = app, server
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         server = self.server
@@ -40,14 +47,14 @@ class Guard:
         started = time.monotonic()
         status = [500]
 
-        async def send_with_id(message):
+        async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":
                 status[0] = message["status"]
                 message.setdefault("headers", [])
                 message["headers"] = list(message["headers"]) + [(b"x-request-id", rid.encode())]
             await send(message)
 
-        async def reply(response):
+        async def reply(response: Response) -> None:
             await response(scope, receive, send_with_id)
 
         try:
@@ -83,7 +90,8 @@ class Guard:
                 )
             if declared is not None and int(declared) > settings.max_body_bytes:
                 return await reply(_too_large(settings.max_body_bytes))
-            body, more = [], True
+            body: list[bytes] = []
+            more = True
             size = 0
             while more and scope["method"] in ("POST", "PUT", "PATCH"):
                 message = await receive()
@@ -98,7 +106,7 @@ class Guard:
                 more = message.get("more_body", False)
             replay = [{"type": "http.request", "body": b"".join(body), "more_body": False}]
 
-            async def receive_replayed():
+            async def receive_replayed() -> Message:
                 return replay.pop() if replay else await receive()
 
             await self.app(scope, receive_replayed, send_with_id)
@@ -107,18 +115,18 @@ class Guard:
             _log_request(rid, scope, status[0], time.monotonic() - started)
 
 
-def _too_large(limit: int):
+def _too_large(limit: int) -> Response:
     return error_response(413, f"request body larger than {limit} bytes", code="request_too_large")
 
 
-def _authorized(headers: dict, key: str) -> bool:
+def _authorized(headers: dict[str, str], key: str) -> bool:
     value = headers.get("authorization", "")
     scheme, _, token = value.partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
-def _log_request(rid: str, scope, status: int, latency: float) -> None:
-    fields = {
+def _log_request(rid: str, scope: Scope, status: int, latency: float) -> None:
+    fields: dict[str, Any] = {
         "request_id": rid,
         "method": scope["method"],
         "path": scope["path"],

@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -19,8 +20,17 @@ from .errors import ApiError, job_error
 from .scheduler import ErrorEvent, Job, QueueFull, RoundEvent, ShuttingDown
 from .schemas import stop_tuple
 
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
-def generation_config(server, body, max_tokens: int, temperature: float) -> GenerationConfig:
+    from ..decoding.batch import BatchRow
+    from .context import Server
+    from .schemas import RequestBody
+
+T = TypeVar("T")
+
+
+def generation_config(server: Server, body: RequestBody, max_tokens: int, temperature: float) -> GenerationConfig:
     """The decoder's config for a request; nulls mean the defaults."""
     eos = server.decoder.default_stop_ids()
     return GenerationConfig(
@@ -40,13 +50,13 @@ def generation_config(server, body, max_tokens: int, temperature: float) -> Gene
     )
 
 
-def _or(value, default):
+def _or(value: T | None, default: T) -> T:
     return default if value is None else value
 
 
 async def start_job(
     request: Request,
-    server,
+    server: Server,
     make_prompt: Callable[[], list[int]],
     make_config: Callable[[int], GenerationConfig],
     prompt_param: str,
@@ -57,7 +67,7 @@ async def start_job(
     only the orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
     orch = server.orchestrator
 
-    def prepare():
+    def prepare() -> BatchRow:
         ids = make_prompt()
         return server.batch.new_row(ids, make_config(len(ids)))
 
@@ -113,27 +123,32 @@ async def _cancel_on_disconnect(request: Request, job: Job) -> None:
 class JobStream(StreamingResponse):
     """A streaming response that cancels its job however the response ends (disconnect included)."""
 
-    def __init__(self, content, job: Job):
+    def __init__(self, content: AsyncIterator[str], job: Job):
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.job = job
 
-    async def __call__(self, scope, receive, send):
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.job.cancel()
 
 
-def _sse(data) -> str:
+def _sse(data: str | dict[str, Any]) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-def stream(job: Job, on_round, on_error, done_marker: bool) -> JobStream:
+def stream(
+    job: Job,
+    on_round: Callable[[RoundEvent], Iterable[dict[str, Any]]],
+    on_error: Callable[[ApiError], dict[str, Any]],
+    done_marker: bool,
+) -> JobStream:
     """SSE: on_round(RoundEvent) gives the chunks of a round (the last round carries the result)."""
 
-    async def events():
+    async def events() -> AsyncIterator[str]:
         while True:
             event = await job.events.get()
             if isinstance(event, ErrorEvent):
@@ -149,7 +164,7 @@ def stream(job: Job, on_round, on_error, done_marker: bool) -> JobStream:
     return JobStream(events(), job)
 
 
-def usage(result) -> dict:
+def usage(result: GenerationResult) -> dict[str, int]:
     s = result.stats
     return {
         "prompt_tokens": s.prompt_tokens,
@@ -158,7 +173,7 @@ def usage(result) -> dict:
     }
 
 
-def spec(job: Job) -> dict:
+def spec(job: Job) -> dict[str, Any]:
     d = job.row.stats.to_dict()
     d["drafter_fallback"] = job.row.drafter_error is not None
     return d

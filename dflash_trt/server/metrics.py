@@ -9,7 +9,7 @@ STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
 
 
 class ServerMetrics:
-    def __init__(self):
+    def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "dflash_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r

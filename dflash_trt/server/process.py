@@ -44,8 +44,8 @@ def listening_port(log_text: str) -> int | None:
 
 
 def start_serve(
-    serve_args: list[str], log_path: Path, timeout_s: float = 120.0, env: dict | None = None
-) -> tuple[subprocess.Popen, str]:
+    serve_args: list[str], log_path: Path, timeout_s: float = 120.0, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
     """Run `dflash-trt serve --host 127.0.0.1 --port 0 *serve_args`; return (process, base url) once
     GET /health answers 200. Output goes to log_path. Raises ServerFailed (the child is killed)."""
     import httpx

@@ -102,12 +102,12 @@ ERRORS = {
 }
 
 
-def errors(*codes: int) -> dict:
+def errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     """OpenAPI `responses` entries for these error statuses, all with the OpenAI error body."""
     return {code: {"model": ErrorBody, "description": ERRORS[code]} for code in codes}
 
 
-def streamed(model: type[BaseModel], description: str, *codes: int) -> dict:
+def streamed(model: type[BaseModel], description: str, *codes: int) -> dict[int | str, dict[str, Any]]:
     """200 as JSON, or (stream: true) as server-sent events, plus the error statuses."""
     return {
         200: {"model": model, "description": description, "content": {"text/event-stream": {"schema": SSE_EVENT}}},

@@ -20,12 +20,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..decoding import GenerationResult, Round
 from ..decoding.batch import BatchDecoder, BatchRow, StepProfile
 from ..decoding.detokenizer import held_back
 from ..runtime.cpu_threads import release_openmp_workers
+
+if TYPE_CHECKING:
+    from .metrics import ServerMetrics
 
 log = logging.getLogger("dflash_trt.server")
 
@@ -57,7 +60,7 @@ class Job:
     row: BatchRow  # validated by BatchDecoder.new_row in the request thread; the worker joins it to the batch
     loop: asyncio.AbstractEventLoop
     deadline: float  # time.monotonic() after which the request is abandoned
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    events: asyncio.Queue[RoundEvent | ErrorEvent] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     last_event: float | None = None
     emitted_text: str = ""
@@ -81,7 +84,7 @@ class Job:
 class Orchestrator:
     """decoder: the BatchDecoder that only the worker thread steps; max_active: the most rows in one step."""
 
-    def __init__(self, decoder: BatchDecoder | None, metrics, max_active: int = 8, max_queue: int = 64):
+    def __init__(self, decoder: BatchDecoder | None, metrics: ServerMetrics, max_active: int = 8, max_queue: int = 64):
         self.decoder, self.metrics = decoder, metrics
         self.max_active, self.max_queue = max_active, max_queue
         self._cv = threading.Condition()
@@ -222,9 +225,9 @@ class Orchestrator:
                 self.metrics.cost_correction.labels(engine).set(k)
         by_row = {id(j.row): j for j in live}
         for row, rnd in rounds:
-            job = by_row.get(id(row))
-            if job is not None:
-                self._deliver(job, rnd)
+            found = by_row.get(id(row))
+            if found is not None:
+                self._deliver(found, rnd)
         for job in live:  # left without a round: its drafter failed and it had no fallback
             if not job.finished and job.row.finish_reason == "error":
                 log.error("request %s: drafter failure: %r", job.id, job.row.error)

@@ -15,7 +15,7 @@ a file path: a request can only carry text, token ids and numbers.
 
 import json
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 from pydantic import (
     AfterValidator,
@@ -24,10 +24,14 @@ from pydantic import (
     ConfigDict,
     Field,
     StrictStr,
+    ValidationInfo,
     WithJsonSchema,
     field_validator,
     model_validator,
 )
+
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
 
 MAX_SEED = 2**53 - 1  # JSON numbers are doubles to many clients and validators: exact up to 2**53
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
@@ -46,7 +50,7 @@ class Limits:
     model_name: str
 
     @classmethod
-    def from_decoder(cls, decoder, model_name: str) -> "Limits":
+    def from_decoder(cls, decoder: "SpeculativeDecoder", model_name: str) -> "Limits":
         drafter = decoder.drafter
         return cls(
             max_context=decoder.target.max_context,
@@ -76,25 +80,35 @@ Temperature = Annotated[float, Field(ge=0.0, le=100.0, description="0 is greedy;
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 
 
-def _whole(v):
+def _whole(v: Any) -> Any:  # raw JSON input, before validation
     """JSON Schema's integer includes 4.0; strict pydantic's does not. Booleans and strings stay refused."""
     return int(v) if type(v) is float and v.is_integer() else v
 
 
-def Int(**bounds):
+def Int(**bounds: Any) -> Any:  # an Annotated[int, ...] type, made at run time
     """An integer with bounds (ge, le, description): the bounds go on the integer itself, so that the
     JSON schema says minimum / maximum (on the wrapper pydantic would write them as unknown keys)."""
     return Annotated[int, Field(**bounds), BeforeValidator(_whole)]
 
 
-TopK = Int(ge=0, le=1_000_000, description="0: off")
-Seed = Int(ge=0, le=MAX_SEED)
+# Type checkers see the bounded integers as plain int: their bounds (some of them the loaded engines') are
+# pydantic metadata made at run time, here and in request_models.
+if TYPE_CHECKING:
+    TopK = int
+    Seed = int
+    TokenId = int
+    MaxTokens = int
+    MinTokens = int
+    BlockSize = int
+else:
+    TopK = Int(ge=0, le=1_000_000, description="0: off")
+    Seed = Int(ge=0, le=MAX_SEED)
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
 
 
 # OpenAI fields this server cannot honour exactly: the values that leave the output unchanged, and why
 # others are refused (a 400 naming the field; never silently ignored).
-UNSUPPORTED = {
+UNSUPPORTED: dict[str | tuple[str, str], tuple[tuple[object, ...], str]] = {
     "n": ((None, 1), "must be 1: one choice per request"),
     "best_of": ((None, 1), "must be 1: one choice per request"),
     "echo": ((None, False), "not supported"),
@@ -123,10 +137,52 @@ def token_id_pattern(largest: int) -> str:
     return "^(" + "|".join(dict.fromkeys(parts)) + ")$"
 
 
-def stop_tuple(stop) -> tuple[str, ...]:
+def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     if stop is None:
         return ()
     return (stop,) if isinstance(stop, str) else tuple(stop)
+
+
+# The request models are classes made per app (request_models); type checkers see them as these protocols.
+class RequestBody(Protocol):
+    """The fields every request body has that generation_config reads."""
+
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    stop: str | list[str] | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
+    logit_bias: dict[str, float] | None
+    min_tokens: int | None
+    ignore_eos: bool | None
+    block_size: int | None
+
+
+class GenerateBody(RequestBody, Protocol):
+    prompt: str | None
+    input_ids: list[int]  # absent (None) exactly when prompt is given, as GenerateRequest declares it
+    max_tokens: int
+    temperature: float
+    stream: bool
+
+
+class OpenAIBody(RequestBody, Protocol):
+    model: str | None
+    temperature: float | None
+    stream: bool | None
+    stream_options: "StreamOptions | None"
+
+
+class CompletionBody(OpenAIBody, Protocol):
+    prompt: str | list[int]  # a list of one text is its text (CompletionRequest._one_text)
+    max_tokens: int | None
+
+
+class ChatBody(OpenAIBody, Protocol):
+    messages: "list[ChatMessage]"
+    max_tokens: int | None
+    max_completion_tokens: int | None
 
 
 @dataclass
@@ -139,13 +195,16 @@ class RequestModels:
 def request_models(limits: Limits) -> RequestModels:
     """The three request bodies, bounded by what the loaded engines accept."""
     ctx = limits.max_context
-    TokenId = Int(ge=0, le=limits.vocab_size - 1)
+    if not TYPE_CHECKING:
+        TokenId = Int(ge=0, le=limits.vocab_size - 1)
+        MaxTokens = Int(
+            ge=1,
+            le=max(1, ctx - 1),
+            description=(f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"),
+        )
+        MinTokens = Int(ge=0, le=ctx)
+        BlockSize = Int(ge=1, le=limits.max_block_size)
     TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=ctx)]
-    MaxTokens = Int(
-        ge=1,
-        le=max(1, ctx - 1),
-        description=(f"new tokens at most; the prompt plus this must fit the context ({ctx} tokens)"),
-    )
     bias_schema = {
         "type": "object",
         "additionalProperties": False,
@@ -169,11 +228,11 @@ def request_models(limits: Limits) -> RequestModels:
         logit_bias: LogitBias | None = Field(
             None, description="token id (as a string) -> bias added to its logit, -100..100"
         )
-        min_tokens: Int(ge=0, le=ctx) | None = Field(
+        min_tokens: MinTokens | None = Field(
             None, description="end-of-text cannot be generated before this many tokens (vLLM's)"
         )
         ignore_eos: bool | None = Field(None, description="do not stop at end-of-text (vLLM's)")
-        block_size: Int(ge=1, le=limits.max_block_size) | None = Field(
+        block_size: BlockSize | None = Field(
             None,
             description=(
                 f"tokens per verified round, 1..the drafter's trained block size ({limits.max_block_size}); 1 = the "
@@ -184,7 +243,7 @@ def request_models(limits: Limits) -> RequestModels:
 
         @field_validator("logit_bias")
         @classmethod
-        def _in_vocabulary(cls, v):
+        def _in_vocabulary(cls, v: dict[str, float] | None) -> dict[str, float] | None:
             bad = [k for k in (v or {}) if int(k) >= limits.vocab_size]
             if bad:
                 raise ValueError(f"token ids out of vocabulary (size {limits.vocab_size}): {bad[:5]}")
@@ -201,8 +260,9 @@ def request_models(limits: Limits) -> RequestModels:
             json_schema_extra={"oneOf": [{"required": ["prompt"]}, {"required": ["input_ids"]}]},
         )
 
-        prompt: NonEmptyText = None  # not Optional: absent, never null (exactly one of the two is sent)
-        input_ids: TokenIds = None
+        # not Optional: absent, never null (exactly one of the two is sent); hence a None default typed str / list
+        prompt: NonEmptyText = None  # type: ignore[assignment]
+        input_ids: TokenIds = None  # type: ignore[assignment]
         max_tokens: MaxTokens = GENERATE_DEFAULT_MAX_TOKENS
         temperature: Temperature = 0.0
         top_p: TopP = 1.0
@@ -212,7 +272,7 @@ def request_models(limits: Limits) -> RequestModels:
         stream: bool = False
 
         @model_validator(mode="after")
-        def _one_prompt(self):
+        def _one_prompt(self) -> "GenerateRequest":
             if (self.prompt is None) == (self.input_ids is None):
                 raise ValueError("give exactly one of 'prompt' (text) or 'input_ids' (token ids)")
             return self
@@ -241,8 +301,9 @@ def request_models(limits: Limits) -> RequestModels:
 
         @field_validator(*(k for k in UNSUPPORTED if isinstance(k, str)), mode="before", check_fields=False)
         @classmethod
-        def _supported(cls, v, info):
-            allowed, why = UNSUPPORTED.get((cls.__name__, info.field_name)) or UNSUPPORTED[info.field_name]
+        def _supported(cls, v: Any, info: ValidationInfo) -> Any:
+            name = str(info.field_name)  # always set for a field validator
+            allowed, why = UNSUPPORTED.get((cls.__name__, name)) or UNSUPPORTED[name]
             v = _whole(v)
             if not any(type(v) is type(a) and v == a for a in allowed):
                 raise ValueError(f"{why} (send {' or '.join(json.dumps(a) for a in allowed)})")
@@ -264,7 +325,7 @@ def request_models(limits: Limits) -> RequestModels:
 
         @field_validator("prompt")
         @classmethod
-        def _one_text(cls, v):
+        def _one_text(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
             return v[0] if isinstance(v, list) and v and isinstance(v[0], str) else v
 
     class ChatCompletionRequest(OpenAIFields):
@@ -319,14 +380,14 @@ class ChatMessage(BaseModel):
 
     @field_validator("content")
     @classmethod
-    def _join_parts(cls, v):
+    def _join_parts(cls, v: str | list["TextPart"] | None) -> str | None:
         """OpenAI content may be a list of parts; only text parts are supported."""
         return "".join(p.text for p in v) if isinstance(v, list) else v
 
 
 def error_body(
     message: str, type_: str = "invalid_request_error", param: str | None = None, code: str | None = None
-) -> dict:
+) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 

@@ -6,6 +6,15 @@ import json
 import logging
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import asyncio
+    import socket
+    from types import FrameType
+
+    import uvicorn
+    from fastapi import FastAPI
 
 LISTENING_EVENT = "listening"  # stderr: {"event": "listening", "host": ..., "port": N} once connections are accepted
 
@@ -19,10 +28,13 @@ def setup_logging() -> None:
     logger.propagate = False
 
 
-def _http_protocol():
+def _http_protocol() -> type[asyncio.Protocol]:
     """uvicorn's HTTP protocol (httptools if installed, else h11), whose answer to a request it cannot
     parse (a negative Content-Length, a broken request line) is our JSON error body, not plain text."""
-    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+    if TYPE_CHECKING:  # uvicorn picks one of the two at import time; both have the same interface
+        from uvicorn.protocols.http.h11_impl import H11Protocol as AutoHTTPProtocol
+    else:
+        from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     from .schemas import error_body
 
@@ -39,34 +51,35 @@ def _http_protocol():
     return JsonErrorProtocol
 
 
-def serve_app(app, host: str, port: int) -> None:
+def serve_app(app: FastAPI, host: str, port: int) -> None:
     """Run uvicorn; the first SIGTERM/SIGINT drains (new requests 503), a second one exits at once."""
     server, sock = make_server(app, host, port)
     server.run(sockets=[sock])
 
 
-def make_server(app, host: str, port: int):
+def make_server(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, socket.socket]:
     """(uvicorn server, its bound socket): `server.run(sockets=[sock])` serves until told to stop."""
     import uvicorn
 
     class DrainingServer(uvicorn.Server):
         draining = False
 
-        async def startup(self, sockets=None):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:  # the app started and the socket listens: a client may connect now
+                assert sockets is not None  # serve_app runs it with its socket
                 logging.getLogger("dflash_trt.server").info(
                     json.dumps({"event": LISTENING_EVENT, "host": host, "port": sockets[0].getsockname()[1]})
                 )
 
-        def handle_exit(self, sig, frame):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             if self.draining:  # second signal: stop now
                 self.force_exit = True
                 return super().handle_exit(sig, frame)
             self.draining = True
             threading.Thread(target=self._drain, name="dflash-drain", daemon=True).start()
 
-        def _drain(self):
+        def _drain(self) -> None:
             server = app.state.server
             orch, limit = server.orchestrator, server.settings.drain_timeout_s
             log = logging.getLogger("dflash_trt.server")

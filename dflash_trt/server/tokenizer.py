@@ -9,6 +9,10 @@ from __future__ import annotations
 
 import copy
 import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..decoding import SpeculativeDecoder
 
 SERIALIZED = ("encode", "decode", "batch_decode", "apply_chat_template", "convert_ids_to_tokens", "__call__")
 
@@ -16,29 +20,29 @@ SERIALIZED = ("encode", "decode", "batch_decode", "apply_chat_template", "conver
 class SerializedTokenizer:
     """Wraps a tokenizer: the methods in SERIALIZED run one at a time; every other attribute passes through."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: Any):  # a Hugging Face tokenizer
         self._tokenizer, self._lock = tokenizer, threading.Lock()
 
-    def __getattr__(self, name):
+    def __getattr__(self, name: str) -> Any:
         value = getattr(self._tokenizer, name)
         if name not in SERIALIZED:
             return value
 
-        def serialized(*args, **kwargs):
+        def serialized(*args: Any, **kwargs: Any) -> Any:
             with self._lock:
                 return value(*args, **kwargs)
 
         return serialized
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             return self._tokenizer(*args, **kwargs)
 
-    def __len__(self):
+    def __len__(self) -> int:
         return len(self._tokenizer)
 
 
-def with_serialized_tokenizer(decoder):
+def with_serialized_tokenizer(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
     """A shallow copy of `decoder` (same engines) whose tokenizer is a SerializedTokenizer."""
     if decoder.tokenizer is None or isinstance(decoder.tokenizer, SerializedTokenizer):
         return decoder

@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import Any
 
 import torch
+
+# `step_fn(step)` returns (loss tensor, tokens in the step, progress-bar postfix)
+StepFn = Callable[[int], tuple[torch.Tensor, int, dict[str, Any]]]
+# `on_every(step, running_loss, seconds, last)`
+OnEvery = Callable[[int, float, float, bool], None]
 
 
 def cosine_with_warmup(step: int, total: int, warmup: int, floor: float = 0.1) -> float:
@@ -17,10 +25,12 @@ def cosine_with_warmup(step: int, total: int, warmup: int, floor: float = 0.1) -
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(params, lr: float, total_steps: int, warmup_ratio: float, weight_decay: float = 0.01):
-    params = [p for p in params if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]  # norms are not decayed
+def make_optimizer(
+    params: Iterable[torch.nn.Parameter], lr: float, total_steps: int, warmup_ratio: float, weight_decay: float = 0.01
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    trainable = [p for p in params if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]  # norms are not decayed
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=lr,
@@ -31,7 +41,13 @@ def make_optimizer(params, lr: float, total_steps: int, warmup_ratio: float, wei
     return opt, sched
 
 
-def save_state(path: Path, step: int, opt, sched, extra: dict | None = None) -> None:
+def save_state(
+    path: Path,
+    step: int,
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    extra: dict[str, Any] | None = None,
+) -> None:
     state = {
         "step": step,
         "optimizer": opt.state_dict(),
@@ -44,30 +60,30 @@ def save_state(path: Path, step: int, opt, sched, extra: dict | None = None) -> 
     tmp.replace(path)  # never leave a half-written state behind
 
 
-def load_state(path: Path, opt, sched) -> dict:
-    state = torch.load(path, weights_only=False)
+def load_state(path: Path, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
+    state: dict[str, Any] = torch.load(path, weights_only=False)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state
 
 
-def autocast(enabled: bool):
+def autocast(enabled: bool) -> AbstractContextManager[Any]:
     """bf16 autocast on CPU: much faster training on CPUs with bfloat16 matrix instructions (AMX / AVX512-BF16)."""
     return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
 
 
 def run_steps(
-    params,
-    opt,
-    sched,
-    step_fn,
+    params: Iterable[torch.nn.Parameter],
+    opt: torch.optim.Optimizer,
+    sched: torch.optim.lr_scheduler.LRScheduler,
+    step_fn: StepFn,
     *,
     start: int,
     total: int,
     clip: float,
     every: int,
-    on_every,
+    on_every: OnEvery,
     time_budget_s: float | None = None,
     desc: str = "train",
 ) -> int:
@@ -77,13 +93,15 @@ def run_steps(
     when `time_budget_s` has passed (cleanly, at a step boundary). Returns the last step done."""
     from tqdm import tqdm
 
-    params = [p for p in params if p.requires_grad]
-    t0, tokens_done, running, step = time.perf_counter(), 0, None, start
+    trainable = [p for p in params if p.requires_grad]
+    t0, tokens_done, step = time.perf_counter(), 0, start
+    running: float | None = None
     bar = tqdm(range(start, total), desc=desc, unit="step", initial=start, total=total)
-    for step in bar:
+    for step in bar:  # tqdm is untyped: its items are the ints of the range
+        step = int(step)
         loss, tokens, postfix = step_fn(step)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, clip)
+        torch.autograd.backward(loss)  # = loss.backward(), which torch leaves unannotated
+        torch.nn.utils.clip_grad_norm_(trainable, clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)

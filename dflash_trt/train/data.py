@@ -7,9 +7,13 @@ import hashlib
 import sysconfig
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -19,7 +23,7 @@ def stdlib_files(split: str = "train", held_out_every: int = 10) -> list[Path]:
     """Python files of the running interpreter's standard library, split by a stable hash of the
     relative path: 1 in `held_out_every` files is held out (never trained on)."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
+    files: list[Path] = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
         if "site-packages" in rel:
@@ -52,7 +56,7 @@ def text_files(data: str | Path) -> list[Path]:
     raise FileNotFoundError(f"training data not found: {data} (a file, a folder, or 'stdlib')")
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path):
+def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path) -> PreTrainedTokenizerFast:
     """Byte-level BPE (the `tokenizers` library) with an end-of-text and a mask token."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -67,7 +71,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path):
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer)
-    fast = PreTrainedTokenizerFast(
+    # transformers 5 leaves the fast tokenizer's __init__ unannotated
+    fast = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=tok, eos_token=EOS_TOKEN, mask_token=MASK_TOKEN, pad_token=EOS_TOKEN, model_max_length=2048
     )
     from ..models.target import save_portable
@@ -76,13 +81,13 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path):
     return fast
 
 
-def tokenize_corpus(tokenizer, texts: Iterable[str]) -> np.ndarray:
+def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) -> np.ndarray:
     """All documents, each followed by end-of-text, as one flat token array."""
     eos = tokenizer.eos_token_id
-    texts = list(texts)
+    docs = list(texts)
     ids: list[int] = []
-    for batch_start in range(0, len(texts), 256):
-        for enc in tokenizer(texts[batch_start : batch_start + 256], add_special_tokens=False)["input_ids"]:
+    for batch_start in range(0, len(docs), 256):
+        for enc in tokenizer(docs[batch_start : batch_start + 256], add_special_tokens=False)["input_ids"]:
             ids.extend(enc)
             ids.append(eos)
     dtype = np.uint16 if len(tokenizer) < 65536 else np.int32

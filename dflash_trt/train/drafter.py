@@ -22,8 +22,10 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, cast
 
 import numpy as np
 import torch
@@ -36,8 +38,15 @@ from ..models.drafter import DFlashDrafter
 from .common import autocast, load_state, make_optimizer, run_steps, save_state
 from .regen import SequenceSet
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from ..models.target import CausalLM
+
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}  # the paper's choices per block size
 STATE_FILE = "trainer_state.pt"
+# The `type: ignore[no-untyped-call]`s below: transformers leaves get_decoder, get_output_embeddings and a
+# PreTrainedModel's eval unannotated.
 
 
 def default_gamma(block_size: int) -> float:
@@ -103,7 +112,7 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 
 def build_blocks(
     tokens: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int, length: int | None = None
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Block ids [m*B], positions [m*B], labels [m, B-1] and label validity [m, B-1] (label inside the
     first `length` tokens) for one sequence."""
     length = tokens.shape[0] if length is None else length
@@ -139,7 +148,7 @@ def pad_batch(seqs: list[np.ndarray], prompt_lens: list[int]) -> Batch:
 # ---------------------------------------------------------------------------------------
 # Model set-up
 # ---------------------------------------------------------------------------------------
-def new_drafter_for(target, cfg: DrafterTrainConfig, mask_token_id: int) -> DFlashDrafter:
+def new_drafter_for(target: CausalLM, cfg: DrafterTrainConfig, mask_token_id: int) -> DFlashDrafter:
     tc = target.config.get_text_config()
     n_target = tc.num_hidden_layers
     layer_ids = list(cfg.target_layer_ids or build_target_layer_ids(n_target, cfg.num_layers))
@@ -169,7 +178,9 @@ def new_drafter_for(target, cfg: DrafterTrainConfig, mask_token_id: int) -> DFla
     return drafter
 
 
-def _init_layers_from_target(drafter: DFlashDrafter, target, layer_ids: list[int], norm_scale: float = 1.0) -> None:
+def _init_layers_from_target(
+    drafter: DFlashDrafter, target: CausalLM, layer_ids: list[int], norm_scale: float = 1.0
+) -> None:
     """Copy the target layers just after the feature taps into the drafter: a warm start with
     the same shapes (a heuristic of ours; the paper does not say how drafters are initialised)."""
     layers = target.model.layers
@@ -181,7 +192,7 @@ def _init_layers_from_target(drafter: DFlashDrafter, target, layer_ids: list[int
         d_layer.load_state_dict(shared, strict=False)
     # the drafter's last hidden goes through the target's lm_head as the target's final hidden does:
     # start from the target's final norm, scaled by `norm_scale` (< 1 tempers the first steps' logits)
-    final_norm = getattr(target.get_decoder(), "norm", None)
+    final_norm = getattr(target.get_decoder(), "norm", None)  # type: ignore[no-untyped-call]
     if final_norm is not None and final_norm.weight.shape == drafter.norm.weight.shape:
         drafter.norm.weight.data.copy_(final_norm.weight.data * norm_scale)
 
@@ -194,19 +205,21 @@ class _Deep(Exception):
 
 
 @torch.no_grad()
-def target_hidden(target, tokens: torch.Tensor, layer_ids, teacher: bool = False):
+def target_hidden(
+    target: CausalLM, tokens: torch.Tensor, layer_ids: Sequence[int], teacher: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Features [b, S, len(ids)*H] (outputs of decoder layers `layer_ids`, = `hidden_states[i + 1]`) and,
     with `teacher`, the final normed hidden [b, S, H] whose lm_head product is the target's logits.
     Without a teacher the target stops after its deepest feature layer; the lm_head never runs."""
-    decoder = target.get_decoder()
+    decoder = target.get_decoder()  # type: ignore[no-untyped-call]
     layers = decoder.layers
     last = len(layers) - 1
     outs: dict[int, torch.Tensor] = {}
     deepest = max(layer_ids)
     stop_early = not teacher and deepest < last
 
-    def hook(idx):
-        def fn(module, args, output):
+    def hook(idx: int) -> Callable[[torch.nn.Module, Any, Any], None]:
+        def fn(module: torch.nn.Module, args: Any, output: Any) -> None:
             outs[idx] = output[0] if isinstance(output, tuple) else output
             if stop_early and idx == deepest:
                 raise _Deep
@@ -227,13 +240,34 @@ def target_hidden(target, tokens: torch.Tensor, layer_ids, teacher: bool = False
     return feats, (final.float() if teacher else None)
 
 
+class CacheMeta(TypedDict):
+    """A feature cache's `meta.json`: what it holds, and how many sequences are done."""
+
+    layer_ids: list[int]
+    feature_size: int
+    hidden_size: int
+    teacher: bool
+    sequences: int
+    tokens: int
+    ids_hash: str
+    done: int
+
+
 class FeatureCache:
     """The target's features (and teacher hidden) of every token of a SequenceSet, fp16 in memory-mapped
     files, aligned with the set's flat token array. Built once (resumably); `meta.json` says what it holds."""
 
-    def __init__(self, folder: Path, data: SequenceSet, layer_ids, feature_size: int, hidden_size: int, teacher: bool):
+    def __init__(
+        self,
+        folder: Path,
+        data: SequenceSet,
+        layer_ids: Sequence[int],
+        feature_size: int,
+        hidden_size: int,
+        teacher: bool,
+    ):
         self.folder, self.data = folder, data
-        self.meta = {
+        self.meta: CacheMeta = {
             "layer_ids": list(layer_ids),
             "feature_size": feature_size,
             "hidden_size": hidden_size,
@@ -246,13 +280,13 @@ class FeatureCache:
         self.features: np.memmap | None = None
         self.teacher: np.memmap | None = None
 
-    def _files(self):
+    def _files(self) -> tuple[Path, Path, Path]:
         return self.folder / "features.f16", self.folder / "teacher.f16", self.folder / "meta.json"
 
-    def open_or_build(self, target, batch_tokens: int = 8192) -> FeatureCache:
+    def open_or_build(self, target: CausalLM, batch_tokens: int = 8192) -> FeatureCache:
         feat_file, teacher_file, meta_file = self._files()
         want = {k: v for k, v in self.meta.items() if k != "done"}
-        mode = "r+"
+        mode: Literal["r+", "w+"] = "r+"
         if meta_file.is_file():
             have = json.loads(meta_file.read_text())
             if {k: v for k, v in have.items() if k != "done"} == want:
@@ -294,7 +328,7 @@ class FeatureCache:
         if need > free * 0.9:
             raise OSError(f"needs {need / 1e9:.1f} GB, {free / 1e9:.1f} GB free in {self.folder}")
 
-    def _extends(self, have: dict) -> bool:
+    def _extends(self, have: dict[str, Any]) -> bool:
         """The cache on disk holds the first sequences of this set (same layers): regenerating appends shards."""
         n = int(have.get("sequences", 0))
         same_kind = all(have.get(k) == self.meta[k] for k in ("layer_ids", "feature_size", "hidden_size", "teacher"))
@@ -305,13 +339,14 @@ class FeatureCache:
             and have.get("ids_hash") == hash_ids(self.data.ids[:n])
         )
 
-    def _build(self, target, batch_tokens: int) -> None:
+    def _build(self, target: CausalLM, batch_tokens: int) -> None:
         n, done = len(self.data), self.meta["done"]
         if done >= n:
             return
         lengths = self.data.lengths
         t0, tokens_done = time.perf_counter(), 0
         bar = tqdm(total=n, initial=done, desc="target features", unit="seq")
+        assert self.features is not None  # open_or_build maps the files first
         i = done
         while i < n:
             j = i + 1  # as many sequences as fit in `batch_tokens` (padded)
@@ -323,7 +358,7 @@ class FeatureCache:
             for r, k in enumerate(range(i, j)):
                 a, b = self.data.offsets[k], self.data.offsets[k + 1]
                 self.features[a:b] = feats[r, : b - a].numpy().astype(np.float16)
-                if final is not None:
+                if final is not None and self.teacher is not None:
                     self.teacher[a:b] = final[r, : b - a].numpy().astype(np.float16)
             tokens_done += int(batch.lengths.sum())
             i = j
@@ -343,6 +378,7 @@ class FeatureCache:
 
     def get(self, k: int) -> tuple[np.ndarray, np.ndarray | None]:
         a, b = self.data.offsets[k], self.data.offsets[k + 1]
+        assert self.features is not None  # open_or_build maps the files first
         return self.features[a:b], (self.teacher[a:b] if self.teacher is not None else None)
 
 
@@ -355,7 +391,16 @@ def hash_ids(ids: np.ndarray) -> str:
 # ---------------------------------------------------------------------------------------
 # Loss
 # ---------------------------------------------------------------------------------------
-def _rows_loss(hidden, labels, weights, teacher, lm_head, drafter, kd_weight: float, temperature: float):
+def _rows_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher: torch.Tensor | None,
+    lm_head: torch.Tensor,
+    drafter: DFlashDrafter,
+    kd_weight: float,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Weighted loss sum and correctness of a chunk of rows; logits exist only inside this chunk."""
     logits = drafter.logits(hidden, lm_head).float()
     loss = F.cross_entropy(logits, labels, reduction="none")
@@ -367,10 +412,19 @@ def _rows_loss(hidden, labels, weights, teacher, lm_head, drafter, kd_weight: fl
     return (loss * weights).sum(), (logits.detach().argmax(-1) == labels)
 
 
-def chunked_loss(hidden, labels, weights, teacher, lm_head, drafter, cfg: DrafterTrainConfig):
+def chunked_loss(
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    teacher: torch.Tensor | None,
+    lm_head: torch.Tensor,
+    drafter: DFlashDrafter,
+    cfg: DrafterTrainConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sum over rows of the weighted loss, in chunks of `cfg.loss_chunk_rows` whose logits are recomputed
     in backward (activation checkpointing): memory O(chunk x vocab), not O(rows x vocab)."""
-    total, correct = hidden.new_zeros((), dtype=torch.float32), []
+    total = hidden.new_zeros((), dtype=torch.float32)
+    correct: list[torch.Tensor] = []
     for i in range(0, hidden.shape[0], cfg.loss_chunk_rows):
         sl = slice(i, i + cfg.loss_chunk_rows)
         t = teacher[sl] if teacher is not None else None
@@ -385,8 +439,8 @@ def chunked_loss(hidden, labels, weights, teacher, lm_head, drafter, cfg: Drafte
 
 
 def drafter_loss(
-    drafter,
-    target,
+    drafter: DFlashDrafter,
+    target: CausalLM,
     tokens: torch.Tensor,
     cfg: DrafterTrainConfig,
     generator: torch.Generator,
@@ -394,7 +448,7 @@ def drafter_loss(
     lengths: torch.Tensor | None = None,
     prompt_lens: torch.Tensor | None = None,
     teacher: torch.Tensor | None = None,
-):
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and top-1 accuracy per block position for right-padded sequences [b, S] (`lengths`, default
     all S; anchors from `prompt_lens` on, default 1). `features` / `teacher`: the target's, when cached
     (else the target runs here, as deep as needed)."""
@@ -405,13 +459,17 @@ def drafter_loss(
     want_teacher = cfg.kd_weight > 0
     if features is None or (want_teacher and teacher is None):
         features, teacher = target_hidden(target, tokens, drafter.spec.target_layer_ids, teacher=want_teacher)
-    embed = target.get_input_embeddings().weight
-    lm_head = target.get_output_embeddings().weight
+    embed = cast(torch.Tensor, target.get_input_embeddings().weight)
+    lm_head: torch.Tensor = target.get_output_embeddings().weight  # type: ignore[no-untyped-call]
     per_seq = [
         sample_anchors(int(lengths[i]), B, cfg.anchors_per_seq, generator, start=int(prompt_lens[i])) for i in range(b)
     ]
     m = max(1, max(len(a) for a in per_seq))
-    ids, positions, labels, valid, anchors = [], [], [], [], []
+    id_rows: list[torch.Tensor] = []
+    pos_rows: list[torch.Tensor] = []
+    label_rows: list[torch.Tensor] = []
+    valid_rows: list[torch.Tensor] = []
+    anchor_rows: list[torch.Tensor] = []
     for i, a in enumerate(per_seq):
         n_real = len(a)
         a = torch.cat([a, torch.ones(m - n_real, dtype=torch.long)])  # padding blocks carry no loss
@@ -419,13 +477,13 @@ def drafter_loss(
             tokens[i], a, B, drafter.spec.mask_token_id, int(lengths[i])
         )
         blk_valid[n_real:] = False
-        ids.append(blk_ids)
-        positions.append(blk_pos)
-        labels.append(blk_labels)
-        valid.append(blk_valid)
-        anchors.append(a)
-    ids, positions, labels = torch.stack(ids), torch.stack(positions), torch.stack(labels)
-    valid, anchors = torch.stack(valid), torch.stack(anchors)
+        id_rows.append(blk_ids)
+        pos_rows.append(blk_pos)
+        label_rows.append(blk_labels)
+        valid_rows.append(blk_valid)
+        anchor_rows.append(a)
+    ids, positions, labels = torch.stack(id_rows), torch.stack(pos_rows), torch.stack(label_rows)
+    valid, anchors = torch.stack(valid_rows), torch.stack(anchor_rows)
     with autocast(cfg.bf16):
         hidden = drafter.forward_packed(features, drafter.embed_block(ids, embed), positions, anchors)
     hidden = hidden.view(b, m, B, -1)[:, :, 1:]  # predictions for block positions 1..B-1
@@ -433,6 +491,7 @@ def drafter_loss(
     rows_teacher = None
     if want_teacher:
         # the target's distribution for the token at a+k comes from its logits at a+k-1
+        assert teacher is not None  # given, or computed above when wanted
         idx = (anchors[:, :, None] + torch.arange(B - 1)[None, None, :]).clamp(max=s - 1)
         rows_teacher = teacher[torch.arange(b)[:, None, None], idx][valid]
     with autocast(cfg.bf16):
@@ -462,7 +521,9 @@ def as_sequence_set(sequences: np.ndarray | SequenceSet, seq_len: int) -> Sequen
     )
 
 
-def open_feature_cache(folder: Path | None, data: SequenceSet, drafter, target, teacher: bool) -> FeatureCache | None:
+def open_feature_cache(
+    folder: Path | None, data: SequenceSet, drafter: DFlashDrafter, target: CausalLM, teacher: bool
+) -> FeatureCache | None:
     """The disk cache of the target's features, built if needed; None (with a loud message) when it cannot
     be written: then every step re-runs the target, several times slower."""
     if folder is None:
@@ -486,20 +547,20 @@ def open_feature_cache(folder: Path | None, data: SequenceSet, drafter, target, 
 
 def train_drafter(
     drafter: DFlashDrafter,
-    target,
+    target: CausalLM,
     sequences: np.ndarray | SequenceSet,
     out: Path,
     cfg: DrafterTrainConfig,
     resume: bool = False,
     feature_cache: Path | None | str = "default",
-) -> dict:
+) -> dict[str, Any]:
     """Train on regenerated sequences (SequenceSet) or fixed-length token rows [N, >= seq_len]; writes
     checkpoints (published format) into `out`. `feature_cache`: folder of the target-feature cache
     (default `out/feature-cache`; None: no cache, the target runs every step)."""
     out.mkdir(parents=True, exist_ok=True)
     for p in target.parameters():
         p.requires_grad_(False)
-    target.eval()
+    target.eval()  # type: ignore[no-untyped-call]
     data = as_sequence_set(sequences, cfg.seq_len)
     opt, sched = make_optimizer(drafter.parameters(), cfg.lr, cfg.steps, cfg.warmup_ratio)
     start_step, history = 0, []
@@ -514,7 +575,7 @@ def train_drafter(
     t_start = time.perf_counter()
     last_acc = [torch.zeros(cfg.block_size - 1)]
 
-    def step_fn(step: int):
+    def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, Any]]:
         rows = torch.randint(0, len(data), (cfg.batch_size,), generator=gen).tolist()
         seqs = [data.sequence(k)[: cfg.seq_len] for k in rows]
         batch = pad_batch(seqs, [int(data.prompt_lens[k]) for k in rows])
@@ -527,7 +588,7 @@ def train_drafter(
                 f, t = cache.get(k)
                 n = len(seqs[r])
                 feats[r, :n] = torch.from_numpy(np.asarray(f[:n], dtype=np.float32))
-                if teacher is not None:
+                if teacher is not None and t is not None:  # both exactly when the cache holds a teacher
                     teacher[r, :n] = torch.from_numpy(np.asarray(t[:n], dtype=np.float32))
         loss, acc = drafter_loss(
             drafter,
@@ -592,8 +653,8 @@ def _save_checkpoint(drafter: DFlashDrafter, out: Path) -> None:
 
 
 def train_drafter_on_sequences(
-    target, data: SequenceSet, out: Path, feature_dir: Path, cfg: DrafterTrainConfig, train: bool = True
-) -> dict:
+    target: CausalLM, data: SequenceSet, out: Path, feature_dir: Path, cfg: DrafterTrainConfig, train: bool = True
+) -> dict[str, Any]:
     """The recipe script's entry: a new drafter (or the checkpoint in `out`, resumed), the feature cache
     in `feature_dir`, then training (or only the cache when `train` is False)."""
     mask = cfg.mask_token_id
@@ -621,7 +682,7 @@ def train_drafter_on_sequences(
 # ---------------------------------------------------------------------------------------
 @torch.no_grad()
 def regenerate(
-    target, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, batch: int = 32, seed: int = 0
+    target: CausalLM, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, batch: int = 32, seed: int = 0
 ) -> np.ndarray:
     """The target's own continuations of equal-length prompts: [N, prompt_len + new_tokens]."""
     torch.manual_seed(seed)
@@ -657,9 +718,9 @@ def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:
 
 def load_training_sequences(
     data: str | Path,
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase | None,
     seq_len: int,
-    regenerate_with=None,
+    regenerate_with: CausalLM | None = None,
     n_sequences: int = 512,
     prompt_len: int = 64,
     temperature: float = 0.0,
@@ -670,9 +731,12 @@ def load_training_sequences(
     from .data import read_texts, text_files, tokenize_corpus
 
     if str(data).endswith(".npy"):
-        return np.load(data)
+        rows: np.ndarray = np.load(data)
+        return rows
     if str(data).endswith(".npz") or (Path(data).is_dir() and any(Path(data).glob("shard-*.npz"))):
         return SequenceSet.load(Path(data))
+    if tokenizer is None:
+        raise ValueError(f"training on text ({data}) needs the target's tokenizer; the target folder has none")
     tokens = tokenize_corpus(tokenizer, read_texts(text_files(data)))
     if regenerate_with is None:
         return corpus_sequences(tokens, seq_len)
@@ -695,6 +759,8 @@ def regenerate_dataset(
 
     target = load_target(target_dir)
     tok = load_tokenizer(target_dir)
+    if tok is None:
+        raise ValueError(f"{target_dir} has no tokenizer")
     cached = out.parent / "train.npy"
     tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
     prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
@@ -707,7 +773,7 @@ def regenerate_dataset(
 
 def train_drafter_from_dirs(
     target_dir: Path, data: Path, out: Path, cfg: DrafterTrainConfig, resume: bool = False
-) -> dict:
+) -> dict[str, Any]:
     from ..models.target import load_target, load_tokenizer
 
     target = load_target(target_dir)

@@ -6,6 +6,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,11 +36,11 @@ class LMTrainReport:
     steps: int = 0
     tokens: int = 0
     seconds: float = 0.0
-    history: list[dict] = field(default_factory=list)  # step, train_loss, held_out_loss
+    history: list[dict[str, Any]] = field(default_factory=list)  # step, train_loss, held_out_loss
 
 
 @torch.no_grad()
-def held_out_loss(model, tokens: np.ndarray, cfg: LMTrainConfig) -> float:
+def held_out_loss(model: torch.nn.Module, tokens: np.ndarray, cfg: LMTrainConfig) -> float:
     model.eval()
     gen = torch.Generator().manual_seed(1234)  # the same windows every time
     losses = []
@@ -52,7 +53,11 @@ def held_out_loss(model, tokens: np.ndarray, cfg: LMTrainConfig) -> float:
 
 
 def train_lm(
-    model, train_tokens: np.ndarray, eval_tokens: np.ndarray, cfg: LMTrainConfig, log_path: Path | None = None
+    model: torch.nn.Module,
+    train_tokens: np.ndarray,
+    eval_tokens: np.ndarray,
+    cfg: LMTrainConfig,
+    log_path: Path | None = None,
 ) -> LMTrainReport:
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
@@ -61,10 +66,10 @@ def train_lm(
     model.train()
     start = time.perf_counter()
 
-    def step_fn(step: int):
+    def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, Any]]:
         x = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, gen)
         with autocast(cfg.bf16):
-            loss = model(input_ids=x, labels=x).loss
+            loss: torch.Tensor = model(input_ids=x, labels=x).loss
         report.steps, report.tokens = step + 1, report.tokens + x.numel()
         return loss, x.numel(), {}
 

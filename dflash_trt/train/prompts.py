@@ -16,9 +16,13 @@ import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..decoding.prompting import chat_prompt_ids
 from .data import stdlib_files
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -41,7 +45,7 @@ def _first_sentence(doc: str) -> str | None:
     return sentence[0].lower() + sentence[1:] if sentence[:2].isalpha() and not sentence[:2].isupper() else sentence
 
 
-def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef]:
+def _functions(tree: ast.AST) -> Iterator[ast.FunctionDef | ast.AsyncFunctionDef]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.name.startswith("__"):
             yield node
@@ -85,7 +89,7 @@ def build_prompt_set(split: str, seed: int = 0, per_file: int = 6, long_chars: i
 
     root = Path(sysconfig.get_paths()["stdlib"])
     rng = random.Random(seed)
-    prompts = []
+    prompts: list[Prompt] = []
     for path in stdlib_files(split):
         rel = path.relative_to(root).as_posix()
         if "/test" in rel or rel.startswith("test") or "idlelib/idle_test" in rel:
@@ -106,9 +110,10 @@ def load_prompts(path: Path) -> list[Prompt]:
     return [Prompt(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
 
 
-def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
     """Token ids the target sees: the chat template (with the generation prompt) for chat kinds,
     the raw text for code completions."""
     if prompt.is_chat:  # the same ids the server builds for /v1/chat/completions
         return chat_prompt_ids(tokenizer, [{"role": "user", "content": prompt.text}])
-    return tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    ids: list[int] = tokenizer(prompt.text, add_special_tokens=False)["input_ids"]
+    return ids

@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
 from .prompts import Prompt, encode_prompt
+
+if TYPE_CHECKING:
+    from transformers import GenerationMixin, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -53,7 +57,8 @@ class SequenceSet:
         )
 
     @classmethod
-    def from_arrays(cls, tokens, lengths, prompt_lens, ids) -> SequenceSet:
+    def from_arrays(cls, tokens: Any, lengths: Any, prompt_lens: Any, ids: Any) -> SequenceSet:
+        """From array-likes (numpy arrays or lists): tokens flat, the other three one entry per sequence."""
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         return cls(np.asarray(tokens), offsets, np.asarray(prompt_lens, dtype=np.int64), np.asarray(ids, dtype=str))
@@ -73,15 +78,14 @@ class SequenceSet:
         )
 
 
-def stop_token_ids(tokenizer) -> list[int]:
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """The ids that end a response: eos plus the chat-end / end-of-text tokens the tokenizer knows."""
-    ids = {tokenizer.eos_token_id}
+    ids: set[int | None] = {tokenizer.eos_token_id}
     for tok in ("<|im_end|>", "<|endoftext|>", "<|eot_id|>"):
         tid = tokenizer.convert_tokens_to_ids(tok)
         if isinstance(tid, int) and tid != tokenizer.unk_token_id:
             ids.add(tid)
-    ids.discard(None)
-    return sorted(ids)
+    return sorted(i for i in ids if i is not None)
 
 
 def cut_response(generated: list[int], stops: set[int], pad: int) -> list[int]:
@@ -97,7 +101,12 @@ def cut_response(generated: list[int], stops: set[int], pad: int) -> list[int]:
 
 @torch.no_grad()
 def generate_batch(
-    target, encoded: list[list[int]], max_new_tokens: int, stops: list[int], pad_id: int, temperature: float = 0.0
+    target: GenerationMixin,
+    encoded: list[list[int]],
+    max_new_tokens: int,
+    stops: list[int],
+    pad_id: int,
+    temperature: float = 0.0,
 ) -> list[list[int]]:
     """Left-padded batched generation with an attention mask; the responses, cut at the first stop."""
     width = max(len(e) for e in encoded)
@@ -121,8 +130,8 @@ def generate_batch(
 
 
 def regenerate_prompts(
-    target,
-    tokenizer,
+    target: GenerationMixin,
+    tokenizer: PreTrainedTokenizerBase,
     prompts: list[Prompt],
     out_dir: Path,
     max_new_tokens: int = 256,
@@ -138,7 +147,7 @@ def regenerate_prompts(
     shards = sorted(out_dir.glob("shard-*.npz"))
     for f in shards:
         done.update(np.load(f)["ids"].tolist())
-    todo = []
+    todo: list[tuple[str, list[int]]] = []
     for p in prompts:
         if p.id not in done:
             enc = encode_prompt(tokenizer, p)

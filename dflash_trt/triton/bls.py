@@ -47,11 +47,13 @@ import numpy as np
 import torch
 
 from ..formats import BATCH_DRAFTER_OUTPUTS, DRAFTER_OUTPUTS, DrafterGraphMeta
-from ..runtime.base import TargetOutput
-from ..runtime.batched import LoopedTargetEngine
+from ..runtime.base import TargetEngine, TargetOutput
+from ..runtime.batched import BatchTargetEngine, LoopedTargetEngine
 from ..runtime.ort_backend import OrtDrafterSession
 
-InferFn = Callable[[str, dict, list], dict]  # (model name, {input: ndarray}, [output names]) -> {output: ndarray}
+InferFn = Callable[
+    [str, dict[str, np.ndarray], list[str]], dict[str, np.ndarray]
+]  # (model name, {input: ndarray}, [output names]) -> {output: ndarray}
 
 TARGET_INPUTS = [
     "session_id",
@@ -73,7 +75,7 @@ def new_session_id() -> int:
 class RemoteTargetEngine:
     name = "triton"
 
-    def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids):
+    def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids: Sequence[int]):
         self.infer, self.model = infer, model
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
         self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
@@ -92,7 +94,9 @@ class RemoteTargetSession:
     def length(self) -> int:
         return self._length
 
-    def _request(self, token_ids: np.ndarray, last_logits_only=False, features=True, release=False) -> dict:
+    def _request(
+        self, token_ids: np.ndarray, last_logits_only: bool = False, features: bool = True, release: bool = False
+    ) -> dict[str, np.ndarray]:
         inputs = {
             "session_id": np.array([self.session_id], dtype=np.uint64),
             "token_ids": token_ids.astype(np.int64, copy=False),
@@ -141,7 +145,7 @@ class RemoteBatchTargetEngine:
 
     name = "triton"
 
-    def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids):
+    def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids: Sequence[int]):
         self.infer, self.model = infer, model
         self.vocab_size, self.max_context = int(vocab_size), int(max_context)
         self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
@@ -246,7 +250,7 @@ class RemoteDrafterEngine:
 
     name = "triton"
 
-    def __init__(self, infer: InferFn, model: str, meta: dict):
+    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any]):
         """meta: the exported graph's drafter.json (dflash_trt.formats.DrafterGraphMeta as a dict)."""
         self.infer, self.model = infer, model
         self.meta = DrafterGraphMeta.from_dict(meta)
@@ -254,7 +258,7 @@ class RemoteDrafterEngine:
         self.feature_layer_ids = self.meta.feature_layer_ids
         self.max_context: int | None = None  # the ONNX graph takes any cache length
 
-    def run(self, feeds: dict) -> list[np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         out = self.infer(self.model, feeds, list(DRAFTER_OUTPUTS))
         return [np.array(out[name]) for name in DRAFTER_OUTPUTS]  # writable copies (torch.from_numpy)
 
@@ -269,14 +273,14 @@ class RemoteBatchDrafterEngine:
 
     name = "triton"
 
-    def __init__(self, infer: InferFn, model: str, meta: dict):
+    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any]):
         self.infer, self.model = infer, model
         self.meta = DrafterGraphMeta.from_dict(meta)
         self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
         self.feature_layer_ids = tuple(self.meta.feature_layer_ids)
         self.max_context: int | None = None
 
-    def run(self, feeds: dict) -> list[np.ndarray]:
+    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         out = self.infer(self.model, feeds, list(BATCH_DRAFTER_OUTPUTS))
         return [np.array(out[name]) for name in BATCH_DRAFTER_OUTPUTS]
 
@@ -308,8 +312,10 @@ class TargetSessions:
 
     engine: a BatchTargetEngine, or a single-sequence TargetEngine (wrapped by `as_batch_target`)."""
 
-    def __init__(self, engine, ttl_s: float, clock: Callable[[], float] = time.monotonic):
-        self.engine = as_batch_target(engine)
+    def __init__(
+        self, engine: TargetEngine | BatchTargetEngine, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ):
+        self.engine: BatchTargetEngine = as_batch_target(engine)
         self.batch = self.engine.new_batch()
         self.ttl_s, self.clock = ttl_s, clock
         self.sessions: dict[int, tuple[int, float]] = {}  # session_id -> (row, last used)
@@ -340,12 +346,12 @@ class TargetSessions:
         return len(self.sessions)
 
 
-def _per_row(inputs: dict, name: str, rows: int, default):
+def _per_row(inputs: dict[str, np.ndarray], name: str, rows: int, default: Any) -> list[Any]:
     """An input with one value per row, or one value for all rows; `default` when absent."""
     a = inputs.get(name)
     if a is None:
         return [default] * rows
-    values = np.asarray(a).reshape(-1).tolist()
+    values: list[Any] = np.asarray(a).reshape(-1).tolist()
     if len(values) == 1:
         return values * rows
     if len(values) != rows:
@@ -353,7 +359,7 @@ def _per_row(inputs: dict, name: str, rows: int, default):
     return values
 
 
-def serve_target(sessions: TargetSessions, inputs: dict) -> dict:
+def serve_target(sessions: TargetSessions, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """One dflash_target call: {TARGET_INPUTS name: ndarray} -> {TARGET_OUTPUTS name: ndarray}.
     Optional inputs may be missing. Raises on any error (the model turns it into an error response)."""
     sids = [int(s) for s in np.asarray(inputs.get("session_id", np.zeros(1, np.uint64))).reshape(-1).tolist()]
@@ -393,10 +399,10 @@ def serve_target(sessions: TargetSessions, inputs: dict) -> dict:
         features=bool(_per_row(inputs, "want_features", 1, False)[0]),
     )
 
-    def cat(ts):
+    def cat(ts: list[torch.Tensor | None]) -> np.ndarray:
         if any(t is None for t in ts) or not ts:
             return np.zeros((0, 0), np.float32)
-        return np.ascontiguousarray(torch.cat([t.detach().float().cpu() for t in ts]).numpy())
+        return np.ascontiguousarray(torch.cat([t.detach().float().cpu() for t in ts if t is not None]).numpy())
 
     return {
         "logits": cat([o.logits for o in outs]),

@@ -9,8 +9,11 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
+
+# tritonclient is untyped: its InferInput, results and errors are Any here.
 
 
 @dataclass
@@ -20,7 +23,7 @@ class Reply:
     chunks: list[list[str]] = field(default_factory=list)  # per response (streaming): one text per prompt
 
 
-def _module(protocol: str):
+def _module(protocol: str) -> Any:  # tritonclient.http or tritonclient.grpc (untyped)
     if protocol not in ("http", "grpc"):
         raise ValueError(f"protocol must be http or grpc, got {protocol!r}")
     try:
@@ -34,21 +37,21 @@ def _module(protocol: str):
 
 
 def build_inputs(
-    mod,
+    mod: Any,
     prompts: list[str],
     max_tokens: int | None = None,
     temperature: float | None = None,
     seed: int | None = None,
     stream: bool | None = None,
-) -> list:
+) -> list[Any]:
     n = len(prompts)
 
-    def add(name, dtype, array):
+    def add(name: str, dtype: str, array: np.ndarray) -> None:
         t = mod.InferInput(name, list(array.shape), dtype)
         t.set_data_from_numpy(array)
         out.append(t)
 
-    out: list = []
+    out: list[Any] = []
     add("text_input", "BYTES", np.array([[p.encode("utf-8")] for p in prompts], dtype=np.object_))
     if max_tokens is not None:
         add("max_tokens", "INT32", np.full((n, 1), max_tokens, dtype=np.int32))
@@ -61,7 +64,7 @@ def build_inputs(
     return out
 
 
-def _strings(result, name: str) -> list[str]:
+def _strings(result: Any, name: str) -> list[str]:
     return [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in result.as_numpy(name).reshape(-1)]
 
 
@@ -84,7 +87,7 @@ def generate(
     if not stream:
         result = client.infer("dflash_sync", build_inputs(mod, prompts, max_tokens, temperature, seed))
         return Reply(_strings(result, "text_output"), _strings(result, "finish_reason"))
-    responses: queue.Queue = queue.Queue()
+    responses: queue.Queue[tuple[Any, Any]] = queue.Queue()  # (result, error)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
         client.async_stream_infer("dflash", build_inputs(mod, prompts, max_tokens, temperature, seed, stream=True))

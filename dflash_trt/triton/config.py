@@ -13,8 +13,10 @@ maps that connect, dtypes and dims that agree between producer and consumer) is 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 CONFIG_FILE = "config.pbtxt"
 # What each platform/backend loads from <model>/<version>/ (python: model.py, tensorrt_plan: model.plan ...).
@@ -25,7 +27,11 @@ class ConfigError(ValueError):
     pass
 
 
-def pb2():
+# tritonclient's protobuf modules are untyped: a model_config_pb2.ModelConfig message is Any here
+ModelConfig = Any
+
+
+def pb2() -> Any:  # the tritonclient.grpc.model_config_pb2 module
     try:
         from tritonclient.grpc import model_config_pb2
     except ImportError as e:
@@ -43,7 +49,7 @@ class Tensor:
     optional: bool = False
 
 
-def tensor(name: str, dtype: str, dims, optional: bool = False) -> Tensor:
+def tensor(name: str, dtype: str, dims: Iterable[int], optional: bool = False) -> Tensor:
     return Tensor(name, dtype, tuple(int(d) for d in dims), optional)
 
 
@@ -52,8 +58,8 @@ class Step:
     """One ensemble step: model input name -> ensemble tensor, model output name -> ensemble tensor."""
 
     model: str
-    input_map: dict
-    output_map: dict
+    input_map: dict[str, str]
+    output_map: dict[str, str]
 
 
 def model_config(
@@ -62,15 +68,15 @@ def model_config(
     backend: str | None = None,
     platform: str | None = None,
     max_batch_size: int = 0,
-    inputs=(),
-    outputs=(),
-    parameters: dict | None = None,
+    inputs: Iterable[Tensor] = (),
+    outputs: Iterable[Tensor] = (),
+    parameters: dict[str, Any] | None = None,
     instance_kind: str | None = "KIND_CPU",
     instance_count: int = 1,
     decoupled: bool = False,
     dynamic_batching: bool = False,
     steps: list[Step] | None = None,
-):
+) -> ModelConfig:
     m = pb2()
     cfg = m.ModelConfig(name=name, max_batch_size=max_batch_size)
     if backend:
@@ -102,20 +108,21 @@ def model_config(
     return cfg
 
 
-def to_text(cfg) -> str:
+def to_text(cfg: ModelConfig) -> str:
     from google.protobuf import text_format
 
-    return text_format.MessageToString(cfg)
+    text: str = text_format.MessageToString(cfg)
+    return text
 
 
-def write_config(folder: Path, cfg) -> Path:
+def write_config(folder: Path, cfg: ModelConfig) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / CONFIG_FILE
     path.write_text(to_text(cfg))
     return path
 
 
-def parse_config(path: Path):
+def parse_config(path: Path) -> ModelConfig:
     """config.pbtxt -> ModelConfig; a syntax error or an unknown field raises ConfigError naming the file."""
     from google.protobuf import text_format
 
@@ -128,13 +135,16 @@ def parse_config(path: Path):
 # ---- semantic checks ----------------------------------------------------------------------------
 
 
-def _model_file(cfg) -> str:
+def _model_file(cfg: ModelConfig) -> str:
     if cfg.default_model_filename:
-        return cfg.default_model_filename
+        name: str = cfg.default_model_filename
+        return name
     return DEFAULT_FILES.get(cfg.platform or cfg.backend, "")
 
 
-def _signature(cfg, ensemble_max_batch: int):
+def _signature(
+    cfg: ModelConfig, ensemble_max_batch: int
+) -> tuple[dict[str, tuple[str, list[int]]], dict[str, tuple[str, list[int]]]]:
     """name -> (dtype, full dims) as an ensemble sees them (batch dim -1 prepended when batched)."""
     m = pb2()
     prefix = [-1] if cfg.max_batch_size > 0 else []
@@ -147,7 +157,7 @@ def _dims_agree(a: list[int], b: list[int]) -> bool:
     return len(a) == len(b) and all(x == y or x == -1 or y == -1 for x, y in zip(a, b))
 
 
-def _check_ensemble(name: str, cfg, configs: dict) -> list[str]:
+def _check_ensemble(name: str, cfg: ModelConfig, configs: dict[str, ModelConfig]) -> list[str]:
     errors: list[str] = []
     ens_in, ens_out = _signature(cfg, cfg.max_batch_size)
     produced = dict(ens_in)  # ensemble tensor -> (dtype, dims, producer)

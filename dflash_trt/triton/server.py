@@ -42,7 +42,7 @@ class ServerEnv:
     venv: Path
     binary: Path
     backends: Path  # prepared backend directory (python backend + the right stub)
-    env: dict = field(repr=False, default_factory=dict)
+    env: dict[str, str] = field(repr=False, default_factory=dict)
 
 
 def server_env(venv: str | Path | None = None, work: str | Path | None = None) -> ServerEnv:
@@ -76,7 +76,8 @@ def server_env(venv: str | Path | None = None, work: str | Path | None = None) -
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 class TritonServer:
@@ -102,7 +103,7 @@ class TritonServer:
         self.senv = server_env(venv)
         self.log_path = Path(log_path) if log_path else self.repo.parent / f"tritonserver-{self.http_port}.log"
         self.verbose = verbose
-        self.process: subprocess.Popen | None = None
+        self.process: subprocess.Popen[bytes] | None = None
 
     @property
     def http_url(self) -> str:
@@ -151,7 +152,7 @@ class TritonServer:
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
+                return bool(r.status == 200)
         except OSError:
             return False
 
@@ -182,5 +183,5 @@ class TritonServer:
     def __enter__(self) -> TritonServer:
         return self.start() if self.process is None else self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.stop()

@@ -4,27 +4,35 @@ No `from __future__ import annotations` here: the request model is built from th
 routes are made per app and FastAPI must see the real class in each signature.
 """
 
-from fastapi import APIRouter, Request
-from fastapi.responses import Response
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from ...decoding import GenerationResult
 from ..context import ServerDep
 from ..errors import error_response
-from ..jobs import generation_config, spec, start_job, stream, usage, wait_result
+from ..jobs import JobStream, generation_config, spec, start_job, stream, usage, wait_result
 from ..responses import GenerateResponse, Health, Ready, errors, streamed
 from ..scheduler import RoundEvent
 from ..schemas import RequestModels
 
+if TYPE_CHECKING:  # the request model is made per app (in router); type checkers see its protocol instead
+    from ..schemas import GenerateBody as GenerateRequest  # noqa: F401
+
 
 def router(models: RequestModels) -> APIRouter:
-    GenerateRequest = models.generate
+    if not TYPE_CHECKING:
+        GenerateRequest = models.generate
     r = APIRouter()
 
     @r.get("/health", response_model=Health, summary="alive (answers even without the API key and while draining)")
-    async def health():
+    async def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @r.get("/ready", response_model=Ready, responses=errors(401, 503), summary="engines loaded and not draining")
-    async def ready(server: ServerDep):
+    async def ready(server: ServerDep) -> dict[str, Any] | JSONResponse:
         if not server.started:
             return error_response(503, "engines not loaded", "server_error", code="not_ready")
         return {"status": "ready", "model": server.settings.model_name, "drafter": server.decoder.drafter is not None}
@@ -32,19 +40,21 @@ def router(models: RequestModels) -> APIRouter:
     @r.get(
         "/metrics",
         summary="Prometheus metrics",
+        response_model=None,  # what FastAPI infers without a return annotation
         response_class=Response,
         responses={
             200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
             **errors(401),
         },
     )
-    async def metrics(server: ServerDep):
+    async def metrics(server: ServerDep) -> Response:
         body, content_type = server.metrics.render()
         return Response(body, media_type=content_type)
 
     @r.post(
         "/generate",
         summary="generate from text or token ids",
+        response_model=None,  # what FastAPI infers without a return annotation
         responses=streamed(
             GenerateResponse,
             "the result; with stream: one `round` event per verified round, then a `final` event (or an `error` event)",
@@ -57,7 +67,7 @@ def router(models: RequestModels) -> APIRouter:
             504,
         ),
     )
-    async def generate(body: GenerateRequest, request: Request, server: ServerDep):
+    async def generate(body: GenerateRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
         decoder = server.decoder
         job = await start_job(
             request,
@@ -67,7 +77,7 @@ def router(models: RequestModels) -> APIRouter:
             prompt_param="prompt" if body.prompt is not None else "input_ids",
         )
 
-        def final(result) -> dict:
+        def final(result: GenerationResult) -> dict[str, Any]:
             return {
                 "id": job.id,
                 "text": result.text,
@@ -80,7 +90,7 @@ def router(models: RequestModels) -> APIRouter:
         if not body.stream:
             return final(await wait_result(request, job))
 
-        def on_round(event: RoundEvent):
+        def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
             rnd = event.round
             yield {
                 "type": "round",

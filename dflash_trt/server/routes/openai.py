@@ -6,41 +6,49 @@ No `from __future__ import annotations` here: the request models are built from 
 """
 
 import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from ...decoding import InputError, prompting
+from ...decoding import InputError, SpeculativeDecoder, prompting
 from ..context import Server, ServerDep
 from ..errors import ApiError
-from ..jobs import generation_config, spec, start_job, stream, usage, wait_result
+from ..jobs import JobStream, generation_config, spec, start_job, stream, usage, wait_result
 from ..responses import ChatCompletion, Completion, Model, ModelList, errors, streamed
 from ..scheduler import RoundEvent
-from ..schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, OPENAI_DEFAULT_TEMPERATURE, RequestModels
+from ..schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, OPENAI_DEFAULT_TEMPERATURE, OpenAIBody, RequestModels
+
+if TYPE_CHECKING:  # the request models are made per app (in router); type checkers see their protocols instead
+    from ..schemas import ChatBody as ChatCompletionRequest  # noqa: F401
+    from ..schemas import CompletionBody as CompletionRequest  # noqa: F401
 
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503, 504)
 
 
 def router(models: RequestModels) -> APIRouter:
-    CompletionRequest, ChatCompletionRequest = models.completion, models.chat
+    if not TYPE_CHECKING:
+        CompletionRequest, ChatCompletionRequest = models.completion, models.chat
     r = APIRouter(prefix="/v1")
 
     @r.get("/models", response_model=ModelList, responses=errors(401), summary="the served model")
-    async def list_models(server: ServerDep):
+    async def list_models(server: ServerDep) -> dict[str, Any]:
         return {"object": "list", "data": [_card(server)]}
 
     @r.get("/models/{model}", response_model=Model, responses=errors(401, 404), summary="one model")
-    async def retrieve_model(model: str, server: ServerDep):
+    async def retrieve_model(model: str, server: ServerDep) -> dict[str, Any]:
         _check_model(server, model)
         return _card(server)
 
     @r.post(
         "/completions",
         summary="text completion (OpenAI)",
+        response_model=None,  # what FastAPI infers without a return annotation
         responses=streamed(
             Completion, "the completion; with stream: `text_completion` chunks, then `data: [DONE]`", *GENERATION_ERRORS
         ),
     )
-    async def completions(body: CompletionRequest, request: Request, server: ServerDep):
+    async def completions(body: CompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
         _check_model(server, body.model)
         decoder, prompt = server.decoder, body.prompt
         job = await start_job(
@@ -57,13 +65,13 @@ def router(models: RequestModels) -> APIRouter:
         )
         created, cid = int(time.time()), f"cmpl-{job.id}"
 
-        def choice(text, finish_reason, token_ids=None):
-            c = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        def choice(text: str | None, finish_reason: str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
+            c: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
             if decoder.tokenizer is None and token_ids is not None:
                 c["token_ids"] = token_ids  # no tokenizer: the ids are the only output
             return c
 
-        def envelope(choices, **extra):
+        def envelope(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             return {
                 "id": cid,
                 "object": "text_completion",
@@ -81,7 +89,7 @@ def router(models: RequestModels) -> APIRouter:
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def on_round(event: RoundEvent):
+        def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
             result = event.result
             yield envelope([choice(event.text, result.finish_reason if result else None, event.round.token_ids)])
             if result is not None and include_usage:
@@ -92,15 +100,17 @@ def router(models: RequestModels) -> APIRouter:
     @r.post(
         "/chat/completions",
         summary="chat completion (OpenAI), text messages only",
+        response_model=None,  # what FastAPI infers without a return annotation
         responses=streamed(
             ChatCompletion,
             "the reply; with stream: `chat.completion.chunk` chunks, then `data: [DONE]`",
             *GENERATION_ERRORS,
         ),
     )
-    async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep):
+    async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
         _check_model(server, body.model)
-        messages = [{"role": m.role, "content": m.content or ""} for m in body.messages]
+        # content: text, its parts already joined (ChatMessage._join_parts)
+        messages = [{"role": m.role, "content": str(m.content or "")} for m in body.messages]
         asked = body.max_completion_tokens or body.max_tokens
         job = await start_job(
             request,
@@ -113,7 +123,7 @@ def router(models: RequestModels) -> APIRouter:
         )
         created, cid = int(time.time()), f"chatcmpl-{job.id}"
 
-        def envelope(choices, obj="chat.completion", **extra):
+        def envelope(choices: list[dict[str, Any]], obj: str = "chat.completion", **extra: Any) -> dict[str, Any]:
             return {
                 "id": cid,
                 "object": obj,
@@ -134,7 +144,7 @@ def router(models: RequestModels) -> APIRouter:
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def on_round(event: RoundEvent):
+        def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
             delta = {"content": event.text or ""}
             if event.round.prefill:
                 delta["role"] = "assistant"
@@ -154,7 +164,7 @@ def router(models: RequestModels) -> APIRouter:
     return r
 
 
-def _card(server: Server) -> dict:
+def _card(server: Server) -> dict[str, Any]:
     return {
         "id": server.settings.model_name,
         "object": "model",
@@ -174,7 +184,7 @@ def _check_model(server: Server, model: str | None) -> None:
         )
 
 
-def _temperature(body) -> float:
+def _temperature(body: OpenAIBody) -> float:
     return OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
 
 
@@ -183,7 +193,7 @@ def _max_tokens(server: Server, asked: int | None, default: int, prompt_len: int
     return asked or max(1, min(default, server.limits.max_context - prompt_len))
 
 
-def chat_prompt_ids(decoder, messages: list[dict]) -> list[int]:
+def chat_prompt_ids(decoder: SpeculativeDecoder, messages: list[dict[str, str]]) -> list[int]:
     """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`
     (dflash_trt.decoding.prompting, shared with the Triton preprocessing model)."""
     tok = decoder.tokenizer

@@ -17,18 +17,22 @@ finish_reason ("" until done).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ...decoding import GenerationConfig, InputError, SamplingParams
 from ...decoding.batch import BatchDecoder
-from ...runtime.batched import LoopedDrafterEngine
+from ...decoding.batch import BatchRow
+from ...runtime.batched import BatchDrafterEngine, LoopedDrafterEngine
 from ..bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine, RemoteDrafterEngine, pad_rows, unpad_rows
-from .common import error_response, get, load_config, scalar, strings
+from .common import error_response, load_config, need, scalar, strings
+
+# Triton's python backend (triton_python_backend_utils) is untyped: requests, responses and senders are Any.
 
 
-def bls_infer(model: str, inputs: dict, outputs: list) -> dict:
+def bls_infer(model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
     """One synchronous call of another model in this server (Business Logic Scripting)."""
     request = pb_utils.InferenceRequest(model_name=model, requested_output_names=list(outputs),
                                         inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()])
@@ -41,7 +45,7 @@ def bls_infer(model: str, inputs: dict, outputs: list) -> dict:
 class Job:
     """One request: its rows in the step's BatchDecoder, and how it wants its responses."""
 
-    def __init__(self, request, rows, stream: bool):
+    def __init__(self, request: Any, rows: list[BatchRow], stream: bool):
         self.request, self.rows, self.stream = request, rows, stream
 
     @property
@@ -57,13 +61,14 @@ class Job:
 
 
 class TritonPythonModel:
-    def initialize(self, args):
+    def initialize(self, args: dict[str, str]) -> None:
         config, params, _ = load_config(args)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
         self.target = RemoteBatchTargetEngine(bls_infer, params.get("target_model", "dflash_target"),
                                               int(params["vocab_size"]), int(params["max_context"]),
                                               json.loads(params["feature_layer_ids"]))
         meta = json.loads(params["drafter_meta"])
+        self.drafter: BatchDrafterEngine
         if params.get("drafter_batch_model"):  # the batched graph: one drafter call per step
             self.drafter = RemoteBatchDrafterEngine(bls_infer, params["drafter_batch_model"], meta)
         else:  # the single-sequence graph: one call per drafting row
@@ -72,14 +77,14 @@ class TritonPythonModel:
         self.stop_ids = tuple(json.loads(params.get("stop_token_ids", "[]")))
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
 
-    def _job(self, decoder: BatchDecoder, request) -> Job:
-        prompts = unpad_rows(get(request, "input_ids"), get(request, "input_length"))
+    def _job(self, decoder: BatchDecoder, request: Any) -> Job:
+        prompts = unpad_rows(need(request, "input_ids"), need(request, "input_length"))
         n = len(prompts)
         max_tokens = scalar(request, "max_tokens", self.default_max_tokens, n)
         temperature = scalar(request, "temperature", 0.0, n)
         seed = scalar(request, "seed", None, n)
         stream = any(scalar(request, "stream", False, n))
-        rows = []
+        rows: list[BatchRow] = []
         try:
             for prompt, mt, t, s in zip(prompts, max_tokens, temperature, seed):
                 config = GenerationConfig(max_new_tokens=int(mt), sampling=SamplingParams(float(t), seed=s),
@@ -92,7 +97,7 @@ class TritonPythonModel:
         return Job(request, rows, stream and self.decoupled)
 
     @staticmethod
-    def _response(job: Job, new: list[int]):
+    def _response(job: Job, new: list[int]) -> Any:
         ids, lengths = pad_rows([r.generated for r in job.rows])
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("output_ids", ids),
@@ -101,13 +106,13 @@ class TritonPythonModel:
             pb_utils.Tensor("finish_reason", strings([r.finish_reason or "" for r in job.rows], rows=1)),
         ])
 
-    def execute(self, requests):
+    def execute(self, requests: list[Any]) -> list[Any] | None:  # None when decoupled (responses were sent)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
         results: dict[int, object] = {}  # request index -> its one response (not decoupled)
         senders = [r.get_response_sender() for r in requests] if self.decoupled else []
         decoder = BatchDecoder(self.target, self.drafter)  # this call's rows; their sessions end with it
 
-        def finish(i: int, response) -> None:
+        def finish(i: int, response: Any) -> None:
             """The request's last response. Never raises: a client that is gone cannot be told more."""
             if not self.decoupled:
                 results[i] = response
@@ -117,7 +122,7 @@ class TritonPythonModel:
             except Exception:  # noqa: BLE001
                 pass
 
-        def end(i: int, job: Job, response) -> None:
+        def end(i: int, job: Job, response: Any) -> None:
             for r in job.rows:
                 decoder.cancel(r)  # frees its rows now (a no-op for finished ones)
             finish(i, response)

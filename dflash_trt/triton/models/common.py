@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+# Triton's python backend (triton_python_backend_utils) is untyped: its requests and responses are Any here.
 
-def load_config(args: dict) -> tuple[dict, dict, Path]:
+
+def load_config(args: dict[str, str]) -> tuple[dict[str, Any], dict[str, str], Path]:
     """(model config, string parameters, version folder) from the dict Triton passes to initialize()."""
     config = json.loads(args["model_config"])
     params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
@@ -22,8 +25,10 @@ def resolve(folder: Path, path: str) -> Path:
     return p if p.is_absolute() else folder / p
 
 
-def load_text_model(args: dict):
-    """(string parameters, the tokenizer) of a text model (pre/postprocessing): `tokenizer_dir` in its folder."""
+def load_text_model(args: dict[str, str]) -> tuple[dict[str, str], Any]:
+    """(string parameters, the tokenizer) of a text model (pre/postprocessing): `tokenizer_dir` in its folder.
+    The tokenizer is Any as in dflash_trt.decoding: transformers types its decode() looser than the
+    detokenizer's protocol."""
     from ...models.target import load_tokenizer
 
     _, params, folder = load_config(args)
@@ -33,12 +38,23 @@ def load_text_model(args: dict):
     return params, tokenizer
 
 
-def get(request, name: str, default=None) -> np.ndarray | None:
+def get(request: Any, name: str, default: np.ndarray | None = None) -> np.ndarray | None:
     t = pb_utils.get_input_tensor_by_name(request, name)
-    return default if t is None else t.as_numpy()
+    if t is None:
+        return default
+    value: np.ndarray = t.as_numpy()
+    return value
 
 
-def scalar(request, name: str, default, rows: int) -> list:
+def need(request: Any, name: str) -> np.ndarray:
+    """A required input (the model config declares it, so Triton refuses a request without it)."""
+    a = get(request, name)
+    if a is None:
+        raise ValueError(f"input {name!r} is missing")
+    return a
+
+
+def scalar(request: Any, name: str, default: Any, rows: int) -> list[Any]:
     """An optional per-row scalar input ([N, 1] with batching, [1] without) as a list of N values."""
     a = get(request, name)
     if a is None:
@@ -51,7 +67,7 @@ def scalar(request, name: str, default, rows: int) -> list:
     return [v.item() for v in flat]
 
 
-def error_response(message: str, cancelled: bool = False):
+def error_response(message: str, cancelled: bool = False) -> Any:  # a pb_utils.InferenceResponse
     if cancelled:  # Triton's CANCELLED status (python backend >= 23.10), so clients see a cancellation
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
             message, pb_utils.TritonError.CANCELLED))

@@ -7,15 +7,17 @@ Encodes as `dflash-trt generate --prompt` does (no special tokens); with the par
 
 from __future__ import annotations
 
+from typing import Any
+
 import triton_python_backend_utils as pb_utils
 
 from ...decoding.prompting import chat_prompt_ids
 from ..bls import pad_rows
-from .common import error_response, get, load_text_model
+from .common import error_response, load_text_model, need
 
 
 class TritonPythonModel:
-    def initialize(self, args):
+    def initialize(self, args: dict[str, str]) -> None:
         params, self.tokenizer = load_text_model(args)
         self.chat = params.get("chat_template", "false") == "true"
         if self.chat and not getattr(self.tokenizer, "chat_template", None):
@@ -26,11 +28,11 @@ class TritonPythonModel:
             return chat_prompt_ids(self.tokenizer, [{"role": "user", "content": text}])
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def execute(self, requests):
+    def execute(self, requests: list[Any]) -> list[Any]:  # pb_utils requests -> responses
         responses = []
         for request in requests:
             try:
-                texts = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in get(request, "text_input").reshape(-1)]
+                texts = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in need(request, "text_input").reshape(-1)]
                 if any(not t for t in texts):
                     raise ValueError("text_input is empty")
                 rows = [self.encode(t) for t in texts]

@@ -15,13 +15,14 @@ in this project: no GPU/TensorRT here. One instance only: sessions live in this 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 
 from ...runtime import registry
-from ...runtime.base import EngineOptions
+from ...runtime.base import EngineOptions, TargetEngine
 from ...runtime.torch_backend import TorchTargetEngine
 from ...runtime.torch_batch import TorchBatchTargetEngine
 from ..bls import TARGET_INPUTS, TargetSessions, serve_target
@@ -29,14 +30,14 @@ from .common import error_response, get, load_config, resolve
 
 
 class TritonPythonModel:
-    def initialize(self, args):
+    def initialize(self, args: dict[str, str]) -> None:
         _, params, folder = load_config(args)
         threads = int(params.get("threads", "0"))
         if threads:
             torch.set_num_threads(threads)
         options = EngineOptions(dtype=params.get("dtype", "float32"), device=params.get("device"),
                                 feature_layer_ids=tuple(json.loads(params.get("feature_layer_ids", "[]"))))
-        engine = registry.target_engine(params.get("backend", "torch"),
+        engine: TargetEngine | TorchBatchTargetEngine = registry.target_engine(params.get("backend", "torch"),
                                         resolve(folder, params.get("engine_dir", "target")), options)
         if params.get("batch_target", "true") == "true" and isinstance(engine, TorchTargetEngine):
             try:
@@ -45,10 +46,10 @@ class TritonPythonModel:
                 pass
         self.sessions = TargetSessions(engine, float(params.get("session_ttl_s", "600")))
 
-    def execute(self, requests):
+    def execute(self, requests: list[Any]) -> list[Any]:  # pb_utils requests -> responses
         return [self._one(r) for r in requests]
 
-    def _one(self, request):
+    def _one(self, request: Any) -> Any:
         try:
             inputs = {name: a for name in TARGET_INPUTS if (a := get(request, name)) is not None}
             out = serve_target(self.sessions, inputs)

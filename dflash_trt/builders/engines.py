@@ -47,6 +47,18 @@ class EnginesConfigError(ValueError):
     pass
 
 
+# Pipeline parallelism splits the target's layers over stages (ranks); the drafter conditions every block on hidden
+# states taken from several of those layers at once (the feature layers, spread over the depth), which no single
+# stage holds, and layer ids become stage-local (builders/trtllm_features.py refuses pp_size != 1 for that reason).
+# Across nodes, tensor parallelism spans the nodes instead (one tp group over every GPU of the job).
+PIPELINE_KEYS = ("pp", "pp_size", "pipeline_parallel", "pipeline_parallel_size")
+PIPELINE_REFUSAL = (
+    "pipeline parallelism ({keys}) is not supported: the DFlash drafter needs the target's hidden states from "
+    "feature layers that would live on different pipeline stages; use tensor parallelism (tp), which may span "
+    "nodes (deploy/README.md)"
+)
+
+
 @dataclass
 class EnginesConfig:
     target: Path
@@ -79,6 +91,10 @@ def read_config(path: str | Path | None, base: Path, overrides: dict[str, Any] |
         except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
             raise EnginesConfigError(f"{path}: {e}") from None
     raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    pipeline = sorted(k for k in PIPELINE_KEYS if k in raw and raw[k] not in (None, 1))
+    if pipeline:
+        raise EnginesConfigError(PIPELINE_REFUSAL.format(keys=pipeline))
+    raw = {k: v for k, v in raw.items() if k not in PIPELINE_KEYS}
     known = {f.name for f in fields(EnginesConfig)}
     unknown = sorted(set(raw) - known)
     if unknown:

@@ -150,6 +150,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="on SIGTERM/SIGINT: seconds to let in-flight requests finish while new ones get 503 "
         "(default 30); a second signal exits at once",
     )
+    lim.add_argument(
+        "--pid-file",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="the serving process (rank 0 under mpirun) writes its pid here once the engines are loaded and "
+        "removes it on exit: a pod's preStop hook signals that process to drain, not mpirun, which would "
+        "end every rank at once (deploy/README.md)",
+    )
     lim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
     p.set_defaults(func=cmd_serve)
 
@@ -196,10 +205,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         close_engines(decoder)
         raise CliError(f"cannot serve these engines: {e}") from None
+    if args.pid_file is not None:
+        args.pid_file.parent.mkdir(parents=True, exist_ok=True)
+        args.pid_file.write_text(f"{os.getpid()}\n")
     try:
         serve_app(app, args.host, args.port)
     finally:
         close_engines(decoder)
+        if args.pid_file is not None:
+            args.pid_file.unlink(missing_ok=True)
     return 0
 
 

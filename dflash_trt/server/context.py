@@ -89,7 +89,7 @@ class Server:
         self.decoder, self.settings = with_serialized_tokenizer(decoder), settings
         self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.models = request_models(self.limits)
-        self.metrics = ServerMetrics()
+        self.metrics = ServerMetrics(settings.model_name, max(0, self.limits.max_block_size - 1))
         self.batch = batch_decoder(self.decoder, settings)
         self.orchestrator = Orchestrator(self.batch, self.metrics, settings.max_active, settings.max_queue)
         self.started = False

@@ -179,4 +179,47 @@ def spec(job: Job) -> dict[str, Any]:
     return d
 
 
-__all__ = ["RoundEvent", "generation_config", "start_job", "wait_result", "stream", "usage", "spec"]
+def spec_decode_metrics(job: Job, level: str | None, num_spec_tokens: int) -> dict[str, Any] | None:
+    """The request's speculative-decoding statistics in vLLM's per-request shape (the response's top-level
+    `metrics.speculative_decoding`, vllm-project/vllm pull request 48915, `--per-request-spec-decode-metrics
+    summary|detailed`), or None when the request did not ask (`spec_decode_metrics` absent or null).
+
+    A spec step is a verify round that drafted (block size > 1); num_spec_tokens is the most one round can
+    draft (the drafter's trained block size - 1): with adaptive block sizes a round may draft fewer.
+    acceptance_histogram[j]: the steps that accepted exactly j draft tokens. mean_acceptance_length counts the
+    bonus token (1 + accepted / steps; 1 without any step); draft_acceptance_rate is null without a draft.
+    "detailed" adds per_step_accepted and per_step_drafted, one entry per spec step in order."""
+    if level is None:
+        return None
+    steps = job.spec_steps
+    drafted = sum(d for d, _ in steps)
+    accepted = sum(a for _, a in steps)
+    width = max([num_spec_tokens, *(d for d, _ in steps)])
+    histogram = [0] * (width + 1)
+    for _, a in steps:
+        histogram[a] += 1
+    out: dict[str, Any] = {
+        "mean_acceptance_length": 1.0 + accepted / len(steps) if steps else 1.0,
+        "draft_acceptance_rate": accepted / drafted if drafted else None,
+        "acceptance_histogram": histogram,
+        "num_spec_steps": len(steps),
+        "num_accepted_draft_tokens": accepted,
+        "num_draft_tokens": drafted,
+        "num_spec_tokens": num_spec_tokens,
+    }
+    if level == "detailed":
+        out["per_step_accepted"] = [a for _, a in steps]
+        out["per_step_drafted"] = [d for d, _ in steps]
+    return {"speculative_decoding": out}
+
+
+__all__ = [
+    "RoundEvent",
+    "generation_config",
+    "start_job",
+    "wait_result",
+    "stream",
+    "usage",
+    "spec",
+    "spec_decode_metrics",
+]

@@ -1,4 +1,25 @@
-"""Prometheus metrics of one server. Each app owns its registry, so several apps (tests) never collide."""
+"""Prometheus metrics of one server. Each app owns its registry, so several apps (tests) never collide.
+
+Next to our own `dflash_*` metrics the server exports vLLM's speculative-decoding counters and scheduler
+gauges under vLLM's names, label names and shapes, so that dashboards, autoscalers and NVIDIA's aiperf
+written for vLLM read this server unchanged:
+
+    vllm:spec_decode_num_drafts, vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens
+        (counters, labels model_name and engine), vllm:spec_decode_num_accepted_tokens_per_pos (the same plus
+        `position`, one series per draft position from 0, created at start so a dashboard sees zeros)
+    vllm:num_requests_running, vllm:num_requests_waiting (gauges, labels model_name and engine)
+
+as vLLM defines them in vllm/v1/spec_decode/metrics.py (SpecDecodingStats.observe_draft, SpecDecodingProm;
+vllm-project/vllm at commit 016a8587) and vllm/v1/metrics/loggers.py (PrometheusStatLogger: labelnames
+["model_name", "engine"]; commit 005a810b). One "draft" is one verify round that drafted: a DFlash round
+with block size B drafts B - 1 tokens; its accepted tokens are the drafted tokens the target kept (the bonus
+token excluded), and each accepted position 0..k-1 counts once. Rounds at block size 1 draft nothing and
+are no draft (vLLM counts drafts only where the proposer ran). `engine` is "0": one loop per server.
+
+Both families are fed by one call per verify round (observe_round), so they agree by construction:
+vllm:spec_decode_num_drafts == dflash_draft_rounds, ..._num_draft_tokens == dflash_draft_tokens,
+..._num_accepted_tokens == dflash_accepted_draft_tokens == the sum over positions of ..._per_pos.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +29,16 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
+VLLM_LABELS = ["model_name", "engine"]  # vllm/v1/metrics/loggers.py, PrometheusStatLogger
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    """model_name: the served model's id (vLLM's `model_name` label); num_spec_tokens: the most draft tokens one
+    round can propose (the drafter's trained block size - 1; 0 without a drafter): the positions created at start."""
+
+    def __init__(self, model_name: str = "dflash-trt", num_spec_tokens: int = 0) -> None:
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter(
             "dflash_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
@@ -100,6 +128,67 @@ class ServerMetrics:
             registry=r,
         )
         self.engine_errors = Counter("dflash_engine_errors", "generations failed by an engine error", registry=r)
+        # speculative decoding, our names: verify rounds that drafted, their draft tokens, the drafts accepted
+        self.draft_rounds = Counter(
+            "dflash_draft_rounds", "verify rounds that drafted (block size > 1): vLLM's drafts", registry=r
+        )
+        self.draft_tokens = Counter(
+            "dflash_draft_tokens", "draft tokens proposed (block size - 1 per round)", registry=r
+        )
+        self.accepted_draft_tokens = Counter(
+            "dflash_accepted_draft_tokens", "draft tokens the target accepted (bonus tokens excluded)", registry=r
+        )
+        # the same, under vLLM's names and labels (see the module docstring)
+        lv = (model_name, "0")
+        self._vllm_drafts = Counter(
+            "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", VLLM_LABELS, registry=r
+        ).labels(*lv)
+        self._vllm_draft_tokens = Counter(
+            "vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", VLLM_LABELS, registry=r
+        ).labels(*lv)
+        self._vllm_accepted = Counter(
+            "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", VLLM_LABELS, registry=r
+        ).labels(*lv)
+        self._vllm_per_pos_family = Counter(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            [*VLLM_LABELS, "position"],
+            registry=r,
+        )
+        self._vllm_per_pos = [self._vllm_per_pos_family.labels(*lv, str(p)) for p in range(num_spec_tokens)]
+        self.vllm_running = Gauge(
+            "vllm:num_requests_running", "Number of requests in model execution batches.", VLLM_LABELS, registry=r
+        ).labels(*lv)
+        self.vllm_waiting = Gauge(
+            "vllm:num_requests_waiting", "Number of requests waiting to be processed.", VLLM_LABELS, registry=r
+        ).labels(*lv)
+
+    def observe_round(self, drafted: int, accepted: int) -> None:
+        """One verify round: `drafted` tokens proposed, the first `accepted` of them kept by the target."""
+        if drafted <= 0:  # block size 1: no draft (vLLM counts only rounds where the proposer ran)
+            return
+        accepted = max(0, min(accepted, drafted))
+        for c in (self.draft_rounds, self._vllm_drafts):
+            c.inc()
+        for c in (self.draft_tokens, self._vllm_draft_tokens):
+            c.inc(drafted)
+        for c in (self.accepted_draft_tokens, self._vllm_accepted):
+            c.inc(accepted)
+        while len(self._vllm_per_pos) < accepted:  # a block larger than announced at start: grow the positions
+            self._vllm_per_pos.append(
+                self._vllm_per_pos_family.labels(self.model_name, "0", str(len(self._vllm_per_pos)))
+            )
+        for p in range(accepted):
+            self._vllm_per_pos[p].inc()
+
+    def set_queue(self, waiting: int | None = None, running: int | None = None) -> None:
+        """The scheduler's queue (waiting) and batch (running), ours and vLLM's gauges alike."""
+        if waiting is not None:
+            self.queue_depth.set(waiting)
+            self.vllm_waiting.set(waiting)
+        if running is not None:
+            self.inflight.set(running)
+            self.vllm_running.set(running)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from .schemas import ErrorBody
 
@@ -26,6 +26,27 @@ class GenerateResponse(BaseModel):
     spec: dict[str, Any]  # speculative decoding statistics: rounds, tau, draft / verify time
 
 
+class SpeculativeDecodingMetrics(BaseModel):
+    """One request's speculative decoding, in vLLM's per-request shape (vllm-project/vllm pull request 48915).
+    A spec step is a verify round that drafted (block size > 1)."""
+
+    mean_acceptance_length: float = Field(description="1 + accepted draft tokens / spec steps (bonus token counted)")
+    draft_acceptance_rate: float | None = Field(description="accepted / drafted tokens; null when nothing was drafted")
+    acceptance_histogram: list[int] = Field(description="index j: the spec steps that accepted exactly j draft tokens")
+    num_spec_steps: int
+    num_accepted_draft_tokens: int
+    num_draft_tokens: int
+    num_spec_tokens: int = Field(description="the most draft tokens one step can propose (trained block size - 1)")
+    per_step_accepted: list[int] | None = Field(None, description="detailed only: accepted draft tokens per step")
+    per_step_drafted: list[int] | None = Field(None, description="detailed only: draft tokens per step")
+
+
+class ResponseMetrics(BaseModel):
+    """Extension, present only when the request sent `spec_decode_metrics`."""
+
+    speculative_decoding: SpeculativeDecodingMetrics
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
@@ -42,6 +63,7 @@ class Completion(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     spec: dict[str, Any] | None = None
+    metrics: ResponseMetrics | None = None  # only when the request sent spec_decode_metrics
 
 
 class ChatMessageOut(BaseModel):
@@ -64,6 +86,7 @@ class ChatCompletion(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     spec: dict[str, Any]
+    metrics: ResponseMetrics | None = None  # only when the request sent spec_decode_metrics
 
 
 class Model(BaseModel):

@@ -68,6 +68,7 @@ class Job:
     finished: bool = False
     outcome: str | None = None  # "ok" or an ErrorEvent kind
     fallback_counted: bool = False
+    spec_steps: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) of each drafting round
 
     def cancel(self, kind: str = "cancelled", message: str = "the client went away") -> None:
         """Ask the worker to drop this job before its next step (a no-op once finished)."""
@@ -142,7 +143,7 @@ class Orchestrator:
         for job in self._pending:  # never started: fail them here
             self._finish(job, ErrorEvent(kind, message))
         self._pending.clear()
-        self.metrics.queue_depth.set(0)
+        self.metrics.set_queue(waiting=0)
         for job in self._active:  # the worker drops them before its next step
             job.cancel(kind, message)
         self._cv.notify_all()
@@ -163,7 +164,7 @@ class Orchestrator:
         with self._cv:
             self._admission_locked()
             self._pending.append(job)
-            self.metrics.queue_depth.set(len(self._pending))
+            self.metrics.set_queue(waiting=len(self._pending))
             self._cv.notify_all()
 
     # ---- the worker ---------------------------------------------------------------------
@@ -189,13 +190,13 @@ class Orchestrator:
                     self.decoder.join(job.row)  # prefilled at the start of the next step
                     self._active.append(job)
                 jobs = list(self._active)
-                self.metrics.queue_depth.set(len(self._pending))
-                self.metrics.inflight.set(len(self._active))
+                self.metrics.set_queue(waiting=len(self._pending))
+                self.metrics.set_queue(running=len(self._active))
             if jobs:
                 self._step(jobs)
             with self._cv:
                 self._active = [j for j in self._active if not j.finished]
-                self.metrics.inflight.set(len(self._active))
+                self.metrics.set_queue(running=len(self._active))
                 self._cv.notify_all()
 
     def _step(self, jobs: list[Job]) -> None:
@@ -284,6 +285,9 @@ class Orchestrator:
             m.ttft.observe(now - job.submitted)
         else:
             m.acceptance.observe(n)
+            m.observe_round(rnd.drafted, rnd.accepted)
+            if rnd.drafted > 0:
+                job.spec_steps.append((rnd.drafted, rnd.accepted))
             m.draft_time.observe(rnd.timings.draft_s)
             m.verify_time.observe(rnd.timings.verify_s)
             if n and job.last_event is not None:

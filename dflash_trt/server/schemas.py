@@ -298,6 +298,14 @@ def request_models(limits: Limits) -> RequestModels:
         stream_options: StreamOptions | None = None
         n: Literal[1] | None = Field(None, description="one choice per request")
         user: StrictStr | None = None
+        spec_decode_metrics: Literal["summary", "detailed"] | None = Field(
+            None,
+            description=(
+                "extension: add this request's speculative-decoding statistics to the response as "
+                "`metrics.speculative_decoding` (vLLM's per-request shape; on a stream, in the chunk that carries "
+                "the finish reason); detailed adds the accepted and drafted tokens of every step; null: none"
+            ),
+        )
 
         @field_validator(*(k for k in UNSUPPORTED if isinstance(k, str)), mode="before", check_fields=False)
         @classmethod

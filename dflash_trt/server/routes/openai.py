@@ -14,7 +14,7 @@ from fastapi import APIRouter, Request
 from ...decoding import InputError, SpeculativeDecoder, prompting
 from ..context import Server, ServerDep
 from ..errors import ApiError
-from ..jobs import JobStream, generation_config, spec, start_job, stream, usage, wait_result
+from ..jobs import JobStream, generation_config, spec, spec_decode_metrics, start_job, stream, usage, wait_result
 from ..responses import ChatCompletion, Completion, Model, ModelList, errors, streamed
 from ..scheduler import RoundEvent
 from ..schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, OPENAI_DEFAULT_TEMPERATURE, OpenAIBody, RequestModels
@@ -84,14 +84,20 @@ def router(models: RequestModels) -> APIRouter:
         if not body.stream:
             result = await wait_result(request, job)
             return envelope(
-                [choice(result.text, result.finish_reason, result.token_ids)], usage=usage(result), spec=spec(job)
+                [choice(result.text, result.finish_reason, result.token_ids)],
+                usage=usage(result),
+                spec=spec(job),
+                **_metrics(server, job, body),
             )
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
             result = event.result
-            yield envelope([choice(event.text, result.finish_reason if result else None, event.round.token_ids)])
+            extra = _metrics(server, job, body) if result is not None else {}
+            yield envelope(
+                [choice(event.text, result.finish_reason if result else None, event.round.token_ids)], **extra
+            )
             if result is not None and include_usage:
                 yield envelope([], usage=usage(result))
 
@@ -140,6 +146,7 @@ def router(models: RequestModels) -> APIRouter:
                 [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}],
                 usage=usage(result),
                 spec=spec(job),
+                **_metrics(server, job, body),
             )
 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -155,6 +162,7 @@ def router(models: RequestModels) -> APIRouter:
                 yield envelope(
                     [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.result.finish_reason}],
                     "chat.completion.chunk",
+                    **_metrics(server, job, body),
                 )
                 if include_usage:
                     yield envelope([], "chat.completion.chunk", usage=usage(event.result))
@@ -162,6 +170,12 @@ def router(models: RequestModels) -> APIRouter:
         return stream(job, on_round, lambda err: err.body, done_marker=True)
 
     return r
+
+
+def _metrics(server: Server, job: Any, body: Any) -> dict[str, Any]:
+    """{"metrics": ...} when the request sent spec_decode_metrics, else nothing (the response is unchanged)."""
+    m = spec_decode_metrics(job, body.spec_decode_metrics, max(0, server.limits.max_block_size - 1))
+    return {} if m is None else {"metrics": m}
 
 
 def _card(server: Server) -> dict[str, Any]:

@@ -1,0 +1,135 @@
+"""One rank of `dflash-trt serve` under a real `mpirun`, with the FAKE TensorRT-LLM executor (this workplace has no
+TensorRT-LLM and no GPU): tests/test_mpi_serve.py runs `mpirun -n 2 python tests/mpi_rank.py serve --engines ...`.
+
+The fake is tests/fake_tensorrt.py's executor (leader-only enqueue, the modelled outputs computed by the real tiny
+Hugging Face target), plus what a tensor-parallel world adds, over real MPI (mpi4py on Open MPI):
+
+- every rank builds its executor; only rank 0 (the leader, executorImpl.cpp canEnqueueRequests) can enqueue;
+- each executor iteration the leader runs is one step the other ranks take part in: the leader sends it to every
+  rank and each rank answers, as the tensor-parallel collectives tie every rank to every iteration;
+- a non-leader's `shutdown()` (what `serve_worker()` calls) returns when the leader shuts its executor down
+  (executorImpl.cpp, Executor::Impl::shutdown), and the rank then exits.
+
+A worker that dies makes the leader's next iteration fail (its answer never comes) and mpirun end the job, as a
+lost rank does to real tensor-parallel collectives; this rank prints one JSON line per life-cycle event.
+Only CUDA is faked beyond the executor: `registry.cuda_available` answers True so the registry lets the
+TensorRT-LLM backend load (its lm_head then runs on the CPU).
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from fake_tensorrt import make_trtllm_executor  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+
+POLL_S = 0.005  # how often a waiting rank looks for the leader's message (Open MPI's blocking recv spins a core)
+ANSWER_TIMEOUT_S = 30.0  # a rank that does not answer an iteration within this is lost
+
+
+def event(**fields) -> None:
+    print(json.dumps(fields), file=sys.stderr, flush=True)
+
+
+def wait_message(comm, source: int, timeout: float | None = None):
+    """comm.recv without spinning: poll, sleep, then receive. None after `timeout` seconds."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while not comm.iprobe(source=source):
+        if end is not None and time.monotonic() > end:
+            return None
+        time.sleep(POLL_S)
+    return comm.recv(source=source)
+
+
+def hf_model_fn(target_dir: str, layers: list[int]):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def run(tokens):
+        out = model(input_ids=torch.tensor([tokens]), output_hidden_states=True)
+        hs = out.hidden_states
+        values = {f"dflash_feature_{i}": hs[i + 1][0].numpy() for i in layers}
+        values["dflash_final_hidden"] = hs[-1][0].numpy()
+        return values
+
+    return run
+
+
+def install(engines: Path, comm) -> None:
+    rank, size = comm.Get_rank(), comm.Get_size()
+    meta = json.loads((engines / "target_trtllm" / "dflash_target.json").read_text())
+    ex = make_trtllm_executor([], hf_model_fn(meta["target_dir"], list(meta["feature_layer_ids"])), rank=rank)
+    base = ex.Executor
+
+    class Executor(base):
+        """The fake executor of one rank of a tensor-parallel world (see the module docstring)."""
+
+        iterations = 0
+
+        def await_responses(self, ids=None):
+            ran = bool(self.pending)
+            out = super().await_responses(ids)
+            if ran and rank == 0:
+                Executor.iterations += 1
+                for peer in range(1, size):
+                    comm.send(("iteration", Executor.iterations), dest=peer)
+                for peer in range(1, size):
+                    if wait_message(comm, peer, ANSWER_TIMEOUT_S) is None:
+                        event(event="fake_rank_lost", rank=peer)
+                        raise RuntimeError(f"tensor-parallel rank {peer} did not take part in the iteration")
+            return out
+
+        def shutdown(self):
+            if self.shutdown_called:
+                return
+            super().shutdown()
+            if rank == 0:
+                for peer in range(1, size):
+                    comm.send(("shutdown", 0), dest=peer)
+                event(event="fake_leader_shutdown", iterations=Executor.iterations)
+                return
+            while True:  # a worker: every leader iteration, then the leader's shutdown
+                kind, n = wait_message(comm, 0)
+                if kind == "shutdown":
+                    event(event="fake_worker_shutdown", rank=rank, iterations=Executor.iterations)
+                    return
+                Executor.iterations = n
+                comm.send(("done", n), dest=0)
+
+    ex.Executor = Executor
+    for name in ("tensorrt_llm", "tensorrt_llm.bindings", "tensorrt_llm.bindings.executor"):
+        module = ex if name.endswith("executor") else types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)  # find_spec (the registry) sees it
+        sys.modules[name] = module
+    sys.modules["tensorrt_llm"].bindings = sys.modules["tensorrt_llm.bindings"]
+    sys.modules["tensorrt_llm.bindings"].executor = ex
+
+    from dflash_trt.runtime import registry
+
+    registry.cuda_available = lambda: True  # the one other fake: CUDA (the registry's check for this backend)
+
+
+def main(argv: list[str]) -> int:
+    comm = MPI.COMM_WORLD
+    event(event="fake_rank", rank=comm.Get_rank(), size=comm.Get_size(), pid=os.getpid())
+    install(Path(argv[argv.index("--engines") + 1]), comm)
+    from dflash_trt.cli import main as cli_main
+
+    code = cli_main(argv)
+    event(event="fake_rank_exit", rank=comm.Get_rank(), code=code)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -38,7 +38,7 @@ is the cost).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -318,12 +318,14 @@ def measure_costs(
     blocks: Sequence[int] = (1, 4, 8),
     context: int = 128,
     repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
     target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
     The whole grid is timed `repeats` times over and each cell keeps its fastest pass, so a burst of load
-    from other processes spoils one pass of a cell, not the cell."""
+    from other processes spoils one pass of a cell, not the cell. clock: what the passes are timed with (wall
+    time; a simulation's virtual clock)."""
     vocab = int(target.vocab_size)
     g = torch.Generator().manual_seed(0)
     setups = []
@@ -349,18 +351,18 @@ def measure_costs(
         for r, sess, handles, dsess, dh, feats in setups:
             for b in blocks:
                 ids = [torch.randint(0, vocab, (b,), generator=g) for _ in handles]
-                t0 = time.perf_counter()
+                t0 = clock()
                 sess.forward(handles, ids)
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 for h in handles:
                     sess.rollback(h, context)
                 if rep:
                     keep(("target", r, r * b), seconds)
                 if dsess is None or b < 2 or feats is None:
                     continue
-                t0 = time.perf_counter()
+                t0 = clock()
                 dsess.draft([DraftRequest(h, feats[:1], 1, b) for h in dh])
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 if rep:
                     keep(("drafter", r, r * (b + 1)), seconds)
     t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]

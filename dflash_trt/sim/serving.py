@@ -222,19 +222,34 @@ def simulate(
     slo_ttft_s: float = 2.0,
     slo_tpot_s: float = 0.05,
     keep_outputs: bool = False,
+    warmup: int = 32,
+    host_step_s: float = HOST_STEP_S,
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
     1, max_active / 2 and max_active rows, as server/context.py does): one deployment, whatever the load. Throughput is measured over the steady window:
     closed loop, from the first request's end to the last request's admission (the batch is full all along);
-    open loop, over the whole run."""
+    open loop, over the whole run. Before it, `warmup` short requests of the same workload run through the
+    same decoder, 16 at a time, untimed: a long-running server's policy state (adaptive's acceptance prior,
+    TensorRT-LLM's acceptance window) is that of a server that has seen this traffic."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     limit = concurrency if concurrency is not None else (max_active or 256)
     target, drafter, clock = sim_engines(cost, work.profiles)
     pol = Policy(policy, max_active or 256, drafter.block_size)
     dec = pol.decoder(target, drafter, clock)
-    clock.now = 0.0  # the start-up grid ran before serving
+    greedy = SamplingParams(0.0)
+    if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
+        warm = Workload(work.name, work.profiles, work.mix, "uniform:32-96", "uniform:48-96").requests(warmup, seed + 7)
+        pending = [GenerationConfig(max_new_tokens=n, sampling=greedy, stop_token_ids=()) for _, n, _ in warm]
+        queue = [(p, cfg) for (p, _, _), cfg in zip(warm, pending)]
+        while queue or dec.active:
+            while queue and len(dec.active) < 16:
+                p, cfg = queue.pop(0)
+                dec.join(dec.new_row(p, cfg))
+            pol.before_step(dec)
+            pol.after_step(dec.step())
+    clock.now = 0.0  # the start-up grid and the warm-up ran before serving
     rng = random.Random(seed + 1)
     reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]
     if rate is not None:
@@ -242,7 +257,6 @@ def simulate(
         for r in reqs:
             t += rng.expovariate(rate)
             r.arrival = t
-    greedy = SamplingParams(0.0)
     waiting = list(reqs)
     active: dict[int, _Req] = {}
     steps, batch_sum, blocks, rounds_n, committed = 0, 0, [], 0, 0
@@ -276,7 +290,7 @@ def simulate(
         pol.before_step(dec)
         batch_sum += len(dec.active)
         rounds = dec.step()
-        clock.advance(HOST_STEP_S)
+        clock.advance(host_step_s)
         pol.after_step(rounds)
         steps += 1
         now = clock.now

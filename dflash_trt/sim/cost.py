@@ -73,6 +73,11 @@ class ProfileCost:
     drafter_layers: int = 5  # the published Qwen3-8B DFlash drafter
     feature_layers: int = 5  # target layers whose hidden states the drafter reads (its fc input)
 
+    # a what-if, not a measurement: read the profile at tokens / token_scale and divide its times by time_scale
+    # (a GPU whose matrices turn compute bound token_scale x later and run time_scale x faster)
+    token_scale: float = 1.0
+    time_scale: float = 1.0
+
     def __post_init__(self) -> None:
         self.shape = MODELS[self.model]
         self.spec = GPUS[self.gpu]
@@ -81,7 +86,9 @@ class ProfileCost:
         self.op(1)  # fail now on a tp the profile lacks
 
     def op(self, tokens: float, name: str | None = None) -> float:
-        return self.ops.layer(tokens, self.tp) if name is None else self.ops.op(name, tokens, self.tp)
+        n = tokens / self.token_scale
+        t = self.ops.layer(n, self.tp) if name is None else self.ops.op(name, n, self.tp)
+        return t / self.time_scale
 
     def comm(self, tokens: float) -> float:
         """Both all-reduces of one layer."""
@@ -100,11 +107,9 @@ class ProfileCost:
         for n, p in zip(queries, keys_before):
             nbytes += (p + 2 * n) * kv_row  # read all keys (the cache and the new), write the new
             flops += flop_q * n * (p + ((n + 1) / 2 if causal else n))
-        return max(
-            nbytes / (self.spec.hbm_bytes_per_s * ATTN_BW_EFFICIENCY),
-            flops / (self.spec.bf16_flops * ATTN_FLOP_EFFICIENCY),
-            ATTN_MIN_S,
-        )
+        bandwidth = self.spec.hbm_bytes_per_s * self.time_scale
+        peak = self.spec.bf16_flops * self.time_scale * self.token_scale
+        return max(nbytes / (bandwidth * ATTN_BW_EFFICIENCY), flops / (peak * ATTN_FLOP_EFFICIENCY), ATTN_MIN_S)
 
     def lm_head(self, tokens: float) -> float:
         s = self.shape
@@ -143,11 +148,19 @@ class LinearPassCost:
     target_one_token: float | None = None
 
     @classmethod
-    def from_cost_model(cls, cost: dict) -> LinearPassCost:
-        """From a recorded `{"target": {...}, "drafter": {...}}` (results/load/results.json's cost_model)."""
+    def from_cost_model(cls, cost: dict, k: float = 1.0) -> LinearPassCost:
+        """From a recorded `{"target": {...}, "drafter": {...}}` (results/load/results.json's cost_model), every
+        coefficient times k (e.g. the ratio of the passes that ran to the grid's price for them)."""
         t, d = cost["target"], cost["drafter"]
+        one = t.get("one_token")
         return cls(
-            t["fixed"], t["per_row"], t["per_token"], d["fixed"], d["per_row"], d["per_token"], t.get("one_token")
+            k * t["fixed"],
+            k * t["per_row"],
+            k * t["per_token"],
+            k * d["fixed"],
+            k * d["per_row"],
+            k * d["per_token"],
+            None if one is None else k * one,
         )
 
     def target(self, new: Sequence[int], past: Sequence[int], logits: int) -> float:

@@ -43,7 +43,7 @@ SGLANG = {"c1": 5.1, "c32": 2.8}  # dflash.md: SGLang, one B200, Qwen3-8B MATH50
 
 
 def requests_for(c: int, scale: float) -> int:
-    return max(12, round(scale * 2 * c))
+    return max(round(32 * scale), round(scale * 2 * c))
 
 
 def sweep(args) -> list[dict]:
@@ -353,6 +353,18 @@ def readme(res: dict) -> str:
     ]
     for c in res["checks"]:
         lines.append(f"| {c['what']} | {'PASS' if c['passed'] else 'FAIL'} | {c['figure']} |")
+    lines += [
+        "",
+        "Where adaptive falls short (diagnosed on the simulator, not fixed): on `mixed` at 64-128 rows the",
+        "rows that stopped drafting are probed every 32 x 2^k steps, all at once, and a probe makes the drafter",
+        "take in each probed row's whole backlog of features (its prompt and every token since it last drafted):",
+        "at Llama-3-8B, 128 rows, three probe steps fed the drafter 163k context rows, 0.54 s of a 12.8 s run,",
+        "the 4 % by which adaptive trails the target alone there; short runs weight these early probes more than",
+        "a long-running server would (the backoff grows to 512 steps). On `mixed` at 32 rows the per-row sizes",
+        "beat the best fixed block by 6.5-7 %, not 10 %: new rows start from the workload's mean acceptance and",
+        "spend their first rounds learning their own. Low-concurrency cells differ by 1-3 % run to run (32",
+        "requests per cell).",
+    ]
     cells: dict = {}
     for r in res["runs"]:
         cells.setdefault((r["model"], r["tp"], r["workload"]), {}).setdefault(r["concurrency"], {})[r["policy"]] = r
@@ -446,7 +458,9 @@ def readme(res: dict) -> str:
             "A100's FLOPs per byte of bandwidth (281 vs 153), so its matrices stay weight bound ~1.8x further.",
             "A labelled what-if, the A100 profile with its token axis stretched 1.8x and times 3.9x shorter",
             f"(B200-like, not a profile): {g['what_if_b200_like']['speedup_c1']}x -> "
-            f"{g['what_if_b200_like']['speedup_c32']}x (decay {g['what_if_b200_like']['decay']}).",
+            f"{g['what_if_b200_like']['speedup_c32']}x (decay {g['what_if_b200_like']['decay']}). What remains is not",
+            "modelled: the published run's longer generations (attention, which a verify block shares, weighs more",
+            "in the baseline), SGLang's own per-step costs in its target-alone baseline, and the B200 itself.",
         ]
     lines += [
         "",
@@ -464,13 +478,21 @@ def readme(res: dict) -> str:
     return "\n".join(lines)
 
 
+def rewrite_readme(out: Path) -> None:
+    """README.md again from results.json (after a change to its text only)."""
+    (out / "README.md").write_text(readme(json.loads((out / "results.json").read_text())))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "sim", help="output folder")
     ap.add_argument("--smoke", action="store_true", help="a few cells only (seconds): checks the pipeline")
     ap.add_argument("--reduced", action="store_true", help="concurrency 1/8/32/256, half the requests")
+    ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
     ap.add_argument("--load-results", type=Path, default=ROOT / "results" / "load" / "results.json")
     args = ap.parse_args()
+    if args.readme_only:
+        return rewrite_readme(args.out)
     args.setups, args.workloads, args.policies = SETUPS, WORKLOADS, POLICIES
     args.concurrency, args.scale, args.rates, args.poisson_requests, args.gpu_osl = CONCURRENCY, 1.0, (4, 16), 96, 512
     if args.reduced:
@@ -500,7 +522,7 @@ def main() -> None:
             "workloads": list(args.workloads),
             "policies": list(args.policies),
             "concurrency": list(args.concurrency),
-            "requests_rule": f"max(12, {2 * args.scale:g} x C) requests per cell, steady window",
+            "requests_rule": f"max({round(32 * args.scale)}, {2 * args.scale:g} x C) requests per cell, steady window",
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,
             "host_step_s": HOST_STEP_S,

@@ -121,8 +121,8 @@ class LinearCost:
             err = sse(coef, knee)
             if err * KNEE_MIN_GAIN < best_err if best[1] == 0.0 else err < best_err:
                 best, best_err = (coef, float(knee)), err
-        (fixed, per_row, per_token), knee = best
-        return fixed, per_row, per_token, knee
+        (fixed, per_row, per_token), chosen = best
+        return fixed, per_row, per_token, chosen
 
     @staticmethod
     def _line(samples: Sequence[tuple[int, int, float]], knee: float = 0.0) -> list[float]:

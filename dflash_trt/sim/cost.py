@@ -148,7 +148,7 @@ class LinearPassCost:
     target_one_token: float | None = None
 
     @classmethod
-    def from_cost_model(cls, cost: dict, k: float = 1.0) -> LinearPassCost:
+    def from_cost_model(cls, cost: dict[str, dict[str, float]], k: float = 1.0) -> LinearPassCost:
         """From a recorded `{"target": {...}, "drafter": {...}}` (results/load/results.json's cost_model), every
         coefficient times k (e.g. the ratio of the passes that ran to the grid's price for them)."""
         t, d = cost["target"], cost["drafter"]

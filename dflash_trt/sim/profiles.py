@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import csv
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -60,7 +61,7 @@ MODELS = {
 GPUS = {"a100": GpuSpec("A100-SXM4-80GB", 2.039e12, 312e12, "a100_dgx")}
 
 
-def _interp(xs: list[float], ys: list[float], x: float) -> float:
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """Piecewise-linear through (xs, ys) (xs sorted, >= 2 points), extrapolated along the end segments."""
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo engines triton triton-env bench bench-serve bench-load aiperf-env serve gpu-smoke models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -143,6 +143,12 @@ bench-serve: venv aiperf-env
 # results.json, load.png). Long (durations in docs/benchmarks.md); run it on a quiet machine.
 bench-load: venv aiperf-env
 	$(BIN)/python scripts/bench_load.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
+
+# Serving simulated from measured profiles (Vidur's A100 op profiles; no GPU, no model): the real batched loop and
+# policies (none, fixed-4/8/16, adaptive, TensorRT-LLM-style schedule, vLLM-style table) on simulated engines at
+# concurrency 1..256, plus calibrations; writes results/sim/. About 10 min on 2 cores (BENCH_SIM_ARGS=--reduced: less).
+bench-sim: venv
+	$(BIN)/python scripts/bench_sim.py --out results/sim $(BENCH_SIM_ARGS)
 
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"

@@ -38,9 +38,10 @@ is the cost).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
@@ -56,17 +57,25 @@ class LinearCost:
     tokens 11.0, 8 tokens 11.7 (+2.0 ms for the first 3 drafted tokens, +0.8 for the next 4), while the
     line through the whole grid put the 1-token pass at 10.3 ms. Priced by the line, drafting at one row
     looked 30 % cheaper than it was, and a lone request whose drafts hit half the time (tau 2 at block 8)
-    drafted most steps and ran at 0.73x the target alone."""
+    drafted most steps and ran at 0.73x the target alone.
+
+    `knee` (tokens; 0 = none): a pass of fewer tokens costs as much as one of `knee` tokens, i.e. tokens are
+    priced by max(tokens, knee). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
+    tokens (A100, Llama-3-8B, Vidur's profile: a layer costs 0.306 ms at 1 token, 0.421 at 128, 0.624 at 256,
+    4.55 at 2048), so one line either prices a small batch's drafted tokens as if they were compute bound
+    (fitted through the large passes) or a large batch's as free. `fit` takes a knee only where it cuts the
+    squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a line (a CPU's) keeps none."""
 
     fixed: float = 0.0
     per_row: float = 0.0
     per_token: float = 0.0
     one_token: float | None = None
+    knee: float = 0.0
 
     def __call__(self, rows: int, tokens: int) -> float:
         if rows == 1 and tokens == 1 and self.one_token is not None:
             return self.one_token
-        return 0.0 if rows == 0 else self.fixed + self.per_row * rows + self.per_token * tokens
+        return 0.0 if rows == 0 else self.fixed + self.per_row * rows + self.per_token * max(tokens, self.knee)
 
     def scaled(self, k: float, k_one_token: float | None = None) -> LinearCost:
         """The line times k; the one-token pass times k_one_token (k when None)."""
@@ -76,28 +85,61 @@ class LinearCost:
             self.per_row * k,
             self.per_token * k,
             None if self.one_token is None else self.one_token * k1,
+            self.knee,
         )
 
     @classmethod
     def fit(cls, samples: Sequence[tuple[int, int, float]]) -> LinearCost:
         """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink).
         One-token passes, when the other samples span enough shapes (3) for the line, are not on it:
-        `one_token` is their mean."""
+        `one_token` is their mean. A knee (see the class) is tried at each sampled token count between the
+        smallest and the largest."""
         single = [s for r, t, s in samples if r == 1 and t == 1]
         rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)]
         if single and len({(r, t) for r, t, _ in rest}) >= 3:
-            fixed, per_row, per_token = cls._line(rest)
-            return cls(fixed, per_row, per_token, one_token=sum(single) / len(single))
+            fixed, per_row, per_token, knee = cls._fit_knee(rest)
+            return cls(fixed, per_row, per_token, one_token=sum(single) / len(single), knee=knee)
         if len(samples) < 3:
             raise ValueError(f"fitting a cost model needs >= 3 samples, got {len(samples)}")
-        return cls(*cls._line(samples))
+        fixed, per_row, per_token, knee = cls._fit_knee(samples)
+        return cls(fixed, per_row, per_token, knee=knee)
+
+    @classmethod
+    def _fit_knee(cls, samples: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
+        def sse(coef: list[float], knee: float) -> float:
+            return sum((coef[0] + coef[1] * r + coef[2] * max(t, knee) - s) ** 2 for r, t, s in samples)
+
+        line = cls._line(samples)
+        best, best_err = (line, 0.0), sse(line, 0.0)
+        tokens = sorted({t for _, t, _ in samples})
+        # a knee is one more parameter: tried only on a grid of >= 5 shapes that the line misses by > 1 % (rms)
+        scale = sum(s * s for _, _, s in samples)
+        if len({(r, t) for r, t, _ in samples}) < 5 or best_err <= 1e-4 * scale:
+            tokens = []
+        for knee in tokens[1:-1]:
+            coef = cls._line(samples, knee)
+            err = sse(coef, knee)
+            if err * KNEE_MIN_GAIN < best_err if best[1] == 0.0 else err < best_err:
+                best, best_err = (coef, float(knee)), err
+        (fixed, per_row, per_token), chosen = best
+        return fixed, per_row, per_token, chosen
 
     @staticmethod
-    def _line(samples: Sequence[tuple[int, int, float]]) -> list[float]:
-        a = torch.tensor([[1.0, r, t] for r, t, _ in samples], dtype=torch.float64)
+    def _line(samples: Sequence[tuple[int, int, float]], knee: float = 0.0) -> list[float]:
+        a = torch.tensor([[1.0, r, max(t, knee)] for r, t, _ in samples], dtype=torch.float64)
         y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
         coef: list[float] = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
         return coef
+
+
+KNEE_MIN_GAIN = 4.0
+KNEE_PRICES = (
+    1.0,
+    0.5,
+    0.25,
+    0.125,
+    0.0,
+)  # token prices (x per_token) choose_blocks tries under a knee  # a knee is fitted only where it cuts the line's squared error at least 4x
 
 
 @dataclass
@@ -116,21 +158,37 @@ class CostModel:
     The target's one-token pass (`LinearCost.one_token`) has a correction of its own (`target_one_token`):
     the two drift apart with the context (a one-token pass attends over it with one query, a drafted block
     with several under a mask). Measured at one row on a 325-token prompt: the start-up grid (context 150)
-    put a 7-token pass at 1.21x a 1-token one, the real passes ran at 1.55x."""
+    put a 7-token pass at 1.21x a 1-token one, the real passes ran at 1.55x.
+
+    A shape with a knee (a GPU's: `LinearCost.knee`) is corrected by adding seconds per row instead
+    (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at
+    context 128 cannot see cost more because each row reads a longer KV cache, once whatever its block, and
+    a factor on the whole shape would make every drafted token dearer by as much. Issue-28 simulation
+    (A100, Llama-3-8B, 128 rows at context ~700): a 1-token step cost 1.5x the grid's price, a 4-token
+    step 1.3x; scaled by 1.5 the drafting step looked 30 % dearer than it was and no row drafted, where
+    block 4 gave +11 %."""
 
     target: LinearCost
     drafter: LinearCost
     window: int = 256  # observations kept for refits
     scale_weight: float = 0.1  # per observed pass: the correction follows the last ~10 passes
     scale: dict[str, float] = field(default_factory=lambda: {"target": 1.0, "target_one_token": 1.0, "drafter": 1.0})
+    # per engine whose shape has a knee: seconds per row the passes took beyond the shape (see the class)
+    row_offset: dict[str, float] = field(default_factory=lambda: {"target": 0.0, "drafter": 0.0})
     _seen: dict[str, list[tuple[int, int, float]]] = field(default_factory=lambda: {"target": [], "drafter": []})
 
     def current(self) -> tuple[LinearCost, LinearCost]:
-        """The target's and the drafter's costs as the policy should price them now (shape x correction)."""
-        return (
-            self.target.scaled(self.scale["target"], self.scale["target_one_token"]),
-            self.drafter.scaled(self.scale["drafter"]),
-        )
+        """The target's and the drafter's costs as the policy should price them now (shape x correction; a
+        shape with a knee: shape + a per-row correction, see `observe`)."""
+        return self._corrected("target", self.scale["target_one_token"]), self._corrected("drafter", None)
+
+    def _corrected(self, kind: str, k_one_token: float | None) -> LinearCost:
+        shape: LinearCost = getattr(self, kind)
+        if shape.knee <= 0:
+            return shape.scaled(self.scale[kind], k_one_token)
+        one = None if shape.one_token is None else shape.one_token * (k_one_token or 1.0)
+        per_row = max(0.0, shape.per_row + self.row_offset[kind])
+        return LinearCost(shape.fixed, per_row, shape.per_token, one, shape.knee)
 
     def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
         target, drafter = self.current()
@@ -152,7 +210,11 @@ class CostModel:
         )
         if correct and predicted > 0 and seconds > 0:
             ratio = min(4.0, max(0.25, seconds / predicted))
-            self.scale[key] += self.scale_weight * (ratio - self.scale[key])
+            if shape.knee > 0 and key == kind:  # what the grid missed is per row (see the class), not x all
+                residual = (ratio - 1.0) * predicted / rows
+                self.row_offset[kind] += self.scale_weight * (residual - self.row_offset[kind])
+            else:
+                self.scale[key] += self.scale_weight * (ratio - self.scale[key])
 
     def refit(self, min_samples: int = 16) -> None:
         """Refit the shapes from observed passes when they span enough distinct shapes (online adaptation);
@@ -162,6 +224,7 @@ class CostModel:
             if len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3:
                 setattr(self, kind, LinearCost.fit(seen))
                 self.scale[kind] = 1.0
+                self.row_offset[kind] = 0.0
                 if kind == "target":
                     self.scale["target_one_token"] = 1.0
 
@@ -249,66 +312,83 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
 
     min_gain: when nobody has to draft, drafting is chosen only if its expected rate beats not drafting by
     this fraction (a margin for what the linear costs leave out: per-row acceptance work, the drafter's
-    backlog of context rows). Probe and fixed rows draft regardless."""
+    backlog of context rows). Probe and fixed rows draft regardless.
+
+    Vectorised over a [rows, sizes] table (numpy): at 256 rows a step's choice must stay a small fraction of
+    a GPU step (tens of ms), which a per-row Python loop over candidate tuples did not (~3 ms)."""
     if not rows:
         return []
     t, d = cost.current()
-    free_sizes = [
-        [r.fixed]
-        if r.fixed is not None
-        else [r.max_block]
-        if r.probe and r.max_block >= 2
-        else list(range(1, max(1, r.max_block) + 1))
-        for r in rows
-    ]
-    if t(len(rows), len(rows)) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
-        return [sizes[-1] for sizes in free_sizes]
-    # per row and candidate size: expected tokens and the row's share of the step time
-    cands = []
-    for r, sizes in zip(rows, free_sizes):
-        cands.append(
-            [
-                (
-                    b,
-                    expected_tokens(r.alpha, b),
-                    t.per_token * b + (d.per_row + d.per_token * (b + r.new_context) if b > 1 else 0.0),
-                )
-                for b in sizes
-            ]
-        )
-    shared = t.fixed + t.per_row * len(rows)
+    n = len(rows)
+    top = max(max(1, r.max_block, r.fixed or 1) for r in rows)
+    allowed = np.zeros((n, top), dtype=bool)
+    for i, r in enumerate(rows):
+        if r.fixed is not None:
+            allowed[i, r.fixed - 1] = True
+        elif r.probe and r.max_block >= 2:
+            allowed[i, r.max_block - 1] = True
+        else:
+            allowed[i, : max(1, r.max_block)] = True
+    if t(n, n) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
+        return [int(np.flatnonzero(a)[-1]) + 1 for a in allowed]
+    sizes = np.arange(1, top + 1, dtype=np.float64)
+    alpha = np.array([[r.alpha] for r in rows], dtype=np.float64)
+    ctx = np.array([[r.new_context] for r in rows], dtype=np.float64)
+    below = np.minimum(alpha, 1.0)
+    geometric = (1.0 - below**sizes) / np.where(below < 1.0, 1.0 - below, 1.0)
+    gain = np.where(alpha >= 1.0, sizes, np.where(sizes <= 1, 1.0, geometric))  # expected_tokens per cell
+    drafts = sizes > 1
+    # each cell's share of the step time: its target tokens, and its drafter row and tokens when it drafts
+    share = t.per_token * sizes + np.where(drafts, d.per_row + d.per_token * (sizes + ctx), 0.0)
+    shared = t.fixed + t.per_row * n
+    index = np.arange(n)
 
-    def rate(pick: list[tuple[int, float, float]], drafting: bool) -> float:
-        return sum(p[1] for p in pick) / (shared + (d.fixed if drafting else 0.0) + sum(p[2] for p in pick))
+    def rate(pick: np.ndarray) -> float:
+        return float(gain[index, pick].sum() / (shared + d.fixed + share[index, pick].sum()))
 
-    # case 1: nobody drafts (possible only when no fixed row drafts)
-    best_pick: list[tuple[int, float, float]] | None = None
+    def true_rate(pick: np.ndarray) -> float:  # the step time by the costs' own formula (their knees)
+        b = pick + 1
+        drafting = b > 1
+        tokens_d = int((b + ctx[:, 0])[drafting].sum())
+        return float(gain[index, pick].sum() / (t(n, int(b.sum())) + d(int(drafting.sum()), tokens_d)))
+
+    # case 1: nobody drafts (possible only when no fixed or probe row must draft)
+    first = allowed.argmax(axis=1)  # each row's smallest allowed size
+    best_pick: np.ndarray | None = None
     lam = 0.0
-    if all(c[0][0] <= 1 for c in cands):
-        best_pick = [c[0] for c in cands]
-        lam = len(rows) / t(len(rows), len(rows)) * (1.0 + min_gain)  # a drafting pick must beat this
+    if not first.any():
+        best_pick = first
+        lam = n / t(n, n) * (1.0 + min_gain)  # a drafting pick must beat this
     # case 2: the drafter runs (its fixed cost paid): Dinkelbach on the separable ratio over the picks where
-    # some row drafts, from lam; stop once the rate stops rising
-    for _ in range(max_iter):
-        pick = [max(c, key=lambda p: p[1] - lam * p[2]) for c in cands]
-        if not any(p[0] > 1 for p in pick):  # the best drafting pick: one row switched, the one that loses least
-            switches = [
-                (max(opts, key=lambda p: p[1] - lam * p[2]), i)
-                for i, c in enumerate(cands)
-                if (opts := [p for p in c if p[0] > 1])
-            ]
-            if not switches:  # no row can draft: case 1 was the only choice
+    # some row drafts, from lam; stop once the rate stops rising. With a knee the step time is not separable
+    # (tokens below the knee are free, above it cost per_token): Dinkelbach runs at several token prices
+    # (full, fractions, free), each pick is rated at the true cost, the best rate is kept.
+    can_draft = allowed[:, 1:].any(axis=1)
+    knees = t.knee > 0 or d.knee > 0
+    base_pick, base_lam = best_pick, lam
+    for price in KNEE_PRICES if knees else (1.0,):
+        if knees:
+            share = price * t.per_token * sizes + np.where(drafts, d.per_row + price * d.per_token * (sizes + ctx), 0.0)
+        pick_p, lam_p = base_pick, base_lam
+        for _ in range(max_iter):
+            score = np.where(allowed, gain - lam_p * share, -np.inf)
+            pick = score.argmax(axis=1)
+            if not pick.any():  # the best drafting pick: one row switched, the one that loses least
+                if not can_draft.any():  # no row can draft: case 1 was the only choice
+                    break
+                alt = score[:, 1:].argmax(axis=1) + 1
+                loss = np.where(can_draft, score[index, alt] - score[index, pick], -np.inf)
+                i = int(loss.argmax())
+                pick = pick.copy()
+                pick[i] = alt[i]
+            new = true_rate(pick) if knees else rate(pick)
+            if pick_p is not None and new <= lam_p * (1 + 1e-12):
                 break
-            best_switch, i = max(
-                switches, key=lambda s: (s[0][1] - lam * s[0][2]) - (pick[s[1]][1] - lam * pick[s[1]][2])
-            )
-            pick[i] = best_switch
-        new = rate(pick, True)
-        if best_pick is not None and new <= lam * (1 + 1e-12):
-            break
-        best_pick, lam = pick, new
+            pick_p, lam_p = pick, new
+        if pick_p is not None and (best_pick is None or lam_p > lam * (1 + 1e-12)):
+            best_pick, lam = pick_p, lam_p
     assert best_pick is not None
-    return [p[0] for p in best_pick]
+    return [int(b) + 1 for b in best_pick]
 
 
 def measure_costs(
@@ -318,12 +398,14 @@ def measure_costs(
     blocks: Sequence[int] = (1, 4, 8),
     context: int = 128,
     repeats: int = 3,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
     """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
     target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
     The whole grid is timed `repeats` times over and each cell keeps its fastest pass, so a burst of load
-    from other processes spoils one pass of a cell, not the cell."""
+    from other processes spoils one pass of a cell, not the cell. clock: what the passes are timed with (wall
+    time; a simulation's virtual clock)."""
     vocab = int(target.vocab_size)
     g = torch.Generator().manual_seed(0)
     setups = []
@@ -349,18 +431,18 @@ def measure_costs(
         for r, sess, handles, dsess, dh, feats in setups:
             for b in blocks:
                 ids = [torch.randint(0, vocab, (b,), generator=g) for _ in handles]
-                t0 = time.perf_counter()
+                t0 = clock()
                 sess.forward(handles, ids)
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 for h in handles:
                     sess.rollback(h, context)
                 if rep:
                     keep(("target", r, r * b), seconds)
                 if dsess is None or b < 2 or feats is None:
                     continue
-                t0 = time.perf_counter()
+                t0 = clock()
                 dsess.draft([DraftRequest(h, feats[:1], 1, b) for h in dh])
-                seconds = time.perf_counter() - t0
+                seconds = clock() - t0
                 if rep:
                     keep(("drafter", r, r * (b + 1)), seconds)
     t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,8 @@ class BatchDecoder:
     (greedy, sampled; k: that regime's probes in a row that missed, at most `max_probe_backoff`): each row of
     the regime that has not drafted in the last N steps drafts one block, so that no estimate freezes, at a
     cost that backs off where probes keep missing (0 = never).
+    clock: the seconds every step and pass is timed with (StepProfile, RoundTimings, the cost model's
+    observations): wall time by default; a simulation passes its virtual clock (dflash_trt.sim).
     min_gain: with adaptive, draft only when the cost model expects it to beat not drafting by this fraction
     (measured on the demo pair at 32 rows: the linear model underestimates a drafting step by 10-25 %).
 
@@ -159,6 +161,7 @@ class BatchDecoder:
         probe_every: int = 32,
         min_gain: float = 0.1,
         max_probe_backoff: int = 4,
+        clock: Callable[[], float] = time.perf_counter,
     ):
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
@@ -167,6 +170,7 @@ class BatchDecoder:
         if adaptive and cost is None:
             raise ValueError("adaptive block sizes need a cost model (adaptive.measure_costs)")
         self.target, self.drafter, self.tokenizer = target, drafter, tokenizer
+        self.clock = clock
         trained = drafter.block_size if drafter is not None else 1
         if block_size is not None and not 1 <= block_size <= trained:
             raise ValueError(f"block_size must be in 1..{trained} for this drafter, got {block_size}")
@@ -235,7 +239,7 @@ class BatchDecoder:
     def step(self) -> list[tuple[BatchRow, Round]]:
         """Advance every active row once; returns the rounds committed (rows that finished are released)."""
         prof = StepProfile()
-        t_start = time.perf_counter()
+        t_start = self.clock()
         verifying = list(self.running)
         rounds: list[tuple[BatchRow, Round]] = []
         if self.joining:
@@ -246,7 +250,7 @@ class BatchDecoder:
             if row.done:
                 self._release(row)
         prof.committed_tokens = sum(len(r.token_ids) for _, r in rounds)
-        prof.total_s = time.perf_counter() - t_start
+        prof.total_s = self.clock() - t_start
         self.last_profile = prof
         return rounds
 
@@ -268,7 +272,7 @@ class BatchDecoder:
 
     def _prefill(self, prof: StepProfile) -> list[tuple[BatchRow, Round]]:
         rows, self.joining = self.joining, []
-        t0 = time.perf_counter()
+        t0 = self.clock()
         for row in rows:
             row.target_row = self.target_session.add_row()
             row.last_draft_step = self._steps  # first probe (if it never drafts) probe_every steps from now
@@ -286,12 +290,12 @@ class BatchDecoder:
             first = next_token(row.adjusted(out.logits[-1:].cpu())[-1], row.params, row.generator)
             if row.drafter_row is not None and out.features is not None:
                 row.pending = [out.features]
-            row.stats.prefill_time_s = time.perf_counter() - t0
+            row.stats.prefill_time_s = self.clock() - t0
             timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
             rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
             self.running.append(row)
         prof.prefill_rows, prof.prefill_tokens = len(rows), sum(len(r.prompt_ids) for r in rows)
-        prof.prefill_s = time.perf_counter() - t0
+        prof.prefill_s = self.clock() - t0
         return rounds
 
     def _limits(self, rows: list[BatchRow]) -> tuple[list[int], list[int | None]]:
@@ -330,9 +334,9 @@ class BatchDecoder:
         return choose_blocks(choices, self.cost, min_gain=self.min_gain)
 
     def _verify(self, rows: list[BatchRow], prof: StepProfile) -> list[tuple[BatchRow, Round]]:
-        t0 = time.perf_counter()
+        t0 = self.clock()
         sizes = self._block_sizes(rows)
-        t1 = time.perf_counter()
+        t1 = self.clock()
         drafts = self._draft(rows, sizes, prof)
         failed = [r for r in rows if r.done]  # the drafter failed them (no fallback): they leave now
         if failed:
@@ -340,7 +344,7 @@ class BatchDecoder:
             rows, sizes, drafts = [rows[i] for i in keep], [sizes[i] for i in keep], [drafts[i] for i in keep]
             for r in failed:
                 self._release(r)
-        t2 = time.perf_counter()
+        t2 = self.clock()
         if not rows:
             return []
         blocks, proposals = [], []
@@ -354,11 +358,11 @@ class BatchDecoder:
             blocks,
             features=any(r.drafter_row is not None for r in rows),
         )
-        t3 = time.perf_counter()
+        t3 = self.clock()
         rounds = []
         probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
         for row, proposal, out, length in zip(rows, proposals, outs, committed):
-            ta = time.perf_counter()
+            ta = self.clock()
             tokens = proposal.tokens
             logits = row.adjusted(out.logits.cpu(), tokens.tolist())
             if tokens.numel() == 0:  # the target alone: its own next token
@@ -375,7 +379,7 @@ class BatchDecoder:
             row.stats.draft_time_s += t2 - t1
             row.stats.verify_time_s += t3 - t2
             new = tokens[:accepted].tolist() + [bonus]
-            own = time.perf_counter() - ta  # this row's acceptance and rollback; the passes are shared
+            own = self.clock() - ta  # this row's acceptance and rollback; the passes are shared
             timings = RoundTimings(
                 draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
             )
@@ -385,7 +389,7 @@ class BatchDecoder:
             k = 0 if 2 * acc >= drafted else min(self.probe_misses.get(regime, 0) + 1, self.max_probe_backoff)
             self.probe_misses[regime] = k
             self._next_probe[regime] = self._steps + self.probe_every * (1 << k)
-        t4 = time.perf_counter()
+        t4 = self.clock()
         prof.verify_rows, prof.verify_tokens, prof.blocks = (
             len(rows),
             sum(len(b) for b in blocks),

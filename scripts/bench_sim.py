@@ -1,0 +1,550 @@
+"""Serving simulated from measured profiles: the real batched loop and block-size policies on simulated A100s.
+
+    python scripts/bench_sim.py [--out results/sim] [--smoke | --reduced]
+
+Sweeps (closed loop) concurrency 1..256 x policies (none, fixed-4/8/16, adaptive, trtllm-schedule,
+vllm-table) x workloads ("paper": each request from one of the paper's Qwen3-8B T=0 benchmarks; "mixed":
+half the requests accept poorly, tau ~2 at block 16) on Llama-3-8B tp=1 and Llama-3-70B tp=4 priced by
+Vidur's A100 profiles (dflash_trt/sim); a Poisson open-loop sweep; two calibrations:
+
+  (a) CPU: the simulator with the CPU cost grid and host overhead `make bench-load` recorded
+      (results/load/results.json: in_process.cost_model, step_profile) and the demo pair's recorded
+      per-prompt acceptance, on the engines-alone request stream (C=16, T=0, 64 requests, 64 new tokens),
+      against the measured engines-alone tokens/s (target alone and adaptive);
+  (b) GPU: the speedup of a fixed block 16 over the target alone on MATH500-like requests from
+      concurrency 1 to 32, against SGLang's published DFlash curve (B200: 5.1x -> 2.8x).
+
+Writes results.json (`runs`: one item per closed-loop cell), README.md (tables, criteria) and sim.png.
+Nothing here runs a model; every figure is simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from dflash_trt.sim.acceptance import AcceptanceProfile  # noqa: E402
+from dflash_trt.sim.cost import LinearPassCost, ProfileCost  # noqa: E402
+from dflash_trt.sim.serving import HOST_STEP_S, POLICIES, Workload, simulate, workload  # noqa: E402
+
+CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SETUPS = (("a100", "llama-3-8b", 1), ("a100", "llama-3-70b", 4))
+WORKLOADS = ("paper", "mixed")
+SLO = {"ttft_s": 2.0, "tpot_s": 0.05}
+SGLANG = {"c1": 5.1, "c32": 2.8}  # dflash.md: SGLang, one B200, Qwen3-8B MATH500
+
+
+def requests_for(c: int, scale: float) -> int:
+    return max(round(32 * scale), round(scale * 2 * c))
+
+
+def sweep(args) -> list[dict]:
+    runs = []
+    for gpu, model, tp in args.setups:
+        cost = ProfileCost(gpu, model, tp)
+        for wl in args.workloads:
+            work = workload(wl)
+            for c in args.concurrency:
+                for policy in args.policies:
+                    t0 = time.perf_counter()
+                    r = simulate(cost, work, policy, concurrency=c, requests=requests_for(c, args.scale))
+                    item = {
+                        "gpu": gpu,
+                        "model": model,
+                        "tp": tp,
+                        "workload": wl,
+                        "policy": policy,
+                        "concurrency": c,
+                        "requests": r.requests,
+                        "tokens_per_s": round(r.tokens_per_s, 1),
+                        "ttft_ms": {k: round(1e3 * v, 1) for k, v in r.ttft_s.items()},
+                        "itl_ms": {k: round(1e3 * v, 2) for k, v in r.itl_s.items()},
+                        "goodput_rps": round(r.goodput_rps, 3),
+                        "mean_block": round(r.mean_block, 2),
+                        "tau": round(r.tau, 2),
+                        "steps": r.steps,
+                        "wall_s": round(time.perf_counter() - t0, 2),
+                    }
+                    if policy == "adaptive":
+                        item["policy_cpu_s_per_step"] = r.policy_cpu_s_per_step
+                        item["simulated_step_s"] = r.simulated_step_s
+                    runs.append(item)
+                    print(json.dumps(item), flush=True)
+    return runs
+
+
+def poisson(args) -> list[dict]:
+    out = []
+    cost = ProfileCost("a100", "llama-3-8b", 1)
+    work = workload("paper")
+    for rate in args.rates:
+        for policy in ("none", "fixed-8", "adaptive", "trtllm-schedule", "vllm-table"):
+            r = simulate(cost, work, policy, rate=rate, requests=args.poisson_requests)
+            out.append(
+                {
+                    "gpu": "a100",
+                    "model": "llama-3-8b",
+                    "tp": 1,
+                    "workload": "paper",
+                    "policy": policy,
+                    "rate_rps": rate,
+                    "tokens_per_s": round(r.tokens_per_s, 1),
+                    "ttft_ms": {k: round(1e3 * v, 1) for k, v in r.ttft_s.items()},
+                    "itl_ms": {k: round(1e3 * v, 2) for k, v in r.itl_s.items()},
+                    "goodput_rps": round(r.goodput_rps, 3),
+                    "mean_batch": round(r.mean_batch, 1),
+                }
+            )
+            print("poisson", json.dumps(out[-1]), flush=True)
+    return out
+
+
+def calibrate_cpu(load_path: Path) -> dict | None:
+    """(a): the simulator on the CPU grid the load benchmark measured, against its engines-alone figures."""
+    if not load_path.exists():
+        return None
+    data = json.loads(load_path.read_text())
+    proc = data.get("in_process") or {}
+    if not proc.get("engines_alone") or not proc.get("cost_model"):
+        return None
+    prof = proc.get("step_profile", {})
+    grid = LinearPassCost.from_cost_model(proc["cost_model"])
+    # the grid keeps each cell's fastest pass on a shared machine; the verify passes that ran in the same
+    # benchmark (its step profile: mean rows, tokens, ms at 16 rows) took k x the grid's price for them
+    k = 1.0
+    if prof.get("verify_ms") and prof.get("mean_rows"):
+        rows, tokens = round(prof["mean_rows"]), round(prof["mean_verify_tokens"])
+        new = [tokens // rows + (i < tokens % rows) for i in range(rows)]
+        k = 1e-3 * prof["verify_ms"] / grid.target(new, [0] * rows, tokens)
+    # the loop's own host time per step there (policy + acceptance + bookkeeping), measured at 16 rows
+    host = 1e-3 * sum(prof.get(k, 0.0) for k in ("policy_ms", "accept_ms", "overhead_ms")) or HOST_STEP_S
+    code = [p for p in proc["per_prompt"] if p["set"] == "code"]
+    profiles = tuple(AcceptanceProfile.from_tau(f"prompt{p['prompt']}", p["tau_single_b8"], 8) for p in code)
+    ea = proc["engines_alone"]
+    c, n_req = ea["concurrency"], ea["requests"]
+    osl = data["settings"]["osl"]
+    # the engines-alone stream: the code prompts in order, wrapping; each prompt its own recorded acceptance
+    work = Workload("demo-code", profiles, (1.0,) * len(profiles), "fixed:1", f"fixed:{osl}")
+    reqs = []
+    for i in range(n_req):
+        p = code[i % len(code)]
+        reqs.append(([i % len(code)] + [len(code) + (7 * i + j) % 200 for j in range(p["prompt_tokens"] - 1)], osl))
+    out: dict = {"concurrency": c, "requests": n_req, "osl": osl, "host_step_s": host, "k": round(k, 3), "modes": {}}
+    for mode, policy in (("target", "none"), ("adaptive", "adaptive")):
+        measured = ea["tokens_per_s"][mode]
+        raw = simulate_stream(grid, work, policy, reqs, c, host)
+        r = simulate_stream(LinearPassCost.from_cost_model(proc["cost_model"], k), work, policy, reqs, c, host)
+        out["modes"][mode] = {
+            "simulated_tokens_per_s": round(r, 1),
+            "measured_tokens_per_s": measured,
+            "error": round(r / measured - 1, 3),
+            "raw_grid_tokens_per_s": round(raw, 1),
+            "raw_grid_error": round(raw / measured - 1, 3),
+        }
+    return out
+
+
+def simulate_stream(cost, work: Workload, policy: str, reqs: list, c: int, host: float) -> float:
+    """`steady_state` of scripts/bench_load.py on the simulated engines: c in flight, a finished row replaced at
+    once, tokens over the whole run (the CPU cost grid is the demo pair's, trained block 8)."""
+    from dflash_trt.decoding import GenerationConfig, SamplingParams
+    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.sim.engines import sim_engines
+
+    target, drafter, clock = sim_engines(cost, work.profiles, block_size=8)
+    if policy == "none":
+        dec = BatchDecoder(target, None, clock=clock)
+    else:  # bench_load's grid: rows 1/4/16, blocks 1/4/8, context 150
+        grid = measure_costs(target, drafter, rows=(1, 4, 16), blocks=(1, 4, 8), context=150, repeats=2, clock=clock)
+        dec = BatchDecoder(target, drafter, adaptive=True, cost=grid, clock=clock)
+    clock.now = 0.0
+    cfg = [GenerationConfig(max_new_tokens=n, sampling=SamplingParams(0.0), stop_token_ids=()) for _, n in reqs]
+    rows = [dec.add(p, k) for (p, _), k in zip(reqs[:c], cfg[:c])]
+    nxt, tokens = len(rows), 0
+    while rows:
+        dec.step()
+        clock.advance(host)
+        for r in [r for r in rows if r.done]:
+            rows.remove(r)
+            tokens += len(r.result().token_ids)
+            if nxt < len(reqs):
+                rows.append(dec.add(reqs[nxt][0], cfg[nxt]))
+                nxt += 1
+    return tokens / clock.now
+
+
+def calibrate_gpu(args) -> dict:
+    """(b): fixed block 16 over the target alone, MATH500-like (tau 7.87), concurrency 1 and 32."""
+    cost = ProfileCost("a100", "llama-3-8b", 1)
+    work = workload("math500", prompt_len="lognormal:150,0.4,32-1024", output_len=f"fixed:{args.gpu_osl}")
+    out: dict = {"gpu": "a100", "model": "llama-3-8b", "tp": 1, "osl": args.gpu_osl, "published": SGLANG}
+    for c in (1, 32):
+        tps = {
+            p: simulate(cost, work, p, concurrency=c, requests=requests_for(c, args.scale)).tokens_per_s
+            for p in ("none", "fixed-16", "adaptive")
+        }
+        out[f"c{c}"] = {p: round(v, 1) for p, v in tps.items()}
+        out[f"speedup_c{c}"] = round(tps["fixed-16"] / tps["none"], 2)
+        out[f"adaptive_speedup_c{c}"] = round(tps["adaptive"] / tps["none"], 2)
+    # what-if (labelled, not a profile): the A100 profile with its token axis stretched 1.8x and times 3.9x
+    # shorter, B200-like (bf16 peak / HBM bandwidth: A100 312 TFLOP/s / 2.0 TB/s = 153 flop/B, B200
+    # 2250 / 8 = 281 flop/B, so its matrices turn compute bound ~1.8x later; 8 / 2.04 TB/s = 3.9x faster)
+    what_if = ProfileCost("a100", "llama-3-8b", 1, token_scale=1.8, time_scale=3.9)
+    w = {}
+    for c in (1, 32):
+        tps = {
+            p: simulate(what_if, work, p, concurrency=c, requests=requests_for(c, args.scale)).tokens_per_s
+            for p in ("none", "fixed-16")
+        }
+        w[f"speedup_c{c}"] = round(tps["fixed-16"] / tps["none"], 2)
+    w["decay"] = round(w["speedup_c32"] / w["speedup_c1"], 3)
+    out["what_if_b200_like"] = w
+    sim_decay = out["speedup_c32"] / out["speedup_c1"]
+    pub_decay = SGLANG["c32"] / SGLANG["c1"]
+    out["simulated_decay"] = round(sim_decay, 3)
+    out["published_decay"] = round(pub_decay, 3)
+    out["decay_error"] = round(sim_decay / pub_decay - 1, 3)
+    return out
+
+
+def geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def criteria(runs: list[dict], cpu: dict | None) -> tuple[list[dict], dict]:
+    checks, ratios = [], {}
+    cells: dict = {}
+    for r in runs:
+        cells.setdefault((r["model"], r["tp"], r["workload"], r["concurrency"]), {})[r["policy"]] = r
+    groups: dict = {}
+    for (model, tp, wl, c), cell in sorted(cells.items()):
+        if "adaptive" not in cell:
+            continue
+        a = cell["adaptive"]["tokens_per_s"]
+        base = [cell[p]["tokens_per_s"] for p in ("none", "fixed-4", "fixed-8", "fixed-16") if p in cell]
+        row = {"vs_best_base": a / max(base) if base else None}
+        for peer in ("trtllm-schedule", "vllm-table"):
+            if peer in cell:
+                row[f"vs_{peer}"] = a / cell[peer]["tokens_per_s"]
+        fixed = [cell[p]["tokens_per_s"] for p in ("fixed-4", "fixed-8", "fixed-16") if p in cell]
+        row["vs_best_fixed"] = a / max(fixed) if fixed else None
+        ratios[f"{model}/tp{tp}/{wl}/c{c}"] = {k: round(v, 3) for k, v in row.items() if v is not None}
+        groups.setdefault((model, tp, wl), []).append((c, row, cell))
+    for (model, tp, wl), items in groups.items():
+        tag = f"{model} tp={tp} {wl}"
+        low = min(items, key=lambda x: x[1]["vs_best_base"])
+        checks.append(
+            {
+                "what": f"{tag}: adaptive >= 0.97x best of none/fixed at every concurrency",
+                "passed": low[1]["vs_best_base"] >= 0.97,
+                "figure": f"lowest {low[1]['vs_best_base']:.3f}x (c={low[0]})",
+            }
+        )
+        for peer in ("trtllm-schedule", "vllm-table"):
+            vals = [(c, row[f"vs_{peer}"]) for c, row, _ in items if f"vs_{peer}" in row]
+            if not vals:
+                continue
+            lowp = min(vals, key=lambda x: x[1])
+            g = geomean([v for _, v in vals])
+            checks.append(
+                {
+                    "what": f"{tag}: adaptive >= 0.99x {peer} at every concurrency, geomean >= 1.05x",
+                    "passed": lowp[1] >= 0.99 and g >= 1.05,
+                    "figure": f"lowest {lowp[1]:.3f}x (c={lowp[0]}), geomean {g:.3f}x",
+                }
+            )
+        if wl == "mixed":
+            for c, row, _ in items:
+                if c == 32 and row.get("vs_best_fixed"):
+                    checks.append(
+                        {
+                            "what": f"{tag} c=32: adaptive >= 1.1x the best fixed block",
+                            "passed": row["vs_best_fixed"] >= 1.1,
+                            "figure": f"{row['vs_best_fixed']:.3f}x",
+                        }
+                    )
+        for c, _, cell in items:
+            if c == 256:
+                a = cell["adaptive"]
+                share = a["policy_cpu_s_per_step"] / a["simulated_step_s"]
+                checks.append(
+                    {
+                        "what": f"{tag} c=256: policy CPU per step <= 2 % of the simulated step",
+                        "passed": share <= 0.02,
+                        "figure": f"{1e3 * a['policy_cpu_s_per_step']:.2f} ms of {1e3 * a['simulated_step_s']:.1f} ms"
+                        f" ({100 * share:.2f} %)",
+                    }
+                )
+    if cpu:
+        worst = max(abs(m["error"]) for m in cpu["modes"].values())
+        checks.append(
+            {
+                "what": "calibration (a): simulated engines-alone tokens/s within 15 % of measured (CPU)",
+                "passed": worst <= 0.15,
+                "figure": ", ".join(
+                    f"{k} {m['simulated_tokens_per_s']:.0f} vs {m['measured_tokens_per_s']:.0f} ({100 * m['error']:+.1f} %)"
+                    for k, m in cpu["modes"].items()
+                ),
+            }
+        )
+    return checks, ratios
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["model"], r["tp"], r["workload"]) for r in runs})
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
+    for ax, (model, tp, wl) in zip(axes[0], panels):
+        for policy in POLICIES:
+            pts = sorted(
+                (r["concurrency"], r["tokens_per_s"])
+                for r in runs
+                if (r["model"], r["tp"], r["workload"], r["policy"]) == (model, tp, wl, policy)
+            )
+            if pts:
+                style = {"lw": 2.5, "color": "black"} if policy == "adaptive" else {"lw": 1.2}
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=policy, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"A100 {model} tp={tp}, {wl}", fontsize=9)
+        ax.set_xlabel("concurrency")
+        ax.set_ylabel("output tokens/s (simulated)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Simulated from measured profiles (Vidur A100 op profiles), not measured on a GPU", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def readme(res: dict) -> str:
+    s = res["settings"]
+    lines = [
+        "# Serving simulated from measured profiles (A100)",
+        "",
+        "**Simulated, not measured on a GPU.** The real batched loop (`BatchDecoder`) and block-size policies run",
+        "on fake engines whose passes advance a virtual clock by the time Vidur's measured A100 operator profiles",
+        "give for their shape (`dflash_trt/sim`, data in `data/profiles/vidur/`). Acceptance: per-position rates",
+        "fitted to the paper's Qwen3-8B T=0 block-16 table (tau 4.24 MT-Bench .. 7.87 MATH500).",
+        f"Made by `make bench-sim` ({s['minutes']} min on {s['machine']}).",
+        "",
+        f"Closed loop, {s['requests_rule']}; prompts `{s['prompt_len']}`, outputs `{s['output_len']}` tokens; host",
+        f"overhead {1e3 * s['host_step_s']:.2f} ms per step; greedy (T=0). Goodput: requests/s with TTFT <= "
+        f"{SLO['ttft_s']} s and mean ITL <= {1e3 * SLO['tpot_s']:.0f} ms.",
+        "",
+        "![tokens/s vs concurrency](sim.png)",
+        "",
+        "## Criteria (issue 28)",
+        "",
+        "| check | result | figure |",
+        "|---|---|---|",
+    ]
+    for c in res["checks"]:
+        lines.append(f"| {c['what']} | {'PASS' if c['passed'] else 'FAIL'} | {c['figure']} |")
+    lines += [
+        "",
+        "Where adaptive falls short (diagnosed on the simulator, not fixed): on `mixed` at 64-128 rows the",
+        "rows that stopped drafting are probed every 32 x 2^k steps, all at once, and a probe makes the drafter",
+        "take in each probed row's whole backlog of features (its prompt and every token since it last drafted):",
+        "at Llama-3-8B, 128 rows, three probe steps fed the drafter 163k context rows, 0.54 s of a 12.8 s run,",
+        "the 4 % by which adaptive trails the target alone there; short runs weight these early probes more than",
+        "a long-running server would (the backoff grows to 512 steps). On `mixed` at 32 rows the per-row sizes",
+        "beat the best fixed block by 6.5-7 %, not 10 %: new rows start from the workload's mean acceptance and",
+        "spend their first rounds learning their own. Low-concurrency cells differ by 1-3 % run to run (32",
+        "requests per cell).",
+    ]
+    cells: dict = {}
+    for r in res["runs"]:
+        cells.setdefault((r["model"], r["tp"], r["workload"]), {}).setdefault(r["concurrency"], {})[r["policy"]] = r
+    for (model, tp, wl), by_c in sorted(cells.items()):
+        lines += [
+            "",
+            f"## A100 {model} tp={tp}, workload `{wl}`: output tokens/s (adaptive's mean block)",
+            "",
+            "| C | " + " | ".join(POLICIES) + " | adaptive / best base |",
+            "|---|" + "---|" * (len(POLICIES) + 1),
+        ]
+        for c in sorted(by_c):
+            cell = by_c[c]
+            base = max(cell[p]["tokens_per_s"] for p in ("none", "fixed-4", "fixed-8", "fixed-16") if p in cell)
+            vals = []
+            for p in POLICIES:
+                if p not in cell:
+                    vals.append("-")
+                    continue
+                v = f"{cell[p]['tokens_per_s']:.0f}"
+                if p == "adaptive":
+                    v += f" ({cell[p]['mean_block']:.1f})"
+                vals.append(v)
+            ratio = cell["adaptive"]["tokens_per_s"] / base if "adaptive" in cell else float("nan")
+            lines.append(f"| {c} | " + " | ".join(vals) + f" | {ratio:.3f} |")
+        lines += [
+            "",
+            "Latency at C=32 and C=256 (TTFT p50 / ITL p50 / ITL p99 ms, goodput req/s):",
+            "",
+            "| C | policy | TTFT p50 | ITL p50 | ITL p99 | goodput |",
+            "|---|---|---|---|---|---|",
+        ]
+        for c in (32, 256):
+            for p in POLICIES:
+                r = by_c.get(c, {}).get(p)
+                if r:
+                    lines.append(
+                        f"| {c} | {p} | {r['ttft_ms']['p50']:.0f} | {r['itl_ms']['p50']:.1f} | "
+                        f"{r['itl_ms']['p99']:.1f} | {r['goodput_rps']:.2f} |"
+                    )
+    if res.get("poisson"):
+        lines += [
+            "",
+            "## Open loop (Poisson), A100 Llama-3-8B tp=1, `paper`",
+            "",
+            "| rate req/s | policy | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | goodput req/s |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for r in res["poisson"]:
+            lines.append(
+                f"| {r['rate_rps']} | {r['policy']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']['p50']:.0f} | "
+                f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} | {r['itl_ms']['p99']:.1f} | {r['goodput_rps']:.2f} |"
+            )
+    cal = res.get("calibration", {})
+    if cal.get("cpu"):
+        c = cal["cpu"]
+        lines += [
+            "",
+            "## Calibration (a): this CPU",
+            "",
+            f"The simulator with `make bench-load`'s recorded CPU cost grid and host time per step "
+            f"({1e3 * c['host_step_s']:.2f} ms), the demo pair's recorded per-prompt acceptance (tau at block 8),",
+            f"on the engines-alone stream (C={c['concurrency']}, {c['requests']} requests, {c['osl']} new tokens):",
+            "",
+            "The grid keeps each cell's fastest pass (other agents share the 2 cores); the verify passes of the same",
+            f"benchmark ran at {c['k']}x the grid's price for their shape (its step profile), so the grid is scaled by",
+            "that measured factor; the raw grid's figures are given too.",
+            "",
+            "| mode | simulated tokens/s | measured tokens/s | error | raw grid | raw error |",
+            "|---|---|---|---|---|---|",
+        ]
+        for k, m in c["modes"].items():
+            lines.append(
+                f"| {k} | {m['simulated_tokens_per_s']:.0f} | {m['measured_tokens_per_s']:.0f} | "
+                f"{100 * m['error']:+.1f} % | {m['raw_grid_tokens_per_s']:.0f} | {100 * m['raw_grid_error']:+.1f} % |"
+            )
+    if cal.get("gpu"):
+        g = cal["gpu"]
+        lines += [
+            "",
+            "## Calibration (b): the published GPU curve",
+            "",
+            f"Fixed block 16 over the target alone, MATH500-like requests (tau 7.87), {g['osl']} new tokens, A100",
+            f"Llama-3-8B tp=1: {g['speedup_c1']}x at C=1, {g['speedup_c32']}x at C=32 (decay {g['simulated_decay']});",
+            f"SGLang's DFlash on one B200 (Qwen3-8B MATH500): 5.1x -> 2.8x (decay {g['published_decay']}); "
+            f"difference {100 * g['decay_error']:+.0f} %. Adaptive: {g['adaptive_speedup_c1']}x -> "
+            f"{g['adaptive_speedup_c32']}x.",
+            "",
+            "Why they differ: on the A100 profile a 512-token pass (32 rows x block 16) costs 3.6x a 32-token one",
+            "(Vidur: 1.11 vs 0.31 ms per layer), the verify block is compute bound at C=32; a B200 has 1.8x the",
+            "A100's FLOPs per byte of bandwidth (281 vs 153), so its matrices stay weight bound ~1.8x further.",
+            "A labelled what-if, the A100 profile with its token axis stretched 1.8x and times 3.9x shorter",
+            f"(B200-like, not a profile): {g['what_if_b200_like']['speedup_c1']}x -> "
+            f"{g['what_if_b200_like']['speedup_c32']}x (decay {g['what_if_b200_like']['decay']}). What remains is not",
+            "modelled: the published run's longer generations (attention, which a verify block shares, weighs more",
+            "in the baseline), SGLang's own per-step costs in its target-alone baseline, and the B200 itself.",
+        ]
+    lines += [
+        "",
+        "## What the simulation leaves out",
+        "",
+        "CUDA graphs and kernel launch gaps (a pass is its ops' profiled medians plus one named launch constant),",
+        "paged-KV fragmentation and KV capacity limits (every row fits), network jitter and multi-node",
+        "communication (one DGX node's profiled all-reduce), overlap of host work with the GPU, sampling at",
+        "T > 0, chunked prefill (a joining batch's prompts are one pass), Vidur's measured attention kernels",
+        "(absent from the snapshot: attention is a bandwidth/FLOP model), per-position acceptance shape (assumed",
+        "decay 0.99 per position; tau per benchmark exact), and the B200 of the published SGLang curve (no",
+        "profile: A100 is the nearest).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def rewrite_readme(out: Path) -> None:
+    """README.md again from results.json (after a change to its text only)."""
+    (out / "README.md").write_text(readme(json.loads((out / "results.json").read_text())))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--out", type=Path, default=ROOT / "results" / "sim", help="output folder")
+    ap.add_argument("--smoke", action="store_true", help="a few cells only (seconds): checks the pipeline")
+    ap.add_argument("--reduced", action="store_true", help="concurrency 1/8/32/256, half the requests")
+    ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
+    ap.add_argument("--load-results", type=Path, default=ROOT / "results" / "load" / "results.json")
+    args = ap.parse_args()
+    if args.readme_only:
+        return rewrite_readme(args.out)
+    args.setups, args.workloads, args.policies = SETUPS, WORKLOADS, POLICIES
+    args.concurrency, args.scale, args.rates, args.poisson_requests, args.gpu_osl = CONCURRENCY, 1.0, (4, 16), 96, 512
+    if args.reduced:
+        args.concurrency, args.scale, args.poisson_requests, args.gpu_osl = (1, 8, 32, 256), 0.5, 48, 256
+    if args.smoke:
+        args.setups, args.workloads = (SETUPS[0],), ("mixed",)
+        args.concurrency, args.scale, args.rates, args.poisson_requests, args.gpu_osl = (2,), 0.25, (8,), 8, 32
+    t0 = time.perf_counter()
+    runs = sweep(args)
+    pois = poisson(args)
+    cpu = calibrate_cpu(args.load_results) if not args.smoke else None
+    gpu = calibrate_gpu(args) if not args.smoke else None
+    checks, ratios = criteria(runs, cpu)
+    if gpu:
+        checks.append(
+            {
+                "what": "calibration (b): simulated speedup decay C=1 -> 32 within +-25 % of SGLang's",
+                "passed": abs(gpu["decay_error"]) <= 0.25,
+                "figure": f"{gpu['speedup_c1']}x -> {gpu['speedup_c32']}x (decay {gpu['simulated_decay']}) vs "
+                f"5.1x -> 2.8x ({gpu['published_decay']})",
+            }
+        )
+    w = workload("paper")
+    res = {
+        "settings": {
+            "setups": [list(s) for s in args.setups],
+            "workloads": list(args.workloads),
+            "policies": list(args.policies),
+            "concurrency": list(args.concurrency),
+            "requests_rule": f"max({round(32 * args.scale)}, {2 * args.scale:g} x C) requests per cell, steady window",
+            "prompt_len": w.prompt_len,
+            "output_len": w.output_len,
+            "host_step_s": HOST_STEP_S,
+            "slo": SLO,
+            "machine": f"{os.cpu_count()} CPUs",
+            "minutes": round((time.perf_counter() - t0) / 60, 1),
+            "mode": "smoke" if args.smoke else "reduced" if args.reduced else "full",
+        },
+        "runs": runs,
+        "poisson": pois,
+        "calibration": {"cpu": cpu, "gpu": gpu},
+        "ratios": ratios,
+        "checks": checks,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+    plot(runs, args.out / "sim.png")
+    (args.out / "README.md").write_text(readme(res))
+    for c in checks:
+        print(("PASS " if c["passed"] else "FAIL ") + c["what"] + ": " + c["figure"], flush=True)
+    print(f"wrote {args.out} in {res['settings']['minutes']} min", flush=True)
+
+
+if __name__ == "__main__":
+    main()

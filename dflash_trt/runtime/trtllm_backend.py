@@ -295,7 +295,9 @@ class TrtllmTargetSession:
         if pending.features:
             rows = [self._new_rows(by_name, CONTEXT_PREFIX + name, held, n) for name in self.engine.feature_outputs]
             feats = torch.cat(rows, -1).float().cpu()
-        return TargetOutput(logits=logits.float().cpu(), features=feats)
+        # logits stay on the lm_head's GPU (the decoding loop adjusts and accepts there); features are the
+        # executor's host copies, which the drafter takes in
+        return TargetOutput(logits=logits.float(), features=feats)
 
     @property
     def final_output_name(self) -> str:

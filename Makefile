@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env demo engines triton triton-env bench bench-serve bench-load aiperf-env serve gpu-smoke models clean
+.PHONY: venv test test-tf457 tf457-env demo engines triton triton-env bench bench-serve bench-load aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -134,6 +134,18 @@ TP ?= 1
 GPU_SMOKE_PYTHON ?= $(BIN)/python
 gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
 	$(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
+
+# Bare GPU host (one GPU, torch + CUDA and transformers preinstalled, no network, no TensorRT): the PyTorch engines
+# on CUDA, demo pair and a tiny random 8/2-head pair: speculative == target alone, tau and tokens/s at
+# concurrency 1/16/64 (BatchDecoder), and a Llama-3-8B-shaped cost grid; <= 7 min, 3 files in results/gpu/.
+# `make gpu-bare-pack` writes what the host needs (no wheels: see --list-carry) to .cache/gpu-bare.tar.gz;
+# on the host: tar xzf gpu-bare.tar.gz && make gpu-bare (or python3 scripts/gpu_bare.py).
+GPU_BARE_PYTHON ?= python3
+gpu-bare:
+	PYTHONPATH=. $(GPU_BARE_PYTHON) scripts/gpu_bare.py $(GPU_BARE_ARGS)
+
+gpu-bare-pack:
+	mkdir -p .cache && tar czf .cache/gpu-bare.tar.gz $$($(PYTHON) scripts/gpu_bare.py --list-carry)
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) $(TF457_VENV) $(AIPERF_VENV) build dist *.egg-info

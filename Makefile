@@ -126,9 +126,11 @@ bench-load: venv aiperf-env
 serve: venv
 	$(BIN)/dflash-trt serve $(SERVE_ARGS)
 
-# GPU node check (scripts/gpu_smoke.py): PyTorch engines on CUDA (greedy equality, tau, speedup), then the drafter
-# plan and the TensorRT-LLM target engine with TP ranks, greedy equality vs the HF target, tau and speedup; each
-# part says PASS, FAIL or SKIP with the reason (no GPU / tensorrt / tensorrt_llm). Other checkpoints or a CUDA
+# GPU node check (scripts/gpu_smoke.py): PyTorch engines on CUDA (greedy output == the same engine alone, tau,
+# speedup), then the drafter plan and the TensorRT-LLM target engine with TP ranks (greedy output == the same
+# engines with --no-draft; agreement with the HF target reported), tau and speedup; each part says PASS, FAIL or
+# SKIP with the reason (no GPU / tensorrt / tensorrt_llm). At TP > 1 a target whose heads do not split into TP
+# ranks (the demo target) is replaced by a tiny random 8/2-head pair. Other checkpoints or a CUDA
 # python of your own: make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
 TP ?= 1
 GPU_SMOKE_PYTHON ?= $(BIN)/python

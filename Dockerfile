@@ -32,6 +32,10 @@ WORKDIR /app
 COPY pyproject.toml README.md Makefile engines.toml constraints-cpu.txt ./
 COPY dflash_trt ./dflash_trt
 COPY scripts ./scripts
+# engines.toml and DFLASH_TRT_MODELS point here: the default command and gpu-smoke need the demo models.
+COPY models ./models
+# gpu-smoke's tiny random pair (a target whose heads split at tp 2) comes from this factory.
+COPY tests/tiny_models.py ./tests/tiny_models.py
 # The container's torch, transformers, tensorrt and tensorrt_llm stay as NVIDIA built them: pin the installed
 # versions, install the project (pyproject.toml has ranges: torch>=2.6, transformers>=4.57,<6) under those pins,
 # and fail the build if any of them changed anyway.

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -155,14 +155,28 @@ bench-sim: venv
 serve: venv
 	$(BIN)/dflash-trt serve $(SERVE_ARGS)
 
-# GPU node check (scripts/gpu_smoke.py): PyTorch engines on CUDA (greedy equality, tau, speedup), then the drafter
-# plan and the TensorRT-LLM target engine with TP ranks, greedy equality vs the HF target, tau and speedup; each
-# part says PASS, FAIL or SKIP with the reason (no GPU / tensorrt / tensorrt_llm). Other checkpoints or a CUDA
+# GPU node check (scripts/gpu_smoke.py): PyTorch engines on CUDA (greedy output == the same engine alone, tau,
+# speedup), then the drafter plan and the TensorRT-LLM target engine with TP ranks (greedy output == the same
+# engines with --no-draft; agreement with the HF target reported), tau and speedup; each part says PASS, FAIL or
+# SKIP with the reason (no GPU / tensorrt / tensorrt_llm). At TP > 1 a target whose heads do not split into TP
+# ranks (the demo target) is replaced by a tiny random 8/2-head pair. Other checkpoints or a CUDA
 # python of your own (dflash-trt installed in it: pip install -e .): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
 TP ?= 1
 GPU_SMOKE_PYTHON ?= $(BIN)/python
 gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
 	$(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
+
+# Bare GPU host (one GPU, torch + CUDA and transformers preinstalled, no network, no TensorRT): the PyTorch engines
+# on CUDA, demo pair and a tiny random 8/2-head pair: speculative == target alone, tau and tokens/s at
+# concurrency 1/16/64 (BatchDecoder), and a Llama-3-8B-shaped cost grid; <= 7 min, 3 files in results/gpu/.
+# `make gpu-bare-pack` writes what the host needs (no wheels: see --list-carry) to .cache/gpu-bare.tar.gz;
+# on the host: tar xzf gpu-bare.tar.gz && make gpu-bare (or python3 scripts/gpu_bare.py).
+GPU_BARE_PYTHON ?= python3
+gpu-bare:
+	PYTHONPATH=. $(GPU_BARE_PYTHON) scripts/gpu_bare.py $(GPU_BARE_ARGS)
+
+gpu-bare-pack:
+	mkdir -p .cache && tar czf .cache/gpu-bare.tar.gz $$($(PYTHON) scripts/gpu_bare.py --list-carry)
 
 clean:
 	rm -rf $(VENV) $(TRITON_VENV) $(TF457_VENV) $(AIPERF_VENV) $(DEPLOY_VENV) build dist *.egg-info

@@ -97,6 +97,15 @@ def load_decoder_from_engines(
 
     src = serving_sources(engines_dir)
     tokenizer = load_tokenizer(src.tokenizer_dir)
+    if src.target["backend"] == "tensorrt_llm":
+        # Its feature layers were fixed at build time, so the target loads first: on a tensor-parallel rank
+        # other than the leader it is all this process runs (serve_worker), and no drafter is loaded there.
+        target = registry.target_engine(src.target["backend"], src.target_dir, EngineOptions(dtype=dtype))
+        drafter = None
+        if draft and getattr(target, "is_leader", True):
+            options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))
+            drafter = registry.drafter_engine(src.drafter["backend"], src.drafter_dir, options)
+        return SpeculativeDecoder(target, drafter, tokenizer)
     drafter = None
     if draft:
         options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))

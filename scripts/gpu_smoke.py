@@ -1,11 +1,14 @@
 """`make gpu-smoke`: one command for a GPU node. Each part prints PASS, FAIL or SKIP (with the reason) and a summary.
 
-  1. PyTorch engines on CUDA: DFlash greedy output == the target alone == Hugging Face generate(); tau and
-     speedup over the target alone (same engine, block size 1).
+  1. PyTorch engines on CUDA: DFlash greedy output == the same target engine alone (block size 1), exactly; tau
+     and speedup over the target alone; agreement with Hugging Face generate() is reported, not required.
   2. Engines (`dflash-trt engines`): the drafter's ONNX graph and TensorRT plan, the TensorRT-LLM target (TP ranks),
-     built where tensorrt / tensorrt_llm and GPUs exist.
+     built where tensorrt / tensorrt_llm and GPUs exist. At TP > 1 a target whose attention heads do not split
+     into TP ranks (the demo target: 5 query / 1 KV heads) is replaced by a tiny random pair with 8 / 2 heads.
   3. The built engines through `dflash-trt generate --engines` (under `mpirun -n TP` when TP > 1): greedy output ==
-     the Hugging Face target alone; tau and speedup over the same engines with --no-draft.
+     the same engines with --no-draft, exactly; tau and speedup over them; agreement with the Hugging Face target
+     in float32 is a reported figure (an fp16 engine and an fp32 model part at near-ties, so it cannot be a
+     pass condition).
 
     python scripts/gpu_smoke.py [--target DIR --drafter DIR] [--tp N] [--dtype float32] [--out DIR]
 
@@ -86,7 +89,7 @@ def pytorch_stage(
     decoder = load_decoder(target, drafter, dtype, device)
     model = decoder.target.model
     spec_s = base_s = 0.0
-    taus, mismatches = [], []
+    taus, mismatches, agree = [], [], []
     for ids in prompts_ids(decoder, n_prompts):
         decoder.generate(ids, GenerationConfig(max_new_tokens=4))  # warm-up (CUDA context, kernels)
         t0 = time.perf_counter()
@@ -106,21 +109,32 @@ def pytorch_stage(
             )[0, len(ids) :].tolist()
         spec_s, base_s = spec_s + t1 - t0, base_s + t2 - t1
         taus.append(spec.stats.mean_acceptance_length)
-        n = min(len(spec.token_ids), len(alone.token_ids), len(hf))
-        if not (spec.token_ids == alone.token_ids and alone.token_ids[:n] == hf[:n]):
+        if spec.token_ids != alone.token_ids:  # the lossless claim: exact, same engine
             mismatches.append(ids[:8])
+        agree.append(agreement(alone.token_ids, hf))
     tau = sum(taus) / len(taus)
     detail = (
-        f"tau {tau:.2f}, speedup {base_s / spec_s:.2f}x over the target alone ({len(taus)} prompts, {max_new} tokens)"
+        f"tau {tau:.2f}, speedup {base_s / spec_s:.2f}x over the target alone ({len(taus)} prompts, {max_new} "
+        f"tokens); {hf_figure(agree)}"
     )
     if mismatches:
-        report.add(
-            "FAIL",
-            part,
-            f"greedy output differs from the target alone / HF generate for prompts {mismatches}; {detail}",
-        )
+        report.add("FAIL", part, f"greedy output differs from the same target alone for prompts {mismatches}; {detail}")
     else:
-        report.add("PASS", part, f"greedy output == target alone == HF generate(); {detail}")
+        report.add("PASS", part, f"greedy output == the same target alone; {detail}")
+
+
+def agreement(ours: list[int], reference: list[int]) -> tuple[int, int]:
+    """(tokens before the first difference, tokens compared): how far two greedy outputs agree."""
+    n = min(len(ours), len(reference))
+    same = next((i for i in range(n) if ours[i] != reference[i]), n)
+    return same, n
+
+
+def hf_figure(agree: list[tuple[int, int]]) -> str:
+    """The Hugging Face agreement figure: identical prompts, and the common prefix over all tokens compared."""
+    identical = sum(1 for same, n in agree if same == n)
+    same, total = sum(a for a, _ in agree), sum(n for _, n in agree)
+    return f"agrees with Hugging Face generate() on {identical}/{len(agree)} prompts ({same}/{total} tokens before a difference)"
 
 
 def engines_stage(report: Report, args, env: dict) -> Path | None:
@@ -135,6 +149,8 @@ def engines_stage(report: Report, args, env: dict) -> Path | None:
         report.add("SKIP", "drafter TensorRT plan", trt_reason)
         report.add("SKIP", f"TensorRT-LLM target engine (tp {args.tp})", llm_reason)
         return None
+    if llm_reason is None and args.tp > 1:
+        tp_pair(args, report)
     cfg = read_config(None, ROOT, {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp})
     t0 = time.perf_counter()
     try:
@@ -151,6 +167,26 @@ def engines_stage(report: Report, args, env: dict) -> Path | None:
     )
 
 
+def parse_generate_output(stdout: str) -> dict:
+    """The result object of `dflash-trt generate --json` in a launcher's mixed stdout.
+
+    Under `mpirun` TensorRT-LLM prints banners and log lines to stdout around it, and ranks may interleave, so
+    the last stdout line is not necessarily ours: the result is the last line that parses as a JSON object with
+    the keys generate --json always writes (token_ids, stats)."""
+    for line in reversed(stdout.splitlines()):
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(obj, dict) and "token_ids" in obj and "stats" in obj:
+            return obj
+    tail = stdout.strip().splitlines()[-3:]
+    raise RuntimeError(f"no `generate --json` result in the output (last lines: {tail})")
+
+
 def cli_generate(engines: Path, tp: int, ids: list[int], max_new: int, no_draft: bool) -> dict:
     from dflash_trt.builders.trtllm_target import launch_command
 
@@ -161,7 +197,7 @@ def cli_generate(engines: Path, tp: int, ids: list[int], max_new: int, no_draft:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if out.returncode != 0:
         raise RuntimeError(f"{shlex.join(cmd)} failed: {out.stderr.strip().splitlines()[-1:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return parse_generate_output(out.stdout)
 
 
 def served_engines_stage(report: Report, args, engines: Path) -> None:
@@ -172,7 +208,7 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
     manifest = json.loads((engines / "manifest.json").read_text())
     part = f"engines: drafter {manifest['serve']['drafter']}, target {manifest['serve']['target']} (tp {args.tp})"
     hf = load_decoder(args.target, None, "float32", "cuda" if torch.cuda.is_available() else "cpu")
-    mismatches, taus, tps_spec, tps_base = [], [], [], []
+    mismatches, taus, tps_spec, tps_base, agree = [], [], [], [], []
     try:
         for ids in prompts_ids(hf, 3):
             x = torch.tensor([ids], device=hf.target.model.device)
@@ -187,9 +223,9 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
                 )[0, len(ids) :].tolist()
             spec = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=False)
             base = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=True)
-            n = min(len(spec["token_ids"]), len(ref))
-            if spec["token_ids"][:n] != ref[:n] or base["token_ids"][:n] != ref[:n]:
+            if spec["token_ids"] != base["token_ids"]:  # the lossless claim: the same engine, exactly
                 mismatches.append(ids[:8])
+            agree.append(agreement(base["token_ids"], ref))
             taus.append(spec["stats"]["mean_acceptance_length"])
             tps_spec.append(spec["stats"]["tokens_per_second"])
             tps_base.append(base["stats"]["tokens_per_second"])
@@ -198,14 +234,40 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
         return
     detail = (
         f"tau {sum(taus) / len(taus):.2f}, speedup {sum(tps_spec) / sum(tps_base):.2f}x over the same target "
-        f"with --no-draft ({len(taus)} prompts)"
+        f"with --no-draft ({len(taus)} prompts); the engine {hf_figure(agree).replace('generate()', 'float32')}"
     )
     if mismatches:
         report.add(
-            "FAIL", part, f"greedy output differs from the Hugging Face target for prompts {mismatches}; {detail}"
+            "FAIL",
+            part,
+            f"greedy output differs from the same engines with --no-draft for prompts {mismatches}; {detail}",
         )
     else:
-        report.add("PASS", part, f"greedy output == Hugging Face target alone; {detail}")
+        report.add("PASS", part, f"greedy output == the same engines with --no-draft; {detail}")
+
+
+def tp_pair(args, report: Report) -> None:
+    """At tp > 1, a target whose attention heads do not split into tp ranks cannot be built: use a tiny random
+    pair with 8 query / 2 KV heads (splits at tp 1, 2, 4 and 8) instead, and say so."""
+    from dflash_trt.builders.trtllm_target import heads_split
+
+    cfg = json.loads((args.target / "config.json").read_text())
+    text = cfg.get("text_config") or cfg
+    heads = int(text["num_attention_heads"])
+    kv = int(text.get("num_key_value_heads") or heads)
+    why = heads_split(heads, kv, args.tp)
+    if why is None:
+        return
+    sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model factory (shipped in the gpu image)
+    from tiny_models import make_tiny_drafter, make_tiny_target
+
+    root = args.out.parent / f"{args.out.name}-tiny-tp-pair"
+    target = make_tiny_target(
+        root / "target", vocab_size=512, layers=4, hidden=256, num_attention_heads=8, num_key_value_heads=2
+    )
+    make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=8)
+    report.add("INFO", "tp pair", f"{args.target}: {why}; using a tiny random 8/2-head pair in {root} at tp {args.tp}")
+    args.target, args.drafter = root / "target", root / "drafter"
 
 
 def main(argv: list[str] | None = None) -> int:

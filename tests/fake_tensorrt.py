@@ -188,6 +188,37 @@ def trtllm_build_refusals(argv: list[str]) -> list[str]:
     return refusals
 
 
+def fake_tp_convert_attention(num_heads: int, num_kv_heads: int, head_dim: int, tp: int) -> None:
+    """FAKE of a LLaMA / QWen checkpoint conversion's attention split at `tp` ranks, then its weight load.
+
+    Models tensorrt_llm/models/{llama,qwen}/convert.py (1.2): the query weight [num_heads * head_dim, hidden] is
+    cut into tp equal row blocks (`split`, which asserts the rows divide); KV weights are split the same way, or
+    first repeated by `dup_kv_weight` (asserting tp % num_kv_heads == 0) when there are fewer KV heads than ranks.
+    Each rank's attention (tensorrt_llm/layers/attention.py) is built for num_heads // tp query heads and
+    ceil(num_kv_heads / tp) KV heads, and loading a weight of another shape fails. Raises ValueError as the load
+    would; returns None when every rank's weights fit."""
+    q_rows = num_heads * head_dim
+    if q_rows % tp:
+        raise ValueError(f"Unable to split: shape=({q_rows}, hidden) (dim=0) tp_size={tp}")
+    q_block = q_rows // tp
+    if num_kv_heads < tp:
+        if tp % num_kv_heads:
+            raise ValueError(f"dup_kv_weight: assert tp_size % num_head == 0 ({tp} % {num_kv_heads})")
+        kv_block = head_dim  # repeated to tp heads, one per rank
+    else:
+        kv_rows = num_kv_heads * head_dim
+        if kv_rows % tp:
+            raise ValueError(f"Unable to split: shape=({kv_rows}, hidden) (dim=0) tp_size={tp}")
+        kv_block = kv_rows // tp
+    expect_q = (num_heads // tp) * head_dim
+    expect_kv = -(-num_kv_heads // tp) * head_dim
+    if (q_block, kv_block) != (expect_q, expect_kv):
+        raise ValueError(
+            f"weight shape mismatch on each rank: q {q_block} rows / kv {kv_block} rows loaded, the rank's "
+            f"attention expects q {expect_q} / kv {expect_kv}"
+        )
+
+
 def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleType:
     """model_fn(tokens) -> {output name: np.ndarray [len(tokens), H]}: what the engine's marked outputs hold."""
     ex = types.ModuleType("tensorrt_llm.bindings.executor")

@@ -185,7 +185,16 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions) -> DrafterGraphMe
     if src.drafter_backend == "tensorrt":
         # Written against Triton's tensorrt_plan platform, never run in this project: no GPU/TensorRT here.
         _copy(src.drafter_dir / PLAN_FILE, version / "model.plan", opt.symlink_weights)
-        cfg = model_config(DRAFTER, platform="tensorrt_plan", inputs=inputs, outputs=outputs, instance_kind="KIND_GPU")
+        # Pinned beside the target (GPU 0): the features come from there, and a replica per GPU would only
+        # hold more copies of the plan.
+        cfg = model_config(
+            DRAFTER,
+            platform="tensorrt_plan",
+            inputs=inputs,
+            outputs=outputs,
+            instance_kind="KIND_GPU",
+            instance_gpus=[0],
+        )
     else:
         folder = version / "drafter-onnx"
         folder.mkdir()
@@ -250,6 +259,35 @@ def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: Draft
     )
 
 
+class TritonTpUnsupported(ValueError):
+    """A tensor-parallel TensorRT-LLM target cannot be one Triton python-backend instance (the message says why)."""
+
+
+def _trtllm_tp(src: Sources) -> int:
+    """The tensor-parallel size a TensorRT-LLM target engine was built for (1 for any other target)."""
+    if src.target_backend != "tensorrt_llm":
+        return 1
+    meta = json.loads((src.target_dir / "dflash_target.json").read_text())
+    return int(meta.get("tp", 1))
+
+
+def check_target_tp(src: Sources) -> None:
+    """Refuse a tp > 1 TensorRT-LLM target: this repository's dflash_target would hold rank 0 of a world that
+    nothing starts. In leader mode (what `dflash-trt build-target` engines run in) every rank is its own
+    process under `mpirun -n tp`, and the executor's world-size check fails in a lone Triton instance;
+    TensorRT-LLM's orchestrator mode (the executor spawning its worker ranks) is not implemented here."""
+    tp = _trtllm_tp(src)
+    if tp > 1:
+        raise TritonTpUnsupported(
+            f"the TensorRT-LLM target in {src.target_dir} was built for tp {tp}: a Triton dflash_target instance "
+            "holds one executor on one GPU, and TensorRT-LLM's orchestrator mode (which would spawn the other "
+            "ranks) is not implemented. Serve it with `mpirun -n "
+            f"{tp} --allow-run-as-root dflash-trt serve --engines DIR` (the HTTP server, rank 0 serves), "
+            "or on a TensorRT-LLM release with native DFlash with `dflash-trt trtllm-serve-config` + trtllm-serve; "
+            "or rebuild the target with --tp 1 for Triton"
+        )
+
+
 def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids: Sequence[int]) -> None:
     version = repo / TARGET / "1"
     version.mkdir(parents=True)
@@ -268,11 +306,14 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids:
     }
     # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls). A call may carry several
     # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
+    # On a GPU it is pinned to GPU 0: a KIND_GPU group without `gpus` gets one instance per visible GPU, and a
+    # session's second call could land on another instance than its first ("unknown session").
     cfg = model_config(
         TARGET,
         backend="python",
         instance_kind="KIND_GPU" if gpu else "KIND_CPU",
         instance_count=1,
+        instance_gpus=[0] if gpu else None,
         inputs=[
             tensor("session_id", "TYPE_UINT64", [-1]),
             tensor("token_ids", "TYPE_INT64", [-1]),
@@ -410,6 +451,7 @@ def write_repository(
     try:
         if engines is not None:
             src = sources_from_engines(Path(engines))
+            check_target_tp(src)
         else:
             if target is None or drafter is None:
                 raise ValueError("give --engines DIR, or both --target DIR and --drafter DIR")

@@ -79,6 +79,9 @@ class TargetBuildSpec:
     max_batch_size: int = 8
     max_seq_len: int = 4096
     max_num_tokens: int | None = None  # None: max_seq_len, so the whole context fits one pass
+    # Attention head counts (None: unknown, not checked; spec_from_checkpoints always reads them).
+    num_attention_heads: int | None = None
+    num_kv_heads: int | None = None
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -129,9 +132,41 @@ def rank_files(tp: int, suffix: str = "safetensors") -> list[str]:
     return [f"rank{r}.{suffix}" for r in range(tp)]
 
 
+def heads_split(num_heads: int, num_kv_heads: int, tp: int) -> str | None:
+    """Why `tp` ranks cannot split these attention heads, or None when they can.
+
+    The rule of TensorRT-LLM 1.2's LLaMA / QWen converters (tensorrt_llm/models/llama/convert.py,
+    models/qwen/convert.py) and attention layer (tensorrt_llm/layers/attention.py): each rank holds
+    num_heads / tp query heads, so the query weight splits into tp equal row blocks only when tp divides
+    num_heads (otherwise the halves do not match what each rank's attention expects and loading fails);
+    KV heads are split the same way when num_kv_heads >= tp, and replicated (`dup_kv_weight`, which asserts
+    tp % num_kv_heads == 0) when there are fewer KV heads than ranks.
+    """
+    if num_heads % tp:
+        return f"{num_heads} query heads do not divide by tp {tp}"
+    if num_kv_heads >= tp and num_kv_heads % tp:
+        return f"{num_kv_heads} KV heads do not divide by tp {tp}"
+    if num_kv_heads < tp and tp % num_kv_heads:
+        return f"tp {tp} is not a multiple of the {num_kv_heads} KV heads (each rank would need a fraction of one)"
+    return None
+
+
+def working_tp(num_heads: int, num_kv_heads: int) -> list[int]:
+    """The tp sizes this engine path offers that split these heads."""
+    return [t for t in TP_SIZES if heads_split(num_heads, num_kv_heads, t) is None]
+
+
 def validate(spec: TargetBuildSpec) -> None:
     if spec.tp not in TP_SIZES:
         raise TargetBuildError(f"tp must be one of {TP_SIZES}, got {spec.tp}")
+    if spec.num_attention_heads is not None:
+        kv = spec.num_kv_heads if spec.num_kv_heads is not None else spec.num_attention_heads
+        why = heads_split(spec.num_attention_heads, kv, spec.tp)
+        if why:
+            raise TargetBuildError(
+                f"target has {spec.num_attention_heads} attention heads and {kv} KV heads: {why}, so the "
+                f"tensor-parallel weight split fails; tp values that work: {working_tp(spec.num_attention_heads, kv)}"
+            )
     if spec.block_size < 2:
         raise TargetBuildError(f"block_size must be >= 2 (a round verifies the block), got {spec.block_size}")
     if not spec.feature_layer_ids:
@@ -246,6 +281,8 @@ def spec_from_checkpoints(
         block_size=block_size or spec.block_size,
         feature_layer_ids=tuple(spec.target_layer_ids),
         num_layers=int(text["num_hidden_layers"]),
+        num_attention_heads=int(text["num_attention_heads"]),
+        num_kv_heads=int(text.get("num_key_value_heads") or text["num_attention_heads"]),
         **kw,
     )
 

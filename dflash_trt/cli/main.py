@@ -13,7 +13,7 @@ import sys
 
 from .options import CliError
 
-COMMAND_MODULES: tuple[str, ...] = ("generate", "serve", "engines", "train", "bench", "triton")
+COMMAND_MODULES: tuple[str, ...] = ("generate", "serve", "engines", "train", "bench", "triton", "trtllm")
 
 
 def build_parser() -> argparse.ArgumentParser:

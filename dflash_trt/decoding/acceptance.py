@@ -26,7 +26,7 @@ ACCEPTANCE_RULES = ("rejection", "exact-match")
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Longest prefix where the draft equals the target's argmax; the argmax after it is the bonus."""
     posterior = target_logits.argmax(-1)
-    matches = (draft == posterior[: draft.shape[0]]).to(torch.int64)
+    matches = (draft.to(posterior.device) == posterior[: draft.shape[0]]).to(torch.int64)
     accepted = int(matches.cumprod(0).sum())
     return accepted, int(posterior[accepted])
 
@@ -37,7 +37,7 @@ def accept_exact_match(draft: torch.Tensor, target_probs: torch.Tensor, generato
     This is speculative sampling with a one-hot proposal, so it is lossless whatever drafted.
     """
     posterior = sample(target_probs, generator)
-    matches = (draft == posterior[: draft.shape[0]]).to(torch.int64)
+    matches = (draft.to(posterior.device) == posterior[: draft.shape[0]]).to(torch.int64)
     accepted = int(matches.cumprod(0).sum())
     return accepted, int(posterior[accepted])
 
@@ -53,10 +53,12 @@ def accept_rejection(
     each x_i is still distributed as q_i given the accepted prefix and the proof holds.
     """
     k = draft.shape[0]
-    idx = torch.arange(k)
+    device = target_probs.device  # the target's device: only the k draft ids and k uniforms move there
+    draft, draft_probs = draft.to(device), draft_probs.to(device)
+    idx = torch.arange(k, device=device)
     p = target_probs[idx, draft]
     q = draft_probs[idx, draft]
-    u = torch.rand(k, generator=generator)
+    u = torch.rand(k, generator=generator, device=generator.device).to(device)
     ok = u * q < p  # P(u < p/q) = min(1, p/q)
     accepted = int(ok.to(torch.int64).cumprod(0).sum())
     if accepted == k:
@@ -71,7 +73,8 @@ def accept_rejection(
 @dataclass(frozen=True)
 class Proposal:
     tokens: torch.Tensor  # [k] the draft tokens, on the CPU
-    probs: torch.Tensor | None = None  # [k, vocab] the distribution they were drawn from (rejection sampling)
+    probs: torch.Tensor | None = None  # [k, vocab] the distribution they were drawn from (rejection sampling),
+    # on the drafter's device
 
 
 class AcceptanceRule(Protocol):
@@ -112,8 +115,8 @@ class RejectionRule:
         self.params, self.generator = params, generator
 
     def propose(self, draft: Draft) -> Proposal:
-        q = probabilities(draft.logits.cpu(), self.params)
-        return Proposal(sample(q, self.generator), q)
+        q = probabilities(draft.logits, self.params)  # on the drafter's device; only the tokens come back
+        return Proposal(sample(q, self.generator).cpu(), q)
 
     def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
         assert proposal.probs is not None  # RejectionRule.propose always sets them

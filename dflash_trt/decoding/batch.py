@@ -287,7 +287,7 @@ class BatchDecoder:
         )
         rounds = []
         for row, out in zip(rows, outs):
-            first = next_token(row.adjusted(out.logits[-1:].cpu())[-1], row.params, row.generator)
+            first = next_token(row.adjusted(out.logits[-1:])[-1], row.params, row.generator)  # on the engine's device
             if row.drafter_row is not None and out.features is not None:
                 row.pending = [out.features]
             row.stats.prefill_time_s = self.clock() - t0
@@ -364,7 +364,8 @@ class BatchDecoder:
         for row, proposal, out, length in zip(rows, proposals, outs, committed):
             ta = self.clock()
             tokens = proposal.tokens
-            logits = row.adjusted(out.logits.cpu(), tokens.tolist())
+            # logits stay on the engine's device: adjustment and acceptance run there; only token ids come back
+            logits = row.adjusted(out.logits, tokens.tolist())
             if tokens.numel() == 0:  # the target alone: its own next token
                 accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
             else:

@@ -56,21 +56,25 @@ class LogitsAdjustment:
         """logits [R, V], row i following `generated` + draft[:i] (R <= len(draft) + 1): adjusted copy, float32."""
         rows, vocab = logits.shape
         out = logits.float().clone()
+        dev = out.device  # adjusted where the logits are: only token ids and the request's settings move there
         if self.logit_bias:
-            ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long)
-            bias = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32)
+            ids = torch.tensor([t for t, _ in self.logit_bias], dtype=torch.long, device=dev)
+            bias = torch.tensor([b for _, b in self.logit_bias], dtype=torch.float32, device=dev)
             keep = ids < vocab
             out[:, ids[keep]] += bias[keep]
         if self.frequency_penalty or self.presence_penalty:
-            counts = torch.zeros(rows, vocab)
+            counts = torch.zeros(rows, vocab, device=dev)
             if generated:
-                counts += torch.bincount(torch.tensor(list(generated), dtype=torch.long), minlength=vocab)[:vocab]
+                ids = torch.tensor(list(generated), dtype=torch.long, device=dev)
+                counts += torch.bincount(ids, minlength=vocab)[:vocab]
             for i in range(1, rows):
                 counts[i:, int(draft[i - 1])] += 1
             out -= counts * self.frequency_penalty + (counts > 0).float() * self.presence_penalty
         if self.min_tokens > 0 and self.min_tokens_suppress:
             early = max(0, min(rows, self.min_tokens - len(generated)))  # rows that come before min_tokens
             if early:
-                suppress = torch.tensor([t for t in self.min_tokens_suppress if t < vocab], dtype=torch.long)
+                suppress = torch.tensor(
+                    [t for t in self.min_tokens_suppress if t < vocab], dtype=torch.long, device=dev
+                )
                 out[:early, suppress] = float("-inf")
         return out

@@ -67,7 +67,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     16-row step at T=1; this takes a few."""
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
-    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=flat.device) * cdf[:, -1:]
+    # drawn where the generator lives (the same stream whatever device the probabilities are on), a few bytes
+    u = torch.rand(flat.shape[0], 1, dtype=torch.float64, generator=generator, device=generator.device)
+    u = u.to(flat.device) * cdf[:, -1:]
     picks = torch.searchsorted(cdf, u, right=True).clamp_(max=flat.shape[-1] - 1)
     return picks.view(probs.shape[:-1])
 

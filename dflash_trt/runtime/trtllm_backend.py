@@ -86,6 +86,25 @@ def load_lm_head(target_dir: str | Path) -> torch.Tensor:
     raise KeyError(f"neither lm_head.weight nor model.embed_tokens.weight in {target_dir}")
 
 
+def mpi_rank() -> int:
+    """This process's MPI world rank (0 outside mpirun): what the Executor's WorldConfig::mpi reads."""
+    import os
+
+    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+        if os.environ.get(name, "").isdigit():
+            return int(os.environ[name])
+    return 0
+
+
+def rank_device(rank: int) -> torch.device:
+    """The GPU the Executor runs `rank` on: device ids default to 0..gpus_per_node-1 and rank r takes
+    deviceIds[r % gpus_per_node] (cpp/tensorrt_llm/runtime/worldConfig.cpp, WorldConfig::getDevice, 1.2); one
+    node's visible GPUs are its gpus_per_node. CPU when no GPU is visible (the tests' fake executor)."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def _new_salt() -> int:
     return secrets.randbits(63) + 1  # CacheSaltIDType is uint64 (executor/types.h); 0 is avoided
 
@@ -110,8 +129,7 @@ class TrtllmTargetEngine:
         self.final_output: str = str(meta.get("final_hidden_output", FINAL_HIDDEN_OUTPUT))
         self.vocab_size = int(pretrained["vocab_size"])
         self.max_context = engine_max_context(config)
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.lm_head = load_lm_head(meta["target_dir"])[: self.vocab_size].to(self.device)
+        self.rank = mpi_rank()
         self.trtllm = trtllm
         names = [*self.feature_outputs, self.final_output]
         # AdditionalModelOutput(name, gather_context): nanobind executor/request.cpp (1.2)
@@ -131,6 +149,12 @@ class TrtllmTargetEngine:
         self.executor: Any = trtllm.Executor(engine_dir, trtllm.ModelType.DECODER_ONLY, executor_config)
         # executorImpl.cpp: only the leader rank (or the orchestrator) can enqueue requests
         self.is_leader = bool(self.executor.can_enqueue_requests())
+        # The lm_head (verification logits) lives on the leader's GPU, the one its executor rank runs on; a
+        # non-leader rank only keeps its executor going (serve_worker) and loads nothing else.
+        self.device = torch.device(device) if device else rank_device(self.rank)
+        self.lm_head: torch.Tensor | None = None
+        if self.is_leader:
+            self.lm_head = load_lm_head(meta["target_dir"])[: self.vocab_size].to(self.device)
 
     @classmethod
     def from_artifact(cls, folder: Path, options: EngineOptions) -> TrtllmTargetEngine:
@@ -263,12 +287,17 @@ class TrtllmTargetSession:
         hidden = self._new_rows(by_name, self.final_output_name, held, n)
         if last_logits_only:
             hidden = hidden[-1:]
-        logits = hidden.to(self.engine.device, self.engine.lm_head.dtype) @ self.engine.lm_head.T
+        head = self.engine.lm_head
+        if head is None:
+            raise RuntimeError("no lm_head on this rank: only the leader rank computes logits")
+        logits = hidden.to(self.engine.device, head.dtype) @ head.T
         feats = None
         if pending.features:
             rows = [self._new_rows(by_name, CONTEXT_PREFIX + name, held, n) for name in self.engine.feature_outputs]
             feats = torch.cat(rows, -1).float().cpu()
-        return TargetOutput(logits=logits.float().cpu(), features=feats)
+        # logits stay on the lm_head's GPU (the decoding loop adjusts and accepts there); features are the
+        # executor's host copies, which the drafter takes in
+        return TargetOutput(logits=logits.float(), features=feats)
 
     @property
     def final_output_name(self) -> str:

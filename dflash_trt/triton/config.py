@@ -73,6 +73,7 @@ def model_config(
     parameters: dict[str, Any] | None = None,
     instance_kind: str | None = "KIND_CPU",
     instance_count: int = 1,
+    instance_gpus: list[int] | None = None,
     decoupled: bool = False,
     dynamic_batching: bool = False,
     steps: list[Step] | None = None,
@@ -98,9 +99,11 @@ def model_config(
             step.input_map.update(s.input_map)
             step.output_map.update(s.output_map)
     elif instance_kind:
-        cfg.instance_group.append(
-            m.ModelInstanceGroup(kind=m.ModelInstanceGroup.Kind.Value(instance_kind), count=instance_count)
-        )
+        group = m.ModelInstanceGroup(kind=m.ModelInstanceGroup.Kind.Value(instance_kind), count=instance_count)
+        # Triton (model_config.proto, ModelInstanceGroup.gpus): a KIND_GPU group without `gpus` places `count`
+        # instances on EVERY visible GPU; with `gpus` only on those listed.
+        group.gpus.extend(instance_gpus or [])
+        cfg.instance_group.append(group)
     if decoupled:
         cfg.model_transaction_policy.decoupled = True
     if dynamic_batching:

@@ -1,0 +1,433 @@
+"""`make gpu-bare`: the PyTorch engines on a bare GPU host (one GPU, torch + CUDA and transformers preinstalled,
+no network, no TensorRT). What it needs travels with it (`--list-carry`: the package, this script, the demo pair,
+the tiny-model factory; no wheels: torch, transformers and safetensors, which transformers brings, are all it
+imports), well under 64 MiB. It stops starting new work after --max-minutes (default 7) and writes 3 files
+under --out (default results/gpu/):
+
+  summary.json    the host, and per pair (the demo pair; a tiny random pair with 8 query / 2 KV heads):
+                  speculative output == the same target engine alone (greedy, block 1), exactly, and tau and
+                  tokens/s of DFlash and of the target alone at concurrency 1, 16 and 64 through the batched
+                  loop (BatchDecoder);
+  cost_grid.json  the GPU's pass times of a Llama-3-8B-shaped target and its 5-layer DFlash drafter (random
+                  weights built on the GPU in bfloat16, nothing downloaded) by rows x tokens per row x context
+                  length: the input of `dflash-trt trtllm-serve-config --cost-table` and of the serving
+                  simulation's calibration ({"target": [{rows, tokens_per_row, context, seconds}], "drafter": [...]});
+  README.md       the same as tables.
+
+Exit status 1 when speculative output differs from the target alone; 0 otherwise. Without CUDA it prints SKIP
+with the reason, writes nothing and exits 0. --device cpu --quick runs every part at toy sizes (the tests do).
+
+    python scripts/gpu_bare.py [--out results/gpu] [--max-minutes 7] [--device cuda] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model factory (tests/tiny_models.py travels with it)
+
+# What the bare host needs, relative to the repository root (the package, this script, the demo pair, the factory).
+CARRY = [
+    "Makefile",
+    "dflash_trt",
+    "scripts/gpu_bare.py",
+    "tests/tiny_models.py",
+    "models/target/config.json",
+    "models/target/generation_config.json",
+    "models/target/model.safetensors",
+    "models/target/tokenizer.json",
+    "models/target/tokenizer_config.json",
+    "models/drafter/config.json",
+    "models/drafter/model.safetensors",
+]
+CARRY_LIMIT = 64 * 1024 * 1024
+RESULT_FILES = ("summary.json", "cost_grid.json", "README.md")
+PROMPTS = [
+    "def fibonacci(n):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "import os\n\n\ndef walk(path):\n",
+    "def quicksort(items):\n",
+    "def parse_args():\n    parser = argparse.ArgumentParser(",
+    "class LinkedList:\n",
+    "def read_json(path):\n",
+    "def is_prime(n):\n",
+]
+# Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json) and a DFlash drafter of 5 layers at its width.
+LLAMA3_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=8192,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=False,
+)
+
+
+def carry_files(root: Path = ROOT) -> list[Path]:
+    files: list[Path] = []
+    for rel in CARRY:
+        p = root / rel
+        files += sorted(f for f in p.rglob("*.py")) if p.is_dir() else [p]
+    return files
+
+
+def carry_bytes(root: Path = ROOT) -> int:
+    return sum(f.stat().st_size for f in carry_files(root))
+
+
+class Clock:
+    def __init__(self, minutes: float):
+        self.t0, self.limit = time.perf_counter(), minutes * 60
+
+    def left(self) -> float:
+        return self.limit - (time.perf_counter() - self.t0)
+
+
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def environment(device: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    env: dict[str, Any] = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "device": device,
+    }
+    if torch.device(device).type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        env.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1))
+    return env
+
+
+# ---- pairs ---------------------------------------------------------------------------------------------------
+def demo_pair(device: str):
+    import torch
+
+    from dflash_trt.loading import load_target, load_tokenizer
+    from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+
+    model = load_target(DEMO_TARGET, torch.float32).to(device).eval()
+    drafter = DFlashDrafter.from_pretrained(DEMO_DRAFTER, torch.float32).to(device).eval()
+    tok = load_tokenizer(DEMO_TARGET)
+    prompts = [tok.encode(p) for p in PROMPTS] if tok is not None else [[1, 2, 3]] * len(PROMPTS)
+    return model, drafter, prompts
+
+
+def tiny_pair(device: str):
+    import torch
+    from tiny_models import make_tiny_drafter, make_tiny_target
+
+    model = make_tiny_target(
+        None, vocab_size=512, layers=4, hidden=256, num_attention_heads=8, num_key_value_heads=2
+    ).to(device)
+    drafter = make_tiny_drafter(model.config, None, layers=1, block_size=8).to(device)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (int(n),), generator=g).tolist() for n in (5, 9, 13, 17, 21, 25, 29, 33)]
+    return model, drafter, prompts
+
+
+def engines(model, drafter):
+    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    return target, TorchBatchDrafterEngine.for_target(drafter, target)
+
+
+def run_batch(target, drafter, prompts, max_new: int, block_size: int | None, device: str) -> tuple[list, float]:
+    from dflash_trt.decoding import GenerationConfig
+    from dflash_trt.decoding.batch import BatchDecoder
+
+    dec = BatchDecoder(target, drafter)  # block_size 1: the same target engine alone
+    sync(device)
+    t0 = time.perf_counter()
+    out = dec.generate(prompts, GenerationConfig(max_new_tokens=max_new, block_size=block_size))
+    sync(device)
+    return out, time.perf_counter() - t0
+
+
+def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[str, Any]:
+    """Equality (speculative == the same engine alone) and tau / tokens/s at each concurrency."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False  # equality at full float32 precision
+    torch.backends.cudnn.allow_tf32 = False
+    model, drafter, prompts = make(device)
+    target, draft = engines(model, drafter)
+    max_new = 8 if quick else 96
+    if quick:
+        prompts = prompts[:2]
+    result: dict[str, Any] = {"pair": name, "max_new_tokens": max_new, "dtype": "float32"}
+    run_batch(target, draft, prompts[:2], 4, None, device)  # warm-up: kernels, allocator
+    run_batch(target, draft, prompts[:2], 4, 1, device)
+    spec, _ = run_batch(target, draft, prompts, max_new, None, device)
+    alone, _ = run_batch(target, draft, prompts, max_new, 1, device)
+    differ = [i for i, (s, a) in enumerate(zip(spec, alone)) if s.token_ids != a.token_ids]
+    result["equal"] = {"prompts": len(prompts), "differ": differ, "pass": not differ}
+    rows = []
+    for c in (1, 2) if quick else (1, 16, 64):
+        if clock.left() < 30:
+            rows.append({"concurrency": c, "skipped": "time limit"})
+            continue
+        batch = [prompts[i % len(prompts)] for i in range(c)]
+        cell: dict[str, Any] = {"concurrency": c}
+        for label, block in (("dflash", None), ("target_alone", 1)):
+            out, seconds = run_batch(target, draft, batch, max_new, block, device)
+            new = sum(len(r.token_ids) for r in out)
+            cell[label] = {"tokens_per_s": round(new / seconds, 1), "seconds": round(seconds, 3)}
+            if block is None:
+                taus = [r.stats.mean_acceptance_length for r in out if r.stats.acceptance_lengths]
+                cell[label]["tau"] = round(sum(taus) / len(taus), 3) if taus else None
+        cell["speedup"] = round(cell["dflash"]["tokens_per_s"] / cell["target_alone"]["tokens_per_s"], 3)
+        rows.append(cell)
+    result["throughput"] = rows
+    del model, drafter, target, draft
+    return result
+
+
+# ---- cost grid -----------------------------------------------------------------------------------------------
+def shape_models(device: str, quick: bool):
+    """A Llama-3-8B-shaped target and a 5-layer DFlash drafter, random weights built on the device (bfloat16 on
+    CUDA); --quick: the same structure at toy width."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from dflash_trt.config import build_target_layer_ids
+    from dflash_trt.models.drafter import DFlashDrafter
+
+    shape = dict(LLAMA3_8B)
+    if quick:
+        shape.update(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+    layers, width = shape["num_hidden_layers"], shape["hidden_size"]
+    head_dim = width // shape["num_attention_heads"]
+    drafter_cfg = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": width,
+        "intermediate_size": shape["intermediate_size"],
+        "num_hidden_layers": 5,
+        "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_key_value_heads"],
+        "head_dim": head_dim,
+        "vocab_size": shape["vocab_size"],
+        "rms_norm_eps": shape["rms_norm_eps"],
+        "rope_theta": shape["rope_theta"],
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "block_size": 16,
+        "num_target_layers": layers,
+        "dflash_config": {
+            "mask_token_id": shape["vocab_size"] - 1,
+            "target_layer_ids": build_target_layer_ids(layers, 5),
+        },
+    }
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(LlamaConfig(**shape)).eval()
+            drafter = DFlashDrafter.from_config(drafter_cfg).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(dtype), drafter.to(dtype), shape
+
+
+def cost_grid_stage(device: str, clock: Clock, quick: bool) -> dict[str, Any]:
+    import torch
+
+    from dflash_trt.runtime.batched import DraftRequest
+
+    model, drafter, shape = shape_models(device, quick)
+    target, draft = engines(model, drafter)
+    rows_grid = (1, 2) if quick else (1, 4, 16, 64)
+    tokens_grid = (1, 4) if quick else (1, 4, 8, 16)
+    blocks_grid = (4, 8) if quick else (4, 8, 16)
+    contexts = (16,) if quick else (512, 2048)
+    repeats = 1 if quick else 3
+    grid: dict[str, Any] = {
+        "shape": {"target": "Llama-3-8B" if not quick else "toy", **shape, "drafter_layers": 5},
+        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
+        "device": environment(device).get("gpu", device),
+        "repeats": repeats,
+        "note": "seconds: the fastest of `repeats` passes, synchronised; tokens = rows x tokens_per_row",
+        "target": [],
+        "drafter": [],
+        "skipped": [],
+    }
+    vocab, feature_dim = shape["vocab_size"], 5 * shape["hidden_size"]
+    g = torch.Generator().manual_seed(0)
+
+    def timed(fn) -> float:
+        best = float("inf")
+        for rep in range(repeats + 1):  # pass 0 warms up
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            if rep:
+                best = min(best, time.perf_counter() - t0)
+        return best
+
+    for context in contexts:
+        for rows in rows_grid:
+            if clock.left() < 45:
+                grid["skipped"].append({"context": context, "rows": rows, "why": "time limit"})
+                continue
+            sess = target.new_batch()
+            handles = [sess.add_row() for _ in range(rows)]
+            for i in range(0, rows, 8):  # prefill in groups: bounded attention masks and activations
+                part = handles[i : i + 8]
+                sess.forward(
+                    part, [torch.randint(0, vocab, (context,), generator=g) for _ in part], last_logits_only=True
+                )
+            for t in tokens_grid:
+                ids = [torch.randint(0, vocab, (t,), generator=g) for _ in handles]
+
+                def one_pass(ids=ids, sess=sess, handles=handles) -> None:
+                    sess.forward(handles, ids, features=True)
+                    for h in handles:
+                        sess.rollback(h, context)
+
+                entry = {"rows": rows, "tokens_per_row": t, "context": context, "seconds": timed(one_pass)}
+                grid["target"].append(entry)
+            del sess
+            dsess = draft.new_batch()
+            dh = [dsess.add_row() for _ in range(rows)]
+            dev = next(model.parameters()).device
+            for i in range(0, rows, 8):
+                part = dh[i : i + 8]
+                feats = [
+                    torch.randn(context, feature_dim, device=dev, dtype=next(model.parameters()).dtype) for _ in part
+                ]
+                dsess.draft([DraftRequest(h, f, 1, 2) for h, f in zip(part, feats)])
+            one = torch.randn(1, feature_dim, device=dev, dtype=next(model.parameters()).dtype)
+            for b in blocks_grid:
+                seconds = timed(lambda b=b, dsess=dsess, dh=dh: dsess.draft([DraftRequest(h, one, 1, b) for h in dh]))
+                # each timed call adds one feature per row: the context grows by repeats + 1 tokens, noted here
+                grid["drafter"].append({"rows": rows, "tokens_per_row": b, "context": context, "seconds": seconds})
+            del dsess
+            if torch.device(device).type == "cuda":
+                torch.cuda.empty_cache()
+    del model, drafter, target, draft
+    return grid
+
+
+# ---- report --------------------------------------------------------------------------------------------------
+def readme(summary: dict[str, Any], grid: dict[str, Any] | None) -> str:
+    env = summary["environment"]
+    lines = [
+        "# scripts/gpu_bare.py results",
+        "",
+        f"Host: {env.get('gpu', env['device'])}, torch {env['torch']} (CUDA {env['cuda']}), "
+        f"transformers {env['transformers']}; {summary['seconds']:.0f} s.",
+        "",
+        "| pair | speculative == target alone | concurrency | DFlash tok/s | tau | target alone tok/s | speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for p in summary["pairs"]:
+        if "error" in p:
+            lines.append(f"| {p['pair']} | error: {p['error']} | | | | | |")
+            continue
+        eq = "yes" if p["equal"]["pass"] else f"NO (prompts {p['equal']['differ']})"
+        for c in p["throughput"]:
+            if "skipped" in c:
+                lines.append(f"| {p['pair']} | {eq} | {c['concurrency']} | skipped ({c['skipped']}) | | | |")
+                continue
+            d, a = c["dflash"], c["target_alone"]
+            lines.append(
+                f"| {p['pair']} | {eq} | {c['concurrency']} | {d['tokens_per_s']} | {d['tau']} | "
+                f"{a['tokens_per_s']} | {c['speedup']}x |"
+            )
+    if grid is not None:
+        lines += ["", f"Cost grid ({grid['shape']['target']} shape, {grid['dtype']}), ms per pass:", ""]
+        lines += ["| engine | context | rows | tokens per row | ms |", "|---|---|---|---|---|"]
+        for kind in ("target", "drafter"):
+            for e in grid[kind]:
+                lines.append(
+                    f"| {kind} | {e['context']} | {e['rows']} | {e['tokens_per_row']} | {e['seconds'] * 1e3:.2f} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=ROOT / "results" / "gpu", help="results folder (default results/gpu)")
+    p.add_argument("--max-minutes", type=float, default=7.0, help="start no new work after this (default 7)")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --quick: the tests' dry run)")
+    p.add_argument("--quick", action="store_true", help="toy sizes for every part (a dry run of the script)")
+    p.add_argument("--no-grid", action="store_true", help="skip the cost grid")
+    p.add_argument(
+        "--pairs", default="demo,tiny", help="comma-separated: demo (models/), tiny (random 8/2 heads) (default both)"
+    )
+    p.add_argument("--list-carry", action="store_true", help="print the files the host needs and their size, exit")
+    args = p.parse_args(argv)
+    if args.list_carry:
+        for f in carry_files():
+            print(f.relative_to(ROOT))
+        print(f"# {carry_bytes() / 2**20:.1f} MiB of {CARRY_LIMIT / 2**20:.0f} MiB", file=sys.stderr)
+        return 0
+    import torch
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"SKIP gpu-bare: no CUDA GPU visible to torch {torch.__version__}; nothing written")
+        return 0
+    clock = Clock(args.max_minutes)
+    summary: dict[str, Any] = {"environment": environment(args.device), "pairs": []}
+    print("environment: " + json.dumps(summary["environment"]), flush=True)
+    makers = {"demo": ("demo", demo_pair), "tiny": ("tiny-8q-2kv", tiny_pair)}
+    for key in [k for k in args.pairs.split(",") if k]:
+        if key not in makers:
+            p.error(f"unknown pair {key!r} (known: {', '.join(makers)})")
+        name, make = makers[key]
+        try:
+            result = pair_stage(name, make, args.device, clock, args.quick)
+        except Exception as e:  # noqa: BLE001 - a host check reports, it does not crash
+            result = {"pair": name, "error": f"{type(e).__name__}: {e}"}
+        summary["pairs"].append(result)
+        print(json.dumps(result), flush=True)
+    grid = None
+    if not args.no_grid:
+        try:
+            grid = cost_grid_stage(args.device, clock, args.quick)
+        except Exception as e:  # noqa: BLE001
+            summary["cost_grid_error"] = f"{type(e).__name__}: {e}"
+    summary["seconds"] = round(clock.limit - clock.left(), 1)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if grid is not None:
+        (args.out / "cost_grid.json").write_text(json.dumps(grid, indent=1) + "\n")
+    (args.out / "README.md").write_text(readme(summary, grid))
+    ok = all(p.get("equal", {}).get("pass", False) for p in summary["pairs"])
+    print(f"gpu-bare: speculative == target alone: {'PASS' if ok else 'FAIL'}; wrote {args.out}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

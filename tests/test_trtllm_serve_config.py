@@ -1,0 +1,191 @@
+"""`dflash-trt trtllm-serve-config`: the YAML for TensorRT-LLM's native DFlash, checked against the sources.
+
+No TensorRT-LLM here: the field list below and the validator rules are transcribed from
+NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py at commit 0004396720054fd8e205cbf616f21f0b57c6b412 (main, a
+post-1.2 development snapshot; 1.2 itself has no DFlashDecodingConfig), class DFlashDecodingConfig and its base
+DecodingBaseConfig; the drafter-folder expectations from tensorrt_llm/_torch/models/modeling_dflash.py
+(DFlashForCausalLM.__init__ / load_weights) of the same snapshot."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+from tiny_models import make_tiny_drafter, make_tiny_target
+
+from dflash_trt.builders.trtllm_serve import (
+    ServeConfigError,
+    drafter_problems,
+    schedule_from_costs,
+    serve_config,
+    speculation_limits,
+    to_yaml,
+)
+from dflash_trt.decoding.adaptive import LinearCost
+from dflash_trt.settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
+
+yaml = pytest.importorskip("yaml")
+
+# DecodingBaseConfig's fields, then DFlashDecodingConfig's own (llm_args.py, commit above).
+DECODING_BASE_FIELDS = {
+    "max_draft_len",
+    "max_total_draft_tokens",
+    "speculative_model",  # alias: speculative_model_dir
+    "max_concurrency",
+    "draft_len_schedule",
+    "load_format",
+    "acceptance_rate_window_size",
+    "acceptance_rate_threshold",
+    "use_rejection_sampling",
+    "allow_advanced_sampling",
+    "advanced_sampling_mode",
+    "enable_penalty",
+}
+DFLASH_DECODING_CONFIG_FIELDS = DECODING_BASE_FIELDS | {
+    "mask_token_id",
+    "target_layer_ids",
+    "decoding_type",  # Literal["DFlash"]
+    "attention_backend",  # Literal["VANILLA", "TRTLLM"]
+}
+LLM_ARGS_KEYS_WE_WRITE = {"speculative_config"}  # BaseLlmArgs.speculative_config
+
+
+def check_like_decoding_base_config(spec: dict) -> None:
+    """DecodingBaseConfig's validators (same file): schedule keys >= 1, lengths >= 0 and <= max_draft_len, the
+    smallest key's length == max_draft_len; max_concurrency and draft_len_schedule mutually exclusive."""
+    assert spec["decoding_type"] == "DFlash"
+    assert isinstance(spec["max_draft_len"], int) and spec["max_draft_len"] >= 0
+    schedule = spec.get("draft_len_schedule")
+    if schedule is not None:
+        assert "max_concurrency" not in spec
+        assert all(b >= 1 and 0 <= k <= spec["max_draft_len"] for b, k in schedule.items())
+        assert schedule[min(schedule)] == spec["max_draft_len"]
+    if "max_concurrency" in spec:
+        assert spec["max_concurrency"] >= 1
+
+
+def test_demo_pair_yaml_keys_are_all_dflash_decoding_config_fields(tmp_path):
+    out = tmp_path / "dflash.yaml"
+    run = subprocess.run(
+        [sys.executable, "-m", "dflash_trt.cli", "trtllm-serve-config", "--target", str(DEMO_TARGET)]
+        + ["--drafter", str(DEMO_DRAFTER), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    assert "trtllm-serve " in run.stdout and f"--config {out}" in run.stdout
+    loaded = yaml.safe_load(out.read_text())  # what trtllm-serve does with --config (commands/serve.py)
+    assert set(loaded) <= LLM_ARGS_KEYS_WE_WRITE
+    spec = loaded["speculative_config"]
+    assert set(spec) <= DFLASH_DECODING_CONFIG_FIELDS, set(spec) - DFLASH_DECODING_CONFIG_FIELDS
+    drafter = json.loads((DEMO_DRAFTER / "config.json").read_text())
+    assert spec == {
+        "decoding_type": "DFlash",
+        "max_draft_len": drafter["block_size"] - 1,  # slot 0 of the block is the anchor token
+        "speculative_model": str(DEMO_DRAFTER.resolve()),
+        "target_layer_ids": drafter["dflash_config"]["target_layer_ids"],
+        "mask_token_id": drafter["dflash_config"]["mask_token_id"],
+    }
+    check_like_decoding_base_config(spec)
+
+
+def test_field_list_check_would_catch_a_wrong_key():
+    """Negative control: a key DFlashDecodingConfig lacks (a StrictBaseModel refuses extra keys) is caught."""
+    spec = dict(serve_config(DEMO_DRAFTER)["speculative_config"], block_size=8)
+    assert set(spec) - DFLASH_DECODING_CONFIG_FIELDS == {"block_size"}
+
+
+@pytest.mark.parametrize("folder", ["drafter", "smollm2-drafter"])
+def test_our_drafter_folders_load_as_trtllm_dflash_drafters(folder):
+    assert drafter_problems(DEMO_DIR / folder) == []
+
+
+@pytest.fixture
+def tiny_drafter(tmp_path):
+    target = make_tiny_target(None, vocab_size=64, layers=4)
+    make_tiny_drafter(target.config, tmp_path / "d", layers=2, block_size=4)
+    return tmp_path / "d"
+
+
+def test_a_freshly_saved_drafter_loads_as_it_is(tiny_drafter):
+    assert drafter_problems(tiny_drafter) == []
+    spec = serve_config(tiny_drafter)["speculative_config"]
+    assert spec["max_draft_len"] == 3 and spec["mask_token_id"] == 63
+
+
+def test_loader_expectations_are_checked(tiny_drafter, tmp_path):
+    cfg = json.loads((tiny_drafter / "config.json").read_text())
+    del cfg["dflash_config"]["mask_token_id"]
+    del cfg["block_size"]
+    (tiny_drafter / "config.json").write_text(json.dumps(cfg))
+    problems = drafter_problems(tiny_drafter)
+    assert any("mask_token_id" in p for p in problems) and any("block_size" in p for p in problems)
+    with pytest.raises(ServeConfigError, match="would not load"):
+        serve_config(tiny_drafter)
+
+
+def test_weights_out_of_place_are_caught(tiny_drafter):
+    from safetensors.torch import load_file, save_file
+
+    path = next(tiny_drafter.glob("*.safetensors"))
+    weights = load_file(path)
+    weights["layers.5.mlp.up_proj.weight"] = weights.pop("layers.1.mlp.up_proj.weight")
+    weights["extra_head.weight"] = weights["fc.weight"].clone()
+    del weights["hidden_norm.weight"]
+    save_file(weights, path)
+    problems = drafter_problems(tiny_drafter)
+    assert any("hidden_norm.weight" in p for p in problems)
+    assert any("'extra_head.weight'" in p for p in problems)
+    assert any("layers [0, 1, 5]" in p for p in problems)
+
+
+def grid(target_per_token: float, rows=(1, 4, 16, 64, 256), context=512):
+    """A synthetic cost grid: target fixed 10 ms + per_token x tokens, drafter fixed 2 ms + 0.001 ms x tokens."""
+    entries = {"target": [], "drafter": []}
+    for r in rows:
+        for t in (1, 4, 8):
+            entries["target"].append(
+                {"rows": r, "tokens_per_row": t, "context": context, "seconds": 0.010 + target_per_token * r * t}
+            )
+            entries["drafter"].append(
+                {"rows": r, "tokens_per_row": t, "context": context, "seconds": 0.002 + 1e-6 * r * t}
+            )
+    return entries
+
+
+def test_memory_bound_target_drafts_the_whole_block_at_every_batch_size(tmp_path):
+    (tmp_path / "grid.json").write_text(json.dumps(grid(target_per_token=1e-7)))
+    spec = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0)["speculative_config"]
+    assert spec["max_draft_len"] == 7 and "draft_len_schedule" not in spec and "max_concurrency" not in spec
+    check_like_decoding_base_config(spec)
+
+
+def test_compute_bound_target_drafts_less_as_the_batch_grows(tmp_path):
+    (tmp_path / "grid.json").write_text(json.dumps(grid(target_per_token=2e-5)))
+    spec = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0)["speculative_config"]
+    check_like_decoding_base_config(spec)
+    schedule = spec["draft_len_schedule"]  # lengths differ between batch sizes: not one max_concurrency
+    lengths = [schedule[b] for b in sorted(schedule)]
+    assert lengths == sorted(lengths, reverse=True) and lengths[-1] < lengths[0] == 7
+    yaml_text = to_yaml({"speculative_config": spec})
+    assert yaml.safe_load(yaml_text)["speculative_config"] == spec  # int keys survive the YAML
+
+
+def test_schedule_picks_the_best_rate_per_batch_size():
+    target = LinearCost(fixed=0.010, per_token=2e-4)
+    drafter = LinearCost(fixed=0.002, per_token=1e-6)
+    best = schedule_from_costs(target, drafter, alpha=0.8, block_size=8, batch_sizes=[1, 64, 512])
+    assert best[1] == 7 and best[512] == 0 and best[1] >= best[64] >= best[512]
+    assert speculation_limits({1: 5, 4: 3, 16: 3, 64: 0}) == {"max_draft_len": 5, "draft_len_schedule": {1: 5, 16: 3}}
+    assert speculation_limits({1: 5, 4: 5, 16: 0}) == {"max_draft_len": 5, "max_concurrency": 4}
+    with pytest.raises(ServeConfigError, match="drafting pays at no measured batch size"):
+        speculation_limits({1: 0, 8: 0})
+
+
+def test_cost_table_needs_tau(tmp_path):
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-7)))
+    with pytest.raises(ServeConfigError, match="--tau"):
+        serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json")
+    shutil.rmtree(tmp_path)

@@ -132,7 +132,7 @@ def test_checks_pass_and_fail_on_the_issue_figures():
     assert ok is False and "0.90x (c=1, T=1)" in fig
     ok, fig = found["every prompt: adaptive >= 0.9x the target alone"]
     assert ok is False and "long prompt 3" in fig
-    ok, _ = found["c=1 T=0: batched adaptive >= 0.97x the single-sequence loop (same prompts)"]
+    ok, _ = found["c=1 T=0: adaptive >= 0.97x a fixed block 8, one request alone (same prompts)"]
     assert ok is True  # 0.40 / 0.41 = 0.976
     md = bench.markdown(
         cells, proc, bench.checks(cells, proc), {"target": "t", "drafter": "d", "osl": 64, "machine": "cpu"}
@@ -183,10 +183,11 @@ def test_server_side_figures_come_from_the_metrics_deltas():
 def test_the_steady_state_keeps_c_rows_in_flight_and_serves_every_request(tiny_pair):
     """The in-process engine comparison: every request of the stream served once, in full, as the target alone
     would serve it, with at most C rows in a step and C in most of them."""
-    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
     from dflash_trt.decoding.batch import BatchDecoder
-    from dflash_trt.runtime.torch_backend import TorchTargetEngine
     from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+
+    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.runtime.torch_backend import TorchTargetEngine
 
     bench = load_script()
     _, _, _, model, drafter = tiny_pair

@@ -35,46 +35,68 @@ def _median_ms(fn, reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def _median_setup_ms(setup, fn, reps: int, warmup: int = 2) -> float:
+    """_median_ms for a call that needs fresh state each time: `setup()` (untimed) returns what `fn` takes."""
+    times = []
+    for i in range(warmup + reps):
+        state = setup()
+        _sync()
+        t0 = time.perf_counter()
+        fn(state)
+        _sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 @torch.inference_mode()
 def pass_costs(target, drafters: dict, context_ids: list[int], block_sizes: list[int], reps: int) -> dict:
-    """Median ms of the passes one round is made of, with the KV caches holding len(context_ids) tokens.
+    """Median ms of the passes one round is made of, for one row whose caches hold len(context_ids) tokens.
 
     target_step_ms: one token through the target + rollback (a baseline decode step);
     verify_ms[B]:   B tokens through the target with features + rollback (a DFlash verify);
     draft_ms[backend][B]: one drafter round given (B+1)//2 newly committed tokens' features.
     """
+    from ..runtime.base import DraftRequest
+
     session = target.new_session()
-    out = session.forward(torch.tensor(context_ids), last_logits_only=True, features=bool(drafters))
-    n = session.length
+    row = session.add_row()
+    [out] = session.forward([row], [torch.tensor(context_ids)], last_logits_only=True, features=bool(drafters))
+    n = session.length(row)
     last = torch.tensor(context_ids[-1:])
 
     def step():
-        session.forward(last, features=False)
-        session.rollback(n)
+        session.forward([row], [last], features=False)
+        session.rollback(row, n)
 
     costs = {"context_tokens": n, "target_step_ms": _median_ms(step, reps), "verify_ms": {}, "draft_ms": {}}
     for b in block_sizes:
         block = torch.tensor((context_ids * b)[:b])
 
         def verify(block=block):
-            session.forward(block, features=bool(drafters))
-            session.rollback(n)
+            session.forward([row], [block], features=bool(drafters))
+            session.rollback(row, n)
 
         costs["verify_ms"][b] = _median_ms(verify, reps)
+    session.remove_row(row)
     for backend, engine in drafters.items():
         costs["draft_ms"][backend] = {}
         feats = out.features
+        ds = engine.new_session()
         for b in block_sizes:
             new = (b + 1) // 2
-            ds = engine.new_session()
-            ds.draft(feats[:-new], context_ids[-1], b)  # the context, minus what this round brings
-            past = (ds.past_k, ds.past_v)
 
-            def draft(ds=ds, past=past, new=new, b=b):
-                ds.past_k, ds.past_v = past
-                ds.draft(feats[-new:], context_ids[-1], b)
+            def context(new=new, b=b):
+                """A row holding the context, minus what this round brings (the drafter's cache only grows)."""
+                r = ds.add_row()
+                ds.draft([DraftRequest(r, feats[:-new], context_ids[-1], b)])
+                return r
 
-            costs["draft_ms"][backend][b] = _median_ms(draft, reps)
+            def draft(r, new=new, b=b):
+                ds.draft([DraftRequest(r, feats[-new:], context_ids[-1], b)])
+                ds.remove_row(r)
+
+            costs["draft_ms"][backend][b] = _median_setup_ms(context, draft, reps)
     return costs
 
 
@@ -122,10 +144,6 @@ class PeakRSS:
         if not self.available:
             return None
         return max(0, _status_kb("VmHWM") - self.base_kb) / 1024
-
-    @staticmethod
-    def rss_mb() -> float | None:
-        return _status_kb("VmRSS") / 1024 if PROC_STATUS.exists() else None
 
 
 # ---- the target's view of a continuation (a loose check of sampled outputs) ------------------

@@ -97,7 +97,7 @@ class BenchError(RuntimeError):
 
 # ---- setup ---------------------------------------------------------------------------------
 def load_everything(s: BenchSettings):
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
     from ..loading import load_decoder
     from ..runtime.torch_backend import TorchTargetEngine
 
@@ -137,7 +137,7 @@ def load_everything(s: BenchSettings):
             drafters["torch"] = decoder.drafter
         if "dflash-ort" in want:
             drafters["onnxruntime"] = ort_drafter(decoder, s)
-    base = SpeculativeDecoder(target, None, decoder.tokenizer)
+    base = BatchDecoder(target, None, decoder.tokenizer)
     return decoder, base, drafters, assistant
 
 
@@ -162,18 +162,18 @@ def ort_drafter(decoder, s: BenchSettings):
 
 
 def build_methods(s: BenchSettings, decoder, base, drafters, assistant, timer, assistant_timer) -> list[Method]:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
     model = decoder.target.model
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else 0
-    methods = [dflash_method("baseline", "baseline", base, 1, timer)]
+    methods = [dflash_method("baseline", "baseline", base, 1)]
     if "hf-generate" in s.methods:
         methods.append(hf_method("hf-generate", "hf-generate", model, timer, pad))
     for backend, drafter in drafters.items():  # drafters: backend name -> engine, as load_everything chose
         family = DFLASH_FAMILIES[backend]
-        dec = SpeculativeDecoder(decoder.target, drafter, decoder.tokenizer)
+        dec = BatchDecoder(decoder.target, drafter, decoder.tokenizer)
         for b in usable_block_sizes(s, drafter):
-            methods.append(dflash_method(f"{family}-b{b}", family, dec, b, timer, backend))
+            methods.append(dflash_method(f"{family}-b{b}", family, dec, b, backend))
     if assistant is not None:
         methods.append(
             hf_method(

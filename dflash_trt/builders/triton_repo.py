@@ -265,7 +265,7 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids)
         "session_ttl_s": "600",
         "batch_target": "true",
     }
-    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls). A call may carry several
+    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.remote). A call may carry several
     # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
     cfg = model_config(
         TARGET,

@@ -25,7 +25,7 @@ __all__ = ["ApiError", "Server", "ServerSettings", "chat_prompt_ids", "create_ap
 
 
 def create_app(decoder, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `decoder` (a SpeculativeDecoder). The orchestrator runs for the app's lifespan."""
+    """An app serving `decoder` (a BatchDecoder from `dflash_trt.loading`). The orchestrator runs for the app's lifespan."""
     server = Server(decoder, settings or ServerSettings())
 
     @asynccontextmanager

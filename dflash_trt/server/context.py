@@ -9,8 +9,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from ..decoding.batch import BatchDecoder
-from ..runtime.batched import batch_engines
+from ..decoding import BatchDecoder, BlockPolicy
 from .metrics import ServerMetrics
 from .scheduler import Orchestrator
 from .schemas import Limits, request_models
@@ -33,7 +32,7 @@ class ServerSettings:
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,
     # a collinear fit that cannot tell per-token from per-row cost and, on a loaded machine, inflates drafting
-    # until every row stays at block 1 (measured: 96 % of rows at block 1 at T=0 after the first refits).
+    # until every row stays at block 1 (docs/benchmarks.md).
     refit_every: int = 0
 
 
@@ -44,14 +43,14 @@ def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
     """The batched loop on the loaded engines; with adaptive block sizes, the cost model is measured now."""
     from ..decoding.adaptive import measure_costs
 
-    target, drafter = batch_engines(decoder.target, decoder.drafter)
+    target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
     cost = None
     if adaptive:
         t0 = time.perf_counter()
         rows = sorted({1, max(1, settings.max_active // 2), settings.max_active})
         # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
-        # the fit (with 2-3 repeats the fitted costs varied 2-3x between starts on a busy 2-core machine)
+        # the fit (with fewer repeats the fitted costs varied severalfold between starts on a busy machine)
         cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2), repeats=5)
         t, d = cost.target, cost.drafter
         log.info(
@@ -67,15 +66,8 @@ def batch_decoder(decoder, settings: ServerSettings) -> BatchDecoder:
             1e3 * d.per_row,
             1e3 * d.per_token,
         )
-    return BatchDecoder(
-        target,
-        drafter,
-        decoder.tokenizer,
-        block_size=settings.block_size,
-        adaptive=adaptive,
-        cost=cost,
-        refit_every=settings.refit_every,
-    )
+    policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every)
+    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy)
 
 
 class Server:

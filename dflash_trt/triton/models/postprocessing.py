@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from ...decoding.detokenizer import text_delta
-from ..bls import unpad_rows
+from ..remote import unpad_rows
 from .common import error_response, get, load_text_model, strings
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton_python_backend_utils as pb_utils
 
 from ...decoding.prompting import chat_prompt_ids
-from ..bls import pad_rows
+from ..remote import pad_rows
 from .common import error_response, get, load_text_model
 
 

@@ -295,11 +295,15 @@ class BatchDecoder:
         prompts: Sequence[Sequence[int]],
         configs: Sequence[GenerationConfig] | GenerationConfig = GenerationConfig(),
     ) -> list[GenerationResult]:
-        """Every prompt as one row of the same batch, run to the end."""
+        """Every prompt as one row of the same batch, run to the end. A row's engine error (a drafter that
+        raised without `drafter_fallback`) is raised here once all rows are done, as `stream` raises it."""
         if isinstance(configs, GenerationConfig):
             configs = [configs] * len(prompts)
         rows = [self.add(p, c) for p, c in zip(prompts, configs)]
         self.run()
+        for r in rows:
+            if r.error is not None:
+                raise r.error
         return [r.result() for r in rows]
 
     def stream(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> Iterator[Round]:

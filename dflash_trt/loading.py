@@ -1,4 +1,4 @@
-"""From checkpoint directories to a ready SpeculativeDecoder (PyTorch engines)."""
+"""From checkpoint directories (or built engines) to a ready decoder: the loop on its two engines."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .config import validate_against_target
-from .decoding import SpeculativeDecoder
+from .decoding import BatchDecoder
 from .models.drafter import DFlashDrafter
 from .models.target import DTYPES, load_target, load_tokenizer
 from .runtime.base import EngineOptions
@@ -66,7 +66,7 @@ def load_decoder(
     dtype: str = "float32",
     device: str = "cpu",
     drafter_dtype_name: str | None = None,
-) -> SpeculativeDecoder:
+) -> BatchDecoder:
     """Load target (+ tokenizer when present) and, unless drafter_dir is None, the DFlash drafter, on `device`.
 
     The drafter is validated against the target before anything runs. `drafter_dtype_name`: see
@@ -78,16 +78,16 @@ def load_decoder(
     model = load_target(target_dir, torch_dtype).to(dev)  # type: ignore[arg-type]
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is None:
-        return SpeculativeDecoder(TorchTargetEngine(model), None, tokenizer)
+        return BatchDecoder(TorchTargetEngine(model), None, tokenizer)
     drafter = DFlashDrafter.from_pretrained(drafter_dir, drafter_dtype(drafter_dtype_name, torch_dtype, dev))
     validate_against_target(drafter.config, drafter.spec, model.config)
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    return SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
+    return BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
 
 
 def load_decoder_from_engines(
     engines_dir: str | Path, dtype: str = "float32", draft: bool = True, device: str = "cpu"
-) -> SpeculativeDecoder:
+) -> BatchDecoder:
     """Load what `make engines` built: the backends named in engines/manifest.json's `serve` section.
 
     draft=False loads the target alone (the drafter engine is not touched). `device` places a PyTorch target.
@@ -105,7 +105,7 @@ def load_decoder_from_engines(
         if draft and getattr(target, "is_leader", True):
             options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))
             drafter = registry.drafter_engine(src.drafter["backend"], src.drafter_dir, options)
-        return SpeculativeDecoder(target, drafter, tokenizer)
+        return BatchDecoder(target, drafter, tokenizer)
     drafter = None
     if draft:
         options = EngineOptions(precision=src.drafter.get("serve_precision", "fp32"))
@@ -117,4 +117,4 @@ def load_decoder_from_engines(
         src.target_dir,
         EngineOptions(dtype=dtype, device=target_device, feature_layer_ids=tuple(features)),
     )
-    return SpeculativeDecoder(target, drafter, tokenizer)
+    return BatchDecoder(target, drafter, tokenizer)

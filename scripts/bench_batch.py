@@ -6,7 +6,6 @@ greedy), for
     batch-target       the batched step with block size 1 (target alone, same code path)
     batch-dflash-b8    the batched step, DFlash at a fixed block of 8
     batch-adaptive     the batched step, DFlash with adaptive block sizes (cost model timed at start-up)
-    single-dflash      the single-sequence loop (decoding/decode.py), concurrency 1 only
 
 At concurrency C the prompts (at concurrency 1 optionally only the first --c1-prompts) run as consecutive batches of C rows, each row exactly --max-new-tokens
 tokens (no stop token), so every method produces the same number of tokens; the batched methods' tokens
@@ -29,13 +28,11 @@ import torch
 
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.config import validate_against_target
-from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, StepProfile
 from dflash_trt.decoding.adaptive import measure_costs
-from dflash_trt.decoding.batch import BatchDecoder, StepProfile
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import load_target, load_tokenizer
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
 REPO = Path(__file__).resolve().parents[1]
@@ -82,10 +79,8 @@ def main() -> int:
     drafter = DFlashDrafter.from_pretrained(args.drafter, torch.float32)
     validate_against_target(drafter.config, drafter.spec, model.config)
     layers = drafter.spec.target_layer_ids
-    btarget = TorchBatchTargetEngine(model, layers)
-    bdrafter = TorchBatchDrafterEngine.for_target(drafter, btarget)
-    starget = TorchTargetEngine(model, layers)
-    single = SpeculativeDecoder(starget, TorchDrafterEngine.for_target(drafter, starget))
+    btarget = TorchTargetEngine(model, layers)
+    bdrafter = TorchDrafterEngine.for_target(drafter, btarget)
     prompts = [tok.encode(t, add_special_tokens=False) for t in held_out_code_prompts(args.prompts)]
     n = args.max_new_tokens
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
@@ -97,7 +92,9 @@ def main() -> int:
 
     def batched(block: int | None, adaptive: bool):
         def run(batch):
-            dec = BatchDecoder(btarget, bdrafter, adaptive=adaptive, cost=cost if adaptive else None)
+            dec = BatchDecoder(
+                btarget, bdrafter, policy=BlockPolicy(adaptive=adaptive, cost=cost if adaptive else None)
+            )
             rows = [dec.add(p, GenerationConfig(max_new_tokens=n, block_size=block)) for p in batch]
             profiles: list[StepProfile] = []
             while dec.active:
@@ -112,10 +109,6 @@ def main() -> int:
         "batch-target": batched(1, False),
         "batch-dflash-b8": batched(8, False),
         "batch-adaptive": batched(None, True),
-        "single-dflash": lambda batch: (
-            [single.generate(p, GenerationConfig(max_new_tokens=n)).token_ids for p in batch],
-            [],
-        ),
     }
     for name, fn in methods.items():  # warm-up (allocations, first-call costs)
         fn(prompts[:2])
@@ -124,8 +117,6 @@ def main() -> int:
     results, profiles_out = [], {}
     for c in levels:
         for name, fn in methods.items():
-            if name == "single-dflash" and c != 1:
-                continue
             tokens, steps, outputs = 0, [], []
             t0 = time.perf_counter()
             subset = prompts[: args.c1_prompts] if c == 1 and args.c1_prompts else prompts

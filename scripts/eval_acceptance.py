@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     cfg_base = GenerationConfig(
         max_new_tokens=args.max_new_tokens, block_size=1, sampling=sampling, stop_token_ids=stops
     )
-    decoder.generate(prompts[0][1], cfg_spec)  # warm-up (allocations, kernels)
+    decoder.generate([prompts[0][1]], cfg_spec)  # warm-up (allocations, kernels)
 
     rows, mismatches = [], 0
     for i, (kind, ids) in enumerate(prompts):
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
         runs = {}
         for name, cfg in order:
             t = time.perf_counter()
-            runs[name] = decoder.generate(ids, cfg)
+            [runs[name]] = decoder.generate([ids], cfg)
             runs[name].stats.total_time_s = time.perf_counter() - t
         same = runs["base"].token_ids == runs["dflash"].token_ids if greedy else None
         mismatches += same is False

@@ -148,15 +148,14 @@ def tiny_pair(device: str):
 
 
 def engines(model, drafter):
-    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+    from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
-    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
-    return target, TorchBatchDrafterEngine.for_target(drafter, target)
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    return target, TorchDrafterEngine.for_target(drafter, target)
 
 
 def run_batch(target, drafter, prompts, max_new: int, block_size: int | None, device: str) -> tuple[list, float]:
-    from dflash_trt.decoding import GenerationConfig
-    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.decoding import BatchDecoder, GenerationConfig
 
     dec = BatchDecoder(target, drafter)  # block_size 1: the same target engine alone
     sync(device)
@@ -262,7 +261,7 @@ def shape_models(device: str, quick: bool):
 def cost_grid_stage(device: str, clock: Clock, quick: bool) -> dict[str, Any]:
     import torch
 
-    from dflash_trt.runtime.batched import DraftRequest
+    from dflash_trt.runtime.base import DraftRequest
 
     model, drafter, shape = shape_models(device, quick)
     target, draft = engines(model, drafter)
@@ -300,7 +299,7 @@ def cost_grid_stage(device: str, clock: Clock, quick: bool) -> dict[str, Any]:
             if clock.left() < 45:
                 grid["skipped"].append({"context": context, "rows": rows, "why": "time limit"})
                 continue
-            sess = target.new_batch()
+            sess = target.new_session()
             handles = [sess.add_row() for _ in range(rows)]
             for i in range(0, rows, 8):  # prefill in groups: bounded attention masks and activations
                 part = handles[i : i + 8]
@@ -318,7 +317,7 @@ def cost_grid_stage(device: str, clock: Clock, quick: bool) -> dict[str, Any]:
                 entry = {"rows": rows, "tokens_per_row": t, "context": context, "seconds": timed(one_pass)}
                 grid["target"].append(entry)
             del sess
-            dsess = draft.new_batch()
+            dsess = draft.new_session()
             dh = [dsess.add_row() for _ in range(rows)]
             dev = next(model.parameters()).device
             for i in range(0, rows, 8):

@@ -91,11 +91,11 @@ def pytorch_stage(
     spec_s = base_s = 0.0
     taus, mismatches, agree = [], [], []
     for ids in prompts_ids(decoder, n_prompts):
-        decoder.generate(ids, GenerationConfig(max_new_tokens=4))  # warm-up (CUDA context, kernels)
+        decoder.generate([ids], GenerationConfig(max_new_tokens=4))  # warm-up (CUDA context, kernels)
         t0 = time.perf_counter()
-        spec = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new))
+        [spec] = decoder.generate([ids], GenerationConfig(max_new_tokens=max_new))
         t1 = time.perf_counter()
-        alone = decoder.generate(ids, GenerationConfig(max_new_tokens=max_new, block_size=1))
+        [alone] = decoder.generate([ids], GenerationConfig(max_new_tokens=max_new, block_size=1))
         t2 = time.perf_counter()
         with torch.inference_mode():
             x = torch.tensor([ids], device=model.device)

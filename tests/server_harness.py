@@ -94,8 +94,7 @@ def scrape(url: str, **headers) -> str:
 
 
 class FaultyTarget:
-    """Wraps a real target engine; while `failing` is set, forward() raises (fault injection). The server
-    runs the batched engine (`batched()`), wrapped the same way."""
+    """Wraps a real target engine; while `failing` is set, its sessions' forward() raises (fault injection)."""
 
     def __init__(self, engine):
         self.engine, self.failing = engine, False
@@ -109,40 +108,8 @@ class FaultyTarget:
     def new_session(self):
         return _FaultyTargetSession(self, self.engine.new_session())
 
-    def batched(self):
-        return _FaultyBatchTarget(self, self.engine.batched())
-
 
 class _FaultyTargetSession:
-    def __init__(self, owner, inner):
-        self.owner, self.inner = owner, inner
-
-    @property
-    def length(self):
-        return self.inner.length
-
-    def forward(self, token_ids, **kw):
-        self.owner.before_forward()
-        return self.inner.forward(token_ids, **kw)
-
-    def rollback(self, length):
-        return self.inner.rollback(length)
-
-    def close(self):
-        return self.inner.close()
-
-
-class _FaultyBatchTarget:
-    def __init__(self, owner, inner):
-        self.owner, self.inner = owner, inner
-        for attr in ("name", "vocab_size", "max_context", "feature_layer_ids"):
-            setattr(self, attr, getattr(inner, attr))
-
-    def new_batch(self):
-        return _FaultyBatchSession(self.owner, self.inner.new_batch())
-
-
-class _FaultyBatchSession:
     def __init__(self, owner, inner):
         self.owner, self.inner = owner, inner
 

@@ -321,15 +321,16 @@ def test_acceptance_tracker_falls_and_recovers():
 def test_decoder_refits_its_cost_model_online(tiny_pair):
     """With refit_every, the batched step feeds its observed passes back into the cost model."""
 
-    from dflash_trt.decoding import GenerationConfig
-    from dflash_trt.decoding.batch import BatchDecoder
-    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
+    from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig
+    from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
     _, _, _, model, drafter = tiny_pair
-    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7))
     dec = BatchDecoder(
-        target, TorchBatchDrafterEngine.for_target(drafter, target), adaptive=True, cost=cost, refit_every=4
+        target,
+        TorchDrafterEngine.for_target(drafter, target),
+        policy=BlockPolicy(adaptive=True, cost=cost, refit_every=4),
     )
     dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
     seen = cost._seen["target"]

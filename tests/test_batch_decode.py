@@ -4,26 +4,24 @@ tokens alone or in a batch, and the sampling distribution stays exact (chi-squar
 
 import pytest
 import torch
-from helpers import NoisyOracleDrafter
+from helpers import NoisyOracleDrafter, generate_one
 from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, SamplingParams
 from dflash_trt.decoding import acceptance as acceptance_module
 from dflash_trt.decoding.adaptive import CostModel, LinearCost
-from dflash_trt.decoding.batch import BatchDecoder
-from dflash_trt.runtime.batched import LoopedDrafterEngine
+from dflash_trt.runtime.rows import PerRowDrafter
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
 
 
-def batch_engines(model, drafter):
-    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
-    return target, TorchBatchDrafterEngine.for_target(drafter, target)
+def torch_engines(model, drafter):
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    return target, TorchDrafterEngine.for_target(drafter, target)
 
 
 def reference(model, prompt, n):
-    return SpeculativeDecoder(TorchTargetEngine(model)).generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
+    return generate_one(BatchDecoder(TorchTargetEngine(model)), prompt, GenerationConfig(max_new_tokens=n)).token_ids
 
 
 def random_prompts(rng, count, vocab=95):
@@ -35,7 +33,7 @@ def random_prompts(rng, count, vocab=95):
 
 def test_greedy_rows_equal_target_alone_mixed_blocks(tiny_pair):
     family, _, _, model, drafter = tiny_pair
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     rng = torch.Generator().manual_seed(1)
     prompts = random_prompts(rng, 6)
     lengths = [int(torch.randint(1, 40, (1,), generator=rng)) for _ in prompts]
@@ -51,22 +49,16 @@ def test_greedy_rows_equal_target_alone_mixed_blocks(tiny_pair):
 
 class OracleBatch:
     """Test double (not a hardware fake): one NoisyOracleDrafter per row, in the order rows are added,
-    behind the batched protocol (LoopedDrafterEngine), so rounds accept anywhere from 0 to B-1 drafts."""
+    behind the row protocol (rows.PerRowDrafter), so rounds accept anywhere from 0 to B-1 drafts."""
 
     def __init__(self, oracles):
         self.oracles = list(oracles)
         self.block_size, self.feature_layer_ids, self.name = 16, (0,), "oracle-batch"
+        self.max_context = None
 
-    def new_batch(self):
+    def new_session(self):
         oracles = iter(self.oracles)
-        looped = LoopedDrafterEngine(self.oracles[0]).new_batch()
-
-        def add_row():
-            looped.engine = next(oracles)
-            return type(looped).add_row(looped)
-
-        looped.add_row = add_row
-        return looped
+        return PerRowDrafter(lambda: next(oracles).sequence())
 
 
 @pytest.mark.parametrize("adaptive", [False, True])
@@ -81,9 +73,9 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
         NoisyOracleDrafter(r, len(p), 96, 16, pc, seed=i, feature_layer_ids=(0,))
         for i, (r, p, pc) in enumerate(zip(refs, prompts, p_correct))
     ]
-    target = TorchBatchTargetEngine(model, (0,))
+    target = TorchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-5), LinearCost(5e-4, 1e-4, 1e-5)) if adaptive else None
-    dec = BatchDecoder(target, OracleBatch(oracles), adaptive=adaptive, cost=cost)
+    dec = BatchDecoder(target, OracleBatch(oracles), policy=BlockPolicy(adaptive=adaptive, cost=cost))
     rows = [
         dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
         dec.add(prompts[1], GenerationConfig(max_new_tokens=n, block_size=4)),
@@ -116,7 +108,7 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
 
 def test_seeded_sampled_row_is_the_same_alone_or_in_a_batch(tiny_pair):
     family, _, _, model, drafter = tiny_pair
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     prompt = [4, 5, 6, 7]
     cfg = GenerationConfig(
         max_new_tokens=30, block_size=4, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7)
@@ -136,10 +128,10 @@ def test_seeded_sampled_row_is_the_same_alone_or_in_a_batch(tiny_pair):
         others[:2] + [prompt] + others[2:], mixed[:2] + [cfg] + mixed[2:]
     )
     assert got[2].token_ids == alone, family
-    # the single-sequence loop with the same seed and block size returns the same tokens too
+    # a fresh decoder on fresh engines, the request streamed, returns the same tokens too
     single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    single = SpeculativeDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
-    assert single.generate(prompt, cfg).token_ids == alone
+    single = BatchDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
+    assert [t for r in single.stream(prompt, cfg) for t in r.token_ids] == alone
 
 
 N_SAMPLES = 2000
@@ -164,10 +156,12 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
     _, _, _, model, _ = tiny_pair
     prompt, n = [3, 1, 4, 1, 5], 40
     ref = reference(model, prompt, n)
-    target = TorchBatchTargetEngine(model, (0,))
+    target = TorchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
     oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=i, feature_layer_ids=(0,)) for i in range(4)]
-    dec = BatchDecoder(target, OracleBatch(oracles), adaptive=True, cost=cost, probe_every=probe_every)
+    dec = BatchDecoder(
+        target, OracleBatch(oracles), policy=BlockPolicy(adaptive=True, cost=cost, probe_every=probe_every)
+    )
     dec.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
     results = [dec.generate([prompt], GenerationConfig(max_new_tokens=n))[0] for _ in oracles]  # one after another
     assert all(r.token_ids == ref for r in results)
@@ -188,14 +182,12 @@ def test_probes_back_off_while_they_miss(tiny_pair):
     _, _, _, model, _ = tiny_pair
     prompt, n = [3, 1, 4, 1, 5], 100
     ref = reference(model, prompt, n)
-    target = TorchBatchTargetEngine(model, (0,))
+    target = TorchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
     dec = BatchDecoder(
         target,
         OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0, feature_layer_ids=(0,))]),
-        adaptive=True,
-        cost=cost,
-        probe_every=4,
+        policy=BlockPolicy(adaptive=True, cost=cost, probe_every=4),
     )
     dec.prior = AcceptancePrior(start=0.02)
     row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
@@ -205,7 +197,7 @@ def test_probes_back_off_while_they_miss(tiny_pair):
             if rnd.drafted:
                 drafted_at.append(dec._steps - 1)  # the verify step that ran it
     assert row.result().token_ids == ref
-    assert drafted_at == [4, 12, 28, 60] and dec.probe_misses[False] == 4
+    assert drafted_at == [4, 12, 28, 60] and dec.probes.misses[False] == 4
 
 
 def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_stops(tiny_pair):
@@ -218,12 +210,14 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     _, _, _, model, _ = tiny_pair
     prompt, n, requests = [3, 1, 4, 1, 5], 12, 24
     ref = reference(model, prompt, n)
-    target = TorchBatchTargetEngine(model, (0,))
+    target = TorchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
     oracles = [
         NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)
     ]
-    dec = BatchDecoder(target, OracleBatch(oracles), adaptive=True, cost=cost, probe_every=4, max_probe_backoff=3)
+    dec = BatchDecoder(
+        target, OracleBatch(oracles), policy=BlockPolicy(adaptive=True, cost=cost, probe_every=4, max_probe_backoff=3)
+    )
     dec.prior = AcceptancePrior(start=0.02)
     drafted_at, probed_requests = [], 0
     for _ in range(requests):
@@ -239,18 +233,18 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     for k, gap in enumerate(gaps):
         wait = 4 * 2 ** min(k + 1, 3)
         assert wait <= gap < wait + n, (k, gaps)
-    assert len(gaps) >= 5 and dec.probe_misses[False] == 3  # capped, and probing never stops
+    assert len(gaps) >= 5 and dec.probes.misses[False] == 3  # capped, and probing never stops
     assert probed_requests <= requests // 2  # the per-request backoff probed every one of them
 
 
 def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     """N_SAMPLES seeded rows, 400 per batch, next to rows of other lengths and settings."""
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     # a memory-bound target (tokens nearly free) so the policy drafts; sizes then follow each row's history
     cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7)) if adaptive else None
     counts, accepted = {}, 0
     for start in range(0, N_SAMPLES, 400):
-        dec = BatchDecoder(target, drafter_engine, adaptive=adaptive, cost=cost)
+        dec = BatchDecoder(target, drafter_engine, policy=BlockPolicy(adaptive=adaptive, cost=cost))
         rows = []
         for seed in range(start, start + 400):
             rows.append(
@@ -313,8 +307,8 @@ class FailingBatchDrafter:
         self.inner, self.name = inner, "failing"
         self.block_size, self.feature_layer_ids = inner.block_size, inner.feature_layer_ids
 
-    def new_batch(self):
-        sess = self.inner.new_batch()
+    def new_session(self):
+        sess = self.inner.new_session()
 
         def draft(requests):
             raise RuntimeError("drafter engine failed")
@@ -325,7 +319,7 @@ class FailingBatchDrafter:
 
 def test_drafter_failure_falls_back_per_row(tiny_pair):
     family, _, _, model, drafter = tiny_pair
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     dec = BatchDecoder(target, FailingBatchDrafter(drafter_engine))
     ok = dec.add([1, 2, 3], GenerationConfig(max_new_tokens=12, drafter_fallback=True))
     failed = dec.add([4, 5], GenerationConfig(max_new_tokens=12))
@@ -340,7 +334,7 @@ def test_stop_tokens_and_validation(tiny_pair):
     from dflash_trt.decoding import ContextLengthError, InputError
 
     family, _, _, model, drafter = tiny_pair
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     full = reference(model, [7, 8, 9], 40)
     stop = full[12]
     dec = BatchDecoder(target, drafter_engine)
@@ -357,43 +351,45 @@ def test_stop_tokens_and_validation(tiny_pair):
     with pytest.raises(InputError, match="out of vocabulary"):
         dec.add([1, 96], GenerationConfig())
     with pytest.raises(ValueError, match="cost model"):
-        BatchDecoder(target, drafter_engine, adaptive=True)
+        BatchDecoder(target, drafter_engine, policy=BlockPolicy(adaptive=True))
 
 
 def test_stop_strings_per_row_with_tokenizer(tmp_path):
-    """Text stops: each row's own stop string, the text cut as the single-sequence loop cuts it."""
+    """Text stops: each row's own stop string, the text cut as for the request alone."""
     from helpers import make_tokenizer
 
     tok = make_tokenizer(tmp_path)
     model = make_tiny_target(vocab_size=len(tok), layers=4, seed=5)
     drafter = make_tiny_drafter(model.config, layers=1, block_size=4, mask_token_id=tok.mask_token_id)
-    target, drafter_engine = batch_engines(model, drafter)
-    base = SpeculativeDecoder(TorchTargetEngine(model), None, tok)
+    target, drafter_engine = torch_engines(model, drafter)
+    base = BatchDecoder(TorchTargetEngine(model), None, tok)
     prompts = [tok.encode("def fibonacci(n):"), tok.encode("for i in range(10):")]
-    fulls = [base.generate(p, GenerationConfig(max_new_tokens=30)) for p in prompts]
+    fulls = [generate_one(base, p, GenerationConfig(max_new_tokens=30)) for p in prompts]
     stop = fulls[0].text[8:11]
     assert stop
     got = BatchDecoder(target, drafter_engine, tok).generate(
         prompts, [GenerationConfig(max_new_tokens=30, stop_strings=(stop,)), GenerationConfig(max_new_tokens=30)]
     )
     assert got[0].finish_reason == "stop" and got[0].text == fulls[0].text[: fulls[0].text.index(stop)]
-    alone = base.generate(prompts[0], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
-    assert got[0].token_ids == alone.token_ids  # cut after the same token as the single-sequence loop
+    alone = generate_one(base, prompts[0], GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
+    assert got[0].token_ids == alone.token_ids  # cut after the same token as the request alone
     assert got[1].token_ids == fulls[1].token_ids and got[1].text == fulls[1].text
 
 
 def single_decoder(model, drafter):
+    """A decoder of its own on fresh engines: a request run on it alone is a batch of one."""
     single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    return SpeculativeDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
+    return BatchDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
 
 
-def test_logits_adjustments_match_the_single_sequence_loop(tiny_pair):
-    """Penalties, logit_bias and min_tokens act on the prefill's and every verify row's logits exactly as in
-    `Generation`: each row's tokens equal the single-sequence loop's (greedy and seeded sampling)."""
+def test_logits_adjustments_match_the_request_alone(tiny_pair):
+    """Penalties, logit_bias and min_tokens act on the prefill's and every verify row's logits exactly as for
+    the request alone: each row's tokens in a batch equal those of a batch of one (greedy and seeded
+    sampling)."""
     from dflash_trt.decoding.processors import LogitsAdjustment
 
     family, _, _, model, drafter = tiny_pair
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     prompt = [3, 1, 4, 1, 5]
     plain = reference(model, prompt, 24)
     adjusts = [
@@ -411,30 +407,34 @@ def test_logits_adjustments_match_the_single_sequence_loop(tiny_pair):
     got = BatchDecoder(target, drafter_engine).generate([prompt] * len(configs), configs)
     single = single_decoder(model, drafter)
     for i, (cfg, r) in enumerate(zip(configs, got)):
-        assert r.token_ids == single.generate(prompt, cfg).token_ids, (family, i)
+        assert r.token_ids == generate_one(single, prompt, cfg).token_ids, (family, i)
     assert got[1].token_ids[0] != plain[0] and got[0].token_ids != plain  # the adjustments did act
     assert not set(got[3].token_ids[:20]) & {plain[0], plain[1]}
 
 
-def test_validation_matches_the_single_sequence_loop(tiny_pair):
-    """The drafter's context limit, and no drafter means block_size 1 only: the same errors as `Generation`."""
+def test_validation_of_the_drafter_limit_and_of_no_drafter(tiny_pair):
+    """The drafter's context limit, and no drafter means block_size 1 only: the errors the single-sequence
+    loop raised (the same message, the same prompt_alone), for a batched drafter and a per-row one."""
     from dflash_trt.decoding import ContextLengthError, InputError
 
     family, _, _, model, drafter = tiny_pair
-    target, _ = batch_engines(model, drafter)
-    single = single_decoder(model, drafter)
-    limited = TorchDrafterEngine.for_target(drafter, single.target)
+    target, _ = torch_engines(model, drafter)
+    limited = TorchDrafterEngine.for_target(drafter, target)
     limited.max_context = 40  # as a TensorRT plan's profile would cap it
-    batched = BatchDecoder(target, LoopedDrafterEngine(limited))
-    ref = SpeculativeDecoder(single.target, limited)
-    for prompt, n in (([1] * 30, 20), ([1] * 40, 5)):
-        with pytest.raises(ContextLengthError) as got:
-            batched.add(prompt, GenerationConfig(max_new_tokens=n))
-        with pytest.raises(ContextLengthError) as want:
-            ref.start(prompt, GenerationConfig(max_new_tokens=n))
-        assert str(got.value) == str(want.value) and "drafter's context length 40" in str(got.value)
-        assert got.value.prompt_alone == want.value.prompt_alone == (len(prompt) >= 40)
-    batched.add([1] * 30, GenerationConfig(max_new_tokens=20, block_size=1))  # no drafting: the target's limit
+    per_row = NoisyOracleDrafter([], 0, 96, 8, 0.0, seed=0, feature_layer_ids=drafter.spec.target_layer_ids)
+    per_row.max_context = 40
+    for dec in (BatchDecoder(target, limited), BatchDecoder(target, per_row)):
+        for prompt, n in (([1] * 30, 20), ([1] * 40, 5)):
+            with pytest.raises(ContextLengthError) as got:
+                dec.add(prompt, GenerationConfig(max_new_tokens=n))
+            want = (
+                f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) = {len(prompt) + n} "
+                "exceeds the drafter's context length 40"
+            )
+            assert str(got.value) == want
+            assert got.value.prompt_alone == (len(prompt) >= 40)
+    batched = BatchDecoder(target, limited)
+    batched.new_row([1] * 30, GenerationConfig(max_new_tokens=20, block_size=1))  # no drafting: the target's limit
     alone = BatchDecoder(target)
     with pytest.raises(InputError, match="no drafter is loaded, so block_size must be 1, got 2"):
         alone.add([1], GenerationConfig(block_size=2))
@@ -445,7 +445,7 @@ def test_validation_matches_the_single_sequence_loop(tiny_pair):
 
 def test_server_block_size_is_the_default_and_the_cap(tiny_pair):
     family, _, _, model, drafter = tiny_pair
-    target, drafter_engine = batch_engines(model, drafter)
+    target, drafter_engine = torch_engines(model, drafter)
     dec = BatchDecoder(target, drafter_engine, block_size=1)
     rows = [
         dec.add([5, 6, 7], GenerationConfig(max_new_tokens=10)),

@@ -1,21 +1,23 @@
-"""Batched engine sessions: every row of a batched pass equals the same row run alone (single-sequence
-sessions as the reference), per-row rollbacks, rows joining and leaving."""
+"""Batched engine sessions: every row of a batched pass equals the same row run alone (reference
+single-sequence implementations: the Hugging Face forward with its DynamicCache, the drafter's own forward),
+per-row rollbacks, rows joining and leaving."""
+
+from functools import partial
 
 import pytest
 import torch
+from helpers import DrafterSequence, HfSequenceTarget
 
-from dflash_trt.runtime.batched import BatchDrafterSession, BatchTargetSession, DraftRequest
+from dflash_trt.runtime.base import DrafterSession, DraftRequest, TargetSession
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
-from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
 
 ATOL = 1e-4
 
 
 def engines(model, drafter):
+    """(a maker of reference sequences, the row-batched engine)."""
     layers = drafter.spec.target_layer_ids
-    single = TorchTargetEngine(model, layers)
-    batch = TorchBatchTargetEngine(model, layers)
-    return single, batch
+    return partial(HfSequenceTarget, model, layers), TorchTargetEngine(model, layers)
 
 
 def ids(rng, n, vocab=95):
@@ -33,10 +35,10 @@ def test_batched_target_rows_equal_rows_alone_with_rollbacks(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     single, batch = engines(model, drafter)
     rng = torch.Generator().manual_seed(0)
-    sess = batch.new_batch()
-    assert isinstance(sess, BatchTargetSession)
+    sess = batch.new_session()
+    assert isinstance(sess, TargetSession)
     rows = [sess.add_row() for _ in range(3)]
-    refs = {r: single.new_session() for r in rows}
+    refs = {r: single() for r in rows}
     # prefill: three prompts of different lengths in one pass
     prompts = [ids(rng, n) for n in (5, 17, 9)]
     outs = sess.forward(rows, prompts)
@@ -63,9 +65,9 @@ def test_batched_target_rows_join_and_leave(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     single, batch = engines(model, drafter)
     rng = torch.Generator().manual_seed(1)
-    sess = batch.new_batch()
+    sess = batch.new_session()
     a, b = sess.add_row(), sess.add_row()
-    ref = {a: single.new_session(), b: single.new_session()}
+    ref = {a: single(), b: single()}
     for r in (a, b):
         p = ids(rng, 6 + r)
         check_same(sess.forward([r], [p])[0], ref[r].forward(p), (family, "prefill alone", r))
@@ -74,11 +76,11 @@ def test_batched_target_rows_join_and_leave(tiny_pair):
         sess.forward([a], [ids(rng, 1)])
     c = sess.add_row()  # reuses a's slot: its stale cache must not leak into c
     assert c == a and sess.length(c) == 0
-    ref[c] = single.new_session()
+    ref[c] = single()
     p = ids(rng, 4)
     check_same(sess.forward([c], [p])[0], ref[c].forward(p), (family, "joined"))
     d = sess.add_row()
-    ref[d] = single.new_session()
+    ref[d] = single()
     p = ids(rng, 40)  # long prompt: the cache grows while other rows hold state
     check_same(sess.forward([d], [p])[0], ref[d].forward(p), (family, "grow"))
     # non-consecutive subset (d, c) in reversed order, then everyone
@@ -91,9 +93,9 @@ def test_batched_target_rows_join_and_leave(tiny_pair):
 
 
 def drafter_engines(model, drafter):
-    single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    batch_t = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
-    return TorchDrafterEngine.for_target(drafter, single_t), TorchBatchDrafterEngine.for_target(drafter, batch_t)
+    """(a maker of reference drafter sequences, the row-batched drafter engine)."""
+    batch = TorchDrafterEngine.for_target(drafter, TorchTargetEngine(model, drafter.spec.target_layer_ids))
+    return partial(DrafterSequence, batch), batch
 
 
 def check_drafts_match(batch_session, single_sessions, rng, rounds, feature_size, what):
@@ -124,14 +126,14 @@ def test_batched_torch_drafter_rows_equal_rows_alone(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     single, batch = drafter_engines(model, drafter)
     rng = torch.Generator().manual_seed(2)
-    sess = batch.new_batch()
-    assert isinstance(sess, BatchDrafterSession)
+    sess = batch.new_session()
+    assert isinstance(sess, DrafterSession)
     rows = [sess.add_row() for _ in range(3)]
-    check_drafts_match(sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size, family)
+    check_drafts_match(sess, {r: single() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size, family)
     sess.remove_row(1)
     r = sess.add_row()
     assert r == 1 and sess.context_length(r) == 0
-    check_drafts_match(sess, {r: single.new_session()}, rng, [{r: (5, 8)}], drafter.feature_size, (family, "rejoin"))
+    check_drafts_match(sess, {r: single()}, rng, [{r: (5, 8)}], drafter.feature_size, (family, "rejoin"))
 
 
 @pytest.fixture(scope="module")
@@ -145,11 +147,11 @@ def batch_graph(tiny_pair, tmp_path_factory):
 
 
 def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
-    """Real onnxruntime: the batched graph's rows equal the PyTorch single-sequence drafter's."""
+    """Real onnxruntime: the batched graph's rows equal the PyTorch drafter's, each row alone."""
     import onnxruntime as ort
 
     from dflash_trt.builders.onnx_drafter_batch import BATCH_GRAPH_FILE, BATCH_INPUT_NAMES
-    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+    from dflash_trt.runtime.ort_backend import BatchGraphSession, OrtDrafterEngine
 
     family, _, _, model, drafter = tiny_pair
     single, _ = drafter_engines(model, drafter)
@@ -159,20 +161,19 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
     # the batch, block, new-context and cache axes stayed symbolic (an int means the exporter fixed it)
     assert all(isinstance(shapes[k][0], str) for k in ("block_ids", "features", "past_lengths"))
     assert isinstance(shapes["past_k"][1], str) and isinstance(shapes["past_k"][3], str)
-    engine = OrtBatchDrafterEngine(batch_graph)
+    engine = OrtDrafterEngine(batch_graph)
+    assert engine.batched
     calls: list[int] = []  # rows per graph call
 
     def run(feeds):
         calls.append(len(feeds["block_ids"]))
         return engine.session.run(None, feeds)
 
-    sess = engine.new_batch(run)
-    assert isinstance(sess, BatchDrafterSession)
+    sess = BatchGraphSession(engine.meta, run)
+    assert isinstance(sess, DrafterSession)
     rows = [sess.add_row() for _ in range(3)]
     rng = torch.Generator().manual_seed(3)
-    check_drafts_match(
-        sess, {r: single.new_session() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size, (family, "onnx")
-    )
+    check_drafts_match(sess, {r: single() for r in rows}, rng, DRAFT_ROUNDS, drafter.feature_size, (family, "onnx"))
     assert calls == [3, 2, 3, 1, 2, 1]  # one call per round, but the round with a 40-row backlog made two
     out = sess.draft([DraftRequest(1, torch.randn(2, drafter.feature_size, generator=rng), 5, 8)])
     assert out[0].tokens.shape == (7,)
@@ -180,72 +181,70 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
 
 def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_graph):
     """The batched step on the real onnxruntime batched drafter: greedy rows equal the target alone."""
-    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig
     from dflash_trt.decoding.adaptive import measure_costs
-    from dflash_trt.decoding.batch import BatchDecoder
-    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+    from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 
     family, _, _, model, drafter = tiny_pair
-    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
-    ort_drafter = OrtBatchDrafterEngine(batch_graph)
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    ort_drafter = OrtDrafterEngine(batch_graph)
     cost = measure_costs(target, ort_drafter, rows=(1, 2, 3), blocks=(1, 2, 4), context=16, repeats=1)
     assert min(cost.target.fixed, cost.target.per_row, cost.target.per_token) >= 0 and cost.target(4, 8) > 0
     rng = torch.Generator().manual_seed(5)
     prompts = [ids(rng, n).tolist() for n in (3, 11, 25)]
     configs = [GenerationConfig(max_new_tokens=n, block_size=b) for n, b in ((20, 8), (33, 3), (9, None))]
     for adaptive in (False, True):
-        got = BatchDecoder(target, ort_drafter, adaptive=adaptive, cost=cost).generate(prompts, configs)
-        base = SpeculativeDecoder(TorchTargetEngine(model))
+        policy = BlockPolicy(adaptive=adaptive, cost=cost)
+        got = BatchDecoder(target, ort_drafter, policy=policy).generate(prompts, configs)
+        base = BatchDecoder(TorchTargetEngine(model))
         for p, c, r in zip(prompts, configs, got):
-            assert r.token_ids == base.generate(p, GenerationConfig(max_new_tokens=c.max_new_tokens)).token_ids, family
+            alone = base.generate([p], GenerationConfig(max_new_tokens=c.max_new_tokens))[0]
+            assert r.token_ids == alone.token_ids, family
 
 
-def test_loaded_engines_become_batched_ones(tiny_pair, batch_graph, tmp_path):
-    """batch_engines: each engine's own batched() (same weights), a looped drafter where no batched graph
-    exists, and a clear error for a target without a batched session."""
+def test_onnx_drafter_opens_the_batched_graph_where_the_folder_has_it(tiny_pair, batch_graph, tmp_path):
+    """An engine is batched: the ONNX drafter runs the single-sequence graph once per row (PerRowDrafter)
+    where no batched graph exists, the batched graph where it does (both draft the same); the PyTorch
+    drafter shares its target's weights (not copies)."""
     import shutil
 
     from dflash_trt.builders.onnx_drafter import export_drafter
-    from dflash_trt.runtime.batched import LoopedDrafterEngine, batch_engines
-    from dflash_trt.runtime.ort_backend import OrtDrafterEngine
-    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+    from dflash_trt.runtime.ort_backend import BatchGraphSession, OrtDrafterEngine
+    from dflash_trt.runtime.rows import PerRowDrafter
 
     family, _, _, model, drafter = tiny_pair
-    single_target, _ = engines(model, drafter)
-    single_drafter, _ = drafter_engines(model, drafter)
-    bt, bd = batch_engines(single_target, single_drafter)
-    assert isinstance(bt, TorchBatchTargetEngine) and isinstance(bd, TorchBatchDrafterEngine)
-    assert bt.model is model and bd.drafter is single_drafter.drafter  # the same weights, not copies
-    assert bt.feature_layer_ids == single_target.feature_layer_ids == bd.feature_layer_ids
-    assert batch_engines(single_target, None)[1] is None
+    _, target = engines(model, drafter)
+    _, torch_drafter = drafter_engines(model, drafter)
+    assert target.model is model and torch_drafter.drafter is drafter  # the same weights, not copies
+    assert torch_drafter.embed_weight is model.get_input_embeddings().weight
+    assert target.feature_layer_ids == torch_drafter.feature_layer_ids
 
     folder = tmp_path / "onnx"
     export_drafter(
         drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight, folder, fp16=False
     )
-    assert isinstance(OrtDrafterEngine(folder).batched(), LoopedDrafterEngine)  # no batched graph there yet
+    single = OrtDrafterEngine(folder)  # no batched graph there yet
+    assert not single.batched and isinstance(single.new_session(), PerRowDrafter)
     for f in batch_graph.iterdir():
         if f.name.startswith("drafter_batch"):
             shutil.copy(f, folder / f.name)
-    assert isinstance(OrtDrafterEngine(folder).batched(), OrtBatchDrafterEngine)
-
-    class PlainDrafter:  # any drafter without batched(): looped
-        name, block_size, feature_layer_ids = "plain", 8, single_target.feature_layer_ids
-
-        def new_session(self):
-            return single_drafter.new_session()
-
-    assert isinstance(batch_engines(single_target, PlainDrafter())[1], LoopedDrafterEngine)
-
-    class PlainTarget:
-        name = "plain"
-
-    with pytest.raises(ValueError, match="plain target has no batched session"):
-        batch_engines(PlainTarget(), None)
+    batched = OrtDrafterEngine(folder)
+    assert batched.batched and isinstance(batched.new_session(), BatchGraphSession)
+    rng = torch.Generator().manual_seed(4)
+    sessions = [e.new_session() for e in (single, batched)]
+    rows = [[s.add_row() for _ in range(2)] for s in sessions]
+    for step in range(3):
+        reqs = [
+            (torch.randn(n, drafter.feature_size, generator=rng), int(torch.randint(0, 95, (1,), generator=rng)), b)
+            for n, b in ((5 - step, 8), (1 + step, 3))
+        ]
+        a, b = (s.draft([DraftRequest(r, *q) for r, q in zip(rs, reqs)]) for s, rs in zip(sessions, rows))
+        for x, y in zip(a, b):
+            torch.testing.assert_close(x.logits, y.logits, atol=ATOL, rtol=1e-4, msg=(family, step))
 
 
 def test_backlog_groups_split_only_rows_far_above_the_median():
-    from dflash_trt.runtime.batched import backlog_groups
+    from dflash_trt.runtime.rows import backlog_groups
 
     assert backlog_groups([3, 2, 4, 1]) == [[0, 1, 2, 3]]
     assert backlog_groups([3, 113, 2, 4, 150]) == [[0, 2, 3], [1, 4]]  # two rows brought their prompts
@@ -261,9 +260,9 @@ def test_scattered_rows_run_as_a_slot_span_or_gathered(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     single_t, batch_t = engines(model, drafter)
     rng = torch.Generator().manual_seed(3)
-    t_sess = batch_t.new_batch()
+    t_sess = batch_t.new_session()
     rows = [t_sess.add_row() for _ in range(12)]
-    t_ref = {r: single_t.new_session() for r in rows}
+    t_ref = {r: single_t() for r in rows}
     t_sess.remove_row(6)  # a free slot inside the span
     live = [r for r in rows if r != 6]
     for r in live:
@@ -282,9 +281,9 @@ def test_scattered_rows_run_as_a_slot_span_or_gathered(tiny_pair):
 
     # the drafter tolerates fewer idle rows (one per 8 in the call: an idle row costs it a whole block)
     single_d, batch_d = drafter_engines(model, drafter)
-    d_sess = batch_d.new_batch()
+    d_sess = batch_d.new_session()
     rows = [d_sess.add_row() for _ in range(19)]
-    d_ref = {r: single_d.new_session() for r in rows}
+    d_ref = {r: single_d() for r in rows}
     d_sess.remove_row(6)
     live = [r for r in rows if r != 6]
     calls = [

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import pytest
+from helpers import generate_one
 
 from dflash_trt.decoding import GenerationConfig
 from dflash_trt.loading import load_decoder
@@ -35,8 +36,8 @@ def decoder():
 
 def test_demo_pair_is_lossless_and_accepts_drafts(decoder):
     ids = decoder.encode("def fibonacci(n):\n")
-    spec = decoder.generate(ids, GenerationConfig(max_new_tokens=64))
-    alone = decoder.generate(ids, GenerationConfig(max_new_tokens=64, block_size=1))
+    spec = generate_one(decoder, ids, GenerationConfig(max_new_tokens=64))
+    alone = generate_one(decoder, ids, GenerationConfig(max_new_tokens=64, block_size=1))
     assert spec.token_ids == alone.token_ids
     assert spec.text and isinstance(spec.text, str)
     # a trained drafter: several tokens per round, where a random one gives 1.0
@@ -54,7 +55,7 @@ def test_bfloat16_drafter_keeps_the_target_output(decoder):
     the output is still the float32 target's own, single-sequence and batched, and it still drafts well."""
     import torch
 
-    from dflash_trt.decoding.batch import BatchDecoder
+    from dflash_trt.decoding import BatchDecoder
 
     bf16 = load_decoder(MODELS / "target", MODELS / "drafter", drafter_dtype_name="bfloat16")
     assert bf16.drafter.drafter.fc.weight.dtype == torch.bfloat16
@@ -64,15 +65,16 @@ def test_bfloat16_drafter_keeps_the_target_output(decoder):
     config = GenerationConfig(max_new_tokens=48)
     taus = []
     for ids in prompts:
-        alone = decoder.generate(ids, GenerationConfig(max_new_tokens=48, block_size=1))
-        got = bf16.generate(ids, config)
+        alone = generate_one(decoder, ids, GenerationConfig(max_new_tokens=48, block_size=1))
+        got = generate_one(bf16, ids, config)
         assert got.token_ids == alone.token_ids
         taus.append(got.stats.mean_acceptance_length)
     assert max(taus) > 2.0, taus
-    batch = BatchDecoder(bf16.target.batched(), bf16.drafter.batched(), block_size=8)
+    batch = BatchDecoder(bf16.target, bf16.drafter, block_size=8)
     rows = [batch.add(ids, config) for ids in prompts]
     batch.run()
     for ids, row in zip(prompts, rows):
         assert (
-            row.result().token_ids == decoder.generate(ids, GenerationConfig(max_new_tokens=48, block_size=1)).token_ids
+            row.result().token_ids
+            == generate_one(decoder, ids, GenerationConfig(max_new_tokens=48, block_size=1)).token_ids
         )

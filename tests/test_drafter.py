@@ -11,6 +11,7 @@ from tiny_models import make_tiny_drafter, make_tiny_target, tiny_drafter_config
 from dflash_trt.config import ConfigError, build_target_layer_ids, load_drafter_config, validate_against_target
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import extract_features
+from dflash_trt.runtime.base import DraftRequest
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
@@ -194,13 +195,15 @@ def test_features_are_outputs_of_the_named_layers(family):
 def test_target_session_rollback_restores_state():
     model = make_tiny_target(vocab_size=64, layers=4)
     engine = TorchTargetEngine(model, (1, 2))
-    a, b = engine.new_session(), engine.new_session()
-    a.forward(torch.tensor([1, 2, 3, 4]))
-    a.forward(torch.tensor([9, 9, 9]))  # rejected drafts
-    a.rollback(4)
-    assert a.length == 4
-    b.forward(torch.tensor([1, 2, 3, 4]))
-    out_a, out_b = a.forward(torch.tensor([5, 6])), b.forward(torch.tensor([5, 6]))
+    session = engine.new_session()
+    a, b = session.add_row(), session.add_row()
+    session.forward([a], [torch.tensor([1, 2, 3, 4])])
+    session.forward([a], [torch.tensor([9, 9, 9])])  # rejected drafts
+    session.rollback(a, 4)
+    assert session.length(a) == 4
+    session.forward([b], [torch.tensor([1, 2, 3, 4])])
+    [out_a] = session.forward([a], [torch.tensor([5, 6])])
+    [out_b] = session.forward([b], [torch.tensor([5, 6])])
     torch.testing.assert_close(out_a.logits, out_b.logits)
     torch.testing.assert_close(out_a.features, out_b.features)
     assert out_a.features.shape == (2, 2 * 64)
@@ -213,9 +216,10 @@ def test_drafter_uses_target_embedding_and_lm_head():
     engine = TorchDrafterEngine.for_target(d, target)
     assert engine.embed_weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
     session = engine.new_session()
+    row = session.add_row()
     feats = torch.randn(3, d.feature_size)
-    draft = session.draft(feats, last_token=5, block_size=4)
-    assert session.context_length == 3
+    [draft] = session.draft([DraftRequest(row, feats, last_token=5, block_size=4)])
+    assert session.context_length(row) == 3
     assert draft.logits.shape == (3, 64) and torch.equal(draft.tokens, draft.logits.argmax(-1))
     # by hand: [5, MASK, MASK, MASK] embedded with the target's table, logits through its lm_head
     ids = torch.tensor([[5] + [d.spec.mask_token_id] * 3])

@@ -58,10 +58,10 @@ def test_manifest_then_nothing_to_do(tmp_path, checkpoints, monkeypatch):
         d["files"]
     )
     assert {"drafter_batch.onnx", "drafter_batch_fp16.onnx"} <= set(d["files"])  # the batched round too
-    from dflash_trt.runtime.ort_backend import OrtDrafterEngine
-    from dflash_trt.runtime.ort_batch import OrtBatchDrafterEngine
+    from dflash_trt.runtime.ort_backend import BatchGraphSession, OrtDrafterEngine
 
-    assert isinstance(OrtDrafterEngine(cfg.output / d["dir"]).batched(), OrtBatchDrafterEngine)  # one pass per step
+    served = OrtDrafterEngine(cfg.output / d["dir"])
+    assert served.batched and isinstance(served.new_session(), BatchGraphSession)  # one pass per step
     assert d["versions"]["onnxruntime"] and d["versions"]["torch"]
     assert d["shapes"]["logits"][2] == 80 and d["shapes"]["features"][2] == 64  # 1 feature layer x hidden 64
     assert manifest["engines"]["target_torch"]["backend"] == "torch"
@@ -159,7 +159,9 @@ def test_cli_engines_then_generate_equals_target_alone(tmp_path, checkpoints):
 def test_engines_folder_moves_with_its_checkpoints(tmp_path, checkpoints):
     """Paths in the manifest are relative to it: a repo moved (or mounted in Docker) still loads; old
     manifests with absolute paths still load; --no-draft never loads the drafter."""
-    from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+    from helpers import generate_one
+
+    from dflash_trt.decoding import BatchDecoder, GenerationConfig
     from dflash_trt.loading import load_decoder_from_engines
 
     repo = tmp_path / "repo"
@@ -176,8 +178,8 @@ def test_engines_folder_moves_with_its_checkpoints(tmp_path, checkpoints):
     assert src.drafter_dir == moved / "engines" / "drafter-onnx"
     decoder = load_decoder_from_engines(moved / "engines")
     prompt, config = [3, 1, 4, 1, 5], GenerationConfig(max_new_tokens=16)
-    got = decoder.generate(prompt, config)
-    expected = SpeculativeDecoder(decoder.target).generate(prompt, config).token_ids
+    got = generate_one(decoder, prompt, config)
+    expected = generate_one(BatchDecoder(decoder.target), prompt, config).token_ids
     assert got.token_ids == expected and got.stats.drafted_tokens > 0
 
     # a manifest written before paths were relative: absolute paths are read as they are
@@ -191,7 +193,7 @@ def test_engines_folder_moves_with_its_checkpoints(tmp_path, checkpoints):
     assert serving_sources(moved / "engines").target_dir == moved / "models" / "target"
     alone = _load_engines(moved / "engines", "float32", no_draft=True)
     assert alone.drafter is None
-    assert alone.generate(prompt, config).token_ids == expected
+    assert generate_one(alone, prompt, config).token_ids == expected
 
     path.write_text("{}")
     with pytest.raises(ValueError, match="not a manifest `make engines` wrote"):

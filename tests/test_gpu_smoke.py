@@ -79,17 +79,19 @@ def test_pytorch_part_passes_when_only_hugging_face_differs(pair, monkeypatch):
 
 
 def test_pytorch_part_fails_when_drafted_output_differs(pair, monkeypatch):
-    from dflash_trt.decoding import SpeculativeDecoder
+    from dflash_trt.decoding import BatchDecoder, GenerationConfig
 
-    original = SpeculativeDecoder.generate
+    original = BatchDecoder.generate
 
-    def corrupted(self, prompt, config):  # a broken loop: the drafted run loses its last token
-        result = original(self, prompt, config)
-        if config.block_size != 1 and len(result.token_ids) > 4:
-            result.token_ids[-1] = (result.token_ids[-1] + 1) % 64
-        return result
+    def corrupted(self, prompts, configs=GenerationConfig()):  # a broken loop: the drafted run loses its last token
+        results = original(self, prompts, configs)
+        per_prompt = [configs] * len(results) if isinstance(configs, GenerationConfig) else configs
+        for config, result in zip(per_prompt, results):
+            if config.block_size != 1 and len(result.token_ids) > 4:
+                result.token_ids[-1] = (result.token_ids[-1] + 1) % 64
+        return results
 
-    monkeypatch.setattr(SpeculativeDecoder, "generate", corrupted)
+    monkeypatch.setattr(BatchDecoder, "generate", corrupted)
     report = gpu_smoke.Report()
     gpu_smoke.pytorch_stage(report, *pair, device="cpu", dtype="float32", max_new=12, n_prompts=2)
     assert report.failed and report.rows[0][2].startswith("greedy output differs from the same target alone")

@@ -5,11 +5,11 @@ output has the adjusted target's distribution exactly (chi-square against the ex
 
 import pytest
 import torch
-from helpers import NoisyOracleDrafter
+from helpers import NoisyOracleDrafter, generate_one
 from test_spec import chi_square_pvalue
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.decoding import GenerationConfig, LogitsAdjustment, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, LogitsAdjustment, SamplingParams
 from dflash_trt.decoding.sampling import probabilities
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
@@ -57,26 +57,28 @@ def test_apply_row_i_sees_the_drafts_before_it():
 def test_greedy_with_adjustment_equals_target_alone(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    spec = SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target))
-    base = SpeculativeDecoder(TorchTargetEngine(model))
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = BatchDecoder(TorchTargetEngine(model))
     rng = torch.Generator().manual_seed(5)
     n = 24
     for trial in range(3):
         prompt = torch.randint(0, 95, (int(torch.randint(2, 30, (1,), generator=rng)),), generator=rng).tolist()
-        want = base.generate(prompt, GenerationConfig(max_new_tokens=n, adjust=ADJUST)).token_ids
+        want = generate_one(base, prompt, GenerationConfig(max_new_tokens=n, adjust=ADJUST)).token_ids
         if trial == 0:
             assert want == naive_greedy(model, prompt, n, ADJUST)
-            assert want != base.generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids  # it does act
+            assert want != generate_one(base, prompt, GenerationConfig(max_new_tokens=n)).token_ids  # it does act
         assert (
-            spec.generate(
-                prompt, GenerationConfig(max_new_tokens=n, block_size=[2, 4, 8][trial], adjust=ADJUST)
+            generate_one(
+                spec, prompt, GenerationConfig(max_new_tokens=n, block_size=[2, 4, 8][trial], adjust=ADJUST)
             ).token_ids
             == want
         ), (family, trial)
         # a drafter that proposes the adjusted reference: long accepted runs, rows deep in the block matter
         oracle = NoisyOracleDrafter(want, len(prompt), 96, 8, 0.9, seed=trial, feature_layer_ids=(0,))
-        got = SpeculativeDecoder(TorchTargetEngine(model, (0,)), oracle).generate(
-            prompt, GenerationConfig(max_new_tokens=n, block_size=8, adjust=ADJUST)
+        got = generate_one(
+            BatchDecoder(TorchTargetEngine(model, (0,)), oracle),
+            prompt,
+            GenerationConfig(max_new_tokens=n, block_size=8, adjust=ADJUST),
         )
         assert got.token_ids == want, (family, trial)
         assert max(got.stats.acceptance_lengths) > 3
@@ -116,14 +118,15 @@ def test_sampling_with_adjustment_is_the_adjusted_target(sharp_pair):
     """Rejection sampling (the default rule; exact-match reads the same adjusted rows)."""
     model, drafter = sharp_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    spec = SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
     prompt = [1, 2, 3]
     expected = exact_joint_adjusted(model, prompt, SamplingParams(temperature=1.0), 3, SMALL)
     plain = exact_joint_adjusted(model, prompt, SamplingParams(temperature=1.0), 3, LogitsAdjustment())
     assert max(abs(expected.get(k, 0) - plain.get(k, 0)) for k in {*expected, *plain}) > 0.05  # it matters
     counts, accepted = {}, 0
     for seed in range(N_SAMPLES):
-        r = spec.generate(
+        r = generate_one(
+            spec,
             prompt,
             GenerationConfig(max_new_tokens=3, sampling=SamplingParams(1.0, seed=seed), block_size=4, adjust=SMALL),
         )

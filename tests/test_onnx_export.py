@@ -8,13 +8,14 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
+from helpers import DrafterSequence, generate_one
 
 from dflash_trt.builders.onnx_drafter import DrafterRound, example_inputs, export_from_checkpoints
-from dflash_trt.decoding import ContextLengthError, GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, ContextLengthError, GenerationConfig
 from dflash_trt.formats import DRAFTER_INPUTS as INPUT_NAMES
 from dflash_trt.formats import DRAFTER_OUTPUTS as OUTPUT_NAMES
 from dflash_trt.formats import FP16_GRAPH_FILE, GRAPH_FILE, DrafterGraphMeta
-from dflash_trt.runtime.ort_backend import OrtDrafterEngine
+from dflash_trt.runtime.ort_backend import OrtDrafterEngine, RoundGraphSequence
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
@@ -97,7 +98,8 @@ def test_empty_cache_first_round_matches_torch_session(exported):
         drafter, model.get_input_embeddings().weight, model.get_output_embeddings().weight
     )
     ort_engine = OrtDrafterEngine(out)
-    a, b = torch_engine.new_session(), ort_engine.new_session()
+    assert not ort_engine.batched  # this folder has the single-sequence graph only
+    a, b = DrafterSequence(torch_engine), RoundGraphSequence(ort_engine.meta, ort_engine.run)
     assert b.context_length == 0
     torch.manual_seed(3)
     for new in (6, 1, 3):  # prompt features, then rounds
@@ -113,18 +115,18 @@ def test_empty_cache_first_round_matches_torch_session(exported):
 def test_greedy_generation_with_ort_drafter_equals_target_alone(exported, precision):
     family, out, _, model, drafter = exported
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    ort_spec = SpeculativeDecoder(target, OrtDrafterEngine(out, precision))
-    torch_spec = SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target))
-    base = SpeculativeDecoder(TorchTargetEngine(model))
+    ort_spec = BatchDecoder(target, OrtDrafterEngine(out, precision))
+    torch_spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = BatchDecoder(TorchTargetEngine(model))
     rng = torch.Generator().manual_seed(7)
     for trial in range(4):
         prompt = torch.randint(0, 95, (int(torch.randint(1, 30, (1,), generator=rng)),), generator=rng).tolist()
         cfg = GenerationConfig(max_new_tokens=40, block_size=[8, 4, 2, 5][trial])
-        expected = base.generate(prompt, GenerationConfig(max_new_tokens=40)).token_ids
-        got = ort_spec.generate(prompt, cfg)
+        expected = generate_one(base, prompt, GenerationConfig(max_new_tokens=40)).token_ids
+        got = generate_one(ort_spec, prompt, cfg)
         assert got.token_ids == expected, (family, precision, trial)
         if precision == "fp32":  # same drafts, so the same acceptance as the PyTorch drafter
-            assert got.stats.acceptance_lengths == torch_spec.generate(prompt, cfg).stats.acceptance_lengths
+            assert got.stats.acceptance_lengths == generate_one(torch_spec, prompt, cfg).stats.acceptance_lengths
 
 
 def test_bench_export_leaves_the_live_drafter_alone_and_cleans_up(exported, tmp_path):
@@ -141,7 +143,7 @@ def test_bench_export_leaves_the_live_drafter_alone_and_cleans_up(exported, tmp_
     embed = model.get_input_embeddings().weight.detach().to(torch.bfloat16)
     head = model.get_output_embeddings().weight.detach().to(torch.bfloat16)
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    decoder = SpeculativeDecoder(target, TorchDrafterEngine(live, embed, head))
+    decoder = BatchDecoder(target, TorchDrafterEngine(live, embed, head))
     live.train()  # TorchDrafterEngine set eval(); train() makes a mode change by the export visible
     engine = ort_drafter(decoder, BenchSettings(target=tmp_path, drafter=None, ar_draft=None, out=tmp_path))
     assert {p.dtype for p in live.parameters()} == {torch.bfloat16}
@@ -161,18 +163,18 @@ def test_drafter_context_limit_is_checked_up_front(exported):
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     engine = OrtDrafterEngine(out)
     assert engine.max_context is None  # ONNX Runtime: no limit of its own
-    decoder = SpeculativeDecoder(target, engine)
+    decoder = BatchDecoder(target, engine)
     prompt = list(range(1, 11))
-    decoder.start(prompt, GenerationConfig(max_new_tokens=30))
+    decoder.new_row(prompt, GenerationConfig(max_new_tokens=30))
     engine.max_context = 32
     with pytest.raises(ContextLengthError, match="= 40 exceeds the drafter's context length 32"):
-        decoder.start(prompt, GenerationConfig(max_new_tokens=30))
-    decoder.start(prompt, GenerationConfig(max_new_tokens=30, block_size=1))  # target alone: drafter unused
-    assert len(decoder.generate(prompt, GenerationConfig(max_new_tokens=22)).token_ids) == 22  # at the limit
+        decoder.new_row(prompt, GenerationConfig(max_new_tokens=30))
+    decoder.new_row(prompt, GenerationConfig(max_new_tokens=30, block_size=1))  # target alone: drafter unused
+    assert len(generate_one(decoder, prompt, GenerationConfig(max_new_tokens=22)).token_ids) == 22  # at the limit
     target_limit = target.max_context
     engine.max_context = target_limit + 100  # the smaller of the two limits applies
     with pytest.raises(ContextLengthError, match=f"exceeds the target's context length {target_limit}"):
-        decoder.start(prompt, GenerationConfig(max_new_tokens=target_limit))
+        decoder.new_row(prompt, GenerationConfig(max_new_tokens=target_limit))
 
 
 def test_sessions_do_not_spin_next_to_the_target(exported):

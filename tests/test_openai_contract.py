@@ -6,6 +6,7 @@ A real server on a real port, driven by httpx and the official `openai` client.
 import httpx
 import openai
 import pytest
+from helpers import generate_one
 from server_harness import server_fixtures
 
 from dflash_trt.decoding import GenerationConfig, LogitsAdjustment, SamplingParams
@@ -24,7 +25,8 @@ def target_alone(models):
     base = load_decoder(models[0], None)
 
     def run(ids, n, adjust=None, stops=None):
-        return base.generate(
+        return generate_one(
+            base,
             ids,
             GenerationConfig(
                 max_new_tokens=n, adjust=adjust, stop_token_ids=(base.default_stop_ids() if stops is None else stops)
@@ -189,7 +191,8 @@ def test_block_size_is_honoured_on_the_openai_endpoints(server, decoder, path):
     assert r.status_code == 200, r.text
     text = r.json()["choices"][0]["message" if chat else "text"]
     text = text["content"] if chat else text
-    want = decoder.generate(
+    want = generate_one(
+        decoder,
         ids,
         GenerationConfig(
             max_new_tokens=12,

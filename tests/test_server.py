@@ -1,6 +1,6 @@
 """The HTTP server on a real port (uvicorn in a thread), driven by httpx and the `openai` client.
 
-Greedy outputs over HTTP are compared with the target alone (SpeculativeDecoder without a
+Greedy outputs over HTTP are compared with the target alone (a BatchDecoder without a
 drafter); sampled outputs with a seed are compared with the same request run directly.
 """
 
@@ -11,10 +11,10 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import FaultyDrafter
+from helpers import FaultyDrafter, generate_one
 from server_harness import FaultyTarget, GatedTarget, metric, running_server, scrape, server_fixtures, sse_events
 
-from dflash_trt.decoding import GenerationConfig, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.app import chat_prompt_ids
 
@@ -37,7 +37,7 @@ def reference(models, decoder):
             stop_strings=tuple(stops),
             sampling=sampling or SamplingParams(),
         )
-        return (decoder if spec else base).generate(ids, cfg)
+        return generate_one(decoder if spec else base, ids, cfg)
 
     return run
 
@@ -196,7 +196,7 @@ def test_concurrent_requests_are_independent(server, reference, decoder):
 def test_drafter_failure_falls_back_to_target(models, reference):
     decoder = load_decoder(*models)
     faulty = FaultyDrafter(decoder.drafter)
-    decoder = SpeculativeDecoder(decoder.target, faulty, decoder.tokenizer)
+    decoder = BatchDecoder(decoder.target, faulty, decoder.tokenizer)
     with running_server(decoder) as (url, _):
         faulty.failing = True
         # a fixed block size, so the drafter surely runs: the adaptive policy may price the tiny random drafter
@@ -215,7 +215,7 @@ def test_drafter_failure_falls_back_to_target(models, reference):
 def test_engine_failure_is_a_500_and_the_server_goes_on(models, reference, caplog):
     decoder = load_decoder(*models)
     faulty = FaultyTarget(decoder.target)
-    decoder = SpeculativeDecoder(faulty, decoder.drafter, decoder.tokenizer)
+    decoder = BatchDecoder(faulty, decoder.drafter, decoder.tokenizer)
     with running_server(decoder) as (url, _), caplog.at_level(logging.INFO, logger="dflash_trt.server"):
         faulty.failing = True
         r = httpx.post(url + "/generate", json={"prompt": "import os", "max_tokens": 5}, timeout=60)
@@ -276,7 +276,7 @@ def test_new_requests_do_not_wait_for_the_engines(models):
     one over the limit gets its 429 at once (the engines and the tokenizer share no lock)."""
     base = load_decoder(*models)
     gated = GatedTarget(base.target)
-    decoder = SpeculativeDecoder(gated, base.drafter, base.tokenizer)
+    decoder = BatchDecoder(gated, base.drafter, base.tokenizer)
     with running_server(decoder, max_active=1, max_queue=1) as (url, _):
         gated.hold.set()
 
@@ -454,3 +454,39 @@ def test_chat_prompt_uses_the_template_when_there_is_one(models):
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
     assert decoder.tokenizer.decode(chat_prompt_ids(decoder, messages)) == "<user>hi<assistant>"
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        {},  # greedy: the CLI at the drafter's trained size, the server at its own (adaptive) sizes
+        {"temperature": 1.0, "seed": 7, "block_size": 4},  # seeded sampling at one fixed block size
+    ],
+    ids=["greedy", "seeded-sampled"],
+)
+def test_cli_generate_and_the_server_return_the_same_tokens(models, server, reference, sampling):
+    """Issue 25: `dflash-trt generate` (the console script, a process of its own) and POST /generate run the
+    same loop, so the same request gives the same tokens, greedy and seeded sampled alike."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    target, drafter = models
+    prompt, n = "def fibonacci(n):", 24
+    args = [str(Path(sys.executable).parent / "dflash-trt"), "generate", "--target", str(target)]
+    args += ["--drafter", str(drafter), "--prompt", prompt, "--max-new-tokens", str(n), "--json"]
+    for key in ("temperature", "seed", "block_size"):
+        if key in sampling:
+            args += [f"--{key.replace('_', '-')}", str(sampling[key])]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    cli = json.loads(proc.stdout)
+    http = httpx.post(server + "/generate", json={"prompt": prompt, "max_tokens": n, **sampling}, timeout=60).json()
+    assert cli["token_ids"] == http["token_ids"] and cli["text"] == http["text"]
+    assert cli["finish_reason"] == http["finish_reason"]
+    if not sampling:
+        assert cli["token_ids"] == reference(prompt, n).token_ids  # both equal the target alone
+    else:
+        assert cli["token_ids"] != reference(prompt, n).token_ids  # it did sample
+        assert cli["stats"]["block_size"] == http["spec"]["block_size"] == 4

@@ -7,7 +7,7 @@ import asyncio
 
 import httpx
 import pytest
-from helpers import make_text_models
+from helpers import generate_one, make_text_models
 from server_harness import metric, running_server, scrape
 
 from dflash_trt.decoding import GenerationConfig, SamplingParams
@@ -71,8 +71,10 @@ def test_32_concurrent_greedy_requests_equal_each_alone(decoder):
     assert metric(m, "dflash_step_seconds_sum", part="verify") > 0
     for (prompt, n), got, ref in zip(todo, together, alone):
         assert got.status_code == ref.status_code == 200, got.text
-        want = decoder.generate(
-            decoder.encode(prompt), GenerationConfig(max_new_tokens=n, stop_token_ids=decoder.default_stop_ids())
+        want = generate_one(
+            decoder,
+            decoder.encode(prompt),
+            GenerationConfig(max_new_tokens=n, stop_token_ids=decoder.default_stop_ids()),
         )
         assert got.json()["token_ids"] == ref.json()["token_ids"] == want.token_ids, prompt
         assert got.json()["text"] == want.text
@@ -87,7 +89,8 @@ def test_seeded_sampling_with_a_fixed_block_size_is_the_same_under_load(decoder)
     with running_server(decoder, max_active=16) as (url, _):
         alone = httpx.post(url + "/generate", json=body, timeout=120).json()
         loaded = post_all(url, load[:5] + [body] + load[5:])[5].json()
-    want = decoder.generate(
+    want = generate_one(
+        decoder,
         decoder.encode(body["prompt"]),
         GenerationConfig(
             max_new_tokens=30,
@@ -125,8 +128,10 @@ def test_a_client_leaving_frees_its_row_while_the_others_finish(decoder):
         m = scrape(url)
     for (prompt, n), r in zip(todo, responses):
         assert r.status_code == 200, r.text
-        want = decoder.generate(
-            decoder.encode(prompt), GenerationConfig(max_new_tokens=n, stop_token_ids=decoder.default_stop_ids())
+        want = generate_one(
+            decoder,
+            decoder.encode(prompt),
+            GenerationConfig(max_new_tokens=n, stop_token_ids=decoder.default_stop_ids()),
         )
         assert r.json()["token_ids"] == want.token_ids
     assert metric(m, "dflash_request_latency_seconds_count", outcome="cancelled") == 1
@@ -162,10 +167,10 @@ def test_block_size_settings_reach_the_decoder(decoder):
         adaptive = post_all(url, bodies)
         m = scrape(url)
         total, _ = block_counts(m)
-        assert app.state.server.batch.adaptive and app.state.server.batch.cost.target(4, 8) > 0
+        assert app.state.server.batch.policy.adaptive and app.state.server.batch.policy.cost.target(4, 8) > 0
         assert total > 0
         # the running correction of the start-up costs is exported, and it has moved (real passes were timed)
-        scale = app.state.server.batch.cost.scale
+        scale = app.state.server.batch.policy.cost.scale
         assert {e: metric(m, "dflash_cost_correction", engine=e) for e in scale} == pytest.approx(scale)
         assert scale["target"] != 1.0
     for a, b, c in zip(fixed, trained_runs, adaptive):  # lossless whatever the sizes

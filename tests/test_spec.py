@@ -2,18 +2,18 @@
 
 import pytest
 import torch
-from helpers import CountingDrafter, NoisyOracleDrafter, hf_greedy, make_tokenizer
+from helpers import CountingDrafter, NoisyOracleDrafter, generate_one, hf_greedy, make_tokenizer
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.decoding import ContextLengthError, GenerationConfig, InputError, SamplingParams, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, ContextLengthError, GenerationConfig, InputError, SamplingParams
 from dflash_trt.decoding import acceptance as acceptance_module
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
 def decoders(model, drafter):
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    spec = SpeculativeDecoder(target, TorchDrafterEngine.for_target(drafter, target))
-    base = SpeculativeDecoder(TorchTargetEngine(model))
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = BatchDecoder(TorchTargetEngine(model))
     return spec, base
 
 
@@ -25,8 +25,8 @@ def test_greedy_equals_target_alone_with_real_drafter(tiny_pair):
         prompt = torch.randint(0, 95, (int(torch.randint(1, 40, (1,), generator=rng)),), generator=rng).tolist()
         n = int(torch.randint(1, 60, (1,), generator=rng))
         block = [2, 3, 5, 8][trial % 4]
-        expected = base.generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
-        got = spec.generate(prompt, GenerationConfig(max_new_tokens=n, block_size=block))
+        expected = generate_one(base, prompt, GenerationConfig(max_new_tokens=n)).token_ids
+        got = generate_one(spec, prompt, GenerationConfig(max_new_tokens=n, block_size=block))
         assert got.token_ids == expected, (family, trial, block)
         assert len(got.token_ids) == n
         if trial < 3:  # the baseline itself equals Hugging Face generate()
@@ -36,18 +36,18 @@ def test_greedy_equals_target_alone_with_real_drafter(tiny_pair):
 @pytest.mark.parametrize("p_correct", [0.5, 0.9, 1.0])
 def test_greedy_equals_target_alone_across_acceptance_lengths(tiny_pair, p_correct):
     family, _, _, model, drafter = tiny_pair
-    base = SpeculativeDecoder(TorchTargetEngine(model))
+    base = BatchDecoder(TorchTargetEngine(model))
     rng = torch.Generator().manual_seed(2)
     lengths = set()
     for trial in range(6):
         prompt = torch.randint(0, 95, (int(torch.randint(2, 30, (1,), generator=rng)),), generator=rng).tolist()
         n = 50
-        reference = base.generate(prompt, GenerationConfig(max_new_tokens=n)).token_ids
+        reference = generate_one(base, prompt, GenerationConfig(max_new_tokens=n)).token_ids
         block = [4, 8, 16][trial % 3]
         # the oracle counts context rows to know its position, so the target hands it (layer-0) features
         oracle = NoisyOracleDrafter(reference, len(prompt), 96, 16, p_correct, seed=trial, feature_layer_ids=(0,))
-        spec = SpeculativeDecoder(TorchTargetEngine(model, (0,)), oracle)
-        got = spec.generate(prompt, GenerationConfig(max_new_tokens=n, block_size=block))
+        spec = BatchDecoder(TorchTargetEngine(model, (0,)), oracle)
+        got = generate_one(spec, prompt, GenerationConfig(max_new_tokens=n, block_size=block))
         assert got.token_ids == reference, (family, trial)
         lengths |= set(got.stats.acceptance_lengths)
         s = got.stats
@@ -61,8 +61,8 @@ def test_greedy_equals_target_alone_across_acceptance_lengths(tiny_pair, p_corre
 def test_block_size_one_is_target_alone(tiny_pair):
     _, _, _, model, drafter = tiny_pair
     spec, base = decoders(model, drafter)
-    r = spec.generate([1, 2, 3], GenerationConfig(max_new_tokens=10, block_size=1))
-    assert r.token_ids == base.generate([1, 2, 3], GenerationConfig(max_new_tokens=10)).token_ids
+    r = generate_one(spec, [1, 2, 3], GenerationConfig(max_new_tokens=10, block_size=1))
+    assert r.token_ids == generate_one(base, [1, 2, 3], GenerationConfig(max_new_tokens=10)).token_ids
     assert r.stats.drafted_tokens == 0 and r.stats.mean_acceptance_length == 1.0 and r.stats.rounds == 9
 
 
@@ -127,7 +127,8 @@ def sample_counts(model, drafter, prompt, params_fn, acceptance, n_tokens=3):
     counts = {}
     accepted = 0
     for seed in range(N_SAMPLES):
-        r = spec.generate(
+        r = generate_one(
+            spec,
             prompt,
             GenerationConfig(max_new_tokens=n_tokens, sampling=params_fn(seed), block_size=4, acceptance=acceptance),
         )
@@ -188,7 +189,7 @@ def test_seed_makes_sampling_reproducible(tiny_pair):
     _, _, _, model, drafter = tiny_pair
     spec, _ = decoders(model, drafter)
     cfg = GenerationConfig(max_new_tokens=20, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=7))
-    assert spec.generate([4, 5, 6], cfg).token_ids == spec.generate([4, 5, 6], cfg).token_ids
+    assert generate_one(spec, [4, 5, 6], cfg).token_ids == generate_one(spec, [4, 5, 6], cfg).token_ids
 
 
 # ---------------------------------------------------------------------------------------
@@ -197,29 +198,29 @@ def test_seed_makes_sampling_reproducible(tiny_pair):
 def test_stop_token_ends_generation_and_is_kept(tiny_pair):
     _, _, _, model, drafter = tiny_pair
     spec, base = decoders(model, drafter)
-    full = base.generate([7, 8, 9], GenerationConfig(max_new_tokens=40)).token_ids
+    full = generate_one(base, [7, 8, 9], GenerationConfig(max_new_tokens=40)).token_ids
     stop = full[12]
     first = full.index(stop)
     for dec in (spec, base):
-        r = dec.generate([7, 8, 9], GenerationConfig(max_new_tokens=40, stop_token_ids=(stop,), block_size=None))
+        r = generate_one(dec, [7, 8, 9], GenerationConfig(max_new_tokens=40, stop_token_ids=(stop,), block_size=None))
         assert r.token_ids == full[: first + 1] and r.finish_reason == "stop"
 
 
 def test_length_limit_and_context_errors(tiny_pair):
     _, _, _, model, drafter = tiny_pair
     spec, _ = decoders(model, drafter)
-    r = spec.generate([1], GenerationConfig(max_new_tokens=5))
+    r = generate_one(spec, [1], GenerationConfig(max_new_tokens=5))
     assert len(r.token_ids) == 5 and r.finish_reason == "length"
     with pytest.raises(ContextLengthError, match="context length 2048"):
-        spec.start([1] * 2000, GenerationConfig(max_new_tokens=100))
+        spec.add([1] * 2000, GenerationConfig(max_new_tokens=100))
     with pytest.raises(InputError, match="out of vocabulary"):
-        spec.start([1, 96], GenerationConfig())
+        spec.add([1, 96], GenerationConfig())
     with pytest.raises(InputError, match="empty"):
-        spec.start([], GenerationConfig())
+        spec.add([], GenerationConfig())
     with pytest.raises(InputError, match="block_size"):
-        spec.start([1], GenerationConfig(block_size=9))
+        spec.add([1], GenerationConfig(block_size=9))
     with pytest.raises(InputError, match="no drafter"):
-        SpeculativeDecoder(TorchTargetEngine(model)).start([1], GenerationConfig(block_size=4))
+        BatchDecoder(TorchTargetEngine(model)).add([1], GenerationConfig(block_size=4))
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(temperature=1, top_p=0)
 
@@ -231,11 +232,11 @@ def test_stop_strings_with_tokenizer(tmp_path):
     spec, base = decoders(model, drafter)
     spec.tokenizer = base.tokenizer = tok
     prompt = tok.encode("def fibonacci(n):")
-    full = base.generate(prompt, GenerationConfig(max_new_tokens=30))
+    full = generate_one(base, prompt, GenerationConfig(max_new_tokens=30))
     assert full.text == tok.decode(full.token_ids, skip_special_tokens=True)
     stop = full.text[8:11]
     assert stop
-    r = spec.generate(prompt, GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
+    r = generate_one(spec, prompt, GenerationConfig(max_new_tokens=30, stop_strings=(stop,)))
     assert r.finish_reason == "stop"
     assert r.text == full.text[: full.text.index(stop)]
     assert stop in tok.decode(r.token_ids) and stop not in tok.decode(r.token_ids[:-1])
@@ -246,7 +247,7 @@ def test_draft_cost_per_round_does_not_grow_with_context(tiny_pair):
     _, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     counting = CountingDrafter(TorchDrafterEngine.for_target(drafter, target))
-    spec = SpeculativeDecoder(target, counting)
+    spec = BatchDecoder(target, counting)
     rows = []
     hook = drafter.fc.register_forward_hook(lambda m, i, o: rows.append(i[0].shape[1]))
     try:
@@ -254,15 +255,15 @@ def test_draft_cost_per_round_does_not_grow_with_context(tiny_pair):
         for ctx in (16, 1000):
             rows.clear()
             counting.tokens_handed.clear()
-            gen = spec.start(
+            row = spec.add(
                 list(range(1, 90)) * (ctx // 89) + list(range(1, 1 + ctx % 89)),
                 GenerationConfig(max_new_tokens=30, block_size=8),
             )
-            list(gen)
+            spec.run()
             per_context[ctx] = list(rows)
             assert rows[0] == ctx  # the first round sees the whole prompt once
             assert all(r <= 8 for r in rows[1:])  # later rounds: only the tokens committed since
-            assert rows[1:] == gen.stats.acceptance_lengths[: len(rows) - 1]
+            assert rows[1:] == row.stats.acceptance_lengths[: len(rows) - 1]
             processed = counting.tokens_handed
             assert all(0 < p - r <= 8 for p, r in zip(processed, rows))  # plus the block, never more
     finally:
@@ -274,8 +275,8 @@ def test_tiny_temperature_is_greedy(tiny_pair):
     """1e-308 would overflow logits / T to inf and sample NaN; such temperatures are greedy."""
     _, _, _, model, drafter = tiny_pair
     spec, base = decoders(model, drafter)
-    greedy = base.generate([3, 4], GenerationConfig(max_new_tokens=12)).token_ids
-    tiny = spec.generate([3, 4], GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1e-308)))
+    greedy = generate_one(base, [3, 4], GenerationConfig(max_new_tokens=12)).token_ids
+    tiny = generate_one(spec, [3, 4], GenerationConfig(max_new_tokens=12, sampling=SamplingParams(temperature=1e-308)))
     assert tiny.token_ids == greedy
 
 

@@ -1,5 +1,5 @@
 """The BLS engine adapters and dflash_target's session table, in this process: the same code the
-Triton models run (dflash_trt.triton.bls), with the transport swapped for a direct call. The real
+Triton models run (dflash_trt.triton.remote), with the transport swapped for a direct call. The real
 transport (tritonserver) is covered by test_triton_server.py."""
 
 from __future__ import annotations
@@ -8,16 +8,16 @@ import json
 
 import numpy as np
 import pytest
-from helpers import make_text_models
+from helpers import HfSequenceTarget, SequenceTargetEngine, generate_one, make_text_models
 
 from dflash_trt.builders.onnx_drafter import export_from_checkpoints
-from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.formats import DrafterGraphMeta
 from dflash_trt.loading import load_decoder
 from dflash_trt.models.target import load_target, load_tokenizer
 from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 from dflash_trt.runtime.torch_backend import TorchTargetEngine
-from dflash_trt.triton.bls import RemoteDrafterEngine, RemoteTargetEngine, TargetSessions, serve_target
+from dflash_trt.triton.remote import RemoteDrafterEngine, RemoteTargetEngine, TargetSessions, serve_target
 
 PROMPT = "def fibonacci(n):"
 
@@ -33,7 +33,7 @@ def parts(tmp_path_factory):
 
 
 def remote_decoder(parts, clock=None):
-    """SpeculativeDecoder over RemoteTargetEngine / RemoteDrafterEngine, whose `infer` calls the
+    """BatchDecoder over RemoteTargetEngine / RemoteDrafterEngine, whose `infer` calls the
     target model's handler and the drafter graph directly. Returns (decoder, the target's sessions)."""
     target_dir, _, onnx_dir, ort_drafter, target_engine = parts
     sessions = TargetSessions(target_engine, ttl_s=60, **({"clock": clock} if clock else {}))
@@ -50,57 +50,56 @@ def remote_decoder(parts, clock=None):
     meta = DrafterGraphMeta.read(onnx_dir)
     target = RemoteTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
     drafter = RemoteDrafterEngine(infer, "dflash_drafter", json.loads(meta.to_json()))
-    decoder = SpeculativeDecoder(target, drafter, load_tokenizer(target_dir))
+    decoder = BatchDecoder(target, drafter, load_tokenizer(target_dir))
     decoder.calls = calls
     return decoder, sessions
 
 
 def test_remote_engines_equal_the_local_ones(parts):
     """Greedy over the remote adapters == the target alone, with the same drafts (acceptance) as the
-    in-process ONNX Runtime drafter: RemoteDrafterEngine reuses OrtDrafterSession's round."""
+    in-process ONNX Runtime drafter: RemoteDrafterEngine reuses ort_backend.RoundGraphSequence's round."""
     target_dir, _, _, ort_drafter, target_engine = parts
     decoder, sessions = remote_decoder(parts)
     config = GenerationConfig(max_new_tokens=16)
     ids = decoder.encode(PROMPT)
-    gen = decoder.start(ids, config)
-    for _ in gen:
-        pass
-    remote = gen.result()
-    local = SpeculativeDecoder(target_engine, ort_drafter, decoder.tokenizer).generate(ids, config)
-    alone = load_decoder(target_dir, None).generate(ids, config)
+    row = decoder.add(ids, config)
+    decoder.step()
+    assert len(sessions) == 1
+    decoder.run()
+    remote = row.result()
+    local = generate_one(BatchDecoder(target_engine, ort_drafter, decoder.tokenizer), ids, config)
+    alone = generate_one(load_decoder(target_dir, None), ids, config)
     assert remote.token_ids == alone.token_ids == local.token_ids
     assert remote.stats.acceptance_lengths == local.stats.acceptance_lengths
     assert "dflash_drafter" in decoder.calls
-    assert len(sessions) == 1
-    gen.target_session.close()  # what the BLS does when a request ends
-    assert len(sessions) == 0
+    assert len(sessions) == 0  # the loop released the finished row's session (what the BLS relies on)
 
 
 def _started(decoder, rounds=2):
-    gen = decoder.start(decoder.encode(PROMPT), GenerationConfig(max_new_tokens=16))
+    row = decoder.add(decoder.encode(PROMPT), GenerationConfig(max_new_tokens=16))
     for _ in range(rounds):
-        gen.step()
-    return gen
+        decoder.step()
+    return row
 
 
 def test_released_session_is_an_error_not_a_restart(parts):
     """Before the fix, an unknown id silently got a fresh (empty) cache and wrong logits."""
     decoder, sessions = remote_decoder(parts)
-    gen = _started(decoder)
-    assert gen.target_session.length > 0
-    sessions.release(gen.target_session.session_id)
+    row = _started(decoder)
+    assert decoder.target_session.length(row.target_row) > 0
+    sessions.release(decoder.target_session.rows[row.target_row][0])  # the row's session id
     with pytest.raises(LookupError, match="session expired"):
-        gen.step()
+        decoder.step()
     assert len(sessions) == 0  # and it was not re-created
 
 
 def test_idle_session_evicted_after_ttl_is_an_error(parts):
     now = [0.0]
     decoder, sessions = remote_decoder(parts, clock=lambda: now[0])
-    gen = _started(decoder)
+    _started(decoder)
     now[0] += 61  # past ttl_s=60
     with pytest.raises(LookupError, match=r"session expired: \d+ was idle longer than session_ttl_s=60 s"):
-        gen.step()
+        decoder.step()
 
 
 def test_target_checks_the_callers_cache_length(parts):
@@ -146,32 +145,27 @@ def _batch_infer(parts, sessions, calls):
     return infer
 
 
-@pytest.mark.parametrize("model_side", ["batched", "looped"])
+@pytest.mark.parametrize("model_side", ["batched", "per-row"])
 def test_one_target_call_carries_several_sessions(parts, model_side):
-    """Ragged rows with their own rollbacks in one dflash_target call == each session called alone."""
+    """Ragged rows with their own rollbacks in one dflash_target call == each session called alone (the
+    model side serving a row-batched engine, or one that runs a sequence per row, as TensorRT-LLM does)."""
     import torch
 
-    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
-    from dflash_trt.triton.bls import RemoteBatchTargetEngine
-
     *_, target_engine = parts
-    engine = (
-        TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids)
-        if model_side == "batched"
-        else target_engine
-    )
+    model, layers = target_engine.model, target_engine.feature_layer_ids
+    engine = target_engine if model_side == "batched" else SequenceTargetEngine(model, layers)
     sessions = TargetSessions(engine, ttl_s=60)
     calls = []
-    remote = RemoteBatchTargetEngine(
+    remote = RemoteTargetEngine(
         _batch_infer(parts, sessions, calls),
         "dflash_target",
         target_engine.vocab_size,
         2048,
         target_engine.feature_layer_ids,
     )
-    batch = remote.new_batch()
+    batch = remote.new_session()
     rows = [batch.add_row() for _ in range(3)]
-    alone = [target_engine.new_session() for _ in rows]
+    alone = [HfSequenceTarget(model, layers) for _ in rows]
     g = torch.Generator().manual_seed(0)
     for step, sizes in enumerate([(7, 3, 12), (4, 1, 8), (2, 5, 1)]):
         pieces = [torch.randint(0, target_engine.vocab_size, (n,), generator=g) for n in sizes]
@@ -211,24 +205,19 @@ def test_serve_target_rejects_inconsistent_batches(parts):
 
 
 def test_batch_decoder_over_remote_engines_equals_each_row_alone(parts):
-    """The BLS's batched step: BatchDecoder over the remote batched target and the looped remote drafter,
-    greedy, equals each prompt through the single-sequence remote path."""
-    from dflash_trt.decoding.batch import BatchDecoder
-    from dflash_trt.runtime.batched import LoopedDrafterEngine
-    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
-    from dflash_trt.triton.bls import RemoteBatchTargetEngine
-
+    """The BLS's batched step: BatchDecoder over the remote target and the per-row remote drafter, greedy,
+    equals each prompt alone through the remote path."""
     _, _, onnx_dir, _, target_engine = parts
     single, _ = remote_decoder(parts)
     prompts = [single.encode(p) for p in (PROMPT, "class Stack:", "import os\n\ndef main():")]
     configs = [GenerationConfig(max_new_tokens=n) for n in (16, 9, 20)]
-    want = [single.generate(p, c).token_ids for p, c in zip(prompts, configs)]
-    sessions = TargetSessions(TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
+    want = [generate_one(single, p, c).token_ids for p, c in zip(prompts, configs)]
+    sessions = TargetSessions(TorchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
     calls = []
     infer = _batch_infer(parts, sessions, calls)
     meta = DrafterGraphMeta.read(onnx_dir)
-    target = RemoteBatchTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
-    drafter = LoopedDrafterEngine(RemoteDrafterEngine(infer, "dflash_drafter", json.loads(meta.to_json())))
+    target = RemoteTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
+    drafter = RemoteDrafterEngine(infer, "dflash_drafter", json.loads(meta.to_json()))
     got = BatchDecoder(target, drafter).generate(prompts, configs)
     assert [g.token_ids for g in got] == want
     assert ("dflash_target", 3) in calls  # verify steps carried every row in one call
@@ -241,10 +230,8 @@ def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_pe
     import onnxruntime as ort
 
     from dflash_trt.builders.onnx_drafter_batch import export_batched_from_checkpoints
-    from dflash_trt.decoding.batch import BatchDecoder
     from dflash_trt.formats import BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES
-    from dflash_trt.runtime.torch_batch import TorchBatchTargetEngine
-    from dflash_trt.triton.bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine
+    from dflash_trt.triton.remote import RemoteBatchDrafterEngine
 
     target_dir, drafter_dir, onnx_dir, ort_drafter, target_engine = parts
     export_batched_from_checkpoints(drafter_dir, target_dir, tmp_path)
@@ -252,8 +239,8 @@ def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_pe
     single, _ = remote_decoder(parts)
     prompts = [single.encode(p) for p in (PROMPT, "class Stack:", "import os\n\ndef main():")]
     configs = [GenerationConfig(max_new_tokens=n) for n in (16, 9, 20)]
-    want = [single.generate(p, c).token_ids for p, c in zip(prompts, configs)]
-    sessions = TargetSessions(TorchBatchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
+    want = [generate_one(single, p, c).token_ids for p, c in zip(prompts, configs)]
+    sessions = TargetSessions(TorchTargetEngine(target_engine.model, target_engine.feature_layer_ids), ttl_s=60)
     calls = []
     target_infer = _batch_infer(parts, sessions, calls)
 
@@ -264,7 +251,7 @@ def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_pe
         return dict(zip(outputs, graph.run(list(BATCH_DRAFTER_OUTPUTS), inputs)))
 
     meta = DrafterGraphMeta.read(onnx_dir)
-    target = RemoteBatchTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
+    target = RemoteTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
     drafter = RemoteBatchDrafterEngine(infer, "dflash_drafter_batch", json.loads(meta.to_json()))
     decoder = BatchDecoder(target, drafter)
     rows = [decoder.add(p, c) for p, c in zip(prompts, configs)]

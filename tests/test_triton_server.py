@@ -18,7 +18,7 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient is part of the dev
 
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
-from helpers import make_text_models  # noqa: E402
+from helpers import generate_one, make_text_models  # noqa: E402
 from triton_fixtures import CHAT_PRE, add_chat_preprocessing  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -62,13 +62,13 @@ def server(models):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    """What `dflash-trt generate` computes on the same checkpoints (SpeculativeDecoder.generate), in this process."""
+    """What `dflash-trt generate` computes on the same checkpoints (BatchDecoder.generate, one request alone), in this process."""
     _, target, drafter = models
     decoder = load_decoder(target, drafter)
 
     def run(prompt: str, max_tokens: int = MAX_TOKENS):
         config = GenerationConfig(max_new_tokens=max_tokens, stop_token_ids=decoder.default_stop_ids())
-        return decoder.generate(decoder.encode(prompt), config)
+        return generate_one(decoder, decoder.encode(prompt), config)
 
     return run
 
@@ -79,8 +79,8 @@ def test_greedy_reference_is_the_target_alone(models, reference):
     alone = load_decoder(target, None)
     for prompt in PROMPTS[:2]:
         ids = alone.encode(prompt)
-        plain = alone.generate(
-            ids, GenerationConfig(max_new_tokens=MAX_TOKENS, stop_token_ids=alone.default_stop_ids())
+        plain = generate_one(
+            alone, ids, GenerationConfig(max_new_tokens=MAX_TOKENS, stop_token_ids=alone.default_stop_ids())
         )
         assert reference(prompt).token_ids == plain.token_ids
 

@@ -110,12 +110,16 @@ def test_runtime_binds_every_tensor_by_name(monkeypatch, graph_dir, tmp_path):
     calls = install(monkeypatch, "10.14.1.48")
     trt_drafter.build_drafter_plan(graph_dir, tmp_path / "plan", max_context=100)
     calls = install(monkeypatch, "10.14.1.48", io)
-    from dflash_trt.runtime.trt_backend import TrtDrafterEngine
+    from dflash_trt.runtime.rows import PerRowDrafter
+    from dflash_trt.runtime.trt_backend import TrtDrafterEngine, TrtDrafterSequence
 
     engine = TrtDrafterEngine(tmp_path / "plan", device="cpu")  # cpu: the fake writes through host addresses
     assert ("deserialize_cuda_engine", b"FAKE-PLAN") in calls
     assert engine.max_context == 100  # the profile's largest cache length: the loop refuses longer requests
-    session = engine.new_session()
+    rows = engine.new_session()  # one execution context per row
+    assert isinstance(rows, PerRowDrafter)
+    session = rows.sequences[rows.add_row()]
+    assert isinstance(session, TrtDrafterSequence)
     for n_new, expected_ctx in ((5, 5), (2, 7)):
         calls.clear()
         draft = session.draft(torch.randn(n_new, 128), last_token=3, block_size=6)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 from fake_tensorrt import install_trtllm, make_trtllm_executor
-from helpers import NoisyOracleDrafter
+from helpers import HfSequenceTarget, NoisyOracleDrafter, generate_one
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.decoding import GenerationConfig, SpeculativeDecoder
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 LAYERS = (1, 2)  # build_target_layer_ids(5 layers, 2 drafter layers)
@@ -79,13 +79,13 @@ def fake(monkeypatch, tiny):
 
 
 def test_rows_of_new_tokens_by_prefixed_name_match_the_hf_target(fake, tiny):
-    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+    from dflash_trt.runtime.trtllm_backend import TrtllmSequence, TrtllmTargetEngine
 
     calls, module = fake
     root, model, _ = tiny
     engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
-    ref = TorchTargetEngine(model, LAYERS).new_session()
-    session = engine.new_session()
+    ref = HfSequenceTarget(model, LAYERS)
+    session = TrtllmSequence(engine)
     tokens = torch.randint(0, 96, (19,), generator=torch.Generator().manual_seed(0))
     for piece in (tokens[:9], tokens[9:12], tokens[12:]):
         got, want = session.forward(piece), ref.forward(piece)
@@ -99,19 +99,19 @@ def test_rows_of_new_tokens_by_prefixed_name_match_the_hf_target(fake, tiny):
     executor_config = next(c for c in calls if c[0] == "Executor")[2]
     assert executor_config.kv_cache_config.enable_block_reuse
     # a prefill asks for the last row's logits only
-    other = engine.new_session()
+    other = TrtllmSequence(engine)
     out = other.forward(tokens[:7], last_logits_only=True)
     assert out.logits.shape == (1, 96) and out.features.shape[0] == 7
     assert other.salt != session.salt  # sessions never share KV blocks
 
 
 def test_new_tokens_sent_before_move_the_session_to_a_fresh_salt(fake, tiny):
-    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+    from dflash_trt.runtime.trtllm_backend import TrtllmSequence, TrtllmTargetEngine
 
     _, module = fake
     root, model, _ = tiny
     engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
-    session, ref = engine.new_session(), TorchTargetEngine(model, LAYERS).new_session()
+    session, ref = TrtllmSequence(engine), HfSequenceTarget(model, LAYERS)
     seq = torch.arange(10, 30)
     session.forward(seq[:8])
     ref.forward(seq[:8])
@@ -136,31 +136,31 @@ def test_greedy_output_equals_the_target_alone(fake, tiny):
 
     root, model, drafter = tiny
     trt_target = TrtllmTargetEngine(engine_folder(root, root / "target"))
-    base = SpeculativeDecoder(TorchTargetEngine(model))
+    base = BatchDecoder(TorchTargetEngine(model))
     torch_target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     assert tuple(drafter.spec.target_layer_ids) == LAYERS
-    real = SpeculativeDecoder(trt_target, TorchDrafterEngine.for_target(drafter, torch_target))
+    real = BatchDecoder(trt_target, TorchDrafterEngine.for_target(drafter, torch_target))
     for trial, (prompt, p_correct) in enumerate([([5, 6, 7], 1.0), (list(range(20, 33)), 0.6)]):
-        reference = base.generate(prompt, GenerationConfig(max_new_tokens=24)).token_ids
+        reference = generate_one(base, prompt, GenerationConfig(max_new_tokens=24)).token_ids
         if trial == 0:  # the real (random) drafter: mostly rejections
-            assert real.generate(prompt, GenerationConfig(max_new_tokens=24, block_size=4)).token_ids == reference
+            assert generate_one(real, prompt, GenerationConfig(max_new_tokens=24, block_size=4)).token_ids == reference
         # a noisy oracle: long accepted runs, and rollbacks into the middle of KV blocks
         oracle = NoisyOracleDrafter(reference, len(prompt), 96, 8, p_correct, seed=trial, feature_layer_ids=LAYERS)
-        got = SpeculativeDecoder(trt_target, oracle).generate(prompt, GenerationConfig(max_new_tokens=24, block_size=8))
+        got = generate_one(BatchDecoder(trt_target, oracle), prompt, GenerationConfig(max_new_tokens=24, block_size=8))
         assert got.token_ids == reference
         assert max(got.stats.acceptance_lengths) > 1
 
 
 def test_max_context_is_the_runtime_input_limit(fake, tiny):
     from dflash_trt.decoding import ContextLengthError
-    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+    from dflash_trt.runtime.trtllm_backend import TrtllmSequence, TrtllmTargetEngine
 
     root, _, _ = tiny
     engine = TrtllmTargetEngine(engine_folder(root, root / "target", "short", max_seq_len=64, max_num_tokens=24))
     assert engine.max_context == 24  # min(max_seq_len - 1, max_num_tokens), not max_seq_len
     with pytest.raises(ContextLengthError):
-        SpeculativeDecoder(engine).generate(list(range(20)), GenerationConfig(max_new_tokens=10))
-    session = engine.new_session()
+        generate_one(BatchDecoder(engine), list(range(20)), GenerationConfig(max_new_tokens=10))
+    session = TrtllmSequence(engine)
     with pytest.raises(ValueError, match="exceed the engine's input limit 24"):
         session.forward(torch.arange(25))
     assert session.forward(torch.arange(24), features=False).features is None
@@ -177,7 +177,7 @@ def test_engine_built_with_context_logits_is_refused(fake, tiny):
 
 
 def test_engine_without_the_marked_features_names_the_rebuild(monkeypatch, tiny):
-    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+    from dflash_trt.runtime.trtllm_backend import TrtllmSequence, TrtllmTargetEngine
 
     root, model, _ = tiny
     full = hf_outputs(model)
@@ -185,7 +185,7 @@ def test_engine_without_the_marked_features_names_the_rebuild(monkeypatch, tiny)
     install_trtllm(
         monkeypatch, make_trtllm_executor([], lambda t: {"dflash_final_hidden": full(t)["dflash_final_hidden"]})
     )
-    session = TrtllmTargetEngine(engine_folder(root, root / "target")).new_session()
+    session = TrtllmSequence(TrtllmTargetEngine(engine_folder(root, root / "target")))
     with pytest.raises(RuntimeError, match="no 'context_dflash_feature_1'.*rebuild it with `dflash-trt build-target`"):
         session.forward(torch.tensor([1, 2, 3]))
     assert session.length == 0
@@ -240,21 +240,20 @@ def test_the_fake_refuses_what_the_old_backend_did(fake, tiny):
 
 
 def _rows_alone(model, pieces):
-    """Per-row reference: each row's token pieces through its own single-sequence PyTorch session."""
-    ref = TorchTargetEngine(model, LAYERS)
-    return [[s.forward(p) for p in row] for s, row in ((ref.new_session(), row) for row in pieces)]
+    """Per-row reference: each row's token pieces through its own Hugging Face sequence (DynamicCache)."""
+    return [[s.forward(p) for p in row] for s, row in ((HfSequenceTarget(model, LAYERS), row) for row in pieces)]
 
 
 def test_batched_forward_submits_every_row_before_awaiting_and_keeps_row_order(fake, tiny):
-    from dflash_trt.runtime.batched import BatchTargetEngine, BatchTargetSession
+    from dflash_trt.runtime.base import TargetEngine, TargetSession
     from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
 
     calls, module = fake
     root, model, _ = tiny
-    engine = TrtllmTargetEngine(engine_folder(root, root / "target")).batched()
-    assert isinstance(engine, BatchTargetEngine) and engine.max_context == 127 and engine.vocab_size == 96
-    batch = engine.new_batch()
-    assert isinstance(batch, BatchTargetSession)
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
+    assert isinstance(engine, TargetEngine) and engine.max_context == 127 and engine.vocab_size == 96
+    batch = engine.new_session()
+    assert isinstance(batch, TargetSession)
     rows = [batch.add_row() for _ in range(3)]
     g = torch.Generator().manual_seed(3)
     # ragged: different prompt lengths, then different block sizes, rows passed out of handle order
@@ -285,7 +284,7 @@ def test_batched_rollback_is_per_row(fake, tiny):
 
     _, module = fake
     root, model, _ = tiny
-    batch = TrtllmTargetEngine(engine_folder(root, root / "target")).batched().new_batch()
+    batch = TrtllmTargetEngine(engine_folder(root, root / "target")).new_session()
     a, b = batch.add_row(), batch.add_row()
     seq_a, seq_b = torch.arange(10, 30), torch.arange(40, 60)
     batch.forward([a, b], [seq_a[:8], seq_b[:8]])
@@ -294,7 +293,7 @@ def test_batched_rollback_is_per_row(fake, tiny):
     assert (batch.length(a), batch.length(b)) == (9, 16)
     # row a re-sends tokens it sent before at those positions (fresh salt); row b goes on
     outs = batch.forward([a, b], [seq_a[9:12], seq_b[16:18]])
-    ref_a, ref_b = TorchTargetEngine(model, LAYERS).new_session(), TorchTargetEngine(model, LAYERS).new_session()
+    ref_a, ref_b = HfSequenceTarget(model, LAYERS), HfSequenceTarget(model, LAYERS)
     ref_a.forward(seq_a[:9])
     ref_b.forward(seq_b[:16])
     torch.testing.assert_close(outs[0].logits, ref_a.forward(seq_a[9:12]).logits, atol=1e-4, rtol=1e-4)
@@ -309,7 +308,7 @@ def test_batched_errors_commit_no_row_and_leave_the_session_usable(fake, tiny):
     calls, _ = fake
     root, model, _ = tiny
     engine = TrtllmTargetEngine(engine_folder(root, root / "target", "short", max_seq_len=64, max_num_tokens=24))
-    batch = engine.batched().new_batch()
+    batch = engine.new_session()
     a, b = batch.add_row(), batch.add_row()
     before = len(calls)
     with pytest.raises(ValueError, match="exceed the engine's input limit 24"):
@@ -339,16 +338,14 @@ def test_batched_errors_commit_no_row_and_leave_the_session_usable(fake, tiny):
 
 
 def test_batched_decoder_over_the_trtllm_target_equals_the_target_alone(fake, tiny):
-    from dflash_trt.decoding.batch import BatchDecoder
-    from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
     from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
 
     root, model, drafter = tiny
-    engine = TrtllmTargetEngine(engine_folder(root, root / "target")).batched()
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
     prompts = [[5, 6, 7], list(range(20, 33)), [40, 41]]
-    base = SpeculativeDecoder(TorchTargetEngine(model))
-    want = [base.generate(p, GenerationConfig(max_new_tokens=16)).token_ids for p in prompts]
-    torch_target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
-    dec = BatchDecoder(engine, TorchBatchDrafterEngine.for_target(drafter, torch_target))
+    base = BatchDecoder(TorchTargetEngine(model))
+    want = [generate_one(base, p, GenerationConfig(max_new_tokens=16)).token_ids for p in prompts]
+    torch_target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    dec = BatchDecoder(engine, TorchDrafterEngine.for_target(drafter, torch_target))
     got = dec.generate(prompts, GenerationConfig(max_new_tokens=16, block_size=4))
     assert [g.token_ids for g in got] == want

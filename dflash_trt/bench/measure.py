@@ -9,7 +9,7 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypedDict, cast
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
@@ -28,15 +28,6 @@ class PassCosts(TypedDict):
     target_step_ms: float
     verify_ms: dict[int, float]  # block size -> ms
     draft_ms: dict[str, dict[int, float]]  # drafter backend -> block size -> ms
-
-
-class CachedDrafterSession(Protocol):
-    """A drafter session whose context K/V can be saved and put back (the PyTorch and ONNX Runtime ones)."""
-
-    past_k: Any
-    past_v: Any
-
-    def draft(self, new_features: torch.Tensor, last_token: int, block_size: int) -> Any: ...
 
 
 # ---- per-pass costs: t(one target step), t(verify B tokens), t(draft B) ----------------------
@@ -59,50 +50,71 @@ def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def _median_setup_ms(setup: Callable[[], int], fn: Callable[[int], None], reps: int, warmup: int = 2) -> float:
+    """_median_ms for a call that needs fresh state each time: `setup()` (untimed) returns what `fn` takes."""
+    times = []
+    for i in range(warmup + reps):
+        state = setup()
+        _sync()
+        t0 = time.perf_counter()
+        fn(state)
+        _sync()
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 @torch.inference_mode()
 def pass_costs(
     target: TargetEngine, drafters: dict[str, DrafterEngine], context_ids: list[int], block_sizes: list[int], reps: int
 ) -> PassCosts:
-    """Median ms of the passes one round is made of, with the KV caches holding len(context_ids) tokens.
+    """Median ms of the passes one round is made of, for one row whose caches hold len(context_ids) tokens.
 
     target_step_ms: one token through the target + rollback (a baseline decode step);
     verify_ms[B]:   B tokens through the target with features + rollback (a DFlash verify);
     draft_ms[backend][B]: one drafter round given (B+1)//2 newly committed tokens' features.
     """
+    from ..runtime.base import DraftRequest
+
     session = target.new_session()
-    out = session.forward(torch.tensor(context_ids), last_logits_only=True, features=bool(drafters))
-    n = session.length
+    row = session.add_row()
+    [out] = session.forward([row], [torch.tensor(context_ids)], last_logits_only=True, features=bool(drafters))
+    n = session.length(row)
     last = torch.tensor(context_ids[-1:])
 
     def step() -> None:
-        session.forward(last, features=False)
-        session.rollback(n)
+        session.forward([row], [last], features=False)
+        session.rollback(row, n)
 
     costs: PassCosts = {"context_tokens": n, "target_step_ms": _median_ms(step, reps), "verify_ms": {}, "draft_ms": {}}
     for b in block_sizes:
         block = torch.tensor((context_ids * b)[:b])
 
         def verify(block: torch.Tensor = block) -> None:
-            session.forward(block, features=bool(drafters))
-            session.rollback(n)
+            session.forward([row], [block], features=bool(drafters))
+            session.rollback(row, n)
 
         costs["verify_ms"][b] = _median_ms(verify, reps)
+    session.remove_row(row)
     for backend, engine in drafters.items():
         costs["draft_ms"][backend] = {}
         feats = out.features
         assert feats is not None  # asked for whenever there are drafters
+        ds = engine.new_session()
         for b in block_sizes:
             new = (b + 1) // 2
-            # both backends' sessions keep the context cache in past_k / past_v
-            ds = cast(CachedDrafterSession, engine.new_session())
-            ds.draft(feats[:-new], context_ids[-1], b)  # the context, minus what this round brings
-            past = (ds.past_k, ds.past_v)
 
-            def draft(ds: CachedDrafterSession = ds, past: tuple[Any, Any] = past, new: int = new, b: int = b) -> None:
-                ds.past_k, ds.past_v = past
-                ds.draft(feats[-new:], context_ids[-1], b)
+            def context(new: int = new, b: int = b) -> int:
+                """A row holding the context, minus what this round brings (the drafter's cache only grows)."""
+                r = ds.add_row()
+                ds.draft([DraftRequest(r, feats[:-new], context_ids[-1], b)])
+                return r
 
-            costs["draft_ms"][backend][b] = _median_ms(draft, reps)
+            def draft(r: int, new: int = new, b: int = b) -> None:
+                ds.draft([DraftRequest(r, feats[-new:], context_ids[-1], b)])
+                ds.remove_row(r)
+
+            costs["draft_ms"][backend][b] = _median_setup_ms(context, draft, reps)
     return costs
 
 

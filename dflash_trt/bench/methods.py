@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
     from ..models.target import CausalLM
 
 
@@ -52,7 +52,7 @@ class Method:
     lossless: bool = True  # greedy output must equal the baseline's
 
 
-def target_model(decoder: SpeculativeDecoder) -> CausalLM:
+def target_model(decoder: BatchDecoder) -> CausalLM:
     """The Hugging Face model inside the decoder's PyTorch target engine (the benchmarks time it with forward
     hooks and run its generate())."""
     from ..runtime.torch_backend import TorchTargetEngine
@@ -107,32 +107,24 @@ def rounds_from_cache_starts(starts: list[int], prompt_len: int, new_tokens: int
     return lengths if all(n >= 1 for n in lengths) and sum(lengths) == new_tokens else None
 
 
-def dflash_method(
-    name: str,
-    family: str,
-    decoder: SpeculativeDecoder,
-    block_size: int,
-    timer: ForwardTimer,
-    backend: str | None = None,
-) -> Method:
+def dflash_method(name: str, family: str, decoder: BatchDecoder, block_size: int, backend: str | None = None) -> Method:
     from ..decoding import GenerationConfig, SamplingParams
 
     def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
         cfg = GenerationConfig(
             max_new_tokens=max_new, sampling=SamplingParams(temperature, seed=seed), block_size=block_size
         )
-        timer.reset()
         t0 = time.perf_counter()
-        result = decoder.generate(prompt_ids, cfg)
+        [result] = decoder.generate([prompt_ids], cfg)
         seconds = time.perf_counter() - t0
         s = result.stats
         return Run(
             result.token_ids,
             seconds,
             list(s.acceptance_lengths),
-            timer.seconds,
+            s.prefill_time_s + s.verify_time_s,  # the target's passes: the prefill and every verify
             s.draft_time_s if block_size > 1 else 0.0,
-            timer.calls,
+            s.rounds + 1,
         )
 
     return Method(name, family, run, block_size, backend)

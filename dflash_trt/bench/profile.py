@@ -1,8 +1,9 @@
-"""Where one DFlash round's time goes: target verify, drafter, acceptance, cache rollback, Python glue.
+"""Where one DFlash round's time goes: target verify, drafter, acceptance and rollback, the loop's Python.
 
-Each round reports its own timings (decoding.RoundTimings: draft, target forward, acceptance, rollback,
-whole step), and forward hooks split the target and drafter modules from the code around them. A second, cProfile'd generation lists the functions with the most own time (cProfile slows
-Python-heavy code, so its absolute numbers are inflated; the buckets come from the timed run).
+Each round reports its own timings (decoding.RoundTimings: the drafter pass, the target pass, acceptance
+with the rollback, the whole step); the loop runs as it does everywhere (one request, a batch of one). A
+second, cProfile'd generation lists the functions with the most own time (cProfile slows Python-heavy code,
+so its absolute numbers are inflated; the buckets come from the timed run).
 """
 
 from __future__ import annotations
@@ -19,82 +20,62 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
-    from ..decoding import GenerationConfig, SpeculativeDecoder
+    from ..decoding import BatchDecoder, GenerationConfig
 
 BUCKETS = (
-    ("target_model", "target verify: the HF model's forward"),
-    ("target_glue", "target verify: session code around it (ids, positions, feature concat)"),
-    ("drafter_model", "drafter: the drafter module's forward (layers)"),
-    ("drafter_glue", "drafter: embedding, lm_head, argmax, cache bookkeeping, copies"),
-    ("acceptance", "sampling / acceptance (argmax compare or rejection sampling)"),
-    ("rollback", "target KV cache rollback"),
-    ("loop_overhead", "the loop's own Python (block tensor, commit, stop check, stats)"),
+    ("target", "target verify: the target session's forward (every layer, the lm_head, the features)"),
+    ("drafter", "drafter: the drafter session's pass (embedding, layers, lm_head, argmax) and the proposal"),
+    ("acceptance", "sampling / acceptance (argmax compare or rejection sampling) and the target's rollback"),
+    ("loop_overhead", "the loop's own Python (block sizes, block tensors, commit, stop check, stats)"),
 )
 
 
-def profile_generation(decoder: SpeculativeDecoder, prompt_ids: list[int], config: GenerationConfig) -> dict[str, Any]:
-    """Run one generation with timers on every part of a round; per-round mean ms per bucket."""
-    from .methods import ForwardTimer, target_model
-
-    target_timer = ForwardTimer(target_model(decoder))
-    drafter_module = getattr(decoder.drafter, "drafter", None)
-    drafter_timer = ForwardTimer(drafter_module) if isinstance(drafter_module, torch.nn.Module) else None
-    gen = decoder.start(prompt_ids, config)
+def profile_generation(decoder: BatchDecoder, prompt_ids: list[int], config: GenerationConfig) -> dict[str, Any]:
+    """Run one generation, timing every part of each round; per-round mean ms per bucket."""
     rounds: list[dict[str, Any]] = []
     prefill_ms: float | None = None
-    try:
-        while not gen.done:
-            target_timer.reset()
-            if drafter_timer:
-                drafter_timer.reset()
-            t0 = time.perf_counter()
-            r = gen.step()
-            total = time.perf_counter() - t0
-            if r.prefill:
-                prefill_ms = total * 1e3
-                continue
-            t_model = target_timer.seconds
-            d_model = drafter_timer.seconds if drafter_timer else 0.0
+    generated = 0
+    t0 = time.perf_counter()
+    for r in decoder.stream(prompt_ids, config):
+        total = time.perf_counter() - t0
+        generated += len(r.token_ids)
+        if r.prefill:
+            prefill_ms = total * 1e3
+        else:
             t = r.timings
             rounds.append(
                 {
-                    "target_model": t_model,
-                    "target_glue": t.target_s - t_model,
-                    "drafter_model": d_model,
-                    "drafter_glue": t.draft_s - d_model,
+                    "target": t.target_s,
+                    "drafter": t.draft_s,
                     "acceptance": t.accept_s,
-                    "rollback": t.rollback_s,
-                    "loop_overhead": total - t.target_s - t.draft_s - t.accept_s - t.rollback_s,
+                    "loop_overhead": max(0.0, total - t.target_s - t.draft_s - t.accept_s),
                     "total": total,
                     "tokens": len(r.token_ids),
                 }
             )
-    finally:
-        target_timer.remove()
-        if drafter_timer:
-            drafter_timer.remove()
+        t0 = time.perf_counter()
     n = len(rounds)
     per_round = {k: 1e3 * sum(r[k] for r in rounds) / n for k, _ in BUCKETS}
     total_ms = 1e3 * sum(r["total"] for r in rounds) / n
     return {
         "rounds": n,
-        "new_tokens": len(gen.generated),
+        "new_tokens": generated,
         "tau": sum(r["tokens"] for r in rounds) / n,
         "prefill_ms": prefill_ms,
         "round_ms": total_ms,
         "round_ms_median": 1e3 * statistics.median(r["total"] for r in rounds),
         "per_round_ms": {k: round(v, 4) for k, v in per_round.items()},
         "share": {k: round(v / total_ms, 4) for k, v in per_round.items()},
-        "tokens_per_s": len(gen.generated) / (sum(r["total"] for r in rounds) + (prefill_ms or 0) / 1e3),
+        "tokens_per_s": generated / (sum(r["total"] for r in rounds) + (prefill_ms or 0) / 1e3),
     }
 
 
 def cprofile_top(
-    decoder: SpeculativeDecoder, prompt_ids: list[int], config: GenerationConfig, n: int = 15
+    decoder: BatchDecoder, prompt_ids: list[int], config: GenerationConfig, n: int = 15
 ) -> list[dict[str, Any]]:
     prof = cProfile.Profile()
     prof.enable()
-    decoder.generate(prompt_ids, config)
+    decoder.generate([prompt_ids], config)
     prof.disable()
     stats = pstats.Stats(prof)
     rows: list[dict[str, Any]] = []
@@ -140,7 +121,7 @@ def profile_rounds(
     prompt = decoder.encode(held_out_code_prompts(1)[0])
     cfg = GenerationConfig(max_new_tokens=max_new, block_size=block)
     base_cfg = GenerationConfig(max_new_tokens=max_new, block_size=1)
-    decoder.generate(prompt, cfg)  # warm-up
+    decoder.generate([prompt], cfg)  # warm-up
     dflash = profile_generation(decoder, prompt, cfg)
     baseline = profile_generation(decoder, prompt, base_cfg)
     result = {

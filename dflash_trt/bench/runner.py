@@ -28,7 +28,7 @@ from .prompts import PROMPT_SETS
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
     from ..models.target import CausalLM
     from ..runtime.base import DrafterEngine, TargetEngine
     from ..runtime.ort_backend import OrtDrafterEngine
@@ -113,9 +113,9 @@ class BenchError(RuntimeError):
 # ---- setup ---------------------------------------------------------------------------------
 def load_everything(
     s: BenchSettings,
-) -> tuple[SpeculativeDecoder, SpeculativeDecoder, dict[str, DrafterEngine], CausalLM | None]:
+) -> tuple[BatchDecoder, BatchDecoder, dict[str, DrafterEngine], CausalLM | None]:
     """The decoder, the baseline (the same target, no drafter), the drafters by backend, the assistant model."""
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
     from ..loading import load_decoder
 
     want = set(s.methods)
@@ -155,7 +155,7 @@ def load_everything(
             drafters["torch"] = decoder.drafter
         if "dflash-ort" in want:
             drafters["onnxruntime"] = ort_drafter(decoder, s)
-    base = SpeculativeDecoder(target, None, decoder.tokenizer)
+    base = BatchDecoder(target, None, decoder.tokenizer)
     return decoder, base, drafters, assistant
 
 
@@ -164,7 +164,7 @@ def load_everything(
 _SCRATCH: weakref.WeakKeyDictionary[DrafterEngine, tempfile.TemporaryDirectory[str]] = weakref.WeakKeyDictionary()
 
 
-def ort_drafter(decoder: SpeculativeDecoder, s: BenchSettings) -> OrtDrafterEngine:
+def ort_drafter(decoder: BatchDecoder, s: BenchSettings) -> OrtDrafterEngine:
     from ..runtime import registry
     from ..runtime.base import EngineOptions
     from ..runtime.ort_backend import OrtDrafterEngine
@@ -195,25 +195,25 @@ def ort_drafter(decoder: SpeculativeDecoder, s: BenchSettings) -> OrtDrafterEngi
 
 def build_methods(
     s: BenchSettings,
-    decoder: SpeculativeDecoder,
-    base: SpeculativeDecoder,
+    decoder: BatchDecoder,
+    base: BatchDecoder,
     drafters: dict[str, DrafterEngine],
     assistant: CausalLM | None,
     timer: ForwardTimer,
     assistant_timer: ForwardTimer | None,
 ) -> list[Method]:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
     model = target_model(decoder)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else 0
-    methods = [dflash_method("baseline", "baseline", base, 1, timer)]
+    methods = [dflash_method("baseline", "baseline", base, 1)]
     if "hf-generate" in s.methods:
         methods.append(hf_method("hf-generate", "hf-generate", model, timer, pad))
     for backend, drafter in drafters.items():  # drafters: backend name -> engine, as load_everything chose
         family = DFLASH_FAMILIES[backend]
-        dec = SpeculativeDecoder(decoder.target, drafter, decoder.tokenizer)
+        dec = BatchDecoder(decoder.target, drafter, decoder.tokenizer)
         for b in usable_block_sizes(s, drafter):
-            methods.append(dflash_method(f"{family}-b{b}", family, dec, b, timer, backend))
+            methods.append(dflash_method(f"{family}-b{b}", family, dec, b, backend))
     if assistant is not None:
         methods.append(
             hf_method(
@@ -575,7 +575,7 @@ def _mb(module: torch.nn.Module) -> float:
 
 def meta(
     s: BenchSettings,
-    decoder: SpeculativeDecoder,
+    decoder: BatchDecoder,
     drafters: dict[str, DrafterEngine],
     assistant: CausalLM | None,
     methods: list[Method],

@@ -304,7 +304,7 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids:
         "session_ttl_s": "600",
         "batch_target": "true",
     }
-    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.bls). A call may carry several
+    # One instance: the sequences' KV caches live in it (see dflash_trt.triton.remote). A call may carry several
     # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
     # On a GPU it is pinned to GPU 0: a KIND_GPU group without `gpus` gets one instance per visible GPU, and a
     # session's second call could land on another instance than its first ("unknown session").

@@ -87,7 +87,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             stop_token_ids=decoder.default_stop_ids(),
             stop_strings=tuple(args.stop),
         )
-        result = decoder.generate(prompt, config)
+        [result] = decoder.generate([prompt], config)
     except (InputError, ValueError) as e:
         raise CliError(str(e)) from None
     finally:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol, cast
 from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
 
 class CliError(Exception):
@@ -103,7 +103,7 @@ def add_device_args(p: argparse._ActionsContainer) -> None:  # a parser or an ar
 
 def load_or_fail(
     target: Path, drafter: Path | None, dtype: str, device: str = "cpu", drafter_dtype: str | None = None
-) -> SpeculativeDecoder:
+) -> BatchDecoder:
     from ..config import ConfigError
     from ..loading import load_decoder
 
@@ -118,7 +118,7 @@ def load_or_fail(
         raise CliError(str(e)) from None
 
 
-def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool, device: str = "cpu") -> SpeculativeDecoder:
+def load_engines_or_fail(engines: Path, dtype: str, no_draft: bool, device: str = "cpu") -> BatchDecoder:
     from ..config import ConfigError
     from ..loading import load_decoder_from_engines
     from ..runtime.base import EngineUnavailable
@@ -137,7 +137,7 @@ class TensorParallelRank(Protocol):
     def serve_worker(self) -> None: ...
 
 
-def serve_worker_rank(decoder: SpeculativeDecoder) -> bool:
+def serve_worker_rank(decoder: BatchDecoder) -> bool:
     """Under `mpirun -n tp` with a tp > 1 TensorRT-LLM target, every rank loads the engine but only the leader
     runs the loop (and HTTP). On another rank: keep the engine's tensor-parallel work going until the leader
     shuts down, then return True (the caller exits). False on the leader and for every other backend."""
@@ -155,7 +155,7 @@ def serve_worker_rank(decoder: SpeculativeDecoder) -> bool:
     return True
 
 
-def close_engines(decoder: SpeculativeDecoder) -> None:
+def close_engines(decoder: BatchDecoder) -> None:
     """The leader's shutdown releases the other ranks (TensorRT-LLM executorImpl.cpp, Executor::Impl::shutdown)."""
     close = getattr(decoder.target, "close", None)
     if close is not None:

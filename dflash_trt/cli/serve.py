@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
 
@@ -217,7 +217,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_models(args: argparse.Namespace) -> tuple[SpeculativeDecoder, str]:
+def _load_models(args: argparse.Namespace) -> tuple[BatchDecoder, str]:
     from .options import load_engines_or_fail, load_or_fail
 
     if args.engines is not None:

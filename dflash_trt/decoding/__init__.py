@@ -1,22 +1,44 @@
-"""Speculative decoding: proposer (drafter session), scorer (target session), acceptance, bookkeeping."""
+"""Speculative decoding with a DFlash drafter: one batched loop (`loop.BatchDecoder`) for every entry point.
 
-from .decode import (
+Terminology
+    row           one request inside the loop; a row of the target's and the drafter's sessions.
+    block         the tokens one round verifies for a row: its last committed token, then block_size - 1
+                  drafted tokens (block size 1: the target alone, plain autoregressive decoding).
+    round         one draft-and-verify of a row's block; a step runs one round for every running row.
+    bonus token   the token the target picks itself after the accepted drafts (where the first rejected
+                  draft stood, or after the last one): every round commits at least one token.
+    tau           mean tokens committed per round, bonus included (`GenerationStats.mean_acceptance_length`);
+                  the speedup is about tau x t(target step) / t(round).
+    feature layers the target layers whose hidden states the drafter is conditioned on
+                  (`feature_layer_ids`: the drafter reads them, the target must expose them).
+    adaptive policy chooses each row's block size per step from a cost model of the passes and each row's
+                  acceptance estimate (`adaptive.choose_blocks`), fixed sizes otherwise (`BlockPolicy`).
+    probe         a forced full block for a row that has not drafted lately, so that its acceptance
+                  estimate is measured again (`adaptive.ProbeSchedule`).
+
+Pieces: `request` (settings, validation, results), `loop` (the step), `acceptance` (greedy match and
+rejection sampling), `sampling`, `processors` (logits adjustments), `stopping`, `detokenizer`,
+`adaptive` (the block-size policy).
+"""
+
+from .loop import BatchDecoder, BatchRow, BlockPolicy, StepProfile
+from .processors import LogitsAdjustment
+from .request import (
     ContextLengthError,
-    Generation,
     GenerationConfig,
     GenerationResult,
     GenerationStats,
     InputError,
     Round,
     RoundTimings,
-    SpeculativeDecoder,
 )
-from .processors import LogitsAdjustment
 from .sampling import SamplingParams
 
 __all__ = [
+    "BatchDecoder",
+    "BatchRow",
+    "BlockPolicy",
     "ContextLengthError",
-    "Generation",
     "GenerationConfig",
     "GenerationResult",
     "GenerationStats",
@@ -25,5 +47,5 @@ __all__ = [
     "Round",
     "RoundTimings",
     "SamplingParams",
-    "SpeculativeDecoder",
+    "StepProfile",
 ]

@@ -20,8 +20,8 @@ step, and the only coupling between rows is the drafter's fixed cost, paid once 
 solves two cases and keeps the better: "nobody drafts" (every free row at 1), and "the drafter runs", a
 ratio of separable sums maximised by Dinkelbach's iteration: given the best rate lam so far, each row
 independently takes the size maximising E(alpha_r, B) - lam * (its share of the time), and lam becomes the
-rate of that choice, until it stops rising (finitely many steps, each raising lam; usually 2-4). One step
-is O(rows x block) arithmetic, well under a millisecond at 32 rows (scripts/bench_choose_blocks.py).
+rate of that choice, until it stops rising (finitely many steps, each raising lam). One step
+is O(rows x block) arithmetic (scripts/bench_choose_blocks.py times it).
 Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts its whole
 block (its largest size): the backlog it makes the drafter take in costs the same whatever the size, and a
 block of 2 would measure one position (at T=1 a hit half the time, whether drafting pays or not).
@@ -29,8 +29,8 @@ block of 2 would measure one position (at T=1 a hit half the time, whether draft
 Probes exist because the estimates feed on themselves: a row that does not draft measures nothing, so one
 unlucky early round (or a pessimistic prior) at a batch size where drafting pays only at the true acceptance
 would keep it at block 1 for good, and the prior that new rows start from would learn nothing either. The
-decoder probes every row that has not drafted lately, all on the same step (`BatchDecoder.probe_every`), so
-the drafter's fixed cost is paid once per probe step, not once per row; where probes keep missing, the next
+decoder probes every row that has not drafted lately, all on the same step (`ProbeSchedule`), so the
+drafter's fixed cost is paid once per probe step, not once per row; where probes keep missing, the next
 probe of that sampling regime (greedy or sampled) comes half as often each time (each probed row's backlog
 is the cost).
 """
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
+from ..runtime.base import DrafterEngine, DraftRequest, TargetEngine
 
 
 @dataclass
@@ -53,18 +53,15 @@ class LinearCost:
     no drafting: one request alone) costs `one_token` instead when it was measured.
 
     Why the exception: on a CPU a one-token pass multiplies vectors (GEMV), any larger pass matrices, and
-    the step between them is no part of a line. Measured on the demo target, one row: 1 token 8.9 ms, 4
-    tokens 11.0, 8 tokens 11.7 (+2.0 ms for the first 3 drafted tokens, +0.8 for the next 4), while the
-    line through the whole grid put the 1-token pass at 10.3 ms. Priced by the line, drafting at one row
-    looked 30 % cheaper than it was, and a lone request whose drafts hit half the time (tau 2 at block 8)
-    drafted most steps and ran at 0.73x the target alone.
+    the step between them is no part of a line; priced by the line, drafting for a lone request looks
+    cheaper than it is (docs/benchmarks.md, "Measurements behind design choices").
 
     `knee` (tokens; 0 = none): a pass of fewer tokens costs as much as one of `knee` tokens, i.e. tokens are
     priced by max(tokens, knee). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
-    tokens (A100, Llama-3-8B, Vidur's profile: a layer costs 0.306 ms at 1 token, 0.421 at 128, 0.624 at 256,
-    4.55 at 2048), so one line either prices a small batch's drafted tokens as if they were compute bound
-    (fitted through the large passes) or a large batch's as free. `fit` takes a knee only where it cuts the
-    squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a line (a CPU's) keeps none."""
+    tokens (docs/benchmarks.md: Vidur's A100 profile), so one line either prices a small batch's drafted
+    tokens as if they were compute bound (fitted through the large passes) or a large batch's as free. `fit`
+    takes a knee only where it cuts the squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a
+    line (a CPU's) keeps none."""
 
     fixed: float = 0.0
     per_row: float = 0.0
@@ -151,22 +148,17 @@ class CostModel:
     engine's passes (`observe`). One number per engine stays identifiable from whatever shapes the policy
     picks (a full online refit does not: the policy's own choices make its samples collinear), and it
     follows what the grid cannot see: longer contexts (the drafter attends over all of it), other load on the
-    machine, or a start-up grid timed during a burst. Measured on the demo pair, one row, a 325-token prompt:
-    the grid said a target step costs 11.6 ms and a drafting round 17.7 ms; the real passes took about 6 and
-    17 ms, so drafting at the row's acceptance (tau 1.6) looked 14 % ahead and ran at 0.6x the target alone.
+    machine, or a start-up grid timed during a burst.
 
     The target's one-token pass (`LinearCost.one_token`) has a correction of its own (`target_one_token`):
     the two drift apart with the context (a one-token pass attends over it with one query, a drafted block
-    with several under a mask). Measured at one row on a 325-token prompt: the start-up grid (context 150)
-    put a 7-token pass at 1.21x a 1-token one, the real passes ran at 1.55x.
+    with several under a mask).
 
     A shape with a knee (a GPU's: `LinearCost.knee`) is corrected by adding seconds per row instead
-    (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at
-    context 128 cannot see cost more because each row reads a longer KV cache, once whatever its block, and
-    a factor on the whole shape would make every drafted token dearer by as much. Issue-28 simulation
-    (A100, Llama-3-8B, 128 rows at context ~700): a 1-token step cost 1.5x the grid's price, a 4-token
-    step 1.3x; scaled by 1.5 the drafting step looked 30 % dearer than it was and no row drafted, where
-    block 4 gave +11 %."""
+    (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at a
+    short context cannot see cost more because each row reads a longer KV cache, once whatever its block,
+    and a factor on the whole shape would make every drafted token dearer by as much (in the A100
+    simulation it kept every row from drafting where drafting paid; results/sim/README.md)."""
 
     target: LinearCost
     drafter: LinearCost
@@ -243,8 +235,8 @@ class AcceptanceTracker:
     """A row's running per-position acceptance estimate: (accepted + prior) / (accepted + rejections + prior)."""
 
     prior_alpha: float = 0.6
-    # pseudo-observations of the prior: at 2, one failed first round after the prompt (often the hardest
-    # position) put a row below the drafting threshold for most of a 64-token request
+    # pseudo-observations of the prior: few enough to learn fast, enough that one failed first round after
+    # the prompt (often the hardest position) does not push a row below the drafting threshold for good
     prior_weight: float = 4.0
     decay: float = 0.9  # per round: older rounds count less
     idle_decay: float = 0.97  # per step without drafting: drift back to the prior, so the row is tried again
@@ -275,9 +267,9 @@ class AcceptanceTracker:
 @dataclass
 class AcceptancePrior:
     """Where a new request's estimate starts: per sampling regime (greedy or sampled), the acceptance that
-    recently finished requests of that regime measured (a moving average over requests). A drafter that
-    hits 75 % of its drafts at T=0 and 30 % at T=1 would otherwise start every request from one guess and
-    spend each request's first rounds learning it again: at T=1 that is several failed blocks per request."""
+    recently finished requests of that regime measured (a moving average over requests). A drafter hits far
+    more often at T=0 than at T=1; from one shared guess every request would spend its first rounds learning
+    its regime again, and at T=1 that is several failed blocks per request."""
 
     start: float = 0.6
     weight: float = 0.2  # per finished request
@@ -391,33 +383,61 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     return [int(b) + 1 for b in best_pick]
 
 
+class ProbeSchedule:
+    """When rows that have not drafted lately must draft one whole block again (see the module docstring).
+
+    Per sampling regime (greedy: False, sampled: True), not per row: requests are short next to a backoff,
+    so a row's own misses would never grow its wait, and every request of a regime where drafting does not
+    pay would be probed about once. One probe step serves every stale row of its regime (the drafter's fixed
+    cost paid once). A probe step that misses (its rows accepted fewer than half of their drafts) doubles
+    that regime's wait, up to 2^max_backoff x `every` steps, so a regime whose traffic changes is still
+    tried now and then; a hit resets it (the estimate, and the prior new rows start from, must catch up)."""
+
+    def __init__(self, every: int = 32, max_backoff: int = 4):
+        self.every, self.max_backoff = every, max_backoff
+        self.misses: dict[bool, int] = {}  # per regime: probe steps in a row that missed
+        self.next_step: dict[bool, int] = {}  # per regime: the first step at which it may probe again
+
+    def due(self, step: int, rows: Sequence[tuple[bool, int]]) -> list[bool]:
+        """For rows given as (sampled, the step they last drafted at): whether each must probe now."""
+        if self.every <= 0:
+            return [False] * len(rows)
+        open_regimes = {sampled for sampled, _ in rows if step >= self.next_step.get(sampled, 0)}
+        return [sampled in open_regimes and last <= step - self.every for sampled, last in rows]
+
+    def observe(self, step: int, sampled: bool, accepted: int, drafted: int) -> None:
+        """A probe step's outcome for one regime: its probed rows' accepted and drafted tokens."""
+        k = 0 if 2 * accepted >= drafted else min(self.misses.get(sampled, 0) + 1, self.max_backoff)
+        self.misses[sampled] = k
+        self.next_step[sampled] = step + self.every * (1 << k)
+
+
 def measure_costs(
-    target: BatchTargetEngine,
-    drafter: BatchDrafterEngine | None = None,
+    target: TargetEngine,
+    drafter: DrafterEngine | None = None,
     rows: Sequence[int] = (1, 4, 16),
     blocks: Sequence[int] = (1, 4, 8),
     context: int = 128,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
 ) -> CostModel:
-    """Time the batched target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
+    """Time the target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
-    target: a BatchTargetEngine; drafter: a BatchDrafterEngine or None (then drafting costs nothing extra).
-    The whole grid is timed `repeats` times over and each cell keeps its fastest pass, so a burst of load
-    from other processes spoils one pass of a cell, not the cell. clock: what the passes are timed with (wall
-    time; a simulation's virtual clock)."""
+    drafter None: drafting costs nothing extra. The whole grid is timed `repeats` times over and each cell
+    keeps its fastest pass, so a burst of load from other processes spoils one pass of a cell, not the
+    cell. `clock` reads seconds (a simulation passes its virtual clock)."""
     vocab = int(target.vocab_size)
     g = torch.Generator().manual_seed(0)
     setups = []
     for r in rows:
-        sess = target.new_batch()
+        sess = target.new_session()
         handles = [sess.add_row() for _ in range(r)]
         outs = sess.forward(
             handles, [torch.randint(0, vocab, (context,), generator=g) for _ in handles], last_logits_only=True
         )
         dsess, dh = None, []
         if drafter is not None and outs[0].features is not None:
-            dsess = drafter.new_batch()
+            dsess = drafter.new_session()
             dh = [dsess.add_row() for _ in range(r)]
             # fill the context cache
             dsess.draft([DraftRequest(h, o.features, 1, 2) for h, o in zip(dh, outs) if o.features is not None])

@@ -1,12 +1,24 @@
-"""The two engine interfaces the draft-and-verify loop runs on.
+"""The engine interface the decoding loop runs on: one family of protocols, batched by rows.
 
-Every backend (PyTorch, ONNX Runtime, TensorRT, TensorRT-LLM) implements these, so the loop in
-`dflash_trt.decoding` runs unchanged on any pair. Engines are shared and stateless; a session holds
-one sequence's state (KV caches), so concurrent requests never touch each other's caches.
+Every backend (PyTorch, ONNX Runtime, TensorRT, TensorRT-LLM, a Triton model call, a simulation)
+implements these, so `dflash_trt.decoding` runs unchanged on any pair. An engine is shared and stateless;
+its session holds the state (KV caches) of every sequence the loop is advancing, one *row* each:
+
+- A row is an integer handle from `add_row()`; `remove_row()` frees it (finished, cancelled). Rows join
+  and leave between calls, so a batch is never rebuilt when its membership changes.
+- `TargetSession.forward` / `DrafterSession.draft` take the rows that take part in this call, each with
+  its OWN number of new tokens (ragged): a verify pass mixes rows of different context lengths and block
+  sizes. Backends pad (or pack) as they need; outputs are per row and never padded.
+- The target's cache rolls each row back on its own (`rollback(row, length)`: rejected drafts); the
+  drafter's context cache only grows (it holds committed tokens only).
+
+A backend that can run only one sequence per call implements `rows.SequenceTarget` /
+`rows.SequenceDrafter` and is served through the one generic adapter in `rows.py`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -15,27 +27,55 @@ import torch
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # [n, vocab] float32 (only the last row when last_logits_only)
+    """One row's result of a target pass."""
+
+    logits: torch.Tensor  # [n, vocab] float32 (n = 1 when last_logits_only), on the engine's device
     features: torch.Tensor | None  # [n, len(feature_layer_ids) * hidden], or None when not asked for
+
+
+@dataclass
+class Draft:
+    """One row's result of a drafter pass."""
+
+    logits: torch.Tensor  # [B-1, vocab] float32: the drafter's predictions for block positions 1..B-1
+    tokens: torch.Tensor  # [B-1] argmax of logits (engines that fuse the argmax return it directly)
+
+
+@dataclass
+class DraftRequest:
+    """One row's part of a drafter call."""
+
+    row: int
+    new_features: torch.Tensor  # [n, F] features of the tokens committed since this row's last draft (n >= 1)
+    last_token: int  # block position 0; the drafter proposes block_size - 1 tokens after it
+    block_size: int  # >= 2
 
 
 @runtime_checkable
 class TargetSession(Protocol):
-    @property
-    def length(self) -> int:
-        """Tokens held in the KV cache (all committed after a rollback)."""
+    def add_row(self) -> int:
+        """A new, empty row; returns its handle."""
+
+    def remove_row(self, row: int) -> None:
+        """Free a row's cache (the handle may be reused by a later add_row)."""
+
+    def length(self, row: int) -> int:
+        """Tokens held in this row's KV cache."""
+
+    def rollback(self, row: int, length: int) -> None:
+        """Drop this row's cached tokens beyond `length`; other rows are untouched."""
 
     def forward(
-        self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
-    ) -> TargetOutput:
-        """Append token_ids [n] at positions length..length+n-1 and score them."""
-
-    def rollback(self, length: int) -> None:
-        """Drop cached tokens beyond `length` (rejected draft tokens)."""
-
-    def close(self) -> None:
-        """Free the sequence's cache now (a served request ends); engines whose caches live in this
-        process let them go with the session, engines that keep them elsewhere release them."""
+        self,
+        rows: Sequence[int],
+        tokens: Sequence[torch.Tensor],
+        *,
+        last_logits_only: bool = False,
+        features: bool = True,
+    ) -> list[TargetOutput]:
+        """Append tokens[i] ([n_i] ids, n_i >= 1) to rows[i] at positions length..length+n_i-1 and score
+        them, all rows in one pass. One TargetOutput per row: logits [n_i, V] ([1, V] when
+        last_logits_only) and features [n_i, F] (None when not asked for)."""
 
 
 @runtime_checkable
@@ -48,20 +88,17 @@ class TargetEngine(Protocol):
     def new_session(self) -> TargetSession: ...
 
 
-@dataclass
-class Draft:
-    logits: torch.Tensor  # [B-1, vocab] float32: the drafter's predictions for block positions 1..B-1
-    tokens: torch.Tensor  # [B-1] argmax of logits (engines that fuse the argmax return it directly)
-
-
 @runtime_checkable
 class DrafterSession(Protocol):
-    @property
-    def context_length(self) -> int:
-        """Context tokens whose K/V the drafter holds (never rolled back: they are committed)."""
+    def add_row(self) -> int: ...
 
-    def draft(self, new_features: torch.Tensor, last_token: int, block_size: int) -> Draft:
-        """Add the features [n, F] of tokens committed since the last call, draft block_size-1 tokens after last_token."""
+    def remove_row(self, row: int) -> None: ...
+
+    def context_length(self, row: int) -> int:
+        """Context tokens whose K/V this row's drafter cache holds (never rolled back: they are committed)."""
+
+    def draft(self, requests: Sequence[DraftRequest]) -> list[Draft]:
+        """One drafter pass for every request (rows of different context, new-token and block lengths)."""
 
 
 @runtime_checkable

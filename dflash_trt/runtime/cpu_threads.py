@@ -6,10 +6,8 @@ parallel region its own team of worker threads, kept for the life of that thread
 engines and times them (adaptive block sizes) on the main thread, then steps them on its orchestrator
 thread: two teams. With more OpenMP workers in the process than CPUs, libgomp stops letting idle workers
 spin between parallel regions ("throttled" spinning), so every region of every later pass first wakes its
-workers from sleep; a pass of one row is dozens of short regions. Measured on the 2-core build machine,
-three servers side by side, one row at T=1: before, 127-149 tokens/s with a drafter loaded (block 1) and
-165-181 without one (nothing parallel had run on its main thread), the worker thread of the first busy
-1.5-2 CPU seconds per wave against 5-6; after the release, 133-182 and 142-181, both threads busy.
+workers from sleep; a pass of one row is dozens of short regions. So the main thread's team is released
+before the orchestrator starts (the measurements: docs/benchmarks.md, "Measurements behind design choices").
 """
 
 from __future__ import annotations
@@ -64,12 +62,9 @@ def ort_session_options(ort: Any, threads: int | None = None) -> Any:
     """onnxruntime SessionOptions for a graph that runs next to other engines on the same CPUs.
 
     onnxruntime's intra-op workers spin after each run (waiting for the next one) by default; next to the
-    PyTorch target, on as many cores as there are threads, they take the cores its pass needs. Measured on
-    the 2-core build machine, one sequence at block 8 (6 code prompts x 128 tokens, two runs each): the
-    target's verify passes took 3.6 s with the onnxruntime drafter's workers spinning and 1.1-1.7 s without,
-    1.31x against 3.15x the target alone end to end; the drafter's own passes got faster too (0.23-0.31 s
-    against 0.44-0.50 s). So spinning stays off. `threads`: intra-op threads (onnxruntime's default when
-    None or 0)."""
+    PyTorch target, on as many cores as there are threads, they take the cores its pass needs (the target's
+    verify passes slow down several-fold; docs/benchmarks.md). So spinning stays off. `threads`: intra-op
+    threads (onnxruntime's default when None or 0)."""
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.add_session_config_entry("session.inter_op.allow_spinning", "0")

@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from ..formats import DrafterGraphMeta, plan_max_context, read_plan_manifest
-from .base import Draft, EngineOptions, EngineUnavailable
+from .base import Draft, DrafterSession, EngineOptions, EngineUnavailable
+from .rows import PerRowDrafter
 
 
 def import_tensorrt() -> Any:
@@ -75,12 +76,13 @@ class TrtDrafterEngine:
     def from_artifact(cls, folder: Path, options: EngineOptions) -> TrtDrafterEngine:
         return cls(folder, options.device or "cuda")
 
-    def new_session(self) -> TrtDrafterSession:
-        return TrtDrafterSession(self)
+    def new_session(self) -> DrafterSession:
+        """Rows in turn, one execution context each (the batched plan is not served yet)."""
+        return PerRowDrafter(lambda: TrtDrafterSequence(self))
 
 
-class TrtDrafterSession:
-    """One execution context per session: contexts hold shapes and addresses, so sessions must not share one."""
+class TrtDrafterSequence:
+    """One sequence, one execution context: contexts hold shapes and addresses, so sequences must not share one."""
 
     def __init__(self, engine: TrtDrafterEngine):
         self.engine = engine

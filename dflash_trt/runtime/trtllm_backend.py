@@ -24,11 +24,11 @@ What the 1.2 runtime does, and how this module follows it (source files of the 1
     (cpp/tensorrt_llm/executor/executorImpl.cpp, canEnqueueRequests); a non-leader calls `serve_worker()`,
     whose `shutdown()` returns when the leader shuts down (executorImpl.cpp, Executor::Impl::shutdown).
 
-Batched (`TrtllmTargetEngine.batched()`, runtime/batched.py's BatchTargetEngine): each row is one of these
-sessions; a step builds every row's request, submits them all in one `enqueue_requests` call and only then
-awaits them (`await_responses(ids)`: one list of responses per id, in the order of the ids; executor.h), so
-the executor's in-flight batching runs the rows together. A row's request and response handling is the
-single-sequence session's (`_prepare` / `_finish`), one place for both paths.
+Rows (`TrtllmTargetSession`, the batched protocol of runtime/base.py): each row is one `TrtllmSequence`;
+a step builds every row's request, submits them all in one `enqueue_requests` call and only then awaits
+them (`await_responses(ids)`: one list of responses per id, in the order of the ids; executor.h), so the
+executor's in-flight batching runs the rows together. A row's request and response handling is the
+sequence's (`_prepare` / `_finish`).
 
 NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here); the tests drive it
 against a labelled fake of the Executor that models the behaviours above.
@@ -167,10 +167,6 @@ class TrtllmTargetEngine:
             )
         return TrtllmTargetSession(self)
 
-    def batched(self) -> TrtllmBatchTargetEngine:
-        """The same engine behind the batched protocol (one executor, rows submitted together)."""
-        return TrtllmBatchTargetEngine(self)
-
     def serve_worker(self) -> None:
         """On a non-leader rank: take part in the tensor-parallel work until the leader shuts down."""
         self.executor.shutdown()
@@ -231,7 +227,7 @@ class _SentTokens:
         del self.path[length + 1 :]
 
 
-class TrtllmTargetSession:
+class TrtllmSequence:
     def __init__(self, engine: TrtllmTargetEngine):
         self.engine = engine
         self.tokens: list[int] = []
@@ -338,38 +334,20 @@ class TrtllmTargetSession:
         """Nothing held here beyond the token list: the executor frees a request's KV blocks when it ends."""
 
 
-class TrtllmBatchTargetEngine:
-    """runtime/batched.py's BatchTargetEngine over one TrtllmTargetEngine: rows are single-sequence sessions
-    whose requests one `forward` submits together before awaiting any."""
-
-    name = "tensorrt_llm"
+class TrtllmTargetSession:
+    """Every row a TrtllmSequence; one `forward` submits all rows' requests before awaiting any."""
 
     def __init__(self, engine: TrtllmTargetEngine):
         self.engine = engine
-        self.vocab_size = engine.vocab_size
-        self.max_context = engine.max_context
-        self.feature_layer_ids = engine.feature_layer_ids
-
-    def new_batch(self) -> TrtllmBatchTargetSession:
-        if not self.engine.is_leader:
-            raise RuntimeError(
-                "this MPI rank is not the TensorRT-LLM leader: only rank 0 runs sessions (serve_worker here)"
-            )
-        return TrtllmBatchTargetSession(self.engine)
-
-
-class TrtllmBatchTargetSession:
-    def __init__(self, engine: TrtllmTargetEngine):
-        self.engine = engine
-        self.rows: dict[int, TrtllmTargetSession] = {}
+        self.rows: dict[int, TrtllmSequence] = {}
         self._next = 0
 
     def add_row(self) -> int:
         row, self._next = self._next, self._next + 1  # never reused: a stale handle fails loudly
-        self.rows[row] = TrtllmTargetSession(self.engine)
+        self.rows[row] = TrtllmSequence(self.engine)
         return row
 
-    def _row(self, row: int) -> TrtllmTargetSession:
+    def _row(self, row: int) -> TrtllmSequence:
         if row not in self.rows:
             raise KeyError(f"no live row {row}")
         return self.rows[row]

@@ -24,13 +24,14 @@ from .routes import native, openai
 from .routes.openai import chat_prompt_ids
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
 __all__ = ["ApiError", "Server", "ServerSettings", "chat_prompt_ids", "create_app"]
 
 
-def create_app(decoder: SpeculativeDecoder, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `decoder` (a SpeculativeDecoder). The orchestrator runs for the app's lifespan."""
+def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) -> FastAPI:
+    """An app serving `decoder` (a BatchDecoder from `dflash_trt.loading`). The orchestrator runs for the app's
+    lifespan."""
     server = Server(decoder, settings or ServerSettings())
 
     @asynccontextmanager

@@ -9,15 +9,14 @@ from typing import TYPE_CHECKING, Annotated, cast
 
 from fastapi import Depends, Request
 
-from ..decoding.batch import BatchDecoder
-from ..runtime.batched import batch_engines
+from ..decoding import BatchDecoder, BlockPolicy
 from .metrics import ServerMetrics
 from .scheduler import Orchestrator
 from .schemas import Limits, request_models
 from .tokenizer import with_serialized_tokenizer
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
 
 @dataclass
@@ -43,11 +42,11 @@ class ServerSettings:
 log = logging.getLogger("dflash_trt.server")
 
 
-def batch_decoder(decoder: SpeculativeDecoder, settings: ServerSettings) -> BatchDecoder:
+def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecoder:
     """The batched loop on the loaded engines; with adaptive block sizes, the cost model is measured now."""
     from ..decoding.adaptive import measure_costs
 
-    target, drafter = batch_engines(decoder.target, decoder.drafter)
+    target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
     cost = None
     if adaptive:
@@ -70,22 +69,15 @@ def batch_decoder(decoder: SpeculativeDecoder, settings: ServerSettings) -> Batc
             1e3 * d.per_row,
             1e3 * d.per_token,
         )
-    return BatchDecoder(
-        target,
-        drafter,
-        decoder.tokenizer,
-        block_size=settings.block_size,
-        adaptive=adaptive,
-        cost=cost,
-        refit_every=settings.refit_every,
-    )
+    policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every)
+    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy)
 
 
 class Server:
     """The decoder (tokenizing, limits), its batched loop, the orchestrator stepping it, the metrics, the
     settings, and the limits the request models enforce."""
 
-    def __init__(self, decoder: SpeculativeDecoder, settings: ServerSettings):
+    def __init__(self, decoder: BatchDecoder, settings: ServerSettings):
         self.decoder, self.settings = with_serialized_tokenizer(decoder), settings
         self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.models = request_models(self.limits)

@@ -23,7 +23,7 @@ from .schemas import stop_tuple
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from ..decoding.batch import BatchRow
+    from ..decoding.loop import BatchRow
     from .context import Server
     from .schemas import RequestBody
 

@@ -90,7 +90,7 @@ class ServerMetrics:
             "generations that lost their drafter and finished on the target alone",
             registry=r,
         )
-        # the batched steps (decoding/batch.py StepProfile): their shape and where their time went
+        # the batched steps (decoding/loop.py StepProfile): their shape and where their time went
         self.block_size = Histogram(
             "dflash_block_size",
             "block size chosen per verify row per step (1: no drafting)",

@@ -1,4 +1,4 @@
-"""The orchestrator: one worker thread advances every active request in batched steps (decoding/batch.py).
+"""The orchestrator: one worker thread advances every active request in batched steps (decoding/loop.py).
 
     submit -> bounded FIFO queue -> up to `max_active` rows of one BatchDecoder
            -> step(): prefill the rows that joined (one target call), draft for every running row (one
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..decoding import GenerationResult, Round
-from ..decoding.batch import BatchDecoder, BatchRow, StepProfile
 from ..decoding.detokenizer import held_back
+from ..decoding.loop import BatchDecoder, BatchRow, StepProfile
 from ..runtime.cpu_threads import release_openmp_workers
 
 if TYPE_CHECKING:
@@ -221,8 +221,8 @@ class Orchestrator:
                 self._leave(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
             return
         self._observe_step(self.decoder.last_profile)
-        if self.decoder.cost is not None and self.decoder.adaptive:
-            for engine, k in self.decoder.cost.scale.items():
+        if self.decoder.policy.cost is not None and self.decoder.policy.adaptive:
+            for engine, k in self.decoder.policy.cost.scale.items():
                 self.metrics.cost_correction.labels(engine).set(k)
         by_row = {id(j.row): j for j in live}
         for row, rnd in rounds:

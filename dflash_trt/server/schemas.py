@@ -31,7 +31,7 @@ from pydantic import (
 )
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
 MAX_SEED = 2**53 - 1  # JSON numbers are doubles to many clients and validators: exact up to 2**53
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
@@ -50,7 +50,7 @@ class Limits:
     model_name: str
 
     @classmethod
-    def from_decoder(cls, decoder: "SpeculativeDecoder", model_name: str) -> "Limits":
+    def from_decoder(cls, decoder: "BatchDecoder", model_name: str) -> "Limits":
         drafter = decoder.drafter
         return cls(
             max_context=decoder.target.max_context,

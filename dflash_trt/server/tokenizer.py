@@ -12,7 +12,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..decoding import SpeculativeDecoder
+    from ..decoding import BatchDecoder
 
 SERIALIZED = ("encode", "decode", "batch_decode", "apply_chat_template", "convert_ids_to_tokens", "__call__")
 
@@ -42,7 +42,7 @@ class SerializedTokenizer:
         return len(self._tokenizer)
 
 
-def with_serialized_tokenizer(decoder: SpeculativeDecoder) -> SpeculativeDecoder:
+def with_serialized_tokenizer(decoder: BatchDecoder) -> BatchDecoder:
     """A shallow copy of `decoder` (same engines) whose tokenizer is a SerializedTokenizer."""
     if decoder.tokenizer is None or isinstance(decoder.tokenizer, SerializedTokenizer):
         return decoder

@@ -1,4 +1,4 @@
-"""Simulated target and drafter behind the batched engine protocols (runtime/batched.py), on a virtual clock.
+"""Simulated target and drafter behind the batched engine protocols (runtime/base.py), on a virtual clock.
 
 A FAKE for hardware this machine lacks (a GPU serving node): no model runs. What is modelled is what the
 decoding loop and its policy can observe: the tokens, the acceptance of drafts, the features' shapes, the
@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..runtime.base import Draft, TargetOutput
-from ..runtime.batched import DraftRequest, RowSlots
+from ..runtime.base import Draft, DraftRequest, TargetOutput
+from ..runtime.rows import RowSlots
 from .acceptance import AcceptanceProfile
 from .cost import PassCost
 
@@ -161,7 +161,7 @@ class SimTargetEngine:
         self.classes = classes
         self.passes = 0
 
-    def new_batch(self) -> SimTargetSession:
+    def new_session(self) -> SimTargetSession:
         return SimTargetSession(self)
 
 
@@ -244,7 +244,7 @@ class SimDrafterEngine:
         self.max_context = None
         self.passes = 0
 
-    def new_batch(self) -> SimDrafterSession:
+    def new_session(self) -> SimDrafterSession:
         return SimDrafterSession(self)
 
 

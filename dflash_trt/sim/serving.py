@@ -37,7 +37,7 @@ from typing import Any
 
 from ..decoding import GenerationConfig, SamplingParams
 from ..decoding.adaptive import measure_costs
-from ..decoding.batch import BatchDecoder, BatchRow
+from ..decoding.loop import BatchDecoder, BatchRow, BlockPolicy
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
 from .engines import VirtualClock, sim_engines
@@ -141,7 +141,7 @@ class Policy:
         if self.name == "adaptive":  # the server's start-up grid (server/context.py), on the virtual clock
             rows = sorted({1, max(1, self.max_active // 2), self.max_active})
             cost = measure_costs(target, drafter, rows=rows, context=128, repeats=5, clock=clock)
-            return BatchDecoder(target, drafter, adaptive=True, cost=cost, clock=clock)
+            return BatchDecoder(target, drafter, policy=BlockPolicy(adaptive=True, cost=cost), clock=clock)
         return BatchDecoder(target, drafter, block_size=self.trained, clock=clock)
 
     def before_step(self, decoder: BatchDecoder) -> None:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 
-from ...decoding import InputError, SpeculativeDecoder, prompting
+from ...decoding import BatchDecoder, InputError, prompting
 from ..context import Server, ServerDep
 from ..errors import ApiError
 from ..jobs import JobStream, generation_config, spec, spec_decode_metrics, start_job, stream, usage, wait_result
@@ -207,7 +207,7 @@ def _max_tokens(server: Server, asked: int | None, default: int, prompt_len: int
     return asked or max(1, min(default, server.limits.max_context - prompt_len))
 
 
-def chat_prompt_ids(decoder: SpeculativeDecoder, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(decoder: BatchDecoder, messages: list[dict[str, str]]) -> list[int]:
     """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`
     (dflash_trt.decoding.prompting, shared with the Triton preprocessing model)."""
     tok = decoder.tokenizer

@@ -1,4 +1,4 @@
-"""`dflash_bls`: the batched draft-and-verify step (dflash_trt.decoding.batch.BatchDecoder) over dflash_target
+"""`dflash_bls`: the batched draft-and-verify step (dflash_trt.decoding.BatchDecoder) over dflash_target
 and dflash_drafter.
 
 Inputs per row: input_ids [N, L] + input_length [N, 1] from preprocessing; optional max_tokens
@@ -23,10 +23,9 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ...decoding import GenerationConfig, InputError, SamplingParams
-from ...decoding.batch import BatchDecoder
-from ...decoding.batch import BatchRow
-from ...runtime.batched import BatchDrafterEngine, LoopedDrafterEngine
-from ..bls import RemoteBatchDrafterEngine, RemoteBatchTargetEngine, RemoteDrafterEngine, pad_rows, unpad_rows
+from ...decoding import BatchDecoder, BatchRow
+from ...runtime.base import DrafterEngine
+from ..remote import RemoteBatchDrafterEngine, RemoteDrafterEngine, RemoteTargetEngine, pad_rows, unpad_rows
 from .common import error_response, load_config, need, scalar, strings
 
 # Triton's python backend (triton_python_backend_utils) is untyped: requests, responses and senders are Any.
@@ -64,16 +63,15 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, params, _ = load_config(args)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.target = RemoteBatchTargetEngine(bls_infer, params.get("target_model", "dflash_target"),
+        self.target = RemoteTargetEngine(bls_infer, params.get("target_model", "dflash_target"),
                                               int(params["vocab_size"]), int(params["max_context"]),
                                               json.loads(params["feature_layer_ids"]))
         meta = json.loads(params["drafter_meta"])
-        self.drafter: BatchDrafterEngine
+        self.drafter: DrafterEngine
         if params.get("drafter_batch_model"):  # the batched graph: one drafter call per step
             self.drafter = RemoteBatchDrafterEngine(bls_infer, params["drafter_batch_model"], meta)
         else:  # the single-sequence graph: one call per drafting row
-            self.drafter = LoopedDrafterEngine(RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"),
-                                                                   meta))
+            self.drafter = RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"), meta)
         self.stop_ids = tuple(json.loads(params.get("stop_token_ids", "[]")))
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
 

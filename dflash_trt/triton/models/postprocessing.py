@@ -12,7 +12,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from ...decoding.detokenizer import text_delta
-from ..bls import unpad_rows
+from ..remote import unpad_rows
 from .common import error_response, load_text_model, need, strings
 
 

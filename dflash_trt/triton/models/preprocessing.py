@@ -12,7 +12,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from ...decoding.prompting import chat_prompt_ids
-from ..bls import pad_rows
+from ..remote import pad_rows
 from .common import error_response, load_text_model, need
 
 

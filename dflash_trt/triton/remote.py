@@ -1,4 +1,4 @@
-"""The draft-and-verify loop inside Triton: engine adapters that call the repository's models.
+"""Engines that call the repository's models: the decoding loop inside Triton's BLS model, and the target's sessions.
 
 How a sequence's state is addressed across calls (the two caches live in different places):
 
@@ -21,18 +21,16 @@ Batched calls: one dflash_target call may carry several sessions (rows): `sessio
 `rollback_to` hold one value per row and `token_lengths` says how many of the flat `token_ids` each row
 takes (ragged, in row order; absent = one row taking them all). `logits` / `features` come back as every
 row's rows concatenated in the same order (one logits row per session with `last_logits_only`), `length`
-one per row. The model side keeps its sessions as the rows of ONE batched target session
-(runtime/batched.py), so a call is one forward pass for all of them (`TargetSessions`). A single-sequence
-engine is wrapped as `LoopedTargetEngine` (its rows run in turn: correct, not faster).
-`RemoteBatchTargetEngine` is the BLS's side (a BatchTargetEngine), and the batched drafter is
+one per row. The model side keeps its sessions as the rows of ONE target session (runtime/base.py), so
+a call is one forward pass for all of them (`TargetSessions`).
+`RemoteTargetEngine` is the BLS's side (a TargetEngine), and the batched drafter is
 `RemoteBatchDrafterEngine` when the repository serves the batched round graph (dflash_drafter_batch,
 written by `triton-repo` next to dflash_drafter): ONE call per step for every drafting row, the BLS keeping
 each row's drafter cache as a slot of one array. Otherwise (a TensorRT plan drafter: its batched plan is
-not served yet) `LoopedDrafterEngine(RemoteDrafterEngine)`: one dflash_drafter call per drafting row.
+not served yet) `RemoteDrafterEngine`: one dflash_drafter call per drafting row.
 
-`RemoteTargetEngine` / `RemoteDrafterEngine` implement the TargetEngine / DrafterEngine interfaces
-of dflash_trt.runtime.base, so `SpeculativeDecoder` / `Generation` (acceptance, sampling,
-bookkeeping) run unchanged; this module only moves tensors. `infer(model, inputs, outputs)` is the
+These engines implement the TargetEngine / DrafterEngine interfaces of dflash_trt.runtime.base, so the
+decoding loop (acceptance, sampling, bookkeeping) runs unchanged; this module only moves tensors. `infer(model, inputs, outputs)` is the
 transport: `pb_utils.InferenceRequest(...).exec()` inside the BLS model (see models/bls.py).
 """
 
@@ -47,9 +45,9 @@ import numpy as np
 import torch
 
 from ..formats import BATCH_DRAFTER_OUTPUTS, DRAFTER_OUTPUTS, DrafterGraphMeta
-from ..runtime.base import TargetEngine, TargetOutput
-from ..runtime.batched import BatchTargetEngine, LoopedTargetEngine
-from ..runtime.ort_backend import OrtDrafterSession
+from ..runtime.base import DrafterSession, TargetEngine, TargetOutput
+from ..runtime.ort_backend import BatchGraphSession, RoundGraphSequence
+from ..runtime.rows import PerRowDrafter
 
 InferFn = Callable[
     [str, dict[str, np.ndarray], list[str]], dict[str, np.ndarray]
@@ -73,6 +71,8 @@ def new_session_id() -> int:
 
 
 class RemoteTargetEngine:
+    """dflash_target as a TargetEngine: one call per forward, carrying every row's session."""
+
     name = "triton"
 
     def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids: Sequence[int]):
@@ -81,81 +81,11 @@ class RemoteTargetEngine:
         self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
 
     def new_session(self) -> RemoteTargetSession:
-        return RemoteTargetSession(self, new_session_id())
+        return RemoteTargetSession(self)
 
 
 class RemoteTargetSession:
-    def __init__(self, engine: RemoteTargetEngine, session_id: int):
-        self.engine, self.session_id = engine, session_id
-        self._length = 0
-        self._rollback_to = -1  # applied by the model before the next forward
-
-    @property
-    def length(self) -> int:
-        return self._length
-
-    def _request(
-        self, token_ids: np.ndarray, last_logits_only: bool = False, features: bool = True, release: bool = False
-    ) -> dict[str, np.ndarray]:
-        inputs = {
-            "session_id": np.array([self.session_id], dtype=np.uint64),
-            "token_ids": token_ids.astype(np.int64, copy=False),
-            "cache_length": np.array([self._length], dtype=np.int64),  # after the pending rollback
-            "rollback_to": np.array([self._rollback_to], dtype=np.int64),
-            "last_logits_only": np.array([last_logits_only], dtype=bool),
-            "want_features": np.array([features], dtype=bool),
-            "release": np.array([release], dtype=bool),
-        }
-        return self.engine.infer(self.engine.model, inputs, TARGET_OUTPUTS)
-
-    def forward(
-        self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
-    ) -> TargetOutput:
-        out = self._request(token_ids.detach().cpu().numpy(), last_logits_only, features)
-        self._rollback_to = -1
-        length, expected = int(out["length"].reshape(-1)[0]), self._length + int(token_ids.numel())
-        if length != expected:
-            raise RuntimeError(
-                f"{self.engine.model}: session {self.session_id} holds {length} tokens, expected {expected}"
-            )
-        self._length = length
-        feats = out["features"]
-        has_features = features and bool(self.engine.feature_layer_ids) and feats.size > 0
-        return TargetOutput(
-            logits=torch.from_numpy(np.array(out["logits"], dtype=np.float32)),
-            features=torch.from_numpy(np.array(feats, dtype=np.float32)) if has_features else None,
-        )
-
-    def rollback(self, length: int) -> None:
-        if not 0 <= length <= self._length:
-            raise ValueError(f"cannot roll back to {length}: only {self._length} tokens cached")
-        if length < self._length:
-            self._length, self._rollback_to = length, length
-
-    def close(self) -> None:
-        """Drop the model-side cache (best effort: the model also evicts idle sessions)."""
-        try:
-            self._request(np.zeros(0, dtype=np.int64), release=True)
-        except Exception:  # noqa: BLE001 - releasing must never mask the request's own outcome
-            pass
-
-
-class RemoteBatchTargetEngine:
-    """dflash_target as a BatchTargetEngine: one call per forward, carrying every row's session."""
-
-    name = "triton"
-
-    def __init__(self, infer: InferFn, model: str, vocab_size: int, max_context: int, feature_layer_ids: Sequence[int]):
-        self.infer, self.model = infer, model
-        self.vocab_size, self.max_context = int(vocab_size), int(max_context)
-        self.feature_layer_ids = tuple(int(i) for i in feature_layer_ids)
-
-    def new_batch(self) -> RemoteBatchTargetSession:
-        return RemoteBatchTargetSession(self)
-
-
-class RemoteBatchTargetSession:
-    def __init__(self, engine: RemoteBatchTargetEngine):
+    def __init__(self, engine: RemoteTargetEngine):
         self.engine = engine
         self.rows: dict[int, list[int]] = {}  # handle -> [session_id, length, rollback_to (-1: none)]
         self._next = 0
@@ -245,8 +175,8 @@ class RemoteBatchTargetSession:
 
 
 class RemoteDrafterEngine:
-    """The drafter round graph served as a Triton model: the same session logic as ONNX Runtime's
-    (runtime.ort_backend.OrtDrafterSession), with the graph call made through `infer`."""
+    """The single-sequence drafter round graph served as a Triton model: ONNX Runtime's sequence logic
+    (runtime.ort_backend.RoundGraphSequence) with the graph call made through `infer`, one call per row."""
 
     name = "triton"
 
@@ -262,13 +192,13 @@ class RemoteDrafterEngine:
         out = self.infer(self.model, feeds, list(DRAFTER_OUTPUTS))
         return [np.array(out[name]) for name in DRAFTER_OUTPUTS]  # writable copies (torch.from_numpy)
 
-    def new_session(self) -> OrtDrafterSession:
-        return OrtDrafterSession(self)
+    def new_session(self) -> DrafterSession:
+        return PerRowDrafter(lambda: RoundGraphSequence(self.meta, self.run))
 
 
 class RemoteBatchDrafterEngine:
     """The batched drafter round graph served as a Triton model (dflash_drafter_batch): the ONNX Runtime batched
-    session's logic (runtime.ort_batch.OrtBatchDrafterSession, every row's cache a slot kept here in the BLS),
+    session's logic (runtime.ort_backend.BatchGraphSession, every row's cache a slot kept here in the BLS),
     with its one graph call per step made through `infer`."""
 
     name = "triton"
@@ -284,10 +214,8 @@ class RemoteBatchDrafterEngine:
         out = self.infer(self.model, feeds, list(BATCH_DRAFTER_OUTPUTS))
         return [np.array(out[name]) for name in BATCH_DRAFTER_OUTPUTS]
 
-    def new_batch(self) -> Any:
-        from ..runtime.ort_batch import OrtBatchDrafterSession
-
-        return OrtBatchDrafterSession(self, self.run)  # type: ignore[arg-type]
+    def new_session(self) -> DrafterSession:
+        return BatchGraphSession(self.meta, self.run)
 
 
 # ---- the target model's side: sessions by id -------------------------------------------------
@@ -297,26 +225,14 @@ class SessionExpired(LookupError):
     pass
 
 
-def as_batch_target(engine: Any) -> Any:
-    """A BatchTargetEngine for dflash_target: the engine itself if it is one, its `batched()` form (TensorRT-LLM),
-    else the looped adapter."""
-    if hasattr(engine, "new_batch"):
-        return engine
-    if hasattr(engine, "batched"):
-        return engine.batched()
-    return LoopedTargetEngine(engine)
-
-
 class TargetSessions:
     """session_id -> a row of ONE batched target session, with idle eviction. Pure Python: dflash_target wraps it.
 
-    engine: a BatchTargetEngine, or a single-sequence TargetEngine (wrapped by `as_batch_target`)."""
+    engine: the served TargetEngine (PyTorch, TensorRT-LLM)."""
 
-    def __init__(
-        self, engine: TargetEngine | BatchTargetEngine, ttl_s: float, clock: Callable[[], float] = time.monotonic
-    ):
-        self.engine: BatchTargetEngine = as_batch_target(engine)
-        self.batch = self.engine.new_batch()
+    def __init__(self, engine: TargetEngine, ttl_s: float, clock: Callable[[], float] = time.monotonic):
+        self.engine = engine
+        self.batch = self.engine.new_session()
         self.ttl_s, self.clock = ttl_s, clock
         self.sessions: dict[int, tuple[int, float]] = {}  # session_id -> (row, last used)
 

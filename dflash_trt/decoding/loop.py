@@ -1,0 +1,527 @@
+"""The decoding loop: every active request (a *row*) advances by one step of at most three passes.
+
+    step:  prefill(rows that joined)             one target call for their prompts
+           choose block sizes                    the request's own size, the server's, or the policy's
+           draft(rows whose block is >= 2)       ONE drafter call, ragged (own context, own block)
+           verify(every running row)             ONE target call, ragged (own length, own block)
+           accept / commit / roll back per row   acceptance rule, stop rules, the row's own generator
+           observe                               acceptance estimates, probe outcomes, pass costs
+
+One request is a batch of one: the CLI, `bench`, the evaluation scripts, the HTTP server and the Triton
+BLS all run this loop. Joining rows are prefilled in a call of their own at the start of the step rather
+than packed into the verify call: a prompt is tens to thousands of tokens and a verify block 1..16, so in
+one call every verifying row's attention would be padded to the longest prompt. They draft and verify from
+the next step on.
+
+Each row keeps its own sampling generator and draws from it in a fixed order (the first token, then per
+round the drafts' acceptance), so a seeded row with a fixed block size returns the same tokens alone or in
+any batch (up to float rounding of batched matmuls, which can only matter at near-exact ties). With
+adaptive sizes a seed fixes the distribution, not the text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+import torch
+
+from ..runtime.base import (
+    Draft,
+    DrafterEngine,
+    DrafterSession,
+    DraftRequest,
+    TargetEngine,
+    TargetOutput,
+    TargetSession,
+)
+from .acceptance import Proposal, acceptance_rule
+from .adaptive import AcceptancePrior, AcceptanceTracker, CostModel, ProbeSchedule, RowChoice, choose_blocks
+from .detokenizer import IncrementalDetokenizer
+from .request import (
+    GenerationConfig,
+    GenerationResult,
+    GenerationStats,
+    InputError,
+    Round,
+    RoundTimings,
+    commit_tokens,
+    validate_request,
+)
+from .sampling import next_token
+from .stopping import StopChecker, truncate_at_stop
+
+NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
+
+
+@dataclass
+class BlockPolicy:
+    """How rows without a block size of their own get one each step.
+
+    adaptive: choose each row's size per step (`adaptive.choose_blocks`; needs `cost`, measured with
+    `adaptive.measure_costs`); otherwise every such row uses the decoder's `block_size`.
+    min_gain: draft only when the cost model expects it to beat not drafting by this fraction (a margin for
+    what a linear cost model leaves out: per-row acceptance work, the drafter's backlog).
+    refit_every: refit the cost model from the observed passes every N verify steps (0 = never; the policy
+    picks the shapes it then observes, so such a fit can be collinear).
+    probe_every / max_probe_backoff: see `adaptive.ProbeSchedule` (probe_every 0 = never probe)."""
+
+    adaptive: bool = False
+    cost: CostModel | None = None
+    min_gain: float = 0.1
+    refit_every: int = 0
+    probe_every: int = 32
+    max_probe_backoff: int = 4
+
+
+@dataclass
+class StepProfile:
+    """Where one step's time went, and its shape (rows, tokens per pass)."""
+
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    draft_rows: int = 0
+    draft_tokens: int = 0  # block tokens + new context rows the drafter ran
+    verify_rows: int = 0
+    verify_tokens: int = 0
+    committed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)  # chosen block size per verify row
+    prefill_s: float = 0.0
+    policy_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0  # acceptance, sampling, rollbacks, commits, stop checks
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Python outside the passes and the acceptance: batching, padding, bookkeeping."""
+        return max(0.0, self.total_s - self.prefill_s - self.policy_s - self.draft_s - self.verify_s - self.accept_s)
+
+
+class BatchRow:
+    """One request inside a BatchDecoder: its settings, its output so far and its place in the sessions."""
+
+    def __init__(
+        self,
+        rid: int,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        tokenizer: Any,
+        can_draft: bool,
+        clock: Callable[[], float],
+    ):
+        self.id, self.prompt_ids, self.config = rid, prompt_ids, config
+        self.params = config.sampling
+        self.generator = self.params.generator()
+        self.rule = acceptance_rule(config.acceptance, self.params, self.generator)
+        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
+        self.can_draft = can_draft
+        self.target_row: int | None = None
+        self.drafter_row: int | None = None
+        self.generated: list[int] = []
+        self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
+        self.acceptance = AcceptanceTracker()
+        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
+        self.last_draft_step = -(1 << 30)  # the decoder's verify step at which this row last drafted (or joined)
+        self.probe_due = False
+        self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+        self.stop_string: str | None = None
+        self.error: Exception | None = None
+        self.drafter_error: Exception | None = None  # set when drafter_fallback took over
+        self.clock = clock
+        self.started = clock()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - len(self.generated)
+
+    @property
+    def sampled(self) -> bool:
+        """The row's sampling regime (greedy rows and sampled rows accept differently)."""
+        return not self.params.greedy
+
+    def commit(
+        self, new: list[int], drafted: int, accepted: int, prefill: bool = False, timings: RoundTimings | None = None
+    ) -> Round:
+        new = commit_tokens(self, new, drafted, accepted, prefill)
+        return Round(
+            token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill, timings=timings or RoundTimings()
+        )
+
+    def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """The target's logits as this request sees them (penalties, logit_bias, min_tokens): row i after the
+        committed tokens + draft[:i] (exact, since row i only counts if draft[:i] is accepted)."""
+        adjust = self.config.adjust
+        return logits if adjust is None else adjust.apply(logits, self.generated, draft)
+
+    def result(self) -> GenerationResult:
+        if not self.done:
+            raise RuntimeError("row still running")
+        text = None
+        if self.detokenizer is not None:
+            text = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+        return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
+
+
+class BatchDecoder:
+    """All active requests of one worker; `step()` advances every one of them.
+
+    block_size: rows without their own `block_size` use this size (default: the drafter's trained one;
+    1 = the target alone); with an adaptive policy it is the largest size the policy may choose.
+    clock: seconds for every timing the decoder takes and the policy reads (a simulation passes its own).
+
+    Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
+    `cancel` and `step` belong to the one thread that runs the engines."""
+
+    def __init__(
+        self,
+        target: TargetEngine,
+        drafter: DrafterEngine | None = None,
+        tokenizer: Any = None,
+        *,
+        block_size: int | None = None,
+        policy: BlockPolicy | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
+            raise ValueError(
+                f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
+            )
+        self.policy = policy or BlockPolicy()
+        if self.policy.adaptive and self.policy.cost is None:
+            raise ValueError("adaptive block sizes need a cost model (adaptive.measure_costs)")
+        self.target, self.drafter, self.tokenizer, self.clock = target, drafter, tokenizer, clock
+        self.trained_block = drafter.block_size if drafter is not None else 1
+        if block_size is not None and not 1 <= block_size <= self.trained_block:
+            raise ValueError(f"block_size must be in 1..{self.trained_block} for this drafter, got {block_size}")
+        self.block_size = block_size or self.trained_block
+        self.probes = ProbeSchedule(self.policy.probe_every, self.policy.max_probe_backoff)
+        self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
+        self.joining: list[BatchRow] = []
+        self.running: list[BatchRow] = []
+        self.last_profile = StepProfile()
+        self._steps = 0  # verify steps so far
+        self._ids = itertools.count()
+
+    # ---- the engines' sessions, made on first use (a non-leader TensorRT-LLM rank never makes one) ----
+    @cached_property
+    def target_session(self) -> TargetSession:
+        return self.target.new_session()
+
+    @cached_property
+    def drafter_session(self) -> DrafterSession | None:
+        return self.drafter.new_session() if self.drafter is not None else None
+
+    # ---- text ---------------------------------------------------------------------------
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise InputError("this target has no tokenizer: pass token ids instead of text")
+        try:
+            text.encode("utf-8")  # a lone surrogate (from JSON "\\ud800") makes tokenizers raise TypeError
+        except UnicodeEncodeError as e:
+            raise InputError(f"the text is not valid Unicode: lone surrogate at character {e.start}") from None
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def default_stop_ids(self) -> tuple[int, ...]:
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        return (eos,) if isinstance(eos, int) else ()
+
+    # ---- membership ---------------------------------------------------------------------
+    def add(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
+        """Queue a request; it is prefilled at the start of the next step."""
+        return self.join(self.new_row(prompt_ids, config))
+
+    def new_row(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
+        """Validate a request (InputError / ContextLengthError) and make its row, not yet part of the batch.
+        Touches no engine and no shared state: safe from any thread."""
+        prompt = [int(t) for t in prompt_ids]
+        validate_request(prompt, config, self.target, self.drafter)
+        size = config.block_size or self.block_size
+        can_draft = self.drafter is not None and size != 1
+        row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft, self.clock)
+        row.acceptance = self.prior.tracker(row.sampled)
+        row.stats.block_size = size if can_draft else 1
+        return row
+
+    def join(self, row: BatchRow) -> BatchRow:
+        """Add a row made by `new_row`; it is prefilled at the start of the next step."""
+        self.joining.append(row)
+        return row
+
+    def cancel(self, row: BatchRow) -> None:
+        """Finish a row now (client gone, deadline): frees its cache slots; its tokens so far stay."""
+        if not row.done:
+            row.finish_reason = "cancelled"
+        self._release(row)
+
+    @property
+    def active(self) -> list[BatchRow]:
+        return self.joining + self.running
+
+    def _release(self, row: BatchRow) -> None:
+        if row.done and row.target_row is not None:
+            self.prior.observe(row.sampled, row.acceptance)
+        if row in self.joining:
+            self.joining.remove(row)
+        if row in self.running:
+            self.running.remove(row)
+        if row.target_row is not None:
+            self.target_session.remove_row(row.target_row)
+            row.target_row = None
+        self._leave_drafter(row)
+
+    def _leave_drafter(self, row: BatchRow) -> None:
+        if row.drafter_row is not None and self.drafter_session is not None:
+            self.drafter_session.remove_row(row.drafter_row)
+        row.drafter_row, row.pending = None, []
+
+    # ---- running requests to the end ----------------------------------------------------
+    def run(self) -> None:
+        while self.active:
+            self.step()
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        configs: Sequence[GenerationConfig] | GenerationConfig = GenerationConfig(),
+    ) -> list[GenerationResult]:
+        """Every prompt as one row of the same batch, run to the end. A row's engine error (a drafter that
+        raised without `drafter_fallback`) is raised here once all rows are done, as `stream` raises it."""
+        if isinstance(configs, GenerationConfig):
+            configs = [configs] * len(prompts)
+        rows = [self.add(p, c) for p, c in zip(prompts, configs)]
+        self.run()
+        for r in rows:
+            if r.error is not None:
+                raise r.error
+        return [r.result() for r in rows]
+
+    def stream(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> Iterator[Round]:
+        """One request's rounds as they are committed (the prefill's first token, then one per step);
+        the row is cancelled if the caller stops early. Steps the whole batch: use it on a decoder of
+        its own."""
+        row = self.add(prompt_ids, config)
+        try:
+            while not row.done:
+                for r, committed in self.step():
+                    if r is row:
+                        yield committed
+            if row.error is not None:
+                raise row.error
+        finally:
+            if not row.done:
+                self.cancel(row)
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[tuple[BatchRow, Round]]:
+        """Advance every active row once; returns the rounds committed (rows that finished are released)."""
+        prof = StepProfile()
+        t_start = self.clock()
+        verifying = list(self.running)
+        rounds: list[tuple[BatchRow, Round]] = []
+        if self.joining:
+            rounds += self._prefill(prof)
+        if verifying:
+            rounds += self._round(verifying, prof)
+        for row, _ in rounds:
+            if row.done:
+                self._release(row)
+        prof.committed_tokens = sum(len(r.token_ids) for _, r in rounds)
+        prof.total_s = self.clock() - t_start
+        self.last_profile = prof
+        return rounds
+
+    def _prefill(self, prof: StepProfile) -> list[tuple[BatchRow, Round]]:
+        rows, self.joining = self.joining, []
+        t0 = self.clock()
+        for row in rows:
+            row.target_row = self.target_session.add_row()
+            row.last_draft_step = self._steps  # first probe (if it never drafts) probe_every steps from now
+            if row.can_draft and self.drafter_session is not None:
+                row.drafter_row = self.drafter_session.add_row()
+        outs = self.target_session.forward(
+            [self._target_row(r) for r in rows],
+            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows],
+            last_logits_only=True,
+            features=any(r.drafter_row is not None for r in rows),
+        )
+        rounds = []
+        for row, out in zip(rows, outs):
+            first = next_token(row.adjusted(out.logits[-1:])[-1], row.params, row.generator)  # on the engine's device
+            if row.drafter_row is not None and out.features is not None:
+                row.pending = [out.features]
+            row.stats.prefill_time_s = self.clock() - t0
+            timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
+            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
+            self.running.append(row)
+        prof.prefill_rows, prof.prefill_tokens = len(rows), sum(len(r.prompt_ids) for r in rows)
+        prof.prefill_s = self.clock() - t0
+        return rounds
+
+    def _round(self, rows: list[BatchRow], prof: StepProfile) -> list[tuple[BatchRow, Round]]:
+        """One draft-and-verify round for every running row."""
+        t0 = self.clock()
+        sizes = self._block_sizes(rows)
+        t1 = self.clock()
+        drafts = self._draft(rows, sizes, prof)
+        rows, drafts = self._drop_failed(rows, drafts)
+        t2 = self.clock()
+        if not rows:
+            return []
+        proposals = [NO_DRAFT if d is None else row.rule.propose(d) for row, d in zip(rows, drafts)]
+        lengths = [self.target_session.length(self._target_row(r)) for r in rows]
+        outs = self._verify(rows, proposals, prof)
+        t3 = self.clock()
+        rounds = []
+        for row, proposal, out, length in zip(rows, proposals, outs, lengths):
+            ta = self.clock()
+            new, accepted = self._accept(row, proposal, out, length)
+            own = self.clock() - ta  # this row's acceptance and rollback; the passes are shared
+            row.stats.draft_time_s += t2 - t1
+            row.stats.verify_time_s += t3 - t2
+            timings = RoundTimings(
+                draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
+            )
+            drafted = int(proposal.tokens.numel())
+            rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
+        t4 = self.clock()
+        prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
+        self._observe(rows, proposals, rounds, prof)
+        return rounds
+
+    # ---- the parts of a round -----------------------------------------------------------
+    def _size_bounds(self, rows: list[BatchRow]) -> tuple[list[int], list[int | None]]:
+        """Per row: the largest size it may use this step (the decoder's size, within what the drafter was
+        trained for and what the row has left) and the request's own size (None: not fixed)."""
+        bounds = [min(self.trained_block if r.drafter_row is not None else 1, r.remaining) for r in rows]
+        caps = [min(self.block_size, b) for b in bounds]
+        fixed = [None if r.config.block_size is None else min(r.config.block_size, b) for r, b in zip(rows, bounds)]
+        return caps, fixed
+
+    def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
+        """Each row's block size this step: its own, else the decoder's size, else the policy's choice.
+
+        The policy prices a row's draft with new_context=1: a row's backlog of features is a sunk cost, paid
+        whenever it next drafts whatever the size; charging it would keep a row that skipped drafting from
+        ever drafting again (its backlog grows)."""
+        caps, fixed = self._size_bounds(rows)
+        policy = self.policy
+        if not policy.adaptive or policy.cost is None:
+            return [f if f is not None else c for f, c in zip(fixed, caps)]
+        due = self.probes.due(self._steps, [(r.sampled, r.last_draft_step) for r in rows])
+        for r, probe in zip(rows, due):
+            r.probe_due = probe
+        choices = [RowChoice(r.acceptance.alpha, c, 1, f, probe=r.probe_due) for r, c, f in zip(rows, caps, fixed)]
+        return choose_blocks(choices, policy.cost, min_gain=policy.min_gain)
+
+    def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:
+        """ONE drafter call for every row whose block is >= 2 (None for the others)."""
+        drafts: list[Draft | None] = [None] * len(rows)
+        todo = [i for i, (r, s) in enumerate(zip(rows, sizes)) if s >= 2 and r.drafter_row is not None and r.pending]
+        if not todo or self.drafter_session is None:
+            return drafts
+        requests = []
+        for i in todo:
+            row = rows[i]
+            assert row.drafter_row is not None
+            feats = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending)
+            requests.append(DraftRequest(row.drafter_row, feats, row.generated[-1], sizes[i]))
+        try:
+            out = self.drafter_session.draft(requests)
+        except Exception as e:  # noqa: BLE001 - per-row handling below
+            for i in todo:
+                self._drafter_failed(rows[i], e)
+            return drafts
+        for i, d in zip(todo, out):
+            rows[i].pending = []
+            rows[i].last_draft_step = self._steps
+            drafts[i] = d
+        prof.draft_rows = len(todo)
+        prof.draft_tokens = sum(q.block_size + int(q.new_features.shape[0]) for q in requests)
+        return drafts
+
+    def _drafter_failed(self, row: BatchRow, error: Exception) -> None:
+        if not row.config.drafter_fallback:
+            row.error, row.finish_reason = error, "error"
+            return
+        # Still lossless: from here on the target alone picks this row's tokens (block size 1). Its drafter
+        # cache may be half-written, so the row leaves the drafter for good.
+        row.drafter_error, row.can_draft = error, False
+        self._leave_drafter(row)
+
+    def _drop_failed(
+        self, rows: list[BatchRow], drafts: list[Draft | None]
+    ) -> tuple[list[BatchRow], list[Draft | None]]:
+        """Rows the drafter failed without a fallback leave now; the others go on to verification."""
+        for r in rows:
+            if r.done:
+                self._release(r)
+        keep = [i for i, r in enumerate(rows) if not r.done]
+        return [rows[i] for i in keep], [drafts[i] for i in keep]
+
+    def _verify(self, rows: list[BatchRow], proposals: list[Proposal], prof: StepProfile) -> list[TargetOutput]:
+        """ONE target call scoring every row's block: its last committed token, then its drafts."""
+        blocks = [
+            torch.tensor([r.generated[-1], *p.tokens.tolist()], dtype=torch.long) for r, p in zip(rows, proposals)
+        ]
+        prof.verify_rows, prof.blocks = len(rows), [len(b) for b in blocks]
+        prof.verify_tokens = sum(prof.blocks)
+        return self.target_session.forward(
+            [self._target_row(r) for r in rows], blocks, features=any(r.drafter_row is not None for r in rows)
+        )
+
+    def _accept(self, row: BatchRow, proposal: Proposal, out: TargetOutput, length: int) -> tuple[list[int], int]:
+        """The acceptance rule on one row's scored block: the accepted drafts plus one token of the target's
+        own (the bonus); the target's cache is rolled back to them, the drafter is handed their features."""
+        tokens = proposal.tokens
+        # the logits stay on the engine's device: adjustment and acceptance run there; only token ids come back
+        logits = row.adjusted(out.logits, tokens.tolist())
+        if tokens.numel() == 0:  # the target alone: its own next token
+            accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
+        else:
+            accepted, bonus = row.rule.accept(proposal, logits)
+        self.target_session.rollback(self._target_row(row), length + accepted + 1)
+        if row.drafter_row is not None and out.features is not None:
+            row.pending.append(out.features[: accepted + 1])
+        row.acceptance.update(int(tokens.numel()), accepted)
+        return tokens[:accepted].tolist() + [bonus], accepted
+
+    def _observe(
+        self,
+        rows: list[BatchRow],
+        proposals: list[Proposal],
+        rounds: list[tuple[BatchRow, Round]],
+        prof: StepProfile,
+    ) -> None:
+        """After a round: probe outcomes per regime, the passes' costs (adaptive only), the step count."""
+        probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
+        for row, proposal, (_, committed) in zip(rows, proposals, rounds):
+            drafted = int(proposal.tokens.numel())
+            if row.probe_due and drafted:
+                acc, total = probed.get(row.sampled, (0, 0))
+                probed[row.sampled] = (acc + committed.accepted, total + drafted)
+        for sampled, (acc, total) in probed.items():
+            self.probes.observe(self._steps, sampled, acc, total)
+        self._steps += 1
+        cost = self.policy.cost
+        if cost is not None and self.policy.adaptive:
+            cost.observe("target", len(rows), prof.verify_tokens, prof.verify_s)
+            if prof.draft_rows:
+                cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
+            if self.policy.refit_every and self._steps % self.policy.refit_every == 0:
+                cost.refit()  # online: the passes this worker really ran, at its real contexts
+
+    @staticmethod
+    def _target_row(row: BatchRow) -> int:
+        assert row.target_row is not None  # set by the prefill
+        return row.target_row

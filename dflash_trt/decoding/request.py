@@ -1,0 +1,172 @@
+"""What a request is and what it returns: its settings, its validation, its committed tokens and stats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+from .acceptance import ACCEPTANCE_RULES
+from .detokenizer import IncrementalDetokenizer
+from .processors import LogitsAdjustment
+from .sampling import SamplingParams
+from .stopping import StopChecker
+
+
+class InputError(ValueError):
+    """A request the engines cannot serve as given (bad ids, lengths, settings)."""
+
+
+class ContextLengthError(InputError):
+    def __init__(self, message: str, prompt_alone: bool = False):
+        super().__init__(message)
+        self.prompt_alone = prompt_alone  # the prompt leaves no room for even one new token
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    block_size: int | None = None  # None: the drafter's trained size; 1: target alone
+    acceptance: str = "rejection"  # at T > 0: "rejection" (draft probabilities) or "exact-match" (reference)
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    drafter_fallback: bool = False  # if the drafter raises, go on with the target alone (a server keeps serving)
+    adjust: LogitsAdjustment | None = None  # penalties, logit_bias, min_tokens: on the target's logits
+
+
+@dataclass
+class RoundTimings:
+    """Seconds one step spent in each part (the decoder's clock)."""
+
+    draft_s: float = 0.0  # proposing: the drafter's call and drawing the drafts from its output
+    verify_s: float = 0.0  # verifying: the target's forward, the acceptance rule and the rollback
+    target_s: float = 0.0  # of which the target's forward (the prefill's forward in the first step)
+    accept_s: float = 0.0  # of which the acceptance rule
+    total_s: float = 0.0  # the whole step, bookkeeping (stop check, text) included
+
+
+@dataclass
+class Round:
+    """Tokens committed by one step: the prefill's first token, or a verified block."""
+
+    token_ids: list[int]
+    drafted: int  # draft tokens proposed this round
+    accepted: int  # of which the target accepted
+    prefill: bool = False
+    timings: RoundTimings = field(default_factory=RoundTimings)
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
+    drafted_tokens: int = 0
+    accepted_draft_tokens: int = 0
+    block_size: int = 1
+    prefill_time_s: float = 0.0
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+    total_time_s: float = 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: mean tokens per verify round, bonus token included."""
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths) if self.acceptance_lengths else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
+        d["tokens_per_second"] = round(self.tokens_per_second, 2)
+        return d
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" or "length"
+    stats: GenerationStats
+
+
+class CommitState(Protocol):
+    """What `commit_tokens` reads and updates: one sequence's output so far (a row of the loop)."""
+
+    config: GenerationConfig
+    stop: StopChecker
+    detokenizer: IncrementalDetokenizer | None
+    generated: list[int]
+    stats: GenerationStats
+    finish_reason: str | None
+    stop_string: str | None
+    started: float
+    clock: Callable[[], float]
+
+
+def commit_tokens(state: CommitState, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> list[int]:
+    """Append one round's tokens to a sequence and return those kept. The order: the token budget, stop
+    tokens, then stop strings (cutting the text back to the stop), then the budget as a finish reason;
+    updates the stats (a prefill counts no round)."""
+    new = new[: state.config.max_new_tokens - len(state.generated)]
+    keep = state.stop.stop_token(new)
+    if keep is not None:
+        new = new[:keep]
+        state.finish_reason = "stop"
+    state.generated.extend(new)
+    if state.detokenizer is not None:
+        state.detokenizer.add(new)
+    hit = state.stop.stop_string() if keep is None else None
+    if hit is not None:
+        keep, state.stop_string = hit
+        cut = len(state.generated) - keep
+        if cut:
+            del state.generated[keep:]
+            new = new[: len(new) - cut]
+        state.finish_reason = "stop"
+    elif state.finish_reason is None and len(state.generated) >= state.config.max_new_tokens:
+        state.finish_reason = "length"
+    s = state.stats
+    s.new_tokens = len(state.generated)
+    if not prefill:
+        s.rounds += 1
+        s.acceptance_lengths.append(len(new))
+        s.drafted_tokens += drafted
+        s.accepted_draft_tokens += accepted
+    s.total_time_s = state.clock() - state.started
+    return new
+
+
+def validate_request(prompt_ids: Sequence[int], cfg: GenerationConfig, target: Any, drafter: Any) -> None:
+    """Raise InputError (ContextLengthError for lengths) unless these engines can serve this request."""
+    if not prompt_ids:
+        raise InputError("the prompt is empty")
+    bad = [t for t in prompt_ids if not 0 <= int(t) < target.vocab_size]
+    if bad:
+        raise InputError(f"token ids out of vocabulary (size {target.vocab_size}): {bad[:5]}")
+    if cfg.max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be >= 1, got {cfg.max_new_tokens}")
+    total = len(prompt_ids) + cfg.max_new_tokens
+    limit, who = target.max_context, "target"
+    drafter_limit = getattr(drafter, "max_context", None) if drafter is not None and cfg.block_size != 1 else None
+    if drafter_limit is not None and drafter_limit < limit:  # e.g. a TensorRT plan's profile; None: unlimited
+        limit, who = drafter_limit, "drafter"
+    if total > limit:
+        raise ContextLengthError(
+            f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {total} "
+            f"exceeds the {who}'s context length {limit}",
+            prompt_alone=len(prompt_ids) >= limit,
+        )
+    if cfg.block_size is not None:
+        if drafter is None and cfg.block_size != 1:
+            raise InputError(f"no drafter is loaded, so block_size must be 1, got {cfg.block_size}")
+        limit = drafter.block_size if drafter is not None else 1
+        if not 1 <= cfg.block_size <= limit:
+            raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
+    if cfg.acceptance not in ACCEPTANCE_RULES:
+        raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")

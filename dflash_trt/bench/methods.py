@@ -35,7 +35,6 @@ class Run:
     acceptance_lengths: list[int] | list[float]
     target_s: float = 0.0
     draft_s: float | None = 0.0  # None: the proposer's time is not separable (inside other_s)
-    target_calls: int = 0
 
     @property
     def other_s(self) -> float:
@@ -132,7 +131,6 @@ def dflash_method(
             list(s.acceptance_lengths),
             timer.seconds,
             s.draft_time_s if block_size > 1 else 0.0,
-            timer.calls,
         )
 
     return Method(name, family, run, block_size, backend)
@@ -180,6 +178,6 @@ def hf_method(
             if assistant_timer is not None and assistant is not None
             else (None if family == "prompt-lookup" else 0.0)
         )
-        return Run(tokens, seconds, lengths, timer.seconds, draft_s, timer.calls)
+        return Run(tokens, seconds, lengths, timer.seconds, draft_s)
 
     return Method(name, family, run)

@@ -129,7 +129,7 @@ serve: venv
 # GPU node check (scripts/gpu_smoke.py): PyTorch engines on CUDA (greedy equality, tau, speedup), then the drafter
 # plan and the TensorRT-LLM target engine with TP ranks, greedy equality vs the HF target, tau and speedup; each
 # part says PASS, FAIL or SKIP with the reason (no GPU / tensorrt / tensorrt_llm). Other checkpoints or a CUDA
-# python of your own (dflash-trt installed in it: pip install -e .): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
+# python of your own (one with dflash-trt installed): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
 TP ?= 1
 GPU_SMOKE_PYTHON ?= $(BIN)/python
 gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)

@@ -150,12 +150,13 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
     """Real onnxruntime: the batched graph's rows equal the PyTorch drafter's, each row alone."""
     import onnxruntime as ort
 
-    from dflash_trt.builders.onnx_drafter_batch import BATCH_GRAPH_FILE, BATCH_INPUT_NAMES
+    from dflash_trt.builders.onnx_drafter_batch import BATCH_INPUT_NAMES
+    from dflash_trt.formats import BATCH_GRAPH_FILES
     from dflash_trt.runtime.ort_backend import BatchGraphSession, OrtDrafterEngine
 
     family, _, _, model, drafter = tiny_pair
     single, _ = drafter_engines(model, drafter)
-    graph = ort.InferenceSession(str(batch_graph / BATCH_GRAPH_FILE), providers=["CPUExecutionProvider"])
+    graph = ort.InferenceSession(str(batch_graph / BATCH_GRAPH_FILES["fp32"]), providers=["CPUExecutionProvider"])
     assert [i.name for i in graph.get_inputs()] == list(BATCH_INPUT_NAMES)
     shapes = {i.name: i.shape for i in graph.get_inputs()}
     # the batch, block, new-context and cache axes stayed symbolic (an int means the exporter fixed it)

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dflash_trt.decoding.batch import BatchDecoder
+from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.decoding import GenerationConfig, SamplingParams
-from dflash_trt.decoding.batch import BatchDecoder
 from dflash_trt.decoding.processors import LogitsAdjustment
 from dflash_trt.runtime.base import TargetOutput
-from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
 
 V = 96
 TO_HOST = {

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from dflash_trt.decoding import GenerationConfig, SamplingParams
 from dflash_trt.decoding.batch import BatchDecoder
 from dflash_trt.runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
+
+from dflash_trt.decoding import GenerationConfig, SamplingParams
 from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.engines import sim_engines, truth

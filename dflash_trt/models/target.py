@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
@@ -17,8 +18,14 @@ if TYPE_CHECKING:
     CausalLM: TypeAlias = _BaseModelWithGenerate
 
 SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # short names: --dtype bf16
+DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+}  # short names: --dtype bf16
 
 
 def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:

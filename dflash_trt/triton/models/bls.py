@@ -22,8 +22,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ...decoding import GenerationConfig, InputError, SamplingParams
-from ...decoding import BatchDecoder, BatchRow
+from ...decoding import BatchDecoder, BatchRow, GenerationConfig, InputError, SamplingParams
 from ...runtime.base import DrafterEngine
 from ..remote import RemoteBatchDrafterEngine, RemoteDrafterEngine, RemoteTargetEngine, pad_rows, unpad_rows
 from .common import error_response, load_config, need, scalar, strings
@@ -33,8 +32,11 @@ from .common import error_response, load_config, need, scalar, strings
 
 def bls_infer(model: str, inputs: dict[str, np.ndarray], outputs: list[str]) -> dict[str, np.ndarray]:
     """One synchronous call of another model in this server (Business Logic Scripting)."""
-    request = pb_utils.InferenceRequest(model_name=model, requested_output_names=list(outputs),
-                                        inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()])
+    request = pb_utils.InferenceRequest(
+        model_name=model,
+        requested_output_names=list(outputs),
+        inputs=[pb_utils.Tensor(k, np.ascontiguousarray(v)) for k, v in inputs.items()],
+    )
     response = request.exec()
     if response.has_error():
         raise RuntimeError(response.error().message())
@@ -63,9 +65,13 @@ class TritonPythonModel:
     def initialize(self, args: dict[str, str]) -> None:
         config, params, _ = load_config(args)
         self.decoupled = pb_utils.using_decoupled_model_transaction_policy(config)
-        self.target = RemoteTargetEngine(bls_infer, params.get("target_model", "dflash_target"),
-                                              int(params["vocab_size"]), int(params["max_context"]),
-                                              json.loads(params["feature_layer_ids"]))
+        self.target = RemoteTargetEngine(
+            bls_infer,
+            params.get("target_model", "dflash_target"),
+            int(params["vocab_size"]),
+            int(params["max_context"]),
+            json.loads(params["feature_layer_ids"]),
+        )
         meta = json.loads(params["drafter_meta"])
         self.drafter: DrafterEngine
         if params.get("drafter_batch_model"):  # the batched graph: one drafter call per step
@@ -85,8 +91,9 @@ class TritonPythonModel:
         rows: list[BatchRow] = []
         try:
             for prompt, mt, t, s in zip(prompts, max_tokens, temperature, seed):
-                config = GenerationConfig(max_new_tokens=int(mt), sampling=SamplingParams(float(t), seed=s),
-                                          stop_token_ids=self.stop_ids)
+                config = GenerationConfig(
+                    max_new_tokens=int(mt), sampling=SamplingParams(float(t), seed=s), stop_token_ids=self.stop_ids
+                )
                 rows.append(decoder.add(prompt, config))
         except BaseException:
             for r in rows:
@@ -97,12 +104,14 @@ class TritonPythonModel:
     @staticmethod
     def _response(job: Job, new: list[int]) -> Any:
         ids, lengths = pad_rows([r.generated for r in job.rows])
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("output_ids", ids),
-            pb_utils.Tensor("output_length", lengths),
-            pb_utils.Tensor("new_tokens", np.array(new, dtype=np.int32).reshape(-1, 1)),
-            pb_utils.Tensor("finish_reason", strings([r.finish_reason or "" for r in job.rows], rows=1)),
-        ])
+        return pb_utils.InferenceResponse(
+            [
+                pb_utils.Tensor("output_ids", ids),
+                pb_utils.Tensor("output_length", lengths),
+                pb_utils.Tensor("new_tokens", np.array(new, dtype=np.int32).reshape(-1, 1)),
+                pb_utils.Tensor("finish_reason", strings([r.finish_reason or "" for r in job.rows], rows=1)),
+            ]
+        )
 
     def execute(self, requests: list[Any]) -> list[Any] | None:  # None when decoupled (responses were sent)
         final = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

@@ -69,8 +69,9 @@ def scalar(request: Any, name: str, default: Any, rows: int) -> list[Any]:
 
 def error_response(message: str, cancelled: bool = False) -> Any:  # a pb_utils.InferenceResponse
     if cancelled:  # Triton's CANCELLED status (python backend >= 23.10), so clients see a cancellation
-        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-            message, pb_utils.TritonError.CANCELLED))
+        return pb_utils.InferenceResponse(
+            output_tensors=[], error=pb_utils.TritonError(message, pb_utils.TritonError.CANCELLED)
+        )
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 

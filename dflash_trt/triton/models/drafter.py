@@ -14,7 +14,14 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ...formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DRAFTER_INPUTS, DRAFTER_OUTPUTS, GRAPH_FILES
+from ...formats import (
+    BATCH_DRAFTER_INPUTS,
+    BATCH_DRAFTER_OUTPUTS,
+    BATCH_GRAPH_FILES,
+    DRAFTER_INPUTS,
+    DRAFTER_OUTPUTS,
+    GRAPH_FILES,
+)
 from ...runtime.cpu_threads import ort_session_options
 from .common import error_response, load_config, need, resolve
 
@@ -28,7 +35,9 @@ class TritonPythonModel:
         files = BATCH_GRAPH_FILES if batch else GRAPH_FILES
         self.inputs: tuple[str, ...]
         self.outputs: tuple[str, ...]
-        self.inputs, self.outputs = (BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS) if batch else (DRAFTER_INPUTS, DRAFTER_OUTPUTS)
+        self.inputs, self.outputs = (
+            (BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS) if batch else (DRAFTER_INPUTS, DRAFTER_OUTPUTS)
+        )
         path = resolve(folder, params.get("onnx_dir", "drafter-onnx")) / files[params.get("precision", "fp32")]
         options = ort_session_options(ort, int(params.get("threads", "0")))  # no spinning next to the target
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
@@ -39,8 +48,11 @@ class TritonPythonModel:
             try:
                 feeds = {name: np.ascontiguousarray(need(request, name)) for name in self.inputs}
                 outs = self.session.run(list(self.outputs), feeds)
-                responses.append(pb_utils.InferenceResponse(
-                    [pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in zip(self.outputs, outs)]))
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        [pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in zip(self.outputs, outs)]
+                    )
+                )
             except Exception as e:  # noqa: BLE001 - report to the caller, keep serving
                 responses.append(error_response(f"dflash_drafter: {type(e).__name__}: {e}"))
         return responses

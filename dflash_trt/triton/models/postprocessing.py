@@ -26,9 +26,13 @@ class TritonPythonModel:
             try:
                 rows = unpad_rows(need(request, "output_ids"), need(request, "output_length"))
                 new = need(request, "new_tokens").reshape(-1).tolist()
-                finish = [v.decode() if isinstance(v, bytes) else str(v) for v in need(request, "finish_reason").reshape(-1)]
+                finish = [
+                    v.decode() if isinstance(v, bytes) else str(v) for v in need(request, "finish_reason").reshape(-1)
+                ]
                 texts = [text_delta(self.tokenizer, ids, int(n), bool(f)) for ids, n, f in zip(rows, new, finish)]
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", strings(texts, rows=len(texts)))]))
+                responses.append(
+                    pb_utils.InferenceResponse([pb_utils.Tensor("text_output", strings(texts, rows=len(texts)))])
+                )
             except Exception as e:  # noqa: BLE001 - a bad request must not take the model down
                 responses.append(error_response(f"postprocessing: {e}"))
         return responses

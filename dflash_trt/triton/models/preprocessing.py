@@ -32,15 +32,21 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                texts = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in need(request, "text_input").reshape(-1)]
+                texts = [
+                    v.decode("utf-8") if isinstance(v, bytes) else str(v)
+                    for v in need(request, "text_input").reshape(-1)
+                ]
                 if any(not t for t in texts):
                     raise ValueError("text_input is empty")
                 rows = [self.encode(t) for t in texts]
                 if any(not r for r in rows):
                     raise ValueError("text_input encodes to no tokens")
                 ids, lengths = pad_rows(rows)
-                responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids),
-                                                             pb_utils.Tensor("input_length", lengths)]))
+                responses.append(
+                    pb_utils.InferenceResponse(
+                        [pb_utils.Tensor("input_ids", ids), pb_utils.Tensor("input_length", lengths)]
+                    )
+                )
             except (ValueError, UnicodeDecodeError) as e:
                 responses.append(error_response(f"preprocessing: {e}"))
         return responses

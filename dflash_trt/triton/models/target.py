@@ -33,10 +33,14 @@ class TritonPythonModel:
         threads = int(params.get("threads", "0"))
         if threads:
             torch.set_num_threads(threads)
-        options = EngineOptions(dtype=params.get("dtype", "float32"), device=params.get("device"),
-                                feature_layer_ids=tuple(json.loads(params.get("feature_layer_ids", "[]"))))
-        engine: TargetEngine = registry.target_engine(params.get("backend", "torch"),
-                                        resolve(folder, params.get("engine_dir", "target")), options)
+        options = EngineOptions(
+            dtype=params.get("dtype", "float32"),
+            device=params.get("device"),
+            feature_layer_ids=tuple(json.loads(params.get("feature_layer_ids", "[]"))),
+        )
+        engine: TargetEngine = registry.target_engine(
+            params.get("backend", "torch"), resolve(folder, params.get("engine_dir", "target")), options
+        )
         self.sessions = TargetSessions(engine, float(params.get("session_ttl_s", "600")))
 
     def execute(self, requests: list[Any]) -> list[Any]:  # pb_utils requests -> responses
@@ -46,6 +50,8 @@ class TritonPythonModel:
         try:
             inputs = {name: a for name in TARGET_INPUTS if (a := get(request, name)) is not None}
             out = serve_target(self.sessions, inputs)
-            return pb_utils.InferenceResponse([pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in out.items()])
+            return pb_utils.InferenceResponse(
+                [pb_utils.Tensor(name, np.ascontiguousarray(a)) for name, a in out.items()]
+            )
         except Exception as e:  # noqa: BLE001 - report to the caller, keep serving
             return error_response(f"dflash_target: {type(e).__name__}: {e}")

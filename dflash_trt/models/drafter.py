@@ -205,7 +205,9 @@ class DFlashDrafter(nn.Module):
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         attn = self.decoder_layers[0].self_attn
         self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
-        self._needs_mask = any(l.self_attn.causal or l.self_attn.window is not None for l in self.decoder_layers)
+        self._needs_mask = any(
+            layer.self_attn.causal or layer.self_attn.window is not None for layer in self.decoder_layers
+        )
 
     @property
     def decoder_layers(self) -> list[DFlashLayer]:

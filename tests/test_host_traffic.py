@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dflash_trt.decoding.batch import BatchDecoder
-from dflash_trt.runtime.torch_batch import TorchBatchDrafterEngine, TorchBatchTargetEngine
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.decoding import GenerationConfig, SamplingParams
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.decoding.processors import LogitsAdjustment
 from dflash_trt.runtime.base import TargetOutput
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 V = 96
 TO_HOST = {
@@ -58,8 +57,8 @@ class OnDevice:
         self.vocab_size, self.max_context = engine.vocab_size, engine.max_context
         self.feature_layer_ids, self.name = engine.feature_layer_ids, engine.name
 
-    def new_batch(self):
-        return _Session(self.engine.new_batch())
+    def new_session(self):
+        return _Session(self.engine.new_session())
 
 
 class _Session:
@@ -78,8 +77,8 @@ class _Session:
 def engines():
     model = make_tiny_target(None, vocab_size=V, layers=4)
     drafter = make_tiny_drafter(model.config, None, layers=1, block_size=8)
-    target = TorchBatchTargetEngine(model, drafter.spec.target_layer_ids)
-    return OnDevice(target), TorchBatchDrafterEngine.for_target(drafter, target), target
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    return OnDevice(target), TorchDrafterEngine.for_target(drafter, target), target
 
 
 @pytest.mark.parametrize(

@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from dflash_trt.decoding.batch import BatchDecoder
-from dflash_trt.runtime.batched import BatchDrafterEngine, BatchTargetEngine, DraftRequest
 
-from dflash_trt.decoding import GenerationConfig, SamplingParams
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
+from dflash_trt.runtime.base import DrafterEngine, DraftRequest, TargetEngine
 from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.engines import sim_engines, truth
@@ -101,8 +100,8 @@ def test_acceptance_fit_and_sampling():
 def test_engines_honour_the_protocols():
     profiles = [paper_profiles()["math500"], POOR]
     target, drafter, clock = sim_engines(ProfileCost(), profiles)
-    assert isinstance(target, BatchTargetEngine) and isinstance(drafter, BatchDrafterEngine)
-    ts, ds = target.new_batch(), drafter.new_batch()
+    assert isinstance(target, TargetEngine) and isinstance(drafter, DrafterEngine)
+    ts, ds = target.new_session(), drafter.new_session()
     a, b = ts.add_row(), ts.add_row()
     t0 = clock()
     outs = ts.forward([a, b], [torch.tensor([0, 5, 6, 7]), torch.tensor([1, 9])], last_logits_only=True)

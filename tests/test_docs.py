@@ -6,8 +6,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Written on other branches of issue 25 (the deploy/ folder, the GPU-node page); empty this set once they are in.
-PENDING = {"deploy/README.md", "docs/gpu.md"}
+# Pages outside docs/ that the README must link exactly once too.
+LINKED_ONCE = {"deploy/README.md"}
 
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -35,9 +35,6 @@ def test_every_relative_link_resolves():
                 continue
             path, _, anchor = target.partition("#")
             dest = (page.parent / path).resolve() if path else page
-            rel = dest.relative_to(ROOT).as_posix() if dest.is_relative_to(ROOT) else str(dest)
-            if rel in PENDING:
-                continue
             if not dest.exists():
                 broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
             elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
@@ -51,6 +48,6 @@ def test_readme_links_each_docs_page_once_and_stays_short():
     for page in sorted((ROOT / "docs").glob("*.md")):
         rel = page.relative_to(ROOT).as_posix()
         assert targets.count(rel) == 1, f"README links {rel} {targets.count(rel)} times"
-    for rel in PENDING:
+    for rel in LINKED_ONCE:
         assert targets.count(rel) == 1, rel
     assert len(readme.read_text().splitlines()) <= 200

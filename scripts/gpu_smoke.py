@@ -13,7 +13,7 @@
     python scripts/gpu_smoke.py [--target DIR --drafter DIR] [--tp N] [--dtype float32] [--out DIR]
 
 Exit status 1 when a part FAILS; skipped parts (no GPU, no tensorrt, no tensorrt_llm, too few GPUs) do not fail.
-On a CPU machine every part is skipped with its reason (tests/test_gpu_smoke.py checks that). NOT RUN on a GPU
+On a CPU machine every part is skipped with its reason (tests/bench/test_gpu_smoke.py checks that). NOT RUN on a GPU
 in this project: no GPU was available to it.
 """
 

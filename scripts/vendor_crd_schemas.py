@@ -3,7 +3,7 @@
     python scripts/vendor_crd_schemas.py CRD.yaml... --source REPO@COMMIT:PATH...
 
 Each CRD's served versions' `openAPIV3Schema` is written unchanged (as JSON) to
-deploy/schemas/<kind>-<group>-<version>.json; tests/test_deploy.py validates the rendered manifests against
+deploy/schemas/<kind>-<group>-<version>.json; tests/deploy/test_deploy.py validates the rendered manifests against
 them (and makes them strict: an unknown field is an error). deploy/schemas/SOURCES.md records where each came
 from (repository, commit, path, licence): update it when re-vendoring.
 """

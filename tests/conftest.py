@@ -4,6 +4,9 @@ from pathlib import Path
 import pytest
 import torch
 
+# tests/ holds the shared helpers (tiny models, fakes, harnesses) that test modules in its subfolders import.
+# Its subfolders follow the package's layout; none may be named after an importable package (a folder
+# `triton` here would pass for OpenAI's Triton in libraries that probe for it with find_spec).
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 

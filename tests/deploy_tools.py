@@ -1,4 +1,4 @@
-"""Run by tests/test_deploy.py under the deploy venv (.venv-deploy: `make deploy-env`), which holds the real tools:
+"""Run by tests/deploy/test_deploy.py under the deploy venv (.venv-deploy: `make deploy-env`), which holds the real tools:
 kubernetes-validate (Kubernetes' OpenAPI schemas), jsonschema on the vendored CRD schemas, promql-parser.
 
     python tests/deploy_tools.py validate K8S_VERSION < manifests.json   -> [{"kind", "name", "error"}, ...]

@@ -1,5 +1,5 @@
 """One rank of `dflash-trt serve` under a real `mpirun`, with the FAKE TensorRT-LLM executor (this workplace has no
-TensorRT-LLM and no GPU): tests/test_mpi_serve.py runs `mpirun -n 2 python tests/mpi_rank.py serve --engines ...`.
+TensorRT-LLM and no GPU): tests/deploy/test_mpi_serve.py runs `mpirun -n 2 python tests/mpi_rank.py serve --engines ...`.
 
 The fake is tests/fake_tensorrt.py's executor (leader-only enqueue, the modelled outputs computed by the real tiny
 Hugging Face target), plus what a tensor-parallel world adds, over real MPI (mpi4py on Open MPI):

@@ -1,4 +1,4 @@
-"""Schemathesis hooks for tests/test_schemathesis.py (loaded through SCHEMATHESIS_HOOKS)."""
+"""Schemathesis hooks for tests/server/test_schemathesis.py (loaded through SCHEMATHESIS_HOOKS)."""
 
 import schemathesis
 

@@ -302,7 +302,6 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids:
         "feature_layer_ids": list(feature_layer_ids),
         "threads": str(opt.threads),
         "session_ttl_s": "600",
-        "batch_target": "true",
     }
     # One instance: the sequences' KV caches live in it (see dflash_trt.triton.remote). A call may carry several
     # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.

@@ -23,7 +23,7 @@ GPU passes (`ProfileCost`), for a pass over rows i with n_i new tokens after p_i
   FlashAttention-2 (Dao 2023, fig. 4, A100, head dim 128) runs the causal forward pass at 150-200+ TFLOP/s
   for sequences of 1k-16k tokens, so a 2048-token causal prefill at 32 heads (34 GFLOP per layer:
   4 x 32 x 128 x 2048 x 1024.5) takes about 5.5-7.3 ms over 32 layers; this model gives 5.9 ms
-  (tests/test_sim.py checks the range). Vidur's own attention profiles could not be compared: absent.
+  (tests/sim/test_sim.py checks the range). Vidur's own attention profiles could not be compared: absent.
 - lm_head: a [hidden x vocab] matrix priced as Vidur's measured fused gate/up projection
   ([hidden x 2 intermediate]) at the same token count and tp, times vocab / (2 x intermediate): the same
   GEMM kernel family, measured efficiency, scaled by its weight size.

@@ -4,7 +4,7 @@ page is linked from the README exactly once, and the README stays a newcomer's p
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages outside docs/ that the README must link exactly once too.
 LINKED_ONCE = {"deploy/README.md"}

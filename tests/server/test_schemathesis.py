@@ -56,7 +56,7 @@ def served(tmp_path_factory):
 def test_api_keeps_its_openapi_contract(served, tmp_path):
     url, log = served
     st = Path(sys.executable).parent / "st"
-    tests = str(Path(__file__).parent)
+    tests = str(Path(__file__).resolve().parents[1])  # tests/: where schemathesis_hooks.py lives
     env = {
         **os.environ,
         "SCHEMATHESIS_HOOKS": "schemathesis_hooks",

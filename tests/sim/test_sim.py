@@ -20,7 +20,7 @@ from dflash_trt.sim.engines import sim_engines, truth
 from dflash_trt.sim.profiles import LAYER_OPS, all_reduce_profile, layer_profile
 from dflash_trt.sim.serving import schedule_draft_len, simulate, table_k, workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(0.0)
 
 

@@ -11,7 +11,7 @@ from tiny_models import make_tiny_target
 
 from dflash_trt.models.drafter import DFlashDrafter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "dflash-trt"
 
 

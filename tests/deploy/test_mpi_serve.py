@@ -27,7 +27,7 @@ from server_harness import sse_events
 
 from dflash_trt.server.process import listening_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LAUNCHER = ROOT / "tests" / "mpi_rank.py"
 LONG = {"input_ids": [1, 2, 3], "max_tokens": 120, "block_size": 4, "stream": True}
 

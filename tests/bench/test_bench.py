@@ -11,7 +11,7 @@ from helpers import make_text_models
 from tiny_models import make_tiny_target
 from transformers import AutoTokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "dflash-trt"
 
 

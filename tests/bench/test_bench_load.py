@@ -13,7 +13,7 @@ import torch
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, export_metrics, value
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def load_script():

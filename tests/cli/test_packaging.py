@@ -10,7 +10,7 @@ from pathlib import Path
 import tomllib
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Triton's release compatibility matrix (triton-inference-server/server docs/introduction/compatibility.md):
 # release of tritonserver:<yy.mm>-trtllm-python-py3 -> TensorRT-LLM version it ships.
 TRTLLM_IN_RELEASE = {

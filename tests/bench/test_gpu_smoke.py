@@ -12,7 +12,7 @@ import pytest
 import torch
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("gpu_smoke", ROOT / "scripts" / "gpu_smoke.py")
 gpu_smoke = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(gpu_smoke)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_bare.py"
 sys.path.insert(0, str(ROOT / "scripts"))
 import gpu_bare  # noqa: E402

@@ -306,8 +306,8 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 10
     this fraction (a margin for what the linear costs leave out: per-row acceptance work, the drafter's
     backlog of context rows). Probe and fixed rows draft regardless.
 
-    Vectorised over a [rows, sizes] table (numpy): at 256 rows a step's choice must stay a small fraction of
-    a GPU step (tens of ms), which a per-row Python loop over candidate tuples did not (~3 ms)."""
+    Vectorised over a [rows, sizes] table (numpy): at hundreds of rows a step's choice must stay a small
+    fraction of a GPU step, which a per-row Python loop over candidate tuples does not."""
     if not rows:
         return []
     t, d = cost.current()

@@ -19,11 +19,10 @@ GPU passes (`ProfileCost`), for a pass over rows i with n_i new tokens after p_i
   attention FLOPs / (bf16 peak x ATTN_FLOP_EFFICIENCY), ATTN_MIN_S), with KV bytes
   sum_i (p_i + n_i) x 2 x kv_heads/tp x head_dim x 2 B and FLOPs sum_i 4 x heads/tp x head_dim x n_i x
   (keys each query sees: p_i + (n_i + 1)/2 causal, p_i + n_i non-causal). Memory bound for decode and
-  verify blocks, compute bound for long prefills. Check (a published measurement, not Vidur's):
-  FlashAttention-2 (Dao 2023, fig. 4, A100, head dim 128) runs the causal forward pass at 150-200+ TFLOP/s
-  for sequences of 1k-16k tokens, so a 2048-token causal prefill at 32 heads (34 GFLOP per layer:
-  4 x 32 x 128 x 2048 x 1024.5) takes about 5.5-7.3 ms over 32 layers; this model gives 5.9 ms
-  (tests/sim/test_sim.py checks the range). Vidur's own attention profiles could not be compared: absent.
+  verify blocks, compute bound for long prefills. Checked against a published measurement, not Vidur's:
+  FlashAttention-2's causal forward rate on an A100 (Dao 2023, fig. 4) for a 2048-token prefill at 32 heads
+  (the figures: results/sim/README.md; tests/sim/test_sim.py checks the range). Vidur's own attention
+  profiles could not be compared: absent.
 - lm_head: a [hidden x vocab] matrix priced as Vidur's measured fused gate/up projection
   ([hidden x 2 intermediate]) at the same token count and tp, times vocab / (2 x intermediate): the same
   GEMM kernel family, measured efficiency, scaled by its weight size.

@@ -67,7 +67,7 @@ deploy-env: $(DEPLOY_STAMP)
 
 $(DEPLOY_STAMP): deploy/requirements.txt
 	test -x $(DEPLOY_VENV)/bin/python || $(PYTHON) -m venv $(DEPLOY_VENV)
-	$(DEPLOY_VENV)/bin/python -m pip install -q -r deploy/requirements.txt
+	$(DEPLOY_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -r deploy/requirements.txt
 	touch $(DEPLOY_STAMP)
 
 # Real MPI for the tensor-parallel life-cycle test (tests/deploy/test_mpi_serve.py: mpirun -n 2 on loopback): Debian's
@@ -78,7 +78,7 @@ mpi-env: $(MPI_STAMP)
 $(MPI_STAMP): $(STAMP)
 	command -v mpirun >/dev/null || { apt-get update -q && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openmpi-bin libopenmpi-dev; }
-	$(BIN)/python -m pip install -q "mpi4py==4.1.2"
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "mpi4py==4.1.2"
 	$(BIN)/python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 	touch $(MPI_STAMP)
 
@@ -160,7 +160,7 @@ serve: venv
 # engines with --no-draft; agreement with the HF target reported), tau and speedup; each part says PASS, FAIL or
 # SKIP with the reason (no GPU / tensorrt / tensorrt_llm). At TP > 1 a target whose heads do not split into TP
 # ranks (the demo target) is replaced by a tiny random 8/2-head pair. Other checkpoints or a CUDA
-# python of your own (dflash-trt installed in it: pip install -e .): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
+# python of your own (one with dflash-trt installed): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
 TP ?= 1
 GPU_SMOKE_PYTHON ?= $(BIN)/python
 gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)

@@ -97,8 +97,7 @@ def build_plan(
     typing: str | None = None,
     workspace_gib: float = 4.0,
 ) -> Path:
-    """Build one graph (graphs = (fp32 file, fp16 file)) with one profile `shapes`; shared by the
-    single-sequence and the batched drafter plans."""
+    """Build one graph (graphs = (fp32 file, fp16 file)) with one profile `shapes`."""
     trt = import_tensorrt()
     graph_dir, out_dir = Path(graph_dir), Path(out_dir)
     meta = DrafterGraphMeta.read(graph_dir)

@@ -1,7 +1,7 @@
 """The decoding loop: every active request (a *row*) advances by one step of at most three passes.
 
     step:  prefill(rows that joined)             one target call for their prompts
-           choose block sizes                    the request's own size, the server's, or the policy's
+           choose block sizes                    the request's own size, the policy's, or the decoder's
            draft(rows whose block is >= 2)       ONE drafter call, ragged (own context, own block)
            verify(every running row)             ONE target call, ragged (own length, own block)
            accept / commit / roll back per row   acceptance rule, stop rules, the row's own generator
@@ -14,7 +14,7 @@ one call every verifying row's attention would be padded to the longest prompt. 
 the next step on.
 
 Each row keeps its own sampling generator and draws from it in a fixed order (the first token, then per
-round the drafts' acceptance), so a seeded row with a fixed block size returns the same tokens alone or in
+round the drafts' sampling and their acceptance), so a seeded row with a fixed block size returns the same tokens alone or in
 any batch (up to float rounding of batched matmuls, which can only matter at near-exact ties). With
 adaptive sizes a seed fixes the distribution, not the text.
 """
@@ -375,10 +375,10 @@ class BatchDecoder:
         t1 = self.clock()
         drafts = self._draft(rows, sizes, prof)
         rows, drafts = self._drop_failed(rows, drafts)
-        t2 = self.clock()
+        proposals = [NO_DRAFT if d is None else row.rule.propose(d) for row, d in zip(rows, drafts)]
+        t2 = self.clock()  # drafting: the drafter's pass and drawing the drafts from its output
         if not rows:
             return []
-        proposals = [NO_DRAFT if d is None else row.rule.propose(d) for row, d in zip(rows, drafts)]
         lengths = [self.target_session.length(self._target_row(r)) for r in rows]
         outs = self._verify(rows, proposals, prof)
         t3 = self.clock()
@@ -396,7 +396,7 @@ class BatchDecoder:
             rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
         t4 = self.clock()
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
-        self._observe(rows, proposals, rounds, prof)
+        self._observe(rows, rounds, prof)
         return rounds
 
     # ---- the parts of a round -----------------------------------------------------------
@@ -409,7 +409,8 @@ class BatchDecoder:
         return caps, fixed
 
     def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
-        """Each row's block size this step: its own, else the decoder's size, else the policy's choice.
+        """Each row's block size this step: its own (`GenerationConfig.block_size`), else the adaptive
+        policy's choice, else the decoder's size (which also caps the policy).
 
         The policy prices a row's draft with new_context=1: a row's backlog of features is a sunk cost, paid
         whenever it next drafts whatever the size; charging it would keep a row that skipped drafting from
@@ -496,20 +497,13 @@ class BatchDecoder:
         row.acceptance.update(int(tokens.numel()), accepted)
         return tokens[:accepted].tolist() + [bonus], accepted
 
-    def _observe(
-        self,
-        rows: list[BatchRow],
-        proposals: list[Proposal],
-        rounds: list[tuple[BatchRow, Round]],
-        prof: StepProfile,
-    ) -> None:
+    def _observe(self, rows: list[BatchRow], rounds: list[tuple[BatchRow, Round]], prof: StepProfile) -> None:
         """After a round: probe outcomes per regime, the passes' costs (adaptive only), the step count."""
         probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
-        for row, proposal, (_, committed) in zip(rows, proposals, rounds):
-            drafted = int(proposal.tokens.numel())
-            if row.probe_due and drafted:
+        for row, (_, committed) in zip(rows, rounds):
+            if row.probe_due and committed.drafted:
                 acc, total = probed.get(row.sampled, (0, 0))
-                probed[row.sampled] = (acc + committed.accepted, total + drafted)
+                probed[row.sampled] = (acc + committed.accepted, total + committed.drafted)
         for sampled, (acc, total) in probed.items():
             self.probes.observe(self._steps, sampled, acc, total)
         self._steps += 1

@@ -91,7 +91,7 @@ class GenerationStats:
 class GenerationResult:
     token_ids: list[int]
     text: str | None
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", "cancelled" (client gone, deadline) or "error"
     stats: GenerationStats
 
 

@@ -41,13 +41,14 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.utils.dlpack
 
 from ..formats import CONTEXT_PREFIX, FINAL_HIDDEN_OUTPUT, TARGET_META_FILE, engine_max_context
 from .base import EngineOptions, EngineUnavailable, TargetOutput
+from .rows import PerRowTarget
 
 
 def _executor_module() -> Any:
@@ -334,33 +335,18 @@ class TrtllmSequence:
         """Nothing held here beyond the token list: the executor frees a request's KV blocks when it ends."""
 
 
-class TrtllmTargetSession:
-    """Every row a TrtllmSequence; one `forward` submits all rows' requests before awaiting any."""
+class TrtllmTargetSession(PerRowTarget):
+    """Every row a TrtllmSequence (the generic per-row adapter), except `forward`: it submits every row's
+    request before awaiting any, so the executor's in-flight batching runs them together."""
 
     def __init__(self, engine: TrtllmTargetEngine):
+        super().__init__(lambda: TrtllmSequence(engine))
         self.engine = engine
-        self.rows: dict[int, TrtllmSequence] = {}
-        self._next = 0
-
-    def add_row(self) -> int:
-        row, self._next = self._next, self._next + 1  # never reused: a stale handle fails loudly
-        self.rows[row] = TrtllmSequence(self.engine)
-        return row
 
     def _row(self, row: int) -> TrtllmSequence:
-        if row not in self.rows:
+        if row not in self.sequences:
             raise KeyError(f"no live row {row}")
-        return self.rows[row]
-
-    def remove_row(self, row: int) -> None:
-        self._row(row).close()
-        del self.rows[row]
-
-    def length(self, row: int) -> int:
-        return self._row(row).length
-
-    def rollback(self, row: int, length: int) -> None:
-        self._row(row).rollback(length)
+        return cast(TrtllmSequence, self.sequences[row])
 
     def forward(
         self,

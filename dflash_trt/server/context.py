@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, cast
+from typing import Annotated, cast
 
 from fastapi import Depends, Request
 
@@ -14,9 +14,6 @@ from .metrics import ServerMetrics
 from .scheduler import Orchestrator
 from .schemas import Limits, request_models
 from .tokenizer import with_serialized_tokenizer
-
-if TYPE_CHECKING:
-    from ..decoding import BatchDecoder
 
 
 @dataclass
@@ -43,7 +40,7 @@ log = logging.getLogger("dflash_trt.server")
 
 
 def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecoder:
-    """The batched loop on the loaded engines; with adaptive block sizes, the cost model is measured now."""
+    """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now."""
     from ..decoding.adaptive import measure_costs
 
     target, drafter = decoder.target, decoder.drafter
@@ -74,7 +71,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
 
 
 class Server:
-    """The decoder (tokenizing, limits), its batched loop, the orchestrator stepping it, the metrics, the
+    """The decoder (tokenizing, limits), the serving decoder, the orchestrator stepping it, the metrics, the
     settings, and the limits the request models enforce."""
 
     def __init__(self, decoder: BatchDecoder, settings: ServerSettings):

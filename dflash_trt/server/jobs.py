@@ -63,7 +63,7 @@ async def start_job(
 ) -> Job:
     """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429.
 
-    No engine lock: BatchDecoder.new_row() only validates (the batched loop's rules) and makes the row;
+    No engine lock: BatchDecoder.new_row() only validates (the loop's rules) and makes the row;
     only the orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
     orch = server.orchestrator
 

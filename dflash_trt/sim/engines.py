@@ -143,7 +143,7 @@ class SimTargetSession:
 
 
 class SimTargetEngine:
-    """A simulated BatchTargetEngine: `classes` acceptance classes (prompt's first token mod classes)."""
+    """A simulated TargetEngine: `classes` acceptance classes (prompt's first token mod classes)."""
 
     def __init__(
         self,
@@ -223,7 +223,7 @@ class SimDrafterSession:
 
 
 class SimDrafterEngine:
-    """A simulated BatchDrafterEngine: `profiles[c]` is acceptance class c's profile."""
+    """A simulated DrafterEngine: `profiles[c]` is acceptance class c's profile."""
 
     def __init__(
         self,

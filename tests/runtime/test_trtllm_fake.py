@@ -298,7 +298,7 @@ def test_batched_rollback_is_per_row(fake, tiny):
     ref_b.forward(seq_b[:16])
     torch.testing.assert_close(outs[0].logits, ref_a.forward(seq_a[9:12]).logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(outs[1].logits, ref_b.forward(seq_b[16:18]).logits, atol=1e-4, rtol=1e-4)
-    assert batch.rows[a].salt_changes == 1 and batch.rows[b].salt_changes == 0
+    assert batch.sequences[a].salt_changes == 1 and batch.sequences[b].salt_changes == 0
     assert module.reused[-1] == 16  # row b reused its own prefix (whole blocks of 4)
 
 

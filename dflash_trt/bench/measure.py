@@ -38,20 +38,12 @@ def _sync() -> None:
 
 
 def _median_ms(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return _median_setup_ms(lambda: 0, lambda _: fn(), reps, warmup)
 
 
-def _median_setup_ms(setup: Callable[[], int], fn: Callable[[int], None], reps: int, warmup: int = 2) -> float:
-    """_median_ms for a call that needs fresh state each time: `setup()` (untimed) returns what `fn` takes."""
+def _median_setup_ms(setup: Callable[[], int], fn: Callable[[int], object], reps: int, warmup: int = 2) -> float:
+    """Median ms of `fn(setup())` over `reps` calls after `warmup` ones; `setup()` (fresh state each time: a
+    drafter row holding the context) is not timed."""
     times = []
     for i in range(warmup + reps):
         state = setup()

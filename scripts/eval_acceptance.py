@@ -3,7 +3,9 @@
 
 For each prompt it runs the target alone and DFlash, in alternating order, checks the outputs are
 identical (greedy), and records tau (mean tokens per round, bonus included) and the time ratio.
-Prompts: prefixes of standard-library files the demo models never saw (default), or a prompt file
+Prompts: prefixes of standard-library files the demo models never saw (default); `--prompt-set
+functions`: held-out functions cut after their docstring, each completion checked as code
+(`dflash_trt.bench.quality`: the body parses with two or more real statements); or a prompt file
 from `dflash_trt.train.prompts` (--prompt-file: chat prompts through the chat template, code prompts
 raw, generation stopping at the tokenizer's end tokens), plus --long-prompts N prompts of about
 --long-tokens tokens (held-out file prefixes) to check acceptance holds on long contexts. At
@@ -22,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from dflash_trt.bench.prompts import held_out_code_prompts
+from dflash_trt.bench.prompts import held_out_code_prompts, held_out_function_prompts
+from dflash_trt.bench.quality import check_body
 from dflash_trt.decoding import GenerationConfig
 from dflash_trt.decoding.sampling import SamplingParams
 from dflash_trt.loading import load_decoder
@@ -34,6 +37,19 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=Path, default=DEMO_TARGET)
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER)
     p.add_argument("--prompts", type=int, default=20, help="held-out prompts (default 20)")
+    p.add_argument(
+        "--prompt-set",
+        choices=("prefixes", "functions"),
+        default="prefixes",
+        help="prefixes: the first lines of held-out files; functions: held-out functions' signature and "
+        "docstring, each completion checked as code (default prefixes)",
+    )
+    p.add_argument(
+        "--server-defaults",
+        action="store_true",
+        help="DFlash as `dflash-trt serve` runs it by default: adaptive block sizes from a cost model measured "
+        "at start-up, the drafter's dtype auto (--block-size and --drafter-dtype then do not apply)",
+    )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's trained size")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -65,8 +81,13 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    decoder = load_decoder(args.target, args.drafter, dtype=args.dtype, drafter_dtype_name=args.drafter_dtype)
-    prompts = build_prompts(decoder, args)  # (kind, token ids)
+    drafter_dtype = "auto" if args.server_defaults else args.drafter_dtype
+    decoder = load_decoder(args.target, args.drafter, dtype=args.dtype, drafter_dtype_name=drafter_dtype)
+    if args.server_defaults:
+        from dflash_trt.server.context import ServerSettings, batch_decoder
+
+        decoder, args.block_size = batch_decoder(decoder, ServerSettings()), None
+    prompts = build_prompts(decoder, args)  # (kind, token ids, function head or None)
     greedy = args.temperature == 0
     stops = ()
     if args.prompt_file is not None:
@@ -83,7 +104,7 @@ def main(argv=None) -> int:
     decoder.generate([prompts[0][1]], cfg_spec)  # warm-up (allocations, kernels)
 
     rows, mismatches = [], 0
-    for i, (kind, ids) in enumerate(prompts):
+    for i, (kind, ids, head) in enumerate(prompts):
         order = [("base", cfg_base), ("dflash", cfg_spec)]
         if i % 2:
             order.reverse()  # interleave so drift on a shared machine hits both alike
@@ -117,6 +138,10 @@ def main(argv=None) -> int:
                 "verify_s": round(s.verify_time_s, 4),
             }
         )
+        if head is not None:  # judged on the target's own text (DFlash's is the same at T = 0)
+            text = decoder.tokenizer.decode(runs["base"].token_ids)
+            check = check_body(head, text)
+            rows[-1].update(parses=check.parses, statements=check.statements, is_code=check.is_code, completion=text)
         print(
             f"prompt {i:2d}: tau {rows[-1]['tau']:.2f}  speedup {rows[-1]['speedup']:.2f}x  identical {same}",
             file=sys.stderr,
@@ -127,7 +152,7 @@ def main(argv=None) -> int:
     summary = {
         "prompts": len(rows),
         "max_new_tokens": args.max_new_tokens,
-        "block_size": args.block_size or decoder.drafter.block_size,
+        "block_size": "adaptive" if args.server_defaults else args.block_size or decoder.drafter.block_size,
         "mean_tau": round(statistics.mean(taus), 3),
         "min_tau": min(taus),
         "max_tau": max(taus),
@@ -137,6 +162,11 @@ def main(argv=None) -> int:
             round(sorted(speedups)[(9 * len(speedups)) // 10], 3),
         ],
         "total_time_speedup": round(sum(r["base_s"] for r in rows) / sum(r["dflash_s"] for r in rows), 3),
+        # functions: the share of completions whose body parses with two or more real statements
+        "code_bodies": round(statistics.mean(r["is_code"] for r in rows if "is_code" in r), 3)
+        if any("is_code" in r for r in rows)
+        else None,
+        "server_defaults": args.server_defaults,
         "all_identical": (mismatches == 0) if greedy else None,
         "threads": torch.get_num_threads(),
         "temperature": args.temperature,
@@ -152,39 +182,48 @@ def main(argv=None) -> int:
             for rs in [[r for r in rows if r["kind"] == k]]
         },
     }
-    print("| prompt | kind | prompt tokens | new tokens | tau | speedup | identical |\n|---|---|---|---|---|---|---|")
+    print(
+        "| prompt | kind | prompt tokens | new tokens | tau | speedup | identical | code body |\n"
+        "|---|---|---|---|---|---|---|---|"
+    )
     for r in rows:
+        body = "-" if "is_code" not in r else f"{'yes' if r['is_code'] else 'no'} ({r['statements']} statements)"
         print(
             f"| {r['prompt']} | {r['kind']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['tau']:.2f} | "
-            f"{r['speedup']:.2f}x | {r['identical']} |"
+            f"{r['speedup']:.2f}x | {r['identical']} | {body} |"
         )
     for k, v in summary["by_kind"].items():
         print(f"{k}: {v['prompts']} prompts, mean tau {v['mean_tau']:.2f}, median speedup {v['median_speedup']:.2f}x")
     print(
         f"\nmean tau {summary['mean_tau']:.2f}, median speedup {summary['median_speedup']:.2f}x "
         f"(total-time ratio {summary['total_time_speedup']:.2f}x), identical outputs: {summary['all_identical']}"
+        + ("" if summary["code_bodies"] is None else f", code bodies {100 * summary['code_bodies']:.0f} %")
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"summary": summary, "per_prompt": rows}, indent=1))
     return 0 if mismatches == 0 else 1
 
 
-def build_prompts(decoder, args) -> list[tuple[str, list[int]]]:
+def build_prompts(decoder, args) -> list[tuple[str, list[int], str | None]]:
+    """(kind, token ids, the function head for prompts whose completion is checked as code)."""
     tok = decoder.tokenizer
-    if args.prompt_file is None:
-        prompts = [("code", decoder.encode(t)) for t in held_out_code_prompts(args.prompts)]
-    else:
+    prompts: list[tuple[str, list[int], str | None]]
+    if args.prompt_file is not None:
         from dflash_trt.train.prompts import encode_prompt, load_prompts
 
         chosen = load_prompts(args.prompt_file)[: args.prompts]
-        prompts = [(p.kind, encode_prompt(tok, p)) for p in chosen]
+        prompts = [(p.kind, encode_prompt(tok, p), None) for p in chosen]
+    elif args.prompt_set == "functions":
+        prompts = [("function", decoder.encode(f.text), f.text) for f in held_out_function_prompts(args.prompts)]
+    else:
+        prompts = [("code", decoder.encode(t), None) for t in held_out_code_prompts(args.prompts)]
     if args.long_prompts:
         texts = held_out_code_prompts(args.long_prompts, prefix_chars=args.long_tokens * 6)
         for text in texts:
             ids = decoder.encode(text)
             if len(ids) < args.long_tokens * 0.8:
                 continue  # a file with very long tokens: not long enough
-            prompts.append(("long", ids[: args.long_tokens]))
+            prompts.append(("long", ids[: args.long_tokens], None))
     return prompts
 
 

@@ -118,7 +118,11 @@ def stage_lm(args, name: str) -> None:
         cfg = ar_draft_config(AutoConfig.from_pretrained(args.out / "target"), args.smoke)
         steps, budget = args.ar_steps, args.ar_minutes * 60
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg).float()  # a config read from the fp16 target says fp16
+    init = args.target_init if name == "target" else None
+    if init is not None:  # continue from saved weights with a fresh schedule (the tokenizer must be the same)
+        model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_config(cfg).float()  # a config read from the fp16 target says fp16
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{name}: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers")
     out = args.out / name
@@ -129,8 +133,11 @@ def stage_lm(args, name: str) -> None:
         eval_every=max(10, steps // 20),
         batch_size=4 if args.smoke else 16,
         seq_len=64 if args.smoke else 256,
+        lr=args.target_lr if name == "target" else LMTrainConfig.lr,
     )
-    report = train_lm(model, train, held, train_cfg, log_path=args.cache / f"{name}-history.json")
+    # checkpoints at every evaluation; a run that finds them (same --cache) resumes where it stopped
+    run = args.cache / f"{name}-run"
+    report = train_lm(model, train, held, train_cfg, log_path=args.cache / f"{name}-history.json", checkpoint_dir=run)
     save_fp16(model, out)
     save_portable(tok, out)
     (out / "training.json").write_text(
@@ -138,6 +145,7 @@ def stage_lm(args, name: str) -> None:
             {
                 "data": "CPython stdlib *.py (training split: files whose sha1(relative path) % 10 != 0)",
                 "parameters": n_params,
+                "init": None if init is None else str(init),
                 "train_tokens_seen": report.tokens,
                 "steps": report.steps,
                 "seconds": round(report.seconds),
@@ -203,6 +211,13 @@ def main(argv=None) -> int:
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=700)
     p.add_argument("--target-minutes", type=float, default=30, help="time budget for the target")
+    p.add_argument(
+        "--target-init",
+        type=Path,
+        default=None,
+        help="continue the target from these weights (e.g. models/target) with a fresh schedule",
+    )
+    p.add_argument("--target-lr", type=float, default=LMTrainConfig.lr)
     p.add_argument("--ar-steps", type=int, default=600)
     p.add_argument("--ar-minutes", type=float, default=8)
     p.add_argument("--block-size", type=int, default=8)

@@ -26,8 +26,15 @@ CORPUS = [
 ]
 
 
-def make_tokenizer(out: Path, vocab_size: int = 200) -> PreTrainedTokenizerFast:
-    """A byte-level BPE tokenizer with end-of-text and mask tokens, saved into `out`."""
+# A tiny Jinja chat template, so tests can tell a rendered chat prompt from plain text.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def make_tokenizer(out: Path, vocab_size: int = 200, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with end-of-text and mask tokens (and `chat_template`), saved into `out`."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -39,16 +46,18 @@ def make_tokenizer(out: Path, vocab_size: int = 200) -> PreTrainedTokenizerFast:
     )
     tok.train_from_iterator(CORPUS * 20, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", mask_token="<|mask|>")
+    fast.chat_template = chat_template
     from dflash_trt.models.target import save_portable
 
     save_portable(fast, out)
     return fast
 
 
-def make_text_models(root: Path) -> tuple[Path, Path]:
-    """A tiny Qwen3 target with a BPE tokenizer (text works) and a tiny DFlash drafter (block size 4) whose
-    mask token is the tokenizer's; saved as root/target and root/drafter, which are returned."""
-    tok = make_tokenizer(root / "target")
+def make_text_models(root: Path, chat: bool = True) -> tuple[Path, Path]:
+    """A tiny Qwen3 target with a BPE tokenizer (text works; with `chat`, CHAT_TEMPLATE too) and a tiny
+    DFlash drafter (block size 4) whose mask token is the tokenizer's; saved as root/target and
+    root/drafter, which are returned."""
+    tok = make_tokenizer(root / "target", chat_template=CHAT_TEMPLATE if chat else None)
     target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1)
     make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
     return root / "target", root / "drafter"

@@ -5,11 +5,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-# A tiny Jinja chat template, so tests can tell a rendered chat prompt from plain text.
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-    "{% if add_generation_prompt %}<assistant>{% endif %}"
-)
+from helpers import CHAT_TEMPLATE
+
 CHAT_PRE = "preprocessing_chat"
 
 

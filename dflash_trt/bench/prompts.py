@@ -3,7 +3,11 @@ trained on by the demo models); the others are generic."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
+
 from ..train.data import read_texts, stdlib_files
+from .quality import real_statements
 
 
 def held_out_code_prompts(n: int = 20, prefix_chars: int = 400) -> list[str]:
@@ -48,3 +52,55 @@ def free_text_prompts(n: int = 5) -> list[str]:
 
 
 PROMPT_SETS = {"code": held_out_code_prompts, "repetitive": repetitive_prompts, "free": free_text_prompts}
+
+
+@dataclass(frozen=True)
+class FunctionPrompt:
+    """A held-out function cut after its docstring: the body is the model's to write."""
+
+    source: str  # file (relative to the standard library) and line
+    name: str
+    text: str  # decorators, signature and docstring, dedented to column 0, without the final newline
+    body: str  # the library's own body after it (the reference a check must accept)
+
+
+def held_out_function_prompts(n: int = 40, max_chars: int = 700, per_file: int = 2) -> list[FunctionPrompt]:
+    """n functions from HELD-OUT standard-library files (test suites excluded), at most `per_file` per file,
+    spread evenly over the sorted files: each has a docstring, at most `max_chars` of head, and a real
+    body of two or more statements after it (so a body is a fair thing to ask for). The prompt ends
+    at the docstring's closing quotes: the model writes the newline and indentation itself, as in
+    the text it was trained on."""
+    import ast
+    import sysconfig
+    import textwrap
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    found: list[FunctionPrompt] = []
+    for path in stdlib_files("held-out"):
+        rel = path.relative_to(root).as_posix()
+        if "test" in rel.split("/")[0] or "/test" in rel or "idle_test" in rel:
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (UnicodeDecodeError, SyntaxError, ValueError, OSError):
+            continue
+        lines = text.splitlines(keepends=True)
+        taken = 0
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)) or ast.get_docstring(fn) is None:
+                continue
+            if real_statements(fn.body) < 2 or fn.body[0].end_lineno is None:
+                continue
+            first = (fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno) - 1
+            full = textwrap.dedent("".join(lines[first : fn.end_lineno]))
+            head = "".join(full.splitlines(keepends=True)[: fn.body[0].end_lineno - first]).rstrip("\n")
+            if len(head) <= max_chars and head.startswith(("def ", "async def ", "@")):
+                found.append(FunctionPrompt(f"{rel}:{fn.lineno}", fn.name, head, full[len(head) :]))
+                taken += 1
+                if taken == per_file:
+                    break  # the set spans the library rather than a few long files
+    if len(found) < n:
+        raise ValueError(f"only {len(found)} held-out files have a usable function; asked for {n}")
+    step = len(found) / n
+    return [found[int(i * step)] for i in range(n)]

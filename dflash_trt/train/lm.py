@@ -12,8 +12,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from .common import autocast, make_optimizer, run_steps
+from .common import autocast, load_state, make_optimizer, run_steps, save_state
 from .data import random_windows
+
+STATE_FILE = "trainer_state.pt"  # weights, optimizer, schedule, RNGs, history: all a resumed run needs
 
 
 @dataclass
@@ -58,13 +60,26 @@ def train_lm(
     eval_tokens: np.ndarray,
     cfg: LMTrainConfig,
     log_path: Path | None = None,
+    checkpoint_dir: Path | None = None,
 ) -> LMTrainReport:
+    """Train `model` in place. With `checkpoint_dir`, weights and trainer state are saved there at every
+    evaluation (one file, written aside and then renamed: a run killed mid-save keeps the last whole
+    checkpoint), and a run that finds them resumes: same schedule, same data stream, and the time budget
+    counts the seconds already spent."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     opt, sched = make_optimizer(model.parameters(), cfg.lr, cfg.steps, cfg.warmup_ratio)
     report = LMTrainReport()
+    start_step, spent = 0, 0.0
+    if checkpoint_dir is not None and (checkpoint_dir / STATE_FILE).exists():
+        state = load_state(checkpoint_dir / STATE_FILE, opt, sched)
+        model.load_state_dict(state["model"])
+        gen.set_state(state["data_rng"])
+        start_step, spent = state["step"], state["seconds"]
+        report.steps, report.tokens, report.history = start_step, state["tokens"], state["history"]
+        tqdm.write(f"resuming from step {start_step} ({spent:.0f} s already spent)")
     model.train()
-    start = time.perf_counter()
+    start = time.perf_counter() - spent
 
     def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, Any]]:
         x = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, gen)
@@ -79,24 +94,34 @@ def train_lm(
             "tokens": report.tokens,
             "train_loss": round(running, 4),
             "held_out_loss": round(held_out_loss(model, eval_tokens, cfg), 4),
-            "seconds": round(elapsed, 1),
+            "seconds": round(spent + elapsed, 1),  # run_steps counts this process's seconds only
         }
         report.history.append(entry)
         tqdm.write(json.dumps(entry))
         if log_path is not None:
             log_path.write_text(json.dumps(report.history, indent=1))
+        if checkpoint_dir is not None:
+            checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            extra = {
+                "model": model.state_dict(),
+                "data_rng": gen.get_state(),
+                "seconds": spent + elapsed,
+                "tokens": report.tokens,
+                "history": report.history,
+            }
+            save_state(checkpoint_dir / STATE_FILE, step, opt, sched, extra)
 
     run_steps(
         model.parameters(),
         opt,
         sched,
         step_fn,
-        start=0,
+        start=start_step,
         total=cfg.steps,
         clip=cfg.clip,
         every=cfg.eval_every,
         on_every=on_every,
-        time_budget_s=cfg.time_budget_s,
+        time_budget_s=None if cfg.time_budget_s is None else cfg.time_budget_s - spent,
     )
     report.seconds = time.perf_counter() - start
     model.eval()

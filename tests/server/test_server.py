@@ -11,7 +11,7 @@ import time
 import httpx
 import openai
 import pytest
-from helpers import FaultyDrafter, generate_one
+from helpers import FaultyDrafter, generate_one, make_text_models
 from server_harness import FaultyTarget, GatedTarget, metric, running_server, scrape, server_fixtures, sse_events
 
 from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
@@ -444,16 +444,24 @@ def test_tiny_temperature_is_greedy_not_nan(server, reference):
     assert r.status_code == 200 and r.json()["token_ids"] == reference("import os", 6).token_ids
 
 
-def test_chat_prompt_uses_the_template_when_there_is_one(models):
-    decoder = load_decoder(models[0], None)
-    messages = [{"role": "user", "content": "hi"}]
-    fallback = decoder.tokenizer.decode(chat_prompt_ids(decoder, messages))
-    assert fallback == "user: hi\nassistant:"
-    decoder.tokenizer.chat_template = (
-        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
-        "{% if add_generation_prompt %}<assistant>{% endif %}"
+def test_chat_prompt_uses_the_template(decoder):
+    assert (
+        decoder.tokenizer.decode(chat_prompt_ids(decoder, [{"role": "user", "content": "hi"}])) == "<user>hi<assistant>"
     )
-    assert decoder.tokenizer.decode(chat_prompt_ids(decoder, messages)) == "<user>hi<assistant>"
+
+
+def test_chat_without_a_template_is_refused_and_points_to_completions(tmp_path):
+    """A completion model (no chat template) answers chat with a 400 naming /v1/completions, as vLLM
+    does, rather than inventing a `role: content` format it never saw; completions still serve."""
+    decoder = load_decoder(*make_text_models(tmp_path, chat=False))
+    with running_server(decoder) as (url, _):
+        r = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "no chat template" in err["message"] and "/v1/completions" in err["message"]
+        assert err["param"] == "messages" and err["type"] == "invalid_request_error"
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "def f(x):", "max_tokens": 3}, timeout=30)
+        assert ok.status_code == 200
 
 
 @pytest.mark.parametrize(

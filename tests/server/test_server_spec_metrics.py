@@ -84,16 +84,17 @@ def test_vllm_counters_agree_with_ours_after_one_request(server, decoder):
 
 
 def test_per_request_stats_only_when_asked(server):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 0, "block_size": 2}
-    plain = httpx.post(server + "/v1/chat/completions", json=body, timeout=60).json()
+    # completions: the demo target is a completion model (chat is refused without a chat template)
+    body = {"prompt": "def add(a, b):", "max_tokens": 6, "temperature": 0, "block_size": 2}
+    plain = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
     assert "metrics" not in plain
-    summary = httpx.post(server + "/v1/chat/completions", json={**body, "spec_decode_metrics": "summary"}, timeout=60)
+    summary = httpx.post(server + "/v1/completions", json={**body, "spec_decode_metrics": "summary"}, timeout=60)
     sd = summary.json()["metrics"]["speculative_decoding"]
     assert "per_step_accepted" not in sd and 0 < sd["num_spec_steps"] <= summary.json()["spec"]["rounds"]
-    bad = httpx.post(server + "/v1/chat/completions", json={**body, "spec_decode_metrics": "all"}, timeout=60)
+    bad = httpx.post(server + "/v1/completions", json={**body, "spec_decode_metrics": "all"}, timeout=60)
     assert bad.status_code == 400
     target_alone = httpx.post(
-        server + "/v1/chat/completions", json={**body, "block_size": 1, "spec_decode_metrics": "summary"}, timeout=60
+        server + "/v1/completions", json={**body, "block_size": 1, "spec_decode_metrics": "summary"}, timeout=60
     ).json()["metrics"]["speculative_decoding"]
     assert target_alone["num_spec_steps"] == 0 and target_alone["draft_acceptance_rate"] is None
     assert target_alone["mean_acceptance_length"] == 1.0

@@ -305,3 +305,34 @@ def test_drafter_config_carries_rope_theta_at_the_top_level(tmp_path):
     raw = json.loads((tmp_path / "config.json").read_text())
     assert raw["rope_theta"] == 100000.0 and raw["rope_parameters"]["rope_theta"] == 100000.0
     assert DFlashDrafter.from_pretrained(tmp_path).config.rope_parameters["rope_theta"] == 100000.0
+
+
+def test_lm_training_resumes_where_it_stopped(tmp_path, monkeypatch):
+    """A run killed after its step-4 checkpoint and resumed ends with the same weights as one run
+    straight through: weights, optimizer, schedule and the data stream are all restored."""
+    import dflash_trt.train.lm as lm
+
+    tokens = np.random.default_rng(0).integers(0, 60, 4000).astype(np.uint16)
+    cfg = lm.LMTrainConfig(steps=8, batch_size=2, seq_len=16, eval_every=2, eval_batches=1, bf16=False)
+    straight = make_tiny_target()
+    lm.train_lm(straight, tokens, tokens, cfg)
+
+    real, calls = lm.held_out_loss, []
+
+    def killed_at_third_evaluation(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # step 6, before its checkpoint: the step-4 one is the last
+        return real(*args)
+
+    monkeypatch.setattr(lm, "held_out_loss", killed_at_third_evaluation)
+    try:
+        lm.train_lm(make_tiny_target(), tokens, tokens, cfg, checkpoint_dir=tmp_path)
+    except KeyboardInterrupt:
+        pass
+    monkeypatch.setattr(lm, "held_out_loss", real)
+    resumed = make_tiny_target()
+    report = lm.train_lm(resumed, tokens, tokens, cfg, checkpoint_dir=tmp_path)
+    assert report.steps == 8 and [h["step"] for h in report.history] == [2, 4, 6, 8]
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)

@@ -105,7 +105,7 @@ def router(models: RequestModels) -> APIRouter:
 
     @r.post(
         "/chat/completions",
-        summary="chat completion (OpenAI), text messages only",
+        summary="chat completion (OpenAI), text messages only; a 400 for a model without a chat template",
         response_model=None,  # what FastAPI infers without a return annotation
         responses=streamed(
             ChatCompletion,
@@ -208,8 +208,8 @@ def _max_tokens(server: Server, asked: int | None, default: int, prompt_len: int
 
 
 def chat_prompt_ids(decoder: BatchDecoder, messages: list[dict[str, str]]) -> list[int]:
-    """The tokenizer's chat template when it has one; otherwise `role: content` lines then `assistant:`
-    (dflash_trt.decoding.prompting, shared with the Triton preprocessing model)."""
+    """The messages rendered by the tokenizer's chat template (dflash_trt.decoding.prompting, shared with
+    the Triton preprocessing model); a 400 pointing to /v1/completions when the model has none."""
     tok = decoder.tokenizer
     if tok is None:
         raise InputError("chat needs a tokenizer; this target has none (use /v1/completions with token ids)")

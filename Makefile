@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo eval engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -91,7 +91,15 @@ test: venv triton-env deploy-env mpi-env
 
 # One generation on the demo models (models/), printed as JSON with its statistics.
 demo: venv
-	$(BIN)/dflash-trt generate --prompt "def fibonacci(n):" --max-new-tokens 64 --json
+	$(BIN)/dflash-trt generate --prompt "$$(printf 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""')" \
+		--max-new-tokens 64 --json
+
+# The demo pair on 40 held-out functions (signature + docstring, greedy, 96 new tokens) at the server's defaults:
+# the share of completions whose body parses with two or more real statements, tau and speedup against the target
+# alone, every output compared with the target's (results/quality.json; figures in models/README.md).
+eval: venv
+	$(BIN)/python scripts/eval_acceptance.py --prompt-set functions --prompts 40 --max-new-tokens 96 \
+		--server-defaults --out results/quality.json
 
 # Every engine this machine supports, from engines.toml (CPU: ONNX drafter + PyTorch target; GPU: TensorRT /
 # TensorRT-LLM too) into engines/ with engines/manifest.json. Unchanged inputs: nothing is rebuilt.
@@ -122,7 +130,7 @@ bench: venv
 	$(BIN)/dflash-trt bench --profile --out $(BENCH_OUT)
 	$(BIN)/dflash-trt bench --out $(BENCH_OUT) --max-minutes 12 $(BENCH_ARGS)
 
-# NVIDIA's aiperf against `dflash-trt serve` on the demo models: chat and completions, streaming, a short
+# NVIDIA's aiperf against `dflash-trt serve` on the demo models: completions, streaming, a short
 # run (16 requests each, concurrency 4, 64 tokens in and out). Writes aiperf's exports and
 # results/bench-serve/summary.json. aiperf gets its own venv: it pins prometheus-client and
 # huggingface-hub below the main venv's. More: make bench-serve BENCH_SERVE_ARGS="--requests 64 --concurrency 8"

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""NVIDIA's aiperf against `dflash-trt serve`: a short run on the OpenAI chat and completions endpoints,
-streaming, as a new user would benchmark the server with a client nobody here wrote.
+"""NVIDIA's aiperf against `dflash-trt serve`: a short run on the OpenAI completions endpoint (and chat, for a
+target with a chat template: `--endpoints chat,completions`), streaming, as a new user would benchmark the
+server with a client nobody here wrote.
 
 Starts `dflash-trt serve --port 0` on the demo models (or --target/--drafter), runs `aiperf profile`
 once per endpoint (synthetic prompts, fixed seed, greedy, ignore_eos so every request generates its
@@ -36,7 +37,12 @@ def main(argv=None) -> int:
     ap.add_argument("--aiperf", default=str(REPO / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
     ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
     ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
-    ap.add_argument("--endpoints", default="chat,completions", help="aiperf endpoint types (default: both)")
+    ap.add_argument(
+        "--endpoints",
+        default="completions",
+        help="aiperf endpoint types, comma-separated (default completions: the demo target has no chat template, "
+        "so chat answers 400; chat,completions for a target with one)",
+    )
     ap.add_argument("--requests", type=int, default=16, help="requests per endpoint (default 16)")
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests (default 4)")
     ap.add_argument("--isl", type=int, default=64, help="synthetic prompt tokens (default 64)")

@@ -119,12 +119,19 @@ def stage_lm(args, name: str) -> None:
         steps, budget = args.ar_steps, args.ar_minutes * 60
     torch.manual_seed(0)
     init = args.target_init if name == "target" else None
+    init_record = None
     if init is not None:  # continue from saved weights with a fresh schedule (the tokenizer must be the same)
         model = AutoModelForCausalLM.from_pretrained(init, dtype=torch.float32)
+        if (init / "training.json").is_file():
+            init_record = json.loads((init / "training.json").read_text())
+        if model.config.vocab_size != len(tok):
+            raise SystemExit(
+                f"--target-init {init}: vocabulary {model.config.vocab_size}, the tokenizer has {len(tok)}"
+            )
     else:
         model = AutoModelForCausalLM.from_config(cfg).float()  # a config read from the fp16 target says fp16
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {n_params / 1e6:.2f}M parameters, {cfg.num_hidden_layers} layers")
+    print(f"{name}: {n_params / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers")
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     train_cfg = LMTrainConfig(
@@ -135,8 +142,9 @@ def stage_lm(args, name: str) -> None:
         seq_len=64 if args.smoke else 256,
         lr=args.target_lr if name == "target" else LMTrainConfig.lr,
     )
-    # checkpoints at every evaluation; a run that finds them (same --cache) resumes where it stopped
-    run = args.cache / f"{name}-run"
+    # checkpoints at every evaluation; a run that finds them (same --cache) resumes where it stopped. A
+    # continuation has its own folder, so that it never resumes the run it continues
+    run = args.cache / (f"{name}-run" if init is None else f"{name}-run-continued")
     report = train_lm(model, train, held, train_cfg, log_path=args.cache / f"{name}-history.json", checkpoint_dir=run)
     save_fp16(model, out)
     save_portable(tok, out)
@@ -145,7 +153,8 @@ def stage_lm(args, name: str) -> None:
             {
                 "data": "CPython stdlib *.py (training split: files whose sha1(relative path) % 10 != 0)",
                 "parameters": n_params,
-                "init": None if init is None else str(init),
+                # a continuation keeps the record of the run it continued (its steps, tokens and loss curve)
+                "init": None if init is None else {"path": str(init), "training": init_record},
                 "train_tokens_seen": report.tokens,
                 "steps": report.steps,
                 "seconds": round(report.seconds),

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..train.data import read_texts, stdlib_files
-from .quality import real_statements
+from .quality import check_body, real_statements
 
 
 def held_out_code_prompts(n: int = 20, prefix_chars: int = 400) -> list[str]:
@@ -95,12 +95,14 @@ def held_out_function_prompts(n: int = 40, max_chars: int = 700, per_file: int =
             first = (fn.decorator_list[0].lineno if fn.decorator_list else fn.lineno) - 1
             full = textwrap.dedent("".join(lines[first : fn.end_lineno]))
             head = "".join(full.splitlines(keepends=True)[: fn.body[0].end_lineno - first]).rstrip("\n")
-            if len(head) <= max_chars and head.startswith(("def ", "async def ", "@")):
-                found.append(FunctionPrompt(f"{rel}:{fn.lineno}", fn.name, head, full[len(head) :]))
+            prompt = FunctionPrompt(f"{rel}:{fn.lineno}", fn.name, head, full[len(head) :])
+            if len(head) <= max_chars and head.startswith(("def ", "async def ", "@")) and head.endswith(('"', "'")):
+                if check_body(head, prompt.body).is_code:  # the library's own body passes (a fair question)
+                    found.append(prompt)
                 taken += 1
                 if taken == per_file:
                     break  # the set spans the library rather than a few long files
     if len(found) < n:
-        raise ValueError(f"only {len(found)} held-out files have a usable function; asked for {n}")
+        raise ValueError(f"only {len(found)} usable held-out functions; asked for {n}")
     step = len(found) / n
     return [found[int(i * step)] for i in range(n)]

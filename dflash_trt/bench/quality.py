@@ -3,11 +3,12 @@ function's head (signature and docstring), the generated body must parse and hol
 statements.
 
 Rules, so the figure means one thing:
-- the body is the completion up to the first non-blank line at column 0 (the function ended; the
-  head is dedented, so its `def` is at column 0); text after the function is not judged;
-- when the function did not end within the tokens allowed, the last lines may be incomplete: the
-  body is cut back line by line to the longest prefix that parses (a function that ended must
-  parse whole);
+- the body is the completion up to the first line of code at column 0 (the function ended; the
+  head is dedented, so its `def` is at column 0; blank lines and comments do not end it); text after
+  the function is not judged;
+- when the function did not end within the tokens allowed, its last statement may be incomplete:
+  if the body does not parse whole, that statement (from the last line at the body's own
+  indentation on) is dropped, and only it. A function that ended must parse whole;
 - "parses" is what Python accepts: `compile()`, so a duplicate argument name or a `return` outside
   a function fails too, not only the grammar;
 - real statements are the body's statements, those nested in `if` / `for` / `with` / `try` included,
@@ -19,6 +20,7 @@ Rules, so the figure means one thing:
 from __future__ import annotations
 
 import ast
+import warnings
 from dataclasses import dataclass
 
 
@@ -57,19 +59,30 @@ def check_body(head: str, completion: str) -> BodyCheck:
     """`head`: the prompt (a function's decorators, signature and docstring at column 0);
     `completion`: the model's text after it."""
     lines = completion.split("\n")
-    end = next((i for i, line in enumerate(lines) if i > 0 and line.strip() and not line[0].isspace()), None)
+    code = [i for i, line in enumerate(lines) if line.strip() and not line.lstrip().startswith("#")]
+    end = next((i for i in code if i > 0 and not lines[i][0].isspace()), None)
     body = lines if end is None else lines[:end]
-    for keep in range(len(body), 0, -1) if end is None else (len(body),):
-        fn = _parse_function(head + "\n".join(body[:keep]))
+    keep = [len(body)]
+    if end is None and code:  # cut by the token limit: the last statement may be cut too
+        base = _indent(lines[code[0]])
+        keep += [max(i for i in code if _indent(lines[i]) == base)]
+    for k in keep:
+        fn = _parse_function(head + "\n".join(body[:k]))
         if fn is not None:
             return BodyCheck(True, real_statements(fn.body), end is not None)
     return BodyCheck(False, 0, end is not None)
 
 
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
 def _parse_function(source: str) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
     try:
-        compile(source, "<completion>", "exec", dont_inherit=True)  # what the grammar misses, the compiler sees
-        tree = ast.parse(source)
+        with warnings.catch_warnings():  # a generated "\d" is a SyntaxWarning, not this check's business
+            warnings.simplefilter("ignore")
+            compile(source, "<completion>", "exec", dont_inherit=True)  # what the grammar misses, the compiler sees
+            tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return None
     fn = tree.body[0] if tree.body else None

@@ -16,6 +16,7 @@ from .common import autocast, load_state, make_optimizer, run_steps, save_state
 from .data import random_windows
 
 STATE_FILE = "trainer_state.pt"  # weights, optimizer, schedule, RNGs, history: all a resumed run needs
+RESUME_KEYS = ("steps", "batch_size", "seq_len", "lr", "warmup_ratio", "seed")  # a resumed run must match them
 
 
 @dataclass
@@ -65,7 +66,7 @@ def train_lm(
     """Train `model` in place. With `checkpoint_dir`, weights and trainer state are saved there at every
     evaluation (one file, written aside and then renamed: a run killed mid-save keeps the last whole
     checkpoint), and a run that finds them resumes: same schedule, same data stream, and the time budget
-    counts the seconds already spent."""
+    counts the seconds spent up to that checkpoint."""
     torch.manual_seed(cfg.seed)
     gen = torch.Generator().manual_seed(cfg.seed)
     opt, sched = make_optimizer(model.parameters(), cfg.lr, cfg.steps, cfg.warmup_ratio)
@@ -73,6 +74,9 @@ def train_lm(
     start_step, spent = 0, 0.0
     if checkpoint_dir is not None and (checkpoint_dir / STATE_FILE).exists():
         state = load_state(checkpoint_dir / STATE_FILE, opt, sched)
+        saved = {k: state.get("config", {}).get(k) for k in RESUME_KEYS}
+        if saved != {k: getattr(cfg, k) for k in RESUME_KEYS}:
+            raise ValueError(f"{checkpoint_dir} holds a run with other settings ({saved}): use another folder")
         model.load_state_dict(state["model"])
         gen.set_state(state["data_rng"])
         start_step, spent = state["step"], state["seconds"]
@@ -108,9 +112,16 @@ def train_lm(
                 "seconds": spent + elapsed,
                 "tokens": report.tokens,
                 "history": report.history,
+                "config": {k: getattr(cfg, k) for k in RESUME_KEYS},
             }
             save_state(checkpoint_dir / STATE_FILE, step, opt, sched, extra)
 
+    budget_left = None if cfg.time_budget_s is None else cfg.time_budget_s - spent
+    if budget_left is not None and budget_left <= 0:
+        tqdm.write(f"the time budget ({cfg.time_budget_s:.0f} s) is spent: nothing to resume")
+        model.eval()
+        report.seconds = spent
+        return report
     run_steps(
         model.parameters(),
         opt,
@@ -121,7 +132,7 @@ def train_lm(
         clip=cfg.clip,
         every=cfg.eval_every,
         on_every=on_every,
-        time_budget_s=None if cfg.time_budget_s is None else cfg.time_budget_s - spent,
+        time_budget_s=budget_left,
     )
     report.seconds = time.perf_counter() - start
     model.eval()

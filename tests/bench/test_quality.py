@@ -34,6 +34,10 @@ def test_a_body_cut_by_the_token_limit_is_judged_on_what_parses():
     c = check_body(HEAD, "\n    x = w * h\n    y = x + 1\n    return foo(x,")
     assert c.parses and not c.ended and c.statements == 2 and c.is_code
     assert check_body(HEAD, "\n  x = (").statements == 0  # cut back to the docstring alone: no body
+    # only the last statement may go: garbage before it is not cut away
+    assert not check_body(HEAD, "\n    x = 1\n    y = 2\n    )(\n    z = 3\n    return f(").parses
+    # a comment at column 0 does not end the function
+    assert check_body(HEAD, "\n    x = 1\n# note\n    return x\n\nprint(2)\n").statements == 2
 
 
 def test_function_prompts_are_held_out_heads_that_end_at_the_docstring():

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import make_tokenizer
+from helpers import CHAT_TEMPLATE, make_tokenizer
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.server.process import start_serve
@@ -27,7 +27,7 @@ SEED = 20261130
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("schemathesis")
-    tok = make_tokenizer(root / "target")
+    tok = make_tokenizer(root / "target", chat_template=CHAT_TEMPLATE)  # chat is served (a model without one: 400)
     target = make_tiny_target(root / "target", vocab_size=len(tok), layers=4, seed=1, max_position_embeddings=CONTEXT)
     make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4, mask_token_id=tok.mask_token_id)
     proc, url = start_serve(

@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 from tiny_models import make_tiny_target
 
@@ -336,3 +337,7 @@ def test_lm_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert report.steps == 8 and [h["step"] for h in report.history] == [2, 4, 6, 8]
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+    with pytest.raises(ValueError, match="other settings"):  # another schedule never resumes this one
+        lm.train_lm(
+            make_tiny_target(), tokens, tokens, lm.LMTrainConfig(**{**vars(cfg), "steps": 9}), checkpoint_dir=tmp_path
+        )

@@ -1,6 +1,7 @@
 """The training entry points run end to end at CI size: the demo-model script and the CLI."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,21 @@ def test_demo_script_smoke(tmp_path):
     # lr ~0: the continued drafter is the first one (fp16 on disk both times), not a new warm start
     assert all(torch.allclose(first[k], continued[k], atol=1e-3) for k in first)
     assert json.loads((tmp_path / "models" / "drafter" / "training.json").read_text())["config"]["kd_weight"] == 0.5
+
+    # continuing the target: its weights and its training record carried over; run again with the same cache,
+    # the checkpoint is found and the run resumes instead of starting over
+    first_record = json.loads((tmp_path / "models" / "target" / "training.json").read_text())
+    target_again = [sys.executable, "scripts/make_demo_models.py", "--smoke", "--threads", "1", "--stages", "target"]
+    target_again += ["--out", tmp_path / "more", "--cache", tmp_path / "cache3"]
+    target_again += ["--target-init", tmp_path / "models" / "target"]
+    (tmp_path / "more").mkdir()
+    shutil.copytree(tmp_path / "models" / "target", tmp_path / "more" / "target")  # the tokenizer stage's output
+    run(target_again)
+    record = json.loads((tmp_path / "more" / "target" / "training.json").read_text())
+    assert record["init"]["training"]["history"] == first_record["history"] and record["steps"] == 6
+    assert (tmp_path / "cache3" / "target-run-continued" / "trainer_state.pt").is_file()
+    again = run(target_again)
+    assert "resuming from step 6" in again.stderr + again.stdout
 
 
 def test_train_drafter_cli_smoke(tmp_path):

@@ -22,20 +22,13 @@ def run(cmd, timeout=600):
     return proc
 
 
+def demo_script(*args):
+    """scripts/make_demo_models.py at CI size (--smoke, one thread) with `args`."""
+    return run([sys.executable, "scripts/make_demo_models.py", "--smoke", "--threads", "1", *args])
+
+
 def test_demo_script_smoke(tmp_path):
-    run(
-        [
-            sys.executable,
-            "scripts/make_demo_models.py",
-            "--smoke",
-            "--threads",
-            "1",
-            "--out",
-            tmp_path / "models",
-            "--cache",
-            tmp_path / "cache",
-        ]
-    )
+    demo_script("--out", tmp_path / "models", "--cache", tmp_path / "cache")
     for name in ("target", "drafter", "ar-draft"):
         assert (tmp_path / "models" / name / "config.json").exists(), name
     drafter = DFlashDrafter.from_pretrained(tmp_path / "models" / "drafter")
@@ -61,28 +54,9 @@ def test_demo_script_smoke(tmp_path):
     # continuing the drafter: its weights, new data (other prompt seed, regenerated into a new cache
     # folder), distillation on; the first run's drafter is where training starts
     first = {k: v.clone() for k, v in drafter.state_dict().items()}
-    run(
-        [
-            sys.executable,
-            "scripts/make_demo_models.py",
-            "--smoke",
-            "--threads",
-            "1",
-            "--stages",
-            "drafter",
-            "--out",
-            tmp_path / "models",
-            "--cache",
-            tmp_path / "cache2",
-            "--regen-seed",
-            "2",
-            "--drafter-init",
-            tmp_path / "models" / "drafter",
-            "--drafter-kd-weight",
-            "0.5",
-            "--drafter-lr",
-            "1e-9",
-        ]
+    demo_script(
+        *("--stages", "drafter", "--out", tmp_path / "models", "--cache", tmp_path / "cache2", "--regen-seed", "2"),
+        *("--drafter-init", tmp_path / "models" / "drafter", "--drafter-kd-weight", "0.5", "--drafter-lr", "1e-9"),
     )
     assert (tmp_path / "cache2" / "regenerated-seed2.npy").exists()
     assert json.loads((tmp_path / "cache2" / "drafter-run-continued" / "init.json").read_text())["drafter_init"]
@@ -94,16 +68,15 @@ def test_demo_script_smoke(tmp_path):
     # continuing the target: its weights and its training record carried over; run again with the same cache,
     # the checkpoint is found and the run resumes instead of starting over
     first_record = json.loads((tmp_path / "models" / "target" / "training.json").read_text())
-    target_again = [sys.executable, "scripts/make_demo_models.py", "--smoke", "--threads", "1", "--stages", "target"]
-    target_again += ["--out", tmp_path / "more", "--cache", tmp_path / "cache3"]
-    target_again += ["--target-init", tmp_path / "models" / "target"]
+    target_again = ("--stages", "target", "--out", tmp_path / "more", "--cache", tmp_path / "cache3")
+    target_again += ("--target-init", tmp_path / "models" / "target")
     (tmp_path / "more").mkdir()
     shutil.copytree(tmp_path / "models" / "target", tmp_path / "more" / "target")  # the tokenizer stage's output
-    run(target_again)
+    demo_script(*target_again)
     record = json.loads((tmp_path / "more" / "target" / "training.json").read_text())
     assert record["init"]["training"]["history"] == first_record["history"] and record["steps"] == 6
     assert (tmp_path / "cache3" / "target-run-continued" / "trainer_state.pt").is_file()
-    again = run(target_again)
+    again = demo_script(*target_again)
     assert "resuming from step 6" in again.stderr + again.stdout
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the adaptive block-size policy per step: `choose_blocks` (exact, Dinkelbach) against the previous
+"""Cost of the adaptive block-size policy per step: `choose_blocks` (the sorted-increment sweep) against the previous
 coordinate ascent (kept here as the baseline), at several batch sizes, on random acceptance rates and a
 CPU-like and a GPU-like cost model. Prints a table (median milliseconds per call) and the rate each reaches.
 """

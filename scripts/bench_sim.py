@@ -46,39 +46,61 @@ def requests_for(c: int, scale: float) -> int:
     return max(round(32 * scale), round(scale * 2 * c))
 
 
+def run_cell(cell: tuple[str, str, int, str, int, str, int]) -> dict:
+    """One closed-loop cell (a worker process's unit of work): gpu, model, tp, workload, concurrency, policy,
+    requests."""
+    gpu, model, tp, wl, c, policy, n = cell
+    t0 = time.perf_counter()
+    r = simulate(ProfileCost(gpu, model, tp), workload(wl), policy, concurrency=c, requests=n)
+    item = {
+        "gpu": gpu,
+        "model": model,
+        "tp": tp,
+        "workload": wl,
+        "policy": policy,
+        "concurrency": c,
+        "requests": r.requests,
+        "tokens_per_s": round(r.tokens_per_s, 1),
+        "ttft_ms": {k: round(1e3 * v, 1) for k, v in r.ttft_s.items()},
+        "itl_ms": {k: round(1e3 * v, 2) for k, v in r.itl_s.items()},
+        "goodput_rps": round(r.goodput_rps, 3),
+        "mean_block": round(r.mean_block, 2),
+        "tau": round(r.tau, 2),
+        "steps": r.steps,
+        "wall_s": round(time.perf_counter() - t0, 2),
+    }
+    if policy == "adaptive":
+        item["policy_cpu_s_per_step"] = r.policy_cpu_s_per_step
+        item["simulated_step_s"] = r.simulated_step_s
+    return item
+
+
+def _one_thread() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def sweep(args) -> list[dict]:
-    runs = []
-    for gpu, model, tp in args.setups:
-        cost = ProfileCost(gpu, model, tp)
-        for wl in args.workloads:
-            work = workload(wl)
-            for c in args.concurrency:
-                for policy in args.policies:
-                    t0 = time.perf_counter()
-                    r = simulate(cost, work, policy, concurrency=c, requests=requests_for(c, args.scale))
-                    item = {
-                        "gpu": gpu,
-                        "model": model,
-                        "tp": tp,
-                        "workload": wl,
-                        "policy": policy,
-                        "concurrency": c,
-                        "requests": r.requests,
-                        "tokens_per_s": round(r.tokens_per_s, 1),
-                        "ttft_ms": {k: round(1e3 * v, 1) for k, v in r.ttft_s.items()},
-                        "itl_ms": {k: round(1e3 * v, 2) for k, v in r.itl_s.items()},
-                        "goodput_rps": round(r.goodput_rps, 3),
-                        "mean_block": round(r.mean_block, 2),
-                        "tau": round(r.tau, 2),
-                        "steps": r.steps,
-                        "wall_s": round(time.perf_counter() - t0, 2),
-                    }
-                    if policy == "adaptive":
-                        item["policy_cpu_s_per_step"] = r.policy_cpu_s_per_step
-                        item["simulated_step_s"] = r.simulated_step_s
-                    runs.append(item)
-                    print(json.dumps(item), flush=True)
-    return runs
+    """Every cell, on `args.jobs` processes (the cells are independent; the largest first, so that the pool
+    ends together). Each process runs one simulation at a time on one core: the policy's CPU time per step
+    is its own thread's."""
+    import multiprocessing
+
+    cells = [
+        (gpu, model, tp, wl, c, policy, requests_for(c, args.scale))
+        for gpu, model, tp in args.setups
+        for wl in args.workloads
+        for c in args.concurrency
+        for policy in args.policies
+    ]
+    order = sorted(range(len(cells)), key=lambda i: -cells[i][4])
+    runs: list[dict | None] = [None] * len(cells)
+    with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=_one_thread) as pool:
+        for i, item in zip(order, pool.imap(run_cell, [cells[i] for i in order])):
+            runs[i] = item
+            print(json.dumps(item), flush=True)
+    return [r for r in runs if r is not None]
 
 
 def poisson(args) -> list[dict]:
@@ -496,6 +518,7 @@ def main() -> None:
     ap.add_argument("--reduced", action="store_true", help="concurrency 1/8/32/256, half the requests")
     ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
     ap.add_argument("--load-results", type=Path, default=ROOT / "results" / "load" / "results.json")
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)")
     args = ap.parse_args()
     if args.readme_only:
         return rewrite_readme(args.out)

@@ -5,38 +5,40 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
     time   = target(R, sum_r B_r) + [any row drafts] * drafter(D, sum_{r drafts} (B_r + n_r))
     tokens = sum_r E(alpha_r, B_r),  E(alpha, B) = 1 + alpha + ... + alpha^(B-1)
 
-`target` and `drafter` are linear cost models (fixed + per row + per token; the target's one-token pass, a
-request alone not drafting, measured apart: see `LinearCost`), fitted from timed passes at
-start-up (`measure_costs`), each scaled by a running correction from the passes the decoder really runs
-(`CostModel.observe`; or refitted from them, `refit`). E is the expected
-committed tokens of a round when each draft position is accepted with probability alpha given the ones
-before it (the bonus token included). alpha_r is each row's running estimate (`AcceptanceTracker`): accepted
-drafts over accepted + rejections, with decay, so a row whose drafts keep failing drafts less; a row that
-does not draft drifts back towards the prior, so it is tried again later. A compute-bound batch (large
-per-token cost) gets shorter blocks because the same extra tokens cost more time.
+`target` and `drafter` are cost models fitted from timed passes at start-up (`measure_costs`): fixed + per row
++ a token term, which is a line (a CPU's), a line that bends once at a knee, or, on a GPU, a curve measured
+over a sweep of token counts (its matrices run in tiles, so 136 tokens cost a third more than 128); the
+target's one-token pass, a request alone not drafting, is measured apart (see `LinearCost`). Each is
+corrected by the passes the decoder really runs (`CostModel.observe`; or refitted from them, `refit`). E is
+the expected committed tokens of a round when each draft position is accepted with probability alpha given
+the ones before it (the bonus token included). alpha_r is each row's running estimate (`AcceptanceTracker`):
+accepted drafts over accepted + rejections, with decay, so a row whose drafts keep failing drafts less; a
+row that does not draft drifts back towards the prior, so it is tried again later. A compute-bound batch
+(large per-token cost) gets shorter blocks because the same extra tokens cost more time.
 
-`choose_blocks` finds the exact maximum of tokens / time. Both are sums over rows plus costs shared by the
-step, and the only coupling between rows is the drafter's fixed cost, paid once if any row drafts. So it
-solves two cases and keeps the better: "nobody drafts" (every free row at 1), and "the drafter runs", a
-ratio of separable sums maximised by Dinkelbach's iteration: given the best rate lam so far, each row
-independently takes the size maximising E(alpha_r, B) - lam * (its share of the time), and lam becomes the
-rate of that choice, until it stops rising (finitely many steps, each raising lam). One step
-is O(rows x block) arithmetic (scripts/bench_choose_blocks.py times it).
-Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts its whole
-block (its largest size): the backlog it makes the drafter take in costs the same whatever the size, and a
-block of 2 would measure one position (at T=1 a hit half the time, whether drafting pays or not).
+`choose_blocks` maximises tokens / time. Every way a row can grow its block is an increment of expected
+tokens and seconds; sorted by tokens per second, the prefixes of that list are the candidate choices, each
+rated at the true step time (the drafter's fixed cost paid once if any row drafts), and the best is kept
+against "nobody drafts" (every free row at 1). With a line the best choice is such a prefix (Dinkelbach's
+optimality condition: the increments that beat the optimal rate), so the choice is exact; with a bent token
+term the sweep runs in two orders and a few single-row moves polish it (within 2 % of the exhaustive best on
+small random instances). One step is O(rows x block) numpy work and a sort (scripts/bench_choose_blocks.py
+times it). Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts
+its whole block (its largest size): the backlog it makes the drafter take in costs the same whatever the
+size, and a block of 2 would measure one position (at T=1 a hit half the time, whether drafting pays or not).
 
 Probes exist because the estimates feed on themselves: a row that does not draft measures nothing, so one
 unlucky early round (or a pessimistic prior) at a batch size where drafting pays only at the true acceptance
 would keep it at block 1 for good, and the prior that new rows start from would learn nothing either. The
-decoder probes every row that has not drafted lately, all on the same step (`ProbeSchedule`), so the
-drafter's fixed cost is paid once per probe step, not once per row; where probes keep missing, the next
+decoder probes rows that have not drafted lately, a few per regime on the same step (`ProbeSchedule`), so
+the drafter's fixed cost is paid once per probe step, not once per row; where probes keep missing, the next
 probe of that sampling regime (greedy or sampled) comes half as often each time (each probed row's backlog
 is the cost).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -56,10 +58,12 @@ class LinearCost:
     the step between them is no part of a line; priced by the line, drafting for a lone request looks
     cheaper than it is (docs/benchmarks.md, "Measurements behind design choices").
 
-    `knee` (tokens; 0 = none): a pass of fewer tokens costs as much as one of `knee` tokens, i.e. tokens are
-    priced by max(tokens, knee). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
+    `knee` (tokens; 0 = none): tokens up to the knee cost `below_knee` each, tokens beyond it `per_token`
+    each (a line that bends once). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
     tokens (docs/benchmarks.md: Vidur's A100 profile), so one line either prices a small batch's drafted
-    tokens as if they were compute bound (fitted through the large passes) or a large batch's as free. `fit`
+    tokens as if they were compute bound (fitted through the large passes) or a large batch's as free; and
+    pricing the tokens under the knee as free (a flat start) fills every step up to the knee with drafts of
+    rows that seldom hit (in the A100 simulation, poor rows drafted blocks of 3-6 where 2 paid best). `fit`
     takes a knee only where it cuts the squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a
     line (a CPU's) keeps none."""
 
@@ -68,11 +72,36 @@ class LinearCost:
     per_token: float = 0.0
     one_token: float | None = None
     knee: float = 0.0
+    below_knee: float = 0.0  # seconds per token up to the knee
+
+    curve: tuple[tuple[float, float], ...] = ()  # measured (tokens, seconds) of the token term; replaces the line
 
     def __call__(self, rows: int, tokens: int) -> float:
         if rows == 1 and tokens == 1 and self.one_token is not None:
             return self.one_token
-        return 0.0 if rows == 0 else self.fixed + self.per_row * rows + self.per_token * max(tokens, self.knee)
+        if rows == 0:
+            return 0.0
+        return self.fixed + self.per_row * rows + float(self.token_seconds(np.asarray(tokens, dtype=np.float64)))
+
+    def token_seconds(self, tokens: np.ndarray) -> np.ndarray:
+        """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
+        the line with its knee."""
+        if self.curve:
+            xs, ys, slope = self._curve_arrays
+            out = np.where(tokens > xs[-1], ys[-1] + slope * (tokens - xs[-1]), np.interp(tokens, xs, ys))
+        else:
+            under = np.minimum(tokens, self.knee)
+            out = self.below_knee * under + self.per_token * (tokens - under)
+        return np.asarray(out, dtype=np.float64)
+
+    @property
+    def _curve_arrays(self) -> tuple[np.ndarray, np.ndarray, float]:
+        return _curve_arrays(self.curve)
+
+    @property
+    def bent(self) -> bool:
+        """The token term is not one line (a knee or a measured curve): a GPU's shape."""
+        return self.knee > 0 or bool(self.curve)
 
     def scaled(self, k: float, k_one_token: float | None = None) -> LinearCost:
         """The line times k; the one-token pass times k_one_token (k when None)."""
@@ -83,6 +112,8 @@ class LinearCost:
             self.per_token * k,
             None if self.one_token is None else self.one_token * k1,
             self.knee,
+            self.below_knee * k,
+            tuple((x, y * k) for x, y in self.curve),
         )
 
     @classmethod
@@ -94,49 +125,72 @@ class LinearCost:
         single = [s for r, t, s in samples if r == 1 and t == 1]
         rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)]
         if single and len({(r, t) for r, t, _ in rest}) >= 3:
-            fixed, per_row, per_token, knee = cls._fit_knee(rest)
-            return cls(fixed, per_row, per_token, one_token=sum(single) / len(single), knee=knee)
+            return cls._fit_knee(rest, one_token=sum(single) / len(single))
         if len(samples) < 3:
             raise ValueError(f"fitting a cost model needs >= 3 samples, got {len(samples)}")
-        fixed, per_row, per_token, knee = cls._fit_knee(samples)
-        return cls(fixed, per_row, per_token, knee=knee)
+        return cls._fit_knee(samples)
 
     @classmethod
-    def _fit_knee(cls, samples: Sequence[tuple[int, int, float]]) -> tuple[float, float, float, float]:
-        def sse(coef: list[float], knee: float) -> float:
-            return sum((coef[0] + coef[1] * r + coef[2] * max(t, knee) - s) ** 2 for r, t, s in samples)
+    def with_curve(cls, samples: Sequence[tuple[int, int, float]], curve: Sequence[tuple[int, float]]) -> LinearCost:
+        """The token term from a measured curve of one-row passes ((tokens, seconds), `measure_costs`), the
+        fixed and per-row terms fitted to the grid's samples (rows, tokens, seconds) around it; the one-token
+        pass apart, as in `fit`."""
+        if len(curve) < 2:
+            raise ValueError(f"a token curve needs >= 2 points, got {len(curve)}")
+        y0 = curve[0][1]
+        shape = cls(curve=tuple((float(x), max(0.0, y - y0)) for x, y in curve))
+        single = [s for r, t, s in samples if r == 1 and t == 1]
+        rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)] or list(samples)
+        a = torch.tensor([[1.0, r] for r, _, _ in rest], dtype=torch.float64)
+        y = torch.tensor([[s - shape(1, t)] for _, t, s in rest], dtype=torch.float64)
+        fixed, per_row = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
+        one = sum(single) / len(single) if single and len(rest) >= 2 else None
+        return cls(fixed, per_row, 0.0, one, curve=shape.curve)
 
-        line = cls._line(samples)
-        best, best_err = (line, 0.0), sse(line, 0.0)
+    @classmethod
+    def _fit_knee(cls, samples: Sequence[tuple[int, int, float]], one_token: float | None = None) -> LinearCost:
+        def fitted(coef: list[float], knee: float) -> LinearCost:
+            return cls(coef[0], coef[1], coef[2], one_token, knee, coef[3] if knee else 0.0)
+
+        def sse(cost: LinearCost) -> float:
+            return sum((cost(r, t) - s) ** 2 for r, t, s in samples)
+
+        line = fitted(cls._line(samples), 0.0)
+        best, best_err = line, sse(line)
         tokens = sorted({t for _, t, _ in samples})
         # a knee is one more parameter: tried only on a grid of >= 5 shapes that the line misses by > 1 % (rms)
         scale = sum(s * s for _, _, s in samples)
         if len({(r, t) for r, t, _ in samples}) < 5 or best_err <= 1e-4 * scale:
             tokens = []
         for knee in tokens[1:-1]:
-            coef = cls._line(samples, knee)
-            err = sse(coef, knee)
-            if err * KNEE_MIN_GAIN < best_err if best[1] == 0.0 else err < best_err:
-                best, best_err = (coef, float(knee)), err
-        (fixed, per_row, per_token), chosen = best
-        return fixed, per_row, per_token, chosen
+            cost = fitted(cls._line(samples, knee), float(knee))
+            err = sse(cost)
+            if err * KNEE_MIN_GAIN < best_err if best.knee == 0.0 else err < best_err:
+                best, best_err = cost, err
+        return best
 
     @staticmethod
     def _line(samples: Sequence[tuple[int, int, float]], knee: float = 0.0) -> list[float]:
-        a = torch.tensor([[1.0, r, max(t, knee)] for r, t, _ in samples], dtype=torch.float64)
+        """[fixed, per_row, per_token, below_knee] by least squares (below_knee 0 without a knee), clamped >= 0."""
+        if knee:
+            rows = [[1.0, r, max(t - knee, 0.0), min(t, knee)] for r, t, _ in samples]
+        else:
+            rows = [[1.0, r, t] for r, t, _ in samples]
+        a = torch.tensor(rows, dtype=torch.float64)
         y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
         coef: list[float] = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
-        return coef
+        return coef + [0.0] * (4 - len(coef))
 
 
+@functools.lru_cache(maxsize=16)
+def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray, float]:
+    """A curve's points as arrays and its last slope (cached: the policy prices with it every step)."""
+    xs, ys = (np.array(v, dtype=np.float64) for v in zip(*curve))
+    return xs, ys, float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) if len(xs) > 1 else 0.0
+
+
+# a knee is fitted only where it cuts the line's squared error at least 4x
 KNEE_MIN_GAIN = 4.0
-KNEE_PRICES = (
-    1.0,
-    0.5,
-    0.25,
-    0.125,
-    0.0,
-)  # token prices (x per_token) choose_blocks tries under a knee  # a knee is fitted only where it cuts the line's squared error at least 4x
 
 
 @dataclass
@@ -176,11 +230,11 @@ class CostModel:
 
     def _corrected(self, kind: str, k_one_token: float | None) -> LinearCost:
         shape: LinearCost = getattr(self, kind)
-        if shape.knee <= 0:
+        if not shape.bent:
             return shape.scaled(self.scale[kind], k_one_token)
         one = None if shape.one_token is None else shape.one_token * (k_one_token or 1.0)
         per_row = max(0.0, shape.per_row + self.row_offset[kind])
-        return LinearCost(shape.fixed, per_row, shape.per_token, one, shape.knee)
+        return LinearCost(shape.fixed, per_row, shape.per_token, one, shape.knee, shape.below_knee, shape.curve)
 
     def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
         target, drafter = self.current()
@@ -202,7 +256,7 @@ class CostModel:
         )
         if correct and predicted > 0 and seconds > 0:
             ratio = min(4.0, max(0.25, seconds / predicted))
-            if shape.knee > 0 and key == kind:  # what the grid missed is per row (see the class), not x all
+            if shape.bent and key == kind:  # what the grid missed is per row (see the class), not x all
                 residual = (ratio - 1.0) * predicted / rows
                 self.row_offset[kind] += self.scale_weight * (residual - self.row_offset[kind])
             else:
@@ -299,88 +353,186 @@ class RowChoice:
     probe: bool = False  # must draft its whole block this step, so that its acceptance estimate is measured again
 
 
-def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, max_iter: int = 100, min_gain: float = 0.0) -> list[int]:
+def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 0.0) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step (see module docstring).
 
     min_gain: when nobody has to draft, drafting is chosen only if its expected rate beats not drafting by
-    this fraction (a margin for what the linear costs leave out: per-row acceptance work, the drafter's
-    backlog of context rows). Probe and fixed rows draft regardless.
+    this fraction (a margin for what the costs leave out: per-row acceptance work, the drafter's backlog of
+    context rows). Probe and fixed rows draft regardless.
 
-    Vectorised over a [rows, sizes] table (numpy): at hundreds of rows a step's choice must stay a small
-    fraction of a GPU step, which a per-row Python loop over candidate tuples does not."""
+    How: each free row's ways to grow its block are increments in expected tokens and seconds: the first
+    one from block 1 to the size b* that gains the most per second (it pays the row's drafter share), then
+    one token at a time (each gaining alpha^(b-1), less than the one before). Sorted by gain per second,
+    every prefix of that list is a valid choice, and with costs linear in tokens the best choice is such a
+    prefix (the rows whose increments beat the optimal rate: Dinkelbach's condition), so rating every prefix
+    at the true step time and keeping the best is exact. With a bent token cost (`LinearCost.knee`, a
+    measured `curve`: a GPU's tiles make 136 tokens cost a third more than 128) the increments are ordered
+    at the average token price and each prefix is still rated at the true cost, so the step can stop at the
+    end of a tile instead of just past it. O(rows x sizes) numpy work plus one sort."""
     if not rows:
         return []
     t, d = cost.current()
     n = len(rows)
-    top = max(max(1, r.max_block, r.fixed or 1) for r in rows)
-    allowed = np.zeros((n, top), dtype=bool)
-    for i, r in enumerate(rows):
-        if r.fixed is not None:
-            allowed[i, r.fixed - 1] = True
-        elif r.probe and r.max_block >= 2:
-            allowed[i, r.max_block - 1] = True
-        else:
-            allowed[i, : max(1, r.max_block)] = True
+    table = np.array([(r.alpha, r.max_block, r.fixed or 0, r.probe, r.new_context) for r in rows], dtype=np.float64)
+    alpha, ctx = table[:, 0], table[:, 4]
+    max_block, fixed, probe = table[:, 1].astype(np.int64), table[:, 2].astype(np.int64), table[:, 3] > 0
+    # a size the row must use (its own, or its whole block when probed), 0 = free
+    forced = np.where(fixed > 0, fixed, np.where(probe & (max_block >= 2), max_block, 0))
+    caps = np.where(forced > 0, forced, np.maximum(max_block, 1))
+    top = int(caps.max())
     if t(n, n) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
-        return [int(np.flatnonzero(a)[-1]) + 1 for a in allowed]
-    sizes = np.arange(1, top + 1, dtype=np.float64)
-    alpha = np.array([[r.alpha] for r in rows], dtype=np.float64)
-    ctx = np.array([[r.new_context] for r in rows], dtype=np.float64)
-    below = np.minimum(alpha, 1.0)
-    geometric = (1.0 - below**sizes) / np.where(below < 1.0, 1.0 - below, 1.0)
-    gain = np.where(alpha >= 1.0, sizes, np.where(sizes <= 1, 1.0, geometric))  # expected_tokens per cell
-    drafts = sizes > 1
-    # each cell's share of the step time: its target tokens, and its drafter row and tokens when it drafts
-    share = t.per_token * sizes + np.where(drafts, d.per_row + d.per_token * (sizes + ctx), 0.0)
-    shared = t.fixed + t.per_row * n
+        return [int(c) for c in caps]
+    base = np.where(forced > 0, forced, 1)
+    base_gain = float(_expected(alpha, base).sum())
+    base_drafting = base > 1
+    base_tokens = int(base.sum())
+    base_d_rows = int(base_drafting.sum())
+    base_d_tokens = float((base + ctx)[base_drafting].sum())
+
+    # the increments of the free rows that may draft: sizes 2..cap
+    free = np.flatnonzero((forced == 0) & (caps >= 2))
+    sizes = np.arange(1, top + 1, dtype=np.float64)[None, :]  # [1, top]
+    gain = _expected(alpha[free, None], sizes) - 1.0  # E(b) - E(1)
+    token_price = _mean_token_price(t, n, n * top) + d.per_token
+    start = d.per_row + d.per_token * (1.0 + ctx[free, None])  # the drafter's share of a row that drafts
+    seconds = token_price * (sizes - 1.0) + start  # [free, top]: from block 1 to block b
+    valid = (sizes >= 2) & (sizes <= caps[free, None])
+    ratio = np.where(valid, gain / np.maximum(seconds, 1e-30), -np.inf)
+    jump = ratio.argmax(axis=1) + 1  # b* per free row (the upper concave envelope's first point)
+    # the envelope's increments: the jump to b*, then one token at a time beyond it
+    rows_i, sizes_b = np.nonzero(valid & (sizes >= jump[:, None]))
+    b = sizes_b + 1
+    is_jump = b == jump[rows_i]
+    inc_gain = gain[rows_i, b - 1] - np.where(is_jump, 0.0, gain[rows_i, np.maximum(b - 2, 0)])
+    inc_ratio = np.where(is_jump, ratio[rows_i, b - 1], inc_gain / token_price)
+    inc_tokens = np.where(is_jump, b - 1, 1)
+    inc_d = np.where(is_jump, b + ctx[free][rows_i], 1)
+    # best first; stable, so a row's own increments (never rising in gain per second) stay in size order
+    order = np.argsort(-inc_ratio, kind="stable")
+    sweeps = [(rows_i[order], b[order], inc_gain[order], inc_tokens[order], is_jump[order], inc_d[order])]
+    if t.bent or d.bent:
+        # A bent cost rewards filling a tile exactly, which a jump to a row's largest block (a row that
+        # accepts nearly everything) overshoots: also sweep single-token increments in order of gain (for
+        # each token budget the most expected tokens; ties go to the row of least backlog and keep one row's
+        # increments together, so the drafter's share of a row is paid by as few rows as possible).
+        by_ctx = np.argsort(ctx[free], kind="stable")
+        rows_j, sizes_j = np.nonzero(valid[by_ctx])
+        rows_j = by_ctx[rows_j]
+        bj = sizes_j + 1
+        gj = gain[rows_j, bj - 1] - gain[rows_j, bj - 2]
+        order_j = np.argsort(-gj, kind="stable")
+        first = bj == 2
+        sweeps.append(
+            (
+                rows_j[order_j],
+                bj[order_j],
+                gj[order_j],
+                np.ones_like(bj),
+                first[order_j],
+                np.where(first, 2 + ctx[free][rows_j], 1)[order_j],
+            )
+        )
+    base_rate = base_gain / (t(n, base_tokens) + d(base_d_rows, int(base_d_tokens)))
+    best, best_rate = base, -np.inf  # the best choice in which some free row drafts
+    for r_i, b_i, g_i, tok_i, jump_i, dtok_i in sweeps:
+        cum_gain = base_gain + np.cumsum(g_i)
+        cum_tokens = base_tokens + np.cumsum(tok_i)
+        cum_d_rows = base_d_rows + np.cumsum(jump_i)
+        cum_d_tokens = base_d_tokens + np.cumsum(dtok_i)
+        step_s = _price(t, np.full_like(cum_tokens, n), cum_tokens) + _price(d, cum_d_rows, cum_d_tokens)
+        if not len(step_s):
+            continue
+        k = int((cum_gain / step_s).argmax())
+        if cum_gain[k] / step_s[k] > best_rate:
+            best = base.copy()  # a free row's size: 1 + the tokens its taken increments add
+            best[free] += np.bincount(r_i[: k + 1], weights=tok_i[: k + 1], minlength=len(free)).astype(np.int64)
+            best_rate = float(cum_gain[k] / step_s[k])
+    if best_rate > -np.inf and (t.bent or d.bent):
+        best = _polish(best, forced, caps, alpha, ctx, t, d, POLISH_MOVES)
+        best_rate = _rate_of(best, alpha, ctx, t, d)
+    # nobody must draft: drafting has to beat not drafting by the margin
+    bar = base_rate * (1.0 + min_gain) if base_d_rows == 0 else base_rate
+    return [int(x) for x in (best if best_rate > bar else base)]
+
+
+def _expected(alpha: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """`expected_tokens` elementwise (arrays of the same shape, or broadcast)."""
+    a = np.minimum(alpha, 1.0)
+    return np.where(a >= 1.0, sizes, (1.0 - a**sizes) / np.where(a < 1.0, 1.0 - a, 1.0))
+
+
+def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCost, d: LinearCost) -> float:
+    """Expected tokens per second of a step with these block sizes."""
+    drafting = sizes > 1
+    tokens = float(_expected(alpha, sizes).sum())
+    return tokens / (t(len(sizes), int(sizes.sum())) + d(int(drafting.sum()), int((sizes + ctx)[drafting].sum())))
+
+
+POLISH_MOVES = 3  # single-row changes after the sweep, under a bent token cost (see `_polish`)
+
+
+def _polish(
+    out: np.ndarray,
+    forced: np.ndarray,
+    caps: np.ndarray,
+    alpha: np.ndarray,
+    ctx: np.ndarray,
+    t: LinearCost,
+    d: LinearCost,
+    moves: int,
+) -> np.ndarray:
+    """Up to `moves` single-row changes of a drafting choice, each the one that raises the step's rate (at
+    the true cost) the most, while one does and some row still drafts. Under a bent cost the sweep's order
+    (at the mean token price) can overshoot the end of a tile: a row accepting nearly everything jumps
+    straight to its largest block (small random instances: 5 % below the best); the moves close that gap."""
+    n, top = len(out), int(caps.max())
+    sizes = np.arange(1, top + 1)[None, :]
+    gain = _expected(alpha[:, None], sizes)  # E per cell
+    allowed = np.where(forced[:, None] > 0, sizes == forced[:, None], sizes <= caps[:, None])
     index = np.arange(n)
+    out = out.copy()
+    for _ in range(moves):
+        drafting = out > 1
+        tokens, n_draft = int(out.sum()), int(drafting.sum())
+        d_tokens = float((out + ctx)[drafting].sum())
+        g = float(gain[index, out - 1].sum())
+        current = g / (t(n, tokens) + d(n_draft, int(d_tokens)))
+        new_tokens = tokens - out[:, None] + sizes  # every cell as a change of its row alone
+        new_draft = n_draft - drafting[:, None] + (sizes > 1)
+        new_d_tokens = (
+            d_tokens - np.where(drafting, out + ctx, 0)[:, None] + np.where(sizes > 1, sizes + ctx[:, None], 0)
+        )
+        new_gain = g - gain[index, out - 1][:, None] + gain
+        step_s = _price(t, np.full_like(new_tokens, n), new_tokens) + _price(d, new_draft, new_d_tokens)
+        rate = np.where(allowed & (new_draft > 0), new_gain / step_s, -np.inf)
+        i, s = np.unravel_index(int(rate.argmax()), rate.shape)
+        if rate[i, s] <= current * (1 + 1e-12):
+            break
+        out[i] = s + 1
+    return out
 
-    def rate(pick: np.ndarray) -> float:
-        return float(gain[index, pick].sum() / (shared + d.fixed + share[index, pick].sum()))
 
-    def true_rate(pick: np.ndarray) -> float:  # the step time by the costs' own formula (their knees)
-        b = pick + 1
-        drafting = b > 1
-        tokens_d = int((b + ctx[:, 0])[drafting].sum())
-        return float(gain[index, pick].sum() / (t(n, int(b.sum())) + d(int(drafting.sum()), tokens_d)))
+def token_sweep(max_tokens: int) -> list[int]:
+    """Token counts for `measure_costs(token_curve=)`: every 8 up to 512 (where GPU tiles step), every 32 up
+    to 2048, every 128 beyond, up to max_tokens."""
+    out = [1] + list(range(8, min(512, max_tokens) + 1, 8))
+    out += list(range(544, min(2048, max_tokens) + 1, 32)) + list(range(2176, max_tokens + 1, 128))
+    return out
 
-    # case 1: nobody drafts (possible only when no fixed or probe row must draft)
-    first = allowed.argmax(axis=1)  # each row's smallest allowed size
-    best_pick: np.ndarray | None = None
-    lam = 0.0
-    if not first.any():
-        best_pick = first
-        lam = n / t(n, n) * (1.0 + min_gain)  # a drafting pick must beat this
-    # case 2: the drafter runs (its fixed cost paid): Dinkelbach on the separable ratio over the picks where
-    # some row drafts, from lam; stop once the rate stops rising. With a knee the step time is not separable
-    # (tokens below the knee are free, above it cost per_token): Dinkelbach runs at several token prices
-    # (full, fractions, free), each pick is rated at the true cost, the best rate is kept.
-    can_draft = allowed[:, 1:].any(axis=1)
-    knees = t.knee > 0 or d.knee > 0
-    base_pick, base_lam = best_pick, lam
-    for price in KNEE_PRICES if knees else (1.0,):
-        if knees:
-            share = price * t.per_token * sizes + np.where(drafts, d.per_row + price * d.per_token * (sizes + ctx), 0.0)
-        pick_p, lam_p = base_pick, base_lam
-        for _ in range(max_iter):
-            score = np.where(allowed, gain - lam_p * share, -np.inf)
-            pick = score.argmax(axis=1)
-            if not pick.any():  # the best drafting pick: one row switched, the one that loses least
-                if not can_draft.any():  # no row can draft: case 1 was the only choice
-                    break
-                alt = score[:, 1:].argmax(axis=1) + 1
-                loss = np.where(can_draft, score[index, alt] - score[index, pick], -np.inf)
-                i = int(loss.argmax())
-                pick = pick.copy()
-                pick[i] = alt[i]
-            new = true_rate(pick) if knees else rate(pick)
-            if pick_p is not None and new <= lam_p * (1 + 1e-12):
-                break
-            pick_p, lam_p = pick, new
-        if pick_p is not None and (best_pick is None or lam_p > lam * (1 + 1e-12)):
-            best_pick, lam = pick_p, lam_p
-    assert best_pick is not None
-    return [int(b) + 1 for b in best_pick]
+
+def _mean_token_price(cost: LinearCost, rows: int, tokens: int) -> float:
+    """Seconds per token of `cost` between a pass of `rows` tokens and one of `tokens` (its mean slope)."""
+    if tokens <= rows:
+        return cost.per_token
+    return max(0.0, (cost(rows, tokens) - cost(rows, rows)) / (tokens - rows))
+
+
+def _price(cost: LinearCost, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """`cost(rows, tokens)` over arrays."""
+    out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
+    if cost.one_token is not None:
+        out = np.where((rows == 1) & (tokens == 1), cost.one_token, out)
+    return np.where(rows == 0, 0.0, out)
 
 
 class ProbeSchedule:
@@ -393,17 +545,29 @@ class ProbeSchedule:
     that regime's wait, up to 2^max_backoff x `every` steps, so a regime whose traffic changes is still
     tried now and then; a hit resets it (the estimate, and the prior new rows start from, must catch up)."""
 
-    def __init__(self, every: int = 32, max_backoff: int = 4):
-        self.every, self.max_backoff = every, max_backoff
+    def __init__(self, every: int = 32, max_backoff: int = 4, max_rows: int = 8):
+        self.every, self.max_backoff, self.max_rows = every, max_backoff, max_rows
         self.misses: dict[bool, int] = {}  # per regime: probe steps in a row that missed
         self.next_step: dict[bool, int] = {}  # per regime: the first step at which it may probe again
 
-    def due(self, step: int, rows: Sequence[tuple[bool, int]]) -> list[bool]:
-        """For rows given as (sampled, the step they last drafted at): whether each must probe now."""
+    def due(self, step: int, rows: Sequence[tuple[bool, int, int]]) -> list[bool]:
+        """For rows given as (sampled, the step they last drafted at, their backlog of context rows): whether
+        each must probe now. At most `max_rows` rows per regime probe on one step, those of least backlog:
+        at hundreds of stale rows, probing them all made the drafter take in every row's backlog and the
+        target verify a whole block per row in one step, the cost by which adaptive trailed the target alone
+        where drafting did not pay (results/sim/README.md); a few rows measure the regime as well."""
         if self.every <= 0:
             return [False] * len(rows)
-        open_regimes = {sampled for sampled, _ in rows if step >= self.next_step.get(sampled, 0)}
-        return [sampled in open_regimes and last <= step - self.every for sampled, last in rows]
+        open_regimes = {sampled for sampled, _, _ in rows if step >= self.next_step.get(sampled, 0)}
+        stale = [
+            i for i, (sampled, last, _) in enumerate(rows) if sampled in open_regimes and last <= step - self.every
+        ]
+        due = [False] * len(rows)
+        for regime in open_regimes:
+            mine = sorted((i for i in stale if rows[i][0] == regime), key=lambda i: rows[i][2])
+            for i in mine[: self.max_rows] if self.max_rows > 0 else mine:
+                due[i] = True
+        return due
 
     def observe(self, step: int, sampled: bool, accepted: int, drafted: int) -> None:
         """A probe step's outcome for one regime: its probed rows' accepted and drafted tokens."""
@@ -420,8 +584,13 @@ def measure_costs(
     context: int = 128,
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
+    token_curve: Sequence[int] = (),
 ) -> CostModel:
     """Time the target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
+
+    token_curve: also time one-row passes of these token counts and price the target's tokens by that
+    measured curve (`LinearCost.with_curve`) instead of a line: on a GPU a pass's matrices run in tiles, so
+    its time is a staircase in its tokens (`token_sweep`; docs/benchmarks.md), which no line or knee follows.
 
     drafter None: drafting costs nothing extra. The whole grid is timed `repeats` times over and each cell
     keeps its fastest pass, so a burst of load from other processes spoils one pass of a cell, not the
@@ -465,9 +634,24 @@ def measure_costs(
                 seconds = clock() - t0
                 if rep:
                     keep(("drafter", r, r * (b + 1)), seconds)
+    curve: dict[int, float] = {}
+    if token_curve:
+        sess = target.new_session()
+        h = sess.add_row()
+        sess.forward([h], [torch.randint(0, vocab, (context,), generator=g)], last_logits_only=True)
+        for rep in range(repeats + 1):
+            for n in token_curve:
+                tokens = torch.randint(0, vocab, (n,), generator=g)
+                t0 = clock()
+                sess.forward([h], [tokens])
+                seconds = clock() - t0
+                sess.rollback(h, context)
+                if rep:
+                    curve[n] = min(curve.get(n, float("inf")), seconds)
+        sess.remove_row(h)
     t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]
     d_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "drafter"]
-    target_cost = LinearCost.fit(t_samples)
+    target_cost = LinearCost.with_curve(t_samples, sorted(curve.items())) if curve else LinearCost.fit(t_samples)
     drafter_cost = LinearCost.fit(d_samples) if len(d_samples) >= 3 else LinearCost()
     model = CostModel(target_cost, drafter_cost)
     for kind, samples in (("target", t_samples), ("drafter", d_samples)):

@@ -68,7 +68,7 @@ class BlockPolicy:
     what a linear cost model leaves out: per-row acceptance work, the drafter's backlog).
     refit_every: refit the cost model from the observed passes every N verify steps (0 = never; the policy
     picks the shapes it then observes, so such a fit can be collinear).
-    probe_every / max_probe_backoff: see `adaptive.ProbeSchedule` (probe_every 0 = never probe)."""
+    probe_every / max_probe_backoff / probe_rows: see `adaptive.ProbeSchedule` (probe_every 0 = never probe)."""
 
     adaptive: bool = False
     cost: CostModel | None = None
@@ -76,6 +76,7 @@ class BlockPolicy:
     refit_every: int = 0
     probe_every: int = 32
     max_probe_backoff: int = 4
+    probe_rows: int = 8
 
 
 @dataclass
@@ -126,6 +127,7 @@ class BatchRow:
         self.drafter_row: int | None = None
         self.generated: list[int] = []
         self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
+        self.backlog = 0  # their rows: context the drafter's next draft for this row takes in
         self.acceptance = AcceptanceTracker()
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
         self.last_draft_step = -(1 << 30)  # the decoder's verify step at which this row last drafted (or joined)
@@ -205,7 +207,7 @@ class BatchDecoder:
         if block_size is not None and not 1 <= block_size <= self.trained_block:
             raise ValueError(f"block_size must be in 1..{self.trained_block} for this drafter, got {block_size}")
         self.block_size = block_size or self.trained_block
-        self.probes = ProbeSchedule(self.policy.probe_every, self.policy.max_probe_backoff)
+        self.probes = ProbeSchedule(self.policy.probe_every, self.policy.max_probe_backoff, self.policy.probe_rows)
         self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
         self.joining: list[BatchRow] = []
         self.running: list[BatchRow] = []
@@ -283,7 +285,7 @@ class BatchDecoder:
     def _leave_drafter(self, row: BatchRow) -> None:
         if row.drafter_row is not None and self.drafter_session is not None:
             self.drafter_session.remove_row(row.drafter_row)
-        row.drafter_row, row.pending = None, []
+        row.drafter_row, row.pending, row.backlog = None, [], 0
 
     # ---- running requests to the end ----------------------------------------------------
     def run(self) -> None:
@@ -359,7 +361,7 @@ class BatchDecoder:
         for row, out in zip(rows, outs):
             first = next_token(row.adjusted(out.logits[-1:])[-1], row.params, row.generator)  # on the engine's device
             if row.drafter_row is not None and out.features is not None:
-                row.pending = [out.features]
+                row.pending, row.backlog = [out.features], int(out.features.shape[0])
             row.stats.prefill_time_s = self.clock() - t0
             timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
             rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
@@ -419,7 +421,7 @@ class BatchDecoder:
         policy = self.policy
         if not policy.adaptive or policy.cost is None:
             return [f if f is not None else c for f, c in zip(fixed, caps)]
-        due = self.probes.due(self._steps, [(r.sampled, r.last_draft_step) for r in rows])
+        due = self.probes.due(self._steps, [(r.sampled, r.last_draft_step, r.backlog) for r in rows])
         for r, probe in zip(rows, due):
             r.probe_due = probe
         choices = [RowChoice(r.acceptance.alpha, c, 1, f, probe=r.probe_due) for r, c, f in zip(rows, caps, fixed)]
@@ -444,7 +446,7 @@ class BatchDecoder:
                 self._drafter_failed(rows[i], e)
             return drafts
         for i, d in zip(todo, out):
-            rows[i].pending = []
+            rows[i].pending, rows[i].backlog = [], 0
             rows[i].last_draft_step = self._steps
             drafts[i] = d
         prof.draft_rows = len(todo)
@@ -494,6 +496,7 @@ class BatchDecoder:
         self.target_session.rollback(self._target_row(row), length + accepted + 1)
         if row.drafter_row is not None and out.features is not None:
             row.pending.append(out.features[: accepted + 1])
+            row.backlog += accepted + 1
         row.acceptance.update(int(tokens.numel()), accepted)
         return tokens[:accepted].tolist() + [bonus], accepted
 

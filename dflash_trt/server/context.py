@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, cast
 
+import torch
 from fastapi import Depends, Request
 
 from ..decoding import BatchDecoder, BlockPolicy
@@ -40,27 +41,42 @@ log = logging.getLogger("dflash_trt.server")
 
 
 def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecoder:
-    """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now."""
-    from ..decoding.adaptive import measure_costs
+    """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now.
+
+    On a GPU target the grid also times one-row passes over a sweep of token counts (`token_sweep` up to
+    max_active x the drafter's block): GEMM tiles make a pass's time a staircase in its tokens, which the
+    policy then fills to a tile's end instead of spilling past it. A CPU's cost is a line: no sweep."""
+    from ..decoding.adaptive import measure_costs, token_sweep
 
     target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
     cost = None
     if adaptive:
+        assert drafter is not None
         t0 = time.perf_counter()
         rows = sorted({1, max(1, settings.max_active // 2), settings.max_active})
+        context = min(128, target.max_context // 2)
+        sweep = token_sweep(min(settings.max_active * drafter.block_size, target.max_context - context))
         # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
         # the fit (with fewer repeats the fitted costs varied severalfold between starts on a busy machine)
-        cost = measure_costs(target, drafter, rows=rows, context=min(128, target.max_context // 2), repeats=5)
+        cost = measure_costs(
+            target,
+            drafter,
+            rows=rows,
+            context=context,
+            repeats=5,
+            token_curve=sweep if on_gpu(target) and len(sweep) > 1 else (),
+        )
         t, d = cost.target, cost.drafter
         log.info(
-            "adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8): target %.2f ms "
-            "+ %.3f ms/row + %.3f ms/token (one token alone: %s), drafter %.2f ms + %.3f ms/row + %.3f ms/token",
+            "adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8%s): target %.2f ms "
+            "+ %.3f ms/row + %s (one token alone: %s), drafter %.2f ms + %.3f ms/row + %.3f ms/token",
             time.perf_counter() - t0,
             rows,
+            f", one-row token curve at {len(t.curve)} counts" if t.curve else "",
             1e3 * t.fixed,
             1e3 * t.per_row,
-            1e3 * t.per_token,
+            "the token curve" if t.curve else f"{1e3 * t.per_token:.3f} ms/token",
             "-" if t.one_token is None else f"{1e3 * t.one_token:.2f} ms",
             1e3 * d.fixed,
             1e3 * d.per_row,
@@ -68,6 +84,12 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
         )
     policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every)
     return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy)
+
+
+def on_gpu(engine: object) -> bool:
+    """Whether an engine runs on a CUDA device (its `device` attribute, as the backends set it)."""
+    device = getattr(engine, "device", None)
+    return device is not None and torch.device(device).type == "cuda"
 
 
 class Server:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding import GenerationConfig, SamplingParams
-from ..decoding.adaptive import measure_costs
+from ..decoding.adaptive import measure_costs, token_sweep
 from ..decoding.loop import BatchDecoder, BatchRow, BlockPolicy
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -140,7 +140,8 @@ class Policy:
             return BatchDecoder(target, drafter, block_size=int(self.name.split("-")[1]), clock=clock)
         if self.name == "adaptive":  # the server's start-up grid (server/context.py), on the virtual clock
             rows = sorted({1, max(1, self.max_active // 2), self.max_active})
-            cost = measure_costs(target, drafter, rows=rows, context=128, repeats=5, clock=clock)
+            curve = token_sweep(self.max_active * self.trained)  # a GPU's server measures its token curve
+            cost = measure_costs(target, drafter, rows=rows, context=128, repeats=5, clock=clock, token_curve=curve)
             return BatchDecoder(target, drafter, policy=BlockPolicy(adaptive=True, cost=cost), clock=clock)
         return BatchDecoder(target, drafter, block_size=self.trained, clock=clock)
 

@@ -183,6 +183,38 @@ def test_start_up_grid_on_the_virtual_clock_fits_a_knee():
     assert LinearCost.fit(line).knee == 0.0
 
 
+def test_start_up_token_curve_on_the_virtual_clock_follows_the_tiles():
+    """With the token sweep (`measure_costs(token_curve=)`, as a GPU server and the simulator's adaptive run it),
+    the fitted target prices the profile's tile step (Vidur: 128 tokens 0.41 ms per layer, 136 tokens 0.57) and
+    the passes of many rows within a few percent; the knee's two slopes cannot."""
+    from dflash_trt.decoding.adaptive import measure_costs, token_sweep
+
+    target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
+    cost = measure_costs(
+        target, drafter, rows=(1, 128, 256), context=128, repeats=1, clock=clock, token_curve=token_sweep(4096)
+    )
+    assert cost.target.curve
+    true = ProfileCost()
+    for rows, tokens in ((16, 128), (16, 136), (32, 256), (64, 512), (256, 2048)):
+        new = [tokens // rows + (i < tokens % rows) for i in range(rows)]
+        assert cost.target(rows, tokens) == pytest.approx(true.target(new, [128] * rows, tokens), rel=0.05)
+    assert cost.target(16, 136) > 1.2 * cost.target(16, 128)
+
+
+def test_the_server_measures_a_token_curve_on_a_gpu_target_only():
+    """`server.context.batch_decoder`: the start-up grid sweeps token counts when the target's device is CUDA
+    (the simulated A100 engines stand in for a GPU's here: no pass runs on a device), never on a CPU."""
+    from dflash_trt.server.context import ServerSettings, batch_decoder
+
+    for device, curved in (("cuda", True), ("cpu", False), (None, False)):
+        target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
+        target.device = device
+        dec = batch_decoder(BatchDecoder(target, drafter, clock=clock), ServerSettings(max_active=16))
+        assert dec.policy.cost is not None and bool(dec.policy.cost.target.curve) is curved
+        if curved:  # up to max_active x the drafter's block (16 x 16 tokens)
+            assert max(x for x, _ in dec.policy.cost.target.curve) == 256
+
+
 def test_simulate_joins_and_leaves_and_policies():
     work = workload("mixed", prompt_len="uniform:16-64", output_len="uniform:16-48")
     cost = ProfileCost()

@@ -447,7 +447,7 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 
             best = base.copy()  # a free row's size: 1 + the tokens its taken increments add
             best[free] += np.bincount(r_i[: k + 1], weights=tok_i[: k + 1], minlength=len(free)).astype(np.int64)
             best_rate = float(cum_gain[k] / step_s[k])
-    if best_rate > -np.inf and (t.bent or d.bent):
+    if best_rate > -np.inf and (t.bent or d.bent) and n <= POLISH_MAX_ROWS:
         best = _polish(best, forced, caps, alpha, ctx, t, d, POLISH_MOVES)
         best_rate = _rate_of(best, alpha, ctx, t, d)
     # nobody must draft: drafting has to beat not drafting by the margin
@@ -469,6 +469,10 @@ def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCos
 
 
 POLISH_MOVES = 3  # single-row changes after the sweep, under a bent token cost (see `_polish`)
+# ... for steps of at most this many rows: each move is O(rows x sizes) work, and the sweep's overshoot is one
+# row's jump, which matters among a few rows and is a rounding among hundreds (at 256 rows the moves were a
+# fifth of the policy's time per step, 0.25 of 1.3 ms)
+POLISH_MAX_ROWS = 64
 
 
 def _polish(
@@ -545,7 +549,7 @@ class ProbeSchedule:
     that regime's wait, up to 2^max_backoff x `every` steps, so a regime whose traffic changes is still
     tried now and then; a hit resets it (the estimate, and the prior new rows start from, must catch up)."""
 
-    def __init__(self, every: int = 32, max_backoff: int = 4, max_rows: int = 8):
+    def __init__(self, every: int = 32, max_backoff: int = 4, max_rows: int = 4):
         self.every, self.max_backoff, self.max_rows = every, max_backoff, max_rows
         self.misses: dict[bool, int] = {}  # per regime: probe steps in a row that missed
         self.next_step: dict[bool, int] = {}  # per regime: the first step at which it may probe again
@@ -555,7 +559,10 @@ class ProbeSchedule:
         each must probe now. At most `max_rows` rows per regime probe on one step, those of least backlog:
         at hundreds of stale rows, probing them all made the drafter take in every row's backlog and the
         target verify a whole block per row in one step, the cost by which adaptive trailed the target alone
-        where drafting did not pay (results/sim/README.md); a few rows measure the regime as well."""
+        where drafting did not pay (results/sim/README.md). A few rows measure whether the regime hits; a hit
+        row drafts on, and the prior new rows start from learns from it. How many is a trade measured in the
+        A100 simulation (docs/benchmarks.md): 8 cost mixed traffic up to 4 % at 128 rows, 2 found too few of
+        the rows worth drafting at 256 (2.4 % below the best fixed block); 4 kept both within about 1 %."""
         if self.every <= 0:
             return [False] * len(rows)
         open_regimes = {sampled for sampled, _, _ in rows if step >= self.next_step.get(sampled, 0)}

@@ -76,7 +76,7 @@ class BlockPolicy:
     refit_every: int = 0
     probe_every: int = 32
     max_probe_backoff: int = 4
-    probe_rows: int = 8
+    probe_rows: int = 4
 
 
 @dataclass

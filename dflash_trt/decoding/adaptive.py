@@ -117,18 +117,18 @@ class LinearCost:
         )
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]]) -> LinearCost:
+    def fit(cls, samples: Sequence[tuple[int, int, float]], knee: bool = True) -> LinearCost:
         """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink).
         One-token passes, when the other samples span enough shapes (3) for the line, are not on it:
-        `one_token` is their mean. A knee (see the class) is tried at each sampled token count between the
-        smallest and the largest."""
+        `one_token` is their mean. With `knee`, a knee (see the class) is tried at each sampled token count
+        between the smallest and the largest."""
         single = [s for r, t, s in samples if r == 1 and t == 1]
         rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)]
         if single and len({(r, t) for r, t, _ in rest}) >= 3:
-            return cls._fit_knee(rest, one_token=sum(single) / len(single))
+            return cls._fit_knee(rest, one_token=sum(single) / len(single), knee=knee)
         if len(samples) < 3:
             raise ValueError(f"fitting a cost model needs >= 3 samples, got {len(samples)}")
-        return cls._fit_knee(samples)
+        return cls._fit_knee(samples, knee=knee)
 
     @classmethod
     def with_curve(cls, samples: Sequence[tuple[int, int, float]], curve: Sequence[tuple[int, float]]) -> LinearCost:
@@ -148,7 +148,9 @@ class LinearCost:
         return cls(fixed, per_row, 0.0, one, curve=shape.curve)
 
     @classmethod
-    def _fit_knee(cls, samples: Sequence[tuple[int, int, float]], one_token: float | None = None) -> LinearCost:
+    def _fit_knee(
+        cls, samples: Sequence[tuple[int, int, float]], one_token: float | None = None, knee: bool = True
+    ) -> LinearCost:
         def fitted(coef: list[float], knee: float) -> LinearCost:
             return cls(coef[0], coef[1], coef[2], one_token, knee, coef[3] if knee else 0.0)
 
@@ -160,10 +162,10 @@ class LinearCost:
         tokens = sorted({t for _, t, _ in samples})
         # a knee is one more parameter: tried only on a grid of >= 5 shapes that the line misses by > 1 % (rms)
         scale = sum(s * s for _, _, s in samples)
-        if len({(r, t) for r, t, _ in samples}) < 5 or best_err <= 1e-4 * scale:
+        if not knee or len({(r, t) for r, t, _ in samples}) < 5 or best_err <= 1e-4 * scale:
             tokens = []
-        for knee in tokens[1:-1]:
-            cost = fitted(cls._line(samples, knee), float(knee))
+        for at in tokens[1:-1]:
+            cost = fitted(cls._line(samples, at), float(at))
             err = sse(cost)
             if err * KNEE_MIN_GAIN < best_err if best.knee == 0.0 else err < best_err:
                 best, best_err = cost, err
@@ -539,6 +541,9 @@ def _price(cost: LinearCost, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray
     return np.where(rows == 0, 0.0, out)
 
 
+GPU_PROBE_ROWS = 4  # `ProbeSchedule.max_rows` for a GPU server's batches (the trade: its `due`)
+
+
 class ProbeSchedule:
     """When rows that have not drafted lately must draft one whole block again (see the module docstring).
 
@@ -549,14 +554,16 @@ class ProbeSchedule:
     that regime's wait, up to 2^max_backoff x `every` steps, so a regime whose traffic changes is still
     tried now and then; a hit resets it (the estimate, and the prior new rows start from, must catch up)."""
 
-    def __init__(self, every: int = 32, max_backoff: int = 4, max_rows: int = 4):
+    def __init__(self, every: int = 32, max_backoff: int = 4, max_rows: int = 0):
         self.every, self.max_backoff, self.max_rows = every, max_backoff, max_rows
         self.misses: dict[bool, int] = {}  # per regime: probe steps in a row that missed
         self.next_step: dict[bool, int] = {}  # per regime: the first step at which it may probe again
 
     def due(self, step: int, rows: Sequence[tuple[bool, int, int]]) -> list[bool]:
         """For rows given as (sampled, the step they last drafted at, their backlog of context rows): whether
-        each must probe now. At most `max_rows` rows per regime probe on one step, those of least backlog:
+        each must probe now. With `max_rows` > 0, at most that many rows per regime probe on one step, those
+        of least backlog (0: every stale row, right for a CPU's batches of 8-32 short rows, where the cap cost
+        the demo pair 5-10 % at 16 rows, T = 0, in `bench_load` A/B runs; docs/benchmarks.md). On a GPU:
         at hundreds of stale rows, probing them all made the drafter take in every row's backlog and the
         target verify a whole block per row in one step, the cost by which adaptive trailed the target alone
         where drafting did not pay (results/sim/README.md). A few rows measure whether the regime hits; a hit
@@ -592,12 +599,17 @@ def measure_costs(
     repeats: int = 3,
     clock: Callable[[], float] = time.perf_counter,
     token_curve: Sequence[int] = (),
+    knees: bool = False,
 ) -> CostModel:
     """Time the target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
     token_curve: also time one-row passes of these token counts and price the target's tokens by that
     measured curve (`LinearCost.with_curve`) instead of a line: on a GPU a pass's matrices run in tiles, so
     its time is a staircase in its tokens (`token_sweep`; docs/benchmarks.md), which no line or knee follows.
+
+    knees: let the fits bend once (`LinearCost.fit`), for GPU-shaped costs. Off for a CPU, whose costs are
+    lines: a knee fitted to a CPU grid follows its noise (the demo drafter's grid at rows 1/16/32 fitted one
+    in 2 of 3 start-ups), and a bent shape is corrected per row instead of by a factor.
 
     drafter None: drafting costs nothing extra. The whole grid is timed `repeats` times over and each cell
     keeps its fastest pass, so a burst of load from other processes spoils one pass of a cell, not the
@@ -658,8 +670,11 @@ def measure_costs(
         sess.remove_row(h)
     t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]
     d_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "drafter"]
-    target_cost = LinearCost.with_curve(t_samples, sorted(curve.items())) if curve else LinearCost.fit(t_samples)
-    drafter_cost = LinearCost.fit(d_samples) if len(d_samples) >= 3 else LinearCost()
+    if curve:
+        target_cost = LinearCost.with_curve(t_samples, sorted(curve.items()))
+    else:
+        target_cost = LinearCost.fit(t_samples, knee=knees)
+    drafter_cost = LinearCost.fit(d_samples, knee=knees) if len(d_samples) >= 3 else LinearCost()
     model = CostModel(target_cost, drafter_cost)
     for kind, samples in (("target", t_samples), ("drafter", d_samples)):
         for r, t, sec in samples:  # online refits start from the start-up grid

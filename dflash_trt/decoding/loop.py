@@ -76,7 +76,7 @@ class BlockPolicy:
     refit_every: int = 0
     probe_every: int = 32
     max_probe_backoff: int = 4
-    probe_rows: int = 4
+    probe_rows: int = 0  # 0: every stale row; a GPU server caps it (server/context.py `batch_decoder`)
 
 
 @dataclass

@@ -46,7 +46,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
     On a GPU target the grid also times one-row passes over a sweep of token counts (`token_sweep` up to
     max_active x the drafter's block): GEMM tiles make a pass's time a staircase in its tokens, which the
     policy then fills to a tile's end instead of spilling past it. A CPU's cost is a line: no sweep."""
-    from ..decoding.adaptive import measure_costs, token_sweep
+    from ..decoding.adaptive import GPU_PROBE_ROWS, measure_costs, token_sweep
 
     target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
@@ -59,13 +59,15 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
         sweep = token_sweep(min(settings.max_active * drafter.block_size, target.max_context - context))
         # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
         # the fit (with fewer repeats the fitted costs varied severalfold between starts on a busy machine)
+        gpu = on_gpu(target)
         cost = measure_costs(
             target,
             drafter,
             rows=rows,
             context=context,
             repeats=5,
-            token_curve=sweep if on_gpu(target) and len(sweep) > 1 else (),
+            token_curve=sweep if gpu and len(sweep) > 1 else (),
+            knees=gpu,
         )
         t, d = cost.target, cost.drafter
         log.info(
@@ -82,7 +84,9 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
             1e3 * d.per_row,
             1e3 * d.per_token,
         )
-    policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every)
+    # a GPU's batches are hundreds of rows with long backlogs: probes of a few rows at a time (ProbeSchedule)
+    probe_rows = GPU_PROBE_ROWS if on_gpu(target) else 0
+    policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every, probe_rows=probe_rows)
     return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy)
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding import GenerationConfig, SamplingParams
-from ..decoding.adaptive import measure_costs, token_sweep
+from ..decoding.adaptive import GPU_PROBE_ROWS, measure_costs, token_sweep
 from ..decoding.loop import BatchDecoder, BatchRow, BlockPolicy
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -141,8 +141,11 @@ class Policy:
         if self.name == "adaptive":  # the server's start-up grid (server/context.py), on the virtual clock
             rows = sorted({1, max(1, self.max_active // 2), self.max_active})
             curve = token_sweep(self.max_active * self.trained)  # a GPU's server measures its token curve
-            cost = measure_costs(target, drafter, rows=rows, context=128, repeats=5, clock=clock, token_curve=curve)
-            return BatchDecoder(target, drafter, policy=BlockPolicy(adaptive=True, cost=cost), clock=clock)
+            cost = measure_costs(
+                target, drafter, rows=rows, context=128, repeats=5, clock=clock, token_curve=curve, knees=True
+            )
+            policy = BlockPolicy(adaptive=True, cost=cost, probe_rows=GPU_PROBE_ROWS)  # as a GPU server
+            return BatchDecoder(target, drafter, policy=policy, clock=clock)
         return BatchDecoder(target, drafter, block_size=self.trained, clock=clock)
 
     def before_step(self, decoder: BatchDecoder) -> None:

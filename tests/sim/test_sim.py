@@ -174,7 +174,7 @@ def test_start_up_grid_on_the_virtual_clock_fits_a_knee():
     from dflash_trt.decoding.adaptive import LinearCost, measure_costs
 
     target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
-    cost = measure_costs(target, drafter, rows=(1, 128, 256), context=128, repeats=1, clock=clock)
+    cost = measure_costs(target, drafter, rows=(1, 128, 256), context=128, repeats=1, clock=clock, knees=True)
     assert cost.target.knee > 0
     for rows, tokens in ((128, 128), (256, 2048)):
         true = ProfileCost().target([tokens // rows] * rows, [128] * rows, tokens)
@@ -202,8 +202,9 @@ def test_start_up_token_curve_on_the_virtual_clock_follows_the_tiles():
 
 
 def test_the_server_measures_a_token_curve_on_a_gpu_target_only():
-    """`server.context.batch_decoder`: the start-up grid sweeps token counts when the target's device is CUDA
-    (the simulated A100 engines stand in for a GPU's here: no pass runs on a device), never on a CPU."""
+    """`server.context.batch_decoder`: the start-up grid sweeps token counts and probes take a few rows when the
+    target's device is CUDA (the simulated A100 engines stand in for a GPU's here: no pass runs on a device),
+    never on a CPU."""
     from dflash_trt.server.context import ServerSettings, batch_decoder
 
     for device, curved in (("cuda", True), ("cpu", False), (None, False)):
@@ -211,6 +212,7 @@ def test_the_server_measures_a_token_curve_on_a_gpu_target_only():
         target.device = device
         dec = batch_decoder(BatchDecoder(target, drafter, clock=clock), ServerSettings(max_active=16))
         assert dec.policy.cost is not None and bool(dec.policy.cost.target.curve) is curved
+        assert dec.policy.probe_rows == (4 if curved else 0)  # a CPU probes every stale row, as before
         if curved:  # up to max_active x the drafter's block (16 x 16 tokens)
             assert max(x for x, _ in dec.policy.cost.target.curve) == 256
 

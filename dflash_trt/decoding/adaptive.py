@@ -77,11 +77,7 @@ class LinearCost:
     curve: tuple[tuple[float, float], ...] = ()  # measured (tokens, seconds) of the token term; replaces the line
 
     def __call__(self, rows: int, tokens: int) -> float:
-        if rows == 1 and tokens == 1 and self.one_token is not None:
-            return self.one_token
-        if rows == 0:
-            return 0.0
-        return self.fixed + self.per_row * rows + float(self.token_seconds(np.asarray(tokens, dtype=np.float64)))
+        return float(_price(self, np.asarray(rows), np.asarray(tokens, dtype=np.float64)))
 
     def token_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
@@ -534,7 +530,7 @@ def _mean_token_price(cost: LinearCost, rows: int, tokens: int) -> float:
 
 
 def _price(cost: LinearCost, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """`cost(rows, tokens)` over arrays."""
+    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price)."""
     out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
     if cost.one_token is not None:
         out = np.where((rows == 1) & (tokens == 1), cost.one_token, out)

@@ -50,6 +50,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
 
     target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
+    gpu = on_gpu(target)
     cost = None
     if adaptive:
         assert drafter is not None
@@ -59,7 +60,6 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
         sweep = token_sweep(min(settings.max_active * drafter.block_size, target.max_context - context))
         # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
         # the fit (with fewer repeats the fitted costs varied severalfold between starts on a busy machine)
-        gpu = on_gpu(target)
         cost = measure_costs(
             target,
             drafter,
@@ -85,7 +85,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
             1e3 * d.per_token,
         )
     # a GPU's batches are hundreds of rows with long backlogs: probes of a few rows at a time (ProbeSchedule)
-    probe_rows = GPU_PROBE_ROWS if on_gpu(target) else 0
+    probe_rows = GPU_PROBE_ROWS if gpu else 0
     policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every, probe_rows=probe_rows)
     return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy)
 

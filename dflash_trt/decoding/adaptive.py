@@ -63,7 +63,7 @@ class LinearCost:
     tokens (docs/benchmarks.md: Vidur's A100 profile), so one line either prices a small batch's drafted
     tokens as if they were compute bound (fitted through the large passes) or a large batch's as free; and
     pricing the tokens under the knee as free (a flat start) fills every step up to the knee with drafts of
-    rows that seldom hit (in the A100 simulation, poor rows drafted blocks of 3-6 where 2 paid best). `fit`
+    rows that seldom hit (docs/benchmarks.md, "On a GPU, tokens are priced by a measured curve"). `fit`
     takes a knee only where it cuts the squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a
     line (a CPU's) keeps none."""
 
@@ -468,8 +468,8 @@ def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCos
 
 POLISH_MOVES = 3  # single-row changes after the sweep, under a bent token cost (see `_polish`)
 # ... for steps of at most this many rows: each move is O(rows x sizes) work, and the sweep's overshoot is one
-# row's jump, which matters among a few rows and is a rounding among hundreds (at 256 rows the moves were a
-# fifth of the policy's time per step, 0.25 of 1.3 ms)
+# row's jump, which matters among a few rows and is a rounding among hundreds, where the moves would be a
+# large share of the policy's time per step (docs/benchmarks.md, "The policy solve is cheap")
 POLISH_MAX_ROWS = 64
 
 
@@ -558,14 +558,14 @@ class ProbeSchedule:
     def due(self, step: int, rows: Sequence[tuple[bool, int, int]]) -> list[bool]:
         """For rows given as (sampled, the step they last drafted at, their backlog of context rows): whether
         each must probe now. With `max_rows` > 0, at most that many rows per regime probe on one step, those
-        of least backlog (0: every stale row, right for a CPU's batches of 8-32 short rows, where the cap cost
-        the demo pair 5-10 % at 16 rows, T = 0, in `bench_load` A/B runs; docs/benchmarks.md). On a GPU:
+        of least backlog (0: every stale row, right for a CPU's batches of 8-32 short rows, where a cap cost
+        throughput in `bench_load` A/B runs; docs/benchmarks.md). On a GPU:
         at hundreds of stale rows, probing them all made the drafter take in every row's backlog and the
         target verify a whole block per row in one step, the cost by which adaptive trailed the target alone
         where drafting did not pay (results/sim/README.md). A few rows measure whether the regime hits; a hit
         row drafts on, and the prior new rows start from learns from it. How many is a trade measured in the
-        A100 simulation (docs/benchmarks.md): 8 cost mixed traffic up to 4 % at 128 rows, 2 found too few of
-        the rows worth drafting at 256 (2.4 % below the best fixed block); 4 kept both within about 1 %."""
+        A100 simulation (docs/benchmarks.md): more rows cost mixed traffic where drafting barely pays, fewer
+        find too few of the rows worth drafting (`GPU_PROBE_ROWS`)."""
         if self.every <= 0:
             return [False] * len(rows)
         open_regimes = {sampled for sampled, _, _ in rows if step >= self.next_step.get(sampled, 0)}
@@ -604,8 +604,8 @@ def measure_costs(
     its time is a staircase in its tokens (`token_sweep`; docs/benchmarks.md), which no line or knee follows.
 
     knees: let the fits bend once (`LinearCost.fit`), for GPU-shaped costs. Off for a CPU, whose costs are
-    lines: a knee fitted to a CPU grid follows its noise (the demo drafter's grid at rows 1/16/32 fitted one
-    in 2 of 3 start-ups), and a bent shape is corrected per row instead of by a factor.
+    lines: a knee fitted to a CPU grid follows its noise (docs/benchmarks.md), and a bent shape is corrected
+    per row instead of by a factor.
 
     drafter None: drafting costs nothing extra. The whole grid is timed `repeats` times over and each cell
     keeps its fastest pass, so a burst of load from other processes spoils one pass of a cell, not the

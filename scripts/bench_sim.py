@@ -5,7 +5,9 @@
 Sweeps (closed loop) concurrency 1..256 x policies (none, fixed-4/8/16, adaptive, trtllm-schedule,
 vllm-table) x workloads ("paper": each request from one of the paper's Qwen3-8B T=0 benchmarks; "mixed":
 half the requests accept poorly, tau ~2 at block 16) on Llama-3-8B tp=1 and Llama-3-70B tp=4 priced by
-Vidur's A100 profiles (dflash_trt/sim); a Poisson open-loop sweep; two calibrations:
+Vidur's A100 profiles (dflash_trt/sim); a Poisson open-loop sweep; the headroom on "mixed" at C=32 (the
+fixed blocks, adaptive and the oracle, which knows every row's acceptance, over several seeds); two
+calibrations:
 
   (a) CPU: the simulator with the CPU cost grid and host overhead `make bench-load` recorded
       (results/load/results.json: in_process.cost_model, step_profile) and the demo pair's recorded
@@ -35,6 +37,8 @@ from dflash_trt.sim.acceptance import AcceptanceProfile  # noqa: E402
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost  # noqa: E402
 from dflash_trt.sim.serving import HOST_STEP_S, POLICIES, Workload, simulate, workload  # noqa: E402
 
+HEADROOM_POLICIES = ("fixed-4", "fixed-8", "fixed-16", "adaptive", "oracle")
+
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = (("a100", "llama-3-8b", 1), ("a100", "llama-3-70b", 4))
 WORKLOADS = ("paper", "mixed")
@@ -43,15 +47,17 @@ SGLANG = {"c1": 5.1, "c32": 2.8}  # dflash.md: SGLang, one B200, Qwen3-8B MATH50
 
 
 def requests_for(c: int, scale: float) -> int:
-    return max(round(32 * scale), round(scale * 2 * c))
+    """max(32, 4 x C), at most 512: at 2 x C the steady window (first end to last admission) held C requests
+    only, and at 32 rows on `mixed` the ratios read 7-10 % above those of 4-8 x C (docs/benchmarks.md)."""
+    return max(round(32 * scale), min(round(512 * scale), round(scale * 4 * c)))
 
 
-def run_cell(cell: tuple[str, str, int, str, int, str, int]) -> dict:
+def run_cell(cell: tuple[str, str, int, str, int, str, int, int]) -> dict:
     """One closed-loop cell (a worker process's unit of work): gpu, model, tp, workload, concurrency, policy,
-    requests."""
-    gpu, model, tp, wl, c, policy, n = cell
+    requests, seed."""
+    gpu, model, tp, wl, c, policy, n, seed = cell
     t0 = time.perf_counter()
-    r = simulate(ProfileCost(gpu, model, tp), workload(wl), policy, concurrency=c, requests=n)
+    r = simulate(ProfileCost(gpu, model, tp), workload(wl), policy, concurrency=c, requests=n, seed=seed)
     item = {
         "gpu": gpu,
         "model": model,
@@ -59,6 +65,7 @@ def run_cell(cell: tuple[str, str, int, str, int, str, int]) -> dict:
         "workload": wl,
         "policy": policy,
         "concurrency": c,
+        "seed": seed,
         "requests": r.requests,
         "tokens_per_s": round(r.tokens_per_s, 1),
         "ttft_ms": {k: round(1e3 * v, 1) for k, v in r.ttft_s.items()},
@@ -81,18 +88,29 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def sweep(args) -> list[dict]:
+def sweep(args) -> tuple[list[dict], list[dict]]:
     """Every cell, on `args.jobs` processes (the cells are independent; the largest first, so that the pool
     ends together). Each process runs one simulation at a time on one core: the policy's CPU time per step
-    is its own thread's."""
+    is its own thread's. Returns the sweep's runs (seed 0) and the headroom's (`headroom`)."""
     import multiprocessing
 
     cells = [
-        (gpu, model, tp, wl, c, policy, requests_for(c, args.scale))
+        (gpu, model, tp, wl, c, policy, requests_for(c, args.scale), 0)
         for gpu, model, tp in args.setups
         for wl in args.workloads
         for c in args.concurrency
         for policy in args.policies
+    ]
+    n_sweep = len(cells)
+    hc = args.headroom_c
+    cells += [
+        (gpu, model, tp, "mixed", hc, policy, requests_for(hc, args.scale), seed)
+        for gpu, model, tp in args.setups
+        for seed in range(1, args.headroom_seeds + 1)
+        for policy in HEADROOM_POLICIES
+    ]
+    cells += [  # the oracle at seed 0, beside the sweep's cells of that seed
+        (gpu, model, tp, "mixed", hc, "oracle", requests_for(hc, args.scale), 0) for gpu, model, tp in args.setups
     ]
     order = sorted(range(len(cells)), key=lambda i: -cells[i][4])
     runs: list[dict | None] = [None] * len(cells)
@@ -100,7 +118,41 @@ def sweep(args) -> list[dict]:
         for i, item in zip(order, pool.imap(run_cell, [cells[i] for i in order])):
             runs[i] = item
             print(json.dumps(item), flush=True)
-    return [r for r in runs if r is not None]
+    done = [r for r in runs if r is not None]
+    return done[:n_sweep], done[n_sweep:]
+
+
+def headroom(sweep_runs: list[dict], extra: list[dict], c: int) -> list[dict]:
+    """Per setup, "mixed" at C = c: each policy's tokens/s over the seeds (the sweep's seed 0 and the extra
+    seeds), the means' ratios to the best fixed block. The oracle bounds what better acceptance estimates
+    could add: where adaptive is level with it, a gain the criteria ask for is not in the cost model."""
+    out = []
+    mine = sorted(
+        [r for r in sweep_runs if r["workload"] == "mixed" and r["concurrency"] == c] + extra, key=lambda r: r["seed"]
+    )
+    for model, tp in sorted({(r["model"], r["tp"]) for r in mine}):
+        gpu = next(r["gpu"] for r in mine if (r["model"], r["tp"]) == (model, tp))
+        cost, past = ProfileCost(gpu, model, tp), [512] * c  # the price of 4 tokens a row against 1 (prompts' median)
+        block4 = cost.target([4] * c, past, 4 * c) / cost.target([1] * c, past, c)
+        by: dict[str, list[float]] = {}
+        for r in mine:
+            if (r["model"], r["tp"]) == (model, tp) and r["policy"] in HEADROOM_POLICIES:
+                by.setdefault(r["policy"], []).append(r["tokens_per_s"])
+        mean = {p: sum(v) / len(v) for p, v in by.items()}
+        best = max(mean[p] for p in ("fixed-4", "fixed-8", "fixed-16") if p in mean)
+        out.append(
+            {
+                "model": model,
+                "tp": tp,
+                "concurrency": c,
+                "seeds": len(by.get("adaptive", [])),
+                "verify_4_over_1": round(block4, 3),
+                "tokens_per_s": {p: [round(x, 1) for x in v] for p, v in by.items()},
+                "mean_tokens_per_s": {p: round(v, 1) for p, v in mean.items()},
+                "vs_best_fixed": {p: round(v / best, 3) for p, v in mean.items()},
+            }
+        )
+    return out
 
 
 def poisson(args) -> list[dict]:
@@ -241,7 +293,7 @@ def geomean(xs: list[float]) -> float:
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def criteria(runs: list[dict], cpu: dict | None) -> tuple[list[dict], dict]:
+def criteria(runs: list[dict], cpu: dict | None, room: list[dict] = ()) -> tuple[list[dict], dict]:
     checks, ratios = [], {}
     cells: dict = {}
     for r in runs:
@@ -283,16 +335,17 @@ def criteria(runs: list[dict], cpu: dict | None) -> tuple[list[dict], dict]:
                     "figure": f"lowest {lowp[1]:.3f}x (c={lowp[0]}), geomean {g:.3f}x",
                 }
             )
-        if wl == "mixed":
-            for c, row, _ in items:
-                if c == 32 and row.get("vs_best_fixed"):
-                    checks.append(
-                        {
-                            "what": f"{tag} c=32: adaptive >= 1.1x the best fixed block",
-                            "passed": row["vs_best_fixed"] >= 1.1,
-                            "figure": f"{row['vs_best_fixed']:.3f}x",
-                        }
-                    )
+        for h in room:
+            if wl == "mixed" and (h["model"], h["tp"]) == (model, tp) and "adaptive" in h["vs_best_fixed"]:
+                v = h["vs_best_fixed"]
+                checks.append(
+                    {
+                        "what": f"{tag} c={h['concurrency']}: adaptive >= 1.1x the best fixed block "
+                        f"(mean of {h['seeds']} seeds)",
+                        "passed": v["adaptive"] >= 1.1,
+                        "figure": f"{v['adaptive']:.3f}x (oracle {v.get('oracle', float('nan')):.3f}x)",
+                    }
+                )
         for c, _, cell in items:
             if c == 256:
                 a = cell["adaptive"]
@@ -376,15 +429,39 @@ def readme(res: dict) -> str:
         lines.append(f"| {c['what']} | {'PASS' if c['passed'] else 'FAIL'} | {c['figure']} |")
     lines += [
         "",
-        "How to read it: one seed per cell, max(32, 2 x C) requests, and the policies' trajectories diverge, so",
-        "a cell's ratio carries a few percent of luck (at 32 rows on `mixed`, 4 seeds of 128 requests spread",
-        "+-1.5 %); the design choices behind the adaptive policy were measured over several seeds",
-        '(docs/benchmarks.md, "Measurements behind design choices"). The adaptive server measures its token',
-        "curve at start-up on a GPU (one-row passes every 8 tokens to 512, then coarser), as it does here: the",
-        "profile is a staircase (GEMM tiles) and the best choices end a step at a tile's end. Where it still",
-        "trails: at 256 rows, where drafting barely pays, the probes (4 rows per regime, a whole block each, on",
-        "one step) cost about 1 % against the target alone; calibration (b) is explained below.",
+        "How to read it: one seed per cell and the policies' trajectories diverge, so a cell's ratio carries a",
+        "few percent of luck; the C=32 `mixed` check is the mean of several seeds (the headroom below). The",
+        "design choices behind the adaptive policy were measured over several seeds (docs/benchmarks.md,",
+        '"Measurements behind design choices"). The adaptive server measures its token curve at start-up on a',
+        "GPU (one-row passes every 8 tokens to 512, then coarser), as it does here: the profile is a staircase",
+        "(GEMM tiles) and the best choices end a step at a tile's end.",
     ]
+    for h in res.get("headroom", []):
+        v, m = h["vs_best_fixed"], h["mean_tokens_per_s"]
+        lines += [
+            "",
+            f"## Headroom: A100 {h['model']} tp={h['tp']}, `mixed`, C={h['concurrency']} ({h['seeds']} seeds)",
+            "",
+            "The oracle is the adaptive policy told every row's true acceptance, never probing: the most a",
+            "per-row block choice priced by this cost model reached. Mean tokens/s over the seeds, and the ratio",
+            "to the best fixed block:",
+            "",
+            "| policy | tokens/s | / best fixed | per seed |",
+            "|---|---|---|---|",
+        ]
+        for pol in HEADROOM_POLICIES:
+            if pol in m:
+                seeds = ", ".join(f"{x:.0f}" for x in h["tokens_per_s"][pol])
+                lines.append(f"| {pol} | {m[pol]:.0f} | {v[pol]:.3f} | {seeds} |")
+        if "oracle" in v and "adaptive" in v:
+            lines += [
+                "",
+                f"Adaptive reaches {v['adaptive'] / v['oracle']:.3f}x the oracle. At {h['concurrency']} rows a verify "
+                f"pass of 4 tokens a row costs {h['verify_4_over_1']:.2f}x one",
+                "of 1 token a row (the profile, at 512 tokens cached): the poor rows' wasted drafts in a fixed block",
+                "of 4 cost little, and what a per-row choice can add is the good rows' longer blocks, until the pass",
+                "turns compute bound.",
+            ]
     cells: dict = {}
     for r in res["runs"]:
         cells.setdefault((r["model"], r["tp"], r["workload"]), {}).setdefault(r["concurrency"], {})[r["policy"]] = r
@@ -518,22 +595,31 @@ def main() -> None:
     ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
     ap.add_argument("--load-results", type=Path, default=ROOT / "results" / "load" / "results.json")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)")
+    ap.add_argument(
+        "--headroom-seeds",
+        type=int,
+        default=2,
+        help="seeds beyond the sweep's for the headroom cells (mixed, C=32; default 2: 3 seeds in all)",
+    )
     args = ap.parse_args()
     if args.readme_only:
         return rewrite_readme(args.out)
     args.setups, args.workloads, args.policies = SETUPS, WORKLOADS, POLICIES
     args.concurrency, args.scale, args.rates, args.poisson_requests, args.gpu_osl = CONCURRENCY, 1.0, (4, 16), 96, 512
+    args.headroom_c = 32
     if args.reduced:
         args.concurrency, args.scale, args.poisson_requests, args.gpu_osl = (1, 8, 32, 256), 0.5, 48, 256
     if args.smoke:
         args.setups, args.workloads = (SETUPS[0],), ("mixed",)
         args.concurrency, args.scale, args.rates, args.poisson_requests, args.gpu_osl = (2,), 0.25, (8,), 8, 32
+        args.headroom_c, args.headroom_seeds = 2, 1
     t0 = time.perf_counter()
-    runs = sweep(args)
+    runs, extra = sweep(args)
+    room = headroom(runs, extra, args.headroom_c)
     pois = poisson(args)
     cpu = calibrate_cpu(args.load_results) if not args.smoke else None
     gpu = calibrate_gpu(args) if not args.smoke else None
-    checks, ratios = criteria(runs, cpu)
+    checks, ratios = criteria(runs, cpu, room)
     if gpu:
         checks.append(
             {
@@ -550,7 +636,8 @@ def main() -> None:
             "workloads": list(args.workloads),
             "policies": list(args.policies),
             "concurrency": list(args.concurrency),
-            "requests_rule": f"max({round(32 * args.scale)}, {2 * args.scale:g} x C) requests per cell, steady window",
+            "requests_rule": f"max({round(32 * args.scale)}, {4 * args.scale:g} x C) requests per cell (at most "
+            f"{round(512 * args.scale)}), steady window",
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,
             "host_step_s": HOST_STEP_S,
@@ -560,6 +647,7 @@ def main() -> None:
             "mode": "smoke" if args.smoke else "reduced" if args.reduced else "full",
         },
         "runs": runs,
+        "headroom": room,
         "poisson": pois,
         "calibration": {"cpu": cpu, "gpu": gpu},
         "ratios": ratios,

@@ -49,6 +49,11 @@ class AcceptanceProfile:
     def tau(self, block: int) -> float:
         return tau_of(self.rates, block)
 
+    def equivalent_rate(self, block: int = 16) -> float:
+        """The constant per-position rate with this profile's tau at `block` (what a geometric estimate of
+        the row's acceptance, as the adaptive policy keeps, would read if it were exact)."""
+        return AcceptanceProfile.fit(self.name, self.tau(block), block, decay=1.0).rates[0]
+
     def accepted(self, draws: Sequence[float]) -> int:
         """Accepted positions for uniform draws in [0, 1), one per drafted position."""
         k = 0

@@ -23,6 +23,11 @@ before each step (`decoder.block_size`: the largest block a row may use; 1 = nob
   ranges -> K, gaps inherit the previous range's K, clamped to num_speculative_tokens. The PR's example for
   a 3-token EAGLE drafter is {"1-16": 3, "64-128": 2, "256-4096": 0}; scaled to 15: {1-16: 15, 64-128: 10,
   256-4096: 0}.
+
+A reference that is no deployable policy: "oracle", the adaptive policy told each row's true acceptance (its
+class's constant-rate equivalent, `AcceptanceProfile.equivalent_rate`) and never probing. What it reaches is
+the most a per-row block choice priced by the same cost model can gain here; where adaptive is level with it,
+better acceptance estimates cannot help, only other costs could.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding import GenerationConfig, SamplingParams
-from ..decoding.adaptive import GPU_PROBE_ROWS, measure_costs, token_sweep
+from ..decoding.adaptive import GPU_PROBE_ROWS, AcceptanceTracker, measure_costs, token_sweep
 from ..decoding.loop import BatchDecoder, BatchRow, BlockPolicy
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -45,6 +50,7 @@ from .engines import VirtualClock, sim_engines
 HOST_STEP_S = 0.3e-3  # per decoder step on a GPU server: scheduling, batching and bookkeeping on the host
 
 POLICIES = ("none", "fixed-4", "fixed-8", "fixed-16", "adaptive", "trtllm-schedule", "vllm-table")
+REFERENCES = ("oracle",)  # not deployable: see the module docstring
 TRTLLM_SCHEDULE = {4: 15, 8: 7, 32: 3}
 TRTLLM_THRESHOLD, TRTLLM_WINDOW = 0.1, 32
 VLLM_TABLE = ((1, 16, 15), (64, 128, 10), (256, 4096, 0))
@@ -123,12 +129,26 @@ def table_k(batch: int, num_speculative_tokens: int = 15) -> int:
     return min(k, num_speculative_tokens)
 
 
+@dataclass
+class KnownAcceptance(AcceptanceTracker):
+    """The oracle's estimate: the row's true per-position rate, whatever its rounds accept."""
+
+    known: float = 0.6
+
+    @property
+    def alpha(self) -> float:
+        return self.known
+
+    def update(self, drafted: int, accepted: int) -> None:
+        return None
+
+
 class Policy:
     """Builds the decoder for one policy and sets its block-size knob before each step."""
 
     def __init__(self, name: str, max_active: int = 256, trained: int = 16):
-        if name not in POLICIES:
-            raise ValueError(f"unknown policy {name!r}: one of {POLICIES}")
+        if name not in POLICIES + REFERENCES:
+            raise ValueError(f"unknown policy {name!r}: one of {POLICIES + REFERENCES}")
         self.name, self.max_active, self.trained = name, max_active, trained
         self.window: list[tuple[int, int]] = []  # trtllm: (drafted, accepted) of recent speculating steps
         self.disabled = False
@@ -138,15 +158,22 @@ class Policy:
             return BatchDecoder(target, None, clock=clock)
         if self.name.startswith("fixed-"):
             return BatchDecoder(target, drafter, block_size=int(self.name.split("-")[1]), clock=clock)
-        if self.name == "adaptive":  # the server's start-up grid (server/context.py), on the virtual clock
+        if self.name in ("adaptive", "oracle"):  # the server's start-up grid (server/context.py), on the virtual clock
             rows = sorted({1, max(1, self.max_active // 2), self.max_active})
             curve = token_sweep(self.max_active * self.trained)  # a GPU's server measures its token curve
             cost = measure_costs(
                 target, drafter, rows=rows, context=128, repeats=5, clock=clock, token_curve=curve, knees=True
             )
-            policy = BlockPolicy(adaptive=True, cost=cost, probe_rows=GPU_PROBE_ROWS)  # as a GPU server
+            probe_every = 0 if self.name == "oracle" else BlockPolicy.probe_every  # the oracle needs no probes
+            policy = BlockPolicy(adaptive=True, cost=cost, probe_rows=GPU_PROBE_ROWS, probe_every=probe_every)
             return BatchDecoder(target, drafter, policy=policy, clock=clock)
         return BatchDecoder(target, drafter, block_size=self.trained, clock=clock)
+
+    def admit(self, row: BatchRow, profile: AcceptanceProfile) -> BatchRow:
+        """A row about to join (its class's acceptance `profile`): the oracle is told the row's true rate."""
+        if self.name == "oracle":
+            row.acceptance = KnownAcceptance(known=profile.equivalent_rate())
+        return row
 
     def before_step(self, decoder: BatchDecoder) -> None:
         batch = len(decoder.active)
@@ -250,7 +277,7 @@ def simulate(
         while queue or dec.active:
             while queue and len(dec.active) < 16:
                 p, cfg = queue.pop(0)
-                dec.join(dec.new_row(p, cfg))
+                dec.join(pol.admit(dec.new_row(p, cfg), work.profiles[p[0]]))
             pol.before_step(dec)
             pol.after_step(dec.step())
     clock.now = 0.0  # the start-up grid and the warm-up ran before serving
@@ -284,7 +311,7 @@ def simulate(
             if concurrency is not None:
                 r.arrival = clock.now
             cfg = GenerationConfig(max_new_tokens=r.max_new, sampling=greedy, stop_token_ids=())
-            r.row = dec.join(dec.new_row(r.prompt, cfg))
+            r.row = dec.join(pol.admit(dec.new_row(r.prompt, cfg), work.profiles[r.klass]))
             active[r.row.id] = r
             if not waiting:
                 window_end = clock.now

@@ -14,11 +14,11 @@ import torch
 
 from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.runtime.base import DrafterEngine, DraftRequest, TargetEngine
-from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles
+from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles, tau_of
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.engines import sim_engines, truth
 from dflash_trt.sim.profiles import LAYER_OPS, all_reduce_profile, layer_profile
-from dflash_trt.sim.serving import schedule_draft_len, simulate, table_k, workload
+from dflash_trt.sim.serving import KnownAcceptance, Policy, schedule_draft_len, simulate, table_k, workload
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(0.0)
@@ -230,6 +230,30 @@ def test_simulate_joins_and_leaves_and_policies():
     assert adaptive.policy_cpu_s_per_step > 0 and adaptive.simulated_step_s > 0
     poisson = simulate(cost, work, "fixed-4", rate=50.0, requests=10)
     assert poisson.tokens == none.tokens and poisson.ttft_s["p50"] > 0
+
+
+def test_oracle_is_told_each_rows_acceptance():
+    rate = POOR.equivalent_rate()
+    assert tau_of([rate] * 15, 16) == pytest.approx(POOR.tau(16), rel=1e-6)  # the same tau as a constant rate
+    assert paper_profiles()["math500"].equivalent_rate() > rate
+    work = workload("mixed", prompt_len="uniform:16-64", output_len="uniform:16-48")
+    cost = ProfileCost()
+    _, drafter, clock = sim_engines(cost, work.profiles)
+    pol = Policy("oracle")
+    dec = pol.decoder(*sim_engines(cost, work.profiles)[:2], clock)
+    assert dec.policy.adaptive and dec.probes.every == 0  # knows, so never probes
+    row = pol.admit(dec.new_row([len(work.profiles) - 1, 40, 41], GenerationConfig(max_new_tokens=8)), POOR)
+    assert isinstance(row.acceptance, KnownAcceptance) and row.acceptance.alpha == rate
+    row.acceptance.update(7, 0)  # a failed round moves nothing
+    assert row.acceptance.alpha == rate
+    other = dec.new_row([len(work.profiles) - 1, 40, 41], GenerationConfig(max_new_tokens=8))
+    assert not isinstance(Policy("adaptive").admit(other, POOR).acceptance, KnownAcceptance)  # adaptive estimates
+    fixed = simulate(cost, work, "fixed-8", concurrency=4, requests=10, keep_outputs=True)
+    oracle = simulate(cost, work, "oracle", concurrency=4, requests=10, keep_outputs=True)
+    assert oracle.outputs == fixed.outputs  # lossless like every policy: the target's tokens
+    assert oracle.mean_block != fixed.mean_block
+    with pytest.raises(ValueError, match="unknown policy"):
+        Policy("psychic")
 
 
 def test_peer_schedules():

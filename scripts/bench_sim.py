@@ -88,10 +88,12 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def sweep(args) -> tuple[list[dict], list[dict]]:
-    """Every cell, on `args.jobs` processes (the cells are independent; the largest first, so that the pool
-    ends together). Each process runs one simulation at a time on one core: the policy's CPU time per step
-    is its own thread's. Returns the sweep's runs (seed 0) and the headroom's (`headroom`)."""
+def sweep(args) -> tuple[list[dict], list[dict], list[dict], dict | None, dict | None]:
+    """Every cell, on `args.jobs` processes (the cells are independent; the Poisson sweep and the two
+    calibrations, each one task, first, then the cells, the largest first, so that the pool ends together).
+    Each process runs one simulation at a time on one core: the policy's CPU time per step is its own
+    thread's. Returns the sweep's runs (seed 0), the headroom's (`headroom`), the Poisson runs and the CPU
+    and GPU calibrations (None in a smoke run)."""
     import multiprocessing
 
     cells = [
@@ -115,11 +117,14 @@ def sweep(args) -> tuple[list[dict], list[dict]]:
     order = sorted(range(len(cells)), key=lambda i: -cells[i][4])
     runs: list[dict | None] = [None] * len(cells)
     with multiprocessing.get_context("spawn").Pool(args.jobs, initializer=_one_thread) as pool:
+        pois = pool.apply_async(poisson, (args,))
+        cpu = pool.apply_async(calibrate_cpu, (args.load_results,)) if not args.smoke else None
+        gpu = pool.apply_async(calibrate_gpu, (args,)) if not args.smoke else None
         for i, item in zip(order, pool.imap(run_cell, [cells[i] for i in order])):
             runs[i] = item
             print(json.dumps(item), flush=True)
-    done = [r for r in runs if r is not None]
-    return done[:n_sweep], done[n_sweep:]
+        done = [r for r in runs if r is not None]
+        return done[:n_sweep], done[n_sweep:], pois.get(), cpu and cpu.get(), gpu and gpu.get()
 
 
 def headroom(sweep_runs: list[dict], extra: list[dict], c: int) -> list[dict]:
@@ -614,11 +619,8 @@ def main() -> None:
         args.concurrency, args.scale, args.rates, args.poisson_requests, args.gpu_osl = (2,), 0.25, (8,), 8, 32
         args.headroom_c, args.headroom_seeds = 2, 1
     t0 = time.perf_counter()
-    runs, extra = sweep(args)
+    runs, extra, pois, cpu, gpu = sweep(args)
     room = headroom(runs, extra, args.headroom_c)
-    pois = poisson(args)
-    cpu = calibrate_cpu(args.load_results) if not args.smoke else None
-    gpu = calibrate_gpu(args) if not args.smoke else None
     checks, ratios = criteria(runs, cpu, room)
     if gpu:
         checks.append(

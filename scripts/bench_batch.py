@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_trt.bench.methods import hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.config import validate_against_target
 from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, StepProfile
@@ -36,23 +37,6 @@ from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngi
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def hf_generate(model, prompts: list[list[int]], n: int, pad: int) -> list[list[int]]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            do_sample=False,
-            pad_token_id=pad,
-            eos_token_id=None,
-        )
-    return out[:, width:].tolist()
 
 
 def main() -> int:
@@ -105,7 +89,7 @@ def main() -> int:
         return run
 
     methods = {
-        "hf-generate": lambda batch: (hf_generate(model, batch, n, pad), []),
+        "hf-generate": lambda batch: (hf_generate_batch(model, batch, n, pad), []),
         "batch-target": batched(1, False),
         "batch-dflash-b8": batched(8, False),
         "batch-adaptive": batched(None, True),

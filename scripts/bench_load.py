@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value
+from dflash_trt.bench.methods import hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
@@ -251,7 +252,9 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
     stream = [code[i % len(code)] for i in range(requests_for(c, args))]
     members = {
         "hf-generate": lambda: sum(
-            len(o) for s in range(0, len(stream), c) for o in hf_generate(model, stream[s : s + c], args.osl, pad, 0.0)
+            len(o)
+            for s in range(0, len(stream), c)
+            for o in hf_generate_batch(model, stream[s : s + c], args.osl, pad, 0.0)
         ),
         "target": lambda: steady_state(BatchDecoder(btarget, None), stream, c, args.osl),
         "adaptive": lambda: steady_state(
@@ -299,12 +302,14 @@ class HFReference:
         n_req = requests_for(c, self.args)
         stream = [self.code[i % len(self.code)] for i in range(n_req)]
         if (c, temp) not in self._warm:  # warm-up at this shape, not timed
-            hf_generate(self.model, stream[:c], self.osl, self.pad, temp)
+            hf_generate_batch(self.model, stream[:c], self.osl, self.pad, temp)
             self._warm.add((c, temp))
         t0 = time.perf_counter()
         tokens = 0
         for start in range(0, n_req, c):
-            tokens += sum(len(o) for o in hf_generate(self.model, stream[start : start + c], self.osl, self.pad, temp))
+            tokens += sum(
+                len(o) for o in hf_generate_batch(self.model, stream[start : start + c], self.osl, self.pad, temp)
+            )
         secs = time.perf_counter() - t0
         return {
             "mode": self.name,
@@ -315,26 +320,6 @@ class HFReference:
             "seconds": round(secs, 2),
             "tokens_per_s": round(tokens / secs, 1),
         }
-
-
-def hf_generate(model, prompts: list[list[int]], n: int, pad: int, temperature: float) -> list[list[int]]:
-    width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    sampling = (
-        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
-    )
-    with torch.inference_mode():
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=mask,
-            max_new_tokens=n,
-            min_new_tokens=n,
-            pad_token_id=pad,
-            eos_token_id=None,
-            **sampling,
-        )
-    return out[:, width:].tolist()
 
 
 # ---- the server cells --------------------------------------------------------------------------------

@@ -173,3 +173,28 @@ def hf_method(
         return Run(tokens, seconds, lengths, timer.seconds, draft_s)
 
     return Method(name, family, run)
+
+
+def hf_generate_batch(
+    model: CausalLM, prompts: list[list[int]], n: int, pad: int, temperature: float = 0.0
+) -> list[list[int]]:
+    """Batched model.generate(): left-padded prompts, exactly n new tokens each (EOS off), greedy at
+    temperature 0, else plain softmax(logits / T) like our loop. The batched benchmarks' reference."""
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    sampling: dict[str, Any] = (
+        dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else dict(do_sample=False)
+    )
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=pad,
+            eos_token_id=None,
+            **sampling,
+        )
+    new: list[list[int]] = out[:, width:].tolist()
+    return new

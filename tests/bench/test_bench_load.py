@@ -227,3 +227,19 @@ def test_the_engines_alone_section_reports_both_ratios():
     )
     assert "## The engines alone: C=16, T=0" in md
     assert "| 800 | 880 | 1040 | 1.30x | 1.10x |" in md
+
+
+def test_batched_hf_generate_is_each_prompt_alone(tiny_pair):
+    """The batched benchmarks' reference: left-padded prompts of different lengths give, greedy, exactly n
+    tokens each, the tokens our target-alone loop gives each prompt alone (the padding is masked out)."""
+    from helpers import generate_one
+
+    from dflash_trt.bench.methods import hf_generate_batch
+    from dflash_trt.decoding import BatchDecoder, GenerationConfig
+    from dflash_trt.runtime.torch_backend import TorchTargetEngine
+
+    _, _, _, model, _ = tiny_pair
+    prompts = [[5, 9, 11, 4, 7, 30, 2], [8, 3], [12, 40, 41, 6]]
+    out = hf_generate_batch(model, prompts, 5, pad=0)
+    alone = BatchDecoder(TorchTargetEngine(model))
+    assert out == [generate_one(alone, p, GenerationConfig(max_new_tokens=5)).token_ids for p in prompts]

@@ -119,21 +119,19 @@ def train_lm(
     budget_left = None if cfg.time_budget_s is None else cfg.time_budget_s - spent
     if budget_left is not None and budget_left <= 0:
         tqdm.write(f"the time budget ({cfg.time_budget_s:.0f} s) is spent: nothing to resume")
-        model.eval()
-        report.seconds = spent
-        return report
-    run_steps(
-        model.parameters(),
-        opt,
-        sched,
-        step_fn,
-        start=start_step,
-        total=cfg.steps,
-        clip=cfg.clip,
-        every=cfg.eval_every,
-        on_every=on_every,
-        time_budget_s=budget_left,
-    )
-    report.seconds = time.perf_counter() - start
+    else:
+        run_steps(
+            model.parameters(),
+            opt,
+            sched,
+            step_fn,
+            start=start_step,
+            total=cfg.steps,
+            clip=cfg.clip,
+            every=cfg.eval_every,
+            on_every=on_every,
+            time_budget_s=budget_left,
+        )
+    report.seconds = time.perf_counter() - start  # spent, when nothing ran
     model.eval()
     return report

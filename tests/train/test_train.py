@@ -341,3 +341,12 @@ def test_lm_training_resumes_where_it_stopped(tmp_path, monkeypatch):
         lm.train_lm(
             make_tiny_target(), tokens, tokens, lm.LMTrainConfig(**{**vars(cfg), "steps": 9}), checkpoint_dir=tmp_path
         )
+    # a budget the checkpoint has already spent: the saved weights and report, no step more
+    spent = lm.train_lm(
+        make_tiny_target(),
+        tokens,
+        tokens,
+        lm.LMTrainConfig(**{**vars(cfg), "time_budget_s": 1e-9}),
+        checkpoint_dir=tmp_path,
+    )
+    assert spent.steps == 8 and spent.history == report.history and spent.seconds >= report.history[-1]["seconds"]

@@ -23,11 +23,11 @@ takes (ragged, in row order; absent = one row taking them all). `logits` / `feat
 row's rows concatenated in the same order (one logits row per session with `last_logits_only`), `length`
 one per row. The model side keeps its sessions as the rows of ONE target session (runtime/base.py), so
 a call is one forward pass for all of them (`TargetSessions`).
-`RemoteTargetEngine` is the BLS's side (a TargetEngine), and the batched drafter is
-`RemoteBatchDrafterEngine` when the repository serves the batched round graph (dflash_drafter_batch,
-written by `triton-repo` next to dflash_drafter): ONE call per step for every drafting row, the BLS keeping
-each row's drafter cache as a slot of one array. Otherwise (a TensorRT plan drafter: its batched plan is
-not served yet) `RemoteDrafterEngine`: one dflash_drafter call per drafting row.
+`RemoteTargetEngine` is the BLS's side (a TargetEngine), and `RemoteDrafterEngine` the drafter's: batched
+when the repository serves the batched round graph (dflash_drafter_batch, written by `triton-repo` next to
+dflash_drafter): ONE call per step for every drafting row, the BLS keeping each row's drafter cache as a slot
+of one array. Otherwise (a TensorRT plan drafter: its batched plan is not served yet) one dflash_drafter call
+per drafting row.
 
 These engines implement the TargetEngine / DrafterEngine interfaces of dflash_trt.runtime.base, so the
 decoding loop (acceptance, sampling, bookkeeping) runs unchanged; this module only moves tensors. `infer(model, inputs, outputs)` is the
@@ -175,47 +175,32 @@ class RemoteTargetSession:
 
 
 class RemoteDrafterEngine:
-    """The single-sequence drafter round graph served as a Triton model: ONNX Runtime's sequence logic
-    (runtime.ort_backend.RoundGraphSequence) with the graph call made through `infer`, one call per row."""
+    """A drafter round graph served as a Triton model, its graph calls made through `infer`.
+
+    batched: the batched round graph (dflash_drafter_batch): ONNX Runtime's batched session logic
+    (runtime.ort_backend.BatchGraphSession, every row's cache a slot kept here in the BLS), ONE call per step.
+    Otherwise the single-sequence graph (dflash_drafter): ONNX Runtime's sequence logic
+    (runtime.ort_backend.RoundGraphSequence), one call per drafting row."""
 
     name = "triton"
 
-    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any]):
+    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any], batched: bool = False):
         """meta: the exported graph's drafter.json (dflash_trt.formats.DrafterGraphMeta as a dict)."""
-        self.infer, self.model = infer, model
-        self.meta = DrafterGraphMeta.from_dict(meta)
-        self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
-        self.feature_layer_ids = self.meta.feature_layer_ids
-        self.max_context: int | None = None  # the ONNX graph takes any cache length
-
-    def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        out = self.infer(self.model, feeds, list(DRAFTER_OUTPUTS))
-        return [np.array(out[name]) for name in DRAFTER_OUTPUTS]  # writable copies (torch.from_numpy)
-
-    def new_session(self) -> DrafterSession:
-        return PerRowDrafter(lambda: RoundGraphSequence(self.meta, self.run))
-
-
-class RemoteBatchDrafterEngine:
-    """The batched drafter round graph served as a Triton model (dflash_drafter_batch): the ONNX Runtime batched
-    session's logic (runtime.ort_backend.BatchGraphSession, every row's cache a slot kept here in the BLS),
-    with its one graph call per step made through `infer`."""
-
-    name = "triton"
-
-    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any]):
-        self.infer, self.model = infer, model
+        self.infer, self.model, self.batched = infer, model, batched
         self.meta = DrafterGraphMeta.from_dict(meta)
         self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
         self.feature_layer_ids = tuple(self.meta.feature_layer_ids)
-        self.max_context: int | None = None
+        self.max_context: int | None = None  # the ONNX graph takes any cache length
+        self.outputs = list(BATCH_DRAFTER_OUTPUTS if batched else DRAFTER_OUTPUTS)
 
     def run(self, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        out = self.infer(self.model, feeds, list(BATCH_DRAFTER_OUTPUTS))
-        return [np.array(out[name]) for name in BATCH_DRAFTER_OUTPUTS]
+        out = self.infer(self.model, feeds, self.outputs)
+        return [np.array(out[name]) for name in self.outputs]  # writable copies (torch.from_numpy)
 
     def new_session(self) -> DrafterSession:
-        return BatchGraphSession(self.meta, self.run)
+        if self.batched:
+            return BatchGraphSession(self.meta, self.run)
+        return PerRowDrafter(lambda: RoundGraphSequence(self.meta, self.run))
 
 
 # ---- the target model's side: sessions by id -------------------------------------------------

@@ -231,7 +231,6 @@ def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_pe
 
     from dflash_trt.builders.onnx_drafter_batch import export_batched_from_checkpoints
     from dflash_trt.formats import BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES
-    from dflash_trt.triton.remote import RemoteBatchDrafterEngine
 
     target_dir, drafter_dir, onnx_dir, ort_drafter, target_engine = parts
     export_batched_from_checkpoints(drafter_dir, target_dir, tmp_path)
@@ -252,7 +251,7 @@ def test_batch_decoder_with_the_batched_remote_drafter_makes_one_drafter_call_pe
 
     meta = DrafterGraphMeta.read(onnx_dir)
     target = RemoteTargetEngine(infer, "dflash_target", meta.vocab_size, 2048, meta.feature_layer_ids)
-    drafter = RemoteBatchDrafterEngine(infer, "dflash_drafter_batch", json.loads(meta.to_json()))
+    drafter = RemoteDrafterEngine(infer, "dflash_drafter_batch", json.loads(meta.to_json()), batched=True)
     decoder = BatchDecoder(target, drafter)
     rows = [decoder.add(p, c) for p, c in zip(prompts, configs)]
     steps = 0

@@ -24,7 +24,7 @@ import triton_python_backend_utils as pb_utils
 
 from ...decoding import BatchDecoder, BatchRow, GenerationConfig, InputError, SamplingParams
 from ...runtime.base import DrafterEngine
-from ..remote import RemoteBatchDrafterEngine, RemoteDrafterEngine, RemoteTargetEngine, pad_rows, unpad_rows
+from ..remote import RemoteDrafterEngine, RemoteTargetEngine, pad_rows, unpad_rows
 from .common import error_response, load_config, need, scalar, strings
 
 # Triton's python backend (triton_python_backend_utils) is untyped: requests, responses and senders are Any.
@@ -75,7 +75,7 @@ class TritonPythonModel:
         meta = json.loads(params["drafter_meta"])
         self.drafter: DrafterEngine
         if params.get("drafter_batch_model"):  # the batched graph: one drafter call per step
-            self.drafter = RemoteBatchDrafterEngine(bls_infer, params["drafter_batch_model"], meta)
+            self.drafter = RemoteDrafterEngine(bls_infer, params["drafter_batch_model"], meta, batched=True)
         else:  # the single-sequence graph: one call per drafting row
             self.drafter = RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"), meta)
         self.stop_ids = tuple(json.loads(params.get("stop_token_ids", "[]")))

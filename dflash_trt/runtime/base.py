@@ -18,7 +18,8 @@ A backend that can run only one sequence per call implements `rows.SequenceTarge
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -125,3 +126,31 @@ class EngineOptions:
 
 class EngineUnavailable(RuntimeError):
     """A backend whose package or device is missing on this machine."""
+
+
+def cuda_devices(*engines: object) -> list[torch.device]:
+    """The CUDA devices the engines run on (their `device` attribute, as the backends set it), each once."""
+    out: list[torch.device] = []
+    for engine in engines:
+        device = getattr(engine, "device", None)
+        if device is not None and torch.device(device).type == "cuda" and torch.device(device) not in out:
+            out.append(torch.device(device))
+    return out
+
+
+def pass_clock(*engines: object) -> Callable[[], float]:
+    """The clock that times the engines' passes (the decoding loop's, the start-up cost grid's): perf_counter,
+    which on a CUDA device first waits for the kernels queued there. CUDA runs kernels asynchronously, so
+    without the wait a pass would be timed by its launches and the adaptive policy would price drafting
+    as nearly free; the loop waits for each pass's output right after it anyway (its tokens are read on the
+    host), so the wait costs little."""
+    devices = cuda_devices(*engines)
+    if not devices:
+        return time.perf_counter
+
+    def synced() -> float:
+        for device in devices:
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
+
+    return synced

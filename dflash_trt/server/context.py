@@ -7,10 +7,10 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, cast
 
-import torch
 from fastapi import Depends, Request
 
 from ..decoding import BatchDecoder, BlockPolicy
+from ..runtime.base import cuda_devices, pass_clock
 from .metrics import ServerMetrics
 from .scheduler import Orchestrator
 from .schemas import Limits, request_models
@@ -50,7 +50,9 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
 
     target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
-    gpu = on_gpu(target)
+    gpu = bool(cuda_devices(target))
+    # on a GPU every timing waits for the device (pass_clock); otherwise the loaded decoder's clock
+    clock = pass_clock(target, drafter) if cuda_devices(target, drafter) else decoder.clock
     cost = None
     if adaptive:
         assert drafter is not None
@@ -68,6 +70,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
             repeats=5,
             token_curve=sweep if gpu and len(sweep) > 1 else (),
             knees=gpu,
+            clock=clock,
         )
         t, d = cost.target, cost.drafter
         log.info(
@@ -87,13 +90,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
     # a GPU's batches are hundreds of rows with long backlogs: probes of a few rows at a time (ProbeSchedule)
     probe_rows = GPU_PROBE_ROWS if gpu else 0
     policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every, probe_rows=probe_rows)
-    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy)
-
-
-def on_gpu(engine: object) -> bool:
-    """Whether an engine runs on a CUDA device (its `device` attribute, as the backends set it)."""
-    device = getattr(engine, "device", None)
-    return device is not None and torch.device(device).type == "cuda"
+    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy, clock=clock)
 
 
 class Server:

@@ -136,3 +136,24 @@ def test_drafter_in_its_own_dtype_shares_nothing_it_cannot(pair):
     assert d.embed_weight.dtype is torch.bfloat16 and d.lm_head_weight.dtype is torch.bfloat16
     assert torch.equal(d.embed_weight, mixed.target.embed_weight.to(torch.bfloat16))
     assert mixed.target.embed_weight.dtype is torch.float32
+
+
+def test_pass_clock_waits_for_each_cuda_device_once(monkeypatch):
+    """Timings of CUDA passes wait for the device first (kernels run asynchronously); CPU passes need no wait."""
+    import time
+    from types import SimpleNamespace
+
+    from dflash_trt.runtime.base import cuda_devices, pass_clock
+
+    cpu, none = SimpleNamespace(device="cpu"), object()
+    assert pass_clock(cpu, none) is time.perf_counter and cuda_devices(cpu, none) == []
+    waits: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))
+    a, b, c = (
+        SimpleNamespace(device="cuda:0"),
+        SimpleNamespace(device=torch.device("cuda", 0)),
+        SimpleNamespace(device="cuda:1"),
+    )
+    clock = pass_clock(a, b, c, cpu)
+    t0 = clock()
+    assert clock() >= t0 and waits == [torch.device("cuda", 0), torch.device("cuda", 1)] * 2

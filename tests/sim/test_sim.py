@@ -201,13 +201,16 @@ def test_start_up_token_curve_on_the_virtual_clock_follows_the_tiles():
     assert cost.target(16, 136) > 1.2 * cost.target(16, 128)
 
 
-def test_the_server_measures_a_token_curve_on_a_gpu_target_only():
+def test_the_server_measures_a_token_curve_on_a_gpu_target_only(monkeypatch):
     """`server.context.batch_decoder`: the start-up grid sweeps token counts and probes take a few rows when the
     target's device is CUDA (the simulated A100 engines stand in for a GPU's here: no pass runs on a device),
-    never on a CPU."""
+    never on a CPU; on CUDA every timing of the grid and the loop first waits for the device."""
     from dflash_trt.server.context import ServerSettings, batch_decoder
 
+    waits: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waits.append(device))  # no CUDA here
     for device, curved in (("cuda", True), ("cpu", False), (None, False)):
+        waits.clear()
         target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
         target.device = device
         dec = batch_decoder(BatchDecoder(target, drafter, clock=clock), ServerSettings(max_active=16))
@@ -215,21 +218,12 @@ def test_the_server_measures_a_token_curve_on_a_gpu_target_only():
         assert dec.policy.probe_rows == (4 if curved else 0)  # a CPU probes every stale row, as before
         if curved:  # up to max_active x the drafter's block (16 x 16 tokens)
             assert max(x for x, _ in dec.policy.cost.target.curve) == 256
-
-
-def test_simulate_joins_and_leaves_and_policies():
-    work = workload("mixed", prompt_len="uniform:16-64", output_len="uniform:16-48")
-    cost = ProfileCost()
-    none = simulate(cost, work, "none", concurrency=4, requests=10)
-    fixed = simulate(cost, work, "fixed-8", concurrency=4, requests=10, keep_outputs=True)
-    adaptive = simulate(cost, work, "adaptive", concurrency=4, requests=10, keep_outputs=True)
-    assert none.tokens == fixed.tokens == adaptive.tokens  # every request ran to its max_new_tokens
-    assert fixed.outputs == adaptive.outputs
-    assert none.mean_block == 1.0 and fixed.mean_block > 4
-    assert fixed.tokens_per_s > none.tokens_per_s
-    assert adaptive.policy_cpu_s_per_step > 0 and adaptive.simulated_step_s > 0
-    poisson = simulate(cost, work, "fixed-4", rate=50.0, requests=10)
-    assert poisson.tokens == none.tokens and poisson.ttft_s["p50"] > 0
+            grid_waits = len(waits)
+            assert grid_waits > 0 and set(waits) == {torch.device("cuda")}
+            dec.generate([[0, 20, 21, 22]], GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=()))
+            assert len(waits) > grid_waits  # the loop's step timings wait too
+        else:  # the loaded decoder's clock (here the virtual one), no waits
+            assert not waits and dec.clock is clock
 
 
 def test_oracle_is_told_each_rows_acceptance():

@@ -129,8 +129,8 @@ def sweep(args) -> tuple[list[dict], list[dict], list[dict], dict | None, dict |
 
 def headroom(sweep_runs: list[dict], extra: list[dict], c: int) -> list[dict]:
     """Per setup, "mixed" at C = c: each policy's tokens/s over the seeds (the sweep's seed 0 and the extra
-    seeds), the means' ratios to the best fixed block. The oracle bounds what better acceptance estimates
-    could add: where adaptive is level with it, a gain the criteria ask for is not in the cost model."""
+    seeds), the means' ratios to the best fixed block. The oracle measures what better acceptance estimates
+    could add: where adaptive is level with it, they would not help."""
     out = []
     mine = sorted(
         [r for r in sweep_runs if r["workload"] == "mixed" and r["concurrency"] == c] + extra, key=lambda r: r["seed"]
@@ -447,9 +447,9 @@ def readme(res: dict) -> str:
             "",
             f"## Headroom: A100 {h['model']} tp={h['tp']}, `mixed`, C={h['concurrency']} ({h['seeds']} seeds)",
             "",
-            "The oracle is the adaptive policy told every row's true acceptance, never probing: the most a",
-            "per-row block choice priced by this cost model reached. Mean tokens/s over the seeds, and the ratio",
-            "to the best fixed block:",
+            "The oracle is the adaptive policy told every row's true acceptance, never probing: the same per-step",
+            "choice with perfect knowledge (no strict bound). Mean tokens/s over the seeds, and the ratio to the",
+            "best fixed block:",
             "",
             "| policy | tokens/s | / best fixed | per seed |",
             "|---|---|---|---|",

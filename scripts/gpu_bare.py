@@ -6,8 +6,9 @@ under --out (default results/gpu/):
 
   summary.json    the host, and per pair (the demo pair; a tiny random pair with 8 query / 2 KV heads):
                   speculative output == the same target engine alone (greedy, block 1), exactly, and tau and
-                  tokens/s of DFlash and of the target alone at concurrency 1, 16 and 64 through the batched
-                  loop (BatchDecoder);
+                  tokens/s of DFlash (the drafter's block), of the server's adaptive policy (its cost model
+                  measured on the GPU at start-up, `BlockPolicy.measured`) and of the target alone at
+                  concurrency 1, 16 and 64 through the batched loop (BatchDecoder);
   cost_grid.json  the GPU's pass times of a Llama-3-8B-shaped target and its 5-layer DFlash drafter (random
                   weights built on the GPU in bfloat16, nothing downloaded) by rows x tokens per row x context
                   length: the input of `dflash-trt trtllm-serve-config --cost-table` and of the serving
@@ -154,10 +155,13 @@ def engines(model, drafter):
     return target, TorchDrafterEngine.for_target(drafter, target)
 
 
-def run_batch(target, drafter, prompts, max_new: int, block_size: int | None, device: str) -> tuple[list, float]:
+def run_batch(
+    target, drafter, prompts, max_new: int, block_size: int | None, device: str, dec=None
+) -> tuple[list, float]:
+    """`prompts` through a fresh BatchDecoder (block_size 1: the same target engine alone), or through `dec`."""
     from dflash_trt.decoding import BatchDecoder, GenerationConfig
 
-    dec = BatchDecoder(target, drafter)  # block_size 1: the same target engine alone
+    dec = dec or BatchDecoder(target, drafter)
     sync(device)
     t0 = time.perf_counter()
     out = dec.generate(prompts, GenerationConfig(max_new_tokens=max_new, block_size=block_size))
@@ -168,6 +172,9 @@ def run_batch(target, drafter, prompts, max_new: int, block_size: int | None, de
 def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[str, Any]:
     """Equality (speculative == the same engine alone) and tau / tokens/s at each concurrency."""
     import torch
+
+    from dflash_trt.decoding import BatchDecoder, BlockPolicy
+    from dflash_trt.runtime.base import pass_clock
 
     torch.backends.cuda.matmul.allow_tf32 = False  # equality at full float32 precision
     torch.backends.cudnn.allow_tf32 = False
@@ -181,8 +188,21 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
     run_batch(target, draft, prompts[:2], 4, 1, device)
     spec, _ = run_batch(target, draft, prompts, max_new, None, device)
     alone, _ = run_batch(target, draft, prompts, max_new, 1, device)
+    # the server's adaptive policy, its cost model measured here at start-up (on CUDA: the token curve, knees,
+    # 4-row probes, every timing after the device is done), as `dflash-trt serve --max-active 64` would
+    t0 = time.perf_counter()
+    timer = pass_clock(target, draft)
+    adaptive = BatchDecoder(target, draft, policy=BlockPolicy.measured(target, draft, 64, timer), clock=timer)
+    result["adaptive_start_up_s"] = round(time.perf_counter() - t0, 2)
+    adapted, _ = run_batch(target, draft, prompts, max_new, None, device, adaptive)
     differ = [i for i, (s, a) in enumerate(zip(spec, alone)) if s.token_ids != a.token_ids]
-    result["equal"] = {"prompts": len(prompts), "differ": differ, "pass": not differ}
+    differ_adaptive = [i for i, (s, a) in enumerate(zip(adapted, alone)) if s.token_ids != a.token_ids]
+    result["equal"] = {
+        "prompts": len(prompts),
+        "differ": differ,
+        "differ_adaptive": differ_adaptive,
+        "pass": not differ and not differ_adaptive,
+    }
     rows = []
     for c in (1, 2) if quick else (1, 16, 64):
         if clock.left() < 30:
@@ -190,14 +210,15 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
             continue
         batch = [prompts[i % len(prompts)] for i in range(c)]
         cell: dict[str, Any] = {"concurrency": c}
-        for label, block in (("dflash", None), ("target_alone", 1)):
-            out, seconds = run_batch(target, draft, batch, max_new, block, device)
+        for label, block, dec in (("dflash", None, None), ("adaptive", None, adaptive), ("target_alone", 1, None)):
+            out, seconds = run_batch(target, draft, batch, max_new, block, device, dec)
             new = sum(len(r.token_ids) for r in out)
             cell[label] = {"tokens_per_s": round(new / seconds, 1), "seconds": round(seconds, 3)}
             if block is None:
                 taus = [r.stats.mean_acceptance_length for r in out if r.stats.acceptance_lengths]
                 cell[label]["tau"] = round(sum(taus) / len(taus), 3) if taus else None
         cell["speedup"] = round(cell["dflash"]["tokens_per_s"] / cell["target_alone"]["tokens_per_s"], 3)
+        cell["adaptive_speedup"] = round(cell["adaptive"]["tokens_per_s"] / cell["target_alone"]["tokens_per_s"], 3)
         rows.append(cell)
     result["throughput"] = rows
     del model, drafter, target, draft
@@ -347,22 +368,27 @@ def readme(summary: dict[str, Any], grid: dict[str, Any] | None) -> str:
         f"Host: {env.get('gpu', env['device'])}, torch {env['torch']} (CUDA {env['cuda']}), "
         f"transformers {env['transformers']}; {summary['seconds']:.0f} s.",
         "",
-        "| pair | speculative == target alone | concurrency | DFlash tok/s | tau | target alone tok/s | speedup |",
-        "|---|---|---|---|---|---|---|",
+        "| pair | speculative == target alone | concurrency | DFlash tok/s | tau | adaptive tok/s | tau "
+        "| target alone tok/s | speedup | adaptive speedup |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for p in summary["pairs"]:
         if "error" in p:
-            lines.append(f"| {p['pair']} | error: {p['error']} | | | | | |")
+            lines.append(f"| {p['pair']} | error: {p['error']} | | | | | | | | |")
             continue
-        eq = "yes" if p["equal"]["pass"] else f"NO (prompts {p['equal']['differ']})"
+        eq = (
+            "yes"
+            if p["equal"]["pass"]
+            else f"NO (prompts {p['equal']['differ']}, adaptive {p['equal']['differ_adaptive']})"
+        )
         for c in p["throughput"]:
             if "skipped" in c:
-                lines.append(f"| {p['pair']} | {eq} | {c['concurrency']} | skipped ({c['skipped']}) | | | |")
+                lines.append(f"| {p['pair']} | {eq} | {c['concurrency']} | skipped ({c['skipped']}) | | | | | | |")
                 continue
-            d, a = c["dflash"], c["target_alone"]
+            d, ad, a = c["dflash"], c["adaptive"], c["target_alone"]
             lines.append(
                 f"| {p['pair']} | {eq} | {c['concurrency']} | {d['tokens_per_s']} | {d['tau']} | "
-                f"{a['tokens_per_s']} | {c['speedup']}x |"
+                f"{ad['tokens_per_s']} | {ad['tau']} | {a['tokens_per_s']} | {c['speedup']}x | {c['adaptive_speedup']}x |"
             )
     if grid is not None:
         lines += ["", f"Cost grid ({grid['shape']['target']} shape, {grid['dtype']}), ms per pass:", ""]

@@ -38,9 +38,20 @@ from ..runtime.base import (
     TargetEngine,
     TargetOutput,
     TargetSession,
+    cuda_devices,
 )
 from .acceptance import Proposal, acceptance_rule
-from .adaptive import AcceptancePrior, AcceptanceTracker, CostModel, ProbeSchedule, RowChoice, choose_blocks
+from .adaptive import (
+    GPU_PROBE_ROWS,
+    AcceptancePrior,
+    AcceptanceTracker,
+    CostModel,
+    ProbeSchedule,
+    RowChoice,
+    choose_blocks,
+    measure_costs,
+    token_sweep,
+)
 from .detokenizer import IncrementalDetokenizer
 from .request import (
     GenerationConfig,
@@ -76,7 +87,45 @@ class BlockPolicy:
     refit_every: int = 0
     probe_every: int = 32
     max_probe_backoff: int = 4
-    probe_rows: int = 0  # 0: every stale row; a GPU server caps it (server/context.py `batch_decoder`)
+    probe_rows: int = 0  # 0: every stale row; a GPU server caps it (`measured`)
+
+    @classmethod
+    def measured(
+        cls,
+        target: TargetEngine,
+        drafter: DrafterEngine,
+        max_active: int,
+        clock: Callable[[], float] = time.perf_counter,
+        gpu: bool | None = None,
+        **options: Any,
+    ) -> BlockPolicy:
+        """The adaptive policy of a server holding up to `max_active` rows, its cost model measured now on
+        the engines (`adaptive.measure_costs`: rows 1, max_active / 2 and max_active; blocks 1 / 4 / 8; 5
+        repeats, each cell keeping its fastest pass, so a burst of load during start-up inflates one pass,
+        not the fit: with fewer repeats the fitted costs varied severalfold between starts on a busy machine).
+
+        On a CUDA target (`cuda_devices`) the grid also times one-row passes over a sweep of token counts
+        (`token_sweep` up to max_active x the drafter's block: GEMM tiles make a pass's time a staircase in
+        its tokens, which the policy then fills to a tile's end instead of spilling past it), the fits may
+        bend at a knee, and probes take `GPU_PROBE_ROWS` rows at a time (its batches are hundreds of rows
+        with long backlogs). A CPU's cost is a line: no sweep, no knee, every stale row probes. `clock`
+        times the passes (`pass_clock` on a GPU); `gpu`: whether to measure as on a GPU (None: a CUDA target;
+        a simulated GPU says True); `options`: other BlockPolicy fields."""
+        if gpu is None:
+            gpu = bool(cuda_devices(target))
+        context = min(128, target.max_context // 2)
+        sweep = token_sweep(min(max_active * drafter.block_size, target.max_context - context))
+        cost = measure_costs(
+            target,
+            drafter,
+            rows=sorted({1, max(1, max_active // 2), max_active}),
+            context=context,
+            repeats=5,
+            clock=clock,
+            token_curve=sweep if gpu and len(sweep) > 1 else (),
+            knees=gpu,
+        )
+        return cls(adaptive=True, cost=cost, probe_rows=GPU_PROBE_ROWS if gpu else 0, **options)
 
 
 @dataclass

@@ -41,43 +41,24 @@ log = logging.getLogger("dflash_trt.server")
 
 
 def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecoder:
-    """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now.
-
-    On a GPU target the grid also times one-row passes over a sweep of token counts (`token_sweep` up to
-    max_active x the drafter's block): GEMM tiles make a pass's time a staircase in its tokens, which the
-    policy then fills to a tile's end instead of spilling past it. A CPU's cost is a line: no sweep."""
-    from ..decoding.adaptive import GPU_PROBE_ROWS, measure_costs, token_sweep
-
+    """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now
+    (`BlockPolicy.measured`: what a GPU's start-up adds to a CPU's is said there). On a GPU every timing,
+    the grid's and the loop's, waits for the device (`pass_clock`)."""
     target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
-    gpu = bool(cuda_devices(target))
-    # on a GPU every timing waits for the device (pass_clock); otherwise the loaded decoder's clock
     clock = pass_clock(target, drafter) if cuda_devices(target, drafter) else decoder.clock
-    cost = None
+    policy = BlockPolicy(refit_every=settings.refit_every)
     if adaptive:
         assert drafter is not None
         t0 = time.perf_counter()
-        rows = sorted({1, max(1, settings.max_active // 2), settings.max_active})
-        context = min(128, target.max_context // 2)
-        sweep = token_sweep(min(settings.max_active * drafter.block_size, target.max_context - context))
-        # 5 repeats, each cell keeping its fastest pass: a burst of load during start-up inflates one pass, not
-        # the fit (with fewer repeats the fitted costs varied severalfold between starts on a busy machine)
-        cost = measure_costs(
-            target,
-            drafter,
-            rows=rows,
-            context=context,
-            repeats=5,
-            token_curve=sweep if gpu and len(sweep) > 1 else (),
-            knees=gpu,
-            clock=clock,
-        )
-        t, d = cost.target, cost.drafter
+        policy = BlockPolicy.measured(target, drafter, settings.max_active, clock, refit_every=settings.refit_every)
+        assert policy.cost is not None
+        t, d = policy.cost.target, policy.cost.drafter
         log.info(
-            "adaptive block sizes: cost model measured in %.1f s (rows %s, blocks 1/4/8%s): target %.2f ms "
+            "adaptive block sizes: cost model measured in %.1f s (rows up to %d, blocks 1/4/8%s): target %.2f ms "
             "+ %.3f ms/row + %s (one token alone: %s), drafter %.2f ms + %.3f ms/row + %.3f ms/token",
             time.perf_counter() - t0,
-            rows,
+            settings.max_active,
             f", one-row token curve at {len(t.curve)} counts" if t.curve else "",
             1e3 * t.fixed,
             1e3 * t.per_row,
@@ -87,9 +68,6 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
             1e3 * d.per_row,
             1e3 * d.per_token,
         )
-    # a GPU's batches are hundreds of rows with long backlogs: probes of a few rows at a time (ProbeSchedule)
-    probe_rows = GPU_PROBE_ROWS if gpu else 0
-    policy = BlockPolicy(adaptive=adaptive, cost=cost, refit_every=settings.refit_every, probe_rows=probe_rows)
     return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy, clock=clock)
 
 

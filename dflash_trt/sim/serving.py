@@ -25,9 +25,9 @@ before each step (`decoder.block_size`: the largest block a row may use; 1 = nob
   256-4096: 0}.
 
 A reference that is no deployable policy: "oracle", the adaptive policy told each row's true acceptance (its
-class's constant-rate equivalent, `AcceptanceProfile.equivalent_rate`) and never probing. What it reaches is
-the most a per-row block choice priced by the same cost model can gain here; where adaptive is level with it,
-better acceptance estimates cannot help, only other costs could.
+class's constant-rate equivalent, `AcceptanceProfile.equivalent_rate`) and never probing: the same per-step
+choice with perfect knowledge of acceptance (no strict bound: still greedy per step). Where adaptive is level
+with it, better acceptance estimates would not help.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..decoding import GenerationConfig, SamplingParams
-from ..decoding.adaptive import GPU_PROBE_ROWS, AcceptanceTracker, measure_costs, token_sweep
+from ..decoding.adaptive import AcceptanceTracker
 from ..decoding.loop import BatchDecoder, BatchRow, BlockPolicy
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -158,14 +158,9 @@ class Policy:
             return BatchDecoder(target, None, clock=clock)
         if self.name.startswith("fixed-"):
             return BatchDecoder(target, drafter, block_size=int(self.name.split("-")[1]), clock=clock)
-        if self.name in ("adaptive", "oracle"):  # the server's start-up grid (server/context.py), on the virtual clock
-            rows = sorted({1, max(1, self.max_active // 2), self.max_active})
-            curve = token_sweep(self.max_active * self.trained)  # a GPU's server measures its token curve
-            cost = measure_costs(
-                target, drafter, rows=rows, context=128, repeats=5, clock=clock, token_curve=curve, knees=True
-            )
+        if self.name in ("adaptive", "oracle"):  # the server's start-up (BlockPolicy.measured), on the virtual clock
             probe_every = 0 if self.name == "oracle" else BlockPolicy.probe_every  # the oracle needs no probes
-            policy = BlockPolicy(adaptive=True, cost=cost, probe_rows=GPU_PROBE_ROWS, probe_every=probe_every)
+            policy = BlockPolicy.measured(target, drafter, self.max_active, clock, gpu=True, probe_every=probe_every)
             return BatchDecoder(target, drafter, policy=policy, clock=clock)
         return BatchDecoder(target, drafter, block_size=self.trained, clock=clock)
 

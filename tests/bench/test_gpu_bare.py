@@ -86,6 +86,8 @@ def test_dry_run_on_the_cpu_writes_at_most_8_files_and_imports_only_torch_and_tr
     (pair,) = summary["pairs"]
     assert pair["pair"] == "tiny-8q-2kv" and pair["equal"]["pass"] and pair["equal"]["prompts"] == 2
     assert [c["concurrency"] for c in pair["throughput"]] == [1, 2]
+    assert pair["equal"]["differ_adaptive"] == [] and pair["adaptive_start_up_s"] > 0  # the server's policy ran
+    assert all(c["adaptive"]["tokens_per_s"] > 0 and c["adaptive_speedup"] > 0 for c in pair["throughput"])
     grid = json.loads((tmp_path / "gpu" / "cost_grid.json").read_text())
     assert grid["target"] and grid["drafter"] and grid["shape"]["drafter_layers"] == 5
     # the grid is the cost-table format trtllm-serve-config reads

@@ -72,16 +72,16 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
 
 
 class Server:
-    """The decoder (tokenizing, limits), the serving decoder, the orchestrator stepping it, the metrics, the
-    settings, and the limits the request models enforce."""
+    """The serving decoder (on the loaded engines, its tokenizer serialized between request threads), the
+    orchestrator stepping it, the metrics, the settings, and the limits the request models enforce."""
 
     def __init__(self, decoder: BatchDecoder, settings: ServerSettings):
-        self.decoder, self.settings = with_serialized_tokenizer(decoder), settings
-        self.limits = Limits.from_decoder(self.decoder, settings.model_name)
+        loaded, self.settings = with_serialized_tokenizer(decoder), settings
+        self.limits = Limits.from_decoder(loaded, settings.model_name)
         self.models = request_models(self.limits)
         self.metrics = ServerMetrics(settings.model_name, max(0, self.limits.max_block_size - 1))
-        self.batch = batch_decoder(self.decoder, settings)
-        self.orchestrator = Orchestrator(self.batch, self.metrics, settings.max_active, settings.max_queue)
+        self.decoder = batch_decoder(loaded, settings)  # the one decoder serving every request
+        self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)
         self.started = False
 
 

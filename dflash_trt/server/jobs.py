@@ -69,7 +69,7 @@ async def start_job(
 
     def prepare() -> BatchRow:
         ids = make_prompt()
-        return server.batch.new_row(ids, make_config(len(ids)))
+        return server.decoder.new_row(ids, make_config(len(ids)))
 
     try:
         orch.check_admission()

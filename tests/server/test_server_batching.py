@@ -167,10 +167,10 @@ def test_block_size_settings_reach_the_decoder(decoder):
         adaptive = post_all(url, bodies)
         m = scrape(url)
         total, _ = block_counts(m)
-        assert app.state.server.batch.policy.adaptive and app.state.server.batch.policy.cost.target(4, 8) > 0
+        assert app.state.server.decoder.policy.adaptive and app.state.server.decoder.policy.cost.target(4, 8) > 0
         assert total > 0
         # the running correction of the start-up costs is exported, and it has moved (real passes were timed)
-        scale = app.state.server.batch.policy.cost.scale
+        scale = app.state.server.decoder.policy.cost.scale
         assert {e: metric(m, "dflash_cost_correction", engine=e) for e in scale} == pytest.approx(scale)
         assert scale["target"] != 1.0
     for a, b, c in zip(fixed, trained_runs, adaptive):  # lossless whatever the sizes

@@ -381,6 +381,11 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 
     if t(n, n) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
         return [int(c) for c in caps]
     base = np.where(forced > 0, forced, 1)
+    free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
+    if not len(free):
+        return [int(x) for x in base]
+    if n == 1:  # a request alone: every size rated at the true cost (exact for any cost shape, and cheap)
+        return [_best_alone(float(alpha[0]), int(caps[0]), float(ctx[0]), t, d, min_gain)]
     base_gain = float(_expected(alpha, base).sum())
     base_drafting = base > 1
     base_tokens = int(base.sum())
@@ -388,7 +393,6 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 
     base_d_tokens = float((base + ctx)[base_drafting].sum())
 
     # the increments of the free rows that may draft: sizes 2..cap
-    free = np.flatnonzero((forced == 0) & (caps >= 2))
     sizes = np.arange(1, top + 1, dtype=np.float64)[None, :]  # [1, top]
     gain = _expected(alpha[free, None], sizes) - 1.0  # E(b) - E(1)
     token_price = _mean_token_price(t, n, n * top) + d.per_token
@@ -451,6 +455,17 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 
     # nobody must draft: drafting has to beat not drafting by the margin
     bar = base_rate * (1.0 + min_gain) if base_d_rows == 0 else base_rate
     return [int(x) for x in (best if best_rate > bar else base)]
+
+
+def _best_alone(alpha: float, cap: int, ctx: float, t: LinearCost, d: LinearCost, min_gain: float) -> int:
+    """`choose_blocks` for one free row alone in its step: the size of the best expected tokens per second,
+    drafting only when it beats block 1 by `min_gain`."""
+    sizes = np.arange(1, cap + 1, dtype=np.float64)
+    ones = np.ones_like(sizes)
+    step_s = _price(t, ones, sizes) + np.where(sizes > 1, _price(d, ones, sizes + ctx), 0.0)
+    rate = _expected(np.float64(alpha), sizes) / step_s
+    b = int(rate[1:].argmax()) + 2
+    return b if rate[b - 1] > rate[0] * (1.0 + min_gain) else 1
 
 
 def _expected(alpha: np.ndarray, sizes: np.ndarray) -> np.ndarray:

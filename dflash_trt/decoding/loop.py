@@ -468,7 +468,9 @@ class BatchDecoder:
         ever drafting again (its backlog grows)."""
         caps, fixed = self._size_bounds(rows)
         policy = self.policy
-        if not policy.adaptive or policy.cost is None:
+        if not policy.adaptive or policy.cost is None or all(f is not None or c < 2 for f, c in zip(fixed, caps)):
+            for r in rows:  # nothing to choose (the target alone, fixed blocks): no probe either
+                r.probe_due = False
             return [f if f is not None else c for f, c in zip(fixed, caps)]
         due = self.probes.due(self._steps, [(r.sampled, r.last_draft_step, r.backlog) for r in rows])
         for r, probe in zip(rows, due):

@@ -197,6 +197,23 @@ def test_choice_is_near_the_exhaustive_optimum_under_a_bent_cost(kind):
     assert worst >= 0.98, worst
 
 
+@pytest.mark.parametrize("kind", ["line", "knee", "staircase"])
+def test_a_request_alone_gets_the_exhaustive_optimum_under_any_cost(kind):
+    """One free row in its step: every size is rated at the true cost, so the choice is the exhaustive best
+    (the margin included) whatever the token term's shape."""
+    rng = random.Random(5)
+    for _ in range(300):
+        (row,), cost = _random_instance(rng, 1)
+        row = RowChoice(row.alpha, max(2, row.max_block) * 2, row.new_context)  # free, up to 16
+        if kind != "line":
+            cost = _bent(rng, cost, kind)
+        gain = rng.choice([0.0, 0.1, 0.3])
+        (got,) = choose_blocks([row], cost, min_gain=gain)
+        (best,) = _exhaustive([row], cost, gain)
+        assert _rate([row], cost, [got]) == pytest.approx(_rate([row], cost, [best]), rel=1e-12)
+        assert (got == 1) is (best == 1)  # the margin: drafting is taken exactly when the exhaustive search takes it
+
+
 def test_a_step_ends_at_the_end_of_a_tile():
     """A GPU-like staircase: 128 tokens cost what 8 do, the 129th a third more. 16 rows that accept well
     fill exactly one tile (8 tokens each), where a line through the same points drafts past it."""

@@ -349,4 +349,6 @@ def test_lm_training_resumes_where_it_stopped(tmp_path, monkeypatch):
         lm.LMTrainConfig(**{**vars(cfg), "time_budget_s": 1e-9}),
         checkpoint_dir=tmp_path,
     )
-    assert spent.steps == 8 and spent.history == report.history and spent.seconds >= report.history[-1]["seconds"]
+    assert (
+        spent.steps == 8 and spent.history == report.history and spent.seconds >= report.history[-1]["seconds"] - 0.05
+    )

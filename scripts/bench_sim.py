@@ -79,6 +79,8 @@ def run_cell(cell: tuple[str, str, int, str, int, str, int, int]) -> dict:
     if policy == "adaptive":
         item["policy_cpu_s_per_step"] = r.policy_cpu_s_per_step
         item["simulated_step_s"] = r.simulated_step_s
+        item["policy_cpu_s_per_full_step"] = r.policy_cpu_s_per_full_step
+        item["simulated_full_step_s"] = r.simulated_full_step_s
     return item
 
 
@@ -354,13 +356,17 @@ def criteria(runs: list[dict], cpu: dict | None, room: list[dict] = ()) -> tuple
         for c, _, cell in items:
             if c == 256:
                 a = cell["adaptive"]
-                share = a["policy_cpu_s_per_step"] / a["simulated_step_s"]
+                # judged on the steps at 256 rows; the whole run's means (ramp and drain included) beside
+                share = a["policy_cpu_s_per_full_step"] / a["simulated_full_step_s"]
+                run_share = a["policy_cpu_s_per_step"] / a["simulated_step_s"]
                 checks.append(
                     {
-                        "what": f"{tag} c=256: policy CPU per step <= 2 % of the simulated step",
+                        "what": f"{tag} c=256: policy CPU per step at 256 rows <= 2 % of the simulated step",
                         "passed": share <= 0.02,
-                        "figure": f"{1e3 * a['policy_cpu_s_per_step']:.2f} ms of {1e3 * a['simulated_step_s']:.1f} ms"
-                        f" ({100 * share:.2f} %)",
+                        "figure": f"{1e3 * a['policy_cpu_s_per_full_step']:.2f} ms of "
+                        f"{1e3 * a['simulated_full_step_s']:.1f} ms ({100 * share:.2f} %; whole run "
+                        f"{1e3 * a['policy_cpu_s_per_step']:.2f} ms of {1e3 * a['simulated_step_s']:.1f} ms, "
+                        f"{100 * run_share:.2f} %)",
                     }
                 )
     if cpu:

@@ -38,7 +38,6 @@ is the cost).
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -83,16 +82,15 @@ class LinearCost:
         """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
         the line with its knee."""
         if self.curve:
-            xs, ys, slope = self._curve_arrays
-            out = np.where(tokens > xs[-1], ys[-1] + slope * (tokens - xs[-1]), np.interp(tokens, xs, ys))
+            xs, ys, slope, _ = _curve_arrays(self.curve)
+            out = np.interp(tokens, xs, ys)
+            beyond = tokens > xs[-1]
+            if beyond.any():
+                out = np.where(beyond, ys[-1] + slope * (tokens - xs[-1]), out)
         else:
             under = np.minimum(tokens, self.knee)
             out = self.below_knee * under + self.per_token * (tokens - under)
         return np.asarray(out, dtype=np.float64)
-
-    @property
-    def _curve_arrays(self) -> tuple[np.ndarray, np.ndarray, float]:
-        return _curve_arrays(self.curve)
 
     @property
     def bent(self) -> bool:
@@ -180,11 +178,23 @@ class LinearCost:
         return coef + [0.0] * (4 - len(coef))
 
 
-@functools.lru_cache(maxsize=16)
-def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray, float]:
-    """A curve's points as arrays and its last slope (cached: the policy prices with it every step)."""
+def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray, float, float]:
+    """A curve's points as arrays, its last slope and its least slope (>= 0). Cached by the tuple's identity
+    (the policy prices with the same curve many times a step, and hashing a tuple of ~100 points cost more
+    than the pricing); the entry holds the tuple, so its id cannot be reused while cached."""
+    hit = _CURVES.get(id(curve))
+    if hit is not None and hit[0] is curve:
+        return hit[1]
     xs, ys = (np.array(v, dtype=np.float64) for v in zip(*curve))
-    return xs, ys, float((ys[-1] - ys[-2]) / (xs[-1] - xs[-2])) if len(xs) > 1 else 0.0
+    slopes = np.diff(ys) / np.diff(xs) if len(xs) > 1 else np.zeros(1)
+    arrays = xs, ys, float(slopes[-1]), max(0.0, float(slopes.min()))
+    if len(_CURVES) >= 16:
+        _CURVES.clear()
+    _CURVES[id(curve)] = (curve, arrays)
+    return arrays
+
+
+_CURVES: dict[int, tuple[tuple[tuple[float, float], ...], tuple[np.ndarray, np.ndarray, float, float]]] = {}
 
 
 # a knee is fitted only where it cuts the line's squared error at least 4x
@@ -351,7 +361,33 @@ class RowChoice:
     probe: bool = False  # must draft its whole block this step, so that its acceptance estimate is measured again
 
 
-def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 0.0) -> list[int]:
+@dataclass(frozen=True)
+class RowChoices:
+    """A step's `RowChoice`s as arrays, one index per verify row: what `choose_blocks` reads. The decoder
+    builds it straight from its rows each step (at hundreds of rows an object per row was a fifth of the
+    policy's time); `of` converts a list."""
+
+    alpha: np.ndarray  # [rows] float64
+    max_block: np.ndarray  # [rows] int64
+    new_context: np.ndarray  # [rows] float64
+    fixed: np.ndarray  # [rows] int64; 0 = not fixed (chosen by the policy)
+    probe: np.ndarray  # [rows] bool
+
+    @classmethod
+    def of(cls, rows: Sequence[RowChoice]) -> RowChoices:
+        return cls(
+            np.array([r.alpha for r in rows], dtype=np.float64),
+            np.array([r.max_block for r in rows], dtype=np.int64),
+            np.array([r.new_context for r in rows], dtype=np.float64),
+            np.array([r.fixed or 0 for r in rows], dtype=np.int64),
+            np.array([r.probe for r in rows], dtype=bool),
+        )
+
+    def __len__(self) -> int:
+        return len(self.alpha)
+
+
+def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_gain: float = 0.0) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step (see module docstring).
 
     min_gain: when nobody has to draft, drafting is chosen only if its expected rate beats not drafting by
@@ -367,94 +403,145 @@ def choose_blocks(rows: Sequence[RowChoice], cost: CostModel, min_gain: float = 
     measured `curve`: a GPU's tiles make 136 tokens cost a third more than 128) the increments are ordered
     at the average token price and each prefix is still rated at the true cost, so the step can stop at the
     end of a tile instead of just past it. O(rows x sizes) numpy work plus one sort."""
-    if not rows:
+    table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
+    n = len(table)
+    if not n:
         return []
     t, d = cost.current()
-    n = len(rows)
-    table = np.array([(r.alpha, r.max_block, r.fixed or 0, r.probe, r.new_context) for r in rows], dtype=np.float64)
-    alpha, ctx = table[:, 0], table[:, 4]
-    max_block, fixed, probe = table[:, 1].astype(np.int64), table[:, 2].astype(np.int64), table[:, 3] > 0
+    alpha, ctx, max_block, fixed = table.alpha, table.new_context, table.max_block, table.fixed
     # a size the row must use (its own, or its whole block when probed), 0 = free
-    forced = np.where(fixed > 0, fixed, np.where(probe & (max_block >= 2), max_block, 0))
+    forced = np.where(fixed > 0, fixed, np.where(table.probe & (max_block >= 2), max_block, 0))
     caps = np.where(forced > 0, forced, np.maximum(max_block, 1))
     top = int(caps.max())
-    if t(n, n) <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
-        return [int(c) for c in caps]
     base = np.where(forced > 0, forced, 1)
+    base_tokens = int(base.sum())
+    # the target's passes this needs, priced in one call: n tokens (no row drafts), every row at its largest
+    # size, and the base choice
+    t_none, t_all, t_base = _price(t, n, np.array([n, n * top, base_tokens], dtype=np.float64))
+    if t_none <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
+        return list(caps.tolist())
     free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
     if not len(free):
-        return [int(x) for x in base]
+        return list(base.tolist())
     if n == 1:  # a request alone: every size rated at the true cost (exact for any cost shape, and cheap)
         return [_best_alone(float(alpha[0]), int(caps[0]), float(ctx[0]), t, d, min_gain)]
     base_gain = float(_expected(alpha, base).sum())
     base_drafting = base > 1
-    base_tokens = int(base.sum())
     base_d_rows = int(base_drafting.sum())
     base_d_tokens = float((base + ctx)[base_drafting].sum())
 
-    # the increments of the free rows that may draft: sizes 2..cap
+    # The increments of the free rows that may draft, on a grid [free row, size b = 1..top] (a sweep takes its
+    # cells by flat index: one gather per quantity instead of a 2-d index each).
     sizes = np.arange(1, top + 1, dtype=np.float64)[None, :]  # [1, top]
-    gain = _expected(alpha[free, None], sizes) - 1.0  # E(b) - E(1)
-    token_price = _mean_token_price(t, n, n * top) + d.per_token
-    start = d.per_row + d.per_token * (1.0 + ctx[free, None])  # the drafter's share of a row that drafts
+    gain = _expected_grid(alpha[free], top) - 1.0  # [free, top]: E(b) - E(1)
+    one_more = np.zeros_like(gain)  # [free, top]: E(b) - E(b - 1), what the b-th token adds
+    one_more[:, 1:] = gain[:, 1:] - gain[:, :-1]
+    # a drafted token's price: the target's mean slope from n tokens to n x top, plus the drafter's slope
+    token_price = max(0.0, float(t_all - t_none) / (n * top - n)) + d.per_token
+    ctx_free = ctx[free]
+    start = d.per_row + d.per_token * (1.0 + ctx_free[:, None])  # the drafter's share of a row that drafts
     seconds = token_price * (sizes - 1.0) + start  # [free, top]: from block 1 to block b
     valid = (sizes >= 2) & (sizes <= caps[free, None])
     ratio = np.where(valid, gain / np.maximum(seconds, 1e-30), -np.inf)
     jump = ratio.argmax(axis=1) + 1  # b* per free row (the upper concave envelope's first point)
-    # the envelope's increments: the jump to b*, then one token at a time beyond it
-    rows_i, sizes_b = np.nonzero(valid & (sizes >= jump[:, None]))
-    b = sizes_b + 1
-    is_jump = b == jump[rows_i]
-    inc_gain = gain[rows_i, b - 1] - np.where(is_jump, 0.0, gain[rows_i, np.maximum(b - 2, 0)])
-    inc_ratio = np.where(is_jump, ratio[rows_i, b - 1], inc_gain / token_price)
-    inc_tokens = np.where(is_jump, b - 1, 1)
-    inc_d = np.where(is_jump, b + ctx[free][rows_i], 1)
-    # best first; stable, so a row's own increments (never rising in gain per second) stay in size order
-    order = np.argsort(-inc_ratio, kind="stable")
-    sweeps = [(rows_i[order], b[order], inc_gain[order], inc_tokens[order], is_jump[order], inc_d[order])]
+    at_jump = sizes == jump[:, None]
+    base_rate = base_gain / (float(t_base) + d(base_d_rows, int(base_d_tokens)))
+    keep, one_pays = valid, np.ones_like(valid)
+    if n > POLISH_MAX_ROWS:
+        # Increments that no best choice holds (`_worth_keeping`) are left out of both sweeps: where the
+        # policy's time matters. Among fewer rows the polish below starts from the sweep's best, and a
+        # start that differs (not worse) can end its few moves lower.
+        drafts, one_pays = _worth_keeping(gain, one_more, valid, ctx_free, base_rate, t, d)
+        keep = valid & drafts[:, None]
+    # Sweep 1, the envelope's increments: the jump to b*, then one token at a time beyond it; best first
+    # (stable, so a row's own increments, never rising in gain per second, stay in size order).
+    cells = np.flatnonzero(keep & (at_jump | ((sizes > jump[:, None]) & one_pays)))
+    cells = cells[np.argsort(-np.where(at_jump, ratio, one_more / token_price).ravel()[cells], kind="stable")]
+    jumps = at_jump.ravel()[cells]
+    b = cells % top + 1
+    sweeps = [
+        (
+            cells // top,
+            np.where(jumps, gain.ravel()[cells], one_more.ravel()[cells]),
+            np.where(jumps, b - 1, 1),
+            jumps,
+            np.where(jumps, b + ctx_free[cells // top], 1),
+        )
+    ]
     if t.bent or d.bent:
         # A bent cost rewards filling a tile exactly, which a jump to a row's largest block (a row that
         # accepts nearly everything) overshoots: also sweep single-token increments in order of gain (for
         # each token budget the most expected tokens; ties go to the row of least backlog and keep one row's
         # increments together, so the drafter's share of a row is paid by as few rows as possible).
-        by_ctx = np.argsort(ctx[free], kind="stable")
-        rows_j, sizes_j = np.nonzero(valid[by_ctx])
-        rows_j = by_ctx[rows_j]
-        bj = sizes_j + 1
-        gj = gain[rows_j, bj - 1] - gain[rows_j, bj - 2]
-        order_j = np.argsort(-gj, kind="stable")
-        first = bj == 2
+        by_ctx = np.argsort(ctx_free, kind="stable")
+        keep = keep & ((sizes == 2) | one_pays)
+        cells = (by_ctx[:, None] * top + np.arange(top)).ravel()[keep[by_ctx].ravel()]
+        cells = cells[np.argsort(-one_more.ravel()[cells], kind="stable")]
+        rows_j, first = cells // top, cells % top == 1  # first: the row's block 2, where it starts drafting
         sweeps.append(
-            (
-                rows_j[order_j],
-                bj[order_j],
-                gj[order_j],
-                np.ones_like(bj),
-                first[order_j],
-                np.where(first, 2 + ctx[free][rows_j], 1)[order_j],
-            )
+            (rows_j, one_more.ravel()[cells], np.ones_like(cells), first, np.where(first, 2 + ctx_free[rows_j], 1))
         )
-    base_rate = base_gain / (t(n, base_tokens) + d(base_d_rows, int(base_d_tokens)))
+    # every prefix of every sweep (free row, expected tokens, verify tokens, drafting rows, drafter tokens it
+    # adds), priced in one call per engine
+    cum_gain = base_gain + np.concatenate([np.cumsum(sw[1]) for sw in sweeps])
+    cum_tokens = base_tokens + np.concatenate([np.cumsum(sw[2]) for sw in sweeps])
+    cum_d_rows = base_d_rows + np.concatenate([np.cumsum(sw[3]) for sw in sweeps])
+    cum_d_tokens = base_d_tokens + np.concatenate([np.cumsum(sw[4]) for sw in sweeps])
+    rates = cum_gain / (_price(t, n, cum_tokens) + _price(d, cum_d_rows, cum_d_tokens))
     best, best_rate = base, -np.inf  # the best choice in which some free row drafts
-    for r_i, b_i, g_i, tok_i, jump_i, dtok_i in sweeps:
-        cum_gain = base_gain + np.cumsum(g_i)
-        cum_tokens = base_tokens + np.cumsum(tok_i)
-        cum_d_rows = base_d_rows + np.cumsum(jump_i)
-        cum_d_tokens = base_d_tokens + np.cumsum(dtok_i)
-        step_s = _price(t, np.full_like(cum_tokens, n), cum_tokens) + _price(d, cum_d_rows, cum_d_tokens)
-        if not len(step_s):
-            continue
-        k = int((cum_gain / step_s).argmax())
-        if cum_gain[k] / step_s[k] > best_rate:
-            best = base.copy()  # a free row's size: 1 + the tokens its taken increments add
-            best[free] += np.bincount(r_i[: k + 1], weights=tok_i[: k + 1], minlength=len(free)).astype(np.int64)
-            best_rate = float(cum_gain[k] / step_s[k])
+    start_at = 0
+    for r_i, _, tok_i, _, _ in sweeps:
+        if len(r_i):
+            k = int(rates[start_at : start_at + len(r_i)].argmax())
+            if rates[start_at + k] > best_rate:
+                best = base.copy()  # a free row's size: 1 + the tokens its taken increments add
+                best[free] += np.bincount(r_i[: k + 1], weights=tok_i[: k + 1], minlength=len(free)).astype(np.int64)
+                best_rate = float(rates[start_at + k])
+        start_at += len(r_i)
     if best_rate > -np.inf and (t.bent or d.bent) and n <= POLISH_MAX_ROWS:
         best = _polish(best, forced, caps, alpha, ctx, t, d, POLISH_MOVES)
         best_rate = _rate_of(best, alpha, ctx, t, d)
     # nobody must draft: drafting has to beat not drafting by the margin
     bar = base_rate * (1.0 + min_gain) if base_d_rows == 0 else base_rate
-    return [int(x) for x in (best if best_rate > bar else base)]
+    return list((best if best_rate > bar else base).tolist())
+
+
+def _worth_keeping(
+    gain: np.ndarray,
+    one_more: np.ndarray,
+    valid: np.ndarray,
+    ctx: np.ndarray,
+    base_rate: float,
+    t: LinearCost,
+    d: LinearCost,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Which increments a best choice may hold: per free row whether it may draft at all ([free] bool), and
+    per size b whether its b-th token may be taken after the row's start ([free, top] bool).
+
+    Every choice that can win beats the step's rate without the free rows drafting (`base_rate`); taking out
+    of it a row's last tokens, or a row's whole draft, whose expected tokens per second at the least they can
+    cost fall below that rate raises its rate. So no best choice holds them, and a sweep without them loses
+    no prefix that could win (such a prefix, less them, is a prefix of the shorter sweep and rates higher).
+    Least costs: a token at the smallest slope of each engine's token term (0 on a flat stretch of a curve;
+    a measured curve is taken never to fall), a row that drafts at least the drafter's per-row share:
+      - a row drafts only if some size b pays at least cost: E(b) - E(1) >= base_rate x (drafter's per row
+        + (b + ctx) drafter tokens + (b - 1) target tokens, at the least prices);
+      - its b-th token only if alpha^(b-1) >= base_rate x the least price of one token (falling with b, so
+        what is kept of a row is a run of sizes from its start).
+    At hundreds of rows most increments fall out (a verify pass of many tokens is dear), and the sorts and
+    prefix sums run on the rest."""
+    pt, pd = _least_slope(t), _least_slope(d)
+    sizes = np.arange(1, gain.shape[1] + 1, dtype=np.float64)[None, :]
+    least = d.per_row + pd * (sizes + ctx[:, None]) + pt * (sizes - 1.0)  # [free, top]: a row drafting b tokens
+    drafts = (valid & (gain >= base_rate * least)).any(axis=1)
+    return drafts, one_more >= base_rate * (pt + pd)
+
+
+def _least_slope(cost: LinearCost) -> float:
+    """The smallest seconds per token of `cost`'s token term anywhere (>= 0)."""
+    if cost.curve:
+        return _curve_arrays(cost.curve)[3]
+    return max(0.0, min(cost.per_token, cost.below_knee) if cost.knee > 0 else cost.per_token)
 
 
 def _best_alone(alpha: float, cap: int, ctx: float, t: LinearCost, d: LinearCost, min_gain: float) -> int:
@@ -472,6 +559,15 @@ def _expected(alpha: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     """`expected_tokens` elementwise (arrays of the same shape, or broadcast)."""
     a = np.minimum(alpha, 1.0)
     return np.where(a >= 1.0, sizes, (1.0 - a**sizes) / np.where(a < 1.0, 1.0 - a, 1.0))
+
+
+def _expected_grid(alpha: np.ndarray, top: int) -> np.ndarray:
+    """[rows, top]: `expected_tokens(alpha_r, b)` for b = 1..top, as 1 + alpha + ... + alpha^(b-1) by running
+    products (at hundreds of rows the closed form's powers were the dearest step of the choice)."""
+    powers = np.empty((top, len(alpha)))  # sizes first: each running product steps over every row at once
+    powers[0] = 1.0
+    powers[1:] = np.minimum(alpha, 1.0)
+    return np.ascontiguousarray(np.cumsum(np.cumprod(powers, axis=0), axis=0).T)
 
 
 def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCost, d: LinearCost) -> float:
@@ -537,18 +633,16 @@ def token_sweep(max_tokens: int) -> list[int]:
     return out
 
 
-def _mean_token_price(cost: LinearCost, rows: int, tokens: int) -> float:
-    """Seconds per token of `cost` between a pass of `rows` tokens and one of `tokens` (its mean slope)."""
-    if tokens <= rows:
-        return cost.per_token
-    return max(0.0, (cost(rows, tokens) - cost(rows, rows)) / (tokens - rows))
-
-
-def _price(cost: LinearCost, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price)."""
+def _price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
+    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price). `rows` may be
+    one count for every pass (a verify pass always holds the whole batch), which skips both exceptions'
+    array work where they cannot apply."""
     out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
-    if cost.one_token is not None:
+    one_count = np.ndim(rows) == 0
+    if cost.one_token is not None and not (one_count and rows != 1):
         out = np.where((rows == 1) & (tokens == 1), cost.one_token, out)
+    if one_count:
+        return out if rows != 0 else np.zeros_like(out)
     return np.where(rows == 0, 0.0, out)
 
 
@@ -570,28 +664,29 @@ class ProbeSchedule:
         self.misses: dict[bool, int] = {}  # per regime: probe steps in a row that missed
         self.next_step: dict[bool, int] = {}  # per regime: the first step at which it may probe again
 
-    def due(self, step: int, rows: Sequence[tuple[bool, int, int]]) -> list[bool]:
-        """For rows given as (sampled, the step they last drafted at, their backlog of context rows): whether
-        each must probe now. With `max_rows` > 0, at most that many rows per regime probe on one step, those
-        of least backlog (0: every stale row, right for a CPU's batches of 8-32 short rows, where a cap cost
-        throughput in `bench_load` A/B runs; docs/benchmarks.md). On a GPU:
+    def due(self, step: int, sampled: np.ndarray, last_draft: np.ndarray, backlog: np.ndarray) -> np.ndarray:
+        """Per row ([rows] arrays: its sampling regime, the step it last drafted at, its backlog of context
+        rows): whether it must probe now ([rows] bool). With `max_rows` > 0, at most that many rows per regime
+        probe on one step, those of least backlog (0: every stale row, right for a CPU's batches of 8-32 short
+        rows, where a cap cost throughput in `bench_load` A/B runs; docs/benchmarks.md). On a GPU:
         at hundreds of stale rows, probing them all made the drafter take in every row's backlog and the
         target verify a whole block per row in one step, the cost by which adaptive trailed the target alone
         where drafting did not pay (results/sim/README.md). A few rows measure whether the regime hits; a hit
         row drafts on, and the prior new rows start from learns from it. How many is a trade measured in the
         A100 simulation (docs/benchmarks.md): more rows cost mixed traffic where drafting barely pays, fewer
         find too few of the rows worth drafting (`GPU_PROBE_ROWS`)."""
+        sampled = np.asarray(sampled, dtype=bool)
+        due = np.zeros(len(sampled), dtype=bool)
         if self.every <= 0:
-            return [False] * len(rows)
-        open_regimes = {sampled for sampled, _, _ in rows if step >= self.next_step.get(sampled, 0)}
-        stale = [
-            i for i, (sampled, last, _) in enumerate(rows) if sampled in open_regimes and last <= step - self.every
-        ]
-        due = [False] * len(rows)
-        for regime in open_regimes:
-            mine = sorted((i for i in stale if rows[i][0] == regime), key=lambda i: rows[i][2])
-            for i in mine[: self.max_rows] if self.max_rows > 0 else mine:
-                due[i] = True
+            return due
+        stale = np.asarray(last_draft) <= step - self.every
+        for regime in (False, True):
+            if step < self.next_step.get(regime, 0):
+                continue
+            mine = np.flatnonzero(stale & (sampled == regime))
+            if self.max_rows > 0 and len(mine) > self.max_rows:  # the least backlog first (stable: row order)
+                mine = mine[np.argsort(np.asarray(backlog)[mine], kind="stable")[: self.max_rows]]
+            due[mine] = True
         return due
 
     def observe(self, step: int, sampled: bool, accepted: int, drafted: int) -> None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..runtime.base import (
@@ -47,7 +48,7 @@ from .adaptive import (
     AcceptanceTracker,
     CostModel,
     ProbeSchedule,
-    RowChoice,
+    RowChoices,
     choose_blocks,
     measure_costs,
     token_sweep,
@@ -167,6 +168,7 @@ class BatchRow:
     ):
         self.id, self.prompt_ids, self.config = rid, prompt_ids, config
         self.params = config.sampling
+        self.sampled = not self.params.greedy  # the row's sampling regime (greedy and sampled rows accept differently)
         self.generator = self.params.generator()
         self.rule = acceptance_rule(config.acceptance, self.params, self.generator)
         self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
@@ -195,11 +197,6 @@ class BatchRow:
     @property
     def remaining(self) -> int:
         return self.config.max_new_tokens - len(self.generated)
-
-    @property
-    def sampled(self) -> bool:
-        """The row's sampling regime (greedy rows and sampled rows accept differently)."""
-        return not self.params.greedy
 
     def commit(
         self, new: list[int], drafted: int, accepted: int, prefill: bool = False, timings: RoundTimings | None = None
@@ -451,12 +448,16 @@ class BatchDecoder:
         return rounds
 
     # ---- the parts of a round -----------------------------------------------------------
-    def _size_bounds(self, rows: list[BatchRow]) -> tuple[list[int], list[int | None]]:
+    def _size_bounds(self, rows: list[BatchRow]) -> tuple[list[int], list[int]]:
         """Per row: the largest size it may use this step (the decoder's size, within what the drafter was
-        trained for and what the row has left) and the request's own size (None: not fixed)."""
-        bounds = [min(self.trained_block if r.drafter_row is not None else 1, r.remaining) for r in rows]
-        caps = [min(self.block_size, b) for b in bounds]
-        fixed = [None if r.config.block_size is None else min(r.config.block_size, b) for r, b in zip(rows, bounds)]
+        trained for and what the row has left) and the request's own size (0: not fixed)."""
+        trained, size = self.trained_block, self.block_size
+        caps, fixed = [], []
+        for r in rows:
+            bound = min(trained if r.drafter_row is not None else 1, r.remaining)
+            caps.append(min(size, bound))
+            own = r.config.block_size
+            fixed.append(0 if own is None else min(own, bound))
         return caps, fixed
 
     def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
@@ -465,17 +466,30 @@ class BatchDecoder:
 
         The policy prices a row's draft with new_context=1: a row's backlog of features is a sunk cost, paid
         whenever it next drafts whatever the size; charging it would keep a row that skipped drafting from
-        ever drafting again (its backlog grows)."""
+        ever drafting again (its backlog grows). The rows' state goes to the policy as arrays (`RowChoices`):
+        a server's step holds hundreds of rows, and an object per row cost more than the choice itself."""
         caps, fixed = self._size_bounds(rows)
         policy = self.policy
-        if not policy.adaptive or policy.cost is None or all(f is not None or c < 2 for f, c in zip(fixed, caps)):
+        if not policy.adaptive or policy.cost is None or all(f or c < 2 for f, c in zip(fixed, caps)):
             for r in rows:  # nothing to choose (the target alone, fixed blocks): no probe either
                 r.probe_due = False
-            return [f if f is not None else c for f, c in zip(fixed, caps)]
-        due = self.probes.due(self._steps, [(r.sampled, r.last_draft_step, r.backlog) for r in rows])
-        for r, probe in zip(rows, due):
+            return [f or c for f, c in zip(fixed, caps)]
+        n = len(rows)
+        due = self.probes.due(
+            self._steps,
+            np.fromiter((r.sampled for r in rows), bool, n),
+            np.fromiter((r.last_draft_step for r in rows), np.int64, n),
+            np.fromiter((r.backlog for r in rows), np.int64, n),
+        )
+        for r, probe in zip(rows, due.tolist()):
             r.probe_due = probe
-        choices = [RowChoice(r.acceptance.alpha, c, 1, f, probe=r.probe_due) for r, c, f in zip(rows, caps, fixed)]
+        choices = RowChoices(
+            alpha=np.fromiter((r.acceptance.alpha for r in rows), np.float64, n),
+            max_block=np.array(caps, dtype=np.int64),
+            new_context=np.ones(n),
+            fixed=np.array(fixed, dtype=np.int64),
+            probe=due,
+        )
         return choose_blocks(choices, policy.cost, min_gain=policy.min_gain)
 
     def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:

@@ -225,6 +225,10 @@ class RunResult:
     tau: float  # committed tokens per verify round
     policy_cpu_s_per_step: float  # real CPU seconds the block-size choice took per step (thread time)
     simulated_step_s: float  # mean simulated seconds per step
+    # the same two over the steps that held `concurrency` rows (closed loop; nan without such steps): the
+    # figures "at C rows", which the run's means dilute with its ramp and drain (fewer rows, cheaper choices)
+    policy_cpu_s_per_full_step: float = float("nan")
+    simulated_full_step_s: float = float("nan")
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -292,11 +296,17 @@ def simulate(
     tokens_at: list[tuple[float, int]] = []
     orig_block_sizes = dec._block_sizes
 
+    full_cpu: list[float] = []  # policy CPU seconds of each step that holds `concurrency` rows
+    full_steps: list[float] = []  # and its simulated seconds
+
     def timed_block_sizes(rows: list[BatchRow]) -> list[int]:
         nonlocal policy_cpu
         t0 = time.thread_time()
         out = orig_block_sizes(rows)
-        policy_cpu += time.thread_time() - t0
+        spent = time.thread_time() - t0
+        policy_cpu += spent
+        if len(rows) == concurrency:
+            full_cpu.append(spent)
         return out
 
     dec._block_sizes = timed_block_sizes  # type: ignore[method-assign]  # timing only: the policy is unchanged
@@ -315,8 +325,11 @@ def simulate(
             continue
         pol.before_step(dec)
         batch_sum += len(dec.active)
+        began, chosen = clock.now, len(full_cpu)
         rounds = dec.step()
         clock.advance(host_step_s)
+        if len(full_cpu) > chosen:
+            full_steps.append(clock.now - began)
         pol.after_step(rounds)
         steps += 1
         now = clock.now
@@ -372,5 +385,7 @@ def simulate(
         tau=committed / max(1, rounds_n),
         policy_cpu_s_per_step=policy_cpu / max(1, steps),
         simulated_step_s=end / max(1, steps),
+        policy_cpu_s_per_full_step=statistics.mean(full_cpu) if full_cpu else float("nan"),
+        simulated_full_step_s=statistics.mean(full_steps) if full_steps else float("nan"),
         outputs=[list(r.row.generated) for r in reqs if r.row is not None] if keep_outputs else [],
     )

@@ -5,8 +5,10 @@ import itertools
 import math
 import random
 
+import numpy as np
 import pytest
 
+from dflash_trt.decoding import adaptive
 from dflash_trt.decoding.adaptive import (
     AcceptanceTracker,
     CostModel,
@@ -198,6 +200,37 @@ def test_choice_is_near_the_exhaustive_optimum_under_a_bent_cost(kind):
 
 
 @pytest.mark.parametrize("kind", ["line", "knee", "staircase"])
+def test_leaving_out_increments_that_cannot_pay_never_lowers_the_choice(kind, monkeypatch):
+    """Above POLISH_MAX_ROWS the sweeps leave out what no best choice holds (`_worth_keeping`): on random
+    batches of 65-200 rows the choice rates at least what the sweeps over every increment reach, and the
+    pruning does leave increments out (else this would test nothing)."""
+    rng = random.Random(3)
+    pruned = 0
+    real = adaptive._worth_keeping
+
+    def counting(gain, one_more, valid, *args):
+        nonlocal pruned
+        drafts, one_pays = real(gain, one_more, valid, *args)
+        pruned += int((valid & ~(drafts[:, None] & (one_pays | (np.arange(gain.shape[1]) == 1))))[:, 1:].sum())
+        return drafts, one_pays
+
+    for _ in range(40):
+        rows, cost = _random_instance(rng, rng.randint(adaptive.POLISH_MAX_ROWS + 1, 200))
+        rows = [RowChoice(r.alpha, r.max_block * 2, r.new_context, r.fixed, r.probe) for r in rows]  # up to 16
+        if kind != "line":
+            cost = _bent(rng, cost, kind)
+        gain = rng.choice([0.0, 0.1])
+        with monkeypatch.context() as m:
+            m.setattr(adaptive, "_worth_keeping", counting)
+            got = choose_blocks(rows, cost, min_gain=gain)
+        with monkeypatch.context() as m:  # every increment kept
+            m.setattr(adaptive, "_worth_keeping", lambda gain, one_more, valid, *a: (valid.any(axis=1), one_more >= 0))
+            every = choose_blocks(rows, cost, min_gain=gain)
+        assert _rate(rows, cost, got) >= _rate(rows, cost, every) * (1 - 1e-12)
+    assert pruned > 0
+
+
+@pytest.mark.parametrize("kind", ["line", "knee", "staircase"])
 def test_a_request_alone_gets_the_exhaustive_optimum_under_any_cost(kind):
     """One free row in its step: every size is rated at the true cost, so the choice is the exhaustive best
     (the margin included) whatever the token term's shape."""
@@ -245,11 +278,12 @@ def test_probes_take_the_rows_of_least_backlog_and_at_most_a_few():
     probed row's whole backlog), those with the least backlog; the next probe comes `every` steps later."""
     probes = ProbeSchedule(every=32, max_backoff=4, max_rows=3)
     rows = [(False, 0, 100 + i) for i in range(10, 0, -1)] + [(True, 0, 5), (False, 90, 1)]
-    due = probes.due(64, rows)
+    sampled, last, backlog = (np.array(column) for column in zip(*rows))
+    due = probes.due(64, sampled, last, backlog)
     assert [i for i, d in enumerate(due) if d] == [7, 8, 9, 10]  # backlogs 103, 102, 101 (greedy) and the sampled one
     probes.observe(64, False, accepted=0, drafted=21)
-    assert not any(probes.due(64 + 32, rows)[:10])  # greedy missed: its next probe waits 64 steps
-    assert sum(ProbeSchedule(every=32, max_rows=0).due(64, rows)) == 11  # 0: every stale row
+    assert not any(probes.due(64 + 32, sampled, last, backlog)[:10])  # greedy missed: its next probe waits 64 steps
+    assert sum(ProbeSchedule(every=32, max_rows=0).due(64, sampled, last, backlog)) == 11  # 0: every stale row
 
 
 def test_choice_never_scores_below_the_previous_coordinate_ascent():

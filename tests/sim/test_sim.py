@@ -279,4 +279,6 @@ def test_bench_script_smoke(tmp_path):
         assert r["policy"] in {"none", "fixed-4", "fixed-8", "fixed-16", "adaptive", "trtllm-schedule", "vllm-table"}
         if r["policy"] == "adaptive":
             assert r["policy_cpu_s_per_step"] > 0 and r["simulated_step_s"] > 0
+            # the steps that held C rows: a closed-loop cell always has some
+            assert r["policy_cpu_s_per_full_step"] > 0 and r["simulated_full_step_s"] > 0
     assert (out / "README.md").exists()

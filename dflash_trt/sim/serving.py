@@ -225,8 +225,9 @@ class RunResult:
     tau: float  # committed tokens per verify round
     policy_cpu_s_per_step: float  # real CPU seconds the block-size choice took per step (thread time)
     simulated_step_s: float  # mean simulated seconds per step
-    # the same two over the steps that held `concurrency` rows (closed loop; nan without such steps): the
-    # figures "at C rows", which the run's means dilute with its ramp and drain (fewer rows, cheaper choices)
+    # the same two over the steady window (closed loop: the batch full all along, as for tokens_per_s; nan
+    # without one): the figures "at C rows", which the run's means dilute with its ramp and drain (fewer
+    # rows, cheaper choices) and with the first step's prefill of every prompt at once
     policy_cpu_s_per_full_step: float = float("nan")
     simulated_full_step_s: float = float("nan")
     outputs: list[list[int]] = field(default_factory=list)
@@ -296,17 +297,13 @@ def simulate(
     tokens_at: list[tuple[float, int]] = []
     orig_block_sizes = dec._block_sizes
 
-    full_cpu: list[float] = []  # policy CPU seconds of each step that holds `concurrency` rows
-    full_steps: list[float] = []  # and its simulated seconds
+    step_cpu: list[tuple[float, float, float]] = []  # per step: its end (simulated), its seconds, policy CPU
 
     def timed_block_sizes(rows: list[BatchRow]) -> list[int]:
         nonlocal policy_cpu
         t0 = time.thread_time()
         out = orig_block_sizes(rows)
-        spent = time.thread_time() - t0
-        policy_cpu += spent
-        if len(rows) == concurrency:
-            full_cpu.append(spent)
+        policy_cpu += time.thread_time() - t0
         return out
 
     dec._block_sizes = timed_block_sizes  # type: ignore[method-assign]  # timing only: the policy is unchanged
@@ -325,11 +322,10 @@ def simulate(
             continue
         pol.before_step(dec)
         batch_sum += len(dec.active)
-        began, chosen = clock.now, len(full_cpu)
+        began, cpu_before = clock.now, policy_cpu
         rounds = dec.step()
         clock.advance(host_step_s)
-        if len(full_cpu) > chosen:
-            full_steps.append(clock.now - began)
+        step_cpu.append((clock.now, clock.now - began, policy_cpu - cpu_before))
         pol.after_step(rounds)
         steps += 1
         now = clock.now
@@ -361,6 +357,7 @@ def simulate(
     else:
         t0, t1 = 0.0, end
     in_window = sum(n for t, n in tokens_at if t0 < t <= t1)
+    steady = [(seconds, cpu) for t, seconds, cpu in step_cpu if t0 < t <= t1] if concurrency is not None else []
     ttft = [r.first - r.arrival for r in reqs if r.first is not None]
     itl = [x for r in reqs for x in r.itl]
     good = 0
@@ -385,7 +382,7 @@ def simulate(
         tau=committed / max(1, rounds_n),
         policy_cpu_s_per_step=policy_cpu / max(1, steps),
         simulated_step_s=end / max(1, steps),
-        policy_cpu_s_per_full_step=statistics.mean(full_cpu) if full_cpu else float("nan"),
-        simulated_full_step_s=statistics.mean(full_steps) if full_steps else float("nan"),
+        policy_cpu_s_per_full_step=statistics.mean(c for _, c in steady) if steady else float("nan"),
+        simulated_full_step_s=statistics.mean(s for s, _ in steady) if steady else float("nan"),
         outputs=[list(r.row.generated) for r in reqs if r.row is not None] if keep_outputs else [],
     )

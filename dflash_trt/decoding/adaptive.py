@@ -364,8 +364,8 @@ class RowChoice:
 @dataclass(frozen=True)
 class RowChoices:
     """A step's `RowChoice`s as arrays, one index per verify row: what `choose_blocks` reads. The decoder
-    builds it straight from its rows each step (at hundreds of rows an object per row was a fifth of the
-    policy's time); `of` converts a list."""
+    builds it straight from its rows each step (at hundreds of rows, building an object per row was a large
+    share of the policy's time: docs/benchmarks.md); `of` converts a list."""
 
     alpha: np.ndarray  # [rows] float64
     max_block: np.ndarray  # [rows] int64

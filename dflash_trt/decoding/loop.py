@@ -467,7 +467,7 @@ class BatchDecoder:
         The policy prices a row's draft with new_context=1: a row's backlog of features is a sunk cost, paid
         whenever it next drafts whatever the size; charging it would keep a row that skipped drafting from
         ever drafting again (its backlog grows). The rows' state goes to the policy as arrays (`RowChoices`):
-        a server's step holds hundreds of rows, and an object per row cost more than the choice itself."""
+        a server's step holds hundreds of rows, and the policy runs every step."""
         caps, fixed = self._size_bounds(rows)
         policy = self.policy
         if not policy.adaptive or policy.cost is None or all(f or c < 2 for f, c in zip(fixed, caps)):

@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
@@ -82,11 +83,11 @@ class LinearCost:
         """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
         the line with its knee."""
         if self.curve:
-            xs, ys, slope, _ = _curve_arrays(self.curve)
-            out = np.interp(tokens, xs, ys)
-            beyond = tokens > xs[-1]
+            c = _curve_arrays(self.curve)
+            out = np.interp(tokens, c.xs, c.ys)
+            beyond = tokens > c.xs[-1]
             if beyond.any():
-                out = np.where(beyond, ys[-1] + slope * (tokens - xs[-1]), out)
+                out = np.where(beyond, c.ys[-1] + c.last_slope * (tokens - c.xs[-1]), out)
         else:
             under = np.minimum(tokens, self.knee)
             out = self.below_knee * under + self.per_token * (tokens - under)
@@ -178,23 +179,32 @@ class LinearCost:
         return coef + [0.0] * (4 - len(coef))
 
 
-def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> tuple[np.ndarray, np.ndarray, float, float]:
-    """A curve's points as arrays, its last slope and its least slope (>= 0). Cached by the tuple's identity
-    (the policy prices with the same curve many times a step, and hashing a tuple of ~100 points cost more
-    than the pricing); the entry holds the tuple, so its id cannot be reused while cached."""
+class _Curve(NamedTuple):
+    """A measured curve as `LinearCost.token_seconds` reads it."""
+
+    xs: np.ndarray  # [points] tokens
+    ys: np.ndarray  # [points] seconds
+    last_slope: float  # seconds per token past the last point
+    least_slope: float  # the smallest slope anywhere (>= 0)
+
+
+def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> _Curve:
+    """A curve's arrays. Cached by the tuple's identity (the policy prices with the same curve many times a
+    step, and hashing a tuple of ~100 points cost more than the pricing); the entry holds the tuple, so its
+    id cannot be reused while cached."""
     hit = _CURVES.get(id(curve))
     if hit is not None and hit[0] is curve:
         return hit[1]
     xs, ys = (np.array(v, dtype=np.float64) for v in zip(*curve))
     slopes = np.diff(ys) / np.diff(xs) if len(xs) > 1 else np.zeros(1)
-    arrays = xs, ys, float(slopes[-1]), max(0.0, float(slopes.min()))
+    arrays = _Curve(xs, ys, float(slopes[-1]), max(0.0, float(slopes.min())))
     if len(_CURVES) >= 16:
         _CURVES.clear()
     _CURVES[id(curve)] = (curve, arrays)
     return arrays
 
 
-_CURVES: dict[int, tuple[tuple[tuple[float, float], ...], tuple[np.ndarray, np.ndarray, float, float]]] = {}
+_CURVES: dict[int, tuple[tuple[tuple[float, float], ...], _Curve]] = {}
 
 
 # a knee is fitted only where it cuts the line's squared error at least 4x
@@ -419,15 +429,16 @@ def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_g
     # size, and the base choice
     t_none, t_all, t_base = _price(t, n, np.array([n, n * top, base_tokens], dtype=np.float64))
     if t_none <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
-        return list(caps.tolist())
+        return cast(list[int], caps.tolist())
     free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
     if not len(free):
-        return list(base.tolist())
+        return cast(list[int], base.tolist())
     if n == 1:  # a request alone: every size rated at the true cost (exact for any cost shape, and cheap)
         return [_best_alone(float(alpha[0]), int(caps[0]), float(ctx[0]), t, d, min_gain)]
-    base_gain = float(_expected(alpha, base).sum())
     base_drafting = base > 1
     base_d_rows = int(base_drafting.sum())
+    # E(1) = 1: only the rows that must draft need the sum
+    base_gain = float(n - base_d_rows) + float(_expected(alpha[base_drafting], base[base_drafting]).sum())
     base_d_tokens = float((base + ctx)[base_drafting].sum())
 
     # The increments of the free rows that may draft, on a grid [free row, size b = 1..top] (a sweep takes its
@@ -446,56 +457,56 @@ def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_g
     jump = ratio.argmax(axis=1) + 1  # b* per free row (the upper concave envelope's first point)
     at_jump = sizes == jump[:, None]
     base_rate = base_gain / (float(t_base) + d(base_d_rows, int(base_d_tokens)))
-    keep, one_pays = valid, np.ones_like(valid)
-    if n > POLISH_MAX_ROWS:
-        # Increments that no best choice holds (`_worth_keeping`) are left out of both sweeps: where the
+    many = n > POLISH_MAX_ROWS
+    keep, beyond = valid, sizes > jump[:, None]
+    if many:
+        # Increments that no best choice holds (`_worth_keeping`) are left out of the sweep: where the
         # policy's time matters. Among fewer rows the polish below starts from the sweep's best, and a
         # start that differs (not worse) can end its few moves lower.
         drafts, one_pays = _worth_keeping(gain, one_more, valid, ctx_free, base_rate, t, d)
-        keep = valid & drafts[:, None]
+        keep, beyond = valid & drafts[:, None], beyond & one_pays
     # Sweep 1, the envelope's increments: the jump to b*, then one token at a time beyond it; best first
     # (stable, so a row's own increments, never rising in gain per second, stay in size order).
-    cells = np.flatnonzero(keep & (at_jump | ((sizes > jump[:, None]) & one_pays)))
+    cells = np.flatnonzero(keep & (at_jump | beyond))
     cells = cells[np.argsort(-np.where(at_jump, ratio, one_more / token_price).ravel()[cells], kind="stable")]
+    # A sweep: per increment in its order, the free row it grows ([k]) and what it adds ([4, k]: expected
+    # tokens, verify tokens, drafting rows, drafter tokens).
     jumps = at_jump.ravel()[cells]
     b = cells % top + 1
-    sweeps = [
-        (
-            cells // top,
-            np.where(jumps, gain.ravel()[cells], one_more.ravel()[cells]),
-            np.where(jumps, b - 1, 1),
-            jumps,
-            np.where(jumps, b + ctx_free[cells // top], 1),
-        )
-    ]
-    if t.bent or d.bent:
+    rows_i = cells // top
+    adds = np.empty((4, len(cells)))
+    adds[0] = np.where(jumps, gain.ravel()[cells], one_more.ravel()[cells])
+    adds[1] = np.where(jumps, b - 1, 1)
+    adds[2] = jumps
+    adds[3] = np.where(jumps, b + ctx_free[rows_i], 1)
+    sweeps = [(rows_i, adds)]
+    if (t.bent or d.bent) and not many:
         # A bent cost rewards filling a tile exactly, which a jump to a row's largest block (a row that
         # accepts nearly everything) overshoots: also sweep single-token increments in order of gain (for
         # each token budget the most expected tokens; ties go to the row of least backlog and keep one row's
-        # increments together, so the drafter's share of a row is paid by as few rows as possible).
+        # increments together, so the drafter's share of a row is paid by as few rows as possible). Like
+        # the polish, only among a few rows: among hundreds one row's overshoot is a rounding, and this
+        # sweep's sort and prices were a third of the policy's time.
         by_ctx = np.argsort(ctx_free, kind="stable")
-        keep = keep & ((sizes == 2) | one_pays)
         cells = (by_ctx[:, None] * top + np.arange(top)).ravel()[keep[by_ctx].ravel()]
         cells = cells[np.argsort(-one_more.ravel()[cells], kind="stable")]
         rows_j, first = cells // top, cells % top == 1  # first: the row's block 2, where it starts drafting
-        sweeps.append(
-            (rows_j, one_more.ravel()[cells], np.ones_like(cells), first, np.where(first, 2 + ctx_free[rows_j], 1))
-        )
-    # every prefix of every sweep (free row, expected tokens, verify tokens, drafting rows, drafter tokens it
-    # adds), priced in one call per engine
-    cum_gain = base_gain + np.concatenate([np.cumsum(sw[1]) for sw in sweeps])
-    cum_tokens = base_tokens + np.concatenate([np.cumsum(sw[2]) for sw in sweeps])
-    cum_d_rows = base_d_rows + np.concatenate([np.cumsum(sw[3]) for sw in sweeps])
-    cum_d_tokens = base_d_tokens + np.concatenate([np.cumsum(sw[4]) for sw in sweeps])
+        adds = np.empty((4, len(cells)))
+        adds[0], adds[1], adds[2], adds[3] = one_more.ravel()[cells], 1, first, np.where(first, 2 + ctx_free[rows_j], 1)
+        sweeps.append((rows_j, adds))
+    # every prefix of every sweep, priced in one call per engine
+    at = np.array([[base_gain], [base_tokens], [base_d_rows], [base_d_tokens]])
+    cum = [at + np.cumsum(a, axis=1) for _, a in sweeps]
+    cum_gain, cum_tokens, cum_d_rows, cum_d_tokens = cum[0] if len(cum) == 1 else np.concatenate(cum, axis=1)
     rates = cum_gain / (_price(t, n, cum_tokens) + _price(d, cum_d_rows, cum_d_tokens))
     best, best_rate = base, -np.inf  # the best choice in which some free row drafts
     start_at = 0
-    for r_i, _, tok_i, _, _ in sweeps:
+    for r_i, a in sweeps:
         if len(r_i):
             k = int(rates[start_at : start_at + len(r_i)].argmax())
             if rates[start_at + k] > best_rate:
                 best = base.copy()  # a free row's size: 1 + the tokens its taken increments add
-                best[free] += np.bincount(r_i[: k + 1], weights=tok_i[: k + 1], minlength=len(free)).astype(np.int64)
+                best[free] += np.bincount(r_i[: k + 1], weights=a[1, : k + 1], minlength=len(free)).astype(np.int64)
                 best_rate = float(rates[start_at + k])
         start_at += len(r_i)
     if best_rate > -np.inf and (t.bent or d.bent) and n <= POLISH_MAX_ROWS:
@@ -503,7 +514,7 @@ def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_g
         best_rate = _rate_of(best, alpha, ctx, t, d)
     # nobody must draft: drafting has to beat not drafting by the margin
     bar = base_rate * (1.0 + min_gain) if base_d_rows == 0 else base_rate
-    return list((best if best_rate > bar else base).tolist())
+    return cast(list[int], (best if best_rate > bar else base).tolist())
 
 
 def _worth_keeping(
@@ -540,7 +551,7 @@ def _worth_keeping(
 def _least_slope(cost: LinearCost) -> float:
     """The smallest seconds per token of `cost`'s token term anywhere (>= 0)."""
     if cost.curve:
-        return _curve_arrays(cost.curve)[3]
+        return _curve_arrays(cost.curve).least_slope
     return max(0.0, min(cost.per_token, cost.below_knee) if cost.knee > 0 else cost.per_token)
 
 
@@ -567,7 +578,9 @@ def _expected_grid(alpha: np.ndarray, top: int) -> np.ndarray:
     powers = np.empty((top, len(alpha)))  # sizes first: each running product steps over every row at once
     powers[0] = 1.0
     powers[1:] = np.minimum(alpha, 1.0)
-    return np.ascontiguousarray(np.cumsum(np.cumprod(powers, axis=0), axis=0).T)
+    np.multiply.accumulate(powers, axis=0, out=powers)
+    np.add.accumulate(powers, axis=0, out=powers)
+    return np.ascontiguousarray(powers.T)
 
 
 def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCost, d: LinearCost) -> float:

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -448,48 +448,47 @@ class BatchDecoder:
         return rounds
 
     # ---- the parts of a round -----------------------------------------------------------
-    def _size_bounds(self, rows: list[BatchRow]) -> tuple[list[int], list[int]]:
-        """Per row: the largest size it may use this step (the decoder's size, within what the drafter was
-        trained for and what the row has left) and the request's own size (0: not fixed)."""
-        trained, size = self.trained_block, self.block_size
-        caps, fixed = [], []
-        for r in rows:
-            bound = min(trained if r.drafter_row is not None else 1, r.remaining)
-            caps.append(min(size, bound))
-            own = r.config.block_size
-            fixed.append(0 if own is None else min(own, bound))
-        return caps, fixed
-
     def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
         """Each row's block size this step: its own (`GenerationConfig.block_size`), else the adaptive
-        policy's choice, else the decoder's size (which also caps the policy).
+        policy's choice, else the decoder's size (which also caps the policy). A row's size is at most the
+        drafter's trained block (1 without a drafter row) and what the row has left.
 
         The policy prices a row's draft with new_context=1: a row's backlog of features is a sunk cost, paid
         whenever it next drafts whatever the size; charging it would keep a row that skipped drafting from
-        ever drafting again (its backlog grows). The rows' state goes to the policy as arrays (`RowChoices`):
-        a server's step holds hundreds of rows, and the policy runs every step."""
-        caps, fixed = self._size_bounds(rows)
+        ever drafting again (its backlog grows). The rows' state goes to the policy as arrays (`RowChoices`),
+        read from the rows in one pass: a server's step holds hundreds of rows, and the policy runs every
+        step."""
+        n = len(rows)
+        # per row: tokens left, own block size (0: none), has a drafter row, sampled, last draft step, backlog,
+        # acceptance estimate
+        state = np.array(
+            [
+                (
+                    r.remaining,
+                    r.config.block_size or 0,
+                    r.drafter_row is not None,
+                    r.sampled,
+                    r.last_draft_step,
+                    r.backlog,
+                    r.acceptance.alpha,
+                )
+                for r in rows
+            ],
+            dtype=np.float64,
+        ).reshape(n, 7)
+        bound = np.minimum(np.where(state[:, 2] > 0, self.trained_block, 1), state[:, 0]).astype(np.int64)
+        caps = np.minimum(self.block_size, bound)
+        own = state[:, 1].astype(np.int64)
+        fixed = np.where(own > 0, np.minimum(own, bound), 0)
         policy = self.policy
-        if not policy.adaptive or policy.cost is None or all(f or c < 2 for f, c in zip(fixed, caps)):
+        if not policy.adaptive or policy.cost is None or bool(((fixed > 0) | (caps < 2)).all()):
             for r in rows:  # nothing to choose (the target alone, fixed blocks): no probe either
                 r.probe_due = False
-            return [f or c for f, c in zip(fixed, caps)]
-        n = len(rows)
-        due = self.probes.due(
-            self._steps,
-            np.fromiter((r.sampled for r in rows), bool, n),
-            np.fromiter((r.last_draft_step for r in rows), np.int64, n),
-            np.fromiter((r.backlog for r in rows), np.int64, n),
-        )
+            return cast(list[int], np.where(fixed > 0, fixed, caps).tolist())
+        due = self.probes.due(self._steps, state[:, 3] > 0, state[:, 4].astype(np.int64), state[:, 5])
         for r, probe in zip(rows, due.tolist()):
             r.probe_due = probe
-        choices = RowChoices(
-            alpha=np.fromiter((r.acceptance.alpha for r in rows), np.float64, n),
-            max_block=np.array(caps, dtype=np.int64),
-            new_context=np.ones(n),
-            fixed=np.array(fixed, dtype=np.int64),
-            probe=due,
-        )
+        choices = RowChoices(alpha=state[:, 6], max_block=caps, new_context=np.ones(n), fixed=fixed, probe=due)
         return choose_blocks(choices, policy.cost, min_gain=policy.min_gain)
 
     def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:

@@ -613,7 +613,7 @@ def _polish(
     straight to its largest block (small random instances: 5 % below the best); the moves close that gap."""
     n, top = len(out), int(caps.max())
     sizes = np.arange(1, top + 1)[None, :]
-    gain = _expected(alpha[:, None], sizes)  # E per cell
+    gain = _expected_grid(alpha, top)  # [rows, top]: E per cell
     allowed = np.where(forced[:, None] > 0, sizes == forced[:, None], sizes <= caps[:, None])
     index = np.arange(n)
     out = out.copy()

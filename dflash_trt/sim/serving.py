@@ -228,8 +228,8 @@ class RunResult:
     # the same two over the steady window (closed loop: the batch full all along, as for tokens_per_s; nan
     # without one): the figures "at C rows", which the run's means dilute with its ramp and drain (fewer
     # rows, cheaper choices) and with the first step's prefill of every prompt at once
-    policy_cpu_s_per_full_step: float = float("nan")
-    simulated_full_step_s: float = float("nan")
+    policy_cpu_s_per_steady_step: float = float("nan")
+    simulated_steady_step_s: float = float("nan")
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -382,7 +382,7 @@ def simulate(
         tau=committed / max(1, rounds_n),
         policy_cpu_s_per_step=policy_cpu / max(1, steps),
         simulated_step_s=end / max(1, steps),
-        policy_cpu_s_per_full_step=statistics.mean(c for _, c in steady) if steady else float("nan"),
-        simulated_full_step_s=statistics.mean(s for s, _ in steady) if steady else float("nan"),
+        policy_cpu_s_per_steady_step=statistics.mean(c for _, c in steady) if steady else float("nan"),
+        simulated_steady_step_s=statistics.mean(s for s, _ in steady) if steady else float("nan"),
         outputs=[list(r.row.generated) for r in reqs if r.row is not None] if keep_outputs else [],
     )

@@ -280,5 +280,5 @@ def test_bench_script_smoke(tmp_path):
         if r["policy"] == "adaptive":
             assert r["policy_cpu_s_per_step"] > 0 and r["simulated_step_s"] > 0
             # the steps that held C rows: a closed-loop cell always has some
-            assert r["policy_cpu_s_per_full_step"] > 0 and r["simulated_full_step_s"] > 0
+            assert r["policy_cpu_s_per_steady_step"] > 0 and r["simulated_steady_step_s"] > 0
     assert (out / "README.md").exists()

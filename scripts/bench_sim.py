@@ -40,6 +40,7 @@ from dflash_trt.sim.serving import HOST_STEP_S, POLICIES, Workload, simulate, wo
 HEADROOM_POLICIES = ("fixed-4", "fixed-8", "fixed-16", "adaptive", "oracle")
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+JUDGED_ROWS = 256  # the concurrency at which the policy's CPU time per step is judged (<= 2 % of a step)
 SETUPS = (("a100", "llama-3-8b", 1), ("a100", "llama-3-70b", 4))
 WORKLOADS = ("paper", "mixed")
 SLO = {"ttft_s": 2.0, "tpot_s": 0.05}
@@ -119,7 +120,7 @@ def sweep(args) -> tuple[list[dict], list[dict], list[dict], dict | None, dict |
     # The cells whose policy CPU time is judged (adaptive at 256 rows) run after the pool, one at a time: beside
     # another simulation on the second core, the policy's cold-cache numpy calls ran slower (shared cache and
     # memory), and a server's host thread does not share its CPU with a second simulation.
-    judged = {i for i, cell in enumerate(cells) if cell[5] == "adaptive" and cell[4] == 256 and cell[7] == 0}
+    judged = {i for i, cell in enumerate(cells) if cell[5] == "adaptive" and cell[4] == JUDGED_ROWS and cell[7] == 0}
     order = sorted((i for i in range(len(cells)) if i not in judged), key=lambda i: -cells[i][4])
     runs: list[dict | None] = [None] * len(cells)
     ctx = multiprocessing.get_context("spawn")
@@ -365,14 +366,14 @@ def criteria(runs: list[dict], cpu: dict | None, room: list[dict] = ()) -> tuple
                     }
                 )
         for c, _, cell in items:
-            if c == 256:
+            if c == JUDGED_ROWS:
                 a = cell["adaptive"]
                 # judged on the steady window (256 requests in the batch all along); the whole run's means beside
                 share = a["policy_cpu_s_per_steady_step"] / a["simulated_steady_step_s"]
                 run_share = a["policy_cpu_s_per_step"] / a["simulated_step_s"]
                 checks.append(
                     {
-                        "what": f"{tag} c=256: policy CPU per step at 256 rows (steady window, cell run alone) "
+                        "what": f"{tag} c={JUDGED_ROWS}: policy CPU per step at {JUDGED_ROWS} rows (steady window, cell run alone) "
                         "<= 2 % of the simulated step",
                         "passed": share <= 0.02,
                         "figure": f"{1e3 * a['policy_cpu_s_per_steady_step']:.2f} ms of "

@@ -21,8 +21,9 @@ tokens and seconds; sorted by tokens per second, the prefixes of that list are t
 rated at the true step time (the drafter's fixed cost paid once if any row drafts), and the best is kept
 against "nobody drafts" (every free row at 1). With a line the best choice is such a prefix (Dinkelbach's
 optimality condition: the increments that beat the optimal rate), so the choice is exact; with a bent token
-term the sweep runs in two orders and a few single-row moves polish it (within 2 % of the exhaustive best on
-small random instances). One step is O(rows x block) numpy work and a sort (scripts/bench_choose_blocks.py
+term, among at most `POLISH_MAX_ROWS` rows, the sweep runs in two orders and a few single-row moves polish it
+(within 2 % of the exhaustive best on small random instances); among more rows it runs in one order, where one
+row's overshoot of a tile is a rounding. One step is O(rows x block) numpy work and a sort (scripts/bench_choose_blocks.py
 times it). Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts
 its whole block (its largest size): the backlog it makes the drafter take in costs the same whatever the
 size, and a block of 2 would measure one position (at T=1 a hit half the time, whether drafting pays or not).
@@ -486,7 +487,7 @@ def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_g
         # each token budget the most expected tokens; ties go to the row of least backlog and keep one row's
         # increments together, so the drafter's share of a row is paid by as few rows as possible). Like
         # the polish, only among a few rows: among hundreds one row's overshoot is a rounding, and this
-        # sweep's sort and prices were a third of the policy's time.
+        # sweep's sort and prices would be paid every step where the policy's time matters.
         by_ctx = np.argsort(ctx_free, kind="stable")
         cells = (by_ctx[:, None] * top + np.arange(top)).ravel()[keep[by_ctx].ravel()]
         cells = cells[np.argsort(-one_more.ravel()[cells], kind="stable")]
@@ -495,8 +496,8 @@ def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_g
         adds[0], adds[1], adds[2], adds[3] = one_more.ravel()[cells], 1, first, np.where(first, 2 + ctx_free[rows_j], 1)
         sweeps.append((rows_j, adds))
     # every prefix of every sweep, priced in one call per engine
-    at = np.array([[base_gain], [base_tokens], [base_d_rows], [base_d_tokens]])
-    cum = [at + np.cumsum(a, axis=1) for _, a in sweeps]
+    base_sums = np.array([[base_gain], [base_tokens], [base_d_rows], [base_d_tokens]])
+    cum = [base_sums + np.cumsum(a, axis=1) for _, a in sweeps]
     cum_gain, cum_tokens, cum_d_rows, cum_d_tokens = cum[0] if len(cum) == 1 else np.concatenate(cum, axis=1)
     rates = cum_gain / (_price(t, n, cum_tokens) + _price(d, cum_d_rows, cum_d_tokens))
     best, best_rate = base, -np.inf  # the best choice in which some free row drafts

@@ -8,6 +8,10 @@ Stages (run in order; each reads what the previous wrote):
   drafter    DFlash drafter trained with `dflash_trt.train` on target-regenerated code
   ar-draft   2-layer autoregressive draft model (classic speculative-decoding baseline)
 
+One more stage runs only when named: `corpus` tokenizes the two splits into --cache (train.npy,
+held-out.npy) with the target's tokenizer, so that another machine (a GPU host, `make gpu-train-demo`)
+trains on exactly this interpreter's training split.
+
 `--smoke` shrinks everything to a CI-sized run into a scratch folder.
 """
 
@@ -26,7 +30,8 @@ from dflash_trt.models.target import make_portable, save_portable
 from dflash_trt.train.data import read_texts, stdlib_files, tokenize_corpus, train_tokenizer
 from dflash_trt.train.lm import LMTrainConfig, train_lm
 
-STAGES = ("tokenizer", "target", "drafter", "ar-draft")
+STAGES = ("tokenizer", "target", "drafter", "ar-draft")  # the default run, in order
+EXTRA_STAGES = ("corpus",)
 
 
 def target_config(vocab: int, smoke: bool):
@@ -104,6 +109,13 @@ def stage_tokenizer(args) -> None:
     print(f"tokenizer: {args.vocab_size} tokens from {len(texts)} files in {time.perf_counter() - t:.0f}s")
 
 
+def stage_corpus(args) -> None:
+    from transformers import AutoTokenizer
+
+    train, held = corpus_tokens(args.out, AutoTokenizer.from_pretrained(args.out / "target"), args.cache)
+    print(f"corpus: {len(train):,} training and {len(held):,} held-out tokens in {args.cache}")
+
+
 def stage_lm(args, name: str) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -131,7 +143,8 @@ def stage_lm(args, name: str) -> None:
     else:
         model = AutoModelForCausalLM.from_config(cfg).float()  # a config read from the fp16 target says fp16
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{name}: {n_params / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers")
+    print(f"{name}: {n_params / 1e6:.2f}M parameters, {model.config.num_hidden_layers} layers, on {args.device}")
+    model.to(args.device)
     out = args.out / name
     out.mkdir(parents=True, exist_ok=True)
     train_cfg = LMTrainConfig(
@@ -179,7 +192,7 @@ def stage_drafter(args) -> None:
         num_layers=args.drafter_layers,
         steps=args.drafter_steps,
         time_budget_s=args.drafter_minutes * 60,
-        batch_size=2 if args.smoke else 8,
+        batch_size=args.drafter_batch,
         seq_len=64 if args.smoke else 256,
         anchors_per_seq=8 if args.smoke else 32,
         lr=args.drafter_lr,
@@ -197,6 +210,8 @@ def stage_drafter(args) -> None:
             prompt_len=prompt_len,
             new_tokens=cfg.seq_len - prompt_len,
             seed=seed,
+            device=args.device,
+            batch=args.regen_batch,
         )
     run = args.cache / ("drafter-run" if args.drafter_init is None else "drafter-run-continued")
     if args.drafter_init is not None and not (run / "config.json").exists():
@@ -205,7 +220,7 @@ def stage_drafter(args) -> None:
         DFlashDrafter.from_pretrained(args.drafter_init).float().save_pretrained(run)
         (run / "init.json").write_text(json.dumps({"drafter_init": str(args.drafter_init)}))
     resume = (run / "trainer_state.pt").exists() or args.drafter_init is not None
-    train_drafter_from_dirs(args.out / "target", data, run, cfg, resume=resume)
+    train_drafter_from_dirs(args.out / "target", data, run, cfg, resume=resume, device=args.device)
     out = args.out / "drafter"
     DFlashDrafter.from_pretrained(run).half().save_pretrained(out)  # fp16 on disk, fp32 when loaded
     shutil.copy(run / "training.json", out / "training.json")
@@ -215,7 +230,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, default=Path("models"), help="where the models go (default models/)")
     p.add_argument("--cache", type=Path, default=Path(".cache/demo"), help="tokenized corpus and logs")
-    p.add_argument("--stages", nargs="+", choices=STAGES, default=list(STAGES))
+    p.add_argument("--stages", nargs="+", choices=STAGES + EXTRA_STAGES, default=list(STAGES))
     p.add_argument("--smoke", action="store_true", help="tiny CI-sized run (use with a scratch --out)")
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--target-steps", type=int, default=700)
@@ -239,6 +254,15 @@ def main(argv=None) -> int:
         default=None,
         help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)",
     )
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="where the models train and the target regenerates (default auto: a CUDA GPU when torch sees one, "
+        "else cpu). The recorded runs in models/README.md ran on the CPU",
+    )
+    p.add_argument("--drafter-batch", type=int, default=8, help="drafter training sequences per step (default 8)")
+    p.add_argument("--regen-batch", type=int, default=32, help="prompts the target continues per batch (default 32)")
     p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
     p.add_argument(
         "--regen-seed",
@@ -268,14 +292,22 @@ def main(argv=None) -> int:
         args.vocab_size = min(args.vocab_size, 300)
         args.target_steps = args.ar_steps = args.drafter_steps = min(args.target_steps, 6)
         args.regen_sequences = min(args.regen_sequences, 8)
+        args.drafter_batch = min(args.drafter_batch, 2)
     if args.threads:
         torch.set_num_threads(args.threads)
+    from dflash_trt.train.common import training_device
+
+    try:
+        args.device = training_device(args.device)
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     for stage in args.stages:
         t = time.perf_counter()
         {
             "tokenizer": stage_tokenizer,
             "target": lambda a: stage_lm(a, "target"),
             "drafter": stage_drafter,
+            "corpus": stage_corpus,
             "ar-draft": lambda a: stage_lm(a, "ar-draft"),
         }[stage](args)
         print(f"== {stage} done in {time.perf_counter() - t:.0f}s", flush=True)

@@ -94,6 +94,13 @@ def parse_args(argv=None):
         help="torch threads (default 1: on a shared, oversubscribed CPU two threads wait on each "
         "other at every op: generation runs several times slower than with one)",
     )
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="where the target regenerates and computes features and the drafter trains (default auto: a "
+        "CUDA GPU when torch sees one, else cpu)",
+    )
     return p.parse_args(argv)
 
 
@@ -104,12 +111,18 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     from dflash_trt.models.pretrained import SMOLLM2_DIR, ensure_model
     from dflash_trt.models.target import load_target, load_tokenizer
+    from dflash_trt.train.common import training_device
     from dflash_trt.train.prompts import build_prompt_set, load_prompts, save_prompts
 
     phases = [p.strip() for p in args.phases.split(",") if p.strip()]
     unknown = set(phases) - set(PHASES)
     if unknown:
         print(f"unknown phases: {sorted(unknown)}", file=sys.stderr)
+        return 2
+    try:
+        device = training_device(args.device)
+    except ValueError as e:
+        print(e, file=sys.stderr)
         return 2
     target_dir = args.target or (ensure_model() if not (SMOLLM2_DIR / "config.json").is_file() else SMOLLM2_DIR)
     work = args.work
@@ -131,7 +144,7 @@ def main(argv=None) -> int:
         from dflash_trt.train.regen import regenerate_prompts
 
         prompts = load_prompts(train_prompts)[: args.max_prompts]
-        target = load_target(target_dir)
+        target = load_target(target_dir).to(device)
         data = regenerate_prompts(
             target,
             tokenizer,
@@ -169,7 +182,7 @@ def main(argv=None) -> int:
             save_every=args.save_every,
             time_budget_s=args.train_hours * 3600 if args.train_hours else None,
         )
-        target = target or load_target(target_dir)
+        target = target or load_target(target_dir).to(device)
         summary = train_drafter_on_sequences(
             target, data, work / "drafter", work / "features", cfg, train="train" in phases
         )

@@ -73,6 +73,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--time-budget-min", type=finite_float, default=None, help="stop cleanly after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    p.add_argument(
+        "--device",
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="where the target (regeneration, features) and the drafter train (default auto: the first CUDA "
+        "GPU when torch sees one, else cpu). Either way the run writes the same published drafter format",
+    )
     p.set_defaults(func=cmd_train_drafter)
 
 
@@ -81,11 +88,17 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from ..models.target import load_target, load_tokenizer
+    from ..train.common import training_device
     from ..train.drafter import DrafterTrainConfig, load_training_sequences, train_drafter_from_dirs
     from .options import CliError
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        device = training_device(args.device)
+    except ValueError as e:
+        raise CliError(str(e)) from None
+    print(f"training on {device}")
     if not args.target.is_dir():
         raise CliError(f"target directory not found: {args.target}")
     if args.block_size < 2:
@@ -112,6 +125,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     try:
         if args.regenerate:
             target, tok = load_target(args.target), load_tokenizer(args.target)
+            target.to(device)  # type: ignore[arg-type]  # transformers types .to() by its decorator
             seqs = load_training_sequences(
                 data,
                 tok,
@@ -127,7 +141,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             data = args.out / "regenerated.npy"
             np.save(data, seqs)
             print(f"regenerated {seqs.shape[0]} sequences of {seqs.shape[1]} tokens -> {data}")
-        summary = train_drafter_from_dirs(args.target, Path(data), args.out, cfg, resume=args.resume)
+        summary = train_drafter_from_dirs(args.target, Path(data), args.out, cfg, resume=args.resume, device=device)
     except (FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
     print(f"drafter written to {args.out} after {summary['steps']} steps ({summary['seconds']}s)")

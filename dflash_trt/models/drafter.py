@@ -380,7 +380,7 @@ class DFlashDrafter(nn.Module):
             if rope.get("rope_type", "default") != "default":
                 raw["rope_scaling"] = rope
         (path / "config.json").write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}  # from any device
         save_file(state, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
 
 

@@ -61,16 +61,29 @@ def save_state(
 
 
 def load_state(path: Path, opt: torch.optim.Optimizer, sched: torch.optim.lr_scheduler.LRScheduler) -> dict[str, Any]:
-    state: dict[str, Any] = torch.load(path, weights_only=False)
+    # onto the CPU first: a run saved on a GPU resumes on another device (the optimizer's load_state_dict
+    # moves its state to its parameters' device), and torch's RNG state is a CPU tensor
+    state: dict[str, Any] = torch.load(path, weights_only=False, map_location="cpu")
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state
 
 
-def autocast(enabled: bool) -> AbstractContextManager[Any]:
-    """bf16 autocast on CPU: much faster training on CPUs with bfloat16 matrix instructions (AMX / AVX512-BF16)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+def training_device(name: str) -> str:
+    """Where a trainer runs: `auto` -> cuda when torch sees a GPU, else cpu; otherwise cpu, cuda or cuda:N
+    (ValueError, with the reason, for a device this machine lacks)."""
+    from ..loading import resolve_device
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(resolve_device(name))
+
+
+def autocast(enabled: bool, device: torch.device | str = "cpu") -> AbstractContextManager[Any]:
+    """bf16 autocast on the training device: on a GPU the usual mixed precision; on a CPU much faster
+    training where it has bfloat16 matrix instructions (AMX / AVX512-BF16)."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
 
 
 def run_steps(

@@ -210,8 +210,10 @@ def target_hidden(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Features [b, S, len(ids)*H] (outputs of decoder layers `layer_ids`, = `hidden_states[i + 1]`) and,
     with `teacher`, the final normed hidden [b, S, H] whose lm_head product is the target's logits.
-    Without a teacher the target stops after its deepest feature layer; the lm_head never runs."""
+    Without a teacher the target stops after its deepest feature layer; the lm_head never runs. Both come
+    back on the target's device."""
     decoder = target.get_decoder()  # type: ignore[no-untyped-call]
+    tokens = tokens.to(target.device)
     layers = decoder.layers
     last = len(layers) - 1
     outs: dict[int, torch.Tensor] = {}
@@ -357,9 +359,9 @@ class FeatureCache:
             feats, final = target_hidden(target, batch.tokens, self.meta["layer_ids"], teacher=self.meta["teacher"])
             for r, k in enumerate(range(i, j)):
                 a, b = self.data.offsets[k], self.data.offsets[k + 1]
-                self.features[a:b] = feats[r, : b - a].numpy().astype(np.float16)
+                self.features[a:b] = feats[r, : b - a].half().cpu().numpy()
                 if final is not None and self.teacher is not None:
-                    self.teacher[a:b] = final[r, : b - a].numpy().astype(np.float16)
+                    self.teacher[a:b] = final[r, : b - a].half().cpu().numpy()
             tokens_done += int(batch.lengths.sum())
             i = j
             self.features.flush()
@@ -451,14 +453,21 @@ def drafter_loss(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Loss and top-1 accuracy per block position for right-padded sequences [b, S] (`lengths`, default
     all S; anchors from `prompt_lens` on, default 1). `features` / `teacher`: the target's, when cached
-    (else the target runs here, as deep as needed)."""
+    (else the target runs here, as deep as needed).
+
+    The loss is computed on the drafter's device. Anchors and blocks are drawn on the CPU (the generator
+    is a CPU one, so a run draws the same blocks on any device) and moved there with the features."""
     b, s = tokens.shape
     B = cfg.block_size
-    lengths = torch.full((b,), s) if lengths is None else lengths
-    prompt_lens = torch.ones(b, dtype=torch.long) if prompt_lens is None else prompt_lens
+    device = drafter.fc.weight.device
+    tokens = tokens.cpu()
+    lengths = torch.full((b,), s) if lengths is None else lengths.cpu()
+    prompt_lens = torch.ones(b, dtype=torch.long) if prompt_lens is None else prompt_lens.cpu()
     want_teacher = cfg.kd_weight > 0
     if features is None or (want_teacher and teacher is None):
         features, teacher = target_hidden(target, tokens, drafter.spec.target_layer_ids, teacher=want_teacher)
+    features = features.to(device)
+    teacher = None if teacher is None else teacher.to(device)
     embed = cast(torch.Tensor, target.get_input_embeddings().weight)
     lm_head: torch.Tensor = target.get_output_embeddings().weight  # type: ignore[no-untyped-call]
     per_seq = [
@@ -482,22 +491,22 @@ def drafter_loss(
         label_rows.append(blk_labels)
         valid_rows.append(blk_valid)
         anchor_rows.append(a)
-    ids, positions, labels = torch.stack(id_rows), torch.stack(pos_rows), torch.stack(label_rows)
-    valid, anchors = torch.stack(valid_rows), torch.stack(anchor_rows)
-    with autocast(cfg.bf16):
+    ids, positions, labels = (torch.stack(x).to(device) for x in (id_rows, pos_rows, label_rows))
+    valid, anchors = torch.stack(valid_rows).to(device), torch.stack(anchor_rows).to(device)
+    with autocast(cfg.bf16, device):
         hidden = drafter.forward_packed(features, drafter.embed_block(ids, embed), positions, anchors)
     hidden = hidden.view(b, m, B, -1)[:, :, 1:]  # predictions for block positions 1..B-1
-    weights = position_weights(B, cfg.gamma or default_gamma(B)).expand(b, m, B - 1)
+    weights = position_weights(B, cfg.gamma or default_gamma(B)).to(device).expand(b, m, B - 1)
     rows_teacher = None
     if want_teacher:
         # the target's distribution for the token at a+k comes from its logits at a+k-1
         assert teacher is not None  # given, or computed above when wanted
-        idx = (anchors[:, :, None] + torch.arange(B - 1)[None, None, :]).clamp(max=s - 1)
-        rows_teacher = teacher[torch.arange(b)[:, None, None], idx][valid]
-    with autocast(cfg.bf16):
+        idx = (anchors[:, :, None] + torch.arange(B - 1, device=device)[None, None, :]).clamp(max=s - 1)
+        rows_teacher = teacher[torch.arange(b, device=device)[:, None, None], idx][valid]
+    with autocast(cfg.bf16, device):
         total, correct = chunked_loss(hidden[valid], labels[valid], weights[valid], rows_teacher, lm_head, drafter, cfg)
     loss = total / weights[valid].sum().clamp(min=1e-6)
-    hits = torch.zeros(b, m, B - 1)
+    hits = torch.zeros(b, m, B - 1, device=device)
     hits[valid] = correct.float()
     accuracy = hits.sum((0, 1)) / valid.sum((0, 1)).clamp(min=1)
     return loss, accuracy
@@ -556,11 +565,13 @@ def train_drafter(
 ) -> dict[str, Any]:
     """Train on regenerated sequences (SequenceSet) or fixed-length token rows [N, >= seq_len]; writes
     checkpoints (published format) into `out`. `feature_cache`: folder of the target-feature cache
-    (default `out/feature-cache`; None: no cache, the target runs every step)."""
+    (default `out/feature-cache`; None: no cache, the target runs every step). The drafter trains on the
+    target's device (move the target to a GPU to train there); batches are assembled on the CPU."""
     out.mkdir(parents=True, exist_ok=True)
     for p in target.parameters():
         p.requires_grad_(False)
     target.eval()  # type: ignore[no-untyped-call]
+    drafter.to(target.device)
     data = as_sequence_set(sequences, cfg.seq_len)
     opt, sched = make_optimizer(drafter.parameters(), cfg.lr, cfg.steps, cfg.warmup_ratio)
     start_step, history = 0, []
@@ -688,7 +699,7 @@ def regenerate(
     torch.manual_seed(seed)
     outs = []
     for i in tqdm(range(0, prompts.shape[0], batch), desc="regenerate", unit="batch"):
-        chunk = prompts[i : i + batch]
+        chunk = prompts[i : i + batch].to(target.device)
         gen = target.generate(
             chunk,
             attention_mask=torch.ones_like(chunk),
@@ -701,7 +712,7 @@ def regenerate(
             pad_token_id=0,
             eos_token_id=None,
         )
-        outs.append(gen.numpy())
+        outs.append(gen.cpu().numpy())
     return np.concatenate(outs)
 
 
@@ -752,12 +763,15 @@ def regenerate_dataset(
     new_tokens: int,
     temperature: float = 0.0,
     seed: int = 1,
+    device: str = "cpu",
+    batch: int = 32,
 ) -> None:
     """For the demo: prompts from the training split of the stdlib corpus, continued by the target."""
     from ..models.target import load_target, load_tokenizer
     from .data import read_texts, stdlib_files, tokenize_corpus
 
     target = load_target(target_dir)
+    target.to(device)  # type: ignore[arg-type]  # transformers types .to() by its decorator
     tok = load_tokenizer(target_dir)
     if tok is None:
         raise ValueError(f"{target_dir} has no tokenizer")
@@ -765,18 +779,19 @@ def regenerate_dataset(
     tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
     prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
     t = time.perf_counter()
-    seqs = regenerate(target, prompts, new_tokens, temperature)
+    seqs = regenerate(target, prompts, new_tokens, temperature, batch=batch)
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, seqs.astype(np.uint16 if len(tok) < 65536 else np.int32))
     print(f"regenerated {seqs.shape[0]} sequences x {seqs.shape[1]} tokens in {time.perf_counter() - t:.0f}s")
 
 
 def train_drafter_from_dirs(
-    target_dir: Path, data: Path, out: Path, cfg: DrafterTrainConfig, resume: bool = False
+    target_dir: Path, data: Path, out: Path, cfg: DrafterTrainConfig, resume: bool = False, device: str = "cpu"
 ) -> dict[str, Any]:
     from ..models.target import load_target, load_tokenizer
 
     target = load_target(target_dir)
+    target.to(device)  # type: ignore[arg-type]  # transformers types .to() by its decorator
     tok = load_tokenizer(target_dir)
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(tok, "mask_token_id", None)
     if mask is None:

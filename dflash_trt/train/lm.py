@@ -46,10 +46,11 @@ class LMTrainReport:
 def held_out_loss(model: torch.nn.Module, tokens: np.ndarray, cfg: LMTrainConfig) -> float:
     model.eval()
     gen = torch.Generator().manual_seed(1234)  # the same windows every time
+    device = next(model.parameters()).device
     losses = []
     for _ in range(cfg.eval_batches):
-        x = random_windows(tokens, cfg.batch_size, cfg.seq_len, gen)
-        with autocast(cfg.bf16):
+        x = random_windows(tokens, cfg.batch_size, cfg.seq_len, gen).to(device)
+        with autocast(cfg.bf16, device):
             losses.append(float(model(input_ids=x, labels=x).loss))
     model.train()
     return sum(losses) / len(losses)
@@ -83,11 +84,12 @@ def train_lm(
         report.steps, report.tokens, report.history = start_step, state["tokens"], state["history"]
         tqdm.write(f"resuming from step {start_step} ({spent:.0f} s already spent)")
     model.train()
+    device = next(model.parameters()).device  # the model trains where it lives; windows are cut on the CPU
     start = time.perf_counter() - spent
 
     def step_fn(step: int) -> tuple[torch.Tensor, int, dict[str, Any]]:
-        x = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, gen)
-        with autocast(cfg.bf16):
+        x = random_windows(train_tokens, cfg.batch_size, cfg.seq_len, gen).to(device)
+        with autocast(cfg.bf16, device):
             loss: torch.Tensor = model(input_ids=x, labels=x).loss
         report.steps, report.tokens = step + 1, report.tokens + x.numel()
         return loss, x.numel(), {}

@@ -21,7 +21,9 @@ from tqdm import tqdm
 from .prompts import Prompt, encode_prompt
 
 if TYPE_CHECKING:
-    from transformers import GenerationMixin, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
+
+    from ..models.target import CausalLM
 
 
 @dataclass
@@ -101,7 +103,7 @@ def cut_response(generated: list[int], stops: set[int], pad: int) -> list[int]:
 
 @torch.no_grad()
 def generate_batch(
-    target: GenerationMixin,
+    target: CausalLM,
     encoded: list[list[int]],
     max_new_tokens: int,
     stops: list[int],
@@ -116,8 +118,8 @@ def generate_batch(
         ids[r, width - len(e) :] = torch.tensor(e)
         mask[r, width - len(e) :] = 1
     out = target.generate(
-        ids,
-        attention_mask=mask,
+        ids.to(target.device),
+        attention_mask=mask.to(target.device),
         max_new_tokens=max_new_tokens,
         do_sample=temperature > 0,
         temperature=temperature if temperature > 0 else None,
@@ -126,11 +128,11 @@ def generate_batch(
         eos_token_id=stops,
         pad_token_id=pad_id,
     )
-    return [cut_response(row.tolist(), set(stops), pad_id) for row in out[:, width:]]
+    return [cut_response(row.tolist(), set(stops), pad_id) for row in out[:, width:].cpu()]
 
 
 def regenerate_prompts(
-    target: GenerationMixin,
+    target: CausalLM,
     tokenizer: PreTrainedTokenizerBase,
     prompts: list[Prompt],
     out_dir: Path,

@@ -352,3 +352,31 @@ def test_lm_training_resumes_where_it_stopped(tmp_path, monkeypatch):
     assert (
         spent.steps == 8 and spent.history == report.history and spent.seconds >= report.history[-1]["seconds"] - 0.05
     )
+
+
+def test_training_device_auto_follows_torch_and_refuses_a_missing_gpu(monkeypatch):
+    from dflash_trt.train.common import training_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert training_device("auto") == "cpu"
+    assert training_device("cpu") == "cpu"
+    with pytest.raises(ValueError, match="no CUDA GPU"):
+        training_device("cuda")
+    with pytest.raises(ValueError, match="unknown device"):
+        training_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert training_device("auto") == "cuda"
+
+
+def test_the_drafter_trains_where_the_target_lives(tmp_path):
+    """train_drafter moves the drafter to the target's device (a GPU run moves only the target), and the
+    loss draws its blocks from the CPU generator wherever it runs: the same blocks, the same loss."""
+    target = make_tiny_target(vocab_size=64, layers=4, seed=1)
+    cfg = DrafterTrainConfig(
+        block_size=4, num_layers=1, steps=1, batch_size=2, seq_len=32, anchors_per_seq=4, bf16=False
+    )
+    drafter = new_drafter_for(target, cfg, mask_token_id=63)
+    seen = []
+    drafter.to = lambda device: seen.append(torch.device(device)) or drafter  # records the move (CPU only here)
+    train_drafter(drafter, target, torch.randint(0, 60, (2, 32)).numpy(), tmp_path, cfg)
+    assert seen == [target.device]

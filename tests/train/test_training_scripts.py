@@ -57,13 +57,15 @@ def test_demo_script_smoke(tmp_path):
     demo_script(
         *("--stages", "drafter", "--out", tmp_path / "models", "--cache", tmp_path / "cache2", "--regen-seed", "2"),
         *("--drafter-init", tmp_path / "models" / "drafter", "--drafter-kd-weight", "0.5", "--drafter-lr", "1e-9"),
+        *("--device", "cpu", "--drafter-batch", "1", "--regen-batch", "4"),
     )
     assert (tmp_path / "cache2" / "regenerated-seed2.npy").exists()
     assert json.loads((tmp_path / "cache2" / "drafter-run-continued" / "init.json").read_text())["drafter_init"]
     continued = DFlashDrafter.from_pretrained(tmp_path / "models" / "drafter").state_dict()
     # lr ~0: the continued drafter is the first one (fp16 on disk both times), not a new warm start
     assert all(torch.allclose(first[k], continued[k], atol=1e-3) for k in first)
-    assert json.loads((tmp_path / "models" / "drafter" / "training.json").read_text())["config"]["kd_weight"] == 0.5
+    config = json.loads((tmp_path / "models" / "drafter" / "training.json").read_text())["config"]
+    assert config["kd_weight"] == 0.5 and config["batch_size"] == 1
 
     # continuing the target: its weights and its training record carried over; run again with the same cache,
     # the checkpoint is found and the run resumes instead of starting over
@@ -110,12 +112,42 @@ def test_train_drafter_cli_smoke(tmp_path):
         "--prompt-len",
         "8",
     ]
-    run(args)
+    assert "training on cpu" in run(args).stdout  # --device auto on a machine without a GPU
     drafter = DFlashDrafter.from_pretrained(tmp_path / "drafter")
     assert drafter.spec.mask_token_id == tok.mask_token_id
     assert json.loads((tmp_path / "drafter" / "training.json").read_text())["steps"] == 4
     run(args[:-4] + ["--steps", "6", "--resume", "--data", tmp_path / "drafter" / "regenerated.npy"])
     assert json.loads((tmp_path / "drafter" / "training.json").read_text())["steps"] == 6
+
+
+def test_train_drafter_refuses_a_device_this_machine_lacks(tmp_path):
+    if torch.cuda.is_available():
+        return  # the refusal is for machines without a GPU
+    proc = subprocess.run(
+        [str(CLI), "train-drafter", "--target", str(tmp_path), "--data", "stdlib", "--out", str(tmp_path / "d")]
+        + ["--device", "cuda"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 1 and "no CUDA GPU" in proc.stderr, proc.stderr
+    assert not (tmp_path / "d").exists()  # refused before anything was written
+
+
+def test_gpu_train_demo_recipe_runs_at_smoke_size_on_the_cpu(tmp_path):
+    """`make gpu-train-demo-prep` here, `make gpu-train-demo` on a GPU host: the same Makefile lines, run at
+    --smoke size with --device cpu (a later --device wins), so the GPU run starts from a recipe that ran."""
+    work, out = tmp_path / "gpu-demo", tmp_path / "out"
+    make = ["make", "--no-print-directory", "-o", ".venv/.installed", f"GPU_DEMO={work}"]  # -o: never rebuild the venv
+    run([*make, "gpu-train-demo-prep", "GPU_DEMO_ARGS=--smoke"])
+    assert (work / "cache" / "train.npy").is_file() and (work / "cache" / "held-out.npy").is_file()
+    args = "GPU_DEMO_ARGS=--smoke --device cpu --threads 1"
+    run([*make, "gpu-train-demo", f"GPU_DEMO_OUT={out}", args, f"GPU_BARE_PYTHON={sys.executable}"])
+    drafter = DFlashDrafter.from_pretrained(out)
+    published = DFlashDrafter.from_pretrained(ROOT / "models" / "drafter")
+    assert drafter.spec == published.spec  # the published drafter trained on, in its format
+    record = json.loads((out / "training.json").read_text())
+    assert record["config"]["kd_weight"] == 0.5 and record["steps"] >= 1
 
 
 def test_help_runs():

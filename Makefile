@@ -187,21 +187,21 @@ gpu-bare-pack:
 	mkdir -p .cache && tar czf .cache/gpu-bare.tar.gz $$($(PYTHON) scripts/gpu_bare.py --list-carry)
 
 # The demo drafter trained on at GPU scale (issue 29; torch + CUDA and transformers on the host, no network): the
-# published drafter, its recipe (distillation 0.5, lr 3e-4), on 16384 fresh continuations by the demo target, 64
+# published drafter, its recipe (distillation 0.5, lr 3e-4), on 8192 fresh continuations by the demo target, 64
 # sequences a step, GPU_DEMO_MINUTES of training. Here first: `make gpu-train-demo-prep` tokenizes this interpreter's
 # training split into $(GPU_DEMO)/cache (carry that folder, so the host trains on exactly this split). The drafter
 # (fp16, with training.json) lands in GPU_DEMO_OUT; judge it here, on the CPU it serves on, side by side with the
 # published one (docs/gpu.md says how).
 GPU_DEMO ?= .cache/gpu-demo
 GPU_DEMO_OUT ?= results/gpu/demo-drafter
-GPU_DEMO_MINUTES ?= 4
+GPU_DEMO_MINUTES ?= 3
 gpu-train-demo-prep: venv
 	$(BIN)/python scripts/make_demo_models.py --stages corpus --cache $(GPU_DEMO)/cache $(GPU_DEMO_ARGS)
 
 gpu-train-demo:
 	rm -rf $(GPU_DEMO)/models && mkdir -p $(GPU_DEMO)/models && cp -r models/target $(GPU_DEMO)/models/
 	PYTHONPATH=. $(GPU_BARE_PYTHON) scripts/make_demo_models.py --stages drafter --device cuda \
-		--out $(GPU_DEMO)/models --cache $(GPU_DEMO)/cache --regen-sequences 16384 --regen-seed 6 --regen-batch 512 \
+		--out $(GPU_DEMO)/models --cache $(GPU_DEMO)/cache --regen-sequences 8192 --regen-seed 6 --regen-batch 512 \
 		--drafter-init models/drafter --drafter-steps 5000 --drafter-minutes $(GPU_DEMO_MINUTES) --drafter-batch 64 \
 		--drafter-lr 3e-4 --drafter-kd-weight 0.5 $(GPU_DEMO_ARGS)
 	mkdir -p $(GPU_DEMO_OUT) && cp $(GPU_DEMO)/models/drafter/* $(GPU_DEMO_OUT)/

@@ -202,7 +202,7 @@ gpu-train-demo:
 	rm -rf $(GPU_DEMO)/models && mkdir -p $(GPU_DEMO)/models && cp -r models/target $(GPU_DEMO)/models/
 	PYTHONPATH=. $(GPU_BARE_PYTHON) scripts/make_demo_models.py --stages drafter --device cuda \
 		--out $(GPU_DEMO)/models --cache $(GPU_DEMO)/cache --regen-sequences 8192 --regen-seed 6 --regen-batch 512 \
-		--drafter-init models/drafter --drafter-steps 5000 --drafter-minutes $(GPU_DEMO_MINUTES) --drafter-batch 64 \
+		--drafter-init models/drafter --drafter-steps 3000 --drafter-minutes $(GPU_DEMO_MINUTES) --drafter-batch 64 \
 		--drafter-lr 3e-4 --drafter-kd-weight 0.5 $(GPU_DEMO_ARGS)
 	mkdir -p $(GPU_DEMO_OUT) && cp $(GPU_DEMO)/models/drafter/* $(GPU_DEMO_OUT)/
 

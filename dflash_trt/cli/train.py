@@ -140,6 +140,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
             args.out.mkdir(parents=True, exist_ok=True)
             data = args.out / "regenerated.npy"
             np.save(data, seqs)
+            del target  # training loads the target again: never two copies on one GPU
             print(f"regenerated {seqs.shape[0]} sequences of {seqs.shape[1]} tokens -> {data}")
         summary = train_drafter_from_dirs(args.target, Path(data), args.out, cfg, resume=args.resume, device=device)
     except (FileNotFoundError, ValueError) as e:

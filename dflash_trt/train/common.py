@@ -77,7 +77,10 @@ def training_device(name: str) -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(resolve_device(name))
+    device = resolve_device(name)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # what a library allocates on "the current GPU" goes there too, not to GPU 0
+    return str(device)
 
 
 def autocast(enabled: bool, device: torch.device | str = "cpu") -> AbstractContextManager[Any]:

@@ -437,7 +437,7 @@ def chunked_loss(
             part, ok = _rows_loss(*args)
         total = total + part
         correct.append(ok)
-    return total, torch.cat(correct) if correct else torch.zeros(0, dtype=torch.bool)
+    return total, torch.cat(correct) if correct else hidden.new_zeros(0, dtype=torch.bool)
 
 
 def drafter_loss(
@@ -466,8 +466,9 @@ def drafter_loss(
     want_teacher = cfg.kd_weight > 0
     if features is None or (want_teacher and teacher is None):
         features, teacher = target_hidden(target, tokens, drafter.spec.target_layer_ids, teacher=want_teacher)
-    features = features.to(device)
-    teacher = None if teacher is None else teacher.to(device)
+    # cached features arrive in fp16 (half the bytes to move); float32 from here, as the target computed them
+    features = features.to(device).float()
+    teacher = None if teacher is None else teacher.to(device).float()
     embed = cast(torch.Tensor, target.get_input_embeddings().weight)
     lm_head: torch.Tensor = target.get_output_embeddings().weight  # type: ignore[no-untyped-call]
     per_seq = [
@@ -591,16 +592,17 @@ def train_drafter(
         seqs = [data.sequence(k)[: cfg.seq_len] for k in rows]
         batch = pad_batch(seqs, [int(data.prompt_lens[k]) for k in rows])
         feats = teacher = None
-        if cache is not None:
+        if cache is not None:  # kept in the cache's fp16 until drafter_loss has moved them to the device
             s = batch.tokens.shape[1]
-            feats = torch.zeros(len(rows), s, drafter.feature_size)
-            teacher = torch.zeros(len(rows), s, cache.meta["hidden_size"]) if cache.teacher is not None else None
+            feats = torch.zeros(len(rows), s, drafter.feature_size, dtype=torch.float16)
+            hidden = cache.meta["hidden_size"]
+            teacher = torch.zeros(len(rows), s, hidden, dtype=torch.float16) if cache.teacher is not None else None
             for r, k in enumerate(rows):
                 f, t = cache.get(k)
                 n = len(seqs[r])
-                feats[r, :n] = torch.from_numpy(np.asarray(f[:n], dtype=np.float32))
+                feats[r, :n] = torch.from_numpy(np.asarray(f[:n]))
                 if teacher is not None and t is not None:  # both exactly when the cache holds a teacher
-                    teacher[r, :n] = torch.from_numpy(np.asarray(t[:n], dtype=np.float32))
+                    teacher[r, :n] = torch.from_numpy(np.asarray(t[:n]))
         loss, acc = drafter_loss(
             drafter,
             target,

@@ -74,8 +74,7 @@ def load_decoder(
     """
     torch_dtype = DTYPES[dtype]
     dev = resolve_device(device)
-    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub loses the bound self
-    model = load_target(target_dir, torch_dtype).to(dev)  # type: ignore[arg-type]
+    model = load_target(target_dir, torch_dtype, dev)
     tokenizer = load_tokenizer(target_dir)
     if drafter_dir is None:
         return BatchDecoder(TorchTargetEngine(model), None, tokenizer)

@@ -128,7 +128,7 @@ def demo_pair(device: str):
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
-    model = load_target(DEMO_TARGET, torch.float32).to(device).eval()
+    model = load_target(DEMO_TARGET, torch.float32, device)
     drafter = DFlashDrafter.from_pretrained(DEMO_DRAFTER, torch.float32).to(device).eval()
     tok = load_tokenizer(DEMO_TARGET)
     prompts = [tok.encode(p) for p in PROMPTS] if tok is not None else [[1, 2, 3]] * len(PROMPTS)

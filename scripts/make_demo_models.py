@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from dflash_trt.models.target import make_portable, save_portable
+from dflash_trt.train.common import add_training_device_arg, training_device
 from dflash_trt.train.data import read_texts, stdlib_files, tokenize_corpus, train_tokenizer
 from dflash_trt.train.lm import LMTrainConfig, train_lm
 
@@ -254,13 +255,7 @@ def main(argv=None) -> int:
         default=None,
         help="torch threads (default: all cores; use 1 on a busy machine, where OpenMP spinning hurts)",
     )
-    p.add_argument(
-        "--device",
-        default="auto",
-        metavar="{auto,cpu,cuda,cuda:N}",
-        help="where the models train and the target regenerates (default auto: a CUDA GPU when torch sees one, "
-        "else cpu). The recorded runs in models/README.md ran on the CPU",
-    )
+    add_training_device_arg(p)
     p.add_argument("--drafter-batch", type=int, default=8, help="drafter training sequences per step (default 8)")
     p.add_argument("--regen-batch", type=int, default=32, help="prompts the target continues per batch (default 32)")
     p.add_argument("--regen-sequences", type=int, default=1024, help="target-regenerated training sequences")
@@ -295,8 +290,6 @@ def main(argv=None) -> int:
         args.drafter_batch = min(args.drafter_batch, 2)
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dflash_trt.train.common import training_device
-
     try:
         args.device = training_device(args.device)
     except ValueError as e:

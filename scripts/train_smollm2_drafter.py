@@ -30,6 +30,8 @@ DEFAULT_PHASES = "prompts,regenerate,features,train"
 
 
 def parse_args(argv=None):
+    from dflash_trt.train.common import add_training_device_arg
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--target",
@@ -94,13 +96,7 @@ def parse_args(argv=None):
         help="torch threads (default 1: on a shared, oversubscribed CPU two threads wait on each "
         "other at every op: generation runs several times slower than with one)",
     )
-    p.add_argument(
-        "--device",
-        default="auto",
-        metavar="{auto,cpu,cuda,cuda:N}",
-        help="where the target regenerates and computes features and the drafter trains (default auto: a "
-        "CUDA GPU when torch sees one, else cpu)",
-    )
+    add_training_device_arg(p)
     return p.parse_args(argv)
 
 
@@ -144,7 +140,7 @@ def main(argv=None) -> int:
         from dflash_trt.train.regen import regenerate_prompts
 
         prompts = load_prompts(train_prompts)[: args.max_prompts]
-        target = load_target(target_dir).to(device)
+        target = load_target(target_dir, device=device)
         data = regenerate_prompts(
             target,
             tokenizer,
@@ -182,7 +178,7 @@ def main(argv=None) -> int:
             save_every=args.save_every,
             time_budget_s=args.train_hours * 3600 if args.train_hours else None,
         )
-        target = target or load_target(target_dir).to(device)
+        target = target or load_target(target_dir, device=device)
         summary = train_drafter_on_sequences(
             target, data, work / "drafter", work / "features", cfg, train="train" in phases
         )

@@ -136,8 +136,7 @@ def load_everything(
                 f"hf-assisted needs a small autoregressive draft model (--ar-draft; {s.ar_draft} "
                 "has no config.json); leave hf-assisted out of --methods to skip it"
             )
-        # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub loses the bound self
-        assistant = load_target(s.ar_draft, model.dtype).to(model.device)  # type: ignore[arg-type]
+        assistant = load_target(s.ar_draft, model.dtype, model.device)
         if assistant.config.vocab_size != model.config.vocab_size:
             raise BenchError(
                 f"--ar-draft vocabulary ({assistant.config.vocab_size}) differs from the target's "

@@ -7,6 +7,7 @@ from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ..train.common import add_training_device_arg
     from .options import finite_float, positive_int, token_ids
 
     p = sub.add_parser(
@@ -73,13 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--time-budget-min", type=finite_float, default=None, help="stop cleanly after this many minutes")
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
     p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
-    p.add_argument(
-        "--device",
-        default="auto",
-        metavar="{auto,cpu,cuda,cuda:N}",
-        help="where the target (regeneration, features) and the drafter train (default auto: the first CUDA "
-        "GPU when torch sees one, else cpu). Either way the run writes the same published drafter format",
-    )
+    add_training_device_arg(p)
     p.set_defaults(func=cmd_train_drafter)
 
 
@@ -124,8 +119,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     data = args.data
     try:
         if args.regenerate:
-            target, tok = load_target(args.target), load_tokenizer(args.target)
-            target.to(device)  # type: ignore[arg-type]  # transformers types .to() by its decorator
+            target, tok = load_target(args.target, device=device), load_tokenizer(args.target)
             seqs = load_training_sequences(
                 data,
                 tok,

@@ -28,8 +28,8 @@ DTYPES = {
 }  # short names: --dtype bf16
 
 
-def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalLM:
-    """Load a local HF checkpoint; never downloads, never runs remote code."""
+def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
+    """Load a local HF checkpoint onto `device`, in eval mode; never downloads, never runs remote code."""
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"target directory has no config.json: {path}")
@@ -52,6 +52,8 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32) -> CausalL
         if bar_was_on:
             hf_logging.enable_progress_bar()  # type: ignore[no-untyped-call]
     loaded: CausalLM = model.eval()  # type: ignore[no-untyped-call]
+    # PreTrainedModel.to is wrapped with functools.wraps(nn.Module.to), whose stub loses the bound self
+    loaded.to(device)  # type: ignore[arg-type]
     return loaded
 
 

@@ -105,8 +105,7 @@ class TorchTargetEngine:
     @classmethod
     def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchTargetEngine:
         """Served from the Hugging Face checkpoint itself (no build step)."""
-        model = load_target(checkpoint, DTYPES[options.dtype])
-        model.to(options.device or "cpu")  # type: ignore[arg-type]  # transformers types .to() by its decorator
+        model = load_target(checkpoint, DTYPES[options.dtype], options.device or "cpu")
         return cls(model, options.feature_layer_ids)
 
     @property

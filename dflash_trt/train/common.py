@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -68,6 +69,17 @@ def load_state(path: Path, opt: torch.optim.Optimizer, sched: torch.optim.lr_sch
     sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"])
     return state
+
+
+def add_training_device_arg(parser: argparse.ArgumentParser) -> None:
+    """The `--device` option of every trainer's command line (resolved by `training_device`)."""
+    parser.add_argument(
+        "--device",
+        default="auto",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        help="where the target regenerates and computes its features and the model trains (default auto: the "
+        "first CUDA GPU torch sees, else cpu)",
+    )
 
 
 def training_device(name: str) -> str:

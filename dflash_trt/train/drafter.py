@@ -772,8 +772,7 @@ def regenerate_dataset(
     from ..models.target import load_target, load_tokenizer
     from .data import read_texts, stdlib_files, tokenize_corpus
 
-    target = load_target(target_dir)
-    target.to(device)  # type: ignore[arg-type]  # transformers types .to() by its decorator
+    target = load_target(target_dir, device=device)
     tok = load_tokenizer(target_dir)
     if tok is None:
         raise ValueError(f"{target_dir} has no tokenizer")
@@ -792,8 +791,7 @@ def train_drafter_from_dirs(
 ) -> dict[str, Any]:
     from ..models.target import load_target, load_tokenizer
 
-    target = load_target(target_dir)
-    target.to(device)  # type: ignore[arg-type]  # transformers types .to() by its decorator
+    target = load_target(target_dir, device=device)
     tok = load_tokenizer(target_dir)
     mask = cfg.mask_token_id if cfg.mask_token_id is not None else getattr(tok, "mask_token_id", None)
     if mask is None:

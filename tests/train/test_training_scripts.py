@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from helpers import CORPUS, make_tokenizer
 from tiny_models import make_tiny_target
@@ -122,7 +123,7 @@ def test_train_drafter_cli_smoke(tmp_path):
 
 def test_train_drafter_refuses_a_device_this_machine_lacks(tmp_path):
     if torch.cuda.is_available():
-        return  # the refusal is for machines without a GPU
+        pytest.skip("the refusal is for machines without a GPU")
     proc = subprocess.run(
         [str(CLI), "train-drafter", "--target", str(tmp_path), "--data", "stdlib", "--out", str(tmp_path / "d")]
         + ["--device", "cuda"],

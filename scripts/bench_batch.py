@@ -29,8 +29,8 @@ import torch
 from dflash_trt.bench.methods import hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.config import validate_against_target
-from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, StepProfile
-from dflash_trt.decoding.adaptive import measure_costs
+from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, FixedBlocks, GenerationConfig, StepProfile
+from dflash_trt.decoding.cost import measure_costs
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import load_target, load_tokenizer
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
@@ -76,14 +76,11 @@ def main() -> int:
 
     def batched(block: int | None, adaptive: bool):
         def run(batch):
-            dec = BatchDecoder(
-                btarget, bdrafter, policy=BlockPolicy(adaptive=adaptive, cost=cost if adaptive else None)
-            )
+            dec = BatchDecoder(btarget, bdrafter, policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())
             rows = [dec.add(p, GenerationConfig(max_new_tokens=n, block_size=block)) for p in batch]
             profiles: list[StepProfile] = []
             while dec.active:
-                dec.step()
-                profiles.append(dec.last_profile)
+                profiles.append(dec.step().profile)
             return [r.result().token_ids for r in rows], profiles
 
         return run

@@ -11,7 +11,9 @@ import random
 import statistics
 import time
 
-from dflash_trt.decoding.adaptive import CostModel, LinearCost, RowChoice, choose_blocks, expected_tokens
+from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
+from dflash_trt.decoding.cost import CostModel, LinearCost
+from dflash_trt.decoding.estimates import expected_tokens
 
 COSTS = {
     "memory-bound": CostModel(LinearCost(10e-3, 0.1e-3, 0.01e-3), LinearCost(2e-3, 0.05e-3, 0.005e-3)),

@@ -126,8 +126,8 @@ def requests_for(c: int, args) -> int:
 # ---- in process: per-prompt ratios, the step profile ----------------------
 def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
     from dflash_trt.config import validate_against_target
-    from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, SamplingParams
-    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, GenerationConfig, SamplingParams
+    from dflash_trt.decoding.cost import measure_costs
     from dflash_trt.loading import drafter_dtype
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_target, load_tokenizer
@@ -155,7 +155,7 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
         "drafter": vars(cost.drafter),
         "measured_s": round(time.perf_counter() - t0, 2),
     }
-    adaptive = BatchDecoder(btarget, bdrafter, policy=BlockPolicy(adaptive=True, cost=cost))
+    adaptive = BatchDecoder(btarget, bdrafter, policy=AdaptiveBlocks(cost))
 
     def timed(fn):  # best of --repeats: load from elsewhere only ever adds time
         best, ids = float("inf"), None
@@ -195,13 +195,12 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
             print("per-prompt", json.dumps(row), flush=True)
 
     # one batched adaptive step at 16 rows: where its time goes
-    dec = BatchDecoder(btarget, bdrafter, policy=BlockPolicy(adaptive=True, cost=cost))
+    dec = BatchDecoder(btarget, bdrafter, policy=AdaptiveBlocks(cost))
     for p in code[:16]:
         dec.add(p, GenerationConfig(max_new_tokens=args.osl, stop_token_ids=()))
     steps = []
     while dec.active:
-        dec.step()
-        steps.append(dec.last_profile)
+        steps.append(dec.step().profile)
     verify = [s for s in steps if s.verify_rows and not s.prefill_rows]
     out["step_profile"] = {
         "rows": 16,
@@ -247,7 +246,7 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
     against the batched decoder's steady state (target alone, adaptive) on the same request stream, in a
     rotating order, median of --load-repeats. What the engines can do here bounds what any server on the
     same machine can: the server cells add HTTP, streaming and a client on the same cores."""
-    from dflash_trt.decoding import BatchDecoder, BlockPolicy
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder
 
     stream = [code[i % len(code)] for i in range(requests_for(c, args))]
     members = {
@@ -258,7 +257,7 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
         ),
         "target": lambda: steady_state(BatchDecoder(btarget, None), stream, c, args.osl),
         "adaptive": lambda: steady_state(
-            BatchDecoder(btarget, bdrafter, policy=BlockPolicy(adaptive=True, cost=cost)), stream, c, args.osl
+            BatchDecoder(btarget, bdrafter, policy=AdaptiveBlocks(cost)), stream, c, args.osl
         ),
     }
     members["hf-generate"]()  # warm-up at this shape

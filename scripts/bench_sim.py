@@ -35,7 +35,8 @@ sys.path.insert(0, str(ROOT))
 
 from dflash_trt.sim.acceptance import AcceptanceProfile  # noqa: E402
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost  # noqa: E402
-from dflash_trt.sim.serving import HOST_STEP_S, POLICIES, Workload, simulate, workload  # noqa: E402
+from dflash_trt.sim.policies import POLICIES  # noqa: E402
+from dflash_trt.sim.serving import HOST_STEP_S, Workload, simulate, workload  # noqa: E402
 
 HEADROOM_POLICIES = ("fixed-4", "fixed-8", "fixed-16", "adaptive", "oracle")
 
@@ -248,8 +249,8 @@ def calibrate_cpu(load_path: Path) -> dict | None:
 def simulate_stream(cost, work: Workload, policy: str, reqs: list, c: int, host: float) -> float:
     """`steady_state` of scripts/bench_load.py on the simulated engines: c in flight, a finished row replaced at
     once, tokens over the whole run (the CPU cost grid is the demo pair's, trained block 8)."""
-    from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, SamplingParams
-    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, GenerationConfig, SamplingParams
+    from dflash_trt.decoding.cost import measure_costs
     from dflash_trt.sim.engines import sim_engines
 
     target, drafter, clock = sim_engines(cost, work.profiles, block_size=8)
@@ -257,7 +258,7 @@ def simulate_stream(cost, work: Workload, policy: str, reqs: list, c: int, host:
         dec = BatchDecoder(target, None, clock=clock)
     else:  # bench_load's grid: rows 1/4/16, blocks 1/4/8, context 150
         grid = measure_costs(target, drafter, rows=(1, 4, 16), blocks=(1, 4, 8), context=150, repeats=2, clock=clock)
-        dec = BatchDecoder(target, drafter, policy=BlockPolicy(adaptive=True, cost=grid), clock=clock)
+        dec = BatchDecoder(target, drafter, policy=AdaptiveBlocks(grid), clock=clock)
     clock.now = 0.0
     cfg = [GenerationConfig(max_new_tokens=n, sampling=SamplingParams(0.0), stop_token_ids=()) for _, n in reqs]
     rows = [dec.add(p, k) for (p, _), k in zip(reqs[:c], cfg[:c])]

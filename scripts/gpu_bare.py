@@ -7,7 +7,7 @@ under --out (default results/gpu/):
   summary.json    the host, and per pair (the demo pair; a tiny random pair with 8 query / 2 KV heads):
                   speculative output == the same target engine alone (greedy, block 1), exactly, and tau and
                   tokens/s of DFlash (the drafter's block), of the server's adaptive policy (its cost model
-                  measured on the GPU at start-up, `BlockPolicy.measured`) and of the target alone at
+                  measured on the GPU at start-up, `AdaptiveBlocks.measured`) and of the target alone at
                   concurrency 1, 16 and 64 through the batched loop (BatchDecoder);
   cost_grid.json  the GPU's pass times of a Llama-3-8B-shaped target and its 5-layer DFlash drafter (random
                   weights built on the GPU in bfloat16, nothing downloaded) by rows x tokens per row x context
@@ -173,7 +173,7 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
     """Equality (speculative == the same engine alone) and tau / tokens/s at each concurrency."""
     import torch
 
-    from dflash_trt.decoding import BatchDecoder, BlockPolicy
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder
     from dflash_trt.runtime.base import pass_clock
 
     torch.backends.cuda.matmul.allow_tf32 = False  # equality at full float32 precision
@@ -192,7 +192,7 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
     # 4-row probes, every timing after the device is done), as `dflash-trt serve --max-active 64` would
     t0 = time.perf_counter()
     timer = pass_clock(target, draft)
-    adaptive = BatchDecoder(target, draft, policy=BlockPolicy.measured(target, draft, 64, timer), clock=timer)
+    adaptive = BatchDecoder(target, draft, policy=AdaptiveBlocks.measured(target, draft, 64, timer), clock=timer)
     result["adaptive_start_up_s"] = round(time.perf_counter() - t0, 2)
     adapted, _ = run_batch(target, draft, prompts, max_new, None, device, adaptive)
     differ = [i for i, (s, a) in enumerate(zip(spec, alone)) if s.token_ids != a.token_ids]

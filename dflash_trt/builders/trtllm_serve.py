@@ -118,7 +118,7 @@ def drafter_problems(drafter_dir: str | Path) -> list[str]:
 
 def _solve_alpha(tau: float, block: int) -> float:
     """The per-position acceptance alpha whose expected committed tokens at `block` equal tau (bisection)."""
-    from ..decoding.adaptive import expected_tokens
+    from ..decoding.estimates import expected_tokens
 
     if not 1.0 <= tau <= block:
         raise ServeConfigError(f"tau {tau} outside [1, block size {block}]")
@@ -135,7 +135,7 @@ def read_cost_table(path: str | Path, context: int | None = None) -> tuple[Any, 
     Format: {"target": [{"rows", "tokens_per_row", "context", "seconds"}...], "drafter": [...same...]}; the
     entries at the context nearest `context` (default: the largest measured) are fitted, tokens = rows x
     tokens_per_row."""
-    from ..decoding.adaptive import LinearCost
+    from ..decoding.cost import LinearCost
 
     raw = json.loads(Path(path).read_text())
     try:
@@ -160,7 +160,7 @@ def schedule_from_costs(
     """Per batch size b, the draft length k (0..block_size-1) that maximises committed tokens per second:
     b x E(alpha, k + 1) / (target(b, b (k + 1)) + [k > 0] drafter(b, b x block_size)). The drafter runs its whole
     block whatever k is (one pass over the mask slots)."""
-    from ..decoding.adaptive import expected_tokens
+    from ..decoding.estimates import expected_tokens
 
     best: dict[int, int] = {}
     for b in sorted(set(batch_sizes)):

@@ -11,17 +11,20 @@ Terminology
                   the speedup is about tau x t(target step) / t(round).
     feature layers the target layers whose hidden states the drafter is conditioned on
                   (`feature_layer_ids`: the drafter reads them, the target must expose them).
-    adaptive policy chooses each row's block size per step from a cost model of the passes and each row's
-                  acceptance estimate (`adaptive.choose_blocks`), fixed sizes otherwise (`BlockPolicy`).
+    block policy  chooses each verify row's block size per step (`policy.BlockPolicy`): `FixedBlocks`, or
+                  `adaptive.AdaptiveBlocks`, from a cost model of the passes (`cost`) and each row's
+                  acceptance estimate (`estimates`).
     probe         a forced full block for a row that has not drafted lately, so that its acceptance
-                  estimate is measured again (`adaptive.ProbeSchedule`).
+                  estimate is measured again (`estimates.ProbeSchedule`).
 
-Pieces: `request` (settings, validation, results), `loop` (the step), `acceptance` (greedy match and
-rejection sampling), `sampling`, `processors` (logits adjustments), `stopping`, `detokenizer`,
-`adaptive` (the block-size policy).
+Pieces: `request` (settings, validation, results), `loop` (the step), `step` (what a step hands around),
+`acceptance` (greedy match and rejection sampling), `sampling`, `processors` (logits adjustments),
+`stopping`, `detokenizer`, `policy` / `adaptive` / `cost` / `estimates` (the block-size policies).
 """
 
-from .loop import BatchDecoder, BatchRow, BlockPolicy, StepProfile
+from .adaptive import AdaptiveBlocks
+from .loop import BatchDecoder, BatchRow
+from .policy import BlockPolicy, FixedBlocks
 from .processors import LogitsAdjustment
 from .request import (
     ContextLengthError,
@@ -33,12 +36,15 @@ from .request import (
     RoundTimings,
 )
 from .sampling import SamplingParams
+from .step import StepProfile, StepResult, StepRows
 
 __all__ = [
+    "AdaptiveBlocks",
     "BatchDecoder",
     "BatchRow",
     "BlockPolicy",
     "ContextLengthError",
+    "FixedBlocks",
     "GenerationConfig",
     "GenerationResult",
     "GenerationStats",
@@ -48,4 +54,6 @@ __all__ = [
     "RoundTimings",
     "SamplingParams",
     "StepProfile",
+    "StepResult",
+    "StepRows",
 ]

@@ -1,364 +1,182 @@
-"""Adaptive block size per step and per row: the block sizes that maximise expected committed tokens per second.
+"""The adaptive block-size policy: per step and per row, the block sizes of the best expected tokens per second.
 
 Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r = 1 means no drafting):
 
     time   = target(R, sum_r B_r) + [any row drafts] * drafter(D, sum_{r drafts} (B_r + n_r))
     tokens = sum_r E(alpha_r, B_r),  E(alpha, B) = 1 + alpha + ... + alpha^(B-1)
 
-`target` and `drafter` are cost models fitted from timed passes at start-up (`measure_costs`): fixed + per row
-+ a token term, which is a line (a CPU's), a line that bends once at a knee, or, on a GPU, a curve measured
-over a sweep of token counts (its matrices run in tiles, so 136 tokens cost a third more than 128); the
-target's one-token pass, a request alone not drafting, is measured apart (see `LinearCost`). Each is
-corrected by the passes the decoder really runs (`CostModel.observe`; or refitted from them, `refit`). E is
-the expected committed tokens of a round when each draft position is accepted with probability alpha given
-the ones before it (the bonus token included). alpha_r is each row's running estimate (`AcceptanceTracker`):
-accepted drafts over accepted + rejections, with decay, so a row whose drafts keep failing drafts less; a
-row that does not draft drifts back towards the prior, so it is tried again later. A compute-bound batch
-(large per-token cost) gets shorter blocks because the same extra tokens cost more time.
+`target` and `drafter` are the engines' cost model (`cost.CostModel`), alpha_r each row's acceptance estimate
+(`estimates.AcceptanceTracker`), n_r the feature rows the drafter takes in for row r. The rules, in the order
+`choose_blocks` applies them:
 
-`choose_blocks` maximises tokens / time. Every way a row can grow its block is an increment of expected
-tokens and seconds; sorted by tokens per second, the prefixes of that list are the candidate choices, each
-rated at the true step time (the drafter's fixed cost paid once if any row drafts), and the best is kept
-against "nobody drafts" (every free row at 1). With a line the best choice is such a prefix (Dinkelbach's
-optimality condition: the increments that beat the optimal rate), so the choice is exact; with a bent token
-term, among at most `POLISH_MAX_ROWS` rows, the sweep runs in two orders and a few single-row moves polish it
-(within 2 % of the exhaustive best on small random instances); among more rows it runs in one order, where one
-row's overshoot of a tile is a rounding. One step is O(rows x block) numpy work and a sort (scripts/bench_choose_blocks.py
-times it). Rows with a fixed size (a request's `block_size`) keep it; a probe row (`RowChoice.probe`) drafts
-its whole block (its largest size): the backlog it makes the drafter take in costs the same whatever the
-size, and a block of 2 would measure one position (at T=1 a hit half the time, whether drafting pays or not).
+ 1. A request's own block size is kept; a probed row drafts its whole block, so that its estimate is measured
+    again at every position it can reach (`_forced_sizes`; when to probe: `estimates.ProbeSchedule`).
+ 2. A cost model that prices the step at 0 s (unfitted) gives every row its largest block: maximise tokens.
+ 3. A request alone is rated at every size, exact under any cost shape (`_best_alone`).
+ 4. Otherwise every way a free row can grow its block is an increment of expected tokens and seconds: the jump
+    from block 1 to the size b* that gains most per second (it pays the row's drafter share), then one token
+    at a time. Sorted by gain per second, every prefix is a choice, each rated at the true step time, and the
+    best is kept (`_increments`, `_envelope_sweep`, `_best_prefix`). With costs linear in tokens the best
+    choice is such a prefix (Dinkelbach's condition), so the choice is exact.
+ 5. Among more than `POLISH_MAX_ROWS` rows, increments that no best choice can hold are left out first
+    (`_worth_keeping`): there the policy's own time matters.
+ 6. Under a bent token cost (a GPU's tiles) among at most `POLISH_MAX_ROWS` rows, a second sweep in
+    single-token order and a few single-row moves stop a step at the end of a tile instead of just past it
+    (`_token_order_sweep`, `_polish`); among hundreds of rows one row's overshoot is a rounding.
+ 7. When no row has to draft, drafting must beat not drafting by `min_gain`: a margin for what the costs leave
+    out (per-row acceptance work, the drafter's backlog) (`_with_margin`).
 
-Probes exist because the estimates feed on themselves: a row that does not draft measures nothing, so one
-unlucky early round (or a pessimistic prior) at a batch size where drafting pays only at the true acceptance
-would keep it at block 1 for good, and the prior that new rows start from would learn nothing either. The
-decoder probes rows that have not drafted lately, a few per regime on the same step (`ProbeSchedule`), so
-the drafter's fixed cost is paid once per probe step, not once per row; where probes keep missing, the next
-probe of that sampling regime (greedy or sampled) comes half as often each time (each probed row's backlog
-is the cost).
+A row's drafter backlog is priced as one new context row (n_r = 1): the backlog is a sunk cost, paid whenever
+the row next drafts whatever the size; charging it would keep a row that skipped drafting from ever drafting
+again (its backlog grows).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import NamedTuple, cast
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
-import torch
 
-from ..runtime.base import DrafterEngine, DraftRequest, TargetEngine
+from ..runtime.base import DrafterEngine, TargetEngine, cuda_devices
+from .cost import CostModel, LinearCost, _curve_arrays, _price, measure_costs, token_sweep
+from .estimates import GPU_PROBE_ROWS, AcceptancePrior, AcceptanceTracker, ProbeSchedule
+from .policy import own_or_cap
+from .step import StepResult, StepRows
+
+if TYPE_CHECKING:
+    from .loop import BatchRow
 
 
 @dataclass
-class LinearCost:
-    """seconds = fixed + per_row * rows + per_token * tokens (0 for 0 rows); a pass of one token (one row,
-    no drafting: one request alone) costs `one_token` instead when it was measured.
+class _RowState:
+    tracker: AcceptanceTracker
+    last_draft_step: int  # the policy's verify step at which the row last drafted (or joined)
 
-    Why the exception: on a CPU a one-token pass multiplies vectors (GEMV), any larger pass matrices, and
-    the step between them is no part of a line; priced by the line, drafting for a lone request looks
-    cheaper than it is (docs/benchmarks.md, "Measurements behind design choices").
 
-    `knee` (tokens; 0 = none): tokens up to the knee cost `below_knee` each, tokens beyond it `per_token`
-    each (a line that bends once). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
-    tokens (docs/benchmarks.md: Vidur's A100 profile), so one line either prices a small batch's drafted
-    tokens as if they were compute bound (fitted through the large passes) or a large batch's as free; and
-    pricing the tokens under the knee as free (a flat start) fills every step up to the knee with drafts of
-    rows that seldom hit (docs/benchmarks.md, "On a GPU, tokens are priced by a measured curve"). `fit`
-    takes a knee only where it cuts the squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a
-    line (a CPU's) keeps none."""
+class AdaptiveBlocks:
+    """The block-size policy that maximises expected committed tokens per second (the module's rules).
 
-    fixed: float = 0.0
-    per_row: float = 0.0
-    per_token: float = 0.0
-    one_token: float | None = None
-    knee: float = 0.0
-    below_knee: float = 0.0  # seconds per token up to the knee
+    It owns the cost model (corrected by every step's passes), each row's acceptance estimate, the prior new
+    rows start from (per sampling regime) and the probe schedule.
 
-    curve: tuple[tuple[float, float], ...] = ()  # measured (tokens, seconds) of the token term; replaces the line
+    min_gain: rule 7's margin. refit_every: refit the cost model from the observed passes every N verify steps
+    (0 = never; the policy picks the shapes it then observes, so such a fit can be collinear).
+    probe_every / max_probe_backoff / probe_rows: `estimates.ProbeSchedule` (probe_every 0 = never probe)."""
 
-    def __call__(self, rows: int, tokens: int) -> float:
-        return float(_price(self, np.asarray(rows), np.asarray(tokens, dtype=np.float64)))
+    def __init__(
+        self,
+        cost: CostModel | None,
+        *,
+        min_gain: float = 0.1,
+        refit_every: int = 0,
+        probe_every: int = 32,
+        max_probe_backoff: int = 4,
+        probe_rows: int = 0,
+    ):
+        if cost is None:
+            raise ValueError("adaptive block sizes need a cost model (cost.measure_costs)")
+        self.cost, self.min_gain, self.refit_every = cost, min_gain, refit_every
+        self.probe_rows = probe_rows
+        self.probes = ProbeSchedule(probe_every, max_probe_backoff, probe_rows)
+        self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
+        self.rows: dict[int, _RowState] = {}
+        self.steps = 0  # verify steps observed
+        self._probing: set[int] = set()  # ids of the rows probed on the step being chosen
 
-    def token_seconds(self, tokens: np.ndarray) -> np.ndarray:
-        """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
-        the line with its knee."""
-        if self.curve:
-            c = _curve_arrays(self.curve)
-            out = np.interp(tokens, c.xs, c.ys)
-            beyond = tokens > c.xs[-1]
-            if beyond.any():
-                out = np.where(beyond, c.ys[-1] + c.last_slope * (tokens - c.xs[-1]), out)
-        else:
-            under = np.minimum(tokens, self.knee)
-            out = self.below_knee * under + self.per_token * (tokens - under)
-        return np.asarray(out, dtype=np.float64)
+    @classmethod
+    def measured(
+        cls,
+        target: TargetEngine,
+        drafter: DrafterEngine,
+        max_active: int,
+        clock: Callable[[], float] = time.perf_counter,
+        gpu: bool | None = None,
+        **options: Any,
+    ) -> AdaptiveBlocks:
+        """The policy of a server holding up to `max_active` rows, its cost model measured now on the engines
+        (`cost.measure_costs`: rows 1, max_active / 2 and max_active; blocks 1 / 4 / 8; 5 repeats, each cell
+        keeping its fastest pass, so a burst of load during start-up spoils one pass, not the fit).
 
-    @property
-    def bent(self) -> bool:
-        """The token term is not one line (a knee or a measured curve): a GPU's shape."""
-        return self.knee > 0 or bool(self.curve)
-
-    def scaled(self, k: float, k_one_token: float | None = None) -> LinearCost:
-        """The line times k; the one-token pass times k_one_token (k when None)."""
-        k1 = k if k_one_token is None else k_one_token
-        return LinearCost(
-            self.fixed * k,
-            self.per_row * k,
-            self.per_token * k,
-            None if self.one_token is None else self.one_token * k1,
-            self.knee,
-            self.below_knee * k,
-            tuple((x, y * k) for x, y in self.curve),
+        On a CUDA target the grid also times one-row passes over a sweep of token counts (`token_sweep` up to
+        max_active x the drafter's block: GEMM tiles make a pass's time a staircase in its tokens), the fits may
+        bend at a knee, and probes take `GPU_PROBE_ROWS` rows at a time (its batches are hundreds of rows with
+        long backlogs). A CPU's cost is a line: no sweep, no knee, every stale row probes. `clock` times the
+        passes; `gpu`: measure as on a GPU (None: a CUDA target; a simulated GPU says True); `options`: the
+        constructor's other arguments."""
+        if gpu is None:
+            gpu = bool(cuda_devices(target))
+        context = min(128, target.max_context // 2)
+        sweep = token_sweep(min(max_active * drafter.block_size, target.max_context - context))
+        cost = measure_costs(
+            target,
+            drafter,
+            rows=sorted({1, max(1, max_active // 2), max_active}),
+            context=context,
+            repeats=5,
+            clock=clock,
+            token_curve=sweep if gpu and len(sweep) > 1 else (),
+            knees=gpu,
         )
+        return cls(cost, probe_rows=GPU_PROBE_ROWS if gpu else 0, **options)
 
-    @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]], knee: bool = True) -> LinearCost:
-        """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink).
-        One-token passes, when the other samples span enough shapes (3) for the line, are not on it:
-        `one_token` is their mean. With `knee`, a knee (see the class) is tried at each sampled token count
-        between the smallest and the largest."""
-        single = [s for r, t, s in samples if r == 1 and t == 1]
-        rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)]
-        if single and len({(r, t) for r, t, _ in rest}) >= 3:
-            return cls._fit_knee(rest, one_token=sum(single) / len(single), knee=knee)
-        if len(samples) < 3:
-            raise ValueError(f"fitting a cost model needs >= 3 samples, got {len(samples)}")
-        return cls._fit_knee(samples, knee=knee)
+    def tracker_for(self, row: BatchRow) -> AcceptanceTracker:
+        """A joining row's acceptance estimate: the prior of its sampling regime."""
+        return self.prior.tracker(row.sampled)
 
-    @classmethod
-    def with_curve(cls, samples: Sequence[tuple[int, int, float]], curve: Sequence[tuple[int, float]]) -> LinearCost:
-        """The token term from a measured curve of one-row passes ((tokens, seconds), `measure_costs`), the
-        fixed and per-row terms fitted to the grid's samples (rows, tokens, seconds) around it; the one-token
-        pass apart, as in `fit`."""
-        if len(curve) < 2:
-            raise ValueError(f"a token curve needs >= 2 points, got {len(curve)}")
-        y0 = curve[0][1]
-        shape = cls(curve=tuple((float(x), max(0.0, y - y0)) for x, y in curve))
-        single = [s for r, t, s in samples if r == 1 and t == 1]
-        rest = [(r, t, s) for r, t, s in samples if not (r == 1 and t == 1)] or list(samples)
-        a = torch.tensor([[1.0, r] for r, _, _ in rest], dtype=torch.float64)
-        y = torch.tensor([[s - shape(1, t)] for _, t, s in rest], dtype=torch.float64)
-        fixed, per_row = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
-        one = sum(single) / len(single) if single and len(rest) >= 2 else None
-        return cls(fixed, per_row, 0.0, one, curve=shape.curve)
+    def choose(self, step: StepRows) -> list[int]:
+        if bool(((step.fixed > 0) | (step.cap < 2)).all()):  # nothing to choose: no probe either
+            self._probing = set()
+            return own_or_cap(step)
+        states = [self.rows[r.id] for r in step.rows]
+        alpha = np.fromiter((s.tracker.alpha for s in states), np.float64, len(states))
+        last = np.fromiter((s.last_draft_step for s in states), np.int64, len(states))
+        due = self.probes.due(self.steps, step.sampled, last, step.backlog)
+        self._probing = {step.rows[i].id for i in np.flatnonzero(due).tolist()}
+        ones = np.ones(len(step))
+        choices = RowChoices(alpha=alpha, max_block=step.cap, new_context=ones, fixed=step.fixed, probe=due)
+        return choose_blocks(choices, self.cost, min_gain=self.min_gain)
 
-    @classmethod
-    def _fit_knee(
-        cls, samples: Sequence[tuple[int, int, float]], one_token: float | None = None, knee: bool = True
-    ) -> LinearCost:
-        def fitted(coef: list[float], knee: float) -> LinearCost:
-            return cls(coef[0], coef[1], coef[2], one_token, knee, coef[3] if knee else 0.0)
-
-        def sse(cost: LinearCost) -> float:
-            return sum((cost(r, t) - s) ** 2 for r, t, s in samples)
-
-        line = fitted(cls._line(samples), 0.0)
-        best, best_err = line, sse(line)
-        tokens = sorted({t for _, t, _ in samples})
-        # a knee is one more parameter: tried only on a grid of >= 5 shapes that the line misses by > 1 % (rms)
-        scale = sum(s * s for _, _, s in samples)
-        if not knee or len({(r, t) for r, t, _ in samples}) < 5 or best_err <= 1e-4 * scale:
-            tokens = []
-        for at in tokens[1:-1]:
-            cost = fitted(cls._line(samples, at), float(at))
-            err = sse(cost)
-            if err * KNEE_MIN_GAIN < best_err if best.knee == 0.0 else err < best_err:
-                best, best_err = cost, err
-        return best
-
-    @staticmethod
-    def _line(samples: Sequence[tuple[int, int, float]], knee: float = 0.0) -> list[float]:
-        """[fixed, per_row, per_token, below_knee] by least squares (below_knee 0 without a knee), clamped >= 0."""
-        if knee:
-            rows = [[1.0, r, max(t - knee, 0.0), min(t, knee)] for r, t, _ in samples]
-        else:
-            rows = [[1.0, r, t] for r, t, _ in samples]
-        a = torch.tensor(rows, dtype=torch.float64)
-        y = torch.tensor([[s] for _, _, s in samples], dtype=torch.float64)
-        coef: list[float] = torch.linalg.lstsq(a, y).solution.view(-1).clamp_min(0).tolist()
-        return coef + [0.0] * (4 - len(coef))
-
-
-class _Curve(NamedTuple):
-    """A measured curve as `LinearCost.token_seconds` reads it."""
-
-    xs: np.ndarray  # [points] tokens
-    ys: np.ndarray  # [points] seconds
-    last_slope: float  # seconds per token past the last point
-    least_slope: float  # the smallest slope anywhere (>= 0)
-
-
-def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> _Curve:
-    """A curve's arrays. Cached by the tuple's identity (the policy prices with the same curve many times a
-    step, and hashing a tuple of ~100 points cost more than the pricing); the entry holds the tuple, so its
-    id cannot be reused while cached."""
-    hit = _CURVES.get(id(curve))
-    if hit is not None and hit[0] is curve:
-        return hit[1]
-    xs, ys = (np.array(v, dtype=np.float64) for v in zip(*curve))
-    slopes = np.diff(ys) / np.diff(xs) if len(xs) > 1 else np.zeros(1)
-    arrays = _Curve(xs, ys, float(slopes[-1]), max(0.0, float(slopes.min())))
-    if len(_CURVES) >= 16:
-        _CURVES.clear()
-    _CURVES[id(curve)] = (curve, arrays)
-    return arrays
-
-
-_CURVES: dict[int, tuple[tuple[tuple[float, float], ...], _Curve]] = {}
-
-
-# a knee is fitted only where it cuts the line's squared error at least 4x
-KNEE_MIN_GAIN = 4.0
-
-
-@dataclass
-class CostModel:
-    """The two engines' costs: the fitted shapes (`target`, `drafter`) times a running correction each (`scale`).
-
-    The shapes come from a start-up grid at one context length, on a machine whose speed moves; what the
-    policy uses (`current`) is each shape times the recent ratio of observed to predicted seconds of that
-    engine's passes (`observe`). One number per engine stays identifiable from whatever shapes the policy
-    picks (a full online refit does not: the policy's own choices make its samples collinear), and it
-    follows what the grid cannot see: longer contexts (the drafter attends over all of it), other load on the
-    machine, or a start-up grid timed during a burst.
-
-    The target's one-token pass (`LinearCost.one_token`) has a correction of its own (`target_one_token`):
-    the two drift apart with the context (a one-token pass attends over it with one query, a drafted block
-    with several under a mask).
-
-    A shape with a knee (a GPU's: `LinearCost.knee`) is corrected by adding seconds per row instead
-    (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at a
-    short context cannot see cost more because each row reads a longer KV cache, once whatever its block,
-    and a factor on the whole shape would make every drafted token dearer by as much (in the A100
-    simulation it kept every row from drafting where drafting paid; results/sim/README.md)."""
-
-    target: LinearCost
-    drafter: LinearCost
-    window: int = 256  # observations kept for refits
-    scale_weight: float = 0.1  # per observed pass: the correction follows the last ~10 passes
-    scale: dict[str, float] = field(default_factory=lambda: {"target": 1.0, "target_one_token": 1.0, "drafter": 1.0})
-    # per engine whose shape has a knee: seconds per row the passes took beyond the shape (see the class)
-    row_offset: dict[str, float] = field(default_factory=lambda: {"target": 0.0, "drafter": 0.0})
-    _seen: dict[str, list[tuple[int, int, float]]] = field(default_factory=lambda: {"target": [], "drafter": []})
-
-    def current(self) -> tuple[LinearCost, LinearCost]:
-        """The target's and the drafter's costs as the policy should price them now (shape x correction; a
-        shape with a knee: shape + a per-row correction, see `observe`)."""
-        return self._corrected("target", self.scale["target_one_token"]), self._corrected("drafter", None)
-
-    def _corrected(self, kind: str, k_one_token: float | None) -> LinearCost:
-        shape: LinearCost = getattr(self, kind)
-        if not shape.bent:
-            return shape.scaled(self.scale[kind], k_one_token)
-        one = None if shape.one_token is None else shape.one_token * (k_one_token or 1.0)
-        per_row = max(0.0, shape.per_row + self.row_offset[kind])
-        return LinearCost(shape.fixed, per_row, shape.per_token, one, shape.knee, shape.below_knee, shape.curve)
-
-    def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
-        target, drafter = self.current()
-        drafting = [(b, n) for b, n in zip(blocks, new_context) if b > 1]
-        return target(len(blocks), sum(blocks)) + drafter(len(drafting), sum(b + n for b, n in drafting))
-
-    def observe(self, kind: str, rows: int, tokens: int, seconds: float, correct: bool = True) -> None:
-        """Record a pass that ran; with `correct`, move the engine's correction towards observed / predicted
-        (each ratio clamped to [1/4, 4], so one pass stalled by another process moves it a little only)."""
-        seen = self._seen[kind]
-        seen.append((rows, tokens, seconds))
-        del seen[: -self.window]
-        shape = getattr(self, kind)
-        predicted = shape(rows, tokens)
-        key = (
-            "target_one_token"
-            if kind == "target" and (rows, tokens) == (1, 1) and shape.one_token is not None
-            else kind
-        )
-        if correct and predicted > 0 and seconds > 0:
-            ratio = min(4.0, max(0.25, seconds / predicted))
-            if shape.bent and key == kind:  # what the grid missed is per row (see the class), not x all
-                residual = (ratio - 1.0) * predicted / rows
-                self.row_offset[kind] += self.scale_weight * (residual - self.row_offset[kind])
-            else:
-                self.scale[key] += self.scale_weight * (ratio - self.scale[key])
-
-    def refit(self, min_samples: int = 16) -> None:
-        """Refit the shapes from observed passes when they span enough distinct shapes (online adaptation);
-        a refitted shape starts with no correction."""
-        for kind in ("target", "drafter"):
-            seen = self._seen[kind]
-            if len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3:
-                setattr(self, kind, LinearCost.fit(seen))
-                self.scale[kind] = 1.0
-                self.row_offset[kind] = 0.0
-                if kind == "target":
-                    self.scale["target_one_token"] = 1.0
-
-
-def expected_tokens(alpha: float, block: int) -> float:
-    """Committed tokens of a round of `block` tokens (block - 1 drafts), per-position acceptance alpha."""
-    if block <= 1:
-        return 1.0
-    if alpha >= 1.0:
-        return float(block)
-    return (1.0 - alpha**block) / (1.0 - alpha)
-
-
-@dataclass
-class AcceptanceTracker:
-    """A row's running per-position acceptance estimate: (accepted + prior) / (accepted + rejections + prior)."""
-
-    prior_alpha: float = 0.6
-    # pseudo-observations of the prior: few enough to learn fast, enough that one failed first round after
-    # the prompt (often the hardest position) does not push a row below the drafting threshold for good
-    prior_weight: float = 4.0
-    decay: float = 0.9  # per round: older rounds count less
-    idle_decay: float = 0.97  # per step without drafting: drift back to the prior, so the row is tried again
-    accepted: float = 0.0
-    rejected: float = 0.0
-    total_accepted: int = 0  # over the row's life, undecayed: what the shared prior learns from
-    total_rejected: int = 0
-    drafted_rounds: int = 0
-
-    @property
-    def alpha(self) -> float:
-        a = self.accepted + self.prior_alpha * self.prior_weight
-        return a / (self.accepted + self.rejected + self.prior_weight)
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if drafted == 0:
-            self.accepted *= self.idle_decay
-            self.rejected *= self.idle_decay
+    def observe(self, result: StepResult) -> None:
+        """Joining rows get their estimate; verified rows update theirs; probes' outcomes per regime; the passes'
+        costs correct the cost model. Counts a step only when rows were verified."""
+        for row, rnd in result.rounds:
+            if rnd.prefill:
+                self.rows[row.id] = _RowState(self.tracker_for(row), self.steps)
+        verified = result.verified
+        if not verified:
             return
-        rejected = 1 if accepted < drafted else 0
-        self.drafted_rounds += 1
-        self.accepted = self.accepted * self.decay + accepted
-        self.rejected = self.rejected * self.decay + rejected
-        self.total_accepted += accepted
-        self.total_rejected += rejected
+        probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
+        for row, rnd in verified:
+            state = self.rows[row.id]
+            state.tracker.update(rnd.drafted, rnd.accepted)
+            if rnd.drafted:
+                state.last_draft_step = self.steps
+                if row.id in self._probing:
+                    acc, total = probed.get(row.sampled, (0, 0))
+                    probed[row.sampled] = (acc + rnd.accepted, total + rnd.drafted)
+        for sampled, (acc, total) in probed.items():
+            self.probes.observe(self.steps, sampled, acc, total)
+        self.steps += 1
+        self._observe_costs(result)
 
+    def _observe_costs(self, result: StepResult) -> None:
+        prof = result.profile
+        self.cost.observe("target", prof.verify_rows, prof.verify_tokens, prof.verify_s)
+        if prof.draft_rows:
+            self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
+        if self.refit_every and self.steps % self.refit_every == 0:
+            self.cost.refit()  # online: the passes this worker really ran, at its real contexts
+        result.cost_correction = dict(self.cost.scale)
 
-@dataclass
-class AcceptancePrior:
-    """Where a new request's estimate starts: per sampling regime (greedy or sampled), the acceptance that
-    recently finished requests of that regime measured (a moving average over requests). A drafter hits far
-    more often at T=0 than at T=1; from one shared guess every request would spend its first rounds learning
-    its regime again, and at T=1 that is several failed blocks per request."""
-
-    start: float = 0.6
-    weight: float = 0.2  # per finished request
-    min_rounds: int = 2  # requests that drafted fewer rounds say too little
-    alpha: dict[bool, float] = field(default_factory=dict)
-
-    def tracker(self, sampled: bool) -> AcceptanceTracker:
-        return AcceptanceTracker(prior_alpha=self.alpha.get(sampled, self.start))
-
-    def observe(self, sampled: bool, row: AcceptanceTracker) -> None:
-        trials = row.total_accepted + row.total_rejected
-        if row.drafted_rounds < self.min_rounds or trials == 0:  # (a perfect drafter's rounds reject nothing)
-            return
-        measured = row.total_accepted / trials
-        old = self.alpha.get(sampled, self.start)
-        self.alpha[sampled] = (1 - self.weight) * old + self.weight * measured
+    def forget(self, row: BatchRow) -> None:
+        """A finished row's measured acceptance feeds its regime's prior."""
+        state = self.rows.pop(row.id, None)
+        self._probing.discard(row.id)
+        if state is not None and row.done:
+            self.prior.observe(row.sampled, state.tracker)
 
 
 @dataclass(frozen=True)
@@ -375,8 +193,8 @@ class RowChoice:
 @dataclass(frozen=True)
 class RowChoices:
     """A step's `RowChoice`s as arrays, one index per verify row: what `choose_blocks` reads. The decoder
-    builds it straight from its rows each step (at hundreds of rows, building an object per row was a large
-    share of the policy's time: docs/benchmarks.md); `of` converts a list."""
+    builds it from arrays each step (at hundreds of rows an object per row would cost more than the choice);
+    `of` converts a list."""
 
     alpha: np.ndarray  # [rows] float64
     max_block: np.ndarray  # [rows] int64
@@ -399,123 +217,180 @@ class RowChoices:
 
 
 def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_gain: float = 0.0) -> list[int]:
-    """Per-row block sizes maximising expected tokens per second of the step (see module docstring).
-
-    min_gain: when nobody has to draft, drafting is chosen only if its expected rate beats not drafting by
-    this fraction (a margin for what the costs leave out: per-row acceptance work, the drafter's backlog of
-    context rows). Probe and fixed rows draft regardless.
-
-    How: each free row's ways to grow its block are increments in expected tokens and seconds: the first
-    one from block 1 to the size b* that gains the most per second (it pays the row's drafter share), then
-    one token at a time (each gaining alpha^(b-1), less than the one before). Sorted by gain per second,
-    every prefix of that list is a valid choice, and with costs linear in tokens the best choice is such a
-    prefix (the rows whose increments beat the optimal rate: Dinkelbach's condition), so rating every prefix
-    at the true step time and keeping the best is exact. With a bent token cost (`LinearCost.knee`, a
-    measured `curve`: a GPU's tiles make 136 tokens cost a third more than 128) the increments are ordered
-    at the average token price and each prefix is still rated at the true cost, so the step can stop at the
-    end of a tile instead of just past it. O(rows x sizes) numpy work plus one sort."""
+    """Per-row block sizes maximising expected tokens per second of the step: the module's rules in order.
+    O(rows x sizes) numpy work plus a sort or two."""
     table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
     n = len(table)
     if not n:
         return []
     t, d = cost.current()
-    alpha, ctx, max_block, fixed = table.alpha, table.new_context, table.max_block, table.fixed
-    # a size the row must use (its own, or its whole block when probed), 0 = free
-    forced = np.where(fixed > 0, fixed, np.where(table.probe & (max_block >= 2), max_block, 0))
-    caps = np.where(forced > 0, forced, np.maximum(max_block, 1))
+    forced, caps = _forced_sizes(table)  # rule 1
     top = int(caps.max())
     base = np.where(forced > 0, forced, 1)
-    base_tokens = int(base.sum())
     # the target's passes this needs, priced in one call: n tokens (no row drafts), every row at its largest
     # size, and the base choice
-    t_none, t_all, t_base = _price(t, n, np.array([n, n * top, base_tokens], dtype=np.float64))
-    if t_none <= 0:  # an unfitted (all-zero) model prices the step at 0 s: maximise tokens
+    t_none, t_all, t_base = _price(t, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
+    if t_none <= 0:  # rule 2
         return cast(list[int], caps.tolist())
     free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
     if not len(free):
         return cast(list[int], base.tolist())
-    if n == 1:  # a request alone: every size rated at the true cost (exact for any cost shape, and cheap)
-        return [_best_alone(float(alpha[0]), int(caps[0]), float(ctx[0]), t, d, min_gain)]
-    base_drafting = base > 1
-    base_d_rows = int(base_drafting.sum())
-    # E(1) = 1: only the rows that must draft need the sum
-    base_gain = float(n - base_d_rows) + float(_expected(alpha[base_drafting], base[base_drafting]).sum())
-    base_d_tokens = float((base + ctx)[base_drafting].sum())
+    if n == 1:  # rule 3
+        return [_best_alone(float(table.alpha[0]), int(caps[0]), float(table.new_context[0]), t, d, min_gain)]
+    step = _Step(n, t, d, table.alpha, table.new_context, forced, caps, base, free, top)
+    start = _base_of(step, float(t_base))
+    grid = _increments(step, float(t_none), float(t_all))
+    best, best_rate = _sweep(step, start, grid)  # rules 4-6
+    return _with_margin(best, best_rate, step, start, min_gain)  # rule 7
 
-    # The increments of the free rows that may draft, on a grid [free row, size b = 1..top] (a sweep takes its
-    # cells by flat index: one gather per quantity instead of a 2-d index each).
-    sizes = np.arange(1, top + 1, dtype=np.float64)[None, :]  # [1, top]
-    gain = _expected_grid(alpha[free], top) - 1.0  # [free, top]: E(b) - E(1)
-    one_more = np.zeros_like(gain)  # [free, top]: E(b) - E(b - 1), what the b-th token adds
+
+def _forced_sizes(table: RowChoices) -> tuple[np.ndarray, np.ndarray]:
+    """Rule 1: per row the size it must use (its own, or its whole block when probed; 0 = free) and its largest
+    size (the forced one, else its cap)."""
+    forced = np.where(table.fixed > 0, table.fixed, np.where(table.probe & (table.max_block >= 2), table.max_block, 0))
+    caps = np.where(forced > 0, forced, np.maximum(table.max_block, 1))
+    return forced, caps
+
+
+class _Step(NamedTuple):
+    """One choice's inputs: the rows' arrays ([rows]) and the engines' current costs."""
+
+    n: int
+    t: LinearCost
+    d: LinearCost
+    alpha: np.ndarray
+    ctx: np.ndarray
+    forced: np.ndarray
+    caps: np.ndarray
+    base: np.ndarray  # the choice in which no free row drafts
+    free: np.ndarray  # indices of the rows whose size is chosen
+    top: int
+
+
+class _Base(NamedTuple):
+    """The base choice (no free row drafts): its sums and its expected tokens per second."""
+
+    sums: np.ndarray  # [4, 1]: expected tokens, verify tokens, drafting rows, drafter tokens
+    rate: float
+    drafting_rows: int
+
+
+def _base_of(s: _Step, t_base: float) -> _Base:
+    drafting = s.base > 1
+    d_rows = int(drafting.sum())
+    # E(1) = 1: only the rows that must draft need the sum
+    gain = float(s.n - d_rows) + float(_expected(s.alpha[drafting], s.base[drafting]).sum())
+    d_tokens = float((s.base + s.ctx)[drafting].sum())
+    rate = gain / (t_base + s.d(d_rows, int(d_tokens)))
+    return _Base(np.array([[gain], [int(s.base.sum())], [d_rows], [d_tokens]]), rate, d_rows)
+
+
+class _Grid(NamedTuple):
+    """The free rows' increments on a grid [free row, size b = 1..top]."""
+
+    sizes: np.ndarray  # [1, top]
+    gain: np.ndarray  # E(b) - E(1)
+    one_more: np.ndarray  # E(b) - E(b - 1): what the b-th token adds
+    valid: np.ndarray  # the sizes the row may take (2..cap)
+    ratio: np.ndarray  # gain per second of the jump from block 1 to b
+    jump: np.ndarray  # [free] b*: the size whose jump gains most per second
+    token_price: float  # a drafted token's seconds at the mean price
+    ctx: np.ndarray  # [free] new context rows
+
+
+def _increments(s: _Step, t_none: float, t_all: float) -> _Grid:
+    """Rule 4's increments: the jump to b* (the upper concave envelope's first point), then one token at a time;
+    a drafted token priced at the target's mean slope from n tokens to n x top, plus the drafter's slope."""
+    sizes = np.arange(1, s.top + 1, dtype=np.float64)[None, :]
+    gain = _expected_grid(s.alpha[s.free], s.top) - 1.0
+    one_more = np.zeros_like(gain)
     one_more[:, 1:] = gain[:, 1:] - gain[:, :-1]
-    # a drafted token's price: the target's mean slope from n tokens to n x top, plus the drafter's slope
-    token_price = max(0.0, float(t_all - t_none) / (n * top - n)) + d.per_token
-    ctx_free = ctx[free]
-    start = d.per_row + d.per_token * (1.0 + ctx_free[:, None])  # the drafter's share of a row that drafts
+    token_price = max(0.0, (t_all - t_none) / (s.n * s.top - s.n)) + s.d.per_token
+    ctx = s.ctx[s.free]
+    start = s.d.per_row + s.d.per_token * (1.0 + ctx[:, None])  # the drafter's share of a row that drafts
     seconds = token_price * (sizes - 1.0) + start  # [free, top]: from block 1 to block b
-    valid = (sizes >= 2) & (sizes <= caps[free, None])
+    valid = (sizes >= 2) & (sizes <= s.caps[s.free, None])
     ratio = np.where(valid, gain / np.maximum(seconds, 1e-30), -np.inf)
-    jump = ratio.argmax(axis=1) + 1  # b* per free row (the upper concave envelope's first point)
-    at_jump = sizes == jump[:, None]
-    base_rate = base_gain / (float(t_base) + d(base_d_rows, int(base_d_tokens)))
-    many = n > POLISH_MAX_ROWS
-    keep, beyond = valid, sizes > jump[:, None]
-    if many:
-        # Increments that no best choice holds (`_worth_keeping`) are left out of the sweep: where the
-        # policy's time matters. Among fewer rows the polish below starts from the sweep's best, and a
-        # start that differs (not worse) can end its few moves lower.
-        drafts, one_pays = _worth_keeping(gain, one_more, valid, ctx_free, base_rate, t, d)
-        keep, beyond = valid & drafts[:, None], beyond & one_pays
-    # Sweep 1, the envelope's increments: the jump to b*, then one token at a time beyond it; best first
-    # (stable, so a row's own increments, never rising in gain per second, stay in size order).
+    return _Grid(sizes, gain, one_more, valid, ratio, ratio.argmax(axis=1) + 1, token_price, ctx)
+
+
+def _sweep(s: _Step, base: _Base, g: _Grid) -> tuple[np.ndarray, float]:
+    """Rules 4-6: the best choice in which some free row drafts, and its expected tokens per second (-inf when
+    no increment is left)."""
+    many = s.n > POLISH_MAX_ROWS
+    bent = s.t.bent or s.d.bent
+    keep, beyond = g.valid, g.sizes > g.jump[:, None]
+    if many:  # rule 5
+        drafts, one_pays = _worth_keeping(g.gain, g.one_more, g.valid, g.ctx, base.rate, s.t, s.d)
+        keep, beyond = g.valid & drafts[:, None], beyond & one_pays
+    sweeps = [_envelope_sweep(g, keep, beyond, s.top)]
+    if bent and not many:  # rule 6
+        sweeps.append(_token_order_sweep(g, keep, s.top))
+    best, best_rate = _best_prefix(s, base, sweeps)
+    if best_rate > -np.inf and bent and not many:  # rule 6
+        best = _polish(best, s.forced, s.caps, s.alpha, s.ctx, s.t, s.d, POLISH_MOVES)
+        best_rate = _rate_of(best, s.alpha, s.ctx, s.t, s.d)
+    return best, best_rate
+
+
+# A sweep: per increment in its order, the free row it grows ([k]) and what it adds ([4, k]: expected tokens,
+# verify tokens, drafting rows, drafter tokens).
+_Sweep = tuple[np.ndarray, np.ndarray]
+
+
+def _envelope_sweep(g: _Grid, keep: np.ndarray, beyond: np.ndarray, top: int) -> _Sweep:
+    """Rule 4: the jump to b*, then one token at a time beyond it; best first (stable, so a row's own
+    increments, never rising in gain per second, stay in size order)."""
+    at_jump = g.sizes == g.jump[:, None]
     cells = np.flatnonzero(keep & (at_jump | beyond))
-    cells = cells[np.argsort(-np.where(at_jump, ratio, one_more / token_price).ravel()[cells], kind="stable")]
-    # A sweep: per increment in its order, the free row it grows ([k]) and what it adds ([4, k]: expected
-    # tokens, verify tokens, drafting rows, drafter tokens).
+    cells = cells[np.argsort(-np.where(at_jump, g.ratio, g.one_more / g.token_price).ravel()[cells], kind="stable")]
     jumps = at_jump.ravel()[cells]
     b = cells % top + 1
-    rows_i = cells // top
+    rows = cells // top
     adds = np.empty((4, len(cells)))
-    adds[0] = np.where(jumps, gain.ravel()[cells], one_more.ravel()[cells])
+    adds[0] = np.where(jumps, g.gain.ravel()[cells], g.one_more.ravel()[cells])
     adds[1] = np.where(jumps, b - 1, 1)
     adds[2] = jumps
-    adds[3] = np.where(jumps, b + ctx_free[rows_i], 1)
-    sweeps = [(rows_i, adds)]
-    if (t.bent or d.bent) and not many:
-        # A bent cost rewards filling a tile exactly, which a jump to a row's largest block (a row that
-        # accepts nearly everything) overshoots: also sweep single-token increments in order of gain (for
-        # each token budget the most expected tokens; ties go to the row of least backlog and keep one row's
-        # increments together, so the drafter's share of a row is paid by as few rows as possible). Like
-        # the polish, only among a few rows: among hundreds one row's overshoot is a rounding, and this
-        # sweep's sort and prices would be paid every step where the policy's time matters.
-        by_ctx = np.argsort(ctx_free, kind="stable")
-        cells = (by_ctx[:, None] * top + np.arange(top)).ravel()[keep[by_ctx].ravel()]
-        cells = cells[np.argsort(-one_more.ravel()[cells], kind="stable")]
-        rows_j, first = cells // top, cells % top == 1  # first: the row's block 2, where it starts drafting
-        adds = np.empty((4, len(cells)))
-        adds[0], adds[1], adds[2], adds[3] = one_more.ravel()[cells], 1, first, np.where(first, 2 + ctx_free[rows_j], 1)
-        sweeps.append((rows_j, adds))
-    # every prefix of every sweep, priced in one call per engine
-    base_sums = np.array([[base_gain], [base_tokens], [base_d_rows], [base_d_tokens]])
-    cum = [base_sums + np.cumsum(a, axis=1) for _, a in sweeps]
+    adds[3] = np.where(jumps, b + g.ctx[rows], 1)
+    return rows, adds
+
+
+def _token_order_sweep(g: _Grid, keep: np.ndarray, top: int) -> _Sweep:
+    """Rule 6: single-token increments in order of gain (for each token budget the most expected tokens); ties
+    go to the row of least backlog and keep one row's increments together, so the drafter's share of a row is
+    paid by as few rows as possible."""
+    by_ctx = np.argsort(g.ctx, kind="stable")
+    cells = (by_ctx[:, None] * top + np.arange(top)).ravel()[keep[by_ctx].ravel()]
+    cells = cells[np.argsort(-g.one_more.ravel()[cells], kind="stable")]
+    rows, first = cells // top, cells % top == 1  # first: the row's block 2, where it starts drafting
+    adds = np.empty((4, len(cells)))
+    adds[0], adds[1], adds[2], adds[3] = g.one_more.ravel()[cells], 1, first, np.where(first, 2 + g.ctx[rows], 1)
+    return rows, adds
+
+
+def _best_prefix(s: _Step, base: _Base, sweeps: list[_Sweep]) -> tuple[np.ndarray, float]:
+    """Every prefix of every sweep rated at the true step time (one pricing call per engine); the best."""
+    cum = [base.sums + np.cumsum(a, axis=1) for _, a in sweeps]
     cum_gain, cum_tokens, cum_d_rows, cum_d_tokens = cum[0] if len(cum) == 1 else np.concatenate(cum, axis=1)
-    rates = cum_gain / (_price(t, n, cum_tokens) + _price(d, cum_d_rows, cum_d_tokens))
-    best, best_rate = base, -np.inf  # the best choice in which some free row drafts
+    rates = cum_gain / (_price(s.t, s.n, cum_tokens) + _price(s.d, cum_d_rows, cum_d_tokens))
+    best, best_rate = s.base, -np.inf
     start_at = 0
-    for r_i, a in sweeps:
-        if len(r_i):
-            k = int(rates[start_at : start_at + len(r_i)].argmax())
+    for rows, adds in sweeps:
+        if len(rows):
+            k = int(rates[start_at : start_at + len(rows)].argmax())
             if rates[start_at + k] > best_rate:
-                best = base.copy()  # a free row's size: 1 + the tokens its taken increments add
-                best[free] += np.bincount(r_i[: k + 1], weights=a[1, : k + 1], minlength=len(free)).astype(np.int64)
+                best = s.base.copy()  # a free row's size: 1 + the tokens its taken increments add
+                grow = np.bincount(rows[: k + 1], weights=adds[1, : k + 1], minlength=len(s.free))
+                best[s.free] += grow.astype(np.int64)
                 best_rate = float(rates[start_at + k])
-        start_at += len(r_i)
-    if best_rate > -np.inf and (t.bent or d.bent) and n <= POLISH_MAX_ROWS:
-        best = _polish(best, forced, caps, alpha, ctx, t, d, POLISH_MOVES)
-        best_rate = _rate_of(best, alpha, ctx, t, d)
-    # nobody must draft: drafting has to beat not drafting by the margin
-    bar = base_rate * (1.0 + min_gain) if base_d_rows == 0 else base_rate
-    return cast(list[int], (best if best_rate > bar else base).tolist())
+        start_at += len(rows)
+    return best, best_rate
+
+
+def _with_margin(best: np.ndarray, best_rate: float, s: _Step, base: _Base, min_gain: float) -> list[int]:
+    """Rule 7: when no row has to draft, the drafting choice must beat not drafting by `min_gain`."""
+    bar = base.rate * (1.0 + min_gain) if base.drafting_rows == 0 else base.rate
+    return cast(list[int], (best if best_rate > bar else s.base).tolist())
 
 
 def _worth_keeping(
@@ -611,7 +486,7 @@ def _polish(
     """Up to `moves` single-row changes of a drafting choice, each the one that raises the step's rate (at
     the true cost) the most, while one does and some row still drafts. Under a bent cost the sweep's order
     (at the mean token price) can overshoot the end of a tile: a row accepting nearly everything jumps
-    straight to its largest block (small random instances: 5 % below the best); the moves close that gap."""
+    straight to its largest block; the moves close that gap."""
     n, top = len(out), int(caps.max())
     sizes = np.arange(1, top + 1)[None, :]
     gain = _expected_grid(alpha, top)  # [rows, top]: E per cell
@@ -637,166 +512,3 @@ def _polish(
             break
         out[i] = s + 1
     return out
-
-
-def token_sweep(max_tokens: int) -> list[int]:
-    """Token counts for `measure_costs(token_curve=)`: every 8 up to 512 (where GPU tiles step), every 32 up
-    to 2048, every 128 beyond, up to max_tokens."""
-    out = [1] + list(range(8, min(512, max_tokens) + 1, 8))
-    out += list(range(544, min(2048, max_tokens) + 1, 32)) + list(range(2176, max_tokens + 1, 128))
-    return out
-
-
-def _price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
-    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price). `rows` may be
-    one count for every pass (a verify pass always holds the whole batch), which skips both exceptions'
-    array work where they cannot apply."""
-    out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
-    one_count = np.ndim(rows) == 0
-    if cost.one_token is not None and not (one_count and rows != 1):
-        out = np.where((rows == 1) & (tokens == 1), cost.one_token, out)
-    if one_count:
-        return out if rows != 0 else np.zeros_like(out)
-    return np.where(rows == 0, 0.0, out)
-
-
-GPU_PROBE_ROWS = 4  # `ProbeSchedule.max_rows` for a GPU server's batches (the trade: its `due`)
-
-
-class ProbeSchedule:
-    """When rows that have not drafted lately must draft one whole block again (see the module docstring).
-
-    Per sampling regime (greedy: False, sampled: True), not per row: requests are short next to a backoff,
-    so a row's own misses would never grow its wait, and every request of a regime where drafting does not
-    pay would be probed about once. One probe step serves every stale row of its regime (the drafter's fixed
-    cost paid once). A probe step that misses (its rows accepted fewer than half of their drafts) doubles
-    that regime's wait, up to 2^max_backoff x `every` steps, so a regime whose traffic changes is still
-    tried now and then; a hit resets it (the estimate, and the prior new rows start from, must catch up)."""
-
-    def __init__(self, every: int = 32, max_backoff: int = 4, max_rows: int = 0):
-        self.every, self.max_backoff, self.max_rows = every, max_backoff, max_rows
-        self.misses: dict[bool, int] = {}  # per regime: probe steps in a row that missed
-        self.next_step: dict[bool, int] = {}  # per regime: the first step at which it may probe again
-
-    def due(self, step: int, sampled: np.ndarray, last_draft: np.ndarray, backlog: np.ndarray) -> np.ndarray:
-        """Per row ([rows] arrays: its sampling regime, the step it last drafted at, its backlog of context
-        rows): whether it must probe now ([rows] bool). With `max_rows` > 0, at most that many rows per regime
-        probe on one step, those of least backlog (0: every stale row, right for a CPU's batches of 8-32 short
-        rows, where a cap cost throughput in `bench_load` A/B runs; docs/benchmarks.md). On a GPU:
-        at hundreds of stale rows, probing them all made the drafter take in every row's backlog and the
-        target verify a whole block per row in one step, the cost by which adaptive trailed the target alone
-        where drafting did not pay (results/sim/README.md). A few rows measure whether the regime hits; a hit
-        row drafts on, and the prior new rows start from learns from it. How many is a trade measured in the
-        A100 simulation (docs/benchmarks.md): more rows cost mixed traffic where drafting barely pays, fewer
-        find too few of the rows worth drafting (`GPU_PROBE_ROWS`)."""
-        sampled = np.asarray(sampled, dtype=bool)
-        due = np.zeros(len(sampled), dtype=bool)
-        if self.every <= 0:
-            return due
-        stale = np.asarray(last_draft) <= step - self.every
-        for regime in (False, True):
-            if step < self.next_step.get(regime, 0):
-                continue
-            mine = np.flatnonzero(stale & (sampled == regime))
-            if self.max_rows > 0 and len(mine) > self.max_rows:  # the least backlog first (stable: row order)
-                mine = mine[np.argsort(np.asarray(backlog)[mine], kind="stable")[: self.max_rows]]
-            due[mine] = True
-        return due
-
-    def observe(self, step: int, sampled: bool, accepted: int, drafted: int) -> None:
-        """A probe step's outcome for one regime: its probed rows' accepted and drafted tokens."""
-        k = 0 if 2 * accepted >= drafted else min(self.misses.get(sampled, 0) + 1, self.max_backoff)
-        self.misses[sampled] = k
-        self.next_step[sampled] = step + self.every * (1 << k)
-
-
-def measure_costs(
-    target: TargetEngine,
-    drafter: DrafterEngine | None = None,
-    rows: Sequence[int] = (1, 4, 16),
-    blocks: Sequence[int] = (1, 4, 8),
-    context: int = 128,
-    repeats: int = 3,
-    clock: Callable[[], float] = time.perf_counter,
-    token_curve: Sequence[int] = (),
-    knees: bool = False,
-) -> CostModel:
-    """Time the target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
-
-    token_curve: also time one-row passes of these token counts and price the target's tokens by that
-    measured curve (`LinearCost.with_curve`) instead of a line: on a GPU a pass's matrices run in tiles, so
-    its time is a staircase in its tokens (`token_sweep`; docs/benchmarks.md), which no line or knee follows.
-
-    knees: let the fits bend once (`LinearCost.fit`), for GPU-shaped costs. Off for a CPU, whose costs are
-    lines: a knee fitted to a CPU grid follows its noise (docs/benchmarks.md), and a bent shape is corrected
-    per row instead of by a factor.
-
-    drafter None: drafting costs nothing extra. The whole grid is timed `repeats` times over and each cell
-    keeps its fastest pass, so a burst of load from other processes spoils one pass of a cell, not the
-    cell. `clock` reads seconds (a simulation passes its virtual clock)."""
-    vocab = int(target.vocab_size)
-    g = torch.Generator().manual_seed(0)
-    setups = []
-    for r in rows:
-        sess = target.new_session()
-        handles = [sess.add_row() for _ in range(r)]
-        outs = sess.forward(
-            handles, [torch.randint(0, vocab, (context,), generator=g) for _ in handles], last_logits_only=True
-        )
-        dsess, dh = None, []
-        if drafter is not None and outs[0].features is not None:
-            dsess = drafter.new_session()
-            dh = [dsess.add_row() for _ in range(r)]
-            # fill the context cache
-            dsess.draft([DraftRequest(h, o.features, 1, 2) for h, o in zip(dh, outs) if o.features is not None])
-        setups.append((r, sess, handles, dsess, dh, outs[0].features))
-    best: dict[tuple[str, int, int], float] = {}
-
-    def keep(key: tuple[str, int, int], seconds: float) -> None:
-        best[key] = min(best.get(key, float("inf")), seconds)
-
-    for rep in range(repeats + 1):  # pass 0 warms up and is not kept
-        for r, sess, handles, dsess, dh, feats in setups:
-            for b in blocks:
-                ids = [torch.randint(0, vocab, (b,), generator=g) for _ in handles]
-                t0 = clock()
-                sess.forward(handles, ids)
-                seconds = clock() - t0
-                for h in handles:
-                    sess.rollback(h, context)
-                if rep:
-                    keep(("target", r, r * b), seconds)
-                if dsess is None or b < 2 or feats is None:
-                    continue
-                t0 = clock()
-                dsess.draft([DraftRequest(h, feats[:1], 1, b) for h in dh])
-                seconds = clock() - t0
-                if rep:
-                    keep(("drafter", r, r * (b + 1)), seconds)
-    curve: dict[int, float] = {}
-    if token_curve:
-        sess = target.new_session()
-        h = sess.add_row()
-        sess.forward([h], [torch.randint(0, vocab, (context,), generator=g)], last_logits_only=True)
-        for rep in range(repeats + 1):
-            for n in token_curve:
-                tokens = torch.randint(0, vocab, (n,), generator=g)
-                t0 = clock()
-                sess.forward([h], [tokens])
-                seconds = clock() - t0
-                sess.rollback(h, context)
-                if rep:
-                    curve[n] = min(curve.get(n, float("inf")), seconds)
-        sess.remove_row(h)
-    t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]
-    d_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "drafter"]
-    if curve:
-        target_cost = LinearCost.with_curve(t_samples, sorted(curve.items()))
-    else:
-        target_cost = LinearCost.fit(t_samples, knee=knees)
-    drafter_cost = LinearCost.fit(d_samples, knee=knees) if len(d_samples) >= 3 else LinearCost()
-    model = CostModel(target_cost, drafter_cost)
-    for kind, samples in (("target", t_samples), ("drafter", d_samples)):
-        for r, t, sec in samples:  # online refits start from the start-up grid
-            model.observe(kind, r, t, sec, correct=False)
-    return model

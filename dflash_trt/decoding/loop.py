@@ -1,11 +1,11 @@
 """The decoding loop: every active request (a *row*) advances by one step of at most three passes.
 
     step:  prefill(rows that joined)             one target call for their prompts
-           choose block sizes                    the request's own size, the policy's, or the decoder's
+           choose block sizes                    the policy (`policy.BlockPolicy`) within the rows' limits
            draft(rows whose block is >= 2)       ONE drafter call, ragged (own context, own block)
            verify(every running row)             ONE target call, ragged (own length, own block)
            accept / commit / roll back per row   acceptance rule, stop rules, the row's own generator
-           observe                               acceptance estimates, probe outcomes, pass costs
+           observe                               the policy sees the step's result, then finished rows leave
 
 One request is a batch of one: the CLI, `bench`, the evaluation scripts, the HTTP server and the Triton
 BLS all run this loop. Joining rows are prefilled in a call of their own at the start of the step rather
@@ -24,9 +24,8 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,21 +38,10 @@ from ..runtime.base import (
     TargetEngine,
     TargetOutput,
     TargetSession,
-    cuda_devices,
 )
 from .acceptance import Proposal, acceptance_rule
-from .adaptive import (
-    GPU_PROBE_ROWS,
-    AcceptancePrior,
-    AcceptanceTracker,
-    CostModel,
-    ProbeSchedule,
-    RowChoices,
-    choose_blocks,
-    measure_costs,
-    token_sweep,
-)
 from .detokenizer import IncrementalDetokenizer
+from .policy import BlockPolicy, FixedBlocks
 from .request import (
     GenerationConfig,
     GenerationResult,
@@ -65,93 +53,10 @@ from .request import (
     validate_request,
 )
 from .sampling import next_token
+from .step import StepProfile, StepResult, StepRows
 from .stopping import StopChecker, truncate_at_stop
 
 NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
-
-
-@dataclass
-class BlockPolicy:
-    """How rows without a block size of their own get one each step.
-
-    adaptive: choose each row's size per step (`adaptive.choose_blocks`; needs `cost`, measured with
-    `adaptive.measure_costs`); otherwise every such row uses the decoder's `block_size`.
-    min_gain: draft only when the cost model expects it to beat not drafting by this fraction (a margin for
-    what a linear cost model leaves out: per-row acceptance work, the drafter's backlog).
-    refit_every: refit the cost model from the observed passes every N verify steps (0 = never; the policy
-    picks the shapes it then observes, so such a fit can be collinear).
-    probe_every / max_probe_backoff / probe_rows: see `adaptive.ProbeSchedule` (probe_every 0 = never probe)."""
-
-    adaptive: bool = False
-    cost: CostModel | None = None
-    min_gain: float = 0.1
-    refit_every: int = 0
-    probe_every: int = 32
-    max_probe_backoff: int = 4
-    probe_rows: int = 0  # 0: every stale row; a GPU server caps it (`measured`)
-
-    @classmethod
-    def measured(
-        cls,
-        target: TargetEngine,
-        drafter: DrafterEngine,
-        max_active: int,
-        clock: Callable[[], float] = time.perf_counter,
-        gpu: bool | None = None,
-        **options: Any,
-    ) -> BlockPolicy:
-        """The adaptive policy of a server holding up to `max_active` rows, its cost model measured now on
-        the engines (`adaptive.measure_costs`: rows 1, max_active / 2 and max_active; blocks 1 / 4 / 8; 5
-        repeats, each cell keeping its fastest pass, so a burst of load during start-up inflates one pass,
-        not the fit: with fewer repeats the fitted costs varied severalfold between starts on a busy machine).
-
-        On a CUDA target (`cuda_devices`) the grid also times one-row passes over a sweep of token counts
-        (`token_sweep` up to max_active x the drafter's block: GEMM tiles make a pass's time a staircase in
-        its tokens, which the policy then fills to a tile's end instead of spilling past it), the fits may
-        bend at a knee, and probes take `GPU_PROBE_ROWS` rows at a time (its batches are hundreds of rows
-        with long backlogs). A CPU's cost is a line: no sweep, no knee, every stale row probes. `clock`
-        times the passes (`pass_clock` on a GPU); `gpu`: whether to measure as on a GPU (None: a CUDA target;
-        a simulated GPU says True); `options`: other BlockPolicy fields."""
-        if gpu is None:
-            gpu = bool(cuda_devices(target))
-        context = min(128, target.max_context // 2)
-        sweep = token_sweep(min(max_active * drafter.block_size, target.max_context - context))
-        cost = measure_costs(
-            target,
-            drafter,
-            rows=sorted({1, max(1, max_active // 2), max_active}),
-            context=context,
-            repeats=5,
-            clock=clock,
-            token_curve=sweep if gpu and len(sweep) > 1 else (),
-            knees=gpu,
-        )
-        return cls(adaptive=True, cost=cost, probe_rows=GPU_PROBE_ROWS if gpu else 0, **options)
-
-
-@dataclass
-class StepProfile:
-    """Where one step's time went, and its shape (rows, tokens per pass)."""
-
-    prefill_rows: int = 0
-    prefill_tokens: int = 0
-    draft_rows: int = 0
-    draft_tokens: int = 0  # block tokens + new context rows the drafter ran
-    verify_rows: int = 0
-    verify_tokens: int = 0
-    committed_tokens: int = 0
-    blocks: list[int] = field(default_factory=list)  # chosen block size per verify row
-    prefill_s: float = 0.0
-    policy_s: float = 0.0
-    draft_s: float = 0.0
-    verify_s: float = 0.0
-    accept_s: float = 0.0  # acceptance, sampling, rollbacks, commits, stop checks
-    total_s: float = 0.0
-
-    @property
-    def overhead_s(self) -> float:
-        """Python outside the passes and the acceptance: batching, padding, bookkeeping."""
-        return max(0.0, self.total_s - self.prefill_s - self.policy_s - self.draft_s - self.verify_s - self.accept_s)
 
 
 class BatchRow:
@@ -179,10 +84,7 @@ class BatchRow:
         self.generated: list[int] = []
         self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
         self.backlog = 0  # their rows: context the drafter's next draft for this row takes in
-        self.acceptance = AcceptanceTracker()
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
-        self.last_draft_step = -(1 << 30)  # the decoder's verify step at which this row last drafted (or joined)
-        self.probe_due = False
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.stop_string: str | None = None
         self.error: Exception | None = None
@@ -245,20 +147,14 @@ class BatchDecoder:
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
             )
-        self.policy = policy or BlockPolicy()
-        if self.policy.adaptive and self.policy.cost is None:
-            raise ValueError("adaptive block sizes need a cost model (adaptive.measure_costs)")
+        self.policy: BlockPolicy = policy or FixedBlocks()
         self.target, self.drafter, self.tokenizer, self.clock = target, drafter, tokenizer, clock
         self.trained_block = drafter.block_size if drafter is not None else 1
         if block_size is not None and not 1 <= block_size <= self.trained_block:
             raise ValueError(f"block_size must be in 1..{self.trained_block} for this drafter, got {block_size}")
         self.block_size = block_size or self.trained_block
-        self.probes = ProbeSchedule(self.policy.probe_every, self.policy.max_probe_backoff, self.policy.probe_rows)
-        self.prior = AcceptancePrior()  # new rows start from what recent requests of their regime measured
         self.joining: list[BatchRow] = []
         self.running: list[BatchRow] = []
-        self.last_profile = StepProfile()
-        self._steps = 0  # verify steps so far
         self._ids = itertools.count()
 
     # ---- the engines' sessions, made on first use (a non-leader TensorRT-LLM rank never makes one) ----
@@ -297,7 +193,6 @@ class BatchDecoder:
         size = config.block_size or self.block_size
         can_draft = self.drafter is not None and size != 1
         row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft, self.clock)
-        row.acceptance = self.prior.tracker(row.sampled)
         row.stats.block_size = size if can_draft else 1
         return row
 
@@ -317,8 +212,7 @@ class BatchDecoder:
         return self.joining + self.running
 
     def _release(self, row: BatchRow) -> None:
-        if row.done and row.target_row is not None:
-            self.prior.observe(row.sampled, row.acceptance)
+        self.policy.forget(row)
         if row in self.joining:
             self.joining.remove(row)
         if row in self.running:
@@ -371,30 +265,29 @@ class BatchDecoder:
                 self.cancel(row)
 
     # ---- the step -----------------------------------------------------------------------
-    def step(self) -> list[tuple[BatchRow, Round]]:
-        """Advance every active row once; returns the rounds committed (rows that finished are released)."""
-        prof = StepProfile()
+    def step(self) -> StepResult:
+        """Advance every active row once: the rounds committed, the rows that failed, the step's profile. Rows
+        that finished are released, after the policy saw the step."""
+        result = StepResult()
         t_start = self.clock()
         verifying = list(self.running)
-        rounds: list[tuple[BatchRow, Round]] = []
         if self.joining:
-            rounds += self._prefill(prof)
+            result.rounds += self._prefill(result.profile)
         if verifying:
-            rounds += self._round(verifying, prof)
-        for row, _ in rounds:
+            result.rounds += self._round(verifying, result)
+        result.profile.committed_tokens = sum(len(r.token_ids) for _, r in result.rounds)
+        result.profile.total_s = self.clock() - t_start
+        self.policy.observe(result)
+        for row, _ in result.rounds:
             if row.done:
                 self._release(row)
-        prof.committed_tokens = sum(len(r.token_ids) for _, r in rounds)
-        prof.total_s = self.clock() - t_start
-        self.last_profile = prof
-        return rounds
+        return result
 
     def _prefill(self, prof: StepProfile) -> list[tuple[BatchRow, Round]]:
         rows, self.joining = self.joining, []
         t0 = self.clock()
         for row in rows:
             row.target_row = self.target_session.add_row()
-            row.last_draft_step = self._steps  # first probe (if it never drafts) probe_every steps from now
             if row.can_draft and self.drafter_session is not None:
                 row.drafter_row = self.drafter_session.add_row()
         outs = self.target_session.forward(
@@ -416,13 +309,14 @@ class BatchDecoder:
         prof.prefill_s = self.clock() - t0
         return rounds
 
-    def _round(self, rows: list[BatchRow], prof: StepProfile) -> list[tuple[BatchRow, Round]]:
+    def _round(self, rows: list[BatchRow], result: StepResult) -> list[tuple[BatchRow, Round]]:
         """One draft-and-verify round for every running row."""
+        prof = result.profile
         t0 = self.clock()
         sizes = self._block_sizes(rows)
         t1 = self.clock()
         drafts = self._draft(rows, sizes, prof)
-        rows, drafts = self._drop_failed(rows, drafts)
+        rows, drafts = self._drop_failed(rows, drafts, result.failed)
         proposals = [NO_DRAFT if d is None else row.rule.propose(d) for row, d in zip(rows, drafts)]
         t2 = self.clock()  # drafting: the drafter's pass and drawing the drafts from its output
         if not rows:
@@ -444,52 +338,31 @@ class BatchDecoder:
             rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
         t4 = self.clock()
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
-        self._observe(rows, rounds, prof)
         return rounds
 
     # ---- the parts of a round -----------------------------------------------------------
     def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
-        """Each row's block size this step: its own (`GenerationConfig.block_size`), else the adaptive
-        policy's choice, else the decoder's size (which also caps the policy). A row's size is at most the
-        drafter's trained block (1 without a drafter row) and what the row has left.
-
-        The policy prices a row's draft with new_context=1: a row's backlog of features is a sunk cost, paid
-        whenever it next drafts whatever the size; charging it would keep a row that skipped drafting from
-        ever drafting again (its backlog grows). The rows' state goes to the policy as arrays (`RowChoices`),
-        read from the rows in one pass: a server's step holds hundreds of rows, and the policy runs every
-        step."""
+        """Each row's block size this step, chosen by the policy within what the decoder allows: at most the
+        decoder's block size, the drafter's trained block (1 without a drafter row) and what the row has left;
+        a request's own `block_size` (capped the same way) is kept. The rows' facts go to the policy as arrays,
+        read in one pass."""
         n = len(rows)
-        # per row: tokens left, own block size (0: none), has a drafter row, sampled, last draft step, backlog,
-        # acceptance estimate
+        # per row: tokens left, own block size (0: none), has a drafter row, sampled, backlog
         state = np.array(
-            [
-                (
-                    r.remaining,
-                    r.config.block_size or 0,
-                    r.drafter_row is not None,
-                    r.sampled,
-                    r.last_draft_step,
-                    r.backlog,
-                    r.acceptance.alpha,
-                )
-                for r in rows
-            ],
+            [(r.remaining, r.config.block_size or 0, r.drafter_row is not None, r.sampled, r.backlog) for r in rows],
             dtype=np.float64,
-        ).reshape(n, 7)
+        ).reshape(n, 5)
         bound = np.minimum(np.where(state[:, 2] > 0, self.trained_block, 1), state[:, 0]).astype(np.int64)
-        caps = np.minimum(self.block_size, bound)
         own = state[:, 1].astype(np.int64)
-        fixed = np.where(own > 0, np.minimum(own, bound), 0)
-        policy = self.policy
-        if not policy.adaptive or policy.cost is None or bool(((fixed > 0) | (caps < 2)).all()):
-            for r in rows:  # nothing to choose (the target alone, fixed blocks): no probe either
-                r.probe_due = False
-            return cast(list[int], np.where(fixed > 0, fixed, caps).tolist())
-        due = self.probes.due(self._steps, state[:, 3] > 0, state[:, 4].astype(np.int64), state[:, 5])
-        for r, probe in zip(rows, due.tolist()):
-            r.probe_due = probe
-        choices = RowChoices(alpha=state[:, 6], max_block=caps, new_context=np.ones(n), fixed=fixed, probe=due)
-        return choose_blocks(choices, policy.cost, min_gain=policy.min_gain)
+        step = StepRows(
+            rows=rows,
+            cap=np.minimum(self.block_size, bound),
+            fixed=np.where(own > 0, np.minimum(own, bound), 0),
+            sampled=state[:, 3] > 0,
+            backlog=state[:, 4],
+            batch=len(self.joining) + len(self.running),
+        )
+        return self.policy.choose(step)
 
     def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:
         """ONE drafter call for every row whose block is >= 2 (None for the others)."""
@@ -511,7 +384,6 @@ class BatchDecoder:
             return drafts
         for i, d in zip(todo, out):
             rows[i].pending, rows[i].backlog = [], 0
-            rows[i].last_draft_step = self._steps
             drafts[i] = d
         prof.draft_rows = len(todo)
         prof.draft_tokens = sum(q.block_size + int(q.new_features.shape[0]) for q in requests)
@@ -527,11 +399,13 @@ class BatchDecoder:
         self._leave_drafter(row)
 
     def _drop_failed(
-        self, rows: list[BatchRow], drafts: list[Draft | None]
+        self, rows: list[BatchRow], drafts: list[Draft | None], failed: list[BatchRow]
     ) -> tuple[list[BatchRow], list[Draft | None]]:
-        """Rows the drafter failed without a fallback leave now; the others go on to verification."""
+        """Rows the drafter failed without a fallback leave now (into `failed`); the others go on to
+        verification."""
         for r in rows:
             if r.done:
+                failed.append(r)
                 self._release(r)
         keep = [i for i, r in enumerate(rows) if not r.done]
         return [rows[i] for i in keep], [drafts[i] for i in keep]
@@ -561,26 +435,7 @@ class BatchDecoder:
         if row.drafter_row is not None and out.features is not None:
             row.pending.append(out.features[: accepted + 1])
             row.backlog += accepted + 1
-        row.acceptance.update(int(tokens.numel()), accepted)
         return tokens[:accepted].tolist() + [bonus], accepted
-
-    def _observe(self, rows: list[BatchRow], rounds: list[tuple[BatchRow, Round]], prof: StepProfile) -> None:
-        """After a round: probe outcomes per regime, the passes' costs (adaptive only), the step count."""
-        probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
-        for row, (_, committed) in zip(rows, rounds):
-            if row.probe_due and committed.drafted:
-                acc, total = probed.get(row.sampled, (0, 0))
-                probed[row.sampled] = (acc + committed.accepted, total + committed.drafted)
-        for sampled, (acc, total) in probed.items():
-            self.probes.observe(self._steps, sampled, acc, total)
-        self._steps += 1
-        cost = self.policy.cost
-        if cost is not None and self.policy.adaptive:
-            cost.observe("target", len(rows), prof.verify_tokens, prof.verify_s)
-            if prof.draft_rows:
-                cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
-            if self.policy.refit_every and self._steps % self.policy.refit_every == 0:
-                cost.refit()  # online: the passes this worker really ran, at its real contexts
 
     @staticmethod
     def _target_row(row: BatchRow) -> int:

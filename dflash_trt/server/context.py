@@ -9,7 +9,7 @@ from typing import Annotated, cast
 
 from fastapi import Depends, Request
 
-from ..decoding import BatchDecoder, BlockPolicy
+from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
 from ..runtime.base import cuda_devices, pass_clock
 from .metrics import ServerMetrics
 from .scheduler import Orchestrator
@@ -42,17 +42,16 @@ log = logging.getLogger("dflash_trt.server")
 
 def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecoder:
     """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now
-    (`BlockPolicy.measured`: what a GPU's start-up adds to a CPU's is said there). On a GPU every timing,
+    (`AdaptiveBlocks.measured`: what a GPU's start-up adds to a CPU's is said there). On a GPU every timing,
     the grid's and the loop's, waits for the device (`pass_clock`)."""
     target, drafter = decoder.target, decoder.drafter
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
     clock = pass_clock(target, drafter) if cuda_devices(target, drafter) else decoder.clock
-    policy = BlockPolicy(refit_every=settings.refit_every)
+    policy: BlockPolicy = FixedBlocks()
     if adaptive:
         assert drafter is not None
         t0 = time.perf_counter()
-        policy = BlockPolicy.measured(target, drafter, settings.max_active, clock, refit_every=settings.refit_every)
-        assert policy.cost is not None
+        policy = AdaptiveBlocks.measured(target, drafter, settings.max_active, clock, refit_every=settings.refit_every)
         t, d = policy.cost.target, policy.cost.drafter
         log.info(
             "adaptive block sizes: cost model measured in %.1f s (rows up to %d, blocks 1/4/8%s): target %.2f ms "

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..decoding import GenerationResult, Round
 from ..decoding.detokenizer import held_back
-from ..decoding.loop import BatchDecoder, BatchRow, StepProfile
+from ..decoding.loop import BatchDecoder, BatchRow
+from ..decoding.step import StepProfile
 from ..runtime.cpu_threads import release_openmp_workers
 
 if TYPE_CHECKING:
@@ -220,17 +221,17 @@ class Orchestrator:
                 self.metrics.engine_errors.inc()
                 self._leave(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
             return
-        self._observe_step(self.decoder.last_profile)
-        if self.decoder.policy.cost is not None and self.decoder.policy.adaptive:
-            for engine, k in self.decoder.policy.cost.scale.items():
-                self.metrics.cost_correction.labels(engine).set(k)
+        self._observe_step(rounds.profile)
+        for engine, k in rounds.cost_correction.items():
+            self.metrics.cost_correction.labels(engine).set(k)
         by_row = {id(j.row): j for j in live}
         for row, rnd in rounds:
             found = by_row.get(id(row))
             if found is not None:
                 self._deliver(found, rnd)
+        failed = {id(row) for row in rounds.failed}
         for job in live:  # left without a round: its drafter failed and it had no fallback
-            if not job.finished and job.row.finish_reason == "error":
+            if not job.finished and id(job.row) in failed:
                 log.error("request %s: drafter failure: %r", job.id, job.row.error)
                 self.metrics.engine_errors.inc()
                 self._leave(

@@ -22,7 +22,7 @@ from dflash_trt.builders.trtllm_serve import (
     speculation_limits,
     to_yaml,
 )
-from dflash_trt.decoding.adaptive import LinearCost
+from dflash_trt.decoding.cost import LinearCost
 from dflash_trt.settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
 
 yaml = pytest.importorskip("yaml")

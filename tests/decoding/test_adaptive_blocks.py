@@ -9,16 +9,9 @@ import numpy as np
 import pytest
 
 from dflash_trt.decoding import adaptive
-from dflash_trt.decoding.adaptive import (
-    AcceptanceTracker,
-    CostModel,
-    LinearCost,
-    ProbeSchedule,
-    RowChoice,
-    choose_blocks,
-    expected_tokens,
-    token_sweep,
-)
+from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
+from dflash_trt.decoding.cost import CostModel, LinearCost, token_sweep
+from dflash_trt.decoding.estimates import AcceptanceTracker, ProbeSchedule, expected_tokens
 
 # GPU-like: a pass costs about the same for 1 or 100 tokens (memory-bound)
 MEMORY_BOUND = CostModel(LinearCost(10e-3, 0.1e-3, 0.01e-3), LinearCost(2e-3, 0.05e-3, 0.005e-3))
@@ -443,7 +436,7 @@ def test_acceptance_tracker_falls_and_recovers():
 def test_decoder_refits_its_cost_model_online(tiny_pair):
     """With refit_every, the batched step feeds its observed passes back into the cost model."""
 
-    from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, GenerationConfig
     from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
     _, _, _, model, drafter = tiny_pair
@@ -452,7 +445,7 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
     dec = BatchDecoder(
         target,
         TorchDrafterEngine.for_target(drafter, target),
-        policy=BlockPolicy(adaptive=True, cost=cost, refit_every=4),
+        policy=AdaptiveBlocks(cost, refit_every=4),
     )
     dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
     seen = cost._seen["target"]
@@ -461,7 +454,7 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
 
 
 def test_new_rows_start_from_what_finished_rows_of_their_regime_measured():
-    from dflash_trt.decoding.adaptive import AcceptancePrior
+    from dflash_trt.decoding.estimates import AcceptancePrior
 
     prior = AcceptancePrior(start=0.6, weight=0.5)
     assert prior.tracker(sampled=True).alpha == pytest.approx(0.6)

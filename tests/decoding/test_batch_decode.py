@@ -8,9 +8,9 @@ from helpers import NoisyOracleDrafter, generate_one, sequence_engines
 from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
 from tiny_models import make_tiny_drafter, make_tiny_target
 
-from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig, SamplingParams
+from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, FixedBlocks, GenerationConfig, SamplingParams
 from dflash_trt.decoding import acceptance as acceptance_module
-from dflash_trt.decoding.adaptive import CostModel, LinearCost
+from dflash_trt.decoding.cost import CostModel, LinearCost
 from dflash_trt.runtime.rows import PerRowDrafter
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
@@ -75,7 +75,7 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
     ]
     target = TorchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-5), LinearCost(5e-4, 1e-4, 1e-5)) if adaptive else None
-    dec = BatchDecoder(target, OracleBatch(oracles), policy=BlockPolicy(adaptive=adaptive, cost=cost))
+    dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())
     rows = [
         dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
         dec.add(prompts[1], GenerationConfig(max_new_tokens=n, block_size=4)),
@@ -88,8 +88,7 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
     cancelled = rows[3]
     seen_blocks = set()
     while dec.active:
-        dec.step()
-        seen_blocks |= set(dec.last_profile.blocks)
+        seen_blocks |= set(dec.step().profile.blocks)
         if cancelled in dec.running and len(cancelled.generated) >= 5:
             dec.cancel(cancelled)
     for i, row in enumerate(rows):
@@ -151,7 +150,7 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
     """Rows the policy believes hopeless never draft, so without probes neither they nor the prior that the
     next requests start from ever learn otherwise; with probes the rows measure a perfect drafter, the
     prior learns it, and later requests draft long blocks from their first steps."""
-    from dflash_trt.decoding.adaptive import AcceptancePrior
+    from dflash_trt.decoding.estimates import AcceptancePrior
 
     _, _, _, model, _ = tiny_pair
     prompt, n = [3, 1, 4, 1, 5], 40
@@ -159,10 +158,8 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
     target = TorchTargetEngine(model, (0,))
     cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
     oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=i, feature_layer_ids=(0,)) for i in range(4)]
-    dec = BatchDecoder(
-        target, OracleBatch(oracles), policy=BlockPolicy(adaptive=True, cost=cost, probe_every=probe_every)
-    )
-    dec.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
+    dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost, probe_every=probe_every))
+    dec.policy.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
     results = [dec.generate([prompt], GenerationConfig(max_new_tokens=n))[0] for _ in oracles]  # one after another
     assert all(r.token_ids == ref for r in results)
     if probe_every == 0:
@@ -170,14 +167,14 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
     else:
         last = results[-1].stats
         assert max(last.acceptance_lengths) >= 8 and len(last.acceptance_lengths) < n // 2
-        assert dec.prior.alpha[False] > 0.3  # the prior learned from the probes
+        assert dec.policy.prior.alpha[False] > 0.3  # the prior learned from the probes
 
 
 def test_probes_back_off_while_they_miss(tiny_pair):
     """A drafter that never hits, at a load where drafting does not pay: the row is probed 4 steps after it
     joined, then 8, 16, 32 steps after each probe (each one a backlog the drafter must take in), not every
     4 steps; its tokens are still the target's own."""
-    from dflash_trt.decoding.adaptive import AcceptancePrior
+    from dflash_trt.decoding.estimates import AcceptancePrior
 
     _, _, _, model, _ = tiny_pair
     prompt, n = [3, 1, 4, 1, 5], 100
@@ -187,17 +184,17 @@ def test_probes_back_off_while_they_miss(tiny_pair):
     dec = BatchDecoder(
         target,
         OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0, feature_layer_ids=(0,))]),
-        policy=BlockPolicy(adaptive=True, cost=cost, probe_every=4),
+        policy=AdaptiveBlocks(cost, probe_every=4),
     )
-    dec.prior = AcceptancePrior(start=0.02)
+    dec.policy.prior = AcceptancePrior(start=0.02)
     row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
     drafted_at = []
     while dec.active:
         for _, rnd in dec.step():
             if rnd.drafted:
-                drafted_at.append(dec._steps - 1)  # the verify step that ran it
+                drafted_at.append(dec.policy.steps - 1)  # the verify step that ran it
     assert row.result().token_ids == ref
-    assert drafted_at == [4, 12, 28, 60] and dec.probes.misses[False] == 4
+    assert drafted_at == [4, 12, 28, 60] and dec.policy.probes.misses[False] == 4
 
 
 def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_stops(tiny_pair):
@@ -205,7 +202,7 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     backoff belongs to the sampling regime, not to a request that ends before its own wait grows, so most
     requests are never probed (each probe is a drafter pass over the row's backlog), and the waits double up
     to 2^max_probe_backoff x probe_every steps and stay there, so the regime is still tried now and then."""
-    from dflash_trt.decoding.adaptive import AcceptancePrior
+    from dflash_trt.decoding.estimates import AcceptancePrior
 
     _, _, _, model, _ = tiny_pair
     prompt, n, requests = [3, 1, 4, 1, 5], 12, 24
@@ -215,17 +212,15 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     oracles = [
         NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)
     ]
-    dec = BatchDecoder(
-        target, OracleBatch(oracles), policy=BlockPolicy(adaptive=True, cost=cost, probe_every=4, max_probe_backoff=3)
-    )
-    dec.prior = AcceptancePrior(start=0.02)
+    dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost, probe_every=4, max_probe_backoff=3))
+    dec.policy.prior = AcceptancePrior(start=0.02)
     drafted_at, probed_requests = [], 0
     for _ in range(requests):
         row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
         while dec.active:
             for _, rnd in dec.step():
                 if rnd.drafted:
-                    drafted_at.append(dec._steps - 1)
+                    drafted_at.append(dec.policy.steps - 1)
         assert row.result().token_ids == ref
         probed_requests += row.result().stats.drafted_tokens > 0
     gaps = [b - a for a, b in zip(drafted_at, drafted_at[1:])]
@@ -233,7 +228,7 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     for k, gap in enumerate(gaps):
         wait = 4 * 2 ** min(k + 1, 3)
         assert wait <= gap < wait + n, (k, gaps)
-    assert len(gaps) >= 5 and dec.probes.misses[False] == 3  # capped, and probing never stops
+    assert len(gaps) >= 5 and dec.policy.probes.misses[False] == 3  # capped, and probing never stops
     assert probed_requests <= requests // 2  # the per-request backoff probed every one of them
 
 
@@ -244,7 +239,7 @@ def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7)) if adaptive else None
     counts, accepted = {}, 0
     for start in range(0, N_SAMPLES, 400):
-        dec = BatchDecoder(target, drafter_engine, policy=BlockPolicy(adaptive=adaptive, cost=cost))
+        dec = BatchDecoder(target, drafter_engine, policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())
         rows = []
         for seed in range(start, start + 400):
             rows.append(
@@ -351,7 +346,7 @@ def test_stop_tokens_and_validation(tiny_pair):
     with pytest.raises(InputError, match="out of vocabulary"):
         dec.add([1, 96], GenerationConfig())
     with pytest.raises(ValueError, match="cost model"):
-        BatchDecoder(target, drafter_engine, policy=BlockPolicy(adaptive=True))
+        BatchDecoder(target, drafter_engine, policy=AdaptiveBlocks(None))
 
 
 def test_stop_strings_per_row_with_tokenizer(tmp_path):

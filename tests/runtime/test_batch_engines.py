@@ -182,8 +182,8 @@ def test_batched_onnx_drafter_rows_equal_rows_alone(tiny_pair, batch_graph):
 
 def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_graph):
     """The batched step on the real onnxruntime batched drafter: greedy rows equal the target alone."""
-    from dflash_trt.decoding import BatchDecoder, BlockPolicy, GenerationConfig
-    from dflash_trt.decoding.adaptive import measure_costs
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, FixedBlocks, GenerationConfig
+    from dflash_trt.decoding.cost import measure_costs
     from dflash_trt.runtime.ort_backend import OrtDrafterEngine
 
     family, _, _, model, drafter = tiny_pair
@@ -195,7 +195,7 @@ def test_batched_loop_with_onnx_drafter_equals_target_alone(tiny_pair, batch_gra
     prompts = [ids(rng, n).tolist() for n in (3, 11, 25)]
     configs = [GenerationConfig(max_new_tokens=n, block_size=b) for n, b in ((20, 8), (33, 3), (9, None))]
     for adaptive in (False, True):
-        policy = BlockPolicy(adaptive=adaptive, cost=cost)
+        policy = AdaptiveBlocks(cost) if adaptive else FixedBlocks()
         got = BatchDecoder(target, ort_drafter, policy=policy).generate(prompts, configs)
         base = BatchDecoder(TorchTargetEngine(model))
         for p, c, r in zip(prompts, configs, got):

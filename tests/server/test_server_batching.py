@@ -10,7 +10,7 @@ import pytest
 from helpers import generate_one, make_text_models
 from server_harness import metric, running_server, scrape
 
-from dflash_trt.decoding import GenerationConfig, SamplingParams
+from dflash_trt.decoding import AdaptiveBlocks, GenerationConfig, SamplingParams
 from dflash_trt.loading import load_decoder
 
 WORDS = [
@@ -167,7 +167,10 @@ def test_block_size_settings_reach_the_decoder(decoder):
         adaptive = post_all(url, bodies)
         m = scrape(url)
         total, _ = block_counts(m)
-        assert app.state.server.decoder.policy.adaptive and app.state.server.decoder.policy.cost.target(4, 8) > 0
+        assert (
+            isinstance(app.state.server.decoder.policy, AdaptiveBlocks)
+            and app.state.server.decoder.policy.cost.target(4, 8) > 0
+        )
         assert total > 0
         # the running correction of the start-up costs is exported, and it has moved (real passes were timed)
         scale = app.state.server.decoder.policy.cost.scale

@@ -17,8 +17,9 @@ from dflash_trt.runtime.base import DrafterEngine, DraftRequest, TargetEngine
 from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles, tau_of
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.engines import sim_engines, truth
+from dflash_trt.sim.policies import KnownAcceptance, Oracle, schedule_draft_len, sim_decoder, table_k
 from dflash_trt.sim.profiles import LAYER_OPS, all_reduce_profile, layer_profile
-from dflash_trt.sim.serving import KnownAcceptance, Policy, schedule_draft_len, simulate, table_k, workload
+from dflash_trt.sim.serving import simulate, workload
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(0.0)
@@ -171,7 +172,7 @@ def test_decoder_tau_matches_fitted_rates():
 def test_start_up_grid_on_the_virtual_clock_fits_a_knee():
     """The server's grid (rows 1/128/256, blocks 1/4/8) timed on the simulated A100: the fitted target shape
     has a knee (flat, weight-bound, then per token) and prices both ends within 10 %; a line's grid fits none."""
-    from dflash_trt.decoding.adaptive import LinearCost, measure_costs
+    from dflash_trt.decoding.cost import LinearCost, measure_costs
 
     target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
     cost = measure_costs(target, drafter, rows=(1, 128, 256), context=128, repeats=1, clock=clock, knees=True)
@@ -187,7 +188,7 @@ def test_start_up_token_curve_on_the_virtual_clock_follows_the_tiles():
     """With the token sweep (`measure_costs(token_curve=)`, as a GPU server and the simulator's adaptive run it),
     the fitted target prices the profile's tile step (Vidur: 128 tokens 0.41 ms per layer, 136 tokens 0.57) and
     the passes of many rows within a few percent; the knee's two slopes cannot."""
-    from dflash_trt.decoding.adaptive import measure_costs, token_sweep
+    from dflash_trt.decoding.cost import measure_costs, token_sweep
 
     target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
     cost = measure_costs(
@@ -232,22 +233,24 @@ def test_oracle_is_told_each_rows_acceptance():
     assert paper_profiles()["math500"].equivalent_rate() > rate
     work = workload("mixed", prompt_len="uniform:16-64", output_len="uniform:16-48")
     cost = ProfileCost()
-    _, drafter, clock = sim_engines(cost, work.profiles)
-    pol = Policy("oracle")
-    dec = pol.decoder(*sim_engines(cost, work.profiles)[:2], clock)
-    assert dec.policy.adaptive and dec.probes.every == 0  # knows, so never probes
-    row = pol.admit(dec.new_row([len(work.profiles) - 1, 40, 41], GenerationConfig(max_new_tokens=8)), POOR)
-    assert isinstance(row.acceptance, KnownAcceptance) and row.acceptance.alpha == rate
-    row.acceptance.update(7, 0)  # a failed round moves nothing
-    assert row.acceptance.alpha == rate
+    target, drafter, clock = sim_engines(cost, work.profiles)
+    dec = sim_decoder("oracle", target, drafter, clock, work.profiles, 256)
+    oracle = dec.policy.policy
+    assert isinstance(oracle, Oracle) and oracle.probes.every == 0  # knows, so never probes
+    row = dec.new_row([len(work.profiles) - 1, 40, 41], GenerationConfig(max_new_tokens=8))  # class: POOR
+    acceptance = oracle.tracker_for(row)
+    assert isinstance(acceptance, KnownAcceptance) and acceptance.alpha == rate
+    acceptance.update(7, 0)  # a failed round moves nothing
+    assert acceptance.alpha == rate
     other = dec.new_row([len(work.profiles) - 1, 40, 41], GenerationConfig(max_new_tokens=8))
-    assert not isinstance(Policy("adaptive").admit(other, POOR).acceptance, KnownAcceptance)  # adaptive estimates
+    adaptive = sim_decoder("adaptive", *sim_engines(cost, work.profiles), work.profiles, 256).policy.policy
+    assert not isinstance(adaptive.tracker_for(other), KnownAcceptance)  # adaptive estimates
     fixed = simulate(cost, work, "fixed-8", concurrency=4, requests=10, keep_outputs=True)
     oracle = simulate(cost, work, "oracle", concurrency=4, requests=10, keep_outputs=True)
     assert oracle.outputs == fixed.outputs  # lossless like every policy: the target's tokens
     assert oracle.mean_block != fixed.mean_block
     with pytest.raises(ValueError, match="unknown policy"):
-        Policy("psychic")
+        sim_decoder("psychic", target, drafter, clock, work.profiles, 256)
 
 
 def test_peer_schedules():

@@ -1,0 +1,92 @@
+"""What one step of the loop hands around: the verify rows as its policy sees them, and what the step did.
+
+`StepRows` goes from the decoder to its block-size policy (`policy.BlockPolicy.choose`); `StepResult` comes
+back from `BatchDecoder.step()` to whoever drives the loop (server, Triton BLS, simulator, benchmarks) and to
+the policy (`observe`). Everything a caller needs about a step is in its result: nobody reads the decoder's
+fields after a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .request import Round
+
+if TYPE_CHECKING:
+    from .loop import BatchRow
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """The verify rows of one step, one index per row; the per-row facts as arrays (a server's step holds
+    hundreds of rows, and the policy runs every step)."""
+
+    rows: Sequence[BatchRow]  # [rows] the rows themselves (ids, prompts, settings)
+    cap: np.ndarray  # [rows] int64: the largest block the row may use: the decoder's block size, the
+    # drafter's trained block (1 without a drafter row) and the tokens the row has left
+    fixed: np.ndarray  # [rows] int64: the request's own block size, capped the same way; 0 = none
+    sampled: np.ndarray  # [rows] bool: the row samples (T > 0); greedy rows accept differently
+    backlog: np.ndarray  # [rows] float64: feature rows the drafter takes in before this row's next draft
+    batch: int  # rows in the batch this step, those that joined (prefilled) on it included
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+@dataclass
+class StepProfile:
+    """Where one step's time went, and its shape (rows, tokens per pass)."""
+
+    prefill_rows: int = 0
+    prefill_tokens: int = 0
+    draft_rows: int = 0
+    draft_tokens: int = 0  # block tokens + new context rows the drafter ran
+    verify_rows: int = 0
+    verify_tokens: int = 0
+    committed_tokens: int = 0
+    blocks: list[int] = field(default_factory=list)  # chosen block size per verify row
+    prefill_s: float = 0.0
+    policy_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    accept_s: float = 0.0  # acceptance, sampling, rollbacks, commits, stop checks
+    total_s: float = 0.0
+
+    @property
+    def overhead_s(self) -> float:
+        """Python outside the passes and the acceptance: batching, padding, bookkeeping."""
+        return max(0.0, self.total_s - self.prefill_s - self.policy_s - self.draft_s - self.verify_s - self.accept_s)
+
+
+@dataclass
+class StepResult:
+    """One step: the rounds it committed (prefills included, in row order), the rows whose engine failed
+    (`BatchRow.error` set, finish reason "error", already released) and where its time went. Iterating it
+    gives the (row, round) pairs."""
+
+    rounds: list[tuple[BatchRow, Round]] = field(default_factory=list)
+    failed: list[BatchRow] = field(default_factory=list)
+    profile: StepProfile = field(default_factory=StepProfile)
+    # the policy's running corrections of its cost model, per engine (observed / predicted seconds), when it
+    # has one: set by the policy as it observes the step
+    cost_correction: dict[str, float] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[tuple[BatchRow, Round]]:
+        return iter(self.rounds)
+
+    def __len__(self) -> int:
+        return len(self.rounds)
+
+    @property
+    def verified(self) -> list[tuple[BatchRow, Round]]:
+        """The draft-and-verify rounds (not the prefills' first tokens)."""
+        return [(row, rnd) for row, rnd in self.rounds if not rnd.prefill]
+
+    @property
+    def finished(self) -> list[BatchRow]:
+        """Rows that finished this step (stop, length or error), failed ones included."""
+        return [row for row, _ in self.rounds if row.done] + self.failed

@@ -36,8 +36,8 @@ class ServerSettings:
     adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,
-    # a collinear fit that cannot tell per-token from per-row cost and, on a loaded machine, inflates drafting
-    # until every row stays at block 1 (measured: docs/benchmarks.md, measurements behind design choices).
+    # a collinear fit that cannot tell per-token from per-row cost, and its error feeds the next choices
+    # (docs/benchmarks.md, "No online refit of the cost model by default").
     refit_every: int = 0
 
 

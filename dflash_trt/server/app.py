@@ -1,10 +1,11 @@
 """The FastAPI app: native /generate, OpenAI-compatible completions and chat, health, readiness, metrics.
 
-    Guard (guard.py: request id, auth, drain, body limit, log line) -> routes (routes/native.py,
-    routes/openai.py) -> jobs.py (request -> job on the orchestrator -> JSON or SSE)
+    Guard (guard.py: request id, body limit, log line) -> routes (routes/native.py, routes/openai.py; the
+    API key checked by a security dependency, context.py) -> jobs.py (request -> the served model's limits
+    (limits.py) -> job on the orchestrator -> JSON or SSE)
 
 Every error is an OpenAI-style body `{"error": {"message", "type", "param", "code"}}` (errors.py).
-The app is built from the loaded decoder, so the request models (and /openapi.json) carry its limits.
+The request and response models are static; /openapi.json carries the loaded engines' limits (limits.py).
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI
 from fastapi.openapi.utils import get_openapi
 from starlette.concurrency import run_in_threadpool
 
-from .context import Server, ServerSettings
+from .context import Server, ServerSettings, require_api_key
 from .errors import ApiError, install_error_handlers
 from .guard import Guard
 from .routes import native, openai
@@ -30,8 +31,8 @@ __all__ = ["ApiError", "Server", "ServerSettings", "chat_prompt_ids", "create_ap
 
 
 def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) -> FastAPI:
-    """An app serving `decoder` (a BatchDecoder from `dflash_trt.loading`). The orchestrator runs for the app's
-    lifespan."""
+    """An app serving the engines and tokenizer of `decoder` (a BatchDecoder from `dflash_trt.loading`), on
+    one serving decoder of its own (context.Server). The orchestrator runs for the app's lifespan."""
     server = Server(decoder, settings or ServerSettings())
 
     @asynccontextmanager
@@ -52,8 +53,12 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
         'Every error is a JSON body {"error": {"message", "type", "param", "code"}}.',
     )
     app.state.server = server
-    app.include_router(native.router(server.models))
-    app.include_router(openai.router(server.models))
+    # The key is checked on every router but the liveness probe's; without a key there is no dependency, so
+    # /openapi.json declares a security scheme exactly when the server has one.
+    auth = [Depends(require_api_key)] if server.settings.api_key else []
+    app.include_router(native.open_router)
+    app.include_router(native.router, dependencies=auth)
+    app.include_router(openai.router, dependencies=auth)
     app.add_middleware(Guard, server=server)
     install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
@@ -61,10 +66,11 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document, told the truth about validation errors: they are 400s with our error body
-    (errors.py), not 422s with FastAPI's."""
+    """FastAPI's document with the served model's limits (limits.py), told the truth about validation
+    errors: they are 400s with our error body (errors.py), not 422s with FastAPI's."""
     if app.openapi_schema is None:
         doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        app.state.server.limits.document(doc)
         for path in doc.get("paths", {}).values():
             for op in path.values():
                 op.get("responses", {}).pop("422", None)

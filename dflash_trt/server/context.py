@@ -1,20 +1,24 @@
-"""What the routes share, handed to them by dependency injection (`ServerDep`)."""
+"""What the routes share, handed to them by dependency injection (`ServerDep`), and the API key check
+(`require_api_key`, a FastAPI security dependency on every router but the liveness probe's)."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 import time
 from dataclasses import dataclass
-from typing import Annotated, cast
+from typing import Annotated, Any, cast
 
 from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
 from ..runtime.base import cuda_devices, pass_clock
+from .errors import ApiError
+from .limits import Limits
 from .metrics import ServerMetrics
-from .scheduler import Orchestrator
-from .schemas import Limits, request_models
-from .tokenizer import with_serialized_tokenizer
+from .orchestrator import Orchestrator
+from .tokenizer import SerializedTokenizer
 
 
 @dataclass
@@ -32,19 +36,21 @@ class ServerSettings:
     adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,
-    # a collinear fit that cannot tell per-token from per-row cost and, on a loaded machine, inflates drafting
-    # until every row stays at block 1 (measured: docs/benchmarks.md, measurements behind design choices).
+    # a collinear fit that cannot tell per-token from per-row cost, and its error feeds the next choices
+    # (docs/benchmarks.md, "No online refit of the cost model by default").
     refit_every: int = 0
 
 
 log = logging.getLogger("dflash_trt.server")
 
 
-def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecoder:
-    """The serving decoder on the loaded engines; with adaptive block sizes, the cost model is measured now
-    (`AdaptiveBlocks.measured`: what a GPU's start-up adds to a CPU's is said there). On a GPU every timing,
-    the grid's and the loop's, waits for the device (`pass_clock`)."""
+def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: Any = None) -> BatchDecoder:
+    """The serving decoder on the engines of `decoder` (the loaded one: only its engines, tokenizer and clock
+    are read), with `tokenizer` in place of its tokenizer when given; with adaptive block sizes, the cost model
+    is measured now (`AdaptiveBlocks.measured`: what a GPU's start-up adds to a CPU's is said there). On a GPU
+    every timing, the grid's and the loop's, waits for the device (`pass_clock`)."""
     target, drafter = decoder.target, decoder.drafter
+    tokenizer = decoder.tokenizer if tokenizer is None else tokenizer
     adaptive = settings.adaptive and settings.block_size is None and drafter is not None
     clock = pass_clock(target, drafter) if cuda_devices(target, drafter) else decoder.clock
     policy: BlockPolicy = FixedBlocks()
@@ -67,19 +73,19 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings) -> BatchDecod
             1e3 * d.per_row,
             1e3 * d.per_token,
         )
-    return BatchDecoder(target, drafter, decoder.tokenizer, block_size=settings.block_size, policy=policy, clock=clock)
+    return BatchDecoder(target, drafter, tokenizer, block_size=settings.block_size, policy=policy, clock=clock)
 
 
 class Server:
-    """The serving decoder (on the loaded engines, its tokenizer serialized between request threads), the
-    orchestrator stepping it, the metrics, the settings, and the limits the request models enforce."""
+    """The one serving decoder (built from the loaded engines, its tokenizer serialized between request
+    threads), the orchestrator stepping it, the metrics, the settings, and the served model's limits."""
 
-    def __init__(self, decoder: BatchDecoder, settings: ServerSettings):
-        loaded, self.settings = with_serialized_tokenizer(decoder), settings
-        self.limits = Limits.from_decoder(loaded, settings.model_name)
-        self.models = request_models(self.limits)
+    def __init__(self, loaded: BatchDecoder, settings: ServerSettings):
+        self.settings = settings
+        tokenizer = None if loaded.tokenizer is None else SerializedTokenizer(loaded.tokenizer)
+        self.decoder = batch_decoder(loaded, settings, tokenizer)  # the one decoder serving every request
+        self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.metrics = ServerMetrics(settings.model_name, max(0, self.limits.max_block_size - 1))
-        self.decoder = batch_decoder(loaded, settings)  # the one decoder serving every request
         self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)
         self.started = False
 
@@ -89,3 +95,21 @@ def get_server(request: Request) -> Server:
 
 
 ServerDep = Annotated[Server, Depends(get_server)]
+
+
+_bearer = HTTPBearer(auto_error=False, description="the server's API key (--api-key)")
+
+
+def require_api_key(
+    server: ServerDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+) -> None:
+    """401 unless the request carries `Authorization: Bearer <the server's key>` (compared in constant time)."""
+    key = server.settings.api_key
+    if key and (credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key.encode())):
+        raise ApiError(
+            401,
+            "missing or wrong API key: send 'Authorization: Bearer <key>'",
+            "authentication_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

@@ -1,6 +1,7 @@
 """Errors as OpenAI-style bodies `{"error": {"message", "type", "param", "code"}}`, for every failure:
-our own (ApiError), pydantic's validation errors (400, not FastAPI's 422), Starlette's 404/405, a
-job's end (timeout, shutdown, engine failure) and anything unexpected (500 with the request id).
+our own (ApiError), pydantic's validation errors (400, not FastAPI's 422), Starlette's 404/405, the
+orchestrator's refusals (a full queue 429, a draining server 503), a job's end (timeout, shutdown,
+engine failure) and anything unexpected (500 with the request id).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ExceptionHandler
 
+from .orchestrator import QueueFull, ShuttingDown
 from .schemas import error_body
 
 log = logging.getLogger("dflash_trt.server")
@@ -47,7 +49,7 @@ def error_response(
 
 
 def job_error(kind: str, message: str) -> ApiError:
-    """The error for a job that ended without a result (scheduler.ErrorEvent kinds)."""
+    """The error for a job that ended without a result (orchestrator.ErrorEvent kinds)."""
     if kind == "timeout":
         return ApiError(504, message, "timeout_error", code="timeout")
     if kind == "shutdown":
@@ -62,11 +64,22 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(ApiError, cast(ExceptionHandler, _api_error))
     app.add_exception_handler(RequestValidationError, cast(ExceptionHandler, _validation_error))
     app.add_exception_handler(StarletteHTTPException, cast(ExceptionHandler, _http_error))
+    app.add_exception_handler(QueueFull, cast(ExceptionHandler, _queue_full))
+    app.add_exception_handler(ShuttingDown, cast(ExceptionHandler, _shutting_down))
     app.add_exception_handler(Exception, _internal_error)
 
 
 async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
+
+
+async def _queue_full(request: Request, exc: QueueFull) -> JSONResponse:
+    message = f"server busy: {exc}; retry later"
+    return error_response(429, message, "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+
+
+async def _shutting_down(request: Request, exc: ShuttingDown) -> JSONResponse:
+    return error_response(503, str(exc), "server_error", code="shutting_down", headers={"Retry-After": "5"})
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -1,13 +1,13 @@
 """The guard: a pure ASGI middleware that sees every request before routing and parsing.
 
-It gives each request its id (`x-request-id`), checks the bearer token, refuses new work while
-draining, enforces the body size limit (reading the body itself, so a lying Content-Length cannot
-get past), and writes one JSON log line and one metrics sample per request.
+It gives each request its id (`x-request-id`), enforces the body size limit (reading the body itself,
+so a lying Content-Length cannot get past), and writes one JSON log line and one metrics sample per
+request. The API key is a security dependency of the routers (context.require_api_key); a draining
+server refuses new work where it is admitted (orchestrator.Orchestrator.check_admission).
 """
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -26,8 +26,6 @@ log = logging.getLogger("dflash_trt.server")
 
 # paths with their own label in dflash_requests_total (any other path counts as "other")
 ENDPOINTS = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics")
-OPEN_PATHS = ("/health",)  # reachable without the API key
-DRAIN_OPEN_PATHS = ("/health", "/metrics")  # still answered while draining
 
 
 class Guard:
@@ -59,26 +57,6 @@ class Guard:
 
         try:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-            if settings.api_key and path not in OPEN_PATHS and not _authorized(headers, settings.api_key):
-                return await reply(
-                    error_response(
-                        401,
-                        "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                        "authentication_error",
-                        code="invalid_api_key",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    )
-                )
-            if server.orchestrator.draining and path not in DRAIN_OPEN_PATHS:
-                return await reply(
-                    error_response(
-                        503,
-                        "the server is shutting down",
-                        "server_error",
-                        code="shutting_down",
-                        headers={"Retry-After": "5"},
-                    )
-                )
             if scope["method"] == "POST" and "json" not in headers.get("content-type", ""):
                 # We only speak JSON: parse the body as JSON whatever the client labelled it.
                 scope["headers"] = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-type"]
@@ -117,12 +95,6 @@ class Guard:
 
 def _too_large(limit: int) -> Response:
     return error_response(413, f"request body larger than {limit} bytes", code="request_too_large")
-
-
-def _authorized(headers: dict[str, str], key: str) -> bool:
-    value = headers.get("authorization", "")
-    scheme, _, token = value.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 def _log_request(rid: str, scope: Scope, status: int, latency: float) -> None:

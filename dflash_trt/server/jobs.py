@@ -17,15 +17,14 @@ from starlette.concurrency import run_in_threadpool
 from ..decoding import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
 from ..decoding.processors import LogitsAdjustment
 from .errors import ApiError, job_error
-from .scheduler import ErrorEvent, Job, QueueFull, RoundEvent, ShuttingDown
-from .schemas import stop_tuple
+from .orchestrator import ErrorEvent, Job, RoundEvent
+from .schemas import RequestBody, stop_tuple
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
     from ..decoding.loop import BatchRow
     from .context import Server
-    from .schemas import RequestBody
 
 T = TypeVar("T")
 
@@ -57,22 +56,26 @@ def _or(value: T | None, default: T) -> T:
 async def start_job(
     request: Request,
     server: Server,
+    body: RequestBody,
     make_prompt: Callable[[], list[int]],
     make_config: Callable[[int], GenerationConfig],
     prompt_param: str,
 ) -> Job:
-    """Tokenize, validate against the engines, enqueue. Input problems are 400s; a full queue is 429.
+    """Check the served model's limits, tokenize, validate against the engines, enqueue. Input problems
+    are 400s; a full queue (429) and a draining server (503) answer before any tokenizing (the
+    orchestrator's QueueFull / ShuttingDown, answered by errors.py).
 
     No engine lock: BatchDecoder.new_row() only validates (the loop's rules) and makes the row;
-    only the orchestrator's worker runs the engines. A full queue answers before any tokenizing."""
+    only the orchestrator's worker runs the engines."""
+    server.limits.check(body)
     orch = server.orchestrator
+    orch.check_admission()
 
     def prepare() -> BatchRow:
         ids = make_prompt()
         return server.decoder.new_row(ids, make_config(len(ids)))
 
     try:
-        orch.check_admission()
         row = await run_in_threadpool(prepare)
         job = Job(
             id=request.state.request_id,
@@ -87,12 +90,6 @@ async def start_job(
         ) from None
     except (InputError, ValueError) as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
-    except QueueFull as e:
-        raise ApiError(
-            429, f"server busy: {e}; retry later", "rate_limit_error", code="queue_full", headers={"Retry-After": "1"}
-        ) from None
-    except ShuttingDown as e:
-        raise ApiError(503, str(e), "server_error", code="shutting_down", headers={"Retry-After": "5"}) from None
     request.state.job = job
     return job
 

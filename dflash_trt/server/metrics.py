@@ -37,8 +37,17 @@ class ServerMetrics:
     round can propose (the drafter's trained block size - 1; 0 without a drafter): the positions created at start."""
 
     def __init__(self, model_name: str = "dflash-trt", num_spec_tokens: int = 0) -> None:
-        r = self.registry = CollectorRegistry()
+        self.registry = CollectorRegistry()
         self.model_name = model_name
+        self._requests()
+        self._rounds()
+        self._steps()
+        self._speculative()
+        self._vllm(num_spec_tokens)
+
+    def _requests(self) -> None:
+        """Per request: the HTTP answers, tokens, latencies, the queue and the batch."""
+        r = self.registry
         self.requests = Counter(
             "dflash_requests", "HTTP requests by endpoint and status code", ["endpoint", "status"], registry=r
         )
@@ -63,6 +72,20 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.queue_depth = Gauge("dflash_queue_depth", "requests waiting for a generation slot", registry=r)
+        self.inflight = Gauge(
+            "dflash_inflight_requests", "requests in the batch (rows advanced by each step)", registry=r
+        )
+        self.drafter_fallbacks = Counter(
+            "dflash_drafter_fallbacks",
+            "generations that lost their drafter and finished on the target alone",
+            registry=r,
+        )
+        self.engine_errors = Counter("dflash_engine_errors", "generations failed by an engine error", registry=r)
+
+    def _rounds(self) -> None:
+        """Per verify round: tokens committed and the time of its drafter and target passes."""
+        r = self.registry
         self.acceptance = Histogram(
             "dflash_acceptance_length",
             "tokens committed per verify round (bonus included)",
@@ -81,16 +104,10 @@ class ServerMetrics:
             buckets=STEP_BUCKETS,
             registry=r,
         )
-        self.queue_depth = Gauge("dflash_queue_depth", "requests waiting for a generation slot", registry=r)
-        self.inflight = Gauge(
-            "dflash_inflight_requests", "requests in the batch (rows advanced by each step)", registry=r
-        )
-        self.drafter_fallbacks = Counter(
-            "dflash_drafter_fallbacks",
-            "generations that lost their drafter and finished on the target alone",
-            registry=r,
-        )
-        # the batched steps (decoding/loop.py StepProfile): their shape and where their time went
+
+    def _steps(self) -> None:
+        """The batched steps (decoding/loop.py StepProfile): their shape and where their time went."""
+        r = self.registry
         self.block_size = Histogram(
             "dflash_block_size",
             "block size chosen per verify row per step (1: no drafting)",
@@ -127,8 +144,10 @@ class ServerMetrics:
             ["engine"],
             registry=r,
         )
-        self.engine_errors = Counter("dflash_engine_errors", "generations failed by an engine error", registry=r)
-        # speculative decoding, our names: verify rounds that drafted, their draft tokens, the drafts accepted
+
+    def _speculative(self) -> None:
+        """Speculative decoding under our names: verify rounds that drafted, their draft tokens, those accepted."""
+        r = self.registry
         self.draft_rounds = Counter(
             "dflash_draft_rounds", "verify rounds that drafted (block size > 1): vLLM's drafts", registry=r
         )
@@ -138,8 +157,11 @@ class ServerMetrics:
         self.accepted_draft_tokens = Counter(
             "dflash_accepted_draft_tokens", "draft tokens the target accepted (bonus tokens excluded)", registry=r
         )
-        # the same, under vLLM's names and labels (see the module docstring)
-        lv = (model_name, "0")
+
+    def _vllm(self, num_spec_tokens: int) -> None:
+        """The same counters and the scheduler gauges under vLLM's names and labels (see the module docstring)."""
+        r = self.registry
+        lv = (self.model_name, "0")
         self._vllm_drafts = Counter(
             "vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", VLLM_LABELS, registry=r
         ).labels(*lv)

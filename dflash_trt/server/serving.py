@@ -6,7 +6,7 @@ import json
 import logging
 import sys
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import asyncio
@@ -19,11 +19,27 @@ if TYPE_CHECKING:
 LISTENING_EVENT = "listening"  # stderr: {"event": "listening", "host": ..., "port": N} once connections are accepted
 
 
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]  # its stream is sys.stderr, whatever it is
+    """Writes each record to sys.stderr as it is at that moment, not the stream of the moment it was made:
+    `serve` run inside a process that swaps sys.stderr (a test's capture, closed when the test ends) would
+    otherwise leave a handler that fails on every later record."""
+
+    @property
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass  # StreamHandler.__init__ sets it; the property decides
+
+
 def setup_logging() -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
+    """The server's log lines, bare (each is JSON), on stderr; called again, it adds no second handler."""
     logger = logging.getLogger("dflash_trt.server")
-    logger.addHandler(handler)
+    if not any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
 

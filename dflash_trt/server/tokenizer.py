@@ -7,12 +7,8 @@ the engines need no lock at all (only the orchestrator's worker thread runs them
 
 from __future__ import annotations
 
-import copy
 import threading
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ..decoding import BatchDecoder
+from typing import Any
 
 SERIALIZED = ("encode", "decode", "batch_decode", "apply_chat_template", "convert_ids_to_tokens", "__call__")
 
@@ -40,12 +36,3 @@ class SerializedTokenizer:
 
     def __len__(self) -> int:
         return len(self._tokenizer)
-
-
-def with_serialized_tokenizer(decoder: BatchDecoder) -> BatchDecoder:
-    """A shallow copy of `decoder` (same engines) whose tokenizer is a SerializedTokenizer."""
-    if decoder.tokenizer is None or isinstance(decoder.tokenizer, SerializedTokenizer):
-        return decoder
-    served = copy.copy(decoder)
-    served.tokenizer = SerializedTokenizer(decoder.tokenizer)
-    return served

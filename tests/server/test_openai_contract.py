@@ -304,3 +304,47 @@ def test_openapi_tells_the_truth(server, decoder):
     ok = post(server, "/generate", {"prompt": "x", "max_tokens": 1, "block_size": decoder.drafter.block_size})
     assert ok.status_code == 200
     assert post(server, "/generate", {"prompt": "x", "block_size": decoder.drafter.block_size + 1}).status_code == 400
+
+
+def test_the_served_models_bounds_are_documented_and_enforced_alike(server, decoder):
+    """The bounds of the loaded engines (limits.py) are read from /openapi.json here: one past each is
+    pydantic's 400 naming the field, and what the document allows is served."""
+    schemas = httpx.get(server + "/openapi.json").json()["components"]["schemas"]
+
+    def member(schema, field, type_, items=None):
+        prop = schemas[schema]["properties"][field]
+        return next(
+            s for s in prop.get("anyOf", [prop]) if s.get("type") == type_ and s.get("items", {}).get("type") == items
+        )
+
+    ctx, vocab = decoder.target.max_context, decoder.target.vocab_size
+    for path, schema, field, body in (
+        ("/generate", "GenerateRequest", "min_tokens", {"prompt": "x", "max_tokens": 2}),
+        ("/v1/completions", "CompletionRequest", "max_tokens", {"prompt": "x"}),
+        ("/v1/chat/completions", "ChatCompletionRequest", "max_completion_tokens", {"messages": CHAT}),
+    ):
+        most = member(schema, field, "integer")["maximum"]
+        r = post(server, path, {**body, field: most + 1})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert (err["param"], err["code"]) == (field, "less_than_equal") and str(most) in err["message"], err
+    ids = member("CompletionRequest", "prompt", "array", items="integer")
+    assert (ids["maxItems"], ids["items"]["maximum"]) == (ctx, vocab - 1)
+    r = post(server, "/v1/completions", {"prompt": [5, vocab], "max_tokens": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt.1", r.text
+    r = post(server, "/generate", {"input_ids": [5] * (ctx + 1)})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "too_long", r.text
+    r = post(server, "/generate", {"prompt": "x", "logit_bias": {str(vocab): 1}})
+    assert r.status_code == 400 and "out of vocabulary" in r.json()["error"]["message"], r.text
+    ok = post(server, "/generate", {"prompt": "x", "max_tokens": 2, "min_tokens": 1, "logit_bias": {str(vocab - 1): 1}})
+    assert ok.status_code == 200, ok.text
+
+
+def test_openapi_declares_the_bearer_scheme_exactly_when_the_server_has_a_key(server, decoder):
+    from dflash_trt.server.app import ServerSettings, create_app
+
+    assert "securitySchemes" not in httpx.get(server + "/openapi.json").json().get("components", {})
+    doc = create_app(decoder, ServerSettings(api_key="k", adaptive=False)).openapi()  # built, never started
+    assert doc["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
+    secured = {path for path, ops in doc["paths"].items() for op in ops.values() if op.get("security")}
+    assert secured == set(doc["paths"]) - {"/health"}

@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from dflash_trt.server.metrics import ServerMetrics
-from dflash_trt.server.scheduler import Job, Orchestrator, QueueFull, ShuttingDown
+from dflash_trt.server.orchestrator import Job, Orchestrator, QueueFull, ShuttingDown
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
 """Our own API: POST /generate (JSON or one SSE event per verified round), /health, /ready, /metrics.
 
-No `from __future__ import annotations` here: the request model is built from the loaded engines, so the
-routes are made per app and FastAPI must see the real class in each signature.
+`open_router` (/health) answers without the API key and while draining; `router` gets the key check from
+create_app.
 """
 
+from __future__ import annotations
+
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -14,95 +16,96 @@ from ...decoding import GenerationResult
 from ..context import ServerDep
 from ..errors import error_response
 from ..jobs import JobStream, generation_config, spec, start_job, stream, usage, wait_result
+from ..orchestrator import Job, RoundEvent
 from ..responses import GenerateResponse, Health, Ready, errors, streamed
-from ..scheduler import RoundEvent
-from ..schemas import RequestModels
+from ..schemas import GenerateRequest
 
-if TYPE_CHECKING:  # the request model is made per app (in router); type checkers see its protocol instead
-    from ..schemas import GenerateBody as GenerateRequest  # noqa: F401
+open_router = APIRouter()
+router = APIRouter()
 
 
-def router(models: RequestModels) -> APIRouter:
-    if not TYPE_CHECKING:
-        GenerateRequest = models.generate
-    r = APIRouter()
+@open_router.get(
+    "/health", response_model=Health, summary="alive (answers even without the API key and while draining)"
+)
+async def health() -> dict[str, str]:
+    return {"status": "ok"}
 
-    @r.get("/health", response_model=Health, summary="alive (answers even without the API key and while draining)")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
 
-    @r.get("/ready", response_model=Ready, responses=errors(401, 503), summary="engines loaded and not draining")
-    async def ready(server: ServerDep) -> dict[str, Any] | JSONResponse:
-        if not server.started:
-            return error_response(503, "engines not loaded", "server_error", code="not_ready")
-        return {"status": "ready", "model": server.settings.model_name, "drafter": server.decoder.drafter is not None}
+@router.get("/ready", response_model=Ready, responses=errors(401, 503), summary="engines loaded and not draining")
+async def ready(server: ServerDep) -> dict[str, Any] | JSONResponse:
+    if not server.started:
+        return error_response(503, "engines not loaded", "server_error", code="not_ready")
+    server.orchestrator.check_open()  # draining: 503 shutting_down
+    return {"status": "ready", "model": server.settings.model_name, "drafter": server.decoder.drafter is not None}
 
-    @r.get(
-        "/metrics",
-        summary="Prometheus metrics",
-        response_model=None,  # what FastAPI infers without a return annotation
-        response_class=Response,
-        responses={
-            200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
-            **errors(401),
-        },
+
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics (answered while draining)",
+    response_model=None,  # what FastAPI infers without a return annotation
+    response_class=Response,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus text format"},
+        **errors(401),
+    },
+)
+async def metrics(server: ServerDep) -> Response:
+    body, content_type = server.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+@router.post(
+    "/generate",
+    summary="generate from text or token ids",
+    response_model=GenerateResponse,
+    response_model_exclude_unset=True,
+    responses=streamed(
+        GenerateResponse,
+        "the result; with stream: one `round` event per verified round, then a `final` event (or an `error` event)",
+        400,
+        401,
+        413,
+        429,
+        500,
+        503,
+        504,
+    ),
+)
+async def generate(body: GenerateRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
+    decoder = server.decoder
+    job = await start_job(
+        request,
+        server,
+        body,
+        lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
+        lambda n: generation_config(server, body, body.max_tokens, body.temperature),
+        prompt_param="prompt" if body.prompt is not None else "input_ids",
     )
-    async def metrics(server: ServerDep) -> Response:
-        body, content_type = server.metrics.render()
-        return Response(body, media_type=content_type)
+    if not body.stream:
+        return _final(job, await wait_result(request, job))
 
-    @r.post(
-        "/generate",
-        summary="generate from text or token ids",
-        response_model=None,  # what FastAPI infers without a return annotation
-        responses=streamed(
-            GenerateResponse,
-            "the result; with stream: one `round` event per verified round, then a `final` event (or an `error` event)",
-            400,
-            401,
-            413,
-            429,
-            500,
-            503,
-            504,
-        ),
-    )
-    async def generate(body: GenerateRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
-        decoder = server.decoder
-        job = await start_job(
-            request,
-            server,
-            lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
-            lambda n: generation_config(server, body, body.max_tokens, body.temperature),
-            prompt_param="prompt" if body.prompt is not None else "input_ids",
-        )
+    def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
+        rnd = event.round
+        yield {
+            "type": "round",
+            "token_ids": rnd.token_ids,
+            "text": event.text,
+            "accepted": rnd.accepted,
+            "drafted": rnd.drafted,
+            "prefill": rnd.prefill,
+        }
+        if event.result is not None:
+            yield {"type": "final", **_final(job, event.result)}
 
-        def final(result: GenerationResult) -> dict[str, Any]:
-            return {
-                "id": job.id,
-                "text": result.text,
-                "token_ids": result.token_ids,
-                "finish_reason": result.finish_reason,
-                "usage": usage(result),
-                "spec": spec(job),
-            }
+    return stream(job, on_round, lambda err: {"type": "error", **err.body}, done_marker=False)
 
-        if not body.stream:
-            return final(await wait_result(request, job))
 
-        def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
-            rnd = event.round
-            yield {
-                "type": "round",
-                "token_ids": rnd.token_ids,
-                "text": event.text,
-                "accepted": rnd.accepted,
-                "drafted": rnd.drafted,
-                "prefill": rnd.prefill,
-            }
-            if event.result is not None:
-                yield {"type": "final", **final(event.result)}
-
-        return stream(job, on_round, lambda err: {"type": "error", **err.body}, done_marker=False)
-
-    return r
+def _final(job: Job, result: GenerationResult) -> dict[str, Any]:
+    return {
+        "id": job.id,
+        "text": result.text,
+        "token_ids": result.token_ids,
+        "finish_reason": result.finish_reason,
+        "usage": usage(result),
+        "spec": spec(job),
+    }

@@ -2,177 +2,168 @@
 /v1/models and /v1/models/{model}. One model, one choice per request; a request naming another model
 is a 404 `model_not_found`, as OpenAI answers.
 
-No `from __future__ import annotations` here: the request models are built from the loaded engines.
+Each endpoint reads as: check the model, start the job (jobs.start_job: limits, tokenizing, the queue), then
+answer with one JSON body or one chunk per verified round, each in the envelope its object type has.
 """
 
+from __future__ import annotations
+
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from fastapi import APIRouter, Request
 
-from ...decoding import BatchDecoder, InputError, prompting
+from ...decoding import BatchDecoder, GenerationResult, InputError, prompting
 from ..context import Server, ServerDep
 from ..errors import ApiError
 from ..jobs import JobStream, generation_config, spec, spec_decode_metrics, start_job, stream, usage, wait_result
+from ..orchestrator import Job, RoundEvent
 from ..responses import ChatCompletion, Completion, Model, ModelList, errors, streamed
-from ..scheduler import RoundEvent
-from ..schemas import COMPLETIONS_DEFAULT_MAX_TOKENS, OPENAI_DEFAULT_TEMPERATURE, OpenAIBody, RequestModels
-
-if TYPE_CHECKING:  # the request models are made per app (in router); type checkers see their protocols instead
-    from ..schemas import ChatBody as ChatCompletionRequest  # noqa: F401
-    from ..schemas import CompletionBody as CompletionRequest  # noqa: F401
+from ..schemas import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    OPENAI_DEFAULT_TEMPERATURE,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIFields,
+)
 
 GENERATION_ERRORS = (400, 401, 404, 413, 429, 500, 503, 504)
+Envelope = Callable[..., dict[str, Any]]  # (choices, **extra) -> one response body or chunk
+
+router = APIRouter(prefix="/v1")
 
 
-def router(models: RequestModels) -> APIRouter:
-    if not TYPE_CHECKING:
-        CompletionRequest, ChatCompletionRequest = models.completion, models.chat
-    r = APIRouter(prefix="/v1")
+@router.get("/models", response_model=ModelList, responses=errors(401), summary="the served model")
+async def list_models(server: ServerDep) -> dict[str, Any]:
+    return {"object": "list", "data": [_card(server)]}
 
-    @r.get("/models", response_model=ModelList, responses=errors(401), summary="the served model")
-    async def list_models(server: ServerDep) -> dict[str, Any]:
-        return {"object": "list", "data": [_card(server)]}
 
-    @r.get("/models/{model}", response_model=Model, responses=errors(401, 404), summary="one model")
-    async def retrieve_model(model: str, server: ServerDep) -> dict[str, Any]:
-        _check_model(server, model)
-        return _card(server)
+@router.get("/models/{model}", response_model=Model, responses=errors(401, 404), summary="one model")
+async def retrieve_model(model: str, server: ServerDep) -> dict[str, Any]:
+    _check_model(server, model)
+    return _card(server)
 
-    @r.post(
-        "/completions",
-        summary="text completion (OpenAI)",
-        response_model=None,  # what FastAPI infers without a return annotation
-        responses=streamed(
-            Completion, "the completion; with stream: `text_completion` chunks, then `data: [DONE]`", *GENERATION_ERRORS
+
+@router.post(
+    "/completions",
+    summary="text completion (OpenAI)",
+    response_model=Completion,
+    response_model_exclude_unset=True,
+    responses=streamed(
+        Completion, "the completion; with stream: `text_completion` chunks, then `data: [DONE]`", *GENERATION_ERRORS
+    ),
+)
+async def completions(body: CompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
+    _check_model(server, body.model)
+    decoder, prompt = server.decoder, body.prompt
+    job = await start_job(
+        request,
+        server,
+        body,
+        lambda: decoder.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt],
+        lambda n: generation_config(
+            server, body, _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n), _temperature(body)
         ),
+        prompt_param="prompt",
     )
-    async def completions(body: CompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
-        _check_model(server, body.model)
-        decoder, prompt = server.decoder, body.prompt
-        job = await start_job(
-            request,
-            server,
-            lambda: decoder.encode(prompt) if isinstance(prompt, str) else list(prompt),
-            lambda n: generation_config(
-                server,
-                body,
-                _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n),
-                _temperature(body),
-            ),
-            prompt_param="prompt",
+    envelope = _envelope(server, f"cmpl-{job.id}", "text_completion")
+    ids_out = decoder.tokenizer is None  # no tokenizer: the token ids are the only output
+
+    def choice(text: str | None, finish_reason: str | None, token_ids: list[int]) -> dict[str, Any]:
+        c: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        return {**c, "token_ids": token_ids} if ids_out else c
+
+    if not body.stream:
+        result = await wait_result(request, job)
+        return _whole(
+            envelope, [choice(result.text, result.finish_reason, result.token_ids)], result, server, job, body
         )
-        created, cid = int(time.time()), f"cmpl-{job.id}"
 
-        def choice(text: str | None, finish_reason: str | None, token_ids: list[int] | None = None) -> dict[str, Any]:
-            c: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
-            if decoder.tokenizer is None and token_ids is not None:
-                c["token_ids"] = token_ids  # no tokenizer: the ids are the only output
-            return c
+    def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
+        result = event.result
+        extra = _metrics(server, job, body) if result is not None else {}
+        yield envelope([choice(event.text, result.finish_reason if result else None, event.round.token_ids)], **extra)
+        yield from _usage_chunk(envelope, body, result)
 
-        def envelope(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": "text_completion",
-                "created": created,
-                "model": server.settings.model_name,
-                "choices": choices,
-                **extra,
-            }
+    return stream(job, on_round, lambda err: err.body, done_marker=True)
 
-        if not body.stream:
-            result = await wait_result(request, job)
-            return envelope(
-                [choice(result.text, result.finish_reason, result.token_ids)],
-                usage=usage(result),
-                spec=spec(job),
-                **_metrics(server, job, body),
-            )
 
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
-            result = event.result
-            extra = _metrics(server, job, body) if result is not None else {}
-            yield envelope(
-                [choice(event.text, result.finish_reason if result else None, event.round.token_ids)], **extra
-            )
-            if result is not None and include_usage:
-                yield envelope([], usage=usage(result))
-
-        return stream(job, on_round, lambda err: err.body, done_marker=True)
-
-    @r.post(
-        "/chat/completions",
-        summary="chat completion (OpenAI), text messages only; a 400 for a model without a chat template",
-        response_model=None,  # what FastAPI infers without a return annotation
-        responses=streamed(
-            ChatCompletion,
-            "the reply; with stream: `chat.completion.chunk` chunks, then `data: [DONE]`",
-            *GENERATION_ERRORS,
+@router.post(
+    "/chat/completions",
+    summary="chat completion (OpenAI), text messages only; a 400 for a model without a chat template",
+    response_model=ChatCompletion,
+    response_model_exclude_unset=True,
+    responses=streamed(
+        ChatCompletion,
+        "the reply; with stream: `chat.completion.chunk` chunks, then `data: [DONE]`",
+        *GENERATION_ERRORS,
+    ),
+)
+async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
+    _check_model(server, body.model)
+    # content: text, its parts already joined (ChatMessage._join_parts)
+    messages = [{"role": m.role, "content": str(m.content or "")} for m in body.messages]
+    asked = body.max_completion_tokens or body.max_tokens
+    job = await start_job(
+        request,
+        server,
+        body,
+        lambda: chat_prompt_ids(server.decoder, messages),
+        lambda n: generation_config(
+            server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n), _temperature(body)
         ),
+        prompt_param="messages",
     )
-    async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
-        _check_model(server, body.model)
-        # content: text, its parts already joined (ChatMessage._join_parts)
-        messages = [{"role": m.role, "content": str(m.content or "")} for m in body.messages]
-        asked = body.max_completion_tokens or body.max_tokens
-        job = await start_job(
-            request,
-            server,
-            lambda: chat_prompt_ids(server.decoder, messages),
-            lambda n: generation_config(
-                server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n), _temperature(body)
-            ),
-            prompt_param="messages",
-        )
-        created, cid = int(time.time()), f"chatcmpl-{job.id}"
+    envelope = _envelope(server, f"chatcmpl-{job.id}", "chat.completion.chunk" if body.stream else "chat.completion")
+    if not body.stream:
+        result = await wait_result(request, job)
+        message = {"role": "assistant", "content": result.text}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+        return _whole(envelope, [choice], result, server, job, body)
 
-        def envelope(choices: list[dict[str, Any]], obj: str = "chat.completion", **extra: Any) -> dict[str, Any]:
-            return {
-                "id": cid,
-                "object": obj,
-                "created": created,
-                "model": server.settings.model_name,
-                "choices": choices,
-                **extra,
-            }
+    def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
+        delta = {"content": event.text or ""}
+        if event.round.prefill:
+            delta["role"] = "assistant"
+        yield envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
+        if event.result is not None:
+            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.result.finish_reason}
+            yield envelope([last], **_metrics(server, job, body))
+        yield from _usage_chunk(envelope, body, event.result)
 
-        if not body.stream:
-            result = await wait_result(request, job)
-            message = {"role": "assistant", "content": result.text}
-            return envelope(
-                [{"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}],
-                usage=usage(result),
-                spec=spec(job),
-                **_metrics(server, job, body),
-            )
-
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-        def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
-            delta = {"content": event.text or ""}
-            if event.round.prefill:
-                delta["role"] = "assistant"
-            yield envelope(
-                [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}], "chat.completion.chunk"
-            )
-            if event.result is not None:
-                yield envelope(
-                    [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.result.finish_reason}],
-                    "chat.completion.chunk",
-                    **_metrics(server, job, body),
-                )
-                if include_usage:
-                    yield envelope([], "chat.completion.chunk", usage=usage(event.result))
-
-        return stream(job, on_round, lambda err: err.body, done_marker=True)
-
-    return r
+    return stream(job, on_round, lambda err: err.body, done_marker=True)
 
 
-def _metrics(server: Server, job: Any, body: Any) -> dict[str, Any]:
+def _envelope(server: Server, cid: str, obj: str) -> Envelope:
+    """The body every response and chunk of one request shares around its choices."""
+    created, model = int(time.time()), server.settings.model_name
+
+    def envelope(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": cid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
+
+    return envelope
+
+
+def _whole(
+    envelope: Envelope,
+    choices: list[dict[str, Any]],
+    result: GenerationResult,
+    server: Server,
+    job: Job,
+    body: OpenAIFields,
+) -> dict[str, Any]:
+    """A non-streamed response: the choices with usage, our spec statistics and the metrics asked for."""
+    return envelope(choices, usage=usage(result), spec=spec(job), **_metrics(server, job, body))
+
+
+def _usage_chunk(envelope: Envelope, body: OpenAIFields, result: GenerationResult | None) -> Iterator[dict[str, Any]]:
+    """The stream's usage chunk (no choices) after the last round, when stream_options.include_usage asks."""
+    if result is not None and body.stream_options is not None and body.stream_options.include_usage:
+        yield envelope([], usage=usage(result))
+
+
+def _metrics(server: Server, job: Job, body: OpenAIFields) -> dict[str, Any]:
     """{"metrics": ...} when the request sent spec_decode_metrics, else nothing (the response is unchanged)."""
     m = spec_decode_metrics(job, body.spec_decode_metrics, max(0, server.limits.max_block_size - 1))
     return {} if m is None else {"metrics": m}
@@ -198,7 +189,7 @@ def _check_model(server: Server, model: str | None) -> None:
         )
 
 
-def _temperature(body: OpenAIBody) -> float:
+def _temperature(body: OpenAIFields) -> float:
     return OPENAI_DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
 
 

@@ -117,10 +117,6 @@ class Orchestrator:
             self._draining = True
 
     @property
-    def draining(self) -> bool:
-        return self._draining
-
-    @property
     def busy(self) -> int:
         with self._cv:
             return len(self._pending) + len(self._active)
@@ -150,20 +146,29 @@ class Orchestrator:
         self._cv.notify_all()
 
     # ---- requests -----------------------------------------------------------------------
-    def check_admission(self) -> None:
-        """Raise ShuttingDown / QueueFull now, before a request spends time on tokenizing (submit checks again)."""
-        with self._cv:
-            self._admission_locked()
-
-    def _admission_locked(self) -> None:
+    def check_open(self) -> None:
+        """Raise ShuttingDown once draining or stopping: the one place that decides it (/ready asks too)."""
         if self._draining or self._stopping:
             raise ShuttingDown("the server is shutting down")
+
+    def check_admission(self) -> None:
+        """Raise ShuttingDown / QueueFull now, before a request spends time on tokenizing. A request that
+        passes joins even if a drain begins before its submit: the drain waits for it."""
+        with self._cv:
+            self.check_open()
+            self._check_room_locked()
+
+    def _check_room_locked(self) -> None:
         if len(self._pending) + len(self._active) >= self.max_active + self.max_queue:
             raise QueueFull(f"{len(self._pending)} requests already waiting")
 
     def submit(self, job: Job) -> None:
+        """Queue a job. Raises QueueFull when the queue filled since check_admission, and ShuttingDown once
+        stop() ran (under the same lock as stop's cancel: no job is queued after the worker's last turn)."""
         with self._cv:
-            self._admission_locked()
+            if self._stopping:
+                raise ShuttingDown("the server is shutting down")
+            self._check_room_locked()
             self._pending.append(job)
             self.metrics.set_queue(waiting=len(self._pending))
             self._cv.notify_all()

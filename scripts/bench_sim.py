@@ -26,16 +26,14 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from dflash_trt.sim.acceptance import AcceptanceProfile
+from dflash_trt.sim.cost import LinearPassCost, ProfileCost
+from dflash_trt.sim.serving import HOST_STEP_S, POLICIES, Workload, simulate, workload
 
-from dflash_trt.sim.acceptance import AcceptanceProfile  # noqa: E402
-from dflash_trt.sim.cost import LinearPassCost, ProfileCost  # noqa: E402
-from dflash_trt.sim.serving import HOST_STEP_S, POLICIES, Workload, simulate, workload  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HEADROOM_POLICIES = ("fixed-4", "fixed-8", "fixed-16", "adaptive", "oracle")
 

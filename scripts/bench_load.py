@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value
-from dflash_trt.bench.methods import hf_generate_batch
+from dflash_trt.bench.methods import HFReference, hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
@@ -280,46 +280,6 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
     }
     print("engines alone", json.dumps(out), flush=True)
     return out
-
-
-class HFReference:
-    """Hugging Face generate() on the stream of requests aiperf sends (the prompts in order, wrapping), in
-    left-padded batches of C, one batch after the other: the reference each server mode is held against."""
-
-    name = "hf-generate"
-
-    def __init__(self, args, code_texts: list[str]):
-        from dflash_trt.models.target import load_target, load_tokenizer
-
-        self.model = load_target(args.target, torch.float32)
-        tok = load_tokenizer(args.target)
-        self.code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.osl, self.args = args.osl, args
-        self._warm: set[tuple[int, float]] = set()
-
-    def run(self, c: int, temp: float) -> dict:
-        n_req = requests_for(c, self.args)
-        stream = [self.code[i % len(self.code)] for i in range(n_req)]
-        if (c, temp) not in self._warm:  # warm-up at this shape, not timed
-            hf_generate_batch(self.model, stream[:c], self.osl, self.pad, temp)
-            self._warm.add((c, temp))
-        t0 = time.perf_counter()
-        tokens = 0
-        for start in range(0, n_req, c):
-            tokens += sum(
-                len(o) for o in hf_generate_batch(self.model, stream[start : start + c], self.osl, self.pad, temp)
-            )
-        secs = time.perf_counter() - t0
-        return {
-            "mode": self.name,
-            "concurrency": c,
-            "temperature": temp,
-            "requests": n_req,
-            "tokens": tokens,
-            "seconds": round(secs, 2),
-            "tokens_per_s": round(tokens / secs, 1),
-        }
 
 
 # ---- the server cells --------------------------------------------------------------------------------
@@ -683,7 +643,11 @@ def main(argv=None) -> int:
     long_texts = held_out_code_prompts(args.long_prompts, prefix_chars=1200) if args.long_prompts else []
     t0 = time.monotonic()
     proc = None if args.skip_in_process else in_process(args, code_texts, long_texts)
-    hf = None if args.skip_in_process else HFReference(args, code_texts)
+    hf = (
+        None
+        if args.skip_in_process
+        else HFReference(args.target, code_texts, args.osl, lambda c: requests_for(c, args))
+    )
     try:
         cells, reference = server_cells(args, code_texts, levels, temps, modes, hf)
     except AiperfFailed as e:

@@ -12,7 +12,7 @@ tokens (no stop token), so every method produces the same number of tokens; the 
 are checked against the target alone. Also prints the profile of the batched steps at the highest
 concurrency (draft / verify / acceptance / policy / Python overhead per step). JSON under results/.
 
-    PYTHONPATH=. .venv/bin/python scripts/bench_batch.py --prompts 16 --max-new-tokens 64
+    .venv/bin/python scripts/bench_batch.py --prompts 16 --max-new-tokens 64
 """
 
 from __future__ import annotations

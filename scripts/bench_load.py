@@ -43,7 +43,8 @@ from pathlib import Path
 import torch
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value
-from dflash_trt.bench.methods import hf_generate_batch
+from dflash_trt.bench.load_report import load_markdown
+from dflash_trt.bench.methods import HFReference, hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
@@ -281,46 +282,6 @@ def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, p
     return out
 
 
-class HFReference:
-    """Hugging Face generate() on the stream of requests aiperf sends (the prompts in order, wrapping), in
-    left-padded batches of C, one batch after the other: the reference each server mode is held against."""
-
-    name = "hf-generate"
-
-    def __init__(self, args, code_texts: list[str]):
-        from dflash_trt.models.target import load_target, load_tokenizer
-
-        self.model = load_target(args.target, torch.float32)
-        tok = load_tokenizer(args.target)
-        self.code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-        self.osl, self.args = args.osl, args
-        self._warm: set[tuple[int, float]] = set()
-
-    def run(self, c: int, temp: float) -> dict:
-        n_req = requests_for(c, self.args)
-        stream = [self.code[i % len(self.code)] for i in range(n_req)]
-        if (c, temp) not in self._warm:  # warm-up at this shape, not timed
-            hf_generate_batch(self.model, stream[:c], self.osl, self.pad, temp)
-            self._warm.add((c, temp))
-        t0 = time.perf_counter()
-        tokens = 0
-        for start in range(0, n_req, c):
-            tokens += sum(
-                len(o) for o in hf_generate_batch(self.model, stream[start : start + c], self.osl, self.pad, temp)
-            )
-        secs = time.perf_counter() - t0
-        return {
-            "mode": self.name,
-            "concurrency": c,
-            "temperature": temp,
-            "requests": n_req,
-            "tokens": tokens,
-            "seconds": round(secs, 2),
-            "tokens_per_s": round(tokens / secs, 1),
-        }
-
-
 # ---- the server cells --------------------------------------------------------------------------------
 SERVER_SERIES = {  # /metrics series whose change over one aiperf run describes the server's batches
     "verify_rows": ("dflash_batch_rows", {"pass": "verify"}),
@@ -522,115 +483,7 @@ def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None,
 
 
 def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str:
-    hf = {(r["concurrency"], r["temperature"]): r["tokens_per_s"] for r in (proc or {}).get("hf_generate", [])}
-    by = {(c["mode"], c["concurrency"], c["temperature"]): c for c in cells}
-    modes = [m for m in MODES if any(c["mode"] == m for c in cells)]
-    keys = sorted({(c["temperature"], c["concurrency"]) for c in cells})
-    lines = [
-        f"# Load benchmark: {settings['target']} + {settings['drafter']}",
-        "",
-        f"{settings['machine']}; drafter dtype {settings.get('drafter_dtype', 'float32')}; "
-        f"aiperf (nice {settings.get('client_nice', 0)}), completions, streaming; "
-        f"held-out code prompts, {settings['osl']} "
-        "tokens per request (ignore_eos). Output tokens/s (higher is better); ratios side by side in one run.",
-        "",
-        "| T | concurrency | HF generate | "
-        + " | ".join(modes)
-        + " | adaptive / HF | adaptive / target | TTFT p50/p99 ms (adaptive) | ITL p50/p99 ms (adaptive) |",
-        "|---|---|---|" + "---|" * len(modes) + "---|---|---|---|",
-    ]
-    for t, c in keys:
-        a = by.get(("adaptive", c, t))
-        tg = by.get(("target", c, t))
-        h = hf.get((c, t))
-        vals = " | ".join(
-            f"{by[(m, c, t)]['tokens_per_s']:.0f}" if (m, c, t) in by and by[(m, c, t)]["tokens_per_s"] else "-"
-            for m in modes
-        )
-        r_hf = f"{a['tokens_per_s'] / h:.2f}x" if a and h and a["tokens_per_s"] else "-"
-        r_t = (
-            f"{a['tokens_per_s'] / tg['tokens_per_s']:.2f}x"
-            if a and tg and a["tokens_per_s"] and tg["tokens_per_s"]
-            else "-"
-        )
-        lat = (
-            (
-                f"{a['ttft_ms']['p50']:.0f} / {a['ttft_ms']['p99']:.0f} | {a['itl_ms']['p50']:.1f} / "
-                f"{a['itl_ms']['p99']:.1f}"
-            )
-            if a and a["ttft_ms"]["p50"] is not None
-            else "- | -"
-        )
-        lines.append(
-            f"| {t:g} | {c} | {h:.0f} | {vals} | {r_hf} | {r_t} | {lat} |"
-            if h
-            else f"| {t:g} | {c} | - | {vals} | {r_hf} | {r_t} | {lat} |"
-        )
-    if any(c.get("server") for c in cells):
-        lines += [
-            "",
-            "## The server's batches (its /metrics over the median run, aiperf's warm-up included)",
-            "",
-            "Mean rows per verify pass (of C: requests between two of aiperf's, or waiting for the step, "
-            "are not in it) / mean block size.",
-            "",
-            "| T | concurrency | " + " | ".join(modes) + " |",
-            "|---|---|" + "---|" * len(modes),
-        ]
-        for t, c in keys:
-            parts = []
-            for m in modes:
-                srv = by.get((m, c, t), {}).get("server") or {}
-                parts.append(f"{srv['mean_verify_rows']} / {srv['mean_block']}" if srv.get("mean_verify_rows") else "-")
-            lines.append(f"| {t:g} | {c} | " + " | ".join(parts) + " |")
-    lines += ["", "## Done-figures", ""]
-    lines += [f"- {'PASS' if ok else 'FAIL' if ok is not None else 'n/a'}: {what}: {fig}" for what, ok, fig in found]
-    if proc and proc.get("engines_alone"):
-        e = proc["engines_alone"]
-        tps = e["tokens_per_s"]
-        lines += [
-            "",
-            f"## The engines alone: C={e['concurrency']}, T=0, in process, no server, no client",
-            "",
-            "The same request stream, each finished request replaced at once; median of "
-            f"{len(e['runs_tokens_per_s']['adaptive'])} runs in a rotating order. No server on this machine "
-            "can beat these ratios: the cells above add HTTP, streaming and a client on the same cores.",
-            "",
-            "| HF generate | target (batched decoder) | adaptive | adaptive / HF | target / HF |",
-            "|---|---|---|---|---|",
-            f"| {tps['hf-generate']:.0f} | {tps['target']:.0f} | {tps['adaptive']:.0f} | "
-            f"{e['adaptive_vs_hf']:.2f}x | {e['target_vs_hf']:.2f}x |",
-        ]
-    if proc and proc.get("step_profile"):
-        p = proc["step_profile"]
-        lines += [
-            "",
-            f"## One batched adaptive step at {p['rows']} rows (mean of {p['steps']} steps)",
-            "",
-            f"{p['mean_verify_tokens']} target tokens per step (mean block {p['mean_block']}), "
-            f"{p['committed_per_step']} tokens committed per step.",
-            "",
-            "| policy | draft | verify | acceptance | Python overhead | total |",
-            "|---|---|---|---|---|---|",
-            f"| {p['policy_ms']} ms | {p['draft_ms']} ms | {p['verify_ms']} ms | {p['accept_ms']} ms | "
-            f"{p['overhead_ms']} ms | {p['total_ms']} ms |",
-        ]
-    if proc and proc.get("per_prompt"):
-        lines += [
-            "",
-            f"## Per prompt, one request alone (T=0; each time the best of {proc.get('repeats', 1)} runs)",
-            "",
-            "| set | prompt | prompt tokens | new tokens | tau B=8 | tau adaptive | single B=8 / target | "
-            "adaptive / target | equal |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for p in proc["per_prompt"]:
-            lines.append(
-                f"| {p['set']} | {p['prompt']} | {p['prompt_tokens']} | {p['new_tokens']} | "
-                f"{p['tau_single_b8']} | {p['tau_adaptive']} | {p['single_vs_target']:.2f}x | "
-                f"{p['adaptive_vs_target']:.2f}x | {p['equal']} |"
-            )
-    return "\n".join(lines) + "\n"
+    return load_markdown(cells, proc, found, settings, list(MODES))
 
 
 def plot(cells: list[dict], proc: dict | None, path: Path) -> None:
@@ -682,7 +535,11 @@ def main(argv=None) -> int:
     long_texts = held_out_code_prompts(args.long_prompts, prefix_chars=1200) if args.long_prompts else []
     t0 = time.monotonic()
     proc = None if args.skip_in_process else in_process(args, code_texts, long_texts)
-    hf = None if args.skip_in_process else HFReference(args, code_texts)
+    hf = (
+        None
+        if args.skip_in_process
+        else HFReference(args.target, code_texts, args.osl, lambda c: requests_for(c, args))
+    )
     try:
         cells, reference = server_cells(args, code_texts, levels, temps, modes, hf)
     except AiperfFailed as e:

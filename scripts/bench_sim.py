@@ -26,17 +26,23 @@ import argparse
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from dflash_trt.bench.sim_report import (
+    cpu_calibration,
+    criteria_table,
+    gpu_calibration,
+    headroom_section,
+    poisson_table,
+    throughput_tables,
+)
+from dflash_trt.sim.acceptance import AcceptanceProfile
+from dflash_trt.sim.cost import LinearPassCost, ProfileCost
+from dflash_trt.sim.policies import POLICIES
+from dflash_trt.sim.serving import HOST_STEP_S, Workload, simulate, workload
 
-from dflash_trt.sim.acceptance import AcceptanceProfile  # noqa: E402
-from dflash_trt.sim.cost import LinearPassCost, ProfileCost  # noqa: E402
-from dflash_trt.sim.policies import POLICIES  # noqa: E402
-from dflash_trt.sim.serving import HOST_STEP_S, Workload, simulate, workload  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 HEADROOM_POLICIES = ("fixed-4", "fixed-8", "fixed-16", "adaptive", "oracle")
 
@@ -428,9 +434,39 @@ def plot(runs: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def readme(res: dict) -> str:
-    s = res["settings"]
-    lines = [
+HOW_TO_READ = [
+    "",
+    "How to read it: one seed per cell and the policies' trajectories diverge, so a cell's ratio carries a",
+    "few percent of luck; the C=32 `mixed` check is the mean of several seeds (the headroom below). The",
+    "design choices behind the adaptive policy were measured over several seeds (docs/benchmarks.md,",
+    '"Measurements behind design choices"). The adaptive server measures its token curve at start-up on a',
+    "GPU (one-row passes every 8 tokens to 512, then coarser), as it does here: the profile is a staircase",
+    "(GEMM tiles) and the best choices end a step at a tile's end.",
+]
+LEAVES_OUT = [
+    "",
+    "## What the simulation leaves out",
+    "",
+    "CUDA graphs and kernel launch gaps (a pass is its ops' profiled medians plus one named launch constant),",
+    "paged-KV fragmentation and KV capacity limits (every row fits), network jitter and multi-node",
+    "communication (one DGX node's profiled all-reduce), overlap of host work with the GPU, sampling at",
+    "T > 0, chunked prefill (a joining batch's prompts are one pass), Vidur's measured attention kernels",
+    "(absent from the snapshot: attention is a bandwidth/FLOP model), per-position acceptance shape (assumed",
+    "decay 0.99 per position; tau per benchmark exact), and the B200 of the published SGLang curve (no",
+    "profile: A100 is the nearest).",
+    "",
+    "## The attention model's check",
+    "",
+    "FlashAttention-2 (Dao 2023, fig. 4, A100, head dim 128) runs the causal forward pass at 150-200+ TFLOP/s",
+    "for sequences of 1k-16k tokens, so a 2048-token causal prefill at 32 heads (34 GFLOP per layer:",
+    "4 x 32 x 128 x 2048 x 1024.5) takes about 5.5-7.3 ms over 32 layers; the model gives 5.9 ms",
+    "(tests/sim/test_sim.py holds it to that range).",
+    "",
+]
+
+
+def intro(s: dict) -> list[str]:
+    return [
         "# Serving simulated from measured profiles (A100)",
         "",
         "**Simulated, not measured on a GPU.** The real batched loop (`BatchDecoder`) and block-size policies run",
@@ -445,166 +481,41 @@ def readme(res: dict) -> str:
         "",
         "![tokens/s vs concurrency](sim.png)",
         "",
-        "## Criteria (issue 28)",
-        "",
-        "| check | result | figure |",
-        "|---|---|---|",
     ]
-    for c in res["checks"]:
-        lines.append(f"| {c['what']} | {'PASS' if c['passed'] else 'FAIL'} | {c['figure']} |")
-    lines += [
+
+
+def gpu_why(g: dict) -> list[str]:
+    """Why the simulated A100 curve decays faster than the published B200 one, and the labelled what-if."""
+    w = g["what_if_b200_like"]
+    return [
         "",
-        "How to read it: one seed per cell and the policies' trajectories diverge, so a cell's ratio carries a",
-        "few percent of luck; the C=32 `mixed` check is the mean of several seeds (the headroom below). The",
-        "design choices behind the adaptive policy were measured over several seeds (docs/benchmarks.md,",
-        '"Measurements behind design choices"). The adaptive server measures its token curve at start-up on a',
-        "GPU (one-row passes every 8 tokens to 512, then coarser), as it does here: the profile is a staircase",
-        "(GEMM tiles) and the best choices end a step at a tile's end.",
+        "Why they differ: on the A100 profile a 512-token pass (32 rows x block 16) costs 3.6x a 32-token one",
+        "(Vidur: 1.11 vs 0.31 ms per layer), the verify block is compute bound at C=32; a B200 has 1.8x the",
+        "A100's FLOPs per byte of bandwidth (281 vs 153), so its matrices stay weight bound ~1.8x further.",
+        "A labelled what-if, the A100 profile with its token axis stretched 1.8x and times 3.9x shorter",
+        f"(B200-like, not a profile): {w['speedup_c1']}x -> {w['speedup_c32']}x (decay {w['decay']}). What remains is not",
+        "modelled: the published run's longer generations (attention, which a verify block shares, weighs more",
+        "in the baseline), SGLang's own per-step costs in its target-alone baseline, and the B200 itself.",
     ]
+
+
+def readme(res: dict) -> str:
+    lines = intro(res["settings"]) + criteria_table(res["checks"], "Criteria (issue 28)") + HOW_TO_READ
     for h in res.get("headroom", []):
-        v, m = h["vs_best_fixed"], h["mean_tokens_per_s"]
-        lines += [
-            "",
-            f"## Headroom: A100 {h['model']} tp={h['tp']}, `mixed`, C={h['concurrency']} ({h['seeds']} seeds)",
-            "",
-            "The oracle is the adaptive policy told every row's true acceptance, never probing: the same per-step",
-            "choice with perfect knowledge (no strict bound). Mean tokens/s over the seeds, and the ratio to the",
-            "best fixed block:",
-            "",
-            "| policy | tokens/s | / best fixed | per seed |",
-            "|---|---|---|---|",
-        ]
-        for pol in HEADROOM_POLICIES:
-            if pol in m:
-                seeds = ", ".join(f"{x:.0f}" for x in h["tokens_per_s"][pol])
-                lines.append(f"| {pol} | {m[pol]:.0f} | {v[pol]:.3f} | {seeds} |")
-        if "oracle" in v and "adaptive" in v:
-            lines += [
-                "",
-                f"Adaptive reaches {v['adaptive'] / v['oracle']:.3f}x the oracle. At {h['concurrency']} rows a verify "
-                f"pass of 4 tokens a row costs {h['verify_4_over_1']:.2f}x one",
-                "of 1 token a row (the profile, at 512 tokens cached): the poor rows' wasted drafts in a fixed block",
-                "of 4 cost little, and what a per-row choice can add is the good rows' longer blocks, until the pass",
-                "turns compute bound.",
-            ]
-    cells: dict = {}
-    for r in res["runs"]:
-        cells.setdefault((r["model"], r["tp"], r["workload"]), {}).setdefault(r["concurrency"], {})[r["policy"]] = r
-    for (model, tp, wl), by_c in sorted(cells.items()):
-        lines += [
-            "",
-            f"## A100 {model} tp={tp}, workload `{wl}`: output tokens/s (adaptive's mean block)",
-            "",
-            "| C | " + " | ".join(POLICIES) + " | adaptive / best base |",
-            "|---|" + "---|" * (len(POLICIES) + 1),
-        ]
-        for c in sorted(by_c):
-            cell = by_c[c]
-            base = max(cell[p]["tokens_per_s"] for p in ("none", "fixed-4", "fixed-8", "fixed-16") if p in cell)
-            vals = []
-            for p in POLICIES:
-                if p not in cell:
-                    vals.append("-")
-                    continue
-                v = f"{cell[p]['tokens_per_s']:.0f}"
-                if p == "adaptive":
-                    v += f" ({cell[p]['mean_block']:.1f})"
-                vals.append(v)
-            ratio = cell["adaptive"]["tokens_per_s"] / base if "adaptive" in cell else float("nan")
-            lines.append(f"| {c} | " + " | ".join(vals) + f" | {ratio:.3f} |")
-        lines += [
-            "",
-            "Latency at C=32 and C=256 (TTFT p50 / ITL p50 / ITL p99 ms, goodput req/s):",
-            "",
-            "| C | policy | TTFT p50 | ITL p50 | ITL p99 | goodput |",
-            "|---|---|---|---|---|---|",
-        ]
-        for c in (32, 256):
-            for p in POLICIES:
-                r = by_c.get(c, {}).get(p)
-                if r:
-                    lines.append(
-                        f"| {c} | {p} | {r['ttft_ms']['p50']:.0f} | {r['itl_ms']['p50']:.1f} | "
-                        f"{r['itl_ms']['p99']:.1f} | {r['goodput_rps']:.2f} |"
-                    )
+        lines += headroom_section(h, HEADROOM_POLICIES)
+    lines += throughput_tables(res["runs"], POLICIES)
     if res.get("poisson"):
-        lines += [
-            "",
-            "## Open loop (Poisson), A100 Llama-3-8B tp=1, `paper`",
-            "",
-            "| rate req/s | policy | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | goodput req/s |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in res["poisson"]:
-            lines.append(
-                f"| {r['rate_rps']} | {r['policy']} | {r['tokens_per_s']:.0f} | {r['ttft_ms']['p50']:.0f} | "
-                f"{r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} | {r['itl_ms']['p99']:.1f} | {r['goodput_rps']:.2f} |"
-            )
+        lines += poisson_table(res["poisson"], "Open loop (Poisson), A100 Llama-3-8B tp=1, `paper`")
     cal = res.get("calibration", {})
     if cal.get("cpu"):
-        c = cal["cpu"]
-        lines += [
-            "",
-            "## Calibration (a): this CPU",
-            "",
-            f"The simulator with `make bench-load`'s recorded CPU cost grid and host time per step "
-            f"({1e3 * c['host_step_s']:.2f} ms), the demo pair's recorded per-prompt acceptance (tau at block 8),",
-            f"on the engines-alone stream (C={c['concurrency']}, {c['requests']} requests, {c['osl']} new tokens):",
-            "",
-            "The grid keeps each cell's fastest pass (other agents share the 2 cores); the verify passes of the same",
-            f"benchmark ran at {c['k']}x the grid's price for their shape (its step profile), so the grid is scaled by",
-            "that measured factor; the raw grid's figures are given too.",
-            "",
-            "| mode | simulated tokens/s | measured tokens/s | error | raw grid | raw error |",
-            "|---|---|---|---|---|---|",
-        ]
-        for k, m in c["modes"].items():
-            lines.append(
-                f"| {k} | {m['simulated_tokens_per_s']:.0f} | {m['measured_tokens_per_s']:.0f} | "
-                f"{100 * m['error']:+.1f} % | {m['raw_grid_tokens_per_s']:.0f} | {100 * m['raw_grid_error']:+.1f} % |"
-            )
+        lines += cpu_calibration(cal["cpu"])
     if cal.get("gpu"):
         g = cal["gpu"]
-        lines += [
-            "",
-            "## Calibration (b): the published GPU curve",
-            "",
-            f"Fixed block 16 over the target alone, MATH500-like requests (tau 7.87), {g['osl']} new tokens, A100",
-            f"Llama-3-8B tp=1: {g['speedup_c1']}x at C=1, {g['speedup_c32']}x at C=32 (decay {g['simulated_decay']});",
-            f"SGLang's DFlash on one B200 (Qwen3-8B MATH500): 5.1x -> 2.8x (decay {g['published_decay']}); "
-            f"difference {100 * g['decay_error']:+.0f} %. Adaptive: {g['adaptive_speedup_c1']}x -> "
-            f"{g['adaptive_speedup_c32']}x.",
-            "",
-            "Why they differ: on the A100 profile a 512-token pass (32 rows x block 16) costs 3.6x a 32-token one",
-            "(Vidur: 1.11 vs 0.31 ms per layer), the verify block is compute bound at C=32; a B200 has 1.8x the",
-            "A100's FLOPs per byte of bandwidth (281 vs 153), so its matrices stay weight bound ~1.8x further.",
-            "A labelled what-if, the A100 profile with its token axis stretched 1.8x and times 3.9x shorter",
-            f"(B200-like, not a profile): {g['what_if_b200_like']['speedup_c1']}x -> "
-            f"{g['what_if_b200_like']['speedup_c32']}x (decay {g['what_if_b200_like']['decay']}). What remains is not",
-            "modelled: the published run's longer generations (attention, which a verify block shares, weighs more",
-            "in the baseline), SGLang's own per-step costs in its target-alone baseline, and the B200 itself.",
-        ]
-    lines += [
-        "",
-        "## What the simulation leaves out",
-        "",
-        "CUDA graphs and kernel launch gaps (a pass is its ops' profiled medians plus one named launch constant),",
-        "paged-KV fragmentation and KV capacity limits (every row fits), network jitter and multi-node",
-        "communication (one DGX node's profiled all-reduce), overlap of host work with the GPU, sampling at",
-        "T > 0, chunked prefill (a joining batch's prompts are one pass), Vidur's measured attention kernels",
-        "(absent from the snapshot: attention is a bandwidth/FLOP model), per-position acceptance shape (assumed",
-        "decay 0.99 per position; tau per benchmark exact), and the B200 of the published SGLang curve (no",
-        "profile: A100 is the nearest).",
-        "",
-        "## The attention model's check",
-        "",
-        "FlashAttention-2 (Dao 2023, fig. 4, A100, head dim 128) runs the causal forward pass at 150-200+ TFLOP/s",
-        "for sequences of 1k-16k tokens, so a 2048-token causal prefill at 32 heads (34 GFLOP per layer:",
-        "4 x 32 x 128 x 2048 x 1024.5) takes about 5.5-7.3 ms over 32 layers; the model gives 5.9 ms",
-        "(tests/sim/test_sim.py holds it to that range).",
-        "",
-    ]
-    return "\n".join(lines)
+        lines += gpu_calibration(
+            g, "MATH500-like requests (tau 7.87)", "SGLang's DFlash on one B200 (Qwen3-8B MATH500)"
+        )
+        lines += gpu_why(g)
+    return "\n".join(lines + LEAVES_OUT)
 
 
 def rewrite_readme(out: Path) -> None:

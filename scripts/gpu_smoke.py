@@ -258,8 +258,7 @@ def tp_pair(args, report: Report) -> None:
     why = heads_split(heads, kv, args.tp)
     if why is None:
         return
-    sys.path.insert(0, str(ROOT / "tests"))  # the tiny-model factory (shipped in the gpu image)
-    from tiny_models import make_tiny_drafter, make_tiny_target
+    from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
     root = args.out.parent / f"{args.out.name}-tiny-tp-pair"
     target = make_tiny_target(

@@ -186,7 +186,9 @@ def stage_drafter(args) -> None:
     import shutil
 
     from dflash_trt.models.drafter import DFlashDrafter
-    from dflash_trt.train.drafter import DrafterTrainConfig, regenerate_dataset, train_drafter_from_dirs
+    from dflash_trt.train.data import regenerate_dataset
+    from dflash_trt.train.drafter import train_drafter_from_dirs
+    from dflash_trt.train.drafter_config import DrafterTrainConfig
 
     cfg = DrafterTrainConfig(
         block_size=args.block_size,

@@ -155,10 +155,8 @@ def main(argv=None) -> int:
             print(f"regenerated: {len(data)} sequences, {data.response_tokens} response tokens", flush=True)
 
     if "features" in phases or "train" in phases:
-        from dflash_trt.train.drafter import (
-            DrafterTrainConfig,
-            train_drafter_on_sequences,
-        )
+        from dflash_trt.train.drafter import train_drafter_on_sequences
+        from dflash_trt.train.drafter_config import DrafterTrainConfig
         from dflash_trt.train.regen import SequenceSet
 
         data = SequenceSet.load(regen_dir)

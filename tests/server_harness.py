@@ -39,6 +39,8 @@ def running_server(decoder, **settings):
         server.should_exit = True
         thread.join(15)
         sock.close()
+        if thread.is_alive():  # a test ends the servers it starts: none may outlive it
+            raise RuntimeError("test server still running 15 s after it was told to exit")
 
 
 def server_fixtures(name: str, serve=None):

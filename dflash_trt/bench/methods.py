@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from ..decoding import BatchDecoder
     from ..models.target import CausalLM
 
@@ -198,3 +200,46 @@ def hf_generate_batch(
         )
     new: list[list[int]] = out[:, width:].tolist()
     return new
+
+
+class HFReference:
+    """Hugging Face generate() on a load benchmark's stream of requests (the prompts in order, wrapping), in
+    left-padded batches of C, one batch after the other: the reference each server mode is held against.
+    `requests_for(c)`: how many requests a run at concurrency c sends."""
+
+    name = "hf-generate"
+
+    def __init__(self, target: Path, code_texts: list[str], osl: int, requests_for: Callable[[int], int]):
+        from ..models.target import load_target, load_tokenizer
+
+        self.model = load_target(target, torch.float32)
+        tok = load_tokenizer(target)
+        if tok is None:
+            raise ValueError(f"{target} has no tokenizer")
+        self.code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+        self.osl, self.requests_for = osl, requests_for
+        self._warm: set[tuple[int, float]] = set()
+
+    def run(self, c: int, temp: float) -> dict[str, Any]:
+        n_req = self.requests_for(c)
+        stream = [self.code[i % len(self.code)] for i in range(n_req)]
+        if (c, temp) not in self._warm:  # warm-up at this shape, not timed
+            hf_generate_batch(self.model, stream[:c], self.osl, self.pad, temp)
+            self._warm.add((c, temp))
+        t0 = time.perf_counter()
+        tokens = 0
+        for start in range(0, n_req, c):
+            tokens += sum(
+                len(o) for o in hf_generate_batch(self.model, stream[start : start + c], self.osl, self.pad, temp)
+            )
+        secs = time.perf_counter() - t0
+        return {
+            "mode": self.name,
+            "concurrency": c,
+            "temperature": temp,
+            "requests": n_req,
+            "tokens": tokens,
+            "seconds": round(secs, 2),
+            "tokens_per_s": round(tokens / secs, 1),
+        }

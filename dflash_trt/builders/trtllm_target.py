@@ -256,9 +256,6 @@ def launch_command(engines_dir: str | Path, tp: int, argv: list[str]) -> list[st
     return cmd if tp == 1 else ["mpirun", "-n", str(tp), "--allow-run-as-root", *cmd]
 
 
-serve_command = launch_command  # the name earlier callers used
-
-
 def spec_from_checkpoints(
     target_dir: str | Path,
     drafter_dir: str | Path,

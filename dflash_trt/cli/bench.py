@@ -21,10 +21,7 @@ SMOKE = dict(
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ..bench.prompts import PROMPT_SETS
-    from ..bench.runner import FAMILIES
-    from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
-    from .options import add_device_args, finite_float, positive_int
+    from .options import add_device_args
 
     p = sub.add_parser(
         "bench",
@@ -37,6 +34,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "memory and the theoretical ceiling; checks greedy outputs equal the baseline's (exit 1 on a mismatch). "
         "Writes a Markdown table to stdout, results.json and PNG plots to --out.",
     )
+    _model_args(p)
+    _workload_args(p)
+    add_device_args(p)
+    _peer_args(p)
+    _run_args(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    """The target, the drafter and the peers' draft models."""
+    from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
+
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
     p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
     p.add_argument(
@@ -54,6 +63,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="an exported ONNX drafter folder (e.g. engines/drafter-onnx); default: export the "
         "drafter into a scratch folder at start",
     )
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    """What runs: output folder, methods, block sizes, sampling, prompts and repetitions."""
+    from ..bench.prompts import PROMPT_SETS
+    from ..bench.runner import FAMILIES
+    from .options import finite_float, positive_int
+
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder (default results/bench)")
     p.add_argument(
         "--methods",
@@ -111,7 +128,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="CPU threads for torch and onnxruntime (default: torch's choice)",
     )
-    add_device_args(p)
+
+
+def _peer_args(p: argparse.ArgumentParser) -> None:
+    """The HF peers' own settings: prompt lookup and assisted generation."""
+    from .options import positive_int
+
     p.add_argument(
         "--prompt-lookup-tokens",
         type=positive_int,
@@ -130,6 +152,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="num_assistant_tokens for assisted generation (default: HF's default and schedule)",
     )
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    """The ceiling's timing, the equality check, the time budget, output and the profile mode."""
+    from .options import finite_float, positive_int
+
     p.add_argument(
         "--timing-reps",
         type=positive_int,
@@ -172,7 +200,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "rollback, Python overhead), write profile.json to --out and print it",
     )
     p.add_argument("--profile-tokens", type=positive_int, default=128, help="new tokens in the profiled run")
-    p.set_defaults(func=cmd_bench)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -9,8 +9,14 @@ from typing import NoReturn
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ..settings import REPO_ROOT
-    from .options import add_model_args, positive_int
+    _register_export_drafter(sub)
+    _register_build_drafter(sub)
+    _register_build_target(sub)
+    _register_engines(sub)
+
+
+def _register_export_drafter(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .options import add_model_args
 
     p = sub.add_parser(
         "export-drafter",
@@ -23,6 +29,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--out", type=Path, required=True, help="output folder")
     p.add_argument("--no-fp16", action="store_true", help="skip the fp16 graph")
     p.set_defaults(func=cmd_export_drafter)
+
+
+def _register_build_drafter(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .options import positive_int
 
     p = sub.add_parser(
         "build-drafter",
@@ -53,6 +63,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="largest n (new context tokens per call; the prefill passes the whole prompt) (default: max context)",
     )
     p.set_defaults(func=cmd_build_drafter)
+
+
+def _register_build_target(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .options import add_model_args, positive_int
 
     p = sub.add_parser(
         "build-target",
@@ -95,6 +109,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--dry-run", action="store_true", help="print the plan and the launch line only")
     p.set_defaults(func=cmd_build_target)
+
+
+def _register_engines(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ..settings import REPO_ROOT
+    from .options import positive_int
 
     p = sub.add_parser(
         "engines",

@@ -37,9 +37,6 @@ def _drain_seconds(text: str) -> float:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ..settings import DEMO_DRAFTER, DEMO_TARGET
-    from .options import add_device_args, non_negative_int, positive_int
-
     p = sub.add_parser(
         "serve",
         help="serve the models over HTTP (native /generate and OpenAI-compatible endpoints)",
@@ -59,6 +56,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "Rank 0 runs the HTTP server and the loop; the other ranks only serve the engine (TensorRT-LLM leader mode).\n"
         "A GPU without TensorRT: dflash-trt serve --device cuda --dtype bf16 (PyTorch engines on the GPU).",
     )
+    from .options import add_device_args
+
+    src = _model_args(p)
+    _block_args(p)
+    add_device_args(src)  # listed after the block-size flags in the usage line
+    _network_args(p)
+    _limit_args(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The models group (the device flags join it later)."""
+    from ..settings import DEMO_DRAFTER, DEMO_TARGET
+
     src = p.add_argument_group("models (default: the demo models)")
     src.add_argument(
         "--target",
@@ -79,6 +90,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter",
     )
     src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
+    return src
+
+
+def _block_args(p: argparse.ArgumentParser) -> None:
+    from .options import positive_int
+
     blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
     one = blk.add_mutually_exclusive_group()
     one.add_argument(
@@ -96,7 +113,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
     )
-    add_device_args(src)
+
+
+def _network_args(p: argparse.ArgumentParser) -> None:
     net = p.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     net.add_argument(
@@ -115,6 +134,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     net.add_argument(
         "--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)"
     )
+
+
+def _limit_args(p: argparse.ArgumentParser) -> None:
+    from .options import non_negative_int, positive_int
+
     lim = p.add_argument_group("limits")
     lim.add_argument(
         "--max-active",
@@ -160,7 +184,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "end every rank at once (deploy/README.md)",
     )
     lim.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -84,7 +84,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 
     from ..models.target import load_target, load_tokenizer
     from ..train.common import training_device
-    from ..train.drafter import DrafterTrainConfig, load_training_sequences, train_drafter_from_dirs
+    from ..train.data import load_training_sequences
+    from ..train.drafter import train_drafter_from_dirs
+    from ..train.drafter_config import DrafterTrainConfig
     from .options import CliError
 
     if args.threads:

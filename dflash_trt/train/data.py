@@ -1,10 +1,12 @@
 """Training data: a code corpus every machine has (the Python standard library), its held-out
-split, a byte-level BPE tokenizer, and token windows."""
+split, a byte-level BPE tokenizer, token windows, and the fixed-length training data the CLI and the demo
+script cut from a corpus."""
 
 from __future__ import annotations
 
 import hashlib
 import sysconfig
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +16,9 @@ import torch
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+    from ..models.target import CausalLM
+    from .regen import SequenceSet
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
@@ -97,3 +102,70 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) ->
 def random_windows(tokens: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist()
     return torch.from_numpy(np.stack([tokens[s : s + length].astype(np.int64) for s in starts]))
+
+
+def corpus_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> torch.Tensor:
+    """`n` prompts of `length` tokens cut at seeded random places of the corpus."""
+    return random_windows(tokens, n, length, torch.Generator().manual_seed(seed))
+
+
+def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:
+    n = len(tokens) // length
+    return tokens[: n * length].reshape(n, length)
+
+
+def load_training_sequences(
+    data: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    seq_len: int,
+    regenerate_with: CausalLM | None = None,
+    n_sequences: int = 512,
+    prompt_len: int = 64,
+    temperature: float = 0.0,
+) -> np.ndarray | SequenceSet:
+    """`data`: a .npy of token sequences, regenerated responses (a .npz or a folder of shard-*.npz from
+    `train.regen`: anchors in the responses only), or text (file, folder, 'stdlib'). With
+    `regenerate_with` (the target), prompts cut from the text are continued by the target itself."""
+    from .regen import SequenceSet, regenerate  # imported here: regen's prompts module imports this one
+
+    if str(data).endswith(".npy"):
+        rows: np.ndarray = np.load(data)
+        return rows
+    if str(data).endswith(".npz") or (Path(data).is_dir() and any(Path(data).glob("shard-*.npz"))):
+        return SequenceSet.load(Path(data))
+    if tokenizer is None:
+        raise ValueError(f"training on text ({data}) needs the target's tokenizer; the target folder has none")
+    tokens = tokenize_corpus(tokenizer, read_texts(text_files(data)))
+    if regenerate_with is None:
+        return corpus_sequences(tokens, seq_len)
+    prompts = corpus_prompts(tokens, n_sequences, prompt_len)
+    return regenerate(regenerate_with, prompts, max(seq_len - prompt_len, 1), temperature)
+
+
+def regenerate_dataset(
+    target_dir: Path,
+    out: Path,
+    n_sequences: int,
+    prompt_len: int,
+    new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 1,
+    device: str = "cpu",
+    batch: int = 32,
+) -> None:
+    """For the demo: prompts from the training split of the stdlib corpus, continued by the target."""
+    from ..models.target import load_target, load_tokenizer
+    from .regen import regenerate
+
+    target = load_target(target_dir, device=device)
+    tok = load_tokenizer(target_dir)
+    if tok is None:
+        raise ValueError(f"{target_dir} has no tokenizer")
+    cached = out.parent / "train.npy"
+    tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
+    prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
+    t = time.perf_counter()
+    seqs = regenerate(target, prompts, new_tokens, temperature, batch=batch)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, seqs.astype(np.uint16 if len(tok) < 65536 else np.int32))
+    print(f"regenerated {seqs.shape[0]} sequences x {seqs.shape[1]} tokens in {time.perf_counter() - t:.0f}s")

@@ -110,13 +110,17 @@ def generate_batch(
     pad_id: int,
     temperature: float = 0.0,
 ) -> list[list[int]]:
-    """Left-padded batched generation with an attention mask; the responses, cut at the first stop."""
+    """Left-padded batched generation with an attention mask; the responses, cut at the first stop. With
+    no `stops` every row runs its whole budget: fixed-length continuations, kept as generated."""
     width = max(len(e) for e in encoded)
     ids = torch.full((len(encoded), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for r, e in enumerate(encoded):
         ids[r, width - len(e) :] = torch.tensor(e)
         mask[r, width - len(e) :] = 1
+    length: dict[str, Any] = (
+        {"eos_token_id": stops} if stops else {"eos_token_id": None, "min_new_tokens": max_new_tokens}
+    )
     out = target.generate(
         ids.to(target.device),
         attention_mask=mask.to(target.device),
@@ -125,10 +129,27 @@ def generate_batch(
         temperature=temperature if temperature > 0 else None,
         top_p=None,
         top_k=None,
-        eos_token_id=stops,
         pad_token_id=pad_id,
+        **length,
     )
-    return [cut_response(row.tolist(), set(stops), pad_id) for row in out[:, width:].cpu()]
+    rows = out[:, width:].cpu()
+    if not stops:
+        return [row.tolist() for row in rows]
+    return [cut_response(row.tolist(), set(stops), pad_id) for row in rows]
+
+
+def regenerate(
+    target: CausalLM, prompts: torch.Tensor, new_tokens: int, temperature: float = 0.0, batch: int = 32, seed: int = 0
+) -> np.ndarray:
+    """The target's own fixed-length continuations of equal-length prompts [N, prompt_len] (the CLI's and
+    the demo's data, cut from a text corpus): [N, prompt_len + new_tokens]."""
+    torch.manual_seed(seed)
+    outs = []
+    for i in tqdm(range(0, prompts.shape[0], batch), desc="regenerate", unit="batch"):
+        chunk = prompts[i : i + batch].tolist()
+        responses = generate_batch(target, chunk, new_tokens, [], pad_id=0, temperature=temperature)
+        outs.append(np.asarray([p + r for p, r in zip(chunk, responses)], dtype=np.int64))
+    return np.concatenate(outs)
 
 
 def regenerate_prompts(

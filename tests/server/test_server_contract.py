@@ -57,6 +57,8 @@ def serving(decoder, on_listening=None, **settings):
         sock.close()
         logger.removeHandler(handler)
         logger.setLevel(level)
+        if thread.is_alive():  # a test ends the servers it starts: none may outlive it
+            raise RuntimeError("test server still running 15 s after it was told to exit")
 
 
 models, decoder, server = server_fixtures("contract", serve=serving)

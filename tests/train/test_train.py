@@ -8,16 +8,11 @@ import torch
 from tiny_models import make_tiny_target
 
 from dflash_trt.models.drafter import DFlashDrafter
-from dflash_trt.train.drafter import (
-    DrafterTrainConfig,
-    block_sparse_mask,
-    build_blocks,
-    drafter_loss,
-    new_drafter_for,
-    position_weights,
-    sample_anchors,
-    train_drafter,
-)
+from dflash_trt.train.blocks import block_sparse_mask, build_blocks, position_weights, sample_anchors
+from dflash_trt.train.checkpoints import new_drafter_for
+from dflash_trt.train.drafter import train_drafter
+from dflash_trt.train.drafter_config import DrafterTrainConfig
+from dflash_trt.train.loss import drafter_loss
 
 
 def test_mask_is_block_sparse():
@@ -157,7 +152,7 @@ def _regen_set(seed=1, n=3, vocab=60):
 
 
 def test_target_features_stop_at_the_deepest_layer_and_match_hidden_states():
-    from dflash_trt.train.drafter import target_hidden
+    from dflash_trt.train.features import target_hidden
 
     target = make_tiny_target(vocab_size=64, layers=6, seed=2)
     tokens = torch.randint(0, 60, (2, 12))
@@ -177,7 +172,7 @@ def test_target_features_stop_at_the_deepest_layer_and_match_hidden_states():
 def test_feature_cache_extends_when_more_sequences_are_regenerated(tmp_path):
     """Regenerating more prompts appends shards: the cache keeps what it holds and computes only the new
     sequences; any other change (here: the first sequences differ) rebuilds it."""
-    from dflash_trt.train.drafter import FeatureCache
+    from dflash_trt.train.features import FeatureCache
     from dflash_trt.train.regen import SequenceSet
 
     target = make_tiny_target(vocab_size=64, layers=4, seed=2)
@@ -217,7 +212,8 @@ def test_feature_cache_extends_when_more_sequences_are_regenerated(tmp_path):
 
 
 def test_feature_cache_is_written_once_and_gives_the_same_loss(tmp_path):
-    from dflash_trt.train.drafter import FeatureCache, pad_batch
+    from dflash_trt.train.blocks import pad_batch
+    from dflash_trt.train.features import FeatureCache
 
     target = make_tiny_target(vocab_size=64, layers=4, seed=2)
     cfg = DrafterTrainConfig(block_size=4, num_layers=1, anchors_per_seq=5, bf16=False, kd_weight=0.5)
@@ -251,7 +247,7 @@ def test_feature_cache_is_written_once_and_gives_the_same_loss(tmp_path):
 
 
 def test_unwritable_feature_cache_says_so_loudly(tmp_path, capsys):
-    from dflash_trt.train.drafter import open_feature_cache
+    from dflash_trt.train.features import open_feature_cache
 
     target = make_tiny_target(vocab_size=64, layers=4, seed=2)
     drafter = new_drafter_for(target, DrafterTrainConfig(block_size=4, num_layers=1), mask_token_id=63)
@@ -263,7 +259,7 @@ def test_unwritable_feature_cache_says_so_loudly(tmp_path, capsys):
 
 def test_chunked_loss_equals_the_full_logits_loss():
     """Chunked lm_head + CE + KD (teacher at the used positions only) == the plain full-vocabulary formula."""
-    from dflash_trt.train.drafter import chunked_loss
+    from dflash_trt.train.loss import chunked_loss
 
     target = make_tiny_target(vocab_size=64, layers=4, seed=3)
     drafter = new_drafter_for(target, DrafterTrainConfig(block_size=4, num_layers=1), mask_token_id=63)

@@ -55,6 +55,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     g.add_argument("--no-draft", action="store_true", help="run the target alone (autoregressive baseline)")
     g.add_argument(
+        "--no-heal-prompt",
+        action="store_true",
+        help="keep a --prompt's last token as encoded; by default, when the tokenizer could have merged it with "
+        "what follows (a prompt ending in a newline), it is backed up and the first generated token must start "
+        "with its text (token healing; --input-ids are never healed)",
+    )
+    g.add_argument(
         "--engines",
         type=Path,
         default=None,
@@ -86,6 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             acceptance=args.acceptance,
             stop_token_ids=decoder.default_stop_ids(),
             stop_strings=tuple(args.stop),
+            heal_prompt=args.prompt is not None and not args.no_heal_prompt,
         )
         [result] = decoder.generate([prompt], config)
     except (InputError, ValueError) as e:

@@ -20,11 +20,14 @@ class Tokenizer(Protocol):
 
 
 class IncrementalDetokenizer:
-    """The text of a token sequence that grows at its end (special tokens skipped)."""
+    """The text of a token sequence that grows at its end (special tokens skipped), less `skip`: a leading text
+    the sequence starts with that the reader already has (a healed prompt's removed text, healing.py)."""
 
-    def __init__(self, tokenizer: Tokenizer, token_ids: Iterable[int] = ()):
+    def __init__(self, tokenizer: Tokenizer, token_ids: Iterable[int] = (), skip: str = ""):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
+        self._skip = len(skip)
+        self._full = ""  # stable text of the whole sequence, `skip` included
         self.text = ""  # stable text: later tokens cannot change it
         self.offsets: list[int] = []  # len(text) once each token was added
         self._prefix = 0  # ids[_prefix:_read] are the context whose text is already in `text`
@@ -42,7 +45,8 @@ class IncrementalDetokenizer:
             before = self._decode(self.ids[self._prefix : self._read])
             now = self._decode(self.ids[self._prefix :])
             if len(now) > len(before) and not now.endswith(REPLACEMENT):
-                self.text += now[len(before) :]
+                self._full += now[len(before) :]
+                self.text = self._full[self._skip :]
                 self._prefix, self._read = self._read, len(self.ids)
             self.offsets.append(len(self.text))
         return self.text[start:]
@@ -50,7 +54,7 @@ class IncrementalDetokenizer:
     def final_text(self) -> str:
         """The whole text once the sequence has ended: any held-back partial character included."""
         tail = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
-        return self.text + tail
+        return (self._full + tail)[self._skip :]
 
     def tokens_to_reach(self, end: int) -> int:
         """The fewest leading tokens whose stable text is at least `end` characters long."""

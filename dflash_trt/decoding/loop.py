@@ -41,6 +41,7 @@ from ..runtime.base import (
 )
 from .acceptance import Proposal, acceptance_rule
 from .detokenizer import IncrementalDetokenizer
+from .healing import Healing, PromptHealer
 from .policy import BlockPolicy, FixedBlocks
 from .request import (
     GenerationConfig,
@@ -70,13 +71,15 @@ class BatchRow:
         tokenizer: Any,
         can_draft: bool,
         clock: Callable[[], float],
+        healing: Healing | None = None,
     ):
-        self.id, self.prompt_ids, self.config = rid, prompt_ids, config
+        self.id, self.prompt_ids, self.config, self.healing = rid, prompt_ids, config, healing
         self.params = config.sampling
         self.sampled = not self.params.greedy  # the row's sampling regime (greedy and sampled rows accept differently)
         self.generator = self.params.generator()
         self.rule = acceptance_rule(config.acceptance, self.params, self.generator)
-        self.detokenizer = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
+        skip = healing.text if healing is not None else ""
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip=skip) if tokenizer is not None else None
         self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.can_draft = can_draft
         self.target_row: int | None = None
@@ -110,9 +113,11 @@ class BatchRow:
 
     def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits as this request sees them (penalties, logit_bias, min_tokens): row i after the
-        committed tokens + draft[:i] (exact, since row i only counts if draft[:i] is accepted)."""
+        committed tokens + draft[:i] (exact, since row i only counts if draft[:i] is accepted). A healed
+        prompt's first token is constrained (healing.py)."""
         adjust = self.config.adjust
-        return logits if adjust is None else adjust.apply(logits, self.generated, draft)
+        out = logits if adjust is None else adjust.apply(logits, self.generated, draft)
+        return self.healing.constrain(out) if self.healing is not None and not self.generated else out
 
     def result(self) -> GenerationResult:
         if not self.done:
@@ -167,6 +172,10 @@ class BatchDecoder:
         return self.drafter.new_session() if self.drafter is not None else None
 
     # ---- text ---------------------------------------------------------------------------
+    @cached_property
+    def healer(self) -> PromptHealer:
+        return PromptHealer(self.tokenizer)
+
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
             raise InputError("this target has no tokenizer: pass token ids instead of text")
@@ -190,9 +199,12 @@ class BatchDecoder:
         Touches no engine and no shared state: safe from any thread."""
         prompt = [int(t) for t in prompt_ids]
         validate_request(prompt, config, self.target, self.drafter)
+        healing = None
+        if config.heal_prompt and self.tokenizer is not None:
+            prompt, healing = self.healer.heal(prompt)
         size = config.block_size or self.block_size
         can_draft = self.drafter is not None and size != 1
-        row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft, self.clock)
+        row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft, self.clock, healing)
         row.stats.block_size = size if can_draft else 1
         return row
 

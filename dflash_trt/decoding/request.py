@@ -33,6 +33,9 @@ class GenerationConfig:
     stop_strings: tuple[str, ...] = ()
     drafter_fallback: bool = False  # if the drafter raises, go on with the target alone (a server keeps serving)
     adjust: LogitsAdjustment | None = None  # penalties, logit_bias, min_tokens: on the target's logits
+    # back up the prompt's last token when the tokenizer would have merged it with what follows (healing.py);
+    # for prompts encoded from text, never for token ids the client chose
+    heal_prompt: bool = False
 
 
 @dataclass

@@ -29,8 +29,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-def generation_config(server: Server, body: RequestBody, max_tokens: int, temperature: float) -> GenerationConfig:
-    """The decoder's config for a request; nulls mean the defaults."""
+def generation_config(
+    server: Server, body: RequestBody, max_tokens: int, temperature: float, text_prompt: bool = False
+) -> GenerationConfig:
+    """The decoder's config for a request; nulls mean the defaults. A text prompt (`text_prompt`) is healed
+    unless the request says `heal_prompt: false`."""
     eos = server.decoder.default_stop_ids()
     return GenerationConfig(
         max_new_tokens=max_tokens,
@@ -39,6 +42,7 @@ def generation_config(server: Server, body: RequestBody, max_tokens: int, temper
         stop_token_ids=() if body.ignore_eos else eos,
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,
+        heal_prompt=text_prompt and getattr(body, "heal_prompt", None) is not False,
         adjust=LogitsAdjustment.of(
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             presence_penalty=_or(body.presence_penalty, 0.0),

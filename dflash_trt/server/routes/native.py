@@ -78,7 +78,7 @@ async def generate(body: GenerateRequest, request: Request, server: ServerDep) -
         server,
         body,
         lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
-        lambda n: generation_config(server, body, body.max_tokens, body.temperature),
+        lambda n: generation_config(server, body, body.max_tokens, body.temperature, body.prompt is not None),
         prompt_param="prompt" if body.prompt is not None else "input_ids",
     )
     if not body.stream:

@@ -63,7 +63,11 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
         body,
         lambda: decoder.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt],
         lambda n: generation_config(
-            server, body, _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n), _temperature(body)
+            server,
+            body,
+            _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n),
+            _temperature(body),
+            text_prompt=isinstance(prompt, str),
         ),
         prompt_param="prompt",
     )

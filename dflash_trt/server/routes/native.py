@@ -27,8 +27,18 @@ def router(models: RequestModels) -> APIRouter:
         GenerateRequest = models.generate
     r = APIRouter()
 
-    @r.get("/health", response_model=Health, summary="alive (answers even without the API key and while draining)")
-    async def health() -> dict[str, str]:
+    @r.get(
+        "/health",
+        response_model=Health,
+        responses=errors(503),
+        summary="alive (answers even without the API key and while draining); 503 when decoding stalled",
+    )
+    async def health(server: ServerDep) -> dict[str, str] | JSONResponse:
+        limit, stalled = server.settings.health_stall_s, server.orchestrator.stalled_for()
+        if limit > 0 and stalled > limit:
+            return error_response(
+                503, f"no decoding step ended for {stalled:.0f} s while requests wait", "server_error", code="stalled"
+            )
         return {"status": "ok"}
 
     @r.get("/ready", response_model=Ready, responses=errors(401, 503), summary="engines loaded and not draining")

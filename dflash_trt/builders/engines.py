@@ -264,6 +264,24 @@ def _build_trt(ctx: BuildContext, folder: Path) -> dict[str, Any]:
     return {"shapes": read_plan_manifest(folder)["profile"]}
 
 
+def gpu_arch() -> str | None:
+    """The GPUs' compute capabilities ("sm_90"): a TensorRT-LLM engine runs only on the architecture it was built
+    for, so the target's key holds it (an engines volume shared by nodes of two GPU generations rebuilds)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        return ",".join(f"sm_{major}{minor}" for major, minor in caps)
+    except Exception:  # noqa: BLE001 - no usable CUDA: the step is skipped before its key matters
+        return None
+
+
+def _trtllm_versions() -> dict[str, Any]:
+    return versions("tensorrt_llm", "tensorrt") | {"gpu_arch": gpu_arch()}
+
+
 def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
     cfg = ctx.cfg
     return (
@@ -330,7 +348,7 @@ STEPS = (
         "target",
         TARGET_TRTLLM_DIR,
         True,
-        lambda: versions("tensorrt_llm", "tensorrt"),
+        _trtllm_versions,
         _trtllm_key,
         _build_trtllm,
     ),

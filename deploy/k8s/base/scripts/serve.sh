@@ -27,7 +27,8 @@ read -r -a EXTRA <<< "${DFLASH_SERVE_ARGS:-}"
 SERVE=("${EXE[@]}" serve --engines "$ENGINES" --host 0.0.0.0 --port "${PORT:-8000}"
        --drain-timeout "${DRAIN_TIMEOUT:-120}" --health-stall-seconds "${HEALTH_STALL_S:-300}"
        --pid-file "${DFLASH_PID_FILE:-$RUN/serve.pid}" "${EXTRA[@]}")
-MPI_PREFIX="${DFLASH_MPI_PREFIX:-/opt/hpcx/ompi}"
+# where the image's Open MPI lives (the Dockerfile records it; NVIDIA's images: /opt/hpcx/ompi)
+MPI_PREFIX="${DFLASH_MPI_PREFIX:-$(cat /etc/dflash-mpi-prefix 2>/dev/null || echo /opt/hpcx/ompi)}"
 SSH_PORT="${DFLASH_SSH_PORT:-2222}"
 SSH_SECRET="${DFLASH_SSH_SECRET:-/etc/dflash-ssh}"   # the Secret's mount: id_ed25519, authorized_keys
 SSHD_DIR="${DFLASH_SSHD_DIR:-/run/dflash-sshd}"      # every parent root-owned, not group/world writable

@@ -37,8 +37,8 @@ TAG = f"dfl{os.getpid() % 100000}"
 NS = {"leader": f"{TAG}l", "worker": f"{TAG}w"}
 SUBNET = "10.241.17"
 ADDR = {"leader": f"{SUBNET}.1", "worker": f"{SUBNET}.2"}
-# what LWS gives the pods of group 0 of a LeaderWorkerSet `dflash-trt` in namespace `ns`
-HOST = {"leader": "dflash-trt-0.dflash-trt.ns", "worker": "dflash-trt-0-1.dflash-trt.ns"}
+# what LWS gives the pods of group 0 of the LeaderWorkerSet `dflash-trt-group` in namespace `ns`
+HOST = {"leader": "dflash-trt-group-0.dflash-trt-group.ns", "worker": "dflash-trt-group-0-1.dflash-trt-group.ns"}
 CLONE_NEWNET = 0x40000000
 
 pytestmark = pytest.mark.timeout(240)
@@ -266,7 +266,7 @@ def test_leader_and_worker_namespaces_serve_and_drain_together(group):
     ranks = {e["rank"]: e for e in group.events("fake_rank")}
     assert sorted(ranks) == [0, 1]
     hosts = {e["rank"]: e["host"] for e in group.events("fake_rank")}
-    assert hosts == {0: "dflash-trt-0", 1: "dflash-trt-0-1"}  # rank 1 really ran in the worker's namespace
+    assert hosts == {0: "dflash-trt-group-0", 1: "dflash-trt-group-0-1"}  # rank 1 really ran in the worker's namespace
     pid_file = group.run_dir / "serve.pid"
     assert int(pid_file.read_text()) == ranks[0]["pid"]
     prestop = subprocess.run(

@@ -300,3 +300,47 @@ def test_a_killed_worker_rank_fails_ready_and_ends_the_job(group):
         time.sleep(0.1)
     code = group.leader.proc.wait(90)
     assert code != 0, group.logs()
+
+
+def test_sshd_refuses_the_secret_mount_itself(netns, secret, tmp_path):
+    """Negative control for the worker's copy: sshd with StrictModes on, pointed at the Secret-like folder itself
+    (its files behind symlinks, in a world-writable tree like a pod's volume mounts), refuses the key that serve.sh's
+    root-owned 0600 copy lets in (the leader's login in the tests above)."""
+    _tools()
+    folder = Path(f"/run/{TAG}-control-sshd")
+    folder.mkdir(mode=0o700)
+    log = tmp_path / "sshd.log"
+    sshd = None
+    try:
+        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(folder / "host"))
+        (folder / "sshd_config").write_text(
+            f"Port 2223\nHostKey {folder / 'host'}\nAuthorizedKeysFile {secret / 'authorized_keys'}\n"
+            "PermitRootLogin prohibit-password\nPasswordAuthentication no\nStrictModes yes\nUsePAM no\n"
+        )
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)
+        with open(log, "wb") as f:
+            sshd = subprocess.Popen(
+                ["ip", "netns", "exec", NS["worker"], "/usr/sbin/sshd", "-D", "-e", "-f", str(folder / "sshd_config")],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        key = folder / "id"
+        shutil.copy(secret / "id_ed25519", key)
+        key.chmod(0o600)
+        ssh = ["ip", "netns", "exec", NS["leader"], "ssh", "-p", "2223", "-i", str(key), "-o", "BatchMode=yes"]
+        ssh += ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null", "-o", "ConnectTimeout=5"]
+        end = time.monotonic() + 20
+        while True:
+            r = subprocess.run([*ssh, ADDR["worker"], "true"], capture_output=True, text=True, timeout=30)
+            if "Connection refused" not in r.stderr or time.monotonic() > end:
+                break
+            time.sleep(0.2)
+        assert r.returncode != 0 and "Permission denied" in r.stderr, r.stderr
+        assert "bad ownership or modes" in log.read_text(), log.read_text()  # StrictModes, not a wrong key
+    finally:
+        if sshd is not None and sshd.poll() is None:
+            os.killpg(sshd.pid, signal.SIGKILL)
+            sshd.wait(30)
+        _kill_namespace_processes()
+        shutil.rmtree(folder, ignore_errors=True)

@@ -65,3 +65,41 @@ def test_run_plan_removes_the_converted_checkpoint(tmp_path, monkeypatch):
     assert not spec.checkpoint_dir.exists()
     assert sorted(p.name for p in spec.engine_dir.iterdir()) == sorted(plan.engine_files)
     assert json.loads((spec.out_dir / trtllm_target.TARGET_META_FILE).read_text())["tp"] == 2
+
+
+def test_a_start_with_unchanged_files_reads_no_file_and_a_touched_one_is_hashed_not_rebuilt(tmp_path, monkeypatch):
+    """The manifest records each checkpoint's and engine folder's stamp (names, sizes, mtimes): a rerun whose stamps
+    match reuses the recorded hashes without reading a byte (a 70B checkpoint plus its engine: about 420 GB); a
+    touched file (another mtime, same bytes) costs one hash and no build, and its new stamp is recorded."""
+    import os
+
+    from dflash_trt.builders import hashing
+
+    make_tiny_pair(tmp_path / "ckpt", vocab_size=64)
+    (tmp_path / "engines.toml").write_text('target = "ckpt/target"\ndrafter = "ckpt/drafter"\n')
+    cfg = read_config(tmp_path / "engines.toml", tmp_path)
+    first, report = engines.build_engines(cfg, log=lambda *_: None)
+    assert report.built == ["drafter_onnx"]
+
+    def no_reading(*_a, **_k):
+        raise AssertionError("a file was hashed on a start whose stamps match")
+
+    with monkeypatch.context() as m:
+        m.setattr(engines, "tree_sha256", no_reading)
+        m.setattr(engines, "file_sha256", no_reading)
+        again, report = engines.build_engines(cfg, log=lambda *_: None)
+    assert report.unchanged == ["drafter_onnx"] and again == first
+
+    weights = next((tmp_path / "ckpt" / "target").glob("*.safetensors"))
+    onnx = next((cfg.output / "drafter-onnx").glob("*.onnx"))
+    for path in (weights, onnx):
+        os.utime(path, (1, 1))  # the same bytes, another mtime
+    hashed: list[str] = []
+    real = hashing.tree_sha256
+    monkeypatch.setattr(engines, "tree_sha256", lambda p: hashed.append(str(p)) or real(p))
+    third, report = engines.build_engines(cfg, log=lambda *_: None)
+    assert report.unchanged == ["drafter_onnx"] and report.built == []  # hashed again, not rebuilt
+    assert hashed == [str(cfg.target)]  # the drafter checkpoint's stamp still matched
+    assert third["sources"]["target"]["sha256"] == first["sources"]["target"]["sha256"]
+    assert third["sources"]["target"]["stamp"] != first["sources"]["target"]["stamp"]
+    assert third["engines"]["drafter_onnx"]["stamp"] != first["engines"]["drafter_onnx"]["stamp"]

@@ -76,8 +76,9 @@ def test_a_start_with_unchanged_files_reads_no_file_and_a_touched_one_is_hashed_
     from dflash_trt.builders import hashing
 
     make_tiny_pair(tmp_path / "ckpt", vocab_size=64)
-    (tmp_path / "engines.toml").write_text('target = "ckpt/target"\ndrafter = "ckpt/drafter"\n')
+    (tmp_path / "engines.toml").write_text('target = "ckpt/target"\ndrafter = "ckpt/drafter"\noutput = "engines"\n')
     cfg = read_config(tmp_path / "engines.toml", tmp_path)
+    assert cfg.output == tmp_path / "engines"
     first, report = engines.build_engines(cfg, log=lambda *_: None)
     assert report.built == ["drafter_onnx"]
 

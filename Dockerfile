@@ -28,6 +28,14 @@ CMD ["make", "demo"]
 
 # ---- GPU: TensorRT plans + tensor-parallel TensorRT-LLM target, served over HTTP -----------------
 FROM ${TRITON_TRTLLM_IMAGE} AS gpu
+# The launcher of multi-node groups (deploy/k8s/base/scripts/serve.sh): sshd on the workers, ssh on the leader
+# (/run/sshd: sshd's privilege separation folder, as kubeflow/mpi-operator's build/base/Dockerfile makes it). The
+# image records where its Open MPI lives (/opt/hpcx/ompi in NVIDIA's images) for `mpirun --prefix`, and the build
+# fails if there is none: the ssh sessions on other nodes find orted only through that prefix.
+RUN apt-get update && apt-get install -y --no-install-recommends openssh-server openssh-client && \
+    rm -rf /var/lib/apt/lists/* && mkdir -p /run/sshd && \
+    dirname "$(dirname "$(readlink -f "$(command -v mpirun)")")" > /etc/dflash-mpi-prefix && \
+    test -x "$(cat /etc/dflash-mpi-prefix)/bin/orted" && cat /etc/dflash-mpi-prefix
 WORKDIR /app
 COPY pyproject.toml README.md Makefile engines.toml constraints-cpu.txt ./
 COPY dflash_trt ./dflash_trt
@@ -46,6 +54,7 @@ RUN python3 scripts/container_pins.py > /tmp/container-pins.txt && cat /tmp/cont
     ln -s "$(command -v dflash-trt)" .venv/bin/dflash-trt && touch .venv/.installed
 ENV DFLASH_TRT_MODELS=/app/models
 EXPOSE 8000
-# Engines depend on the GPU they run on, so they are built at start (hash-checked: a restart rebuilds nothing);
+# Engines depend on the GPU they run on, so they are built at start (keyed by their inputs and the GPU
+# architecture: a restart rebuilds nothing);
 # with tp > 1 in engines.toml the server runs under `mpirun -n tp` (scripts/container_serve.sh).
 CMD ["scripts/container_serve.sh"]

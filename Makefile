@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env demo eval engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -82,7 +82,13 @@ $(MPI_STAMP): $(STAMP)
 	$(BIN)/python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 	touch $(MPI_STAMP)
 
-test: venv triton-env deploy-env mpi-env
+# A real sshd for the two-namespace launch test (tests/deploy/test_netns_launch.py): Debian's openssh-server
+# (apt-get, as root); nothing is enabled or started, the test runs its own sshd per namespace.
+sshd-env:
+	test -x /usr/sbin/sshd || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server openssh-client; }
+
+test: venv triton-env deploy-env mpi-env sshd-env
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy

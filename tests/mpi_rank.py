@@ -21,6 +21,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import os
+import socket
 import sys
 import time
 import types
@@ -122,7 +123,7 @@ def install(engines: Path, comm) -> None:
 
 def main(argv: list[str]) -> int:
     comm = MPI.COMM_WORLD
-    event(event="fake_rank", rank=comm.Get_rank(), size=comm.Get_size(), pid=os.getpid())
+    event(event="fake_rank", rank=comm.Get_rank(), size=comm.Get_size(), pid=os.getpid(), host=socket.gethostname())
     install(Path(argv[argv.index("--engines") + 1]), comm)
     from dflash_trt.cli import main as cli_main
 

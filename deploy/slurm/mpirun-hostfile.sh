@@ -14,7 +14,10 @@ set -euo pipefail
 HOSTFILE="${1:?usage: mpirun-hostfile.sh HOSTFILE NP [serve args...]}"
 NP="${2:?usage: mpirun-hostfile.sh HOSTFILE NP [serve args...]}"
 shift 2
-exec mpirun -np "$NP" --hostfile "$HOSTFILE" --map-by ppr:"$(awk -F'slots=' 'NR==1{print $2+0}' "$HOSTFILE")":node \
+MPI_PREFIX="${DFLASH_MPI_PREFIX:-$(cat /etc/dflash-mpi-prefix 2>/dev/null || echo /opt/hpcx/ompi)}"
+# by absolute path with --prefix: the ssh sessions on the other hosts then find orted outside their PATH;
+# keep_fqdn: Open MPI 4.1 cuts hostfile names at the first dot otherwise
+exec "$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --mca orte_keep_fqdn_hostnames 1 -np "$NP" --hostfile "$HOSTFILE" --map-by ppr:"$(awk -F'slots=' 'NR==1{print $2+0}' "$HOSTFILE")":node \
   --bind-to none -x PATH -x LD_LIBRARY_PATH -x DFLASH_TRT_API_KEY \
   dflash-trt serve --engines "${DFLASH_ENGINES:-engines}" --host 0.0.0.0 --port "${DFLASH_PORT:-8000}" \
     --drain-timeout "${DFLASH_DRAIN_TIMEOUT:-120}" --pid-file /tmp/dflash-serve.pid "$@"

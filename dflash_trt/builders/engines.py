@@ -35,7 +35,7 @@ from ..formats import (
     read_manifest,
     read_plan_manifest,
 )
-from .hashing import file_sha256, tree_sha256
+from .hashing import file_sha256, tree_sha256, tree_stamp
 
 if TYPE_CHECKING:
     from ..config import DFlashSpec
@@ -150,13 +150,26 @@ def _relative_to(folder: Path, path: Path) -> str:
 
 
 def _up_to_date(previous: dict[str, Any] | None, key: str, out: Path) -> bool:
+    """Same key and every recorded file intact: by the folder's stamp when it matches the manifest's (no file is
+    read: a 70B engine is about 140 GB), else by the files' hashes."""
     if not previous or previous.get("key") != key:
         return False
     folder = out / previous["dir"]
-    return all(
-        (folder / name).is_file() and file_sha256(folder / name) == sha
-        for name, sha in previous.get("files", {}).items()
-    )
+    files = previous.get("files", {})
+    if not all((folder / name).is_file() for name in files):
+        return False
+    if previous.get("stamp") is not None and previous["stamp"] == tree_stamp(folder):
+        return True
+    return all(file_sha256(folder / name) == sha for name, sha in files.items())
+
+
+def _source(out: Path, path: Path, previous: dict[str, Any] | None) -> dict[str, str]:
+    """A checkpoint as the manifest records it; its content hash is reused while its path and stamp are the
+    manifest's (a start hashes nothing), else computed."""
+    rel, stamp = _relative_to(out, path), tree_stamp(path)
+    if previous and previous.get("path") == rel and previous.get("stamp") == stamp and previous.get("sha256"):
+        return {"path": rel, "sha256": previous["sha256"], "stamp": stamp}
+    return {"path": rel, "sha256": tree_sha256(path), "stamp": stamp}
 
 
 def _record_files(folder: Path) -> dict[str, str]:
@@ -264,6 +277,24 @@ def _build_trt(ctx: BuildContext, folder: Path) -> dict[str, Any]:
     return {"shapes": read_plan_manifest(folder)["profile"]}
 
 
+def gpu_arch() -> str | None:
+    """The GPUs' compute capabilities ("sm_90"): a TensorRT-LLM engine runs only on the architecture it was built
+    for, so the target's key holds it (an engines volume shared by nodes of two GPU generations rebuilds)."""
+    try:
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        return ",".join(f"sm_{major}{minor}" for major, minor in caps)
+    except Exception:  # noqa: BLE001 - no usable CUDA: the step is skipped before its key matters
+        return None
+
+
+def _trtllm_versions() -> dict[str, Any]:
+    return versions("tensorrt_llm", "tensorrt") | {"gpu_arch": gpu_arch()}
+
+
 def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
     cfg = ctx.cfg
     return (
@@ -330,7 +361,7 @@ STEPS = (
         "target",
         TARGET_TRTLLM_DIR,
         True,
-        lambda: versions("tensorrt_llm", "tensorrt"),
+        _trtllm_versions,
         _trtllm_key,
         _build_trtllm,
     ),
@@ -358,7 +389,7 @@ def _run_step(step: BuildStep, ctx: BuildContext, previous: dict[str, Any], repo
     vers = step.versions()
     key = step_key(*step.key(ctx, vers))
     if _up_to_date(previous.get(step.name), key, ctx.out):
-        ctx.engines[step.name] = previous[step.name]
+        ctx.engines[step.name] = previous[step.name] | {"stamp": tree_stamp(ctx.out / step.folder)}
         report.unchanged.append(step.name)
         return
     folder = ctx.out / step.folder
@@ -369,6 +400,7 @@ def _run_step(step: BuildStep, ctx: BuildContext, previous: dict[str, Any], repo
         "dir": step.folder,
         "key": key,
         "files": _record_files(folder),
+        "stamp": tree_stamp(folder),
         "versions": vers,
         **fields,
     }
@@ -381,12 +413,13 @@ def build_engines(cfg: EnginesConfig, log: Callable[[str], Any] = print) -> tupl
     _check_checkpoints(cfg)
     out = cfg.output
     out.mkdir(parents=True, exist_ok=True)
-    previous = read_manifest(out).get("engines", {})
+    before = read_manifest(out)
+    previous, known = before.get("engines", {}), before.get("sources", {})
     report = BuildReport()
-    log(f"hashing checkpoints {cfg.target} and {cfg.drafter} ...")
+    log(f"checking checkpoints {cfg.target} and {cfg.drafter} ...")
     sources = {  # paths relative to `out` (formats.resolve_manifest_path reads them back)
-        "target": {"path": _relative_to(out, cfg.target), "sha256": tree_sha256(cfg.target)},
-        "drafter": {"path": _relative_to(out, cfg.drafter), "sha256": tree_sha256(cfg.drafter)},
+        "target": _source(out, cfg.target, known.get("target")),
+        "drafter": _source(out, cfg.drafter, known.get("drafter")),
     }
     _, spec = load_drafter_config(cfg.drafter)
     ctx = BuildContext(cfg, out, sources, spec, cfg.block_size or spec.block_size, {}, log)

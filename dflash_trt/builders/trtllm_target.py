@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -310,4 +311,8 @@ def run_plan(plan: TargetBuildPlan, log: Callable[[str], None] = print) -> None:
         missing = [f for f in files if not (folder / f).is_file()]
         if missing:
             raise RuntimeError(f"TensorRT-LLM did not write {missing} in {folder}")
+    # The converted checkpoint is as large as the engine (a 70B fp16 target: about 140 GB each) and nothing reads
+    # it after the build: the engines folder keeps only the engine.
+    log(f"removing the converted checkpoint {plan.spec.checkpoint_dir}")
+    shutil.rmtree(plan.spec.checkpoint_dir)
     (plan.spec.out_dir / TARGET_META_FILE).write_text(json.dumps(target_meta(plan), indent=2) + "\n")

@@ -175,6 +175,14 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
         "(default 30); a second signal exits at once",
     )
     lim.add_argument(
+        "--health-stall-seconds",
+        type=_drain_seconds,
+        default=300.0,
+        help="GET /health answers 503 once no decoding step has ended for this many seconds while requests "
+        "wait or run (a hung engine or collective), so a liveness probe restarts the server (default 300; "
+        "0: never)",
+    )
+    lim.add_argument(
         "--pid-file",
         type=Path,
         default=None,
@@ -210,6 +218,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         default_max_tokens=args.default_max_tokens,
         drain_timeout_s=args.drain_timeout,
+        health_stall_s=args.health_stall_seconds,
         block_size=args.block_size,
         adaptive=not args.no_adaptive,
     )

@@ -32,6 +32,9 @@ class ServerSettings:
     default_max_tokens: int = 256  # chat requests without max_tokens (clipped to the context)
     # (completions without max_tokens get OpenAI's 16, /generate its documented 128)
     drain_timeout_s: float = 30.0
+    # /health fails (503) once no decoding step has ended for this many seconds while requests wait or run, so
+    # that a liveness probe restarts a server whose engines hang (a stuck collective); 0: never.
+    health_stall_s: float = 300.0
     block_size: int | None = None  # every request's block size unless it asks for its own (1: target alone)
     adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because

@@ -95,6 +95,8 @@ class Orchestrator:
         self._draining = False
         self._stopping = False
         self._thread: threading.Thread | None = None
+        # when the worker last made progress: a step ended, or work arrived at an idle orchestrator
+        self._progress_at = time.monotonic()
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -120,6 +122,14 @@ class Orchestrator:
     def busy(self) -> int:
         with self._cv:
             return len(self._pending) + len(self._active)
+
+    def stalled_for(self) -> float:
+        """Seconds since the last step ended while requests wait or run (0 when idle): a step that never
+        returns (a hung collective, a lost tensor-parallel rank) grows it without bound."""
+        with self._cv:
+            if not self._pending and not self._active:
+                return 0.0
+            return time.monotonic() - self._progress_at
 
     def wait_idle(self, timeout: float) -> bool:
         """True when every submitted job finished within `timeout` seconds."""
@@ -169,6 +179,8 @@ class Orchestrator:
             if self._stopping:
                 raise ShuttingDown("the server is shutting down")
             self._check_room_locked()
+            if not self._pending and not self._active:  # idle until now: the stall clock starts here
+                self._progress_at = time.monotonic()
             self._pending.append(job)
             self.metrics.set_queue(waiting=len(self._pending))
             self._cv.notify_all()
@@ -201,6 +213,7 @@ class Orchestrator:
             if jobs:
                 self._step(jobs)
             with self._cv:
+                self._progress_at = time.monotonic()
                 self._active = [j for j in self._active if not j.finished]
                 self.metrics.set_queue(running=len(self._active))
                 self._cv.notify_all()

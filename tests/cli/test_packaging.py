@@ -57,7 +57,8 @@ def test_gpu_image_ships_tensorrt_llm_1_2_and_keeps_the_containers_packages():
     assert "-c /tmp/container-pins.txt" in gpu and "container_pins.py --check" in gpu
     assert not re.search(r"pip install[^\n]*(transformers|torch|tensorrt)", gpu)  # nothing upgrades them
     serve = (ROOT / "scripts" / "container_serve.sh").read_text()
-    assert 'mpirun -n "$TP" --allow-run-as-root' in serve
+    # by absolute path with --prefix (where the image's Open MPI lives), as deploy/k8s/base/scripts/serve.sh does
+    assert '"$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" -n "$TP" --allow-run-as-root' in serve
 
 
 def test_container_pins_detect_a_replaced_package(tmp_path):

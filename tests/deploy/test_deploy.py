@@ -7,7 +7,10 @@
 - the alert rules', autoscalers' and Grafana dashboard's expressions parse (promql-parser: Prometheus' grammar);
 - every metric they name is in the real /metrics of the real server started on the demo models (and, for the
   Triton variant, of a real tritonserver serving the repository `triton-repo` writes), after one request;
-- the probes, drain and grace period, engines init step and tensor-parallel shapes hang together;
+- the probes, drain and grace period, engines init step and tensor-parallel shapes hang together; the cluster
+  rules of issue 41's audit hold (no Service named like the LeaderWorkerSet, no replicas under KEDA, the release
+  label, requests and tolerations, one pod per node, RDMA / IPC_LOCK / NCCL, a PodDisruptionBudget, a closed
+  launcher port, bounded waits);
 - the Slurm script and the pod scripts are valid bash.
 
 Nothing here runs on a cluster: what only a cluster can show is listed in deploy/README.md.
@@ -18,6 +21,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
@@ -235,6 +239,130 @@ def test_tensor_parallel_shapes(rendered):
     assert per_pod == _gpus(leader) == _gpus(worker)
     assert _engines_config(multi)["tp"] == lws["size"] * per_pod
     assert one(multi, "PersistentVolumeClaim")["spec"]["accessModes"] == ["ReadWriteMany"]  # shared engines
+
+
+def _workloads(docs) -> list[dict]:
+    return [d for d in docs if d["kind"] in ("Deployment", "LeaderWorkerSet")]
+
+
+def _containers(spec: dict) -> list[dict]:
+    return spec["containers"] + spec.get("initContainers", [])
+
+
+def test_no_service_takes_the_leaderworkersets_name(rendered):
+    """LWS creates the headless Service that gives a group's pods their DNS names under the LWS's own name, and
+    skips it when a Service of that name exists (kubernetes-sigs/lws 060ab4d, pkg/utils/controller/
+    controller_utils.go CreateHeadlessServiceIfNotExists): an HTTP Service named like the LWS leaves the workers'
+    names unresolved, and serve.sh derives them from that name."""
+    docs = rendered["multi-node"]
+    (lws,) = kinds(docs, "LeaderWorkerSet")
+    assert lws["metadata"]["name"] not in {svc["metadata"]["name"] for svc in kinds(docs, "Service")}
+
+
+def test_autoscaled_workloads_leave_replicas_to_keda_and_monitoring_carries_the_release_label(rendered):
+    for overlay, docs in rendered.items():
+        for so in kinds(docs, "ScaledObject"):
+            ref = so["spec"]["scaleTargetRef"]
+            (target,) = [d for d in docs if d["kind"] == ref["kind"] and d["metadata"]["name"] == ref["name"]]
+            assert "replicas" not in target["spec"], (overlay, ref)  # the HPA KEDA creates owns it
+        for kind in ("ServiceMonitor", "PrometheusRule"):
+            for d in kinds(docs, kind):
+                assert d["metadata"]["labels"].get("release"), (overlay, kind)  # kube-prometheus-stack selects on it
+
+
+def test_gpu_pods_request_cpu_memory_and_tolerate_the_gpu_taint(rendered):
+    for overlay, docs in rendered.items():
+        for d in _workloads(docs):
+            for _, spec in pod_specs([d]) or [("single", d["spec"]["template"]["spec"])]:
+                gpu = [c for c in _containers(spec) if "nvidia.com/gpu" in c.get("resources", {}).get("limits", {})]
+                if not gpu:
+                    continue
+                assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in spec.get(
+                    "tolerations", []
+                ), (overlay, d["metadata"]["name"])
+                for c in gpu:
+                    assert {"cpu", "memory"} <= set(c["resources"].get("requests", {})), (overlay, c["name"])
+
+
+def test_groups_one_pod_per_node_rdma_and_a_closed_launcher_port(rendered):
+    """One pod per node and no other group's pod on it (LWS subgroup exclusive placement, subgroups of one pod:
+    pod_webhook.go SetExclusiveAffinities); every rank pod has an RDMA device, IPC_LOCK and NCCL's settings; a
+    PodDisruptionBudget covers the pods; only this application's pods reach the workers' sshd."""
+    docs = rendered["multi-node"]
+    (lws,) = kinds(docs, "LeaderWorkerSet")
+    assert lws["metadata"]["annotations"]["leaderworkerset.sigs.k8s.io/subgroup-exclusive-topology"] == (
+        "kubernetes.io/hostname"
+    )
+    assert lws["spec"]["leaderWorkerTemplate"]["subGroupPolicy"]["subGroupSize"] == 1
+    for role, spec in pod_specs(docs):
+        (c,) = spec["containers"]
+        assert any(r.startswith("rdma/") for r in c["resources"]["limits"]), role
+        assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"], role
+        assert {"cpu", "memory"} <= set(c["resources"]["requests"]), role
+        if role == "leader":  # serve.sh forwards NCCL_* to every rank with mpirun -x
+            assert {"NCCL_IB_DISABLE", "NCCL_SOCKET_IFNAME"} <= set(_env(c)), role
+        ssh = next(v for v in spec["volumes"] if v["name"] == "ssh")
+        assert ssh["secret"]["secretName"] == "dflash-mpi-ssh"
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "ssh")
+        assert mount["mountPath"] == _env(c)["DFLASH_SSH_SECRET"]  # where serve.sh copies the keys from
+    worker_labels = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
+    (policy,) = kinds(docs, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    for rule in policy["spec"]["ingress"]:
+        assert rule["from"] and all("podSelector" in f for f in rule["from"])  # never from anywhere
+    for overlay in ("single-node", "multi-node"):
+        (pdb,) = kinds(rendered[overlay], "PodDisruptionBudget")
+        assert all(
+            pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+            for labels in _pod_labels(rendered[overlay])
+        ), overlay
+
+
+def test_the_engine_folder_reaches_the_serving_container(rendered):
+    """build-engines.sh writes the identity's folder to /run/dflash/engines-dir; serve.sh reads it in the main
+    container: both mount the same `run` volume there."""
+    for overlay in ("single-node", "multi-node"):
+        for role, spec in pod_specs(rendered[overlay]) + [
+            ("single", d["spec"]["template"]["spec"]) for d in kinds(rendered[overlay], "Deployment")
+        ]:
+            for c in _containers(spec):
+                if c["command"][-1].endswith(("build-engines.sh", "serve.sh")) and role != "worker":
+                    assert {"name": "run", "mountPath": "/run/dflash"} in c["volumeMounts"], (overlay, c["name"])
+
+
+def test_the_leader_gives_up_on_an_absent_worker(tmp_path):
+    """serve.sh's wait for the workers' sshd is bounded (WORKER_WAIT_S): a worker that never comes ends the
+    leader with a message, and LWS restarts the group, instead of a leader waiting forever."""
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(secret / "id_ed25519")], check=True)
+    (tmp_path / "engines.toml").write_text("tp = 2\n")
+    env = {
+        "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
+        "DFLASH_ROLE": "leader",
+        "ENGINES_CONFIG": str(tmp_path / "engines.toml"),
+        "DFLASH_ENGINES": str(tmp_path),
+        "DFLASH_RUN_DIR": str(tmp_path / "run"),
+        "DFLASH_SSH_SECRET": str(secret),
+        "DFLASH_SSHD_DIR": str(tmp_path / "sshd"),
+        "LWS_LEADER_ADDRESS": "dflash-trt-group-0.dflash-trt-group.invalid",  # .invalid never resolves
+        "LWS_GROUP_SIZE": "2",
+        "DFLASH_GPUS_PER_POD": "1",
+        "WORKER_WAIT_S": "3",
+    }
+    t0 = time.monotonic()
+    r = subprocess.run(
+        ["bash", str(K8S / "base" / "scripts" / "serve.sh")], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert r.returncode == 1 and time.monotonic() - t0 < 30, r.stderr
+    assert "worker dflash-trt-group-0-1.dflash-trt-group.invalid: no sshd" in r.stderr
+    assert (tmp_path / "run" / "hostfile").read_text().split() == [
+        "dflash-trt-group-0.dflash-trt-group.invalid",
+        "slots=1",
+        "dflash-trt-group-0-1.dflash-trt-group.invalid",
+        "slots=1",
+    ]
 
 
 # ---- PromQL -----------------------------------------------------------------------------------------------

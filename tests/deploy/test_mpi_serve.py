@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import make_tiny_pair
+from mpi_engines import fake_trtllm_engines, json_events
 from server_harness import sse_events
 
 from dflash_trt.server.process import listening_port
@@ -46,36 +46,7 @@ def mpirun() -> str:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> Path:
-    """engines/ as `make engines` writes it on a GPU machine: the ONNX drafter built for real, the target as a
-    TensorRT-LLM engine folder (config.json + dflash_target.json) that the fake executor loads."""
-    from dflash_trt.builders.engines import build_engines, read_config
-    from dflash_trt.config import load_drafter_config
-
-    root = tmp_path_factory.mktemp("mpi-serve")
-    make_tiny_pair(root, vocab_size=96, seed=3)  # no tokenizer: a request for N tokens runs exactly N
-    (root / "engines.toml").write_text('target = "target"\ndrafter = "drafter"\noutput = "engines"\n')
-    build_engines(read_config(root / "engines.toml", root), log=lambda *_: None)
-    out = root / "engines"
-    _, spec = load_drafter_config(root / "drafter")
-    folder = out / "target_trtllm"
-    (folder / "engine").mkdir(parents=True)
-    build = {"max_seq_len": 256, "max_num_tokens": 256, "plugin_config": {"tokens_per_block": 4}}
-    config = {"pretrained_config": {"vocab_size": 96}, "build_config": build}
-    (folder / "engine" / "config.json").write_text(json.dumps(config))
-    layers = list(spec.target_layer_ids)
-    meta = {
-        "engine_dir": "engine",
-        "feature_layer_ids": layers,
-        "feature_outputs": [f"dflash_feature_{i}" for i in layers],
-        "final_hidden_output": "dflash_final_hidden",
-        "target_dir": str(root / "target"),
-    }
-    (folder / "dflash_target.json").write_text(json.dumps(meta))
-    manifest = json.loads((out / "manifest.json").read_text())
-    manifest["engines"]["target_tensorrt_llm"] = {"backend": "tensorrt_llm", "role": "target", "dir": "target_trtllm"}
-    manifest["serve"]["target"] = "target_tensorrt_llm"
-    (out / "manifest.json").write_text(json.dumps(manifest))
-    return out
+    return fake_trtllm_engines(tmp_path_factory.mktemp("mpi-serve"))
 
 
 class Job:
@@ -133,20 +104,7 @@ class Job:
         return self.log.read_text(errors="replace")
 
     def events(self, name: str) -> list[dict]:
-        """The JSON event lines of both ranks (mpirun may put two ranks' lines on one line of its output)."""
-        decoder, out = json.JSONDecoder(), []
-        text = self.text()
-        i = text.find('{"')
-        while i != -1:
-            try:
-                e, end = decoder.raw_decode(text, i)
-            except ValueError:
-                end = i + 1
-            else:
-                if isinstance(e, dict) and e.get("event") == name:
-                    out.append(e)
-            i = text.find('{"', end)
-        return out
+        return json_events(self.text(), name)
 
     def _wait_listening(self, timeout: float = 180) -> str:
         end = time.monotonic() + timeout

@@ -25,9 +25,17 @@ router = APIRouter()
 
 
 @open_router.get(
-    "/health", response_model=Health, summary="alive (answers even without the API key and while draining)"
+    "/health",
+    response_model=Health,
+    responses=errors(503),
+    summary="alive (answers even without the API key and while draining); 503 when decoding stalled",
 )
-async def health() -> dict[str, str]:
+async def health(server: ServerDep) -> dict[str, str] | JSONResponse:
+    limit, stalled = server.settings.health_stall_s, server.orchestrator.stalled_for()
+    if limit > 0 and stalled > limit:
+        return error_response(
+            503, f"no decoding step ended for {stalled:.0f} s while requests wait", "server_error", code="stalled"
+        )
     return {"status": "ok"}
 
 

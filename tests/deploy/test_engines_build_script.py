@@ -1,0 +1,87 @@
+"""deploy/k8s/components/engines/build-engines.sh, the pods' engine init step, run for real on the CPU path (the
+ONNX drafter; TensorRT steps skip here) with the real `dflash-trt engines`, flock and rename:
+
+- two builders of one identity at once (two groups, or a rollout's new group) build it once: the second waits on
+  the lock and finds the folder; nothing half-built is ever visible, no temporary folder is left;
+- a later start hashes and builds nothing (the identity is a stamp, not a content hash);
+- another config or a changed checkpoint file is another identity, in a folder of its own;
+- the manifest's checkpoint paths still resolve after the rename."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from helpers import make_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "deploy" / "k8s" / "components" / "engines" / "build-engines.sh"
+DFLASH = ROOT / ".venv" / "bin" / "dflash-trt"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture
+def site(tmp_path):
+    make_tiny_pair(tmp_path / "ckpt", vocab_size=64)
+    (tmp_path / "engines.toml").write_text(
+        f'target = "{tmp_path / "ckpt" / "target"}"\ndrafter = "{tmp_path / "ckpt" / "drafter"}"\n'
+    )
+    # counts the builds, and holds each one long enough for a concurrent start to meet its lock
+    (tmp_path / "count.sh").write_text(
+        f'echo build >> "{tmp_path / "builds"}"; sleep 2; exec "{DFLASH}" engines "$@"\n'
+    )
+    return tmp_path
+
+
+def start(site: Path, run: str) -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "ENGINES_CONFIG": str(site / "engines.toml"),
+        "DFLASH_ENGINES_ROOT": str(site / "engines"),
+        "DFLASH_RUN_DIR": str(site / run),
+        "DFLASH_ENGINES_CMD": f"bash {site / 'count.sh'}",
+        "ENGINES_LOCK_WAIT_S": "240",
+    }
+    return subprocess.Popen(["bash", str(SCRIPT)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def builds(site: Path) -> int:
+    path = site / "builds"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def test_one_build_per_identity_then_nothing(site):
+    if not DFLASH.exists():
+        pytest.fail(f"{DFLASH} missing: run `make venv`")
+    a, b = start(site, "run-a"), start(site, "run-b")
+    finish(a), finish(b)
+    assert builds(site) == 1
+    folder = Path((site / "run-a" / "engines-dir").read_text().strip())
+    assert (site / "run-b" / "engines-dir").read_text().strip() == str(folder)
+    assert [p.name for p in (site / "engines").iterdir() if p.name.startswith(".tmp-")] == []
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert (folder / manifest["sources"]["target"]["path"]).resolve() == (site / "ckpt" / "target").resolve()
+    assert '"event": "engines_ready"' in finish(start(site, "run-c"))
+    assert builds(site) == 1  # started again: the folder is there, nothing built
+
+    with open(site / "engines.toml", "a") as f:
+        f.write("max_batch_size = 4\n")
+    finish(start(site, "run-d"))
+    other = Path((site / "run-d" / "engines-dir").read_text().strip())
+    assert builds(site) == 2 and other != folder and (other / "manifest.json").is_file() and folder.is_dir()
+
+    weights = next((site / "ckpt" / "target").glob("*.safetensors"))
+    os.utime(weights, (1, 1))  # a replaced checkpoint file: another identity
+    finish(start(site, "run-e"))
+    assert builds(site) == 3
+    assert Path((site / "run-e" / "engines-dir").read_text().strip()) not in (folder, other)

@@ -40,7 +40,7 @@ from ..runtime.base import (
     TargetSession,
 )
 from .acceptance import Proposal, acceptance_rule
-from .detokenizer import IncrementalDetokenizer
+from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing, PromptHealer
 from .policy import BlockPolicy, FixedBlocks
 from .request import (
@@ -92,6 +92,7 @@ class BatchRow:
         self.stop_string: str | None = None
         self.error: Exception | None = None
         self.drafter_error: Exception | None = None  # set when drafter_fallback took over
+        self._shown = ""  # the text its rounds have handed out (`Round.text`)
         self.clock = clock
         self.started = clock()
 
@@ -107,9 +108,23 @@ class BatchRow:
         self, new: list[int], drafted: int, accepted: int, prefill: bool = False, timings: RoundTimings | None = None
     ) -> Round:
         new = commit_tokens(self, new, drafted, accepted, prefill)
-        return Round(
-            token_ids=new, drafted=drafted, accepted=accepted, prefill=prefill, timings=timings or RoundTimings()
-        )
+        return Round(new, drafted, accepted, prefill, timings or RoundTimings(), self._new_text())
+
+    def _new_text(self) -> str | None:
+        """The text added since the last round that can be shown: the detokenizer holds back a partial
+        character, and here the end that may still begin a stop string waits too; once the row is done, the
+        rest of its final text (cut at the stop string)."""
+        if self.detokenizer is None:
+            return None
+        if self.done:
+            full = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+        else:
+            full = self.detokenizer.text
+            full = full[: len(full) - held_back(full, self.config.stop_strings)]
+        if not full.startswith(self._shown):  # cannot happen with sane tokenizers; never repeat text
+            return ""
+        new, self._shown = full[len(self._shown) :], full
+        return new
 
     def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits as this request sees them (penalties, logit_bias, min_tokens): row i after the

@@ -58,6 +58,9 @@ class Round:
     accepted: int  # of which the target accepted
     prefill: bool = False
     timings: RoundTimings = field(default_factory=RoundTimings)
+    # the text this round adds that can be shown now (None without a tokenizer): a partial character, and an
+    # end that may still begin a stop string, wait for a later round; the last round carries the rest
+    text: str | None = None
 
 
 @dataclass
@@ -66,6 +69,8 @@ class GenerationStats:
     new_tokens: int = 0
     rounds: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
+    drafted_per_round: list[int] = field(default_factory=list)  # draft tokens each round proposed (0: none)
+    accepted_per_round: list[int] = field(default_factory=list)  # of which the target accepted
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     block_size: int = 1
@@ -84,7 +89,9 @@ class GenerationStats:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The totals (the per-round lists beside `acceptance_lengths` are for traces and per-step reports)."""
         d = asdict(self)
+        del d["drafted_per_round"], d["accepted_per_round"]
         d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
         d["tokens_per_second"] = round(self.tokens_per_second, 2)
         return d
@@ -141,6 +148,8 @@ def commit_tokens(state: CommitState, new: list[int], drafted: int, accepted: in
         s.acceptance_lengths.append(len(new))
         s.drafted_tokens += drafted
         s.accepted_draft_tokens += accepted
+        s.drafted_per_round.append(drafted)
+        s.accepted_per_round.append(accepted)
     s.total_time_s = state.clock() - state.started
     return new
 

@@ -192,7 +192,8 @@ def spec_decode_metrics(job: Job, level: str | None, num_spec_tokens: int) -> di
     "detailed" adds per_step_accepted and per_step_drafted, one entry per spec step in order."""
     if level is None:
         return None
-    steps = job.spec_steps
+    stats = job.row.stats
+    steps = [(d, a) for d, a in zip(stats.drafted_per_round, stats.accepted_per_round) if d > 0]
     drafted = sum(d for d, _ in steps)
     accepted = sum(a for _, a in steps)
     width = max([num_spec_tokens, *(d for d, _ in steps)])

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..decoding import GenerationResult, Round
-from ..decoding.detokenizer import held_back
 from ..decoding.loop import BatchDecoder, BatchRow
 from ..decoding.step import StepProfile
 from ..runtime.cpu_threads import release_openmp_workers
@@ -64,12 +63,13 @@ class Job:
     events: asyncio.Queue[RoundEvent | ErrorEvent] = field(default_factory=asyncio.Queue)
     submitted: float = field(default_factory=time.monotonic)
     last_event: float | None = None
-    emitted_text: str = ""
     cancelled: ErrorEvent | None = None  # why the worker should drop this job at its next turn
-    finished: bool = False
-    outcome: str | None = None  # "ok" or an ErrorEvent kind
+    outcome: str | None = None  # once finished: "ok" or an ErrorEvent kind
     fallback_counted: bool = False
-    spec_steps: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) of each drafting round
+
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
 
     def cancel(self, kind: str = "cancelled", message: str = "the client went away") -> None:
         """Ask the worker to drop this job before its next step (a no-op once finished)."""
@@ -287,7 +287,6 @@ class Orchestrator:
         s = row.stats
         try:
             result = row.result() if row.done else None
-            text = self._safe_text(job, result)
         except Exception as e:  # the tokenizer failed on this row's text: this request only
             log.exception("request %s: failure after the engines", job.id)
             self.metrics.engine_errors.inc()
@@ -305,8 +304,6 @@ class Orchestrator:
         else:
             m.acceptance.observe(n)
             m.observe_round(rnd.drafted, rnd.accepted)
-            if rnd.drafted > 0:
-                job.spec_steps.append((rnd.drafted, rnd.accepted))
             m.draft_time.observe(rnd.timings.draft_s)
             m.verify_time.observe(rnd.timings.verify_s)
             if n and job.last_event is not None:
@@ -316,28 +313,10 @@ class Orchestrator:
         if result is not None:  # bookkeeping first: the request may log as soon as it sees the event
             m.prompt_tokens.inc(s.prompt_tokens)
             self._finish(job, None)
-        job._emit(RoundEvent(rnd, text, result))
+        job._emit(RoundEvent(rnd, rnd.text, result))
 
     def _finish(self, job: Job, error: ErrorEvent | None) -> None:
-        job.finished = True
         job.outcome = "ok" if error is None else error.kind
         self.metrics.latency.labels(job.outcome).observe(time.monotonic() - job.submitted)
         if error is not None:
             job._emit(error)
-
-    def _safe_text(self, job: Job, result: GenerationResult | None) -> str | None:
-        """Text added by this round that can be shown now: the generation's detokenizer holds back a
-        partial character; here the end that may still begin a stop string waits too."""
-        gen = job.row
-        if gen.detokenizer is None:
-            return None
-        if result is not None:  # the last round carries whatever is left of the final text
-            full = result.text or ""
-        else:
-            full = gen.detokenizer.text
-            full = full[: len(full) - held_back(full, gen.config.stop_strings)]
-        if not full.startswith(job.emitted_text):  # cannot happen with sane tokenizers; never repeat text
-            return ""
-        new = full[len(job.emitted_text) :]
-        job.emitted_text = full
-        return new

@@ -1,6 +1,6 @@
 """Serving on the simulated engines: workloads, block-size policies, and the driver that steps the real loop.
 
-The driver is the orchestrator's loop (server/scheduler.py) without threads or HTTP: requests wait in a FIFO,
+The driver is the orchestrator.s loop (server/orchestrator.py) without threads or HTTP: requests wait in a FIFO,
 join the `BatchDecoder` (validated by `new_row`, then `join`) while fewer than `max_active` rows are active,
 and every loop turn is one `decoder.step()`; a finished row leaves through the decoder as in the server. Time
 is the engines' virtual clock plus `HOST_STEP_S` per step. Arrivals are closed-loop (`concurrency` requests in

@@ -68,3 +68,33 @@ def test_python_examples_print_code(server, which):
     head = head_in(code)
     completion = out if which == "openai" else out.rsplit("\n", 2)[0]  # the API example also prints tau
     assert check_body(head, completion).is_code, out
+
+
+def test_a_trailing_newline_gets_the_same_body(server):
+    """The README's prompt with the newline an editor adds: healed (decoding/healing.py), every text path
+    prints the same body, less the newline the prompt now holds; without healing the model ends the function."""
+    import httpx
+
+    (_, shell), _ = use_it_blocks()[:2]
+    head = head_in(shell)
+    stop, url = ["\ndef "], f"http://{server}"
+
+    def texts(prompt: str, **extra: object) -> tuple[str, str]:
+        native = httpx.post(f"{url}/generate", json={"prompt": prompt, "max_tokens": 64, "stop": stop, **extra})
+        openai = httpx.post(
+            f"{url}/v1/completions",
+            json={"prompt": prompt, "max_tokens": 64, "stop": stop, "temperature": 0, **extra},
+        )
+        assert native.status_code == openai.status_code == 200, (native.text, openai.text)
+        return native.json()["text"], openai.json()["choices"][0]["text"]
+
+    plain = texts(head)
+    assert plain[0] == plain[1] and plain[0].startswith("\n")
+    healed = texts(head + "\n")
+    assert healed == (plain[0][1:], plain[1][1:])
+    assert check_body(head + "\n", healed[0]).is_code
+    cli = [f"{BIN}/dflash-trt", "generate", "--max-new-tokens", "64", "--stop", "\ndef "]
+    out = subprocess.run([*cli, "--prompt", head + "\n"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0 and out.stdout.rstrip("\n") == healed[0].rstrip("\n"), out.stderr[-2000:]
+    unhealed = texts(head + "\n", heal_prompt=False)[0]
+    assert unhealed != healed[0]  # the boundary the tokenizer never saw: the model does not write this body

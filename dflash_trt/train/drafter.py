@@ -724,6 +724,19 @@ def corpus_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> to
     return torch.from_numpy(np.stack([tokens[s : s + length].astype(np.int64) for s in starts]))
 
 
+def regen_prompts_file(folder: Path, seed: int) -> Path:
+    return Path(folder) / f"regen-prompts-seed{seed}.npy"
+
+
+def write_regen_prompts(tokens: np.ndarray, folder: Path, n: int, length: int, seed: int) -> Path:
+    """The prompts `regenerate_dataset` would draw from `tokens`, saved (the corpus's dtype) for another machine:
+    n x length tokens instead of the whole corpus."""
+    path = regen_prompts_file(folder, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, corpus_prompts(tokens, n, length, seed=seed).numpy().astype(tokens.dtype))
+    return path
+
+
 def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:
     n = len(tokens) // length
     return tokens[: n * length].reshape(n, length)
@@ -768,7 +781,10 @@ def regenerate_dataset(
     device: str = "cpu",
     batch: int = 32,
 ) -> None:
-    """For the demo: prompts from the training split of the stdlib corpus, continued by the target."""
+    """For the demo: prompts from the training split of the stdlib corpus, continued by the target. The prompts
+    come from out's folder: regen-prompts-seed{seed}.npy when there (`regen_prompts_file`: what another machine
+    drew, so a GPU host continues exactly those), else drawn from train.npy there, else from this interpreter's
+    standard library."""
     from ..models.target import load_target, load_tokenizer
     from .data import read_texts, stdlib_files, tokenize_corpus
 
@@ -776,9 +792,17 @@ def regenerate_dataset(
     tok = load_tokenizer(target_dir)
     if tok is None:
         raise ValueError(f"{target_dir} has no tokenizer")
-    cached = out.parent / "train.npy"
-    tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
-    prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
+    drawn = regen_prompts_file(out.parent, seed)
+    if drawn.exists():
+        prompts = torch.from_numpy(np.load(drawn).astype(np.int64))
+        if prompts.shape[0] < n_sequences or prompts.shape[1] != prompt_len:
+            raise ValueError(f"{drawn} holds {tuple(prompts.shape)} prompts; wanted {n_sequences} x {prompt_len}")
+        prompts = prompts[:n_sequences]
+        print(f"regen: {n_sequences} prompts from {drawn}", flush=True)
+    else:
+        cached = out.parent / "train.npy"
+        tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
+        prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
     t = time.perf_counter()
     seqs = regenerate(target, prompts, new_tokens, temperature, batch=batch)
     out.parent.mkdir(parents=True, exist_ok=True)

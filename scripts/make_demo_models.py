@@ -122,7 +122,7 @@ def stage_corpus(args) -> None:
 def stage_regen_prompts(args) -> None:
     from transformers import AutoTokenizer
 
-    from dflash_trt.train.drafter import write_regen_prompts
+    from dflash_trt.train.data import write_regen_prompts
 
     train, _ = corpus_tokens(args.out, AutoTokenizer.from_pretrained(args.out / "target"), args.cache)
     path = write_regen_prompts(

@@ -97,3 +97,22 @@ def tokenize_corpus(tokenizer: PreTrainedTokenizerBase, texts: Iterable[str]) ->
 def random_windows(tokens: np.ndarray, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
     starts = torch.randint(0, len(tokens) - length - 1, (batch,), generator=generator).tolist()
     return torch.from_numpy(np.stack([tokens[s : s + length].astype(np.int64) for s in starts]))
+
+
+def corpus_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(tokens) - length - 1, (n,), generator=gen).tolist()
+    return torch.from_numpy(np.stack([tokens[s : s + length].astype(np.int64) for s in starts]))
+
+
+def regen_prompts_file(folder: Path, seed: int) -> Path:
+    return Path(folder) / f"regen-prompts-seed{seed}.npy"
+
+
+def write_regen_prompts(tokens: np.ndarray, folder: Path, n: int, length: int, seed: int) -> Path:
+    """The prompts `regenerate_dataset` would draw from `tokens`, saved (the corpus's dtype) for another machine:
+    n x length tokens instead of the whole corpus."""
+    path = regen_prompts_file(folder, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, corpus_prompts(tokens, n, length, seed=seed).numpy().astype(tokens.dtype))
+    return path

@@ -36,6 +36,7 @@ from tqdm import tqdm
 from ..config import build_target_layer_ids
 from ..models.drafter import DFlashDrafter
 from .common import autocast, load_state, make_optimizer, run_steps, save_state
+from .data import corpus_prompts, regen_prompts_file
 from .regen import SequenceSet
 
 if TYPE_CHECKING:
@@ -716,25 +717,6 @@ def regenerate(
         )
         outs.append(gen.cpu().numpy())
     return np.concatenate(outs)
-
-
-def corpus_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(tokens) - length - 1, (n,), generator=gen).tolist()
-    return torch.from_numpy(np.stack([tokens[s : s + length].astype(np.int64) for s in starts]))
-
-
-def regen_prompts_file(folder: Path, seed: int) -> Path:
-    return Path(folder) / f"regen-prompts-seed{seed}.npy"
-
-
-def write_regen_prompts(tokens: np.ndarray, folder: Path, n: int, length: int, seed: int) -> Path:
-    """The prompts `regenerate_dataset` would draw from `tokens`, saved (the corpus's dtype) for another machine:
-    n x length tokens instead of the whole corpus."""
-    path = regen_prompts_file(folder, seed)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    np.save(path, corpus_prompts(tokens, n, length, seed=seed).numpy().astype(tokens.dtype))
-    return path
 
 
 def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:

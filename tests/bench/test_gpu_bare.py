@@ -152,7 +152,7 @@ def test_demo_prompts_are_what_the_prep_stage_writes(tmp_path):
     """The size the recipe check assumes is the file the regen-prompts stage writes (a scaled-down draw)."""
     import numpy as np
 
-    from dflash_trt.train.drafter import write_regen_prompts
+    from dflash_trt.train.data import write_regen_prompts
 
     tokens = np.arange(5000, dtype=np.uint16)
     path = write_regen_prompts(tokens, tmp_path, n=100, length=64, seed=6)

@@ -180,11 +180,11 @@ GPU_SMOKE_PYTHON ?= $(BIN)/python
 gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
 	$(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
 
-# Bare GPU host (one GPU, torch + CUDA and transformers preinstalled, no network, no TensorRT): the PyTorch engines
-# on CUDA, demo pair and a tiny random 8/2-head pair: speculative == target alone, tau and tokens/s at
-# concurrency 1/16/64 (BatchDecoder), and a Llama-3-8B-shaped cost grid; <= 7 min, 3 files in results/gpu/.
+# Bare GPU host (one GPU, torch + CUDA and transformers preinstalled, no network, no TensorRT, make optional): the
+# PyTorch engines on CUDA, demo pair and a tiny random 8/2-head pair: speculative == target alone, tau and tokens/s
+# at concurrency 1/16/64 (BatchDecoder), and a Llama-3-8B-shaped cost grid; < 5 min, 3 files in $OUT or results/gpu/.
 # `make gpu-bare-pack` writes what the host needs (no wheels: see --list-carry) to .cache/gpu-bare.tar.gz;
-# on the host: tar xzf gpu-bare.tar.gz && make gpu-bare (or python3 scripts/gpu_bare.py).
+# on the host: tar xzf gpu-bare.tar.gz && python3 scripts/gpu_bare.py (what this target runs).
 GPU_BARE_PYTHON ?= python3
 gpu-bare:
 	PYTHONPATH=. $(GPU_BARE_PYTHON) scripts/gpu_bare.py $(GPU_BARE_ARGS)
@@ -195,19 +195,22 @@ gpu-bare-pack:
 # The demo drafter trained on at GPU scale (issue 29; torch + CUDA and transformers on the host, no network): the
 # published drafter, its recipe (distillation 0.5, lr 3e-4), on 8192 fresh continuations by the demo target, 64
 # sequences a step, GPU_DEMO_MINUTES of training. Here first: `make gpu-train-demo-prep` tokenizes this interpreter's
-# training split into $(GPU_DEMO)/cache (carry that folder, so the host trains on exactly this split). The drafter
+# training split into $(GPU_DEMO)/corpus and draws the 8192 prompts from it into $(GPU_DEMO)/cache (1 MiB: carry
+# that folder, so the host continues exactly these prompts). The drafter
 # (fp16, with training.json) lands in GPU_DEMO_OUT; judge it here, on the CPU it serves on, side by side with the
 # published one (docs/gpu.md says how).
 GPU_DEMO ?= .cache/gpu-demo
 GPU_DEMO_OUT ?= results/gpu/demo-drafter
 GPU_DEMO_MINUTES ?= 3
+GPU_DEMO_REGEN := --regen-sequences 8192 --regen-seed 6
 gpu-train-demo-prep: venv
-	$(BIN)/python scripts/make_demo_models.py --stages corpus --cache $(GPU_DEMO)/cache $(GPU_DEMO_ARGS)
+	$(BIN)/python scripts/make_demo_models.py --stages corpus regen-prompts --cache $(GPU_DEMO)/corpus \
+		--prompts-out $(GPU_DEMO)/cache $(GPU_DEMO_REGEN) $(GPU_DEMO_ARGS)
 
 gpu-train-demo:
 	rm -rf $(GPU_DEMO)/models && mkdir -p $(GPU_DEMO)/models && cp -r models/target $(GPU_DEMO)/models/
 	PYTHONPATH=. $(GPU_BARE_PYTHON) scripts/make_demo_models.py --stages drafter --device cuda \
-		--out $(GPU_DEMO)/models --cache $(GPU_DEMO)/cache --regen-sequences 8192 --regen-seed 6 --regen-batch 512 \
+		--out $(GPU_DEMO)/models --cache $(GPU_DEMO)/cache $(GPU_DEMO_REGEN) --regen-batch 512 \
 		--drafter-init models/drafter --drafter-steps 3000 --drafter-minutes $(GPU_DEMO_MINUTES) --drafter-batch 64 \
 		--drafter-lr 3e-4 --drafter-kd-weight 0.5 $(GPU_DEMO_ARGS)
 	mkdir -p $(GPU_DEMO_OUT) && cp $(GPU_DEMO)/models/drafter/* $(GPU_DEMO_OUT)/

@@ -1,30 +1,35 @@
-"""`make gpu-bare`: the PyTorch engines on a bare GPU host (one GPU, torch + CUDA and transformers preinstalled,
-no network, no TensorRT). What it needs travels with it (`--list-carry`: the package, this script, the demo pair,
-the tiny-model factory; no wheels: torch, transformers and safetensors, which transformers brings, are all it
-imports), well under 64 MiB. It stops starting new work after --max-minutes (default 7) and writes 3 files
-under --out (default results/gpu/):
+"""`python3 scripts/gpu_bare.py` (or `make gpu-bare`): the PyTorch engines on a bare GPU host (one GPU, torch +
+CUDA and transformers preinstalled, no network, no TensorRT, no make needed). It runs from the repository's files
+as they are (it puts the repository root on sys.path itself; torch, transformers and safetensors, which
+transformers brings, are all it imports). It stops starting new work after --max-minutes (default 4, so that the
+whole run ends within 5) and writes 3 files under --out (default $OUT when that variable is set, as on a lent
+device host, else results/gpu/), and prints the same tables:
 
   summary.json    the host, and per pair (the demo pair; a tiny random pair with 8 query / 2 KV heads):
                   speculative output == the same target engine alone (greedy, block 1), exactly, and tau and
                   tokens/s of DFlash (the drafter's block), of the server's adaptive policy (its cost model
                   measured on the GPU at start-up, `AdaptiveBlocks.measured`) and of the target alone at
                   concurrency 1, 16 and 64 through the batched loop (BatchDecoder);
-  cost_grid.json  the GPU's pass times of a Llama-3-8B-shaped target and its 5-layer DFlash drafter (random
-                  weights built on the GPU in bfloat16, nothing downloaded) by rows x tokens per row x context
-                  length: the input of `dflash-trt trtllm-serve-config --cost-table` and of the serving
-                  simulation's calibration ({"target": [{rows, tokens_per_row, context, seconds}], "drafter": [...]});
+  cost_grid.json  the GPU's pass times of a target and its 5-layer DFlash drafter (random weights built on the
+                  GPU in bfloat16, nothing downloaded; the target's shape: Llama-3-8B's, or --grid-target DIR's
+                  config.json) by rows x tokens per row x context length, with the identity it was measured on
+                  (target shape, dtype, engine, tp, GPU; dflash_trt/costgrid.py): the input of `dflash-trt
+                  trtllm-serve-config --cost-table` (which refuses it for another target) and of the serving
+                  simulation's calibration ({"identity": {...}, "target": [{rows, tokens_per_row, context,
+                  seconds}], "drafter": [...]});
   README.md       the same as tables.
 
 Exit status 1 when speculative output differs from the target alone; 0 otherwise. Without CUDA it prints SKIP
 with the reason, writes nothing and exits 0. --device cpu --quick runs every part at toy sizes (the tests do).
 
-    python scripts/gpu_bare.py [--out results/gpu] [--max-minutes 7] [--device cuda] [--quick]
+    python3 scripts/gpu_bare.py [--out DIR] [--max-minutes 4] [--grid-target DIR] [--device cuda] [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -61,7 +66,8 @@ PROMPTS = [
     "def read_json(path):\n",
     "def is_prime(n):\n",
 ]
-# Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json) and a DFlash drafter of 5 layers at its width.
+# Llama-3-8B (meta-llama/Meta-Llama-3-8B config.json) and a DFlash drafter of 5 layers at its width: the grid's
+# default target shape.
 LLAMA3_8B = dict(
     vocab_size=128256,
     hidden_size=4096,
@@ -226,17 +232,23 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
 
 
 # ---- cost grid -----------------------------------------------------------------------------------------------
-def shape_models(device: str, quick: bool):
-    """A Llama-3-8B-shaped target and a 5-layer DFlash drafter, random weights built on the device (bfloat16 on
-    CUDA); --quick: the same structure at toy width."""
+def shape_models(device: str, quick: bool, grid_target: Path | None = None):
+    """A Llama-3-8B-shaped target (or one of `grid_target`'s architecture and shape, read from its config.json,
+    no weights) and a 5-layer DFlash drafter, random weights built on the device (bfloat16 on CUDA); --quick: the
+    same structure at toy width."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     from dflash_trt.config import build_target_layer_ids
     from dflash_trt.models.drafter import DFlashDrafter
 
-    shape = dict(LLAMA3_8B)
-    if quick:
+    config = None
+    if grid_target is not None:
+        config = AutoConfig.from_pretrained(grid_target, local_files_only=True)
+        config = getattr(config, "text_config", None) or config
+    shape = dict(LLAMA3_8B) if config is None else {k: getattr(config, k, LLAMA3_8B[k]) for k in LLAMA3_8B}
+    shape["num_key_value_heads"] = shape["num_key_value_heads"] or shape["num_attention_heads"]
+    if quick and config is None:  # a --grid-target keeps its own shape (the tests pass a tiny one)
         shape.update(
             vocab_size=256,
             hidden_size=64,
@@ -247,7 +259,7 @@ def shape_models(device: str, quick: bool):
         )
     dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     layers, width = shape["num_hidden_layers"], shape["hidden_size"]
-    head_dim = width // shape["num_attention_heads"]
+    head_dim = getattr(config, "head_dim", None) or width // shape["num_attention_heads"]
     drafter_cfg = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -272,29 +284,35 @@ def shape_models(device: str, quick: bool):
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = AutoModelForCausalLM.from_config(LlamaConfig(**shape)).eval()
+            model = AutoModelForCausalLM.from_config(config or LlamaConfig(**shape)).eval()
             drafter = DFlashDrafter.from_config(drafter_cfg).eval()
     finally:
         torch.set_default_dtype(previous)
     return model.to(dtype), drafter.to(dtype), shape
 
 
-def cost_grid_stage(device: str, clock: Clock, quick: bool) -> dict[str, Any]:
+def cost_grid_stage(device: str, clock: Clock, quick: bool, grid_target: Path | None = None) -> dict[str, Any]:
     import torch
 
+    from dflash_trt.costgrid import grid_identity
     from dflash_trt.runtime.base import DraftRequest
 
-    model, drafter, shape = shape_models(device, quick)
+    model, drafter, shape = shape_models(device, quick, grid_target)
     target, draft = engines(model, drafter)
     rows_grid = (1, 2) if quick else (1, 4, 16, 64)
     tokens_grid = (1, 4) if quick else (1, 4, 8, 16)
     blocks_grid = (4, 8) if quick else (4, 8, 16)
     contexts = (16,) if quick else (512, 2048)
     repeats = 1 if quick else 3
+    dtype = str(next(model.parameters()).dtype).replace("torch.", "")
+    gpu = environment(device).get("gpu", device)
+    name = "toy" if quick else str(grid_target) if grid_target else "Llama-3-8B"
     grid: dict[str, Any] = {
-        "shape": {"target": "Llama-3-8B" if not quick else "toy", **shape, "drafter_layers": 5},
-        "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-        "device": environment(device).get("gpu", device),
+        # what the grid was measured on: trtllm-serve-config --cost-table refuses it for another target or tp
+        "identity": grid_identity(shape, dtype=dtype, engine="torch", tp=1, gpu=gpu),
+        "shape": {"target": name, **shape, "drafter_layers": 5},
+        "dtype": dtype,
+        "device": gpu,
         "repeats": repeats,
         "note": "seconds: the fastest of `repeats` passes, synchronised; tokens = rows x tokens_per_row",
         "target": [],
@@ -403,8 +421,16 @@ def readme(summary: dict[str, Any], grid: dict[str, Any] | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=ROOT / "results" / "gpu", help="results folder (default results/gpu)")
-    p.add_argument("--max-minutes", type=float, default=7.0, help="start no new work after this (default 7)")
+    out = Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "results" / "gpu"
+    p.add_argument("--out", type=Path, default=out, help="results folder (default $OUT when set, else results/gpu)")
+    p.add_argument("--max-minutes", type=float, default=4.0, help="start no new work after this (default 4)")
+    p.add_argument(
+        "--grid-target",
+        type=Path,
+        default=None,
+        help="time the cost grid on this target's architecture and shape (its config.json; random weights) "
+        "instead of Llama-3-8B's: the grid trtllm-serve-config accepts for that target",
+    )
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --quick: the tests' dry run)")
     p.add_argument("--quick", action="store_true", help="toy sizes for every part (a dry run of the script)")
     p.add_argument("--no-grid", action="store_true", help="skip the cost grid")
@@ -440,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     grid = None
     if not args.no_grid:
         try:
-            grid = cost_grid_stage(args.device, clock, args.quick)
+            grid = cost_grid_stage(args.device, clock, args.quick, args.grid_target)
         except Exception as e:  # noqa: BLE001
             summary["cost_grid_error"] = f"{type(e).__name__}: {e}"
     summary["seconds"] = round(clock.limit - clock.left(), 1)
@@ -448,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if grid is not None:
         (args.out / "cost_grid.json").write_text(json.dumps(grid, indent=1) + "\n")
-    (args.out / "README.md").write_text(readme(summary, grid))
+    report = readme(summary, grid)
+    (args.out / "README.md").write_text(report)
+    print(report, flush=True)  # a host whose files do not come back still shows its results in the log
     ok = all(p.get("equal", {}).get("pass", False) for p in summary["pairs"])
     print(f"gpu-bare: speculative == target alone: {'PASS' if ok else 'FAIL'}; wrote {args.out}")
     return 0 if ok else 1

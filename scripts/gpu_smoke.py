@@ -1,16 +1,23 @@
 """`make gpu-smoke`: one command for a GPU node. Each part prints PASS, FAIL or SKIP (with the reason) and a summary.
 
-  1. PyTorch engines on CUDA: DFlash greedy output == the same target engine alone (block size 1), exactly; tau
-     and speedup over the target alone; agreement with Hugging Face generate() is reported, not required.
+  1. PyTorch engines on CUDA: DFlash greedy output == the same target engine alone (block size 1), exactly in
+     float32 (see below for half precision); tau and speedup over the target alone; agreement with Hugging Face generate() is reported, not required.
   2. Engines (`dflash-trt engines`): the drafter's ONNX graph and TensorRT plan, the TensorRT-LLM target (TP ranks),
      built where tensorrt / tensorrt_llm and GPUs exist. At TP > 1 a target whose attention heads do not split
      into TP ranks (the demo target: 5 query / 1 KV heads) is replaced by a tiny random pair with 8 / 2 heads.
   3. The built engines through `dflash-trt generate --engines` (under `mpirun -n TP` when TP > 1): greedy output ==
-     the same engines with --no-draft, exactly; tau and speedup over them; agreement with the Hugging Face target
-     in float32 is a reported figure (an fp16 engine and an fp32 model part at near-ties, so it cannot be a
-     pass condition).
+     the same engines with --no-draft; tau and speedup over them; agreement with the Hugging Face target in
+     float32 is a reported figure (an fp16 engine and an fp32 model part at near-ties, so it cannot be a pass
+     condition).
 
-    python scripts/gpu_smoke.py [--target DIR --drafter DIR] [--tp N] [--dtype float32] [--out DIR]
+Where equality is judged: exactly for float32 (PyTorch engines with TF32 off; --engine-precision fp32). In half
+precision a verify pass of n tokens and a pass of one token run different GEMM, attention and (at tp > 1)
+all-reduce sizes, so their reduction orders differ and a near-tie between the top two tokens may flip: there the
+first divergence passes only where the target's top-2 logit margin at that position (the common prefix through
+the target: the PyTorch model in the engine's dtype, or the float32 checkpoint for built engines) is below
+NEAR_TIE_LOGITS, and is reported with its margin; any other divergence fails.
+
+    python scripts/gpu_smoke.py [--target DIR --drafter DIR] [--tp N] [--dtype float32] [--engine-precision fp16]
 
 Exit status 1 when a part FAILS; skipped parts (no GPU, no tensorrt, no tensorrt_llm, too few GPUs) do not fail.
 On a CPU machine every part is skipped with its reason (tests/bench/test_gpu_smoke.py checks that). NOT RUN on a GPU
@@ -30,6 +37,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "import os\n\n\ndef walk(path):\n"]
+# A half-precision divergence is a near-tie when the target's top two logits lie closer than this. fp16 keeps 11
+# significant bits: one rounding of a logit of magnitude ~30 moves it by up to ~0.015, and the two passes being
+# compared round differently in each of tens of layers, so a few such steps apart is a tie that reduction order
+# decides; a divergence at a wider margin is a wrong token, not rounding.
+NEAR_TIE_LOGITS = 0.1
 
 
 class Report:
@@ -89,7 +101,7 @@ def pytorch_stage(
     decoder = load_decoder(target, drafter, dtype, device)
     model = decoder.target.model
     spec_s = base_s = 0.0
-    taus, mismatches, agree = [], [], []
+    taus, results, agree = [], [], []
     for ids in prompts_ids(decoder, n_prompts):
         decoder.generate([ids], GenerationConfig(max_new_tokens=4))  # warm-up (CUDA context, kernels)
         t0 = time.perf_counter()
@@ -109,18 +121,55 @@ def pytorch_stage(
             )[0, len(ids) :].tolist()
         spec_s, base_s = spec_s + t1 - t0, base_s + t2 - t1
         taus.append(spec.stats.mean_acceptance_length)
-        if spec.token_ids != alone.token_ids:  # the lossless claim: exact, same engine
-            mismatches.append(ids[:8])
+        ok, note = judge(  # the lossless claim: exact in float32, up to near-ties in half precision
+            spec.token_ids,
+            alone.token_ids,
+            dtype == "float32",
+            lambda i, ids=ids, alone=alone: top2_margin(model, ids + alone.token_ids[:i]),
+        )
+        results.append((ids, ok, note))
         agree.append(agreement(alone.token_ids, hf))
     tau = sum(taus) / len(taus)
     detail = (
         f"tau {tau:.2f}, speedup {base_s / spec_s:.2f}x over the target alone ({len(taus)} prompts, {max_new} "
         f"tokens); {hf_figure(agree)}"
     )
-    if mismatches:
-        report.add("FAIL", part, f"greedy output differs from the same target alone for prompts {mismatches}; {detail}")
-    else:
-        report.add("PASS", part, f"greedy output == the same target alone; {detail}")
+    ok, verdict = verdicts(results, "the same target alone", "the same target alone")
+    report.add("PASS" if ok else "FAIL", part, f"{verdict}; {detail}")
+
+
+def top2_margin(model, ids: list[int]) -> float:
+    """The gap between the two largest next-token logits of `model` after `ids` (float32 arithmetic on its output)."""
+    import torch
+
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+    top = torch.topk(logits, 2).values
+    return float(top[0] - top[1])
+
+
+def judge(spec: list[int], alone: list[int], exact: bool, margin_at) -> tuple[bool, str]:
+    """(pass, what happened) for a speculative output against the same engine alone. exact: any difference fails.
+    Otherwise the first divergence passes when margin_at(position) < NEAR_TIE_LOGITS (a near-tie; later tokens
+    follow different contexts and are not compared)."""
+    if spec == alone:
+        return True, "identical"
+    first, _ = agreement(spec, alone)
+    if exact:
+        return False, f"differs at token {first}"
+    margin = margin_at(first)
+    if margin < NEAR_TIE_LOGITS:
+        return True, f"parts at token {first} at a near-tie (top-2 margin {margin:.4f} < {NEAR_TIE_LOGITS})"
+    return False, f"differs at token {first}, top-2 margin {margin:.4f} >= {NEAR_TIE_LOGITS}: not a near-tie"
+
+
+def verdicts(results: list[tuple[list[int], bool, str]], same: str, other: str) -> tuple[bool, str]:
+    """One line for all prompts: (all passed, text)."""
+    failed = [f"prompt {ids[:8]}: {note}" for ids, ok, note in results if not ok]
+    ties = [f"prompt {ids[:8]}: {note}" for ids, ok, note in results if ok and note != "identical"]
+    if failed:
+        return False, f"greedy output differs from {other} ({'; '.join(failed)})"
+    return True, f"greedy output == {same}" + (f" up to near-ties ({'; '.join(ties)})" if ties else "")
 
 
 def agreement(ours: list[int], reference: list[int]) -> tuple[int, int]:
@@ -151,7 +200,8 @@ def engines_stage(report: Report, args, env: dict) -> Path | None:
         return None
     if llm_reason is None and args.tp > 1:
         tp_pair(args, report)
-    cfg = read_config(None, ROOT, {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp})
+    overrides = {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp}
+    cfg = read_config(None, ROOT, {**overrides, "precision": args.engine_precision})
     t0 = time.perf_counter()
     try:
         manifest, build = build_engines(cfg)
@@ -208,7 +258,8 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
     manifest = json.loads((engines / "manifest.json").read_text())
     part = f"engines: drafter {manifest['serve']['drafter']}, target {manifest['serve']['target']} (tp {args.tp})"
     hf = load_decoder(args.target, None, "float32", "cuda" if torch.cuda.is_available() else "cpu")
-    mismatches, taus, tps_spec, tps_base, agree = [], [], [], [], []
+    results, taus, tps_spec, tps_base, agree = [], [], [], [], []
+    exact = args.engine_precision == "fp32"
     try:
         for ids in prompts_ids(hf, 3):
             x = torch.tensor([ids], device=hf.target.model.device)
@@ -223,8 +274,13 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
                 )[0, len(ids) :].tolist()
             spec = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=False)
             base = cli_generate(engines, args.tp, ids, args.max_new_tokens, no_draft=True)
-            if spec["token_ids"] != base["token_ids"]:  # the lossless claim: the same engine, exactly
-                mismatches.append(ids[:8])
+            ok, note = judge(  # the lossless claim, judged where it is defined (module docstring)
+                spec["token_ids"],
+                base["token_ids"],
+                exact,
+                lambda i, ids=ids, base=base: top2_margin(hf.target.model, ids + base["token_ids"][:i]),
+            )
+            results.append((ids, ok, note))
             agree.append(agreement(base["token_ids"], ref))
             taus.append(spec["stats"]["mean_acceptance_length"])
             tps_spec.append(spec["stats"]["tokens_per_second"])
@@ -236,14 +292,8 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
         f"tau {sum(taus) / len(taus):.2f}, speedup {sum(tps_spec) / sum(tps_base):.2f}x over the same target "
         f"with --no-draft ({len(taus)} prompts); the engine {hf_figure(agree).replace('generate()', 'float32')}"
     )
-    if mismatches:
-        report.add(
-            "FAIL",
-            part,
-            f"greedy output differs from the same engines with --no-draft for prompts {mismatches}; {detail}",
-        )
-    else:
-        report.add("PASS", part, f"greedy output == the same engines with --no-draft; {detail}")
+    ok, verdict = verdicts(results, "the same engines with --no-draft", "the same engines with --no-draft")
+    report.add("PASS" if ok else "FAIL", part, f"{verdict}; {detail}")
 
 
 def tp_pair(args, report: Report) -> None:
@@ -281,6 +331,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=["float32", "bfloat16", "float16"],
         default="float32",
         help="PyTorch engines on CUDA (default float32: greedy equality without half-precision ties)",
+    )
+    p.add_argument(
+        "--engine-precision",
+        choices=["fp16", "fp32"],
+        default="fp16",
+        help="built engines' precision (default fp16; fp32: their output must equal --no-draft's exactly)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--out", type=Path, default=ROOT / ".cache" / "gpu-smoke-engines", help="engines folder")

@@ -8,9 +8,11 @@ Stages (run in order; each reads what the previous wrote):
   drafter    DFlash drafter trained with `dflash_trt.train` on target-regenerated code
   ar-draft   2-layer autoregressive draft model (classic speculative-decoding baseline)
 
-One more stage runs only when named: `corpus` tokenizes the two splits into --cache (train.npy,
-held-out.npy) with the target's tokenizer, so that another machine (a GPU host, `make gpu-train-demo`)
-trains on exactly this interpreter's training split.
+Two more stages run only when named: `corpus` tokenizes the two splits into --cache (train.npy,
+held-out.npy) with the target's tokenizer; `regen-prompts` draws from that training split the prompts the
+drafter stage would have the target continue (--regen-sequences, --regen-seed) into --prompts-out, so that
+another machine (a GPU host, `make gpu-train-demo`) continues exactly these prompts, carrying 1 MiB instead
+of the whole tokenized corpus.
 
 `--smoke` shrinks everything to a CI-sized run into a scratch folder.
 """
@@ -32,7 +34,7 @@ from dflash_trt.train.data import read_texts, stdlib_files, tokenize_corpus, tra
 from dflash_trt.train.lm import LMTrainConfig, train_lm
 
 STAGES = ("tokenizer", "target", "drafter", "ar-draft")  # the default run, in order
-EXTRA_STAGES = ("corpus",)
+EXTRA_STAGES = ("corpus", "regen-prompts")
 
 
 def target_config(vocab: int, smoke: bool):
@@ -115,6 +117,22 @@ def stage_corpus(args) -> None:
 
     train, held = corpus_tokens(args.out, AutoTokenizer.from_pretrained(args.out / "target"), args.cache)
     print(f"corpus: {len(train):,} training and {len(held):,} held-out tokens in {args.cache}")
+
+
+def stage_regen_prompts(args) -> None:
+    from transformers import AutoTokenizer
+
+    from dflash_trt.train.data import write_regen_prompts
+
+    train, _ = corpus_tokens(args.out, AutoTokenizer.from_pretrained(args.out / "target"), args.cache)
+    path = write_regen_prompts(
+        train, args.prompts_out or args.cache, args.regen_sequences, regen_prompt_len(args), args.regen_seed
+    )
+    print(f"regen-prompts: {args.regen_sequences} x {regen_prompt_len(args)} tokens in {path}")
+
+
+def regen_prompt_len(args) -> int:
+    return 32 if args.smoke else 64
 
 
 def stage_lm(args, name: str) -> None:
@@ -205,7 +223,7 @@ def stage_drafter(args) -> None:
     seed = args.regen_seed
     data = args.cache / ("regenerated.npy" if seed == 1 else f"regenerated-seed{seed}.npy")
     if not data.exists():
-        prompt_len = 32 if args.smoke else 64
+        prompt_len = regen_prompt_len(args)
         regenerate_dataset(
             args.out / "target",
             data,
@@ -268,6 +286,12 @@ def main(argv=None) -> int:
         help="seed of the corpus prompts the target continues (1: the first run's data)",
     )
     p.add_argument(
+        "--prompts-out",
+        type=Path,
+        default=None,
+        help="where the regen-prompts stage writes regen-prompts-seed<seed>.npy (default --cache)",
+    )
+    p.add_argument(
         "--drafter-init",
         type=Path,
         default=None,
@@ -303,6 +327,7 @@ def main(argv=None) -> int:
             "target": lambda a: stage_lm(a, "target"),
             "drafter": stage_drafter,
             "corpus": stage_corpus,
+            "regen-prompts": stage_regen_prompts,
             "ar-draft": lambda a: stage_lm(a, "ar-draft"),
         }[stage](args)
         print(f"== {stage} done in {time.perf_counter() - t:.0f}s", flush=True)

@@ -15,10 +15,12 @@ import types
 from pathlib import Path
 
 import numpy as np
+import torch
 
 
 def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
-    """io: for the runtime, {name: (is_input, dtype_name, output_shape_fn)} of the fake engine."""
+    """io: for the runtime, {name: (is_input, dtype_name, spec)} of the fake engine; spec is an output's shape
+    function, or an input's optimization-profile range (min shape, max shape), or None (any shape)."""
     trt = types.ModuleType("tensorrt")
     trt.__version__ = version
     major = int(version.split(".")[0])
@@ -110,7 +112,14 @@ def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
             self.shapes, self.addresses = {}, {}
 
         def set_input_shape(self, name, shape):
+            """IExecutionContext.set_input_shape (TensorRT 10 Python API docs): False, and the shape is not
+            taken, when it lies outside the engine's optimization profile for that input."""
             calls.append(("set_input_shape", name, tuple(shape)))
+            bounds = io[name][2]
+            if bounds is not None:
+                lo, hi = bounds
+                if len(shape) != len(lo) or any(not a <= d <= b for a, d, b in zip(lo, shape, hi)):
+                    return False
             self.shapes[name] = tuple(shape)
             return True
 
@@ -132,8 +141,13 @@ def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
                 n = int(np.prod(shape))
                 if n == 0:
                     continue
-                ctype = {"float32": ctypes.c_float, "int64": ctypes.c_int64}[dtype]
-                buf = np.ctypeslib.as_array((ctype * n).from_address(self.addresses[name]))
+                # the buffer's element type is the engine's declared dtype (fp16 outputs of an fp16 plan)
+                ctype, view = {
+                    "float32": (ctypes.c_float, np.float32),
+                    "float16": (ctypes.c_uint16, np.float16),
+                    "int64": (ctypes.c_int64, np.int64),
+                }[dtype]
+                buf = np.ctypeslib.as_array((ctype * n).from_address(self.addresses[name])).view(view)
                 buf[:] = FILL[name]
             return True
 
@@ -252,17 +266,20 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
             self.enable_chunked_context = enable_chunked_context
 
     class Request:
+        # nanobind executor/request.cpp (NVIDIA/TensorRT-LLM commit 008b2b8d23af95e4e19fa6f354f9c5f6349b2bfc):
+        # input_token_ids and max_tokens, then nb::kw_only(): every other parameter by keyword only
         def __init__(
             self,
             input_token_ids,
             max_tokens,
+            *,
             streaming=False,
             output_config=None,
             cache_salt_id=None,
             external_draft_tokens_config=None,
             **kw,
         ):
-            self.input_token_ids, self.max_tokens = list(input_token_ids), max_tokens
+            self.input_token_ids, self.max_tokens, self.streaming = list(input_token_ids), max_tokens, streaming
             self.output_config = output_config or OutputConfig()
             self.cache_salt_id, self.external_draft_tokens_config = cache_salt_id, external_draft_tokens_config
 
@@ -270,6 +287,9 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
         def __init__(self, engine_dir, model_type, config):
             cfg = json.loads((Path(engine_dir) / "config.json").read_text())
             build = cfg["build_config"]
+            # the engine's activation dtype (config.json pretrained_config.dtype, written by every build): the
+            # dtype of its marked outputs
+            self.dtype = getattr(torch, cfg["pretrained_config"]["dtype"])
             self.tokens_per_block = build.get("plugin_config", {}).get("tokens_per_block", 4)
             # trtGptModelInflightBatching.cpp fixExecutorConfig: context logits switch block reuse off
             self.reuse = config.kv_cache_config.enable_block_reuse and not build.get("gather_context_logits", False)
@@ -349,17 +369,19 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
             for o in wanted:
                 if o.name not in values:  # not marked in this engine: the runtime returns nothing under that name
                     continue
-                full = np.asarray(values[o.name], dtype=np.float32)
+                full = torch.from_numpy(np.asarray(values[o.name], dtype=np.float32)).to(self.dtype)
                 # handleContextLogits.cpp / copyAdditionalOutputs: host buffer sized to the prompt, rows of
-                # reused tokens never written (uninitialised memory; NaN here so a misuse shows)
-                buf = np.full_like(full, np.nan)
+                # reused tokens never written (uninitialised memory; NaN here so a misuse shows). The buffer
+                # reaches Python as a torch.Tensor of the engine's dtype (nanobind/common/customCasters.h,
+                # type_caster<executor::Tensor>::from_cpp), not numpy
+                buf = torch.full_like(full, float("nan"))
                 buf[reused:] = full[reused:]
                 outputs.append(
                     types.SimpleNamespace(name="context_" + o.name, output=buf)
                 )  # llmRequest.cpp createResult
                 outputs.append(
                     types.SimpleNamespace(
-                        name="generation_" + o.name, output=np.zeros((1, 0, full.shape[-1]), np.float32)
+                        name="generation_" + o.name, output=torch.zeros((1, 0, full.shape[-1]), dtype=self.dtype)
                     )
                 )
             result = types.SimpleNamespace(

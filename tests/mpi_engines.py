@@ -24,7 +24,7 @@ def fake_trtllm_engines(root: Path) -> Path:
     folder = out / "target_trtllm"
     (folder / "engine").mkdir(parents=True)
     build = {"max_seq_len": 256, "max_num_tokens": 256, "plugin_config": {"tokens_per_block": 4}}
-    config = {"pretrained_config": {"vocab_size": 96}, "build_config": build}
+    config = {"pretrained_config": {"vocab_size": 96, "hidden_size": 64, "dtype": "float32"}, "build_config": build}
     (folder / "engine" / "config.json").write_text(json.dumps(config))
     layers = list(spec.target_layer_ids)
     meta = {

@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..costgrid import CostGridMismatch, check_grid_matches, read_target_config
+
 
 class ServeConfigError(ValueError):
     """The drafter or the cost table cannot give a valid trtllm-serve DFlash config (the message says why)."""
@@ -208,8 +210,11 @@ def serve_config(
     cost_table: str | Path | None = None,
     tau: float | None = None,
     context: int | None = None,
+    target_dir: str | Path | None = None,
+    tp: int = 1,
 ) -> dict[str, Any]:
-    """The trtllm-serve --config mapping for this drafter (raises ServeConfigError when it would not load)."""
+    """The trtllm-serve --config mapping for this drafter (raises ServeConfigError when it would not load). A
+    cost table must have been measured on this target (`target_dir`'s shape) at this `tp` (dflash_trt.costgrid)."""
     drafter_dir = Path(drafter_dir)
     problems = drafter_problems(drafter_dir)
     if problems:
@@ -226,8 +231,14 @@ def serve_config(
     if cost_table is not None:
         if tau is None:
             raise ServeConfigError("a cost table needs --tau (the drafter's measured mean acceptance length)")
+        if target_dir is None:
+            raise ServeConfigError("a cost table needs the target it was measured on (--target)")
         target, drafter, _ = read_cost_table(cost_table, context)
         raw = json.loads(Path(cost_table).read_text())
+        try:
+            check_grid_matches(raw, read_target_config(target_dir), tp, source=f"cost table {cost_table}")
+        except CostGridMismatch as e:
+            raise ServeConfigError(str(e)) from None
         sizes = sorted({int(e["rows"]) for e in raw["target"]})
         best = schedule_from_costs(target, drafter, _solve_alpha(tau, block), block, sizes)
         spec.update(speculation_limits(best))

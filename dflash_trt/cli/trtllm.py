@@ -49,7 +49,14 @@ def cmd_trtllm_serve_config(args: argparse.Namespace) -> int:
     try:
         if not (args.target / "config.json").is_file():
             raise FileNotFoundError(f"target checkpoint not found: {args.target}")
-        cfg = serve_config(args.drafter, cost_table=args.cost_table, tau=args.tau, context=args.context)
+        cfg = serve_config(
+            args.drafter,
+            cost_table=args.cost_table,
+            tau=args.tau,
+            context=args.context,
+            target_dir=args.target,
+            tp=args.tp,
+        )
     except (ServeConfigError, FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
     text = to_yaml(cfg)

@@ -25,6 +25,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwen3RotaryEmbedding, rotate_half
 
 from ..config import ConfigError, DFlashSpec, drafter_config_from_dict, load_drafter_config
+from .attention import grouped_attention
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -105,14 +106,10 @@ class DFlashAttention(nn.Module):
             ctx_k.transpose(1, 2)[at] = k_blk.transpose(1, 2)
             ctx_v.transpose(1, 2)[at] = v_blk.transpose(1, 2)
             k, v = ctx_k, ctx_v
-        # Grouped-query attention without copying K/V per head: the g query heads that share a KV
-        # head are folded into the query axis, so a round never copies the O(context) cache.
-        groups = self.n_heads // self.n_kv_heads
-        q = q.reshape(b, self.n_kv_heads, groups * n, self.head_dim)
-        if mask is not None:  # the same key visibility for every folded head: tile the query rows
-            mask = mask.repeat(groups, 1) if mask.dim() == 2 else mask.repeat(1, 1, groups, 1)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=False)
-        out = out.reshape(b, self.n_heads, n, self.head_dim)
+        # Grouped-query attention without copying K/V per head and without enable_gqa next to a mask: the g
+        # query heads that share a KV head are folded into the query axis (models/attention.py: the rules of
+        # PyTorch's fused kernels), so a round never copies the O(context) cache.
+        out = grouped_attention(q, k, v, mask=None if mask is None else mask.reshape(-1, 1, *mask.shape[-2:]))
         result: torch.Tensor = self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
         return result
 

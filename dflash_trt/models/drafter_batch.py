@@ -93,6 +93,7 @@ def packed_round(
     context_lengths: torch.Tensor,
     cache_k: torch.Tensor,
     cache_v: torch.Tensor,
+    every_key_visible: bool = False,
 ) -> torch.Tensor:
     """`ragged_round` without padding or copies (the PyTorch batched session's form; the same computation).
 
@@ -101,7 +102,9 @@ def packed_round(
     context_lengths [b]: each row's valid context after this round. cache_k/cache_v [L, b, kvh, C, hd],
     C >= max(context_lengths) + B, written in place: the new context's K/V, and each row's block K/V as
     scratch right after its context (beyond the row's valid length, so overwritten by later context and
-    never read as context). Returns the block's final hidden states [b, B, H].
+    never read as context). Returns the block's final hidden states [b, B, H]. every_key_visible: the caller
+    knows that every row's context + block fills the cache's C positions, so a bidirectional layer needs no mask
+    (PyTorch's flash kernel takes none: models/attention.py).
 
     Packing matters because backlogs are ragged (a row drafting for the first time brings its whole prompt,
     ~100+ features, the others a few: padded, every row paid for the prompt); writing the block into the
@@ -125,5 +128,7 @@ def packed_round(
         key = (attn.causal, attn.window)
         if key not in masks:
             masks[key] = _visible(attn, key_valid, blk_pos, cache_pos)
-        x = layer(x, cache_k[i], cache_v[i], blk_cos, blk_sin, masks[key], block_at=blk_pos)
+        bidirectional = not attn.causal and attn.window is None
+        mask = None if every_key_visible and bidirectional else masks[key]
+        x = layer(x, cache_k[i], cache_v[i], blk_cos, blk_sin, mask, block_at=blk_pos)
     return drafter.final_norm(x)

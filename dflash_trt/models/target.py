@@ -45,6 +45,9 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
     # (the `type: ignore`s here and below: transformers leaves these functions unannotated)
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     try:
+        # "sdpa": transformers' own forward (training, references) passes enable_gqa only without a mask on CUDA
+        # and repeats K/V otherwise (integrations/sdpa_attention.py, use_gqa_in_sdpa), the rule models/attention.py
+        # follows for the engines' own attention
         model = AutoModelForCausalLM.from_pretrained(
             path, local_files_only=True, trust_remote_code=False, dtype=dtype, attn_implementation="sdpa"
         )

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from ..models.attention import grouped_attention
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import packed_round
 from ..models.target import DTYPES, load_target
@@ -182,7 +182,14 @@ class TorchTargetSession(SlotCacheRows):
         # idle rows of the span see positions 0..n-1 (never an empty softmax); their output is dropped
         a_pos = torch.arange(n, device=dev)[None, :].repeat(layout.size, 1)
         a_pos[layout.local] = pos
-        mask = (torch.arange(end, device=dev)[None, None, :] <= a_pos[:, :, None])[:, None]  # [S, 1, n, end]
+        # the dense mask only where a pass needs one (models/attention.py: flash takes none, and no mask with
+        # grouped heads): one token per row at a common length sees every key; a prefill from 0 of rows of one
+        # length is the square causal pattern; anything else (verify passes, ragged rows) is masked
+        sees_all = n == 1 and all(s == end - 1 for s in starts)
+        causal = not sees_all and n == end and all(c == n for c in counts)
+        mask = None
+        if not (sees_all or causal):
+            mask = (torch.arange(end, device=dev)[None, None, :] <= a_pos[:, :, None])[:, None]  # [S, 1, n, end]
 
         x = e.base.embed_tokens(flat)[None]  # [1, T, H]
         cos, sin = e.base.rotary_emb(x, w_pos[None])
@@ -203,9 +210,7 @@ class TorchTargetSession(SlotCacheRows):
             keys, values = layout.batch(ck, end), layout.batch(cv, end)
             qp = q.new_zeros(layout.size, n, q.shape[1], e.head_dim)
             qp[a_rows, vi] = q[0].transpose(0, 1)
-            a = F.scaled_dot_product_attention(
-                qp.transpose(1, 2), keys, values, attn_mask=mask, scale=e.scaling, enable_gqa=True
-            )
+            a = grouped_attention(qp.transpose(1, 2), keys, values, mask=mask, causal=causal, scale=e.scaling)
             x = x + attn.o_proj(a.transpose(1, 2)[a_rows, vi].reshape(1, total, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in want:
@@ -317,6 +322,7 @@ class TorchDrafterSession(SlotCacheRows):
             torch.tensor(context, device=dev),
             cache_k,
             cache_v,
+            every_key_visible=all(c + bl == end for c, bl in zip(context, block_len)),
         )
         if layout.span is None:  # a gathered copy: write it back
             self.k[:, layout.slots, :, :end], self.v[:, layout.slots, :, :end] = cache_k, cache_v

@@ -110,7 +110,15 @@ class TrtDrafterSequence:
         feats = new_features.to(device=e.device, dtype=e.dtypes["features"]).unsqueeze(0).contiguous()
         feeds = {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
         for name in e.inputs:
-            ctx.set_input_shape(name, tuple(feeds[name].shape))
+            # set_input_shape returns False (and keeps the old shape) for a shape outside the plan's optimization
+            # profile (TensorRT 10 Python API, IExecutionContext.set_input_shape); unchecked, the output shapes
+            # read next would be inferred from stale or unset inputs
+            if not ctx.set_input_shape(name, tuple(feeds[name].shape)):
+                raise ValueError(
+                    f"TensorRT refused {name} of shape {tuple(feeds[name].shape)}: outside the plan's optimization "
+                    f"profile (context cache up to {e.max_context} tokens); rebuild the plan with a larger "
+                    "max_context (`make engines`), or keep requests within it"
+                )
             ctx.set_tensor_address(name, self._address(feeds[name]))
         results = {}
         for name in e.outputs:

@@ -106,6 +106,17 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", rank % torch.cuda.device_count())
 
 
+def executor_kv_fraction(folder: Path, engine_dir: Path, config: dict[str, Any], rank: int) -> float:
+    """The executor's free_gpu_memory_fraction on this rank's GPU: the cap where nothing else loads (a non-leader
+    rank, or no GPU: the tests' fake), else what leaves the leader's lm_head and drafter room (trtllm_memory)."""
+    from .trtllm_memory import FRACTION_CAP, kv_cache_fraction, leader_load, rank_engine_bytes
+
+    if rank != 0 or not torch.cuda.is_available():  # leader mode: rank 0 is the leader (executorImpl.cpp)
+        return FRACTION_CAP
+    free, _ = torch.cuda.mem_get_info(rank_device(rank))
+    return kv_cache_fraction(free, rank_engine_bytes(engine_dir, rank), leader_load(folder, config))
+
+
 def _new_salt() -> int:
     return secrets.randbits(63) + 1  # CacheSaltIDType is uint64 (executor/types.h); 0 is avoided
 
@@ -113,7 +124,7 @@ def _new_salt() -> int:
 class TrtllmTargetEngine:
     name = "tensorrt_llm"
 
-    def __init__(self, folder: str | Path, kv_cache_free_fraction: float = 0.85, device: str | None = None):
+    def __init__(self, folder: str | Path, kv_cache_free_fraction: float | None = None, device: str | None = None):
         trtllm = _executor_module()
         folder = Path(folder)
         meta = json.loads((folder / TARGET_META_FILE).read_text())
@@ -139,6 +150,9 @@ class TrtllmTargetEngine:
         self.output_config_no_features = trtllm.OutputConfig(
             additional_model_outputs=[trtllm.AdditionalModelOutput(self.final_output, gather_context=True)]
         )
+        if kv_cache_free_fraction is None:  # what the leader loads next on this GPU decides (trtllm_memory.py)
+            kv_cache_free_fraction = executor_kv_fraction(folder, engine_dir, config, self.rank)
+        self.kv_cache_free_fraction = kv_cache_free_fraction
         # ExecutorConfig / KvCacheConfig: nanobind executor/executorConfig.cpp (1.2)
         executor_config = trtllm.ExecutorConfig(
             max_beam_width=1,

@@ -109,6 +109,19 @@ def corpus_prompts(tokens: np.ndarray, n: int, length: int, seed: int = 0) -> to
     return random_windows(tokens, n, length, torch.Generator().manual_seed(seed))
 
 
+def regen_prompts_file(folder: Path, seed: int) -> Path:
+    return Path(folder) / f"regen-prompts-seed{seed}.npy"
+
+
+def write_regen_prompts(tokens: np.ndarray, folder: Path, n: int, length: int, seed: int) -> Path:
+    """The prompts `regenerate_dataset` would draw from `tokens`, saved (the corpus's dtype) for another machine:
+    n x length tokens instead of the whole corpus."""
+    path = regen_prompts_file(folder, seed)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, corpus_prompts(tokens, n, length, seed=seed).numpy().astype(tokens.dtype))
+    return path
+
+
 def corpus_sequences(tokens: np.ndarray, length: int) -> np.ndarray:
     n = len(tokens) // length
     return tokens[: n * length].reshape(n, length)
@@ -153,7 +166,10 @@ def regenerate_dataset(
     device: str = "cpu",
     batch: int = 32,
 ) -> None:
-    """For the demo: prompts from the training split of the stdlib corpus, continued by the target."""
+    """For the demo: prompts from the training split of the stdlib corpus, continued by the target. The prompts
+    come from out's folder: regen-prompts-seed{seed}.npy when there (`regen_prompts_file`: what another machine
+    drew, so a GPU host continues exactly those), else drawn from train.npy there, else from this interpreter's
+    standard library."""
     from ..models.target import load_target, load_tokenizer
     from .regen import regenerate
 
@@ -161,9 +177,17 @@ def regenerate_dataset(
     tok = load_tokenizer(target_dir)
     if tok is None:
         raise ValueError(f"{target_dir} has no tokenizer")
-    cached = out.parent / "train.npy"
-    tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
-    prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
+    drawn = regen_prompts_file(out.parent, seed)
+    if drawn.exists():
+        prompts = torch.from_numpy(np.load(drawn).astype(np.int64))
+        if prompts.shape[0] < n_sequences or prompts.shape[1] != prompt_len:
+            raise ValueError(f"{drawn} holds {tuple(prompts.shape)} prompts; wanted {n_sequences} x {prompt_len}")
+        prompts = prompts[:n_sequences]
+        print(f"regen: {n_sequences} prompts from {drawn}", flush=True)
+    else:
+        cached = out.parent / "train.npy"
+        tokens = np.load(cached) if cached.exists() else tokenize_corpus(tok, read_texts(stdlib_files("train")))
+        prompts = corpus_prompts(tokens, n_sequences, prompt_len, seed=seed)
     t = time.perf_counter()
     seqs = regenerate(target, prompts, new_tokens, temperature, batch=batch)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -133,3 +133,66 @@ def test_tp2_replaces_a_target_whose_heads_do_not_split(tmp_path):
     kept = argparse.Namespace(target=args.target, drafter=args.drafter, tp=2, out=tmp_path / "engines")
     gpu_smoke.tp_pair(kept, gpu_smoke.Report())
     assert kept.target == args.target  # a target that splits is kept
+
+
+def test_judge_is_exact_in_float32_and_accepts_only_near_ties_in_half_precision():
+    wide, tie = (lambda i: 2.5), (lambda i: 0.01)
+    assert gpu_smoke.judge([1, 2, 3], [1, 2, 3], True, wide) == (True, "identical")
+    assert gpu_smoke.judge([1, 2, 3], [1, 2, 4], True, tie) == (False, "differs at token 2")  # fp32: no excuse
+    ok, note = gpu_smoke.judge([1, 2, 3], [1, 2, 4], False, tie)
+    assert ok and note == f"parts at token 2 at a near-tie (top-2 margin 0.0100 < {gpu_smoke.NEAR_TIE_LOGITS})"
+    ok, note = gpu_smoke.judge([1, 9, 3], [1, 2, 4], False, wide)
+    assert not ok and "differs at token 1, top-2 margin 2.5000" in note
+
+
+@pytest.fixture
+def tied_target(tmp_path):
+    """A tiny target whose lm_head rows t1 and t2 > t1 are equal: wherever its greedy choice is t1, t2 ties it
+    exactly (argmax keeps t1, the lower id, so its greedy output is unchanged by the tie)."""
+    from dflash_trt.models.target import save_portable
+
+    model = make_tiny_target(None, vocab_size=64, layers=2)
+    prompt = [1, 2, 3, 4]
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, pad_token_id=0)
+    base = greedy[0, len(prompt) :].tolist()
+    t1 = base[2]
+    t2 = 63 if t1 != 63 else 62
+    if t2 < t1:
+        pytest.skip("the tiny model's token at position 2 is the last id")
+    with torch.no_grad():
+        head = model.get_output_embeddings().weight
+        head[t2] = head[t1]
+    save_portable(model, tmp_path / "target")
+    return tmp_path / "target", base, t2
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("precision, passes", [("fp16", True), ("fp32", False)])
+def test_engines_part_accepts_a_first_divergence_only_at_a_near_tie(
+    tied_target, tmp_path, monkeypatch, tp, precision, passes
+):
+    """The engines' verdict with a divergence injected at a real near-tie of the target (margin 0 at token 2):
+    an fp16 engine passes and says where and at what margin; an fp32 engine fails. At tp 1 and 2 alike."""
+    target, base, t2 = tied_target
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    (engines / "manifest.json").write_text(json.dumps({"serve": {"drafter": "tensorrt", "target": "tensorrt_llm"}}))
+    launched = []
+
+    def fake_generate(folder, tp_size, ids, max_new, no_draft):
+        launched.append(tp_size)
+        out = list(base) if no_draft or ids != [1, 2, 3, 4] else base[:2] + [t2, 5, 6, 7]
+        return {"token_ids": out, "stats": {"mean_acceptance_length": 2.0, "tokens_per_second": 100.0}}
+
+    monkeypatch.setattr(gpu_smoke, "cli_generate", fake_generate)
+    args = argparse.Namespace(target=target, tp=tp, max_new_tokens=6, engine_precision=precision)
+    report = gpu_smoke.Report()
+    gpu_smoke.served_engines_stage(report, args, engines)
+    ((status, part, detail),) = report.rows
+    assert launched and set(launched) == {tp} and f"(tp {tp})" in part
+    if passes:
+        assert status == "PASS", detail
+        assert "up to near-ties (prompt [1, 2, 3, 4]: parts at token 2 at a near-tie (top-2 margin 0.0000" in detail
+    else:
+        assert status == "FAIL" and "prompt [1, 2, 3, 4]: differs at token 2" in detail, detail

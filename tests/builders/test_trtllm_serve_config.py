@@ -22,6 +22,7 @@ from dflash_trt.builders.trtllm_serve import (
     speculation_limits,
     to_yaml,
 )
+from dflash_trt.costgrid import grid_identity, read_target_config
 from dflash_trt.decoding.cost import LinearCost
 from dflash_trt.settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
 
@@ -97,9 +98,11 @@ def test_field_list_check_would_catch_a_wrong_key():
     assert set(spec) - DFLASH_DECODING_CONFIG_FIELDS == {"block_size"}
 
 
-@pytest.mark.parametrize("folder", ["drafter", "smollm2-drafter"])
-def test_our_drafter_folders_load_as_trtllm_dflash_drafters(folder):
-    assert drafter_problems(DEMO_DIR / folder) == []
+def test_our_drafter_folders_load_as_trtllm_dflash_drafters():
+    # models/smollm2-drafter, when restored (docs/training.md), is checked too: the same published format
+    folders = [DEMO_DIR / "drafter"] + [p for p in [DEMO_DIR / "smollm2-drafter"] if (p / "config.json").is_file()]
+    for folder in folders:
+        assert drafter_problems(folder) == [], folder
 
 
 @pytest.fixture
@@ -141,9 +144,16 @@ def test_weights_out_of_place_are_caught(tiny_drafter):
     assert any("layers [0, 1, 5]" in p for p in problems)
 
 
-def grid(target_per_token: float, rows=(1, 4, 16, 64, 256), context=512):
-    """A synthetic cost grid: target fixed 10 ms + per_token x tokens, drafter fixed 2 ms + 0.001 ms x tokens."""
-    entries = {"target": [], "drafter": []}
+def demo_identity(tp=1, **shape):
+    ident = grid_identity(read_target_config(DEMO_TARGET), dtype="bfloat16", engine="torch", tp=tp, gpu="test GPU")
+    ident["target"].update(shape)
+    return ident
+
+
+def grid(target_per_token: float, rows=(1, 4, 16, 64, 256), context=512, identity=None):
+    """A synthetic cost grid of the demo target: target fixed 10 ms + per_token x tokens, drafter fixed 2 ms +
+    0.001 ms x tokens."""
+    entries = {"identity": identity or demo_identity(), "target": [], "drafter": []}
     for r in rows:
         for t in (1, 4, 8):
             entries["target"].append(
@@ -157,14 +167,18 @@ def grid(target_per_token: float, rows=(1, 4, 16, 64, 256), context=512):
 
 def test_memory_bound_target_drafts_the_whole_block_at_every_batch_size(tmp_path):
     (tmp_path / "grid.json").write_text(json.dumps(grid(target_per_token=1e-7)))
-    spec = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0)["speculative_config"]
+    spec = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0, target_dir=DEMO_TARGET)[
+        "speculative_config"
+    ]
     assert spec["max_draft_len"] == 7 and "draft_len_schedule" not in spec and "max_concurrency" not in spec
     check_like_decoding_base_config(spec)
 
 
 def test_compute_bound_target_drafts_less_as_the_batch_grows(tmp_path):
     (tmp_path / "grid.json").write_text(json.dumps(grid(target_per_token=2e-5)))
-    spec = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0)["speculative_config"]
+    spec = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0, target_dir=DEMO_TARGET)[
+        "speculative_config"
+    ]
     check_like_decoding_base_config(spec)
     schedule = spec["draft_len_schedule"]  # lengths differ between batch sizes: not one max_concurrency
     lengths = [schedule[b] for b in sorted(schedule)]
@@ -189,3 +203,36 @@ def test_cost_table_needs_tau(tmp_path):
     with pytest.raises(ServeConfigError, match="--tau"):
         serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json")
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "identity, message",
+    [
+        (demo_identity(layers=32, hidden=4096), "layers 32 \\(grid\\) != 8 \\(target\\); hidden 4096"),
+        (demo_identity(vocab=128256), "vocab 128256"),
+        (demo_identity(tp=2), "tp 2 \\(grid\\) != 1 \\(serving\\)"),
+    ],
+)
+def test_a_grid_of_another_target_is_refused(tmp_path, identity, message):
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-7, identity=identity)))
+    with pytest.raises(ServeConfigError, match="measured on another target") as err:
+        serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0, target_dir=DEMO_TARGET)
+    assert err.match(message) and "gpu_bare.py --grid-target" in str(err.value)
+
+
+def test_a_grid_without_identity_or_without_target_is_refused(tmp_path):
+    raw = grid(1e-7)
+    del raw["identity"]
+    (tmp_path / "grid.json").write_text(json.dumps(raw))
+    with pytest.raises(ServeConfigError, match="records no identity"):
+        serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0, target_dir=DEMO_TARGET)
+    with pytest.raises(ServeConfigError, match="--target"):
+        serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0)
+
+
+def test_cli_refuses_a_grid_of_another_target(tmp_path):
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-7, identity=demo_identity(heads=32))))
+    cmd = [sys.executable, "-m", "dflash_trt.cli", "trtllm-serve-config", "--target", str(DEMO_TARGET)]
+    cmd += ["--drafter", str(DEMO_DRAFTER), "--cost-table", str(tmp_path / "grid.json"), "--tau", "4"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "measured on another target" in proc.stderr and "heads 32" in proc.stderr

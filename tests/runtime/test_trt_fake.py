@@ -148,3 +148,38 @@ def test_runtime_refuses_plan_from_another_version(monkeypatch, graph_dir, tmp_p
 
     with pytest.raises(EngineUnavailable, match="built with TensorRT 10.14.1.48.*rebuild"):
         TrtDrafterEngine(tmp_path / "plan", device="cpu")
+
+
+def test_runtime_refuses_a_shape_outside_the_profile_and_converts_fp16_outputs(monkeypatch, graph_dir, tmp_path):
+    """An fp16 plan: features, cache and logits in float16 (the real runtime's buffers), profile up to 12 cached
+    tokens. The session hands the loop float32 logits, keeps its cache in float16, and a round whose cache
+    would leave the profile fails with the reason instead of running on stale shapes."""
+    L, H, D = META.num_layers, META.num_kv_heads, META.head_dim
+    cache = ((L, 1, H, 0, D), (L, 1, H, 12, D))
+    io = {
+        "block_ids": (True, "int64", ((1, 1), (1, 16))),
+        "features": (True, "float16", ((1, 1, 128), (1, 12, 128))),
+        "past_k": (True, "float16", cache),
+        "past_v": (True, "float16", cache),
+        "logits": (False, "float16", lambda s: (1, s["block_ids"][1] - 1, META.vocab_size)),
+        "draft_tokens": (False, "int64", lambda s: (1, s["block_ids"][1] - 1)),
+        "present_k": (False, "float16", lambda s: (L, 1, H, s["past_k"][3] + s["features"][1], D)),
+        "present_v": (False, "float16", lambda s: (L, 1, H, s["past_v"][3] + s["features"][1], D)),
+    }
+    install(monkeypatch, "10.14.1.48")
+    trt_drafter.build_drafter_plan(graph_dir, tmp_path / "plan", max_context=12)
+    calls = install(monkeypatch, "10.14.1.48", io)
+    from dflash_trt.runtime.trt_backend import TrtDrafterEngine
+
+    engine = TrtDrafterEngine(tmp_path / "plan", device="cpu")
+    rows = engine.new_session()
+    session = rows.sequences[rows.add_row()]
+    draft = session.draft(torch.randn(8, 128), last_token=3, block_size=6)
+    assert draft.logits.dtype == torch.float32 and torch.all(draft.logits == FILL["logits"])
+    assert session.past_k.dtype == torch.float16 and torch.all(session.past_k == FILL["present_k"])
+    fed = [c for c in calls if c[0] == "set_input_shape" and c[1] == "past_k"]
+    assert fed[-1][2][3] == 0
+    session.draft(torch.randn(6, 128), last_token=3, block_size=6)  # a cache of 8 is within the profile
+    assert session.context_length == 14  # present = past + features: the next round's cache is 14 > 12
+    with pytest.raises(ValueError, match=r"TensorRT refused past_k of shape .*outside the plan's optimization"):
+        session.draft(torch.randn(1, 128), last_token=3, block_size=6)

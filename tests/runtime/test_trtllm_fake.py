@@ -6,7 +6,6 @@ and computes the marked outputs with a real tiny Hugging Face model so that resu
 
 import json
 
-import numpy as np
 import pytest
 import torch
 from fake_tensorrt import install_trtllm, make_trtllm_executor
@@ -39,13 +38,13 @@ def hf_outputs(model):
     return run
 
 
-def engine_folder(root, target_dir, name="engine", max_seq_len=128, max_num_tokens=128, **build):
+def engine_folder(root, target_dir, name="engine", max_seq_len=128, max_num_tokens=128, dtype="float32", **build):
     folder = root / name
     (folder / "engine").mkdir(parents=True, exist_ok=True)
     (folder / "engine" / "config.json").write_text(
         json.dumps(
             {
-                "pretrained_config": {"vocab_size": 96},
+                "pretrained_config": {"vocab_size": 96, "hidden_size": 64, "dtype": dtype},
                 "build_config": {
                     "max_seq_len": max_seq_len,
                     "max_num_tokens": max_num_tokens,
@@ -232,7 +231,11 @@ def test_the_fake_refuses_what_the_old_backend_did(fake, tiny):
     )[0].result
     by_name = {o.name: o.output for o in result.additional_outputs}
     assert "dflash_feature_1" not in by_name and by_name["context_dflash_feature_1"].shape[0] == 12
-    assert np.isnan(by_name["context_dflash_feature_1"][:8]).all()
+    assert torch.isnan(by_name["context_dflash_feature_1"][:8]).all()
+    assert by_name["context_dflash_feature_1"].dtype == torch.float32  # the engine's dtype (float32 here)
+    # Request's parameters after max_tokens are keyword-only (nanobind executor/request.cpp: nb::kw_only())
+    with pytest.raises(TypeError):
+        module.Request([1, 2, 3], 1, False)
     # prompts past min(max_seq_len - 1, max_num_tokens) are refused
     short = engine_folder(root, root / "target", "limit", max_seq_len=64, max_num_tokens=24)
     ex = module.Executor(short / "engine", "DECODER_ONLY", module.ExecutorConfig())
@@ -349,3 +352,22 @@ def test_batched_decoder_over_the_trtllm_target_equals_the_target_alone(fake, ti
     dec = BatchDecoder(engine, TorchDrafterEngine.for_target(drafter, torch_target))
     got = dec.generate(prompts, GenerationConfig(max_new_tokens=16, block_size=4))
     assert [g.token_ids for g in got] == want
+
+
+def test_an_fp16_engine_returns_fp16_tensors_and_the_session_converts_them(fake, tiny):
+    """A float16 engine's marked outputs come back as float16 torch tensors (the executor's Tensor caster): the
+    session's logits (through the lm_head) and features are float32, within fp16 rounding of the HF target."""
+    from dflash_trt.runtime.trtllm_backend import TrtllmSequence, TrtllmTargetEngine
+
+    calls, module = fake
+    root, model, _ = tiny
+    engine = TrtllmTargetEngine(engine_folder(root, root / "target", name="fp16", dtype="float16"))
+    session, ref = TrtllmSequence(engine), HfSequenceTarget(model, LAYERS)
+    tokens = torch.arange(3, 14)
+    got, want = session.forward(tokens), ref.forward(tokens)
+    assert got.logits.dtype == torch.float32 and got.features.dtype == torch.float32
+    torch.testing.assert_close(got.logits, want.logits, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.features, want.features, atol=2e-2, rtol=2e-2)
+    assert not torch.equal(got.features, want.features)  # they did pass through float16
+    request = next(c for c in calls if hasattr(c, "input_token_ids"))
+    assert request.streaming is False  # given by keyword: the real Request takes nothing else after max_tokens

@@ -13,6 +13,7 @@ from test_trtllm_fake import engine_folder, hf_outputs, tiny  # noqa: F401 - fix
 
 from dflash_trt.runtime import trtllm_backend
 from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine, mpi_rank, rank_device
+from dflash_trt.runtime.trtllm_memory import FRACTION_CAP, MemoryPlanError
 
 
 class RecordingHead:
@@ -61,13 +62,22 @@ def test_only_the_leader_loads_an_lm_head_on_its_ranks_gpu(monkeypatch, tiny, gp
     monkeypatch.setenv("OMPI_COMM_WORLD_RANK", str(rank))
     moves, loads = [], []
     monkeypatch.setattr(trtllm_backend, "load_lm_head", lambda d: loads.append(d) or RecordingHead(moves))
+    queried = []  # free memory, asked on the leader only (it sizes the KV cache around what it loads next)
+    free = 1 * 2**30 + 96 * 64 * 4 + 2**20  # headroom + the lm_head + 1 MiB: the KV cache gets 1 MiB of it
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: queried.append(str(d)) or (free, 80 * 2**30))
     install_trtllm(monkeypatch, make_trtllm_executor([], hf_outputs(model), rank=rank))
+    if rank == 0:
+        with pytest.raises(MemoryPlanError, match="leaving the KV cache less than 5%"):
+            TrtllmTargetEngine(engine_folder(root, root / "target"))
+        free = 20 * 2**30
     engine = TrtllmTargetEngine(engine_folder(root, root / "target"))
     assert engine.rank == rank and str(engine.device) == f"cuda:{rank % 2}"
     if rank == 0:
         assert engine.is_leader and moves == ["cuda:0"] and len(loads) == 1
+        assert queried == ["cuda:0", "cuda:0"] and engine.kv_cache_free_fraction == FRACTION_CAP
     else:
         assert not engine.is_leader and moves == [] and loads == [] and engine.lm_head is None
+        assert queried == [] and engine.kv_cache_free_fraction == FRACTION_CAP
 
 
 @pytest.mark.parametrize("rank", [0, 1])

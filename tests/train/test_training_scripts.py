@@ -141,9 +141,12 @@ def test_gpu_train_demo_recipe_runs_at_smoke_size_on_the_cpu(tmp_path):
     work, out = tmp_path / "gpu-demo", tmp_path / "out"
     make = ["make", "--no-print-directory", "-o", ".venv/.installed", f"GPU_DEMO={work}"]  # -o: never rebuild the venv
     run([*make, "gpu-train-demo-prep", "GPU_DEMO_ARGS=--smoke"])
-    assert (work / "cache" / "train.npy").is_file() and (work / "cache" / "held-out.npy").is_file()
+    assert (work / "corpus" / "train.npy").is_file() and (work / "corpus" / "held-out.npy").is_file()
+    # what the host is carried: the prompts its target continues, not the tokenized corpus
+    assert sorted(p.name for p in (work / "cache").iterdir()) == ["regen-prompts-seed6.npy"]
     args = "GPU_DEMO_ARGS=--smoke --device cpu --threads 1"
-    run([*make, "gpu-train-demo", f"GPU_DEMO_OUT={out}", args, f"GPU_BARE_PYTHON={sys.executable}"])
+    proc = run([*make, "gpu-train-demo", f"GPU_DEMO_OUT={out}", args, f"GPU_BARE_PYTHON={sys.executable}"])
+    assert f"prompts from {work / 'cache' / 'regen-prompts-seed6.npy'}" in proc.stdout  # not its own stdlib
     drafter = DFlashDrafter.from_pretrained(out)
     published = DFlashDrafter.from_pretrained(ROOT / "models" / "drafter")
     assert drafter.spec == published.spec  # the published drafter trained on, in its format

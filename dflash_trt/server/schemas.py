@@ -74,6 +74,17 @@ MaxTokens = Annotated[
 MinTokens = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
 BlockSize = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+HealPrompt = Annotated[
+    bool | None,
+    Field(
+        description=(
+            "extension: heal a text prompt's last token (token healing): when the tokenizer could have merged it "
+            "with what follows (a prompt ending in a newline, say), the prompt is backed up by that token and the "
+            "first generated token must start with its text, which the completion then leaves out; null: true. "
+            "Token-id prompts are never healed: they are the tokens the client chose"
+        )
+    ),
+]
 TOKEN_KEY = r"^(0|[1-9][0-9]{0,9})$"  # a token id written as a JSON object key
 BIAS = {"type": "number", "minimum": -100.0, "maximum": 100.0}
 LogitBias = Annotated[
@@ -154,15 +165,7 @@ class GenerateRequest(OutputFields):
     seed: Seed | None = None
     stop: StopField = None
     stream: bool = False
-    heal_prompt: bool | None = Field(
-        None,
-        description=(
-            "extension: heal a text prompt's last token (token healing): when the tokenizer could have merged it "
-            "with what follows (a prompt ending in a newline, say), the prompt is backed up by that token and the "
-            "first generated token must start with its text, which the completion then leaves out; null: true. "
-            "Token-id prompts are never healed: they are the tokens the client chose"
-        ),
-    )
+    heal_prompt: HealPrompt = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -220,15 +223,7 @@ class CompletionRequest(OpenAIFields):
     model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="CompletionRequest")
 
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | TokenIds
-    heal_prompt: bool | None = Field(
-        None,
-        description=(
-            "extension: heal a text prompt's last token (token healing): when the tokenizer could have merged it "
-            "with what follows (a prompt ending in a newline, say), the prompt is backed up by that token and the "
-            "first generated token must start with its text, which the completion then leaves out; null: true. "
-            "Token-id prompts are never healed: they are the tokens the client chose"
-        ),
-    )
+    heal_prompt: HealPrompt = None
     max_tokens: MaxTokens | None = Field(
         None, description=f"default {COMPLETIONS_DEFAULT_MAX_TOKENS} (OpenAI's), clipped to the context left"
     )

@@ -56,6 +56,10 @@ class IncrementalDetokenizer:
         tail = self._decode(self.ids[self._prefix :])[len(self._decode(self.ids[self._prefix : self._read])) :]
         return (self._full + tail)[self._skip :]
 
+    def text_of(self, n: int) -> str:
+        """The text of the first `n` tokens as `text` counts it (a full decode, less `skip`)."""
+        return self._decode(self.ids[:n])[self._skip :]
+
     def tokens_to_reach(self, end: int) -> int:
         """The fewest leading tokens whose stable text is at least `end` characters long."""
         for i, offset in enumerate(self.offsets):

@@ -50,8 +50,7 @@ class StopChecker:
         back until the next token shows it is not an incomplete character. Step back while the decode of
         fewer tokens already holds the stop string (once per generation, at the hit)."""
         assert self.detokenizer is not None
-        ids, decode = self.detokenizer.ids, self.detokenizer.tokenizer.decode
-        while tokens > 1 and stop in decode(ids[: tokens - 1], skip_special_tokens=True):
+        while tokens > 1 and stop in self.detokenizer.text_of(tokens - 1):
             tokens -= 1
         return tokens
 

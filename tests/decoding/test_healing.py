@@ -75,3 +75,15 @@ def test_speculative_equals_target_alone_for_healed_prompts(decoder):
         if healing is not None:
             first = decoder.tokenizer.decode(spec.token_ids[:1])
             assert first.startswith(healing.text)
+
+
+def test_a_stop_string_in_the_removed_text_does_not_cut_the_output(decoder):
+    """A healed newline is the prompt's: a stop at the next newline keeps the first line of the body (its tokens
+    and its text), it does not stop at the healed newline itself."""
+    cfg = GenerationConfig(max_new_tokens=48, stop_strings=("\n",), heal_prompt=True)
+    healed = generate_one(decoder, decoder.encode(MEAN + "\n"), cfg)
+    plain = generate_one(decoder, decoder.encode(MEAN + "\n"), GenerationConfig(max_new_tokens=48))
+    assert healed.finish_reason == "stop" and healed.text and "\n" not in healed.text
+    assert healed.text.strip()  # the body's first line, not nothing
+    assert decoder.tokenizer.decode(healed.token_ids).lstrip("\n").startswith(healed.text)
+    assert len(healed.token_ids) >= 2 and plain.token_ids  # the first token plus the line's

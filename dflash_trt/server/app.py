@@ -14,8 +14,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse, JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from .context import Server, ServerSettings, require_api_key
@@ -49,6 +51,9 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
         title="dflash-trt",
         version="0.1.0",
         lifespan=lifespan,
+        openapi_url=None,  # served below, behind the key like every route but /health
+        docs_url=None,
+        redoc_url=None,
         description="DFlash speculative decoding server: native and OpenAI-compatible endpoints. "
         'Every error is a JSON body {"error": {"message", "type", "param", "code"}}.',
     )
@@ -59,10 +64,27 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
     app.include_router(native.open_router)
     app.include_router(native.router, dependencies=auth)
     app.include_router(openai.router, dependencies=auth)
+    app.include_router(_docs_router(app), dependencies=auth)
     app.add_middleware(Guard, server=server)
     install_error_handlers(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]  # FastAPI's documented way to replace it
     return app
+
+
+def _docs_router(app: FastAPI) -> APIRouter:
+    """/openapi.json and its Swagger UI (/docs), on a router, so that the API key guards them as it does
+    every route but /health."""
+    router = APIRouter(include_in_schema=False)
+
+    @router.get("/openapi.json")
+    async def openapi_document() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @router.get("/docs")
+    async def swagger_ui() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - Swagger UI")
+
+    return router
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

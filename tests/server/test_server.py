@@ -370,6 +370,10 @@ def test_auth(decoder):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/v1/models").status_code == 401
+        for path in ("/openapi.json", "/docs"):  # the contract too: every route but /health
+            assert httpx.get(url + path).status_code == 401, path
+            assert httpx.get(url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
+        assert httpx.get(url + "/redoc").status_code in (401, 404)
         ok = httpx.post(url + "/generate", json=body, headers={"Authorization": "Bearer s3cret"}, timeout=30)
         assert ok.status_code == 200
         with pytest.raises(openai.AuthenticationError):

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import numpy as np
 
 from ..runtime.base import DrafterEngine, TargetEngine, cuda_devices
-from .cost import CostModel, LinearCost, _curve_arrays, _price, measure_costs, token_sweep
+from .cost import CostModel, LinearCost, curve_arrays, measure_costs, price, token_sweep
 from .estimates import GPU_PROBE_ROWS, AcceptancePrior, AcceptanceTracker, ProbeSchedule
 from .policy import own_or_cap
 from .step import StepResult, StepRows
@@ -64,7 +64,9 @@ class AdaptiveBlocks:
 
     min_gain: rule 7's margin. refit_every: refit the cost model from the observed passes every N verify steps
     (0 = never; the policy picks the shapes it then observes, so such a fit can be collinear).
-    probe_every / max_probe_backoff / probe_rows: `estimates.ProbeSchedule` (probe_every 0 = never probe)."""
+    probe_every / max_probe_backoff / probe_rows: `estimates.ProbeSchedule` (probe_every 0 = never probe).
+
+    One policy per decoder: its per-row state is keyed by the decoder's row ids."""
 
     def __init__(
         self,
@@ -130,7 +132,7 @@ class AdaptiveBlocks:
         if bool(((step.fixed > 0) | (step.cap < 2)).all()):  # nothing to choose: no probe either
             self._probing = set()
             return own_or_cap(step)
-        states = [self.rows[r.id] for r in step.rows]
+        states = [self._state(r) for r in step.rows]
         alpha = np.fromiter((s.tracker.alpha for s in states), np.float64, len(states))
         last = np.fromiter((s.last_draft_step for s in states), np.int64, len(states))
         due = self.probes.due(self.steps, step.sampled, last, step.backlog)
@@ -138,6 +140,13 @@ class AdaptiveBlocks:
         ones = np.ones(len(step))
         choices = RowChoices(alpha=alpha, max_block=step.cap, new_context=ones, fixed=step.fixed, probe=due)
         return choose_blocks(choices, self.cost, min_gain=self.min_gain)
+
+    def _state(self, row: BatchRow) -> _RowState:
+        """A row's state; a row the policy has not seen join starts from the prior now."""
+        state = self.rows.get(row.id)
+        if state is None:
+            state = self.rows[row.id] = _RowState(self.tracker_for(row), self.steps)
+        return state
 
     def observe(self, result: StepResult) -> None:
         """Joining rows get their estimate; verified rows update theirs; probes' outcomes per regime; the passes'
@@ -150,7 +159,7 @@ class AdaptiveBlocks:
             return
         probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
         for row, rnd in verified:
-            state = self.rows[row.id]
+            state = self._state(row)
             state.tracker.update(rnd.drafted, rnd.accepted)
             if rnd.drafted:
                 state.last_draft_step = self.steps
@@ -229,7 +238,7 @@ def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_g
     base = np.where(forced > 0, forced, 1)
     # the target's passes this needs, priced in one call: n tokens (no row drafts), every row at its largest
     # size, and the base choice
-    t_none, t_all, t_base = _price(t, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
+    t_none, t_all, t_base = price(t, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
     if t_none <= 0:  # rule 2
         return cast(list[int], caps.tolist())
     free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
@@ -372,7 +381,7 @@ def _best_prefix(s: _Step, base: _Base, sweeps: list[_Sweep]) -> tuple[np.ndarra
     """Every prefix of every sweep rated at the true step time (one pricing call per engine); the best."""
     cum = [base.sums + np.cumsum(a, axis=1) for _, a in sweeps]
     cum_gain, cum_tokens, cum_d_rows, cum_d_tokens = cum[0] if len(cum) == 1 else np.concatenate(cum, axis=1)
-    rates = cum_gain / (_price(s.t, s.n, cum_tokens) + _price(s.d, cum_d_rows, cum_d_tokens))
+    rates = cum_gain / (price(s.t, s.n, cum_tokens) + price(s.d, cum_d_rows, cum_d_tokens))
     best, best_rate = s.base, -np.inf
     start_at = 0
     for rows, adds in sweeps:
@@ -427,7 +436,7 @@ def _worth_keeping(
 def _least_slope(cost: LinearCost) -> float:
     """The smallest seconds per token of `cost`'s token term anywhere (>= 0)."""
     if cost.curve:
-        return _curve_arrays(cost.curve).least_slope
+        return curve_arrays(cost.curve).least_slope
     return max(0.0, min(cost.per_token, cost.below_knee) if cost.knee > 0 else cost.per_token)
 
 
@@ -436,7 +445,7 @@ def _best_alone(alpha: float, cap: int, ctx: float, t: LinearCost, d: LinearCost
     drafting only when it beats block 1 by `min_gain`."""
     sizes = np.arange(1, cap + 1, dtype=np.float64)
     ones = np.ones_like(sizes)
-    step_s = _price(t, ones, sizes) + np.where(sizes > 1, _price(d, ones, sizes + ctx), 0.0)
+    step_s = price(t, ones, sizes) + np.where(sizes > 1, price(d, ones, sizes + ctx), 0.0)
     rate = _expected(np.float64(alpha), sizes) / step_s
     b = int(rate[1:].argmax()) + 2
     return b if rate[b - 1] > rate[0] * (1.0 + min_gain) else 1
@@ -505,7 +514,7 @@ def _polish(
             d_tokens - np.where(drafting, out + ctx, 0)[:, None] + np.where(sizes > 1, sizes + ctx[:, None], 0)
         )
         new_gain = g - gain[index, out - 1][:, None] + gain
-        step_s = _price(t, np.full_like(new_tokens, n), new_tokens) + _price(d, new_draft, new_d_tokens)
+        step_s = price(t, np.full_like(new_tokens, n), new_tokens) + price(d, new_draft, new_d_tokens)
         rate = np.where(allowed & (new_draft > 0), new_gain / step_s, -np.inf)
         i, s = np.unravel_index(int(rate.argmax()), rate.shape)
         if rate[i, s] <= current * (1 + 1e-12):

@@ -49,13 +49,13 @@ class LinearCost:
     curve: tuple[tuple[float, float], ...] = ()  # measured (tokens, seconds) of the token term; replaces the line
 
     def __call__(self, rows: int, tokens: int) -> float:
-        return float(_price(self, np.asarray(rows), np.asarray(tokens, dtype=np.float64)))
+        return float(price(self, np.asarray(rows), np.asarray(tokens, dtype=np.float64)))
 
     def token_seconds(self, tokens: np.ndarray) -> np.ndarray:
         """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
         the line with its knee."""
         if self.curve:
-            c = _curve_arrays(self.curve)
+            c = curve_arrays(self.curve)
             out = np.interp(tokens, c.xs, c.ys)
             beyond = tokens > c.xs[-1]
             if beyond.any():
@@ -160,7 +160,7 @@ class _Curve(NamedTuple):
     least_slope: float  # the smallest slope anywhere (>= 0)
 
 
-def _curve_arrays(curve: tuple[tuple[float, float], ...]) -> _Curve:
+def curve_arrays(curve: tuple[tuple[float, float], ...]) -> _Curve:
     """A curve's arrays. Cached by the tuple's identity (the policy prices with the same curve many times a
     step, and hashing a tuple of ~100 points cost more than the pricing); the entry holds the tuple, so its
     id cannot be reused while cached."""
@@ -273,7 +273,7 @@ def token_sweep(max_tokens: int) -> list[int]:
     return out
 
 
-def _price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
+def price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
     """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price). `rows` may be
     one count for every pass (a verify pass always holds the whole batch), which skips both exceptions'
     array work where they cannot apply."""

@@ -25,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,17 +53,24 @@ class Healing:
 
 
 class PromptHealer:
-    """Heals prompts for one tokenizer (the texts of its tokens decoded once, on first use)."""
+    """Heals prompts for one tokenizer and a target of `vocab_size` logits (ids the target cannot score are never
+    allowed). The texts of the tokens are decoded once, on first use, and each last token's allowed set once;
+    safe from any thread (HTTP handlers heal their own requests)."""
 
-    def __init__(self, tokenizer: Any):
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer: Any, vocab_size: int | None = None):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._texts: list[str] | None = None
+        self._allowed: dict[int, tuple[int, ...]] = {}
+        self._lock = threading.Lock()
 
     def texts(self) -> list[str]:
-        if self._texts is None:
-            size = len(self.tokenizer)
-            self._texts = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(size)]
-        return self._texts
+        with self._lock:
+            if self._texts is None:
+                size = len(self.tokenizer)
+                if self.vocab_size is not None:
+                    size = min(size, self.vocab_size)
+                self._texts = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(size)]
+            return self._texts
 
     def heal(self, ids: Sequence[int]) -> tuple[list[int], Healing | None]:
         """The prompt backed up by its last token and the constraint on the first token, or the prompt as it
@@ -74,7 +82,10 @@ class PromptHealer:
         tail = texts[ids[-1]]
         if not tail or REPLACEMENT in tail:
             return ids, None
-        allowed = tuple(i for i, text in enumerate(texts) if text.startswith(tail))
+        allowed = self._allowed.get(ids[-1])
+        if allowed is None:
+            allowed = tuple(i for i, text in enumerate(texts) if text.startswith(tail))
+            self._allowed[ids[-1]] = allowed
         if len(allowed) < 2:
             return ids, None
         return ids[:-1], Healing(tail, allowed)

@@ -93,6 +93,7 @@ class BatchRow:
         self.error: Exception | None = None
         self.drafter_error: Exception | None = None  # set when drafter_fallback took over
         self._shown = ""  # the text its rounds have handed out (`Round.text`)
+        self._final: str | None = None
         self.clock = clock
         self.started = clock()
 
@@ -117,7 +118,7 @@ class BatchRow:
         if self.detokenizer is None:
             return None
         if self.done:
-            full = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+            full = self._final_text()
         else:
             full = self.detokenizer.text
             full = full[: len(full) - held_back(full, self.config.stop_strings)]
@@ -137,10 +138,15 @@ class BatchRow:
     def result(self) -> GenerationResult:
         if not self.done:
             raise RuntimeError("row still running")
-        text = None
-        if self.detokenizer is not None:
-            text = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+        text = self._final_text() if self.detokenizer is not None else None
         return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
+
+    def _final_text(self) -> str:
+        """The finished row's text, cut at its stop string (decoded once)."""
+        if self._final is None:
+            assert self.detokenizer is not None
+            self._final = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+        return self._final
 
 
 class BatchDecoder:
@@ -189,7 +195,7 @@ class BatchDecoder:
     # ---- text ---------------------------------------------------------------------------
     @cached_property
     def healer(self) -> PromptHealer:
-        return PromptHealer(self.tokenizer)
+        return PromptHealer(self.tokenizer, int(self.target.vocab_size))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
@@ -387,7 +393,7 @@ class BatchDecoder:
             fixed=np.where(own > 0, np.minimum(own, bound), 0),
             sampled=state[:, 3] > 0,
             backlog=state[:, 4],
-            batch=len(self.joining) + len(self.running),
+            batch=len(self.running),  # the rows that joined this step were moved here by the prefill
         )
         return self.policy.choose(step)
 

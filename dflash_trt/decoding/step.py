@@ -85,8 +85,3 @@ class StepResult:
     def verified(self) -> list[tuple[BatchRow, Round]]:
         """The draft-and-verify rounds (not the prefills' first tokens)."""
         return [(row, rnd) for row, rnd in self.rounds if not rnd.prefill]
-
-    @property
-    def finished(self) -> list[BatchRow]:
-        """Rows that finished this step (stop, length or error), failed ones included."""
-        return [row for row, _ in self.rounds if row.done] + self.failed

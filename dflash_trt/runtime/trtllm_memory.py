@@ -5,10 +5,10 @@ of the GPU memory still free once the engine's weights and runtime buffers are i
 (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp, calculateMaxNumBlocks /
 BaseKVCacheManager::calculateFreeMemBytes), and keeps it for the executor's lifetime. On the same GPU the leader
 rank then loads the target's lm_head (vocab x hidden) for verification logits and the drafter: its weights and one
-TensorRT execution context per row, each with its own context cache and block logits. A fixed 0.85 leaves 15 % of
-what was free: for a 70B target with a 128k vocabulary the lm_head alone is 2 GB and 64 rows of drafter caches
-several more, so the leader runs out of memory after the executor started. The fraction here is computed from
-what the leader still has to load, capped at that 0.85 (non-leader ranks load nothing and keep the cap), floored
+TensorRT execution context per row, each with its own context cache and block logits. A fixed share leaves the
+leader whatever is left over: for a large target with a large vocabulary the lm_head and the rows' drafter caches
+need more, and the leader would run out of memory after the executor started. The fraction here is computed from
+what the leader still has to load, capped at FRACTION_CAP (non-leader ranks load nothing and keep the cap), floored
 at FRACTION_FLOOR, below which the KV cache would hold too few blocks to serve: then a clear error instead.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 from ..formats import DrafterGraphMeta, read_manifest, read_plan_manifest
 
 GIB = 2**30
-FRACTION_CAP = 0.85  # the executor's share when nothing else loads on its GPU (this module's former fixed value)
+FRACTION_CAP = 0.85  # the executor's share when nothing else loads on its GPU
 FRACTION_FLOOR = 0.05  # less than this for the KV cache is no serving configuration: refuse
 HEADROOM_BYTES = GIB  # the leader's CUDA context, allocator slack and per-round tensors of the decoding loop
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1}

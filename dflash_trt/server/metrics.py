@@ -106,7 +106,7 @@ class ServerMetrics:
         )
 
     def _steps(self) -> None:
-        """The batched steps (decoding/loop.py StepProfile): their shape and where their time went."""
+        """The batched steps (decoding/step.py StepProfile): their shape and where their time went."""
         r = self.registry
         self.block_size = Histogram(
             "dflash_block_size",

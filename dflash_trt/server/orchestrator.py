@@ -43,8 +43,7 @@ class ShuttingDown(Exception):
 
 @dataclass
 class RoundEvent:
-    round: Round
-    text: str | None  # new text, safe to show (never a partial stop string or a partial character)
+    round: Round  # its `text`: new text, safe to show (never a partial stop string or a partial character)
     result: GenerationResult | None = None  # set on the last round
 
 
@@ -313,7 +312,7 @@ class Orchestrator:
         if result is not None:  # bookkeeping first: the request may log as soon as it sees the event
             m.prompt_tokens.inc(s.prompt_tokens)
             self._finish(job, None)
-        job._emit(RoundEvent(rnd, rnd.text, result))
+        job._emit(RoundEvent(rnd, result))
 
     def _finish(self, job: Job, error: ErrorEvent | None) -> None:
         job.outcome = "ok" if error is None else error.kind

@@ -1,6 +1,6 @@
 """Serving on the simulated engines: workloads, block-size policies, and the driver that steps the real loop.
 
-The driver is the orchestrator.s loop (server/orchestrator.py) without threads or HTTP: requests wait in a FIFO,
+The driver is the orchestrator's loop (server/orchestrator.py) without threads or HTTP: requests wait in a FIFO,
 join the `BatchDecoder` (validated by `new_row`, then `join`) while fewer than `max_active` rows are active,
 and every loop turn is one `decoder.step()`; a finished row leaves through the decoder as in the server. Time
 is the engines' virtual clock plus `HOST_STEP_S` per step. Arrivals are closed-loop (`concurrency` requests in
@@ -171,25 +171,7 @@ def simulate(
             t += rng.expovariate(rate)
             r.arrival = t
     tally = _drive(dec, clock, reqs, limit, concurrency is not None, host_step_s)
-    run = RunResult(
-        policy,
-        concurrency,
-        rate,
-        len(reqs),
-        sum(r.tokens for r in reqs),
-        clock.now,
-        0.0,
-        {},
-        {},
-        0.0,
-        0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-        0.0,
-    )
-    _summarise(run, reqs, tally, slo_ttft_s, slo_tpot_s)
+    run = _summarise(policy, concurrency, rate, clock.now, reqs, tally, (slo_ttft_s, slo_tpot_s))
     if keep_outputs:
         run.outputs = [list(r.row.generated) for r in reqs if r.row is not None]
     return run
@@ -276,9 +258,18 @@ def _account(result: StepResult, active: dict[int, _Req], now: float, tally: _Ta
     tally.tokens_at.append((now, n_step))
 
 
-def _summarise(run: RunResult, reqs: list[_Req], tally: _Tally, slo_ttft_s: float, slo_tpot_s: float) -> None:
-    """The run's figures from its requests and tally (throughput over the steady window)."""
-    end, closed = run.sim_seconds, run.concurrency is not None
+def _summarise(
+    policy: str,
+    concurrency: int | None,
+    rate: float | None,
+    end: float,
+    reqs: list[_Req],
+    tally: _Tally,
+    slo: tuple[float, float],
+) -> RunResult:
+    """The run's figures from its requests and tally (throughput over the steady window); `slo`: TTFT and
+    time-per-output-token bounds in seconds, for goodput."""
+    closed = concurrency is not None
     t0, t1 = 0.0, end
     if closed and tally.window_start is not None and tally.window_end is not None:
         if tally.window_end > tally.window_start:
@@ -291,19 +282,27 @@ def _summarise(run: RunResult, reqs: list[_Req], tally: _Tally, slo_ttft_s: floa
         1
         for r in reqs
         if r.first is not None
-        and r.first - r.arrival <= slo_ttft_s
-        and (statistics.mean(r.itl) if r.itl else 0.0) <= slo_tpot_s
+        and r.first - r.arrival <= slo[0]
+        and (statistics.mean(r.itl) if r.itl else 0.0) <= slo[1]
     )
     steps = max(1, tally.steps)
-    run.tokens_per_s = in_window / (t1 - t0) if t1 > t0 else 0.0
-    run.ttft_s = {"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99), "mean": statistics.mean(ttft)}
-    run.itl_s = {"p50": _pct(itl, 0.5), "p99": _pct(itl, 0.99), "mean": statistics.mean(itl) if itl else 0.0}
-    run.goodput_rps = good / end if end > 0 else 0.0
-    run.steps, run.mean_batch = tally.steps, tally.batch_sum / steps
-    run.mean_block = statistics.mean(tally.blocks) if tally.blocks else 1.0
-    run.tau = tally.committed / max(1, tally.rounds)
-    run.policy_cpu_s_per_step = sum(c for _, _, c in tally.step_cpu) / steps
-    run.simulated_step_s = end / steps
-    if steady:
-        run.policy_cpu_s_per_steady_step = statistics.mean(c for _, c in steady)
-        run.simulated_steady_step_s = statistics.mean(s for s, _ in steady)
+    return RunResult(
+        policy=policy,
+        concurrency=concurrency,
+        rate=rate,
+        requests=len(reqs),
+        tokens=sum(r.tokens for r in reqs),
+        sim_seconds=end,
+        tokens_per_s=in_window / (t1 - t0) if t1 > t0 else 0.0,
+        ttft_s={"p50": _pct(ttft, 0.5), "p99": _pct(ttft, 0.99), "mean": statistics.mean(ttft)},
+        itl_s={"p50": _pct(itl, 0.5), "p99": _pct(itl, 0.99), "mean": statistics.mean(itl) if itl else 0.0},
+        goodput_rps=good / end if end > 0 else 0.0,
+        steps=tally.steps,
+        mean_batch=tally.batch_sum / steps,
+        mean_block=statistics.mean(tally.blocks) if tally.blocks else 1.0,
+        tau=tally.committed / max(1, tally.rounds),
+        policy_cpu_s_per_step=sum(c for _, _, c in tally.step_cpu) / steps,
+        simulated_step_s=end / steps,
+        policy_cpu_s_per_steady_step=statistics.mean(c for _, c in steady) if steady else float("nan"),
+        simulated_steady_step_s=statistics.mean(s for s, _ in steady) if steady else float("nan"),
+    )

@@ -85,3 +85,17 @@ def test_one_build_per_identity_then_nothing(site):
     finish(start(site, "run-e"))
     assert builds(site) == 3
     assert Path((site / "run-e" / "engines-dir").read_text().strip()) not in (folder, other)
+
+
+@pytest.mark.parametrize(
+    "config", ['drafter = "{ckpt}/drafter"\n', 'target = "{ckpt}/target"\ndrafter = "{ckpt}/gone"\n']
+)
+def test_an_identity_without_both_checkpoints_is_refused(site, config):
+    """A config that names no target (or a checkpoint folder that is not there) stops the step, before any build:
+    an identity without the checkpoints' stamp would reuse an old folder after they changed."""
+    (site / "engines.toml").write_text(config.format(ckpt=site / "ckpt"))
+    proc = start(site, "run-x")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and builds(site) == 0, out[-2000:]
+    assert "target" in out or "not found" in out
+    assert not (site / "run-x" / "engines-dir").exists()

@@ -97,7 +97,7 @@ async def generate(body: GenerateRequest, request: Request, server: ServerDep) -
         yield {
             "type": "round",
             "token_ids": rnd.token_ids,
-            "text": event.text,
+            "text": event.round.text,
             "accepted": rnd.accepted,
             "drafted": rnd.drafted,
             "prefill": rnd.prefill,

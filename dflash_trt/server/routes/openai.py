@@ -87,7 +87,9 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         result = event.result
         extra = _metrics(server, job, body) if result is not None else {}
-        yield envelope([choice(event.text, result.finish_reason if result else None, event.round.token_ids)], **extra)
+        yield envelope(
+            [choice(event.round.text, result.finish_reason if result else None, event.round.token_ids)], **extra
+        )
         yield from _usage_chunk(envelope, body, result)
 
     return stream(job, on_round, lambda err: err.body, done_marker=True)
@@ -127,7 +129,7 @@ async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep)
         return _whole(envelope, [choice], result, server, job, body)
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
-        delta = {"content": event.text or ""}
+        delta = {"content": event.round.text or ""}
         if event.round.prefill:
             delta["role"] = "assistant"
         yield envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])

@@ -18,14 +18,25 @@ ROOT="${DFLASH_ENGINES_ROOT:-/engines}"
 RUN="${DFLASH_RUN_DIR:-/run/dflash}"
 read -r -a ENGINES_CMD <<< "${DFLASH_ENGINES_CMD:-dflash-trt engines}"
 
-identity() {
-  cat "$CONFIG"
-  python3 - "$CONFIG" <<'PY' | while IFS= read -r dir; do find -L "$dir" -type f -printf '%P %s %T@\n' | sort; done
+# The checkpoint folders the config names; a config without both fails here (set -e), never an identity without
+# their stamp (which would reuse an old folder after the checkpoints changed).
+CHECKPOINTS=$(python3 - "$CONFIG" <<'PY'
 import sys, tomllib
 cfg = tomllib.load(open(sys.argv[1], "rb"))
 for role in ("target", "drafter"):
+    if role not in cfg:
+        sys.exit(f"{sys.argv[1]} names no {role} checkpoint: the engines' identity needs both")
     print(cfg[role])
 PY
+)
+
+identity() {
+  cat "$CONFIG"
+  local dir
+  while IFS= read -r dir; do
+    [ -d "$dir" ] || { echo "engines: checkpoint folder $dir not found" >&2; return 1; }
+    find -L "$dir" -type f -printf '%P %s %T@\n' | sort
+  done <<< "$CHECKPOINTS"
   python3 -c "from importlib import metadata as m
 try: print('tensorrt_llm', m.version('tensorrt_llm'))
 except m.PackageNotFoundError: print('tensorrt_llm none')"

@@ -284,12 +284,7 @@ class Orchestrator:
     def _deliver(self, job: Job, rnd: Round) -> None:
         row = job.row
         s = row.stats
-        try:
-            result = row.result() if row.done else None
-        except Exception as e:  # the tokenizer failed on this row's text: this request only
-            log.exception("request %s: failure after the engines", job.id)
-            self.metrics.engine_errors.inc()
-            return self._leave(job, ErrorEvent("engine", f"{type(e).__name__} in the engine (request {job.id})"))
+        result = row.result() if row.done else None  # its text was decoded in the step (`Round.text`)
         now = time.monotonic()
         m = self.metrics
         if row.drafter_error is not None and not job.fallback_counted:

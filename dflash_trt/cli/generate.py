@@ -69,12 +69,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter",
     )
     g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
+    g.add_argument(
+        "--trace",
+        action="store_true",
+        help='with --json, add "trace": one object per verify round, {"block_size": B, "drafted": [the B-1 '
+        'drafted token ids], "accepted": n}, to see where the target rejects the drafter (B = 1: the target alone)',
+    )
     g.set_defaults(func=cmd_generate)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..decoding import GenerationConfig, InputError, SamplingParams
 
+    if args.trace and not args.json:
+        raise CliError("--trace adds the rounds to the JSON output: pass --json too")
     if args.engines is not None:
         decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device)
     else:
@@ -101,16 +109,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     finally:
         close_engines(decoder)
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "token_ids": result.token_ids,
-                    "text": result.text,
-                    "finish_reason": result.finish_reason,
-                    "stats": result.stats.to_dict(),
-                }
-            )
-        )
+        out: dict[str, object] = {
+            "token_ids": result.token_ids,
+            "text": result.text,
+            "finish_reason": result.finish_reason,
+            "stats": result.stats.to_dict(),
+        }
+        if args.trace:
+            out["trace"] = result.stats.trace()
+        print(json.dumps(out))
     else:
         print(result.text if result.text is not None else ",".join(map(str, result.token_ids)))
         s = result.stats

@@ -368,6 +368,7 @@ class BatchDecoder:
                 draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
             )
             drafted = int(proposal.tokens.numel())
+            row.stats.drafted_ids_per_round.append(proposal.tokens.tolist())  # for `GenerationStats.trace`
             rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
         t4 = self.clock()
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3

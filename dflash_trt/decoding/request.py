@@ -71,6 +71,7 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
     drafted_per_round: list[int] = field(default_factory=list)  # draft tokens each round proposed (0: none)
     accepted_per_round: list[int] = field(default_factory=list)  # of which the target accepted
+    drafted_ids_per_round: list[list[int]] = field(default_factory=list)  # the draft tokens themselves (`trace`)
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     block_size: int = 1
@@ -88,10 +89,19 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
+    def trace(self) -> list[dict[str, Any]]:
+        """One object per verify round, for debugging acceptance: the block verified (B: the last committed
+        token and its B-1 drafts), the drafted ids and how many of them the target accepted. A round without a
+        draft (the target alone) has B = 1."""
+        return [
+            {"block_size": len(ids) + 1, "drafted": ids, "accepted": a}
+            for ids, a in zip(self.drafted_ids_per_round, self.accepted_per_round)
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         """The totals (the per-round lists beside `acceptance_lengths` are for traces and per-step reports)."""
         d = asdict(self)
-        del d["drafted_per_round"], d["accepted_per_round"]
+        del d["drafted_per_round"], d["accepted_per_round"], d["drafted_ids_per_round"]
         d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
         d["tokens_per_second"] = round(self.tokens_per_second, 2)
         return d

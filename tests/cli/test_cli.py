@@ -83,6 +83,30 @@ def test_draft_and_no_draft_agree(models, capsys):
     assert no_tok["text"] is None and len(no_tok["token_ids"]) == 5
 
 
+def test_trace_holds_each_rounds_drafts_and_acceptance(models, capsys):
+    """Greedy: each round commits its first `accepted` drafts, then the target's own token, which differs
+    from the next draft (the one it rejected); misaligned or missing drafts fail this. The demo pair, whose
+    drafter is trained, so rounds both accept and reject."""
+    prompt = 'def mean(values):\n    """Return the arithmetic mean of a list of numbers."""\n'
+    out = generate_json(capsys, "--prompt", prompt, "--max-new-tokens", 48, "--trace")
+    trace, ids = out["trace"], out["token_ids"]
+    assert len(trace) == out["stats"]["rounds"] > 0
+    assert [r["accepted"] + 1 for r in trace][:-1] == out["stats"]["acceptance_lengths"][:-1]
+    assert any(r["accepted"] > 0 for r in trace) and any(r["accepted"] < r["block_size"] - 1 for r in trace)
+    pos = 1  # ids[0] is the prefill's token
+    for r in trace[:-1]:  # the last round may be cut by the token budget
+        drafted, n = r["drafted"], r["accepted"]
+        assert len(drafted) == r["block_size"] - 1 and 0 <= n <= len(drafted)
+        assert ids[pos : pos + n] == drafted[:n]
+        if n < len(drafted):
+            assert ids[pos + n] != drafted[n]
+        pos += n + 1
+    target, drafter, _ = models
+    assert "trace" not in generate_json(
+        capsys, "--target", target, "--drafter", drafter, "--input-ids", "5,6,7", "--max-new-tokens", 4
+    )
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [
@@ -96,6 +120,7 @@ def test_draft_and_no_draft_agree(models, capsys):
         (["--input-ids", "1", "--temperature", "-1"], 1, "temperature"),
         (["--input-ids", "1", "--block-size", "64"], 1, "block_size"),
         (["--input-ids", "1", "--max-new-tokens", "5000"], 1, "context length"),
+        (["--input-ids", "1", "--trace"], 1, "pass --json too"),
     ],
 )
 def test_errors_exit_non_zero_with_one_line(models, capsys, args, code, message):
@@ -133,5 +158,6 @@ def test_help_explains_every_flag():
         "--block-size",
         "--no-draft",
         "--json",
+        "--trace",
     ):
         assert flag in out

@@ -20,15 +20,34 @@ class NoChatTemplate(InputError):
         )
 
 
+class TemplateVariablesError(InputError):
+    """A request's chat_template_kwargs made the chat template fail."""
+
+    param = "chat_template_kwargs"
+
+
 def has_chat_template(tokenizer: Any) -> bool:
     return bool(getattr(tokenizer, "chat_template", None))
 
 
-def chat_prompt_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """The messages rendered by the tokenizer's chat template (with the generation prompt), then encoded
     without special tokens: `apply_chat_template(tokenize=True)` returns a BatchEncoding in
-    transformers 5, and the template already writes any BOS it wants. NoChatTemplate without one."""
+    transformers 5, and the template already writes any BOS it wants. NoChatTemplate without one.
+    template_kwargs: extra variables the template reads (e.g. `enable_thinking`), as vLLM and SGLang pass
+    a request's `chat_template_kwargs`."""
     if not has_chat_template(tokenizer):
         raise NoChatTemplate()
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
+        )
+    except Exception as e:
+        # the request's variables broke the template (a name clashed: TypeError; the template raised: a jinja2
+        # error, matched by module since jinja2 comes with the chat template support, not as our dependency)
+        if not template_kwargs or not (isinstance(e, TypeError) or type(e).__module__.startswith("jinja2")):
+            raise
+        raise TemplateVariablesError(f"the chat template failed with these chat_template_kwargs: {e}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))

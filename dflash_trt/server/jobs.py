@@ -215,7 +215,30 @@ def spec_decode_metrics(job: Job, level: str | None, num_spec_tokens: int) -> di
     return {"speculative_decoding": out}
 
 
+def meta_info(job: Job, response_id: str, speculative: bool) -> dict[str, Any]:
+    """SGLang's `meta_info` for a finished request (responses.MetaInfo states each field). SGLang's own
+    formulas: spec_accept_length = completion tokens / verify rounds, so the prefill's token counts (our
+    `spec.mean_acceptance_length` leaves it out); spec_verify_ct counts every verify round, drafted or not.
+    The spec_* fields only when the server drafts (SGLang adds them only with a speculative algorithm)."""
+    s = job.row.stats
+    out: dict[str, Any] = {
+        "id": response_id,
+        "prompt_tokens": s.prompt_tokens,
+        "completion_tokens": s.new_tokens,
+        "cached_tokens": 0,
+        "e2e_latency": time.monotonic() - job.submitted,
+    }
+    if speculative:
+        out["spec_verify_ct"] = s.rounds
+        out["spec_accept_length"] = s.new_tokens / s.rounds if s.rounds else 0
+        out["spec_accept_rate"] = s.accepted_draft_tokens / s.drafted_tokens if s.drafted_tokens else 0.0
+        out["spec_accept_token_num"] = s.accepted_draft_tokens
+        out["spec_draft_token_num"] = s.drafted_tokens
+    return out
+
+
 __all__ = [
+    "meta_info",
     "RoundEvent",
     "generation_config",
     "start_job",

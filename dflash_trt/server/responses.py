@@ -47,12 +47,39 @@ class ResponseMetrics(BaseModel):
     speculative_decoding: SpeculativeDecodingMetrics
 
 
+class MetaInfo(BaseModel):
+    """SGLang's per-request `meta_info` (python/sglang/srt/managers/tokenizer_manager.py, `_handle_batch_output`
+    and `_calculate_spec_decoding_metrics`), present when the request sent `return_meta_info: true`, with the
+    fields this server can fill honestly. SGLang puts it in each choice; z-lab's `dflash.benchmark --backend
+    openai` reads it at the top level: both carry it. The spec_* fields appear only when the server drafts."""
+
+    id: str = Field(description="the response's id")
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = Field(description="prompt tokens served from a prefix cache: always 0, there is none")
+    e2e_latency: float = Field(description="seconds from the request's arrival to its last token")
+    spec_verify_ct: int | None = Field(None, description="verify rounds (target passes after the prefill)")
+    spec_accept_length: float | None = Field(
+        None,
+        description="completion tokens / verify rounds, as SGLang counts (the prefill's token included); 0 "
+        "without a round",
+    )
+    spec_accept_rate: float | None = Field(
+        None,
+        description="accepted / drafted tokens (SGLang divides by rounds x its fixed draft count; with "
+        "adaptive block sizes a round drafts fewer); 0 without a draft",
+    )
+    spec_accept_token_num: int | None = Field(None, description="draft tokens the target accepted")
+    spec_draft_token_num: int | None = Field(None, description="draft tokens proposed")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None  # only when the target has no tokenizer
+    meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
 
 
 class Completion(BaseModel):
@@ -64,6 +91,7 @@ class Completion(BaseModel):
     usage: Usage | None = None
     spec: dict[str, Any] | None = None
     metrics: ResponseMetrics | None = None  # only when the request sent spec_decode_metrics
+    meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
 
 
 class ChatMessageOut(BaseModel):
@@ -76,6 +104,7 @@ class ChatChoice(BaseModel):
     message: ChatMessageOut
     logprobs: None
     finish_reason: FinishReason
+    meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
 
 
 class ChatCompletion(BaseModel):
@@ -87,6 +116,7 @@ class ChatCompletion(BaseModel):
     usage: Usage
     spec: dict[str, Any]
     metrics: ResponseMetrics | None = None  # only when the request sent spec_decode_metrics
+    meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
 
 
 class Model(BaseModel):

@@ -197,6 +197,15 @@ class OpenAIFields(OutputFields):
     stream_options: StreamOptions | None = None
     n: Literal[1] | None = Field(None, description="one choice per request")
     user: StrictStr | None = None
+    return_meta_info: bool | None = Field(
+        None,
+        description=(
+            "extension (SGLang's): true adds `meta_info` to the response and to its choice: prompt / completion "
+            "tokens, e2e_latency and, when the server drafts, spec_verify_ct (verify rounds), spec_accept_length "
+            "(completion tokens / verify rounds), spec_accept_rate, spec_accept_token_num, spec_draft_token_num; "
+            "on a stream, in the chunk that carries the finish reason; false or null: none"
+        ),
+    )
     spec_decode_metrics: Literal["summary", "detailed"] | None = Field(
         None,
         description=(
@@ -285,6 +294,42 @@ class ChatCompletionRequest(OpenAIFields):
     )
     function_call: Literal["none", "auto"] | None = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None,
+        description="extension (vLLM's, SGLang's): extra variables for the chat template, e.g. "
+        '{"enable_thinking": false}; names the renderer itself takes (tokenize, tools, ...) are refused',
+    )
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or ()) & RENDERER_ARGUMENTS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)}: set by the server, not a template variable")
+        return v
+
+
+# apply_chat_template's own parameters: a template variable of the same name would replace the server's choice
+RENDERER_ARGUMENTS = frozenset(
+    {
+        "self",
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 RequestBody = GenerateRequest | CompletionRequest | ChatCompletionRequest

@@ -17,7 +17,17 @@ from fastapi import APIRouter, Request
 from ...decoding import BatchDecoder, GenerationResult, InputError, prompting
 from ..context import Server, ServerDep
 from ..errors import ApiError
-from ..jobs import JobStream, generation_config, spec, spec_decode_metrics, start_job, stream, usage, wait_result
+from ..jobs import (
+    JobStream,
+    generation_config,
+    meta_info,
+    spec,
+    spec_decode_metrics,
+    start_job,
+    stream,
+    usage,
+    wait_result,
+)
 from ..orchestrator import Job, RoundEvent
 from ..responses import ChatCompletion, Completion, Model, ModelList, errors, streamed
 from ..schemas import (
@@ -71,7 +81,8 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
         ),
         prompt_param="prompt",
     )
-    envelope = _envelope(server, f"cmpl-{job.id}", "text_completion")
+    cid = f"cmpl-{job.id}"
+    envelope = _envelope(server, cid, "text_completion")
     ids_out = decoder.tokenizer is None  # no tokenizer: the token ids are the only output
 
     def choice(text: str | None, finish_reason: str | None, token_ids: list[int]) -> dict[str, Any]:
@@ -80,16 +91,13 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
 
     if not body.stream:
         result = await wait_result(request, job)
-        return _whole(
-            envelope, [choice(result.text, result.finish_reason, result.token_ids)], result, server, job, body
-        )
+        finished = _finished(server, job, body, cid, choice(result.text, result.finish_reason, result.token_ids))
+        return envelope(usage=usage(result), spec=spec(job), **finished)
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         result = event.result
-        extra = _metrics(server, job, body) if result is not None else {}
-        yield envelope(
-            [choice(event.round.text, result.finish_reason if result else None, event.round.token_ids)], **extra
-        )
+        this = choice(event.round.text, result.finish_reason if result else None, event.round.token_ids)
+        yield envelope(**_finished(server, job, body, cid, this)) if result is not None else envelope([this])
         yield from _usage_chunk(envelope, body, result)
 
     return stream(job, on_round, lambda err: err.body, done_marker=True)
@@ -115,18 +123,19 @@ async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep)
         request,
         server,
         body,
-        lambda: chat_prompt_ids(server.decoder, messages),
+        lambda: chat_prompt_ids(server.decoder, messages, body.chat_template_kwargs),
         lambda n: generation_config(
             server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n), _temperature(body)
         ),
         prompt_param="messages",
     )
-    envelope = _envelope(server, f"chatcmpl-{job.id}", "chat.completion.chunk" if body.stream else "chat.completion")
+    cid = f"chatcmpl-{job.id}"
+    envelope = _envelope(server, cid, "chat.completion.chunk" if body.stream else "chat.completion")
     if not body.stream:
         result = await wait_result(request, job)
         message = {"role": "assistant", "content": result.text}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
-        return _whole(envelope, [choice], result, server, job, body)
+        return envelope(usage=usage(result), spec=spec(job), **_finished(server, job, body, cid, choice))
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         delta = {"content": event.round.text or ""}
@@ -135,7 +144,7 @@ async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep)
         yield envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
         if event.result is not None:
             last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.result.finish_reason}
-            yield envelope([last], **_metrics(server, job, body))
+            yield envelope(**_finished(server, job, body, cid, last))
         yield from _usage_chunk(envelope, body, event.result)
 
     return stream(job, on_round, lambda err: err.body, done_marker=True)
@@ -151,16 +160,15 @@ def _envelope(server: Server, cid: str, obj: str) -> Envelope:
     return envelope
 
 
-def _whole(
-    envelope: Envelope,
-    choices: list[dict[str, Any]],
-    result: GenerationResult,
-    server: Server,
-    job: Job,
-    body: OpenAIFields,
-) -> dict[str, Any]:
-    """A non-streamed response: the choices with usage, our spec statistics and the metrics asked for."""
-    return envelope(choices, usage=usage(result), spec=spec(job), **_metrics(server, job, body))
+def _finished(server: Server, job: Job, body: OpenAIFields, cid: str, choice: dict[str, Any]) -> dict[str, Any]:
+    """The envelope's arguments for the response (or the stream's chunk) that finishes: `choices` with the
+    finishing choice, the metrics asked for (spec_decode_metrics) and SGLang's meta_info (return_meta_info), in
+    the choice, where SGLang puts it, and at the top level, where z-lab's benchmark client reads it."""
+    out = _metrics(server, job, body)
+    if body.return_meta_info:
+        out["meta_info"] = meta_info(job, cid, speculative=server.decoder.drafter is not None)
+        choice = {**choice, "meta_info": out["meta_info"]}
+    return {"choices": [choice], **out}
 
 
 def _usage_chunk(envelope: Envelope, body: OpenAIFields, result: GenerationResult | None) -> Iterator[dict[str, Any]]:
@@ -204,10 +212,12 @@ def _max_tokens(server: Server, asked: int | None, default: int, prompt_len: int
     return asked or max(1, min(default, server.limits.max_context - prompt_len))
 
 
-def chat_prompt_ids(decoder: BatchDecoder, messages: list[dict[str, str]]) -> list[int]:
+def chat_prompt_ids(
+    decoder: BatchDecoder, messages: list[dict[str, str]], template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
     """The messages rendered by the tokenizer's chat template (dflash_trt.decoding.prompting, shared with
     the Triton preprocessing model); a 400 pointing to /v1/completions when the model has none."""
     tok = decoder.tokenizer
     if tok is None:
         raise InputError("chat needs a tokenizer; this target has none (use /v1/completions with token ids)")
-    return prompting.chat_prompt_ids(tok, messages)
+    return prompting.chat_prompt_ids(tok, messages, template_kwargs)

@@ -50,13 +50,38 @@ from ..formats import (  # noqa: F401 - re-exported: the engine folder's names l
     runtime_input_limit,
 )
 
-# model_type -> (TensorRT-LLM class, our output-marking subclass in trtllm_features.py)
+# model_type -> (TensorRT-LLM class, our output-marking subclass in trtllm_features.py): only families the 1.2
+# engine path builds with the two classes trtllm_features.py subclasses. Read in the TensorRT-LLM sources
+# (NVIDIA/TensorRT-LLM, the TensorRT engine path that 1.2 is the last line of): tensorrt_llm/models/__init__.py
+# MODEL_MAP maps LlamaForCausalLM / MistralForCausalLM to LLaMAForCausalLM and Qwen2ForCausalLM /
+# Qwen3ForCausalLM to QWenForCausalLM (read at commit 02267d3d4fd886c3ad036f6580beb0847eac6e4b), and
+# tensorrt_llm/models/qwen/config.py QWenConfig.from_hugging_face accepts model_type qwen3_moe beside qwen2 and
+# qwen3 (read at commit 0428c18828880e7c60c13cc5cc0794bbbc05c0a3), whose MoE decoder layers end in the same
+# hidden state trtllm_features.py marks. Llama 3.x checkpoints are model_type llama.
 FAMILIES = {
     "llama": ("LLaMAForCausalLM", "DFlashLLaMAForCausalLM"),
     "mistral": ("LLaMAForCausalLM", "DFlashLLaMAForCausalLM"),
     "qwen2": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
     "qwen3": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
+    "qwen3_moe": ("QWenForCausalLM", "DFlashQWenForCausalLM"),
 }
+# Families TensorRT-LLM serves only in its PyTorch backend, after 1.2: MODEL_MAP (above) has no TensorRT model
+# class for them (hybrid Gated DeltaNet layers, attention sinks, Gemma 4's layers), so no engine can be built.
+PYTORCH_BACKEND_ONLY = {
+    "qwen3_5": "Qwen3.5 (hybrid Gated DeltaNet + full attention)",
+    "qwen3_5_text": "Qwen3.5 (hybrid Gated DeltaNet + full attention)",
+    "qwen3_5_moe": "Qwen3.5 MoE (hybrid Gated DeltaNet + full attention)",
+    "qwen3_5_moe_text": "Qwen3.5 MoE (hybrid Gated DeltaNet + full attention)",
+    "qwen3_next": "Qwen3-Next (hybrid Gated DeltaNet + full attention)",
+    "gpt_oss": "gpt-oss (MoE, sliding-window layers, attention sinks)",
+    "gemma4": "Gemma 4",
+    "gemma4_text": "Gemma 4",
+}
+WORKING_ROUTES = (
+    "serve it with TensorRT-LLM's native DFlash on a release after 1.2 (PyTorch backend, no engine build: "
+    "`dflash-trt trtllm-serve-config --target T --drafter D --out cfg.yaml`, then `trtllm-serve T --backend "
+    "pytorch --config cfg.yaml`) or with this project's PyTorch engines (`dflash-trt serve --target T --drafter D`)"
+)
 FEATURES_MODEL_FILE = Path(__file__).with_name("trtllm_features.py")
 TP_SIZES = (1, 2, 4, 8)
 # Flags this design must never pass (see the module docstring for the source of each refusal).
@@ -119,13 +144,21 @@ class TargetBuildPlan:
 
 
 def family_classes(model_type: str) -> tuple[str, str]:
-    try:
+    """The TensorRT-LLM class and our output-marking subclass for this model_type; a refusal naming the family
+    and the routes that serve it otherwise."""
+    if model_type in FAMILIES:
         return FAMILIES[model_type]
-    except KeyError:
+    supported = ", ".join(sorted(FAMILIES))
+    if model_type in PYTORCH_BACKEND_ONLY:
         raise TargetBuildError(
-            f"target model_type {model_type!r}: the TensorRT-LLM engine path cannot expose its layer features "
-            f"for DFlash (supported: {', '.join(sorted(FAMILIES))}); serve it with the PyTorch target instead"
-        ) from None
+            f"target model_type {model_type!r} ({PYTORCH_BACKEND_ONLY[model_type]}): TensorRT-LLM 1.2's engine "
+            f"path (trtllm-build) has no model class for it, so build-target cannot build it (it builds: "
+            f"{supported}). {WORKING_ROUTES[0].upper()}{WORKING_ROUTES[1:]}"
+        )
+    raise TargetBuildError(
+        f"target model_type {model_type!r}: the TensorRT-LLM engine path cannot expose its layer features "
+        f"for DFlash (supported: {supported}); {WORKING_ROUTES}"
+    )
 
 
 def rank_files(tp: int, suffix: str = "safetensors") -> list[str]:
@@ -158,6 +191,7 @@ def working_tp(num_heads: int, num_kv_heads: int) -> list[int]:
 
 
 def validate(spec: TargetBuildSpec) -> None:
+    family_classes(spec.model_type)  # first: a family this path cannot build is refused before its shapes
     if spec.tp not in TP_SIZES:
         raise TargetBuildError(f"tp must be one of {TP_SIZES}, got {spec.tp}")
     if spec.num_attention_heads is not None:
@@ -179,7 +213,6 @@ def validate(spec: TargetBuildSpec) -> None:
         raise TargetBuildError(f"max_seq_len must be >= 2, got {spec.max_seq_len}")
     if spec.num_tokens < spec.block_size:
         raise TargetBuildError(f"max_num_tokens ({spec.num_tokens}) must be >= block_size ({spec.block_size})")
-    family_classes(spec.model_type)
 
 
 def convert_command(spec: TargetBuildSpec, python: str = sys.executable) -> list[str]:
@@ -270,6 +303,7 @@ def spec_from_checkpoints(
 
     raw = json.loads((Path(target_dir) / "config.json").read_text())
     text = raw.get("text_config") or raw
+    family_classes(str(raw.get("model_type")))  # refused by name before the drafter's config is read
     _, spec = load_drafter_config(Path(drafter_dir))
     return TargetBuildSpec(
         target_dir=Path(target_dir),

@@ -66,7 +66,10 @@ def _register_build_drafter(sub: argparse._SubParsersAction[argparse.ArgumentPar
 
 
 def _register_build_target(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ..builders.trtllm_target import FAMILIES, PYTORCH_BACKEND_ONLY
     from .options import add_model_args, positive_int
+
+    refused = sorted({k.removesuffix("_text") for k in PYTORCH_BACKEND_ONLY})
 
     p = sub.add_parser(
         "build-target",
@@ -77,7 +80,9 @@ def _register_build_target(sub: argparse._SubParsersAction[argparse.ArgumentPars
             "1.2 engine path) whose model class marks the drafter's feature layers and the final hidden state as outputs. "
             "Built without --gather_context_logits and without speculative-decoding flags, so the runtime keeps KV block "
             "reuse on; every rank is built by one process (--workers 1). --dry-run prints the plan and the launch line "
-            "without running anything.",
+            f"without running anything. Target families: {', '.join(sorted(FAMILIES))}. Families TensorRT-LLM 1.2 "
+            f"cannot build as an engine ({', '.join(refused)}) are refused with the route that serves them: "
+            "TensorRT-LLM's native DFlash after 1.2 (trtllm-serve-config) or the PyTorch engines (serve).",
             100,
         ),
         epilog="launch (tp = N > 1: one process per GPU; rank 0 runs the loop and HTTP, the others the engine):\n"

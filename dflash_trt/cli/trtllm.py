@@ -22,8 +22,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "TensorRT-LLM's DFlash loader reads first. With --cost-table (a measured GPU cost grid, e.g. "
             "results/gpu/cost_grid.json from scripts/gpu_bare.py) and --tau, also max_concurrency or "
             "draft_len_schedule: per batch size the draft length that maximises committed tokens per second. "
-            "For TensorRT-LLM 1.2 (the engine path) use build-target instead; docs/gpu.md says which fits "
-            "which container.",
+            "DFlash 2 drafters (DFlash2DraftModel) take the same config: TensorRT-LLM picks DFlash 2 from the "
+            "checkpoint, whose dflash_config recipe and selector / convolution weights are checked too; targets of "
+            "every family TensorRT-LLM's PyTorch backend serves (qwen3_5, qwen3_5_moe, gpt_oss, gemma4, ...) are "
+            "checked against the drafter's feature layers. Attention: TensorRT-LLM's default DFlash attention backend "
+            "(VANILLA) needs the flash-attn package on GPUs before Blackwell; --attention-backend TRTLLM needs "
+            "Blackwell (SM100 / SM103). For TensorRT-LLM 1.2 (the engine path) use build-target instead; docs/gpu.md "
+            "says which fits which container.",
             100,
         ),
     )
@@ -37,13 +42,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--context", type=positive_int, default=None, help="context length of the cost grid to use (default: largest)"
     )
+    p.add_argument(
+        "--attention-backend",
+        choices=["VANILLA", "TRTLLM"],
+        default=None,
+        help="DFlashDecodingConfig.attention_backend (default: not written, so TensorRT-LLM's VANILLA, which needs "
+        "the flash-attn package); TRTLLM: Blackwell only",
+    )
     p.set_defaults(func=cmd_trtllm_serve_config)
 
 
 def cmd_trtllm_serve_config(args: argparse.Namespace) -> int:
     import shlex
 
-    from ..builders.trtllm_serve import ServeConfigError, serve_command, serve_config, to_yaml
+    from ..builders.trtllm_serve import ATTENTION_NOTE, ServeConfigError, serve_command, serve_config, to_yaml
     from .options import CliError
 
     try:
@@ -56,6 +68,7 @@ def cmd_trtllm_serve_config(args: argparse.Namespace) -> int:
             context=args.context,
             target_dir=args.target,
             tp=args.tp,
+            attention_backend=args.attention_backend,
         )
     except (ServeConfigError, FileNotFoundError, ValueError) as e:
         raise CliError(str(e)) from None
@@ -63,11 +76,12 @@ def cmd_trtllm_serve_config(args: argparse.Namespace) -> int:
     cmd = serve_command(args.target, args.out or "FILE")
     if args.tp > 1:
         cmd += ["--tp_size", str(args.tp)]
+    note = "" if args.attention_backend == "TRTLLM" else f"\n# note: {ATTENTION_NOTE}"
     if args.out is None:
         print(text, end="")
-        print("# serve with: " + shlex.join(cmd))
+        print("# serve with: " + shlex.join(cmd) + note)
     else:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
-        print(f"wrote {args.out}; serve with: {shlex.join(cmd)}")
+        print(f"wrote {args.out}; serve with: {shlex.join(cmd)}" + note)
     return 0

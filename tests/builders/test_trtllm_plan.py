@@ -131,6 +131,45 @@ def test_dry_run_prints_build_and_launch_without_fatal_flags(tmp_path):
     assert not (tmp_path / "e").exists()  # a dry run writes nothing
 
 
+def test_qwen3_moe_uses_qwen_classes():
+    convert, build = plan_target_build(spec(1, "qwen3_moe")).commands
+    assert flag(convert, "--model_cls") == "QWenForCausalLM"
+    assert flag(build, "--model_cls_name") == "DFlashQWenForCausalLM"
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "gpt_oss", "gemma4"])
+def test_build_target_refuses_families_without_a_1_2_engine_by_name(tmp_path, family):
+    """Real transformers configs of each family (no weights needed: the family is refused first, before the
+    drafter is read); the refusal names the family and both routes that serve it."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(family).save_pretrained(tmp_path / "t")
+    with pytest.raises(TargetBuildError) as refused:
+        spec_from_checkpoints(tmp_path / "t", tmp_path / "no-drafter", tmp_path / "e", tp=1)
+    message = str(refused.value)
+    assert f"model_type {family!r}" in message and "TensorRT-LLM 1.2" in message
+    assert "trtllm-serve-config" in message and "dflash-trt serve --target" in message
+    with pytest.raises(TargetBuildError, match=f"{family!r}.*trtllm-serve-config"):
+        plan_target_build(spec(3, family))  # before the shape checks (tp 3 is refused too)
+
+
+def test_build_target_cli_refuses_gpt_oss_with_the_route(tmp_path):
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("gpt_oss").save_pretrained(tmp_path / "t")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "config.json").write_text("{}")
+    args = ["build-target", "--target", tmp_path / "t", "--drafter", tmp_path / "d", "--out", tmp_path / "e"]
+    out = subprocess.run(
+        [sys.executable, "-m", "dflash_trt.cli", *map(str, args), "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "'gpt_oss'" in out.stderr and "trtllm-serve-config" in out.stderr
+
+
 def test_llama_family_uses_llama_classes():
     convert, build = plan_target_build(spec(2, "llama", feature_layer_ids=(1, 2))).commands
     assert flag(convert, "--model_cls") == "LLaMAForCausalLM"

@@ -20,6 +20,7 @@ from dflash_trt.builders.trtllm_serve import (
     schedule_from_costs,
     serve_config,
     speculation_limits,
+    target_problems,
     to_yaml,
 )
 from dflash_trt.costgrid import grid_identity, read_target_config
@@ -122,6 +123,7 @@ def test_loader_expectations_are_checked(tiny_drafter, tmp_path):
     cfg = json.loads((tiny_drafter / "config.json").read_text())
     del cfg["dflash_config"]["mask_token_id"]
     del cfg["block_size"]
+    cfg["dflash_config"].pop("block_size", None)  # read first since the DFlash 2 pull request
     (tiny_drafter / "config.json").write_text(json.dumps(cfg))
     problems = drafter_problems(tiny_drafter)
     assert any("mask_token_id" in p for p in problems) and any("block_size" in p for p in problems)
@@ -236,3 +238,122 @@ def test_cli_refuses_a_grid_of_another_target(tmp_path):
     cmd += ["--drafter", str(DEMO_DRAFTER), "--cost-table", str(tmp_path / "grid.json"), "--tau", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "measured on another target" in proc.stderr and "heads 32" in proc.stderr
+
+
+# ---- DFlash 2 and the new target families (TensorRT-LLM pull request 18155's loader, see trtllm_serve.py) ----
+def save_reference_dflash2(folder, hidden=32, vocab=64, layers=2, **dflash):
+    """A DFlash 2 drafter written by z-lab's own class (dflash 0.1.0, DFlash2DraftModel.save_pretrained)."""
+    model_module = pytest.importorskip("dflash.model")
+    from transformers import Qwen3Config
+
+    recipe = {"target_layer_ids": [1, 2], "mask_token_id": vocab - 1, "block_size": 4, "conv_kernel_size": 2}
+    recipe.update({"conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4, **dflash})
+    cfg = Qwen3Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        architectures=["DFlash2DraftModel"],
+        num_target_layers=4,
+        dflash_config=recipe,
+    )
+    model_module.DFlash2DraftModel(cfg).save_pretrained(folder)
+    return folder
+
+
+def published_spelling(folder):
+    """Rename the codebooks as z-lab publishes them (no `.weight`; the reference's from_pretrained maps them)."""
+    from safetensors.torch import load_file, save_file
+
+    path = next(folder.glob("*.safetensors"))
+    weights = load_file(path)
+    for name in ("predecessor_codebook", "successor_codebook"):
+        weights[f"candidate_selector.{name}"] = weights.pop(f"candidate_selector.{name}.weight")
+    save_file(weights, path)
+    return folder
+
+
+def test_dflash2_checkpoint_loads_in_the_published_spelling(tmp_path):
+    saved = save_reference_dflash2(tmp_path / "d")
+    problems = drafter_problems(saved)
+    assert len(problems) == 2 and all("must be named candidate_selector." in p for p in problems), problems
+    published_spelling(saved)
+    assert drafter_problems(saved) == []
+    spec = serve_config(saved)["speculative_config"]
+    assert set(spec) <= DFLASH_DECODING_CONFIG_FIELDS and spec["max_draft_len"] == 3  # block_size in dflash_config
+    check_like_decoding_base_config(spec)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(selector_top_k=1), "selector_top_k < 2"),
+        (dict(conv_group_size=0), "no dflash_config.conv_group_size"),
+        (dict(conv_group_size=5), "does not divide hidden_size"),
+    ],
+)
+def test_dflash2_recipe_is_checked_as_the_loader_validates_it(tmp_path, change, message):
+    folder = published_spelling(save_reference_dflash2(tmp_path / "d"))
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["dflash_config"].update(change)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert any(message in p for p in drafter_problems(folder)), drafter_problems(folder)
+
+
+def test_dflash2_weight_shapes_are_checked(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = published_spelling(save_reference_dflash2(tmp_path / "d"))
+    path = next(folder.glob("*.safetensors"))
+    weights = load_file(path)
+    weights["layers.1.mlp_conv.base_kernel"] = weights["layers.1.mlp_conv.base_kernel"][:, :1].contiguous()
+    del weights["layers.0.attention_conv.kernel_projection.weight"]
+    save_file(weights, path)
+    problems = drafter_problems(folder)
+    assert any("layers.1.mlp_conv.base_kernel has shape [2, 1, 32]" in p for p in problems), problems
+    assert any("lack layers.0.attention_conv.kernel_projection.weight" in p for p in problems), problems
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "gemma4"])
+def test_target_families_are_read_through_their_text_config(tmp_path, family):
+    """Real transformers configs of multimodal-wrapped families: the drafter's layers and fc width are checked
+    against text_config; a target too shallow for the feature layers is refused."""
+    from transformers import AutoConfig
+
+    drafter = published_spelling(save_reference_dflash2(tmp_path / "d"))
+    text = dict(hidden_size=32, num_hidden_layers=4, vocab_size=64)
+    AutoConfig.for_model(family, text_config=text).save_pretrained(tmp_path / "t")
+    assert target_problems(tmp_path / "t", drafter) == []
+    assert serve_config(drafter, target_dir=tmp_path / "t")["speculative_config"]["max_draft_len"] == 3
+    AutoConfig.for_model(family, text_config={**text, "num_hidden_layers": 2, "hidden_size": 16}).save_pretrained(
+        tmp_path / "small"
+    )
+    problems = target_problems(tmp_path / "small", drafter)
+    assert any("target_layer_ids [2] outside the target's 2 layers" in p for p in problems), problems
+    assert any("fc takes 64 features" in p for p in problems), problems
+
+
+def test_cli_says_the_default_attention_backend_needs_flash_attn(tmp_path):
+    def run(*extra):
+        out = subprocess.run(
+            [sys.executable, "-m", "dflash_trt.cli", "trtllm-serve-config", "--target", str(DEMO_TARGET)]
+            + ["--drafter", str(DEMO_DRAFTER), *extra],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        return out.stdout
+
+    default = run()
+    assert "flash-attn" in default and "attention_backend" not in yaml.safe_load(default)["speculative_config"]
+    blackwell = run("--attention-backend", "TRTLLM")
+    assert "flash-attn" not in blackwell
+    assert yaml.safe_load(blackwell)["speculative_config"]["attention_backend"] == "TRTLLM"
+    help_text = subprocess.run(
+        [sys.executable, "-m", "dflash_trt.cli", "trtllm-serve-config", "--help"], capture_output=True, text=True
+    ).stdout
+    assert "flash-attn" in help_text and "Blackwell" in help_text

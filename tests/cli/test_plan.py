@@ -183,3 +183,30 @@ def test_a_grid_of_another_target_is_refused(tmp_path, capsys):
     ]
     assert main(args) == 1
     assert "measured on another target" in capsys.readouterr().err
+
+
+def test_trtllm_draft_lengths_follow_its_documented_schedule():
+    """TensorRT-LLM's get_draft_len_for_batch_size example: {4: 4, 8: 2, 32: 1} drafts 4 up to batch 4, 2 up
+    to 8, 1 up to 32 and none above; max_concurrency drafts max_draft_len up to it, none above."""
+    spec = {"max_draft_len": 4, "draft_len_schedule": {4: 4, 8: 2, 32: 1}}
+    got = {b: tune.trtllm_draft_len(spec, b) for b in (1, 4, 5, 8, 9, 32, 33, 500)}
+    assert got == {1: 4, 4: 4, 5: 2, 8: 2, 9: 1, 32: 1, 33: 0, 500: 0}
+    assert [tune.trtllm_draft_len({"max_draft_len": 7, "max_concurrency": 8}, b) for b in (8, 9)] == [7, 0]
+    assert tune.trtllm_draft_len({"max_draft_len": 7}, 4096) == 7
+
+
+def test_vllm_ranges_cover_every_batch_from_one():
+    cells = [tune.Cell(c, 8, {1: 1.0}, best_block=b) for c, b in ((1, 8), (2, 8), (4, 5), (8, 5), (16, 1))]
+    plan = tune.Plan(8, cells, {"max_draft_len": 7}, (0,))
+    assert outputs.vllm_ranges(plan) == [[1, 2, 7], [3, 8, 4], [9, 16, 0]]
+
+
+def test_the_held_out_check_reports_concurrencies_between_the_planned_ones(tmp_path):
+    trace = _trace_file(tmp_path / "trace.jsonl")
+    out = tmp_path / "plan"
+    flags = ["--trace", str(trace), "--no-progress", "--check-seed", "3", *SMALL]
+    assert main(["plan", "--out", str(out), *flags]) == 0
+    held = json.loads((out / "plan.json").read_text())["held_out"]
+    assert set(held) == {"1", "3", "8"}  # planned 1 and 8, and their geometric mean
+    for v in held.values():
+        assert 0 < v["ratio"] <= 1.0 and v["best_tokens_per_s"] >= v["schedule_tokens_per_s"]

@@ -21,9 +21,9 @@ draft_len_schedule, and that schedule is simulated again: its figures are the pr
 
 Into --out it writes trtllm-serve.yaml (trtllm-serve --config: DFlashDecodingConfig with max_draft_len and
 draft_len_schedule or max_concurrency; above the schedule's largest key TensorRT-LLM drafts nothing, so plan up
-to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config: num_speculative_tokens_
-per_batch_size), sglang-args.txt (SGLang drafts one block size at every batch: the best single block), plan.json
-(every figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency
+to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config, with
+num_speculative_tokens_per_batch_size), sglang-args.txt (SGLang drafts one block size at every batch: the best
+single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency
 the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to the tuned table, TTFT
 and ITL.
 
@@ -34,8 +34,9 @@ mixed or a benchmark name (the paper's published tau, per-position shape assumed
 --tp; --target DIR picks the profiled shape nearest its config.json), or --cost-grid FILE measured on your GPU
 by scripts/gpu_bare.py. The workload's lengths are assumed (--prompt-len, --output-len).
 
-Run time: each run costs about its committed rounds; the default (7 concurrencies x 9 runs, 3 x C requests, at
-least 24, one seed) takes well under two minutes on one core. More --seeds or larger concurrencies cost more."""
+Run time: a run costs about its committed rounds. The default (7 concurrencies x 9 runs, 3 x C requests, at
+least 24, one seed) is sized to stay short on one core (docs/gpu.md gives a measured time); every --seeds adds
+as much again, --check-seed about as much again, and larger concurrencies cost in proportion to C."""
 
 
 def _ints(text: str) -> list[int]:
@@ -118,6 +119,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             raise inputs.PlanInputError(
                 f"the drafter folder {drafter} has no config.json with block_size ({e})"
             ) from None
+        from ..builders.trtllm_serve import ServeConfigError, serve_config
+
+        try:  # before minutes of simulation: the YAML is written from this folder as trtllm-serve-config does
+            serve_config(drafter)
+        except ServeConfigError as e:
+            raise inputs.PlanInputError(str(e)) from None
     block = args.block_size or trained
     acc = inputs.read_trace(args.trace, block) if args.trace else inputs.named_acceptance(args.profile)
     target_config = None

@@ -210,3 +210,12 @@ def test_the_held_out_check_reports_concurrencies_between_the_planned_ones(tmp_p
     assert set(held) == {"1", "3", "8"}  # planned 1 and 8, and their geometric mean
     for v in held.values():
         assert 0 < v["ratio"] <= 1.0 and v["best_tokens_per_s"] >= v["schedule_tokens_per_s"]
+
+
+def test_a_drafter_that_would_not_load_is_refused_before_simulating(tmp_path, capsys):
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"block_size": 8}))
+    assert main(["plan", "--out", str(tmp_path / "o"), "--drafter", str(tmp_path / "drafter")]) == 1
+    err = capsys.readouterr().err
+    assert "would not load as a TensorRT-LLM DFlash drafter" in err and "model_type" in err
+    assert not (tmp_path / "o").exists()

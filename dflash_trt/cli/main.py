@@ -13,7 +13,7 @@ import sys
 
 from .options import CliError
 
-COMMAND_MODULES: tuple[str, ...] = ("generate", "serve", "engines", "train", "bench", "triton", "trtllm")
+COMMAND_MODULES: tuple[str, ...] = ("generate", "serve", "engines", "train", "bench", "triton", "trtllm", "plan")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,197 @@
+"""CLI: plan (the best draft length per concurrency, simulated, written as TensorRT-LLM / vLLM / SGLang configs)."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..plan.inputs import Acceptance, Cost
+
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
+
+DESCRIPTION = """\
+Plan which draft length to serve at which batch size, for a drafter's measured acceptance on a GPU, and write
+it for three servers. The serving simulator (dflash_trt/sim: the real batched loop on simulated engines, pass
+times from measured GPU profiles) runs every block size 1..B (1: the target alone; B: the drafter's block) at
+every concurrency, closed loop; the best block per concurrency is the tuned table, which becomes TensorRT-LLM's
+draft_len_schedule, and that schedule is simulated again: its figures are the predictions.
+
+Into --out it writes trtllm-serve.yaml (trtllm-serve --config: DFlashDecodingConfig with max_draft_len and
+draft_len_schedule or max_concurrency; above the schedule's largest key TensorRT-LLM drafts nothing, so plan up
+to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config, with
+num_speculative_tokens_per_batch_size), sglang-args.txt (SGLang drafts one block size at every batch: the best
+single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency
+the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to the tuned table, TTFT
+and ITL.
+
+Acceptance: --profile demo (default: the demo pair's tau per code prompt, measured by make bench-load), paper,
+mixed or a benchmark name (the paper's published tau, per-position shape assumed); or --trace FILE: the output of
+`dflash-trt generate --json --trace` (one or more, JSON or JSON lines) or the server's per-request statistics
+("spec_decode_metrics": "detailed"), every round pooled per position. Cost: Vidur's profiles (--gpu, --model,
+--tp; --target DIR picks the profiled shape nearest its config.json), or --cost-grid FILE measured on your GPU
+by scripts/gpu_bare.py. The workload's lengths are assumed (--prompt-len, --output-len).
+
+Run time: a run costs about its committed rounds. The default (7 concurrencies x 9 runs, 3 x C requests, at
+least 24, one seed) is sized to stay short on one core (docs/gpu.md gives a measured time); every --seeds adds
+as much again, --check-seed about as much again, and larger concurrencies cost in proportion to C."""
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 1,4,16, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .options import positive_int
+
+    p = sub.add_parser(
+        "plan",
+        help="simulate every draft length at every concurrency; write the best as TensorRT-LLM / vLLM / SGLang configs",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent(DESCRIPTION),
+    )
+    p.add_argument("--out", type=Path, required=True, help="folder for the five files (created)")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--profile", default="demo", help="named acceptance: demo (default), paper, mixed, a benchmark")
+    src.add_argument(
+        "--trace", type=Path, default=None, help="measured rounds: generate --json --trace or server stats"
+    )
+    p.add_argument(
+        "--drafter", type=Path, default=None, help="drafter folder written into the configs (demo: models/drafter)"
+    )
+    p.add_argument(
+        "--block-size", type=positive_int, default=None, help="largest block to plan (default: the drafter's)"
+    )
+    p.add_argument("--gpu", default="a100", help="Vidur GPU profile (default a100)")
+    p.add_argument("--model", default=None, help="Vidur model profile (default llama-3-8b, or nearest --target)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument(
+        "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
+    )
+    p.add_argument("--cost-grid", type=Path, default=None, help="cost_grid.json from scripts/gpu_bare.py (measured)")
+    p.add_argument(
+        "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
+    )
+    p.add_argument(
+        "--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY), help=f"default {DEFAULT_CONCURRENCY}"
+    )
+    p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
+    p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")
+    p.add_argument("--seeds", type=positive_int, default=1, help="request sets per run, averaged (default 1)")
+    p.add_argument(
+        "--prompt-len", default="lognormal:512,0.6,32-4096", help="prompt lengths (fixed:N, uniform:A-B, lognormal:...)"
+    )
+    p.add_argument("--output-len", default="lognormal:192,0.5,32-1024", help="output lengths, same forms")
+    p.add_argument(
+        "--check-seed",
+        type=int,
+        default=None,
+        help="also re-tune on this seed's requests (not the plan's) at the planned concurrencies and the ones "
+        "between them, and report the schedule against each one's best block (held_out in plan.json); ~3x the time",
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_plan)
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, int]:
+    """(acceptance, cost, drafter folder) from the flags."""
+    import json
+
+    from ..plan import inputs
+    from ..settings import DEMO_DRAFTER
+
+    drafter = args.drafter
+    if drafter is None and args.trace is None and args.profile == "demo":
+        drafter = DEMO_DRAFTER
+    trained = None
+    if drafter is not None:
+        try:
+            trained = int(json.loads((drafter / "config.json").read_text())["block_size"])
+        except (OSError, KeyError, TypeError, ValueError) as e:
+            raise inputs.PlanInputError(
+                f"the drafter folder {drafter} has no config.json with block_size ({e})"
+            ) from None
+        from ..builders.trtllm_serve import ServeConfigError, serve_config
+
+        try:  # before minutes of simulation: the YAML is written from this folder as trtllm-serve-config does
+            serve_config(drafter)
+        except ServeConfigError as e:
+            raise inputs.PlanInputError(str(e)) from None
+    block = args.block_size or trained
+    acc = inputs.read_trace(args.trace, block) if args.trace else inputs.named_acceptance(args.profile)
+    target_config = None
+    if args.target is not None:
+        from ..costgrid import CostGridMismatch, read_target_config
+
+        try:
+            target_config = read_target_config(args.target)
+        except CostGridMismatch as e:
+            raise inputs.PlanInputError(str(e)) from None
+    if args.cost_grid is not None:
+        cost = inputs.grid_cost(args.cost_grid, args.context, target_config, args.tp)
+    else:
+        cost = inputs.vidur_cost(args.gpu, args.model, args.tp, target_config)
+    return acc, cost, drafter, min(block or acc.block_size, inputs.MAX_POSITIONS + 1)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    import sys
+
+    import torch
+
+    from ..plan import outputs, tune
+    from ..plan.inputs import PlanInputError
+    from ..sim.serving import Workload, length_sampler
+    from .options import CliError
+
+    torch.set_num_threads(1)  # the simulated engines' tensors are tiny; one core is faster and shares the machine
+    try:
+        acc, cost, drafter, block = _inputs(args)
+        length_sampler(args.prompt_len), length_sampler(args.output_len)
+    except (PlanInputError, ValueError) as e:
+        raise CliError(str(e)) from None
+    work = Workload(acc.name, acc.profiles, (1.0,) * len(acc.profiles), args.prompt_len, args.output_len)
+
+    def requests(c: int) -> int:
+        return tune.requests_for(c, args.min_requests, args.requests_per_row)
+
+    result = tune.plan(cost.cost, work, block, args.concurrency, requests, range(args.seeds), not args.no_progress)
+    settings = {
+        "concurrency": args.concurrency,
+        "requests": {str(c): requests(c) for c in args.concurrency},
+        "seeds": args.seeds,
+        "block_size": block,
+        "workload": f"prompts {args.prompt_len}, outputs {args.output_len}, closed loop, greedy",
+    }
+    held_out = None
+    if args.check_seed is not None:
+        between = [round((a * b) ** 0.5) for a, b in zip(args.concurrency, args.concurrency[1:])]
+        checked = sorted(set(args.concurrency) | {c for c in between if c not in args.concurrency})
+        held_out = tune.holdout(result, cost.cost, work, args.check_seed, checked, requests, not args.no_progress)
+    try:
+        outputs.write(result, acc, cost, settings, args.out, drafter, held_out)
+    except ImportError as e:
+        raise CliError(f"plan.png needs matplotlib ({e}); pip install matplotlib") from None
+    print(f"acceptance: {acc.source}\ncost: {cost.source}\nworkload (assumed): {settings['workload']}")
+    print(outputs.table(result))
+    worst = min(result.cells, key=lambda c: c.ratio)
+    print(
+        f"schedule vs tuned table: worst {worst.ratio:.4f} at C={worst.concurrency}; wrote {', '.join(outputs.FILES)} to {args.out}"
+    )
+    if held_out:
+        c_min = min(held_out, key=lambda c: held_out[c]["ratio"])
+        print(
+            f"held out (seed {args.check_seed}, {len(held_out)} concurrencies): schedule vs best block worst "
+            f"{held_out[c_min]['ratio']:.4f} at C={c_min}"
+        )
+    if result.limits is None:
+        print("drafting pays at no planned concurrency: the configs serve the target alone", file=sys.stderr)
+    return 0

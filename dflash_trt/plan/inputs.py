@@ -1,0 +1,259 @@
+"""What a plan is made of: the drafter's acceptance and the passes' costs, each saying whether it was measured.
+
+Acceptance (`Acceptance`): per-position rates (`sim.acceptance.AcceptanceProfile`), from
+  * a trace file (`read_trace`): the rounds one or more `dflash-trt generate --json --trace` runs printed (one
+    object a round, {"block_size": B, "drafted": [...], "accepted": n}), or the server's per-request
+    speculative-decoding statistics at level "detailed" (per_step_drafted / per_step_accepted). Every round is
+    pooled into one profile: position k's rate is the share of rounds that reached it and passed it, so the
+    profile's tau at every block the rounds drafted is exactly the trace's mean (`AcceptanceProfile.from_rounds`);
+  * a named profile (`named_acceptance`): "demo", the demo pair's acceptance that `make bench-load` measured per
+    prompt (results/load/results.json, the code prompts' tau at block 8, each prompt a constant rate), or the
+    simulator's profiles fitted to the paper's published tau ("paper", "mixed" or one benchmark, block 16).
+
+Cost (`Cost`): a `sim.cost.PassCost`, from
+  * Vidur's GPU op profiles (`vidur_cost`): measured per op on the GPU for a profiled model shape; the target's
+    own shape, when given, picks the nearest profiled one (an assumption the plan states);
+  * a grid measured on the user's GPU by scripts/gpu_bare.py (`grid_cost`): target and drafter pass seconds by
+    rows x tokens per row at a context length, fitted as the trtllm-serve-config command fits them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..settings import REPO_ROOT
+from ..sim.acceptance import AcceptanceProfile
+from ..sim.cost import PassCost, ProfileCost
+
+MAX_POSITIONS = 15  # the simulated drafter's positions (sim_engines' block 16): profiles are padded to them
+DEMO_LOAD_RESULTS = REPO_ROOT / "results" / "load" / "results.json"
+DEMO_BLOCK = 8  # the demo drafter's trained block (models/drafter/config.json), at which bench-load measured tau
+
+
+class PlanInputError(ValueError):
+    """An input the plan cannot use (the message says which file or name, and why)."""
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    name: str
+    profiles: tuple[AcceptanceProfile, ...]  # one per request class, equal weights
+    block_size: int  # the largest block the drafter drafts (its trained block)
+    source: str  # where the rates come from, in words
+    measured: bool
+
+
+@dataclass
+class Cost:
+    cost: PassCost
+    source: str
+    measured: bool
+
+
+def padded(profile: AcceptanceProfile) -> AcceptanceProfile:
+    """The profile with MAX_POSITIONS rates (the simulated drafter asks for them all; a plan never drafts past
+    the drafter's block, so the padding's value never decides anything)."""
+    rates = profile.rates[:MAX_POSITIONS] or (0.0,)
+    return AcceptanceProfile(profile.name, rates + (rates[-1],) * (MAX_POSITIONS - len(rates)))
+
+
+# ---- acceptance from a trace --------------------------------------------------------------------------------
+def _records(path: Path) -> list[Any]:
+    """The JSON values in a file: one JSON document (a list is its items) or JSON lines."""
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise PlanInputError(f"cannot read the trace {path}: {e.strerror or e}") from None
+    try:
+        doc = json.loads(text)
+        return doc if isinstance(doc, list) else [doc]
+    except json.JSONDecodeError:
+        pass
+    out = []
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise PlanInputError(f"{path} line {i} is not JSON ({e.msg}): expected JSON or JSON lines") from None
+    return out
+
+
+def _round(obj: Any, where: str) -> tuple[int, int]:
+    """(block, accepted drafts) of one trace round."""
+    block, accepted, drafted = obj.get("block_size"), obj.get("accepted"), obj.get("drafted")
+    if not isinstance(block, int) or not isinstance(accepted, int) or block < 1:
+        raise PlanInputError(f"{where}: a round needs an integer block_size >= 1 and accepted, got {obj}")
+    if isinstance(drafted, list):
+        block = max(block, len(drafted) + 1)
+    if not 0 <= accepted <= block - 1:
+        raise PlanInputError(f"{where}: accepted {accepted} outside 0..{block - 1} (the round's drafts)")
+    return block, accepted
+
+
+def _stats_rounds(stats: dict[str, Any], where: str) -> list[tuple[int, int]]:
+    drafted, accepted = stats.get("per_step_drafted"), stats.get("per_step_accepted")
+    if not isinstance(drafted, list) or not isinstance(accepted, list) or len(drafted) != len(accepted):
+        raise PlanInputError(
+            f"{where}: the server's statistics need per_step_drafted and per_step_accepted (ask for them with "
+            '"spec_decode_metrics": "detailed"); a summary has no per-position acceptance'
+        )
+    return [_round({"block_size": int(d) + 1, "accepted": a}, where) for d, a in zip(drafted, accepted)]
+
+
+def _rounds_of(obj: Any, where: str) -> Iterator[tuple[int, int]]:
+    """The rounds one JSON value holds: a round, a generate output with "trace", or server statistics."""
+    if not isinstance(obj, dict):
+        raise PlanInputError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    if "block_size" in obj and "accepted" in obj:
+        yield _round(obj, where)
+    elif isinstance(obj.get("trace"), list):
+        for r in obj["trace"]:
+            yield _round(r if isinstance(r, dict) else {}, where)
+    elif isinstance(obj.get("metrics"), dict) or "speculative_decoding" in obj or "per_step_drafted" in obj:
+        stats = (obj.get("metrics") or obj).get("speculative_decoding", obj)
+        yield from _stats_rounds(stats if isinstance(stats, dict) else {}, where)
+    else:
+        raise PlanInputError(
+            f"{where}: neither a trace round ({{block_size, drafted, accepted}}), nor `generate --json --trace` "
+            'output (a "trace" list), nor the server\'s speculative-decoding statistics'
+        )
+
+
+def read_trace(path: str | Path, block_size: int | None = None) -> Acceptance:
+    """Pooled per-position acceptance of every round in `path` (module docstring). `block_size`: the drafter's
+    trained block (default: the largest block the trace drafted)."""
+    path = Path(path)
+    rounds = [r for i, obj in enumerate(_records(path), 1) for r in _rounds_of(obj, f"{path} item {i}")]
+    drafted = [(b, a) for b, a in rounds if b >= 2]
+    if not drafted:
+        raise PlanInputError(f"{path} holds no round that drafted (block_size >= 2): nothing to measure acceptance on")
+    block = block_size or max(b for b, _ in drafted)
+    profile = AcceptanceProfile.from_rounds(path.stem, drafted)
+    source = (
+        f"measured: {len(drafted)} drafted rounds in {path} (blocks {min(b for b, _ in drafted)}.."
+        f"{max(b for b, _ in drafted)}), pooled per position"
+    )
+    return Acceptance(path.stem, (padded(profile),), block, source, True)
+
+
+# ---- named acceptance ---------------------------------------------------------------------------------------
+def named_acceptance(name: str) -> Acceptance:
+    """ "demo" (measured on the demo pair) or a simulator workload's profiles (fitted to published tau)."""
+    if name == "demo":
+        return demo_acceptance()
+    from ..sim.serving import workload
+
+    try:
+        work = workload(name)
+    except ValueError as e:
+        raise PlanInputError(f"unknown acceptance profile {name!r}: demo, paper, mixed or a benchmark ({e})") from None
+    source = (
+        "assumed: Qwen3-8B DFlash's published tau at block 16 (the paper's Table 1, T=0), per-position shape "
+        "assumed (dflash_trt/sim/acceptance.py)"
+    )
+    return Acceptance(name, tuple(padded(p) for p in work.profiles), 16, source, False)
+
+
+def demo_acceptance(path: Path = DEMO_LOAD_RESULTS) -> Acceptance:
+    try:
+        per_prompt = json.loads(path.read_text())["in_process"]["per_prompt"]
+        code = [p for p in per_prompt if p["set"] == "code"]
+        profiles = tuple(
+            padded(AcceptanceProfile.from_tau(f"prompt{p['prompt']}", p["tau_single_b8"], 8)) for p in code
+        )
+    except (OSError, KeyError, TypeError, ValueError) as e:
+        raise PlanInputError(f"the demo pair's measured acceptance ({path}) is unreadable: {e}; run `make bench-load`")
+    if not profiles:
+        raise PlanInputError(f"{path} holds no code prompt's acceptance; run `make bench-load`")
+    source = (
+        f"measured: the demo pair's tau at block 8 on {len(profiles)} code prompts (make bench-load, {path.name}), "
+        "each prompt a constant per-position rate"
+    )
+    return Acceptance("demo", profiles, DEMO_BLOCK, source, True)
+
+
+# ---- cost ---------------------------------------------------------------------------------------------------
+def _params(layers: int, hidden: int, intermediate: int) -> float:
+    return layers * (4 * hidden * hidden + 3 * hidden * intermediate)
+
+
+def nearest_model(config: dict[str, Any]) -> str:
+    """The profiled model (sim.profiles.MODELS) whose layer weights are nearest the target's in log ratio."""
+    import math
+
+    from ..sim.profiles import MODELS
+
+    try:
+        own = _params(int(config["num_hidden_layers"]), int(config["hidden_size"]), int(config["intermediate_size"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise PlanInputError(f"the target config lacks a shape field ({e})") from None
+    return min(
+        MODELS, key=lambda m: abs(math.log(_params(MODELS[m].layers, MODELS[m].hidden, MODELS[m].intermediate) / own))
+    )
+
+
+def vidur_cost(gpu: str, model: str | None, tp: int, target_config: dict[str, Any] | None = None) -> Cost:
+    """Vidur's profile of `model` (or of the profiled shape nearest `target_config`) on `gpu` at `tp`."""
+    from ..sim.profiles import GPUS, MODELS
+
+    if gpu not in GPUS:
+        raise PlanInputError(f"no Vidur profile for GPU {gpu!r}: one of {sorted(GPUS)}")
+    note = ""
+    if model is None:
+        model = nearest_model(target_config) if target_config is not None else "llama-3-8b"
+        note = "; assumed: the profiled shape nearest the target" if target_config is not None else ""
+    if model not in MODELS:
+        raise PlanInputError(f"no Vidur profile for model {model!r}: one of {sorted(MODELS)}")
+    try:
+        cost = ProfileCost(gpu, model, tp)
+    except (ValueError, KeyError, OSError) as e:
+        raise PlanInputError(f"the {gpu} {model} profile cannot price tp {tp}: {e}") from None
+    source = (
+        f"measured (Vidur): {GPUS[gpu].name} op profiles of {MODELS[model].name} at tp {tp}{note}; attention and "
+        "the drafter's shape modelled (dflash_trt/sim/cost.py)"
+    )
+    return Cost(cost, source, True)
+
+
+@dataclass
+class GridPassCost:
+    """Pass times from a measured grid's fits: target (rows, new tokens), drafter (rows, block tokens). The
+    context each pass sees is the grid's one context length, the drafter's new context is not priced, and
+    prefills are priced by the fit beyond its largest measured pass (all three assumed)."""
+
+    target_fit: Any  # decoding.cost.LinearCost
+    drafter_fit: Any
+
+    def target(self, new: Sequence[int], past: Sequence[int], logits: int) -> float:
+        return float(self.target_fit(len(new), sum(new))) if new else 0.0
+
+    def drafter(self, blocks: Sequence[int], new_context: Sequence[int], past: Sequence[int]) -> float:
+        return float(self.drafter_fit(len(blocks), sum(blocks))) if blocks else 0.0
+
+
+def grid_cost(
+    path: str | Path, context: int | None = None, target_config: dict[str, Any] | None = None, tp: int = 1
+) -> Cost:
+    """A scripts/gpu_bare.py cost grid; checked against the target's shape and tp when `target_config` is given."""
+    from ..builders.trtllm_serve import ServeConfigError, read_cost_table
+    from ..costgrid import CostGridMismatch, check_grid_matches
+
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+        target, drafter, chosen = read_cost_table(path, context)
+        if target_config is not None:
+            check_grid_matches(raw, target_config, tp, source=f"cost grid {path}")
+    except OSError as e:
+        raise PlanInputError(f"cannot read the cost grid {path}: {e.strerror or e}") from None
+    except (ServeConfigError, CostGridMismatch, ValueError) as e:
+        raise PlanInputError(str(e)) from None
+    ident = raw.get("identity") if isinstance(raw, dict) else None
+    on = f" on {ident.get('gpu')} ({ident.get('engine')}, tp {ident.get('tp')})" if isinstance(ident, dict) else ""
+    source = f"measured: cost grid {path}{on}, context {chosen}; prefill beyond the grid extrapolated (assumed)"
+    return Cost(GridPassCost(target, drafter), source, True)

@@ -1,0 +1,214 @@
+"""A plan written out: the three serving configurations, plan.json, the printed table and plan.png.
+
+* trtllm-serve.yaml: `trtllm-serve TARGET --backend pytorch --config FILE`, speculative_config as
+  DFlashDecodingConfig reads it (builders/trtllm_serve.py: the drafter's fields when a drafter folder is given,
+  max_draft_len plus draft_len_schedule or max_concurrency from the plan). TensorRT-LLM turns speculation
+  off above the schedule's largest key, so the plan's largest concurrency is where its schedule ends.
+* vllm-speculative-config.json: `vllm serve TARGET --speculative-config "$(cat FILE)"`, method "dflash",
+  num_speculative_tokens (the most drafts any batch size gets) and num_speculative_tokens_per_batch_size
+  (vllm-project/vllm#32374: a list of inclusive [first batch, last batch, drafts] ranges from batch 1; vLLM
+  carries the last range's value to larger batches, vllm/v1/spec_decode/dynamic/utils.py).
+* sglang-args.txt: flags for `python -m sglang.launch_server`: SGLang's DFLASH verifies one block size
+  (--speculative-num-draft-tokens is the block, the anchor token included) at every batch size, so the file
+  holds the one block with the best geometric mean, over the planned concurrencies, of tokens/s relative to
+  each concurrency's best, and says what it costs where another block is better.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shlex
+from pathlib import Path
+from typing import Any
+
+from .inputs import Acceptance, Cost
+from .tune import Plan
+
+FILES = ("trtllm-serve.yaml", "vllm-speculative-config.json", "sglang-args.txt", "plan.json", "plan.png")
+
+
+def trtllm_spec(plan: Plan, drafter: Path | None) -> dict[str, Any] | None:
+    """The speculative_config mapping (None: drafting pays at no planned concurrency)."""
+    from ..builders.trtllm_serve import serve_config
+
+    if plan.limits is None:
+        return None
+    spec: dict[str, Any] = {"decoding_type": "DFlash", "max_draft_len": plan.block - 1}
+    if drafter is not None:
+        spec = serve_config(drafter)["speculative_config"]
+    spec.update(plan.limits)
+    return spec
+
+
+def vllm_ranges(plan: Plan) -> list[list[int]]:
+    """[first, last, drafts] per run of equal draft lengths, from batch 1 to the largest planned concurrency."""
+    out: list[list[int]] = []
+    start = 1
+    for cell in plan.cells:
+        k = cell.best_block - 1
+        if out and out[-1][2] == k:
+            out[-1][1] = cell.concurrency
+        else:
+            out.append([start, cell.concurrency, k])
+        start = cell.concurrency + 1
+    return out
+
+
+def vllm_config(plan: Plan, drafter: Path | None) -> dict[str, Any]:
+    ranges = vllm_ranges(plan)
+    return {
+        "method": "dflash",
+        "model": str(drafter.resolve()) if drafter is not None else "DRAFTER",
+        "num_speculative_tokens": max(1, max(k for _, _, k in ranges)),
+        "num_speculative_tokens_per_batch_size": ranges,
+    }
+
+
+def sglang_block(plan: Plan) -> tuple[int, dict[int, float]]:
+    """The one block with the best geometric mean of tokens/s over each concurrency's best, and its ratios."""
+
+    def ratios(b: int) -> dict[int, float]:
+        return {c.concurrency: c.tokens_per_s[b] / c.tokens_per_s[c.best_block] for c in plan.cells}
+
+    best = max(range(1, plan.block + 1), key=lambda b: sum(math.log(max(r, 1e-9)) for r in ratios(b).values()))
+    return best, ratios(best)
+
+
+def sglang_args(plan: Plan, drafter: Path | None) -> str:
+    block, ratio = sglang_block(plan)
+    worst = min(ratio, key=lambda c: ratio[c])
+    lines = [
+        "# flags for: python -m sglang.launch_server --model-path TARGET $(grep -v '^#' sglang-args.txt)",
+        "# SGLang's DFLASH verifies one block size at every batch size; this one has the best geometric mean of",
+        f"# tokens/s relative to each planned concurrency's best block (worst: {ratio[worst]:.3f}x at C={worst}).",
+    ]
+    if block == 1:
+        lines.append("# drafting pays at no planned concurrency as one fixed block: serve without --speculative-*")
+        return "\n".join(lines) + "\n"
+    flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path"]
+    flags += [
+        str(drafter.resolve()) if drafter is not None else "DRAFTER",
+        "--speculative-num-draft-tokens",
+        str(block),
+    ]
+    flags += ["--max-running-requests", str(plan.cells[-1].concurrency)]
+    return "\n".join(lines) + "\n" + shlex.join(flags) + "\n"
+
+
+def plan_json(
+    plan: Plan, acc: Acceptance, cost: Cost, settings: dict[str, Any], configs: dict[str, Any]
+) -> dict[str, Any]:
+    """Every input (labelled measured or assumed), setting and figure of the plan."""
+    return {
+        "inputs": {
+            "acceptance": {
+                "name": acc.name,
+                "block_size": acc.block_size,
+                "measured": acc.measured,
+                "source": acc.source,
+            },
+            "cost": {"measured": cost.measured, "source": cost.source},
+            "workload": {"measured": False, "source": "assumed: " + settings["workload"]},
+        },
+        "settings": settings,
+        "cells": [
+            {
+                "concurrency": c.concurrency,
+                "requests": c.requests,
+                "tokens_per_s_by_block": {str(b): round(t, 1) for b, t in c.tokens_per_s.items()},
+                "tuned_block": c.best_block,
+                "schedule_block": c.schedule_block,
+                "predicted": _rounded(c.predicted),
+                "schedule_vs_tuned": round(c.ratio, 4),
+                "vs_target_alone": round(c.predicted["tokens_per_s"] / c.tokens_per_s[1], 3),
+            }
+            for c in plan.cells
+        ],
+        "configs": configs,
+    }
+
+
+def _rounded(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    return round(x, 4) if isinstance(x, float) else x
+
+
+def table(plan: Plan) -> str:
+    head = f"{'C':>5} {'tuned':>5} {'sched':>5} {'tok/s':>9} {'x alone':>7} {'vs tuned':>8} {'TTFT p50/p99 ms':>17} {'ITL p50/p99 ms':>15}"
+    rows = [head]
+    for c in plan.cells:
+        p = c.predicted
+        rows.append(
+            f"{c.concurrency:>5} {c.best_block:>5} {c.schedule_block:>5} {p['tokens_per_s']:>9.1f} "
+            f"{p['tokens_per_s'] / c.tokens_per_s[1]:>7.2f} {c.ratio:>8.3f} "
+            f"{p['ttft_ms']['p50']:>8.0f}/{p['ttft_ms']['p99']:<8.0f} {p['itl_ms']['p50']:>7.1f}/{p['itl_ms']['p99']:<7.1f}"
+        )
+    return "\n".join(rows)
+
+
+def plot(plan: Plan, path: Path, title: str) -> None:
+    """Tokens/s by concurrency (every block faint, the target alone, the schedule) and the schedule's ITL / TTFT."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = [c.concurrency for c in plan.cells]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for b in range(2, plan.block + 1):
+        left.plot(cs, [c.tokens_per_s[b] for c in plan.cells], color="0.8", lw=0.8)
+    left.plot(cs, [c.tokens_per_s[1] for c in plan.cells], "k--", label="target alone")
+    left.plot(cs, [c.predicted["tokens_per_s"] for c in plan.cells], "o-", color="C0", label="planned schedule")
+    for c in plan.cells:
+        left.annotate(str(c.schedule_block), (c.concurrency, c.predicted["tokens_per_s"]), fontsize=7)
+    left.set(xscale="log", xlabel="concurrency", ylabel="tokens/s (simulated)", title="throughput (labels: block)")
+    left.legend(fontsize=8)
+    right.plot(cs, [c.predicted["itl_ms"]["p50"] for c in plan.cells], "o-", label="ITL p50")
+    right.plot(cs, [c.predicted["itl_ms"]["p99"] for c in plan.cells], "s--", label="ITL p99")
+    right.plot(cs, [c.predicted["ttft_ms"]["p50"] for c in plan.cells], "^-", label="TTFT p50")
+    right.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms (simulated)", title="latency")
+    right.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(
+    plan: Plan,
+    acc: Acceptance,
+    cost: Cost,
+    settings: dict[str, Any],
+    out: Path,
+    drafter: Path | None,
+    held_out: dict[int, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """Write the five files into `out` (plan.json with the held-out check when one ran); returns plan.json's."""
+    from ..builders.trtllm_serve import to_yaml
+
+    out.mkdir(parents=True, exist_ok=True)
+    spec = trtllm_spec(plan, drafter)
+    header = f"# dflash-trt plan: {acc.name} acceptance, {cost.source.split(';')[0]}\n"
+    if spec is None:
+        yaml = (
+            header + "# drafting pays at no planned concurrency: serve the target alone (no speculative_config)\n{}\n"
+        )
+    else:
+        hint = "" if drafter else "# add speculative_model: the drafter folder (no --drafter was given)\n"
+        yaml = header + hint + to_yaml({"speculative_config": spec})
+    vllm = vllm_config(plan, drafter)
+    (out / "trtllm-serve.yaml").write_text(yaml)
+    ranges = ",\n    ".join(json.dumps(r) for r in vllm["num_speculative_tokens_per_batch_size"])
+    text = json.dumps(dict(vllm, num_speculative_tokens_per_batch_size=[]), indent=2)
+    (out / "vllm-speculative-config.json").write_text(text.replace("[]", f"[\n    {ranges}\n  ]") + "\n")
+    sglang = sglang_args(plan, drafter)
+    (out / "sglang-args.txt").write_text(sglang)
+    configs = {"trtllm": spec, "vllm": vllm, "sglang_block": sglang_block(plan)[0]}
+    doc = plan_json(plan, acc, cost, settings, configs)
+    if held_out is not None:
+        doc["held_out"] = {str(c): _rounded(v) for c, v in held_out.items()}
+    (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
+    plot(plan, out / "plan.png", f"{acc.name} acceptance; {cost.source.split(';')[0]}")
+    return doc

@@ -1,0 +1,221 @@
+"""`dflash-trt plan`: the default run's five files, its TensorRT-LLM YAML against DFlashDecodingConfig's fields, its
+schedule fed back into the simulator against the tuned table, a trace and a measured grid as inputs, bad inputs.
+
+Everything here is simulated (dflash_trt/sim: the real batched loop on simulated engines); nothing runs a model."""
+
+import json
+import random
+
+import pytest
+from builders.test_trtllm_serve_config import (
+    DFLASH_DECODING_CONFIG_FIELDS,
+    LLM_ARGS_KEYS_WE_WRITE,
+    check_like_decoding_base_config,
+    demo_identity,
+)
+
+from dflash_trt.cli.main import main
+from dflash_trt.plan import inputs, outputs, tune
+from dflash_trt.plan.inputs import PlanInputError
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.sim.serving import Workload
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("matplotlib")
+
+
+@pytest.fixture(scope="module")
+def default_plan(tmp_path_factory):
+    """`dflash-trt plan --out DIR` with no other flag, once for the module."""
+    out = tmp_path_factory.mktemp("plan")
+    assert main(["plan", "--out", str(out)]) == 0
+    return out
+
+
+def test_default_run_writes_all_five_files(default_plan, capsys):
+    for name in outputs.FILES:
+        assert (default_plan / name).stat().st_size > 0, name
+    assert (default_plan / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    doc = json.loads((default_plan / "plan.json").read_text())
+    assert [c["concurrency"] for c in doc["cells"]] == [1, 2, 4, 8, 16, 32, 64]
+    assert doc["inputs"]["acceptance"]["name"] == "demo" and doc["inputs"]["acceptance"]["measured"] is True
+    assert doc["inputs"]["workload"]["measured"] is False  # the lengths are assumed, and it says so
+    assert "A100" in doc["inputs"]["cost"]["source"] and "Llama-3-8B" in doc["inputs"]["cost"]["source"]
+    for c in doc["cells"]:
+        assert set(c["tokens_per_s_by_block"]) == {str(b) for b in range(1, 9)}
+        assert c["predicted"]["ttft_ms"]["p50"] > 0 and c["predicted"]["itl_ms"]["p50"] > 0
+    vllm = json.loads((default_plan / "vllm-speculative-config.json").read_text())
+    ranges = vllm["num_speculative_tokens_per_batch_size"]
+    assert vllm["method"] == "dflash" and ranges[0][0] == 1 and ranges[-1][1] == 64
+    assert all(a[1] + 1 == b[0] for a, b in zip(ranges, ranges[1:]))  # contiguous inclusive ranges, as vLLM reads
+    sglang = (default_plan / "sglang-args.txt").read_text()
+    assert "--speculative-algorithm DFLASH" in sglang and f"--speculative-draft-model-path {DEMO_DRAFTER}" in sglang
+
+
+def test_native_yaml_passes_the_dflash_decoding_config_field_check(default_plan):
+    loaded = yaml.safe_load((default_plan / "trtllm-serve.yaml").read_text())
+    assert set(loaded) <= LLM_ARGS_KEYS_WE_WRITE
+    spec = loaded["speculative_config"]
+    assert set(spec) <= DFLASH_DECODING_CONFIG_FIELDS, set(spec) - DFLASH_DECODING_CONFIG_FIELDS
+    check_like_decoding_base_config(spec)
+    assert spec["speculative_model"] == str(DEMO_DRAFTER.resolve()) and spec["max_draft_len"] <= 7
+
+
+def _fed_back(spec, concurrency, requests, block=8):
+    """The demo acceptance on the A100 8B profile with `spec`'s draft lengths, as the default plan ran it."""
+    acc, cost = inputs.named_acceptance("demo"), inputs.vidur_cost("a100", "llama-3-8b", 1)
+    work = Workload("demo", acc.profiles, (1.0,) * len(acc.profiles))
+    return tune.run(cost.cost, work, lambda b: tune.trtllm_draft_len(spec, b), concurrency, requests, 0, block)
+
+
+def test_yaml_schedule_fed_back_is_within_2_percent_of_the_tuned_table(default_plan):
+    """The done-when check: the schedule read back from the written YAML, simulated at every planned concurrency,
+    against the best fixed block there (plan.json's tuned table, same requests)."""
+    spec = yaml.safe_load((default_plan / "trtllm-serve.yaml").read_text())["speculative_config"]
+    doc = json.loads((default_plan / "plan.json").read_text())
+    for c in doc["cells"]:
+        tuned = c["tokens_per_s_by_block"][str(c["tuned_block"])]
+        assert tune.trtllm_draft_len(spec, c["concurrency"]) + 1 == c["schedule_block"]
+        fed = _fed_back(spec, c["concurrency"], c["requests"]).tokens_per_s
+        assert fed >= 0.98 * tuned, (c["concurrency"], fed, tuned)
+        assert c["schedule_vs_tuned"] >= 0.98
+
+
+def test_the_2_percent_check_catches_a_bad_schedule(default_plan):
+    """Negative control: speculation off above batch 1 (a schedule ending at key 1) loses at 16 rows."""
+    doc = json.loads((default_plan / "plan.json").read_text())
+    cell = next(c for c in doc["cells"] if c["concurrency"] == 16)
+    fed = _fed_back({"max_draft_len": 7, "draft_len_schedule": {1: 7}}, 16, cell["requests"]).tokens_per_s
+    assert fed < 0.98 * cell["tokens_per_s_by_block"][str(cell["tuned_block"])]
+
+
+def _trace_file(path, rate=0.7, rounds=60, seed=0):
+    """Two `generate --json --trace` outputs (JSON lines), rounds of block 8 accepting each draft with `rate`."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(2):
+        trace = []
+        for _ in range(rounds):
+            n = 0
+            while n < 7 and rng.random() < rate:
+                n += 1
+            trace.append({"block_size": 8, "drafted": [rng.randrange(100) for _ in range(7)], "accepted": n})
+        lines.append(json.dumps({"token_ids": [1, 2], "text": "x", "finish_reason": "length", "trace": trace}))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+SMALL = ["--concurrency", "1,8", "--min-requests", "8", "--prompt-len", "fixed:64", "--output-len", "fixed:48"]
+
+
+def test_a_trace_file_as_input(tmp_path, capsys):
+    trace = _trace_file(tmp_path / "trace.jsonl")
+    acc = inputs.read_trace(trace)
+    rounds = [r for line in trace.read_text().splitlines() for r in json.loads(line)["trace"]]
+    mean_tau = 1 + sum(r["accepted"] for r in rounds) / len(rounds)
+    assert acc.block_size == 8 and acc.measured
+    assert acc.profiles[0].tau(8) == pytest.approx(mean_tau, rel=0.02)  # pooled rates keep the trace's tau
+    out = tmp_path / "plan"
+    assert main(["plan", "--out", str(out), "--trace", str(trace), "--no-progress", *SMALL]) == 0
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["inputs"]["acceptance"]["measured"] and str(trace) in doc["inputs"]["acceptance"]["source"]
+    text = (out / "trtllm-serve.yaml").read_text()
+    assert "add speculative_model" in text  # no --drafter: the YAML says what to add
+    assert set(yaml.safe_load(text)["speculative_config"]) <= DFLASH_DECODING_CONFIG_FIELDS
+    assert "schedule vs tuned table" in capsys.readouterr().out
+
+
+def test_server_statistics_as_input(tmp_path):
+    detailed = {"speculative_decoding": {"per_step_drafted": [7, 7, 3], "per_step_accepted": [7, 2, 3]}}
+    (tmp_path / "stats.json").write_text(json.dumps([{"id": "a", "metrics": detailed}]))
+    acc = inputs.read_trace(tmp_path / "stats.json")
+    assert acc.block_size == 8 and acc.profiles[0].tau(8) > 1
+    (tmp_path / "summary.json").write_text(json.dumps({"metrics": {"speculative_decoding": {"num_spec_steps": 3}}}))
+    with pytest.raises(PlanInputError, match="detailed"):
+        inputs.read_trace(tmp_path / "summary.json")
+
+
+def test_a_measured_grid_as_input(tmp_path):
+    from builders.test_trtllm_serve_config import grid
+
+    (tmp_path / "grid.json").write_text(json.dumps(grid(target_per_token=2e-5, identity=demo_identity())))
+    out = tmp_path / "plan"
+    args = ["plan", "--out", str(out), "--cost-grid", str(tmp_path / "grid.json"), "--target", str(DEMO_TARGET)]
+    assert main([*args, "--no-progress", *SMALL]) == 0
+    assert "cost grid" in json.loads((out / "plan.json").read_text())["inputs"]["cost"]["source"]
+
+
+@pytest.mark.parametrize(
+    ("content", "flags", "message"),
+    [
+        ("{not json", [], "is not JSON"),
+        ('{"block_size": 8, "drafted": [1, 2], "accepted": 9}', [], "accepted 9 outside 0..7"),
+        ('{"block_size": 1, "drafted": [], "accepted": 0}', [], "no round that drafted"),
+        ('{"hello": 1}', [], "neither a trace round"),
+        (None, ["--profile", "nonsense"], "unknown acceptance profile 'nonsense'"),
+        (None, ["--gpu", "tpu"], "no Vidur profile for GPU 'tpu'"),
+        (None, ["--tp", "3"], "cannot price tp 3"),
+        (None, ["--output-len", "gamma:3"], "unknown length distribution"),
+    ],
+)
+def test_bad_input_gives_a_clear_error(tmp_path, capsys, content, flags, message):
+    if content is not None:
+        (tmp_path / "trace.json").write_text(content)
+        flags = ["--trace", str(tmp_path / "trace.json")]
+    assert main(["plan", "--out", str(tmp_path / "out"), *flags]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-trt plan: error: ") and message in err, err
+    assert not (tmp_path / "out").exists()  # nothing simulated, nothing written
+
+
+def test_a_grid_of_another_target_is_refused(tmp_path, capsys):
+    from builders.test_trtllm_serve_config import grid
+
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-5, identity=demo_identity(layers=99))))
+    args = [
+        "plan",
+        "--out",
+        str(tmp_path / "o"),
+        "--cost-grid",
+        str(tmp_path / "grid.json"),
+        "--target",
+        str(DEMO_TARGET),
+    ]
+    assert main(args) == 1
+    assert "measured on another target" in capsys.readouterr().err
+
+
+def test_trtllm_draft_lengths_follow_its_documented_schedule():
+    """TensorRT-LLM's get_draft_len_for_batch_size example: {4: 4, 8: 2, 32: 1} drafts 4 up to batch 4, 2 up
+    to 8, 1 up to 32 and none above; max_concurrency drafts max_draft_len up to it, none above."""
+    spec = {"max_draft_len": 4, "draft_len_schedule": {4: 4, 8: 2, 32: 1}}
+    got = {b: tune.trtllm_draft_len(spec, b) for b in (1, 4, 5, 8, 9, 32, 33, 500)}
+    assert got == {1: 4, 4: 4, 5: 2, 8: 2, 9: 1, 32: 1, 33: 0, 500: 0}
+    assert [tune.trtllm_draft_len({"max_draft_len": 7, "max_concurrency": 8}, b) for b in (8, 9)] == [7, 0]
+    assert tune.trtllm_draft_len({"max_draft_len": 7}, 4096) == 7
+
+
+def test_vllm_ranges_cover_every_batch_from_one():
+    cells = [tune.Cell(c, 8, {1: 1.0}, best_block=b) for c, b in ((1, 8), (2, 8), (4, 5), (8, 5), (16, 1))]
+    plan = tune.Plan(8, cells, {"max_draft_len": 7}, (0,))
+    assert outputs.vllm_ranges(plan) == [[1, 2, 7], [3, 8, 4], [9, 16, 0]]
+
+
+def test_the_held_out_check_reports_concurrencies_between_the_planned_ones(tmp_path):
+    trace = _trace_file(tmp_path / "trace.jsonl")
+    out = tmp_path / "plan"
+    flags = ["--trace", str(trace), "--no-progress", "--check-seed", "3", *SMALL]
+    assert main(["plan", "--out", str(out), *flags]) == 0
+    held = json.loads((out / "plan.json").read_text())["held_out"]
+    assert set(held) == {"1", "3", "8"}  # planned 1 and 8, and their geometric mean
+    for v in held.values():
+        assert 0 < v["ratio"] <= 1.0 and v["best_tokens_per_s"] >= v["schedule_tokens_per_s"]
+
+
+def test_a_drafter_that_would_not_load_is_refused_before_simulating(tmp_path, capsys):
+    (tmp_path / "drafter").mkdir()
+    (tmp_path / "drafter" / "config.json").write_text(json.dumps({"block_size": 8}))
+    assert main(["plan", "--out", str(tmp_path / "o"), "--drafter", str(tmp_path / "drafter")]) == 1
+    err = capsys.readouterr().err
+    assert "would not load as a TensorRT-LLM DFlash drafter" in err and "model_type" in err
+    assert not (tmp_path / "o").exists()

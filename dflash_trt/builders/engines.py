@@ -203,6 +203,11 @@ class BuildContext:
     log: Callable[[str], Any]
 
 
+class StepSkipped(Exception):
+    """A step that cannot build these checkpoints (e.g. a target family its engine path refuses): reported as
+    skipped with the message, which names what serves them instead; the other steps go on."""
+
+
 @dataclass(frozen=True)
 class BuildStep:
     """One engine `make engines` may build. Its key hashes everything the output depends on; a key equal
@@ -312,12 +317,12 @@ def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _build_trtllm(ctx: BuildContext, folder: Path) -> dict[str, Any]:
-    from .trtllm_target import plan_target_build, run_plan, spec_from_checkpoints
+    from .trtllm_target import TargetBuildError, plan_target_build, run_plan, spec_from_checkpoints
 
     cfg = ctx.cfg
     dtype = "float16" if cfg.precision == "fp16" else "float32"
-    plan = plan_target_build(
-        spec_from_checkpoints(
+    try:  # spec_from_checkpoints refuses only a family the 1.2 engine path cannot build
+        spec = spec_from_checkpoints(
             cfg.target,
             cfg.drafter,
             folder,
@@ -327,7 +332,9 @@ def _build_trtllm(ctx: BuildContext, folder: Path) -> dict[str, Any]:
             max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len,
         )
-    )  # max_num_tokens = max_seq_len: max_input_len is the drafter plan's only
+    except TargetBuildError as e:
+        raise StepSkipped(str(e)) from None
+    plan = plan_target_build(spec)  # max_num_tokens = max_seq_len: max_input_len is the drafter plan's only
     run_plan(plan, ctx.log)
     return {
         "tp": cfg.tp,
@@ -393,7 +400,11 @@ def _run_step(step: BuildStep, ctx: BuildContext, previous: dict[str, Any], repo
         report.unchanged.append(step.name)
         return
     folder = ctx.out / step.folder
-    fields = step.build(ctx, folder)
+    try:
+        fields = step.build(ctx, folder)
+    except StepSkipped as e:
+        report.skipped[step.name] = str(e)
+        return
     ctx.engines[step.name] = {
         "backend": step.backend,
         "role": step.role,

@@ -153,6 +153,29 @@ def test_build_target_refuses_families_without_a_1_2_engine_by_name(tmp_path, fa
         plan_target_build(spec(3, family))  # before the shape checks (tp 3 is refused too)
 
 
+def test_make_engines_skips_the_target_engine_of_a_refused_family(tmp_path, monkeypatch):
+    """On a machine with TensorRT-LLM, `make engines` reports the 1.2 target step as skipped with the refusal
+    (the routes that work) instead of failing the whole build; the registry is told TensorRT-LLM is usable
+    (FAKE: it is not installed here) and nothing reaches a TensorRT-LLM call."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    from dflash_trt.builders import engines
+
+    AutoConfig.for_model("qwen3_5").save_pretrained(tmp_path / "t")
+    cfg = SimpleNamespace(target=tmp_path / "t", drafter=tmp_path / "d", tp=1, precision="fp16")
+    cfg.max_batch_size, cfg.max_seq_len = 8, 4096
+    ctx = SimpleNamespace(cfg=cfg, block_size=4, log=lambda *_: None, out=tmp_path / "e", engines={})
+    ctx.sources, ctx.spec = {"target": {"sha256": "-"}}, SimpleNamespace(target_layer_ids=(1, 2))
+    step = next(s for s in engines.STEPS if s.name == "target_tensorrt_llm")
+    monkeypatch.setattr("dflash_trt.runtime.registry.unavailable_reason", lambda role, backend: None)
+    report = engines.BuildReport()
+    engines._run_step(step, ctx, {}, report)
+    assert report.built == [] and "'qwen3_5'" in report.skipped["target_tensorrt_llm"]
+    assert "trtllm-serve-config" in report.skipped["target_tensorrt_llm"]
+
+
 def test_build_target_cli_refuses_gpt_oss_with_the_route(tmp_path):
     from transformers import AutoConfig
 

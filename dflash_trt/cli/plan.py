@@ -71,7 +71,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--block-size", type=positive_int, default=None, help="largest block to plan (default: the drafter's)"
     )
     p.add_argument("--gpu", default="a100", help="Vidur GPU profile (default a100)")
-    p.add_argument("--model", default=None, help="Vidur model profile (default llama-3-8b, or nearest --target)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="Vidur model profile (default: the shape nearest --target, else the first profiled on --gpu)",
+    )
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
     p.add_argument(
         "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"

@@ -182,8 +182,15 @@ def _params(layers: int, hidden: int, intermediate: int) -> float:
     return layers * (4 * hidden * hidden + 3 * hidden * intermediate)
 
 
-def nearest_model(config: dict[str, Any]) -> str:
-    """The profiled model (sim.profiles.MODELS) whose layer weights are nearest the target's in log ratio."""
+def profiled_models(gpu: str) -> list[str]:
+    """The models (sim.profiles.MODELS) with an op profile on `gpu` (data/profiles/vidur/GPU/)."""
+    from ..sim.profiles import MODELS, PROFILE_DIR
+
+    return [m for m, shape in MODELS.items() if (PROFILE_DIR / gpu / f"{shape.name}.mlp.csv").is_file()]
+
+
+def nearest_model(config: dict[str, Any], models: Sequence[str]) -> str:
+    """The model of `models` whose layer weights are nearest the target's in log ratio."""
     import math
 
     from ..sim.profiles import MODELS
@@ -193,7 +200,7 @@ def nearest_model(config: dict[str, Any]) -> str:
     except (KeyError, TypeError, ValueError) as e:
         raise PlanInputError(f"the target config lacks a shape field ({e})") from None
     return min(
-        MODELS, key=lambda m: abs(math.log(_params(MODELS[m].layers, MODELS[m].hidden, MODELS[m].intermediate) / own))
+        models, key=lambda m: abs(math.log(_params(MODELS[m].layers, MODELS[m].hidden, MODELS[m].intermediate) / own))
     )
 
 
@@ -204,11 +211,14 @@ def vidur_cost(gpu: str, model: str | None, tp: int, target_config: dict[str, An
     if gpu not in GPUS:
         raise PlanInputError(f"no Vidur profile for GPU {gpu!r}: one of {sorted(GPUS)}")
     note = ""
+    models = profiled_models(gpu)
     if model is None:
-        model = nearest_model(target_config) if target_config is not None else "llama-3-8b"
+        if not models:
+            raise PlanInputError(f"no model profiled on {gpu}")
+        model = nearest_model(target_config, models) if target_config is not None else models[0]
         note = "; assumed: the profiled shape nearest the target" if target_config is not None else ""
-    if model not in MODELS:
-        raise PlanInputError(f"no Vidur profile for model {model!r}: one of {sorted(MODELS)}")
+    if model not in models:
+        raise PlanInputError(f"no Vidur profile for model {model!r} on {gpu}: one of {models}")
     try:
         cost = ProfileCost(gpu, model, tp)
     except (ValueError, KeyError, OSError) as e:

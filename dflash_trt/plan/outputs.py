@@ -158,7 +158,8 @@ def plot(plan: Plan, path: Path, title: str) -> None:
     cs = [c.concurrency for c in plan.cells]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for b in range(2, plan.block + 1):
-        left.plot(cs, [c.tokens_per_s[b] for c in plan.cells], color="0.8", lw=0.8)
+        label = f"fixed blocks 2..{plan.block}" if b == 2 else None
+        left.plot(cs, [c.tokens_per_s[b] for c in plan.cells], color="0.8", lw=0.8, label=label)
     left.plot(cs, [c.tokens_per_s[1] for c in plan.cells], "k--", label="target alone")
     left.plot(cs, [c.predicted["tokens_per_s"] for c in plan.cells], "o-", color="C0", label="planned schedule")
     for c in plan.cells:
@@ -170,6 +171,8 @@ def plot(plan: Plan, path: Path, title: str) -> None:
     right.plot(cs, [c.predicted["ttft_ms"]["p50"] for c in plan.cells], "^-", label="TTFT p50")
     right.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="ms (simulated)", title="latency")
     right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xticks(cs, [str(c) for c in cs])
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

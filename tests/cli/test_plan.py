@@ -219,3 +219,16 @@ def test_a_drafter_that_would_not_load_is_refused_before_simulating(tmp_path, ca
     err = capsys.readouterr().err
     assert "would not load as a TensorRT-LLM DFlash drafter" in err and "model_type" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_target_picks_the_nearest_profiled_shape():
+    from dflash_trt.costgrid import read_target_config
+
+    models = inputs.profiled_models("a100")
+    seventy = {"num_hidden_layers": 80, "hidden_size": 8192, "intermediate_size": 28672}
+    assert inputs.nearest_model(seventy, models) == "llama-3-70b"
+    demo = read_target_config(DEMO_TARGET)  # a 12M-parameter model: the smallest profiled shape, and it says so
+    assert inputs.nearest_model(demo, models) == "llama-3-8b"
+    assert "assumed: the profiled shape nearest the target" in inputs.vidur_cost("a100", None, 1, demo).source
+    with pytest.raises(PlanInputError, match="no Vidur profile for model 'llama-9'"):
+        inputs.vidur_cost("a100", "llama-9", 1)

@@ -74,6 +74,21 @@ def test_partial_acceptance_leaves_each_row_where_the_target_alone_is(family):
     assert len(lengths) >= 3, lengths  # partial blocks were kept, not only none or all
 
 
+def test_partial_acceptance_test_catches_a_rollback_that_keeps_linear_state(monkeypatch):
+    """Negative control: cutting only the K/V back (the linear-attention state left after the whole block)
+    must make the test above fail."""
+
+    def kv_only_rollback(self, length):
+        for layer in self.cache.layers:
+            layer.crop(0 if hasattr(layer, "conv_states") else length - self._length)
+        self._length, self._undoable, self._pending_trim = length, 0, False
+
+    monkeypatch.setattr(HfRowSequence, "rollback", kv_only_rollback)
+    model = make_tiny_target(None, family="qwen3_5", vocab_size=VOCAB, layers=4, seed=0)
+    with pytest.raises(AssertionError):
+        test_partial_acceptance_leaves_each_row_where_the_target_alone_is(("qwen3_5", None, None, model))
+
+
 def _mixed_rows(decoder: BatchDecoder) -> list[list[int]]:
     """Four rows of mixed lengths: two join, two more after two steps; all run to the end together."""
     prompts, budgets = _prompts(4, seed=2), [18, 7, 12, 15]

@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
     CausalLM: TypeAlias = _BaseModelWithGenerate
 
-# model_type of the text model's config (Qwen3.5 and Gemma 4 text checkpoints: qwen3_5_text, gemma4_text).
-# The first five run batched in the layered engine, the others per row (runtime/hybrid.py says why).
+# config.json's model_type. The first five run batched in the layered engine, the others per row
+# (runtime/hybrid.py says why). Qwen3.5's published (multimodal) checkpoints, qwen3_5 / qwen3_5_moe, load as
+# their text model (AutoModelForCausalLM maps them to Qwen3_5(Moe)ForCausalLM); Gemma 4 as gemma4_text only.
 SUPPORTED_FAMILIES = (
     "qwen3",
     "qwen2",
@@ -27,6 +28,8 @@ SUPPORTED_FAMILIES = (
     "qwen3_moe",
     "qwen3_5_text",
     "qwen3_5_moe_text",
+    "qwen3_5",
+    "qwen3_5_moe",
     "gpt_oss",
     "gemma4_text",
 )

@@ -187,6 +187,25 @@ def test_hybrid_rollback_reaches_back_one_pass_only():
     assert row.length == 5
 
 
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_multimodal_qwen3_5_checkpoint_loads_as_its_text_model(tmp_path, family):
+    """Published Qwen3.5 checkpoints are the vision-language model (model_type qwen3_5 / qwen3_5_moe): the
+    target is its language model, with the same logits, run per row."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    text = make_tiny_target(None, family=family, vocab_size=VOCAB, layers=4).config.to_dict()
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4)
+    config = AutoConfig.for_model(family, text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    full = AutoModelForImageTextToText.from_config(config).eval()
+    full.save_pretrained(tmp_path)
+    model = load_target(tmp_path)
+    ids = torch.tensor([[5, 9, 13, 22, 40]])
+    with torch.no_grad():
+        assert torch.allclose(model(input_ids=ids).logits, full(input_ids=ids).logits, atol=1e-5)
+    assert TorchTargetEngine(model).per_row_reason is not None
+
+
 def test_unsupported_family_is_refused_by_name(tmp_path):
     from transformers import Phi3Config
 

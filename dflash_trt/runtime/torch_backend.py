@@ -11,8 +11,9 @@ is just `length[r] = m` (no copy). Slots and C grow by doubling (a copy, rare); 
 
 The layers are run here, not through the Hugging Face forward (whose caches hold one length for the
 whole batch): the same modules and weights (norms, q/k/v/o projections, Qwen3's q/k norms, rotary
-embedding, MLP), with the attention written out. Families: Qwen3, Qwen2, LLaMA, Mistral with full
-attention (sliding-window layers are refused).
+embedding, MLP), with the attention written out. Families: Qwen3, Qwen2, LLaMA (3.x too), Mistral and
+Qwen3-MoE with full attention. The others (linear attention, sliding windows, sinks: `hybrid.layered_refusal`)
+run one Hugging Face forward per row with per-row rollback (`hybrid.HfRowsSession`).
 
 Drafter: the same slot scheme for its context cache; one round for all rows is
 `models.drafter_batch.packed_round` (the batched ONNX graph computes the same, padded: `ragged_round`).
@@ -32,6 +33,7 @@ from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import packed_round
 from ..models.target import DTYPES, load_target
 from .base import Draft, DraftRequest, EngineOptions, TargetOutput
+from .hybrid import HfRowsSession, layered_refusal
 from .rows import SlotCacheRows
 
 
@@ -77,30 +79,25 @@ class TorchTargetEngine:
 
     def __init__(self, model: PreTrainedModel, feature_layer_ids: tuple[int, ...] = ()):
         text = model.config.get_text_config()
-        layer_types = getattr(text, "layer_types", None) or []
-        window = getattr(text, "sliding_window", None)
-        uses_window = any(t != "full_attention" for t in layer_types) or (
-            getattr(text, "use_sliding_window", True)
-            and window is not None
-            and window < int(getattr(text, "max_position_embeddings", 1 << 30))
-        )
-        if uses_window:
-            raise ValueError("the batched target supports full-attention layers only (this one uses a sliding window)")
         untyped: Any = model  # transformers' methods are untyped
         self.model: Any = untyped
+        self.vocab_size = int(text.vocab_size)
+        self.max_context = int(getattr(text, "max_position_embeddings", 1 << 30))
+        self.feature_layer_ids = tuple(feature_layer_ids)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        # families the layers below cannot express run one Hugging Face forward per row (runtime/hybrid.py)
+        self.per_row_reason = layered_refusal(text)
+        if self.per_row_reason is not None:
+            return
         self.base: Any = untyped.get_decoder()
         self.layers = list(self.base.layers)
         attn = self.layers[0].self_attn
-        self.vocab_size = int(text.vocab_size)
-        self.max_context = int(getattr(text, "max_position_embeddings", 1 << 30))
         self.num_layers = len(self.layers)
         self.n_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
         self.qk_norm = hasattr(attn, "q_norm")
-        self.feature_layer_ids = tuple(feature_layer_ids)
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
 
     @classmethod
     def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchTargetEngine:
@@ -116,7 +113,9 @@ class TorchTargetEngine:
     def lm_head_weight(self) -> torch.Tensor:
         return cast(torch.Tensor, self.model.get_output_embeddings().weight)
 
-    def new_session(self) -> TorchTargetSession:
+    def new_session(self) -> TorchTargetSession | HfRowsSession:
+        if self.per_row_reason is not None:
+            return HfRowsSession(self.model, self.feature_layer_ids)
         return TorchTargetSession(self)
 
 

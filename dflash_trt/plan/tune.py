@@ -159,7 +159,7 @@ def plan(
     try:
         limits: dict[str, Any] | None = speculation_limits({c: b - 1 for c, b in best.items()})
     except ServeConfigError:
-        limits = None  # drafting pays at no concurrency planned
+        limits = None  # no drafting at the smallest concurrency: outputs.no_schedule_note says what follows
     for cell in cells:
         cell.best_block = best[cell.concurrency]
         k = trtllm_draft_len(limits, cell.concurrency) if limits else 0
@@ -193,7 +193,7 @@ def holdout(
             bar.update()
         fed = run(cost, work, scheduled(plan.limits), c, requests(c), seed, plan.block)
         bar.update()
-        best = max(tokens, key=lambda b: tokens[b].tokens_per_s)
+        best = best_blocks({c: {b: r.tokens_per_s for b, r in tokens.items()}})[c]
         out[c] = {
             "schedule_tokens_per_s": fed.tokens_per_s,
             "best_block": best,

@@ -23,9 +23,9 @@ Into --out it writes trtllm-serve.yaml (trtllm-serve --config: DFlashDecodingCon
 draft_len_schedule or max_concurrency; above the schedule's largest key TensorRT-LLM drafts nothing, so plan up
 to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config, with
 num_speculative_tokens_per_batch_size), sglang-args.txt (SGLang drafts one block size at every batch: the best
-single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency
-the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to the tuned table, TTFT
-and ITL.
+single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the
+table: per concurrency the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to
+the tuned table, TTFT and ITL.
 
 Acceptance: --profile demo (default: the demo pair's tau per code prompt, measured by make bench-load), paper,
 mixed or a benchmark name (the paper's published tau, per-position shape assumed); or --trace FILE: the output of
@@ -50,6 +50,7 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ..sim.profiles import GPUS, MODELS
     from .options import positive_int
 
     p = sub.add_parser(
@@ -73,13 +74,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="largest block to plan, at most 16, the simulated drafter's (default: the drafter's, capped at 16)",
     )
-    p.add_argument("--gpu", default="a100", help="Vidur GPU profile (default a100)")
+    p.add_argument("--gpu", default="a100", help=f"Vidur GPU profile: {', '.join(sorted(GPUS))} (default a100)")
     p.add_argument(
         "--model",
         default=None,
-        help="Vidur model profile (default: the shape nearest --target, else the first profiled on --gpu)",
+        help=f"Vidur model profile: {', '.join(MODELS)} where --gpu has one (default: the shape nearest "
+        "--target, else the first profiled on --gpu)",
     )
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel size the Vidur profile is priced at (default 1)"
+    )
     p.add_argument(
         "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
     )
@@ -88,7 +92,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
     )
     p.add_argument(
-        "--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY), help=f"default {DEFAULT_CONCURRENCY}"
+        "--concurrency",
+        type=_ints,
+        default=_ints(DEFAULT_CONCURRENCY),
+        help=f"concurrencies (batch sizes) to plan, comma-separated; TensorRT-LLM's schedule ends at the largest "
+        f"(default {DEFAULT_CONCURRENCY})",
     )
     p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
     p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")

@@ -263,3 +263,13 @@ def test_the_target_picks_the_nearest_profiled_shape():
     assert "assumed: the profiled shape nearest the target" in inputs.vidur_cost("a100", None, 1, demo).source
     with pytest.raises(PlanInputError, match="no Vidur profile for model 'llama-9'"):
         inputs.vidur_cost("a100", "llama-9", 1)
+
+
+def test_help_names_the_inputs_outputs_and_profiles(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needed in ("draft_len_schedule", "num_speculative_tokens_per_batch_size", "sglang-args.txt", "--trace FILE"):
+        assert needed in text, needed
+    assert "Vidur GPU profile: a100" in text and "llama-3-70b" in text and "at most 16" in text

@@ -143,6 +143,10 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             f"--block-size {args.block_size}: the simulated drafter drafts at most {inputs.MAX_POSITIONS} tokens "
             f"(block {inputs.MAX_POSITIONS + 1})"
         )
+    if args.block_size is not None and trained is not None and args.block_size > trained:
+        raise inputs.PlanInputError(
+            f"--block-size {args.block_size}: the drafter {drafter} drafts blocks of {trained}; plan up to that or less"
+        )
     block = args.block_size or trained
     acc = inputs.read_trace(args.trace, block) if args.trace else inputs.named_acceptance(args.profile)
     target_config = None

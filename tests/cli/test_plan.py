@@ -158,6 +158,7 @@ def test_a_measured_grid_as_input(tmp_path):
         (None, ["--tp", "3"], "cannot price tp 3"),
         (None, ["--output-len", "gamma:3"], "unknown length distribution"),
         (None, ["--block-size", "32"], "drafts at most 15 tokens"),
+        (None, ["--block-size", "12"], "drafts blocks of 8; plan up to that or less"),
         (None, ["--drafter", "/nonexistent"], "drafter checkpoint not found"),
     ],
 )

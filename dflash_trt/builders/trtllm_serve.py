@@ -18,11 +18,10 @@ a post-1.2 development snapshot). What we write and why:
     means batch sizes up to b draft k tokens; above its largest key speculation is off.
 
 DFlash 2 drafters (z-lab's `DFlash2DraftModel`) take the same speculative_config: TensorRT-LLM's DFlash 2 code
-(NVIDIA/TensorRT-LLM pull request 18155, "[TRTLLM-15788][feat] Add dflash 2 support", merged September 2026; read in
-tensorrt_llm/_torch/models/modeling_dflash.py as that pull request leaves it: `_is_dflash2_architecture`,
+(NVIDIA/TensorRT-LLM pull request 18155, "[TRTLLM-15788][feat] Add dflash 2 support": in
+tensorrt_llm/_torch/models/modeling_dflash.py as that pull request leaves it, `_is_dflash2_architecture`,
 `_validate_dflash2_config`, `_load_dflash2_weights`) keys DFlash 2 off the draft checkpoint, not off a decoding_type,
-so what differs is what the folder must hold (`dflash2_problems`). The merge commit's hash could not be resolved
-from the sources reachable here; the file was read at the pull request's state. Target families (qwen3_5,
+so what differs is what the folder must hold (`dflash2_problems`). Target families (qwen3_5,
 qwen3_5_moe, gpt_oss, gemma4 beside qwen3 / llama ...) are TensorRT-LLM's own PyTorch models: the config needs
 nothing per family, but the drafter's target_layer_ids and fc width must fit the target's text model
 (`target_problems`, which reads `text_config` where multimodal wrappers keep it).
@@ -150,8 +149,7 @@ def drafter_problems(drafter_dir: str | Path) -> list[str]:
       * the backbone class from `architectures`, else from `model_type` ("qwen3" -> Qwen3ForCausalLM), so a
         model_type must be there;
       * `dflash_config.mask_token_id` (else `mask_token_id`, else vocab_size: a token the embedding lacks) and
-        `dflash_config.target_layer_ids`; `block_size` (dflash_config's first, then the top level's, since the DFlash
-        2 pull request; the top level's alone before it);
+        `dflash_config.target_layer_ids`; `block_size` (dflash_config's first, then the top level's);
       * weights: `fc.weight`, `hidden_norm.weight`, `norm.weight` and `layers.N.*` (a `model.` prefix is
         accepted), no embed_tokens / lm_head needed (shared from the target); one num_key_value_heads for
         every layer (the fused context K/V); a layer count matching num_hidden_layers;

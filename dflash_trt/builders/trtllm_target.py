@@ -78,7 +78,7 @@ PYTORCH_BACKEND_ONLY = {
     "gemma4_text": "Gemma 4",
 }
 WORKING_ROUTES = (
-    "serve it with TensorRT-LLM's native DFlash on a release after 1.2 (PyTorch backend, no engine build: "
+    "Serve it with TensorRT-LLM's native DFlash on a release after 1.2 (PyTorch backend, no engine build: "
     "`dflash-trt trtllm-serve-config --target T --drafter D --out cfg.yaml`, then `trtllm-serve T --backend "
     "pytorch --config cfg.yaml`) or with this project's PyTorch engines (`dflash-trt serve --target T --drafter D`)"
 )
@@ -153,11 +153,11 @@ def family_classes(model_type: str) -> tuple[str, str]:
         raise TargetBuildError(
             f"target model_type {model_type!r} ({PYTORCH_BACKEND_ONLY[model_type]}): TensorRT-LLM 1.2's engine "
             f"path (trtllm-build) has no model class for it, so build-target cannot build it (it builds: "
-            f"{supported}). {WORKING_ROUTES[0].upper()}{WORKING_ROUTES[1:]}"
+            f"{supported}). {WORKING_ROUTES}"
         )
     raise TargetBuildError(
         f"target model_type {model_type!r}: the TensorRT-LLM engine path cannot expose its layer features "
-        f"for DFlash (supported: {supported}); {WORKING_ROUTES}"
+        f"for DFlash (supported: {supported}). {WORKING_ROUTES}"
     )
 
 

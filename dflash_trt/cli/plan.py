@@ -23,9 +23,9 @@ Into --out it writes trtllm-serve.yaml (trtllm-serve --config: DFlashDecodingCon
 draft_len_schedule or max_concurrency; above the schedule's largest key TensorRT-LLM drafts nothing, so plan up
 to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config, with
 num_speculative_tokens_per_batch_size), sglang-args.txt (SGLang drafts one block size at every batch: the best
-single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency
-the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to the tuned table, TTFT
-and ITL.
+single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the
+table: per concurrency the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to
+the tuned table, TTFT and ITL.
 
 Acceptance: --profile demo (default: the demo pair's tau per code prompt, measured by make bench-load), paper,
 mixed or a benchmark name (the paper's published tau, per-position shape assumed); or --trace FILE: the output of
@@ -50,6 +50,7 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from ..sim.profiles import GPUS, MODELS
     from .options import positive_int
 
     p = sub.add_parser(
@@ -68,15 +69,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--drafter", type=Path, default=None, help="drafter folder written into the configs (demo: models/drafter)"
     )
     p.add_argument(
-        "--block-size", type=positive_int, default=None, help="largest block to plan (default: the drafter's)"
+        "--block-size",
+        type=positive_int,
+        default=None,
+        help="largest block to plan, at most 16, the simulated drafter's (default: the drafter's, capped at 16)",
     )
-    p.add_argument("--gpu", default="a100", help="Vidur GPU profile (default a100)")
+    p.add_argument("--gpu", default="a100", help=f"Vidur GPU profile: {', '.join(sorted(GPUS))} (default a100)")
     p.add_argument(
         "--model",
         default=None,
-        help="Vidur model profile (default: the shape nearest --target, else the first profiled on --gpu)",
+        help=f"Vidur model profile: {', '.join(MODELS)} where --gpu has one (default: the shape nearest "
+        "--target, else the first profiled on --gpu)",
     )
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size (default 1)")
+    p.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel size the Vidur profile is priced at (default 1)"
+    )
     p.add_argument(
         "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
     )
@@ -85,7 +92,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
     )
     p.add_argument(
-        "--concurrency", type=_ints, default=_ints(DEFAULT_CONCURRENCY), help=f"default {DEFAULT_CONCURRENCY}"
+        "--concurrency",
+        type=_ints,
+        default=_ints(DEFAULT_CONCURRENCY),
+        help=f"concurrencies (batch sizes) to plan, comma-separated; TensorRT-LLM's schedule ends at the largest "
+        f"(default {DEFAULT_CONCURRENCY})",
     )
     p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
     p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")
@@ -99,36 +110,43 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         type=int,
         default=None,
         help="also re-tune on this seed's requests (not the plan's) at the planned concurrencies and the ones "
-        "between them, and report the schedule against each one's best block (held_out in plan.json); ~3x the time",
+        "between them, and report the schedule against each one's best block (held_out in plan.json); about as "
+        "much time again as one seed's plan, more where the added concurrencies are large",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
 
 
-def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, int]:
-    """(acceptance, cost, drafter folder) from the flags."""
-    import json
+def _trained_block(drafter: Path) -> int:
+    """The drafter folder's block as the YAML written from it states it (trtllm-serve-config's max_draft_len + 1,
+    read where TensorRT-LLM reads it); a folder that would not load is refused here, before the simulation."""
+    from ..builders.trtllm_serve import ServeConfigError, serve_config
+    from ..plan.inputs import PlanInputError
 
+    try:
+        return int(serve_config(drafter)["speculative_config"]["max_draft_len"]) + 1
+    except (ServeConfigError, FileNotFoundError) as e:
+        raise PlanInputError(str(e)) from None
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, int]:
+    """(acceptance, cost, drafter folder, largest block to plan) from the flags."""
     from ..plan import inputs
     from ..settings import DEMO_DRAFTER
 
     drafter = args.drafter
     if drafter is None and args.trace is None and args.profile == "demo":
         drafter = DEMO_DRAFTER
-    trained = None
-    if drafter is not None:
-        try:
-            trained = int(json.loads((drafter / "config.json").read_text())["block_size"])
-        except (OSError, KeyError, TypeError, ValueError) as e:
-            raise inputs.PlanInputError(
-                f"the drafter folder {drafter} has no config.json with block_size ({e})"
-            ) from None
-        from ..builders.trtllm_serve import ServeConfigError, serve_config
-
-        try:  # before minutes of simulation: the YAML is written from this folder as trtllm-serve-config does
-            serve_config(drafter)
-        except ServeConfigError as e:
-            raise inputs.PlanInputError(str(e)) from None
+    trained = _trained_block(drafter) if drafter is not None else None
+    if args.block_size is not None and args.block_size > inputs.MAX_POSITIONS + 1:
+        raise inputs.PlanInputError(
+            f"--block-size {args.block_size}: the simulated drafter drafts at most {inputs.MAX_POSITIONS} tokens "
+            f"(block {inputs.MAX_POSITIONS + 1})"
+        )
+    if args.block_size is not None and trained is not None and args.block_size > trained:
+        raise inputs.PlanInputError(
+            f"--block-size {args.block_size}: the drafter {drafter} drafts blocks of {trained}; plan up to that or less"
+        )
     block = args.block_size or trained
     acc = inputs.read_trace(args.trace, block) if args.trace else inputs.named_acceptance(args.profile)
     target_config = None
@@ -197,5 +215,5 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"{held_out[c_min]['ratio']:.4f} at C={c_min}"
         )
     if result.limits is None:
-        print("drafting pays at no planned concurrency: the configs serve the target alone", file=sys.stderr)
+        print(f"trtllm-serve.yaml: {outputs.no_schedule_note(result)}", file=sys.stderr)
     return 0

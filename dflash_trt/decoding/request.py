@@ -92,7 +92,14 @@ class GenerationStats:
     def trace(self) -> list[dict[str, Any]]:
         """One object per verify round, for debugging acceptance: the block verified (B: the last committed
         token and its B-1 drafts), the drafted ids and how many of them the target accepted. A round without a
-        draft (the target alone) has B = 1."""
+        draft (the target alone) has B = 1. The two lists are filled by different calls (the loop records the ids,
+        `commit` the counts), so a decoding path that commits a round without its ids is refused here rather than
+        shifting every later round's drafts onto the wrong acceptance."""
+        if len(self.drafted_ids_per_round) != len(self.accepted_per_round):
+            raise RuntimeError(
+                f"trace: {len(self.drafted_ids_per_round)} rounds' drafted ids for {len(self.accepted_per_round)} "
+                "rounds' acceptance (a decoding path committed rounds without recording their drafts)"
+            )
         return [
             {"block_size": len(ids) + 1, "drafted": ids, "accepted": a}
             for ids, a in zip(self.drafted_ids_per_round, self.accepted_per_round)

@@ -23,11 +23,14 @@ import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..settings import REPO_ROOT
 from ..sim.acceptance import AcceptanceProfile
 from ..sim.cost import PassCost, ProfileCost
+
+if TYPE_CHECKING:
+    from ..decoding.cost import LinearCost
 
 MAX_POSITIONS = 15  # the simulated drafter's positions (sim_engines' block 16): profiles are padded to them
 DEMO_LOAD_RESULTS = REPO_ROOT / "results" / "load" / "results.json"
@@ -88,8 +91,8 @@ def _round(obj: Any, where: str) -> tuple[int, int]:
     block, accepted, drafted = obj.get("block_size"), obj.get("accepted"), obj.get("drafted")
     if not isinstance(block, int) or not isinstance(accepted, int) or block < 1:
         raise PlanInputError(f"{where}: a round needs an integer block_size >= 1 and accepted, got {obj}")
-    if isinstance(drafted, list):
-        block = max(block, len(drafted) + 1)
+    if isinstance(drafted, list) and len(drafted) != block - 1:  # a block holds the anchor and its drafts
+        raise PlanInputError(f"{where}: block_size {block} with {len(drafted)} drafted ids (expected {block - 1})")
     if not 0 <= accepted <= block - 1:
         raise PlanInputError(f"{where}: accepted {accepted} outside 0..{block - 1} (the round's drafts)")
     return block, accepted
@@ -164,10 +167,12 @@ def demo_acceptance(path: Path = DEMO_LOAD_RESULTS) -> Acceptance:
         per_prompt = json.loads(path.read_text())["in_process"]["per_prompt"]
         code = [p for p in per_prompt if p["set"] == "code"]
         profiles = tuple(
-            padded(AcceptanceProfile.from_tau(f"prompt{p['prompt']}", p["tau_single_b8"], 8)) for p in code
+            padded(AcceptanceProfile.from_tau(f"prompt{p['prompt']}", p["tau_single_b8"], DEMO_BLOCK)) for p in code
         )
     except (OSError, KeyError, TypeError, ValueError) as e:
-        raise PlanInputError(f"the demo pair's measured acceptance ({path}) is unreadable: {e}; run `make bench-load`")
+        raise PlanInputError(
+            f"the demo pair's measured acceptance ({path}) is unreadable: {e!r}; run `make bench-load`"
+        ) from None
     if not profiles:
         raise PlanInputError(f"{path} holds no code prompt's acceptance; run `make bench-load`")
     source = (
@@ -236,8 +241,8 @@ class GridPassCost:
     context each pass sees is the grid's one context length, the drafter's new context is not priced, and
     prefills are priced by the fit beyond its largest measured pass (all three assumed)."""
 
-    target_fit: Any  # decoding.cost.LinearCost
-    drafter_fit: Any
+    target_fit: LinearCost
+    drafter_fit: LinearCost
 
     def target(self, new: Sequence[int], past: Sequence[int], logits: int) -> float:
         return float(self.target_fit(len(new), sum(new))) if new else 0.0

@@ -41,6 +41,20 @@ def trtllm_spec(plan: Plan, drafter: Path | None) -> dict[str, Any] | None:
     return spec
 
 
+def no_schedule_note(plan: Plan) -> str:
+    """Why trtllm-serve.yaml serves the target alone (plan.limits is None). TensorRT-LLM's draft_len_schedule
+    drafts max_draft_len at its smallest key (validate_draft_len_schedule_and_sort) and no more above it, so a
+    plan that drafts nothing at its smallest concurrency and drafts at a larger one cannot be written for it."""
+    pays = [c.concurrency for c in plan.cells if c.best_block > 1]
+    if not pays:
+        return "drafting pays at no planned concurrency: serve the target alone"
+    return (
+        f"drafting pays at C={', '.join(map(str, pays))} but not at C={plan.cells[0].concurrency}, which "
+        "TensorRT-LLM's draft_len_schedule cannot say (its smallest key drafts max_draft_len): serve the target "
+        "alone there, or plan from a larger --concurrency"
+    )
+
+
 def vllm_ranges(plan: Plan) -> list[list[int]]:
     """[first, last, drafts] per run of equal draft lengths, from batch 1 to the largest planned concurrency."""
     out: list[list[int]] = []
@@ -63,6 +77,14 @@ def vllm_config(plan: Plan, drafter: Path | None) -> dict[str, Any]:
         "num_speculative_tokens": max(1, max(k for _, _, k in ranges)),
         "num_speculative_tokens_per_batch_size": ranges,
     }
+
+
+def vllm_json(config: dict[str, Any]) -> str:
+    """The config as JSON with one batch range a line (a reader scans the ranges as a table)."""
+    lines = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items() if not isinstance(v, list)]
+    ranges = ",\n".join(f"    {json.dumps(r)}" for r in config["num_speculative_tokens_per_batch_size"])
+    lines.append(f'  "num_speculative_tokens_per_batch_size": [\n{ranges}\n  ]')
+    return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
 def sglang_block(plan: Plan) -> tuple[int, dict[int, float]]:
@@ -195,17 +217,13 @@ def write(
     spec = trtllm_spec(plan, drafter)
     header = f"# dflash-trt plan: {acc.name} acceptance, {cost.source.split(';')[0]}\n"
     if spec is None:
-        yaml = (
-            header + "# drafting pays at no planned concurrency: serve the target alone (no speculative_config)\n{}\n"
-        )
+        yaml = header + f"# {no_schedule_note(plan)} (no speculative_config)\n{{}}\n"
     else:
         hint = "" if drafter else "# add speculative_model: the drafter folder (no --drafter was given)\n"
         yaml = header + hint + to_yaml({"speculative_config": spec})
     vllm = vllm_config(plan, drafter)
     (out / "trtllm-serve.yaml").write_text(yaml)
-    ranges = ",\n    ".join(json.dumps(r) for r in vllm["num_speculative_tokens_per_batch_size"])
-    text = json.dumps(dict(vllm, num_speculative_tokens_per_batch_size=[]), indent=2)
-    (out / "vllm-speculative-config.json").write_text(text.replace("[]", f"[\n    {ranges}\n  ]") + "\n")
+    (out / "vllm-speculative-config.json").write_text(vllm_json(vllm))
     sglang = sglang_args(plan, drafter)
     (out / "sglang-args.txt").write_text(sglang)
     configs = {"trtllm": spec, "vllm": vllm, "sglang_block": sglang_block(plan)[0]}

@@ -23,6 +23,7 @@ from ..decoding.loop import BatchDecoder
 from ..decoding.policy import FixedBlocks
 from ..decoding.step import StepRows
 from ..sim import serving
+from ..sim.cost import PassCost
 from ..sim.engines import sim_engines
 from ..sim.policies import TimedPolicy
 from ..sim.serving import RunResult, Workload
@@ -64,7 +65,7 @@ def scheduled(limits: dict[str, Any] | None) -> Callable[[int], int] | None:
 
 
 def run(
-    cost: Any,
+    cost: PassCost,
     work: Workload,
     draft_len: Callable[[int], int] | None,
     concurrency: int,
@@ -114,6 +115,18 @@ def figures(runs: Sequence[RunResult]) -> dict[str, Any]:
     }
 
 
+def sweep(
+    cost: PassCost, work: Workload, concurrency: int, requests: int, seeds: Sequence[int], block: int, bar: Any
+) -> dict[int, float]:
+    """Tokens/s of every fixed block 1..`block` at one concurrency, the mean over `seeds` (the same requests
+    for every block)."""
+    tokens = {}
+    for b in range(1, block + 1):
+        tokens[b] = figures([run(cost, work, fixed(b), concurrency, requests, s, block) for s in seeds])["tokens_per_s"]
+        bar.update(len(seeds))
+    return tokens
+
+
 def best_blocks(tokens: dict[int, dict[int, float]]) -> dict[int, int]:
     """Per concurrency, the block of the most tokens/s (ties: the smaller block)."""
     return {c: max(sorted(t), key=lambda b: (t[b], -b)) for c, t in tokens.items()}
@@ -134,7 +147,7 @@ def requests_for(concurrency: int, minimum: int = 24, per_row: int = 3) -> int:
 
 
 def plan(
-    cost: Any,
+    cost: PassCost,
     work: Workload,
     block: int,
     concurrencies: Sequence[int],
@@ -150,16 +163,12 @@ def plan(
     bar = tqdm(total=len(concurrencies) * (block + 1) * len(seeds), desc="simulating", unit="run", disable=not progress)
     cells = []
     for c in concurrencies:
-        tokens = {}
-        for b in range(1, block + 1):
-            tokens[b] = figures([run(cost, work, fixed(b), c, requests(c), s, block) for s in seeds])["tokens_per_s"]
-            bar.update(len(seeds))
-        cells.append(Cell(c, requests(c), tokens))
+        cells.append(Cell(c, requests(c), sweep(cost, work, c, requests(c), seeds, block, bar)))
     best = best_blocks({cell.concurrency: cell.tokens_per_s for cell in cells})
     try:
         limits: dict[str, Any] | None = speculation_limits({c: b - 1 for c, b in best.items()})
     except ServeConfigError:
-        limits = None  # drafting pays at no concurrency planned
+        limits = None  # no drafting at the smallest concurrency: outputs.no_schedule_note says what follows
     for cell in cells:
         cell.best_block = best[cell.concurrency]
         k = trtllm_draft_len(limits, cell.concurrency) if limits else 0
@@ -173,7 +182,7 @@ def plan(
 
 def holdout(
     plan: Plan,
-    cost: Any,
+    cost: PassCost,
     work: Workload,
     seed: int,
     concurrencies: Sequence[int],
@@ -187,18 +196,15 @@ def holdout(
     bar = tqdm(total=len(concurrencies) * (plan.block + 1), desc="held out", unit="run", disable=not progress)
     out = {}
     for c in concurrencies:
-        tokens = {}
-        for b in range(1, plan.block + 1):
-            tokens[b] = run(cost, work, fixed(b), c, requests(c), seed, plan.block)
-            bar.update()
+        tokens = sweep(cost, work, c, requests(c), (seed,), plan.block, bar)
         fed = run(cost, work, scheduled(plan.limits), c, requests(c), seed, plan.block)
         bar.update()
-        best = max(tokens, key=lambda b: tokens[b].tokens_per_s)
+        best = best_blocks({c: tokens})[c]
         out[c] = {
             "schedule_tokens_per_s": fed.tokens_per_s,
             "best_block": best,
-            "best_tokens_per_s": tokens[best].tokens_per_s,
-            "ratio": fed.tokens_per_s / tokens[best].tokens_per_s,
+            "best_tokens_per_s": tokens[best],
+            "ratio": fed.tokens_per_s / tokens[best],
         }
     bar.close()
     return out

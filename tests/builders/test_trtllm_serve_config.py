@@ -123,7 +123,7 @@ def test_loader_expectations_are_checked(tiny_drafter, tmp_path):
     cfg = json.loads((tiny_drafter / "config.json").read_text())
     del cfg["dflash_config"]["mask_token_id"]
     del cfg["block_size"]
-    cfg["dflash_config"].pop("block_size", None)  # read first since the DFlash 2 pull request
+    cfg["dflash_config"].pop("block_size", None)  # the loader reads dflash_config's block_size first
     (tiny_drafter / "config.json").write_text(json.dumps(cfg))
     problems = drafter_problems(tiny_drafter)
     assert any("mask_token_id" in p for p in problems) and any("block_size" in p for p in problems)

@@ -107,6 +107,21 @@ def test_trace_holds_each_rounds_drafts_and_acceptance(models, capsys):
     )
 
 
+def test_a_trace_with_drafts_missing_for_some_rounds_is_refused():
+    """The loop records the drafted ids, `commit` the counts: a path recording one without the other must not
+    pair drafts with another round's acceptance."""
+    from dflash_trt.decoding.request import GenerationStats
+
+    stats = GenerationStats(drafted_ids_per_round=[[4, 5]], accepted_per_round=[1, 0])
+    with pytest.raises(RuntimeError, match="1 rounds' drafted ids for 2 rounds' acceptance"):
+        stats.trace()
+    stats.drafted_ids_per_round.append([])
+    assert stats.trace() == [
+        {"block_size": 3, "drafted": [4, 5], "accepted": 1},
+        {"block_size": 1, "drafted": [], "accepted": 0},
+    ]
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [

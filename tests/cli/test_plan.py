@@ -149,13 +149,17 @@ def test_a_measured_grid_as_input(tmp_path):
     ("content", "flags", "message"),
     [
         ("{not json", [], "is not JSON"),
-        ('{"block_size": 8, "drafted": [1, 2], "accepted": 9}', [], "accepted 9 outside 0..7"),
+        ('{"block_size": 8, "drafted": [1, 2, 3, 4, 5, 6, 7], "accepted": 9}', [], "accepted 9 outside 0..7"),
         ('{"block_size": 1, "drafted": [], "accepted": 0}', [], "no round that drafted"),
+        ('{"block_size": 4, "drafted": [1, 2, 3, 4], "accepted": 1}', [], "4 drafted ids (expected 3)"),
         ('{"hello": 1}', [], "neither a trace round"),
         (None, ["--profile", "nonsense"], "unknown acceptance profile 'nonsense'"),
         (None, ["--gpu", "tpu"], "no Vidur profile for GPU 'tpu'"),
         (None, ["--tp", "3"], "cannot price tp 3"),
         (None, ["--output-len", "gamma:3"], "unknown length distribution"),
+        (None, ["--block-size", "32"], "drafts at most 15 tokens"),
+        (None, ["--block-size", "12"], "drafts blocks of 8; plan up to that or less"),
+        (None, ["--drafter", "/nonexistent"], "drafter checkpoint not found"),
     ],
 )
 def test_bad_input_gives_a_clear_error(tmp_path, capsys, content, flags, message):
@@ -201,6 +205,34 @@ def test_vllm_ranges_cover_every_batch_from_one():
     assert outputs.vllm_ranges(plan) == [[1, 2, 7], [3, 8, 4], [9, 16, 0]]
 
 
+def test_a_plan_that_drafts_only_above_its_smallest_concurrency_says_why_trtllm_cannot():
+    """TensorRT-LLM's schedule drafts max_draft_len at its smallest key, so "off at 1, on at 8" has no YAML; the
+    note must say that rather than that drafting pays nowhere."""
+    late = tune.Plan(8, [tune.Cell(1, 8, {1: 1.0}, best_block=1), tune.Cell(8, 8, {1: 1.0}, best_block=5)], None, (0,))
+    assert "pays at C=8 but not at C=1" in outputs.no_schedule_note(late)
+    never = tune.Plan(8, [tune.Cell(c, 8, {1: 1.0}, best_block=1) for c in (1, 8)], None, (0,))
+    assert outputs.no_schedule_note(never).startswith("drafting pays at no planned concurrency")
+
+
+def test_vllm_json_is_the_config_whatever_the_drafter_path():
+    config = {"method": "dflash", "model": "/m/[]x", "num_speculative_tokens": 7}
+    config["num_speculative_tokens_per_batch_size"] = [[1, 2, 7], [3, 8, 4]]
+    text = outputs.vllm_json(config)
+    assert json.loads(text) == config and "\n    [3, 8, 4]\n" in text
+
+
+def test_the_drafters_block_is_read_where_tensorrt_llm_reads_it(tmp_path):
+    """A DFlash 2 drafter written by z-lab's class keeps block_size inside dflash_config only."""
+    from builders.test_trtllm_serve_config import published_spelling, save_reference_dflash2
+
+    from dflash_trt.cli.plan import _trained_block
+
+    folder = published_spelling(save_reference_dflash2(tmp_path / "d"))
+    assert "block_size" not in json.loads((folder / "config.json").read_text())
+    assert _trained_block(folder) == 4
+    assert _trained_block(DEMO_DRAFTER) == json.loads((DEMO_DRAFTER / "config.json").read_text())["block_size"]
+
+
 def test_the_held_out_check_reports_concurrencies_between_the_planned_ones(tmp_path):
     trace = _trace_file(tmp_path / "trace.jsonl")
     out = tmp_path / "plan"
@@ -232,3 +264,13 @@ def test_the_target_picks_the_nearest_profiled_shape():
     assert "assumed: the profiled shape nearest the target" in inputs.vidur_cost("a100", None, 1, demo).source
     with pytest.raises(PlanInputError, match="no Vidur profile for model 'llama-9'"):
         inputs.vidur_cost("a100", "llama-9", 1)
+
+
+def test_help_names_the_inputs_outputs_and_profiles(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["plan", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for needed in ("draft_len_schedule", "num_speculative_tokens_per_batch_size", "sglang-args.txt", "--trace FILE"):
+        assert needed in text, needed
+    assert "Vidur GPU profile: a100" in text and "llama-3-70b" in text and "at most 16" in text

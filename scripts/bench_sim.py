@@ -150,8 +150,9 @@ def sweep(args) -> tuple[list[dict], dict, list[dict], dict | None, dict | None]
     runs: list[dict] = []
     with ctx.Pool(args.jobs, initializer=_one_thread) as pool:
         pois = pool.apply_async(poisson, (args,))
-        cpu = pool.apply_async(calibrate_cpu, (args.load_results,)) if not args.smoke else None
-        gpu = pool.apply_async(calibrate_gpu, (args,)) if not args.smoke else None
+        cal = set() if args.smoke else set(args.calibrations)
+        cpu = pool.apply_async(calibrate_cpu, (args.load_results,)) if "cpu" in cal else None
+        gpu = pool.apply_async(calibrate_gpu, (args,)) if "gpu" in cal else None
         cells = sorted(_cells(args, PHASE1), key=lambda x: -x[4] * (3 if x[5] in ("adaptive", "optimum") else 1))
         for item in pool.imap_unordered(run_cell, cells):
             runs.append(item)
@@ -565,13 +566,18 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), help="workloads (default: paper mixed)")
     ap.add_argument("--concurrency", nargs="+", type=int, help="concurrencies (default: 1..256, powers of 2)")
     ap.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per cell (default {SEEDS})")
+    ap.add_argument("--rates", nargs="*", type=float, help="Poisson arrival rates, req/s (default 4 16; none: skip)")
+    ap.add_argument(
+        "--calibrations", nargs="*", default=["cpu", "gpu"], help="calibrations to run (default: cpu gpu; none: skip)"
+    )
     args = ap.parse_args()
     if args.readme_only:
         (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
         return
     args.setups = [(g, m, int(t)) for g, m, t in (s.split(":") for s in args.setups)] if args.setups else SETUPS
     args.concurrency = args.concurrency or CONCURRENCY
-    args.scale, args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = 1.0, (4, 16), 256, 2048, 4
+    rates = (4, 16) if args.rates is None else tuple(args.rates)
+    args.scale, args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = 1.0, rates, 256, 2048, 4
     if args.reduced:
         args.concurrency, args.scale = (1, 8, 32, 256), 0.25
     if args.smoke:

@@ -13,8 +13,8 @@ H100 Llama-2-7B tp=1 and Llama-2-70B tp=4 (dflash_trt/sim). Policies, in two pha
   2. tuned-table and vllm-table: TensorRT-LLM's and vLLM's per-batch-size tables, each entry the best of
      none / fixed-4 / fixed-8 / fixed-16 at that concurrency in phase 1 (mean over the seeds).
 
-Prefill: the grid runs with `--prefill` (chunked when the loop has it, else separate); at C=32 both are run
-side by side (`--compare-prefill`). Also a Poisson open-loop sweep and two calibrations:
+Prefill: the grid runs with `--prefill` (default chunked, the loop's default, at a GPU server's token budget
+SIM_STEP_TOKENS in dflash_trt/sim/policies.py); at C=32 chunked and separate prefill are run side by side. Also a Poisson open-loop sweep and two calibrations:
 
   (a) CPU: the simulator with the CPU cost grid and host overhead `make bench-load` recorded
       (results/load/results.json) against the measured engines-alone tokens/s;
@@ -39,7 +39,7 @@ from pathlib import Path
 from dflash_trt.bench.sim_report import cpu_calibration, criteria_table, poisson_table
 from dflash_trt.sim.acceptance import AcceptanceProfile
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
-from dflash_trt.sim.policies import FIXED, TUNED
+from dflash_trt.sim.policies import FIXED, SIM_STEP_TOKENS, TUNED
 from dflash_trt.sim.serving import HOST_STEP_S, Workload, simulate, workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -558,9 +558,12 @@ def main() -> None:
     ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
     ap.add_argument("--load-results", type=Path, default=ROOT / "results" / "load" / "results.json")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)")
-    ap.add_argument("--prefill", choices=("chunked", "separate"), default="separate", help="the grid's prefill mode")
+    ap.add_argument("--prefill", choices=("chunked", "separate"), default="chunked", help="the grid's prefill mode")
     ap.add_argument(
-        "--compare-prefill", action="store_true", help=f"at C={PREFILL_AT} run chunked and separate side by side"
+        "--no-compare-prefill",
+        dest="compare_prefill",
+        action="store_false",
+        help=f"skip running chunked and separate prefill side by side at C={PREFILL_AT}",
     )
     ap.add_argument("--setups", nargs="+", help="gpu:model:tp items (default: all four measured setups)")
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), help="workloads (default: paper mixed)")
@@ -595,6 +598,7 @@ def main() -> None:
             "concurrency": list(args.concurrency),
             "seeds": args.seeds,
             "prefill": args.prefill,
+            "step_tokens": SIM_STEP_TOKENS,
             "requests_rule": f"max({round(512 * args.scale)}, {16 * args.scale:g} x C) requests per cell, steady window",
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,

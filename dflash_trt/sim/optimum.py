@@ -6,7 +6,10 @@ own block size kept), the choice of the most expected committed tokens per secon
 - the rows' TRUE acceptance: row r's expected tokens at block b are E_r(b) = tau of its class's profile
   (`acceptance.AcceptanceProfile`; the class is the simulated prompt's first id), and
 - the engines' TRUE pass costs (`cost.ProfileCost`, the very function the simulated engines charge), at the
-  rows' cache lengths and drafter backlogs, plus the host's time per step.
+  rows' cache lengths and drafter backlogs, plus the host's time per step. Prompt chunks riding in the pass
+  (chunked prefill: `StepRows.chunk_rows` / `chunk_tokens`, totals only) are priced as one chunk from
+  position 0, one logit each: their tokens are exact, their attention a floor (it is the same for every choice
+  but for the pass's max of memory and compute time).
 
 Why the search is exact. E_r(b + 1) - E_r(b) = rates[0] x ... x rates[b - 1], which never grows with b (every
 rate <= 1): each row's tokens are concave in its block. For a total of N target tokens the assignment of most
@@ -49,6 +52,7 @@ class Optimum:
         self.cost, self.host_s, self.candidates, self.profiles = cost, host_s, candidates, list(profiles)
         self.gains = [np.cumprod(np.asarray(p.rates[:MAX_DRAFTS], np.float64)) for p in profiles]
         self.steps, self.bound_sum, self.chosen_sum, self.worst_gap = 0, 0.0, 0.0, 0.0
+        self._chunks = (0, 0)  # this step's riding prompt chunks: rows, tokens
         # the classes strongest first, when each one's gains dominate the next's at every position (then the
         # bound counts a drafting row's worth; otherwise it falls back to the best gains of any rows)
         strength = sorted(range(len(self.gains)), key=lambda c: -float(self.gains[c][0]))
@@ -79,6 +83,7 @@ class Optimum:
         order = order[flat[order] >= 0]
         tokens0 = float(sum(1.0 + self.gains[klass[i]][: base[i] - 1].sum() for i in range(len(rows))))
         tokens = tokens0 + np.concatenate(([0.0], np.cumsum(flat[order])))  # index k: k gains taken
+        self._chunks = (int(step.chunk_rows), int(step.chunk_tokens))
         floor = _Floor(self, base, forced, past, backlog)
         bound = self._bound(tokens, tokens0, klass[free], floor)
         best_k = np.argsort(-bound, kind="stable")[: self.candidates]
@@ -141,7 +146,11 @@ class Optimum:
     def _exact_time(self, blocks: np.ndarray, past: np.ndarray, backlog: np.ndarray) -> float:
         """Seconds of the step with these blocks: the engines' own prices, plus the host's."""
         c, n = self.cost, int(blocks.sum())
-        t = c.target(blocks.tolist(), past.tolist(), n)
+        rows, tokens = self._chunks  # the prompt chunks riding in the pass, priced as one from position 0
+        if tokens:
+            t = c.target([*blocks.tolist(), tokens], [*past.tolist(), 0], n + rows)
+        else:
+            t = c.target(blocks.tolist(), past.tolist(), n)
         d = np.flatnonzero(blocks >= 2)
         if len(d):
             t += c.drafter(blocks[d].tolist(), backlog[d].tolist(), (past[d] - backlog[d]).tolist())
@@ -154,6 +163,7 @@ class _Floor:
     def __init__(self, opt: Optimum, base: np.ndarray, forced: np.ndarray, past: np.ndarray, backlog: np.ndarray):
         c, s = opt.cost, opt.cost.shape
         self.cost, self.host_s, self.base, self.past = c, opt.host_s, base, past
+        self.chunk_rows, self.chunk_tokens = opt._chunks
         self.fd = forced >= 2  # rows whose own block drafts
         self.kv_row = 2 * s.kv_heads / c.tp * s.head_dim * s.bytes_per_value
         self.bw = c.spec.hbm_bytes_per_s * c.time_scale * ATTN_BW_EFFICIENCY
@@ -165,19 +175,20 @@ class _Floor:
     def target(self, k: np.ndarray) -> np.ndarray:
         """The host's time and the target pass of base + k tokens (attention at its memory and FLOP floors)."""
         c, s = self.cost, self.cost.shape
-        n = int(self.base.sum()) + k
-        padded = c.padded_many(n)
+        n = int(self.base.sum()) + k  # verify tokens; the pass also holds the chunks' tokens
+        total = n + self.chunk_tokens
+        padded = c.padded_many(total)
         flop_q = 4 * s.heads / c.tp * s.head_dim
         attn = np.maximum.reduce(
             [
-                (self.past.sum() + 2 * n) * self.kv_row / self.bw,
+                (self.past.sum() + 2 * total) * self.kv_row / self.bw,
                 flop_q * n * (self.past.min() + 1) / self.peak,
                 np.full(len(n), ATTN_MIN_S),
             ]
         )
-        lm = c.op_floor(n, "mlp_up_proj") * s.vocab / (2 * s.intermediate)
+        lm = c.op_floor(n + self.chunk_rows, "mlp_up_proj") * s.vocab / (2 * s.intermediate)
         layers = s.layers * (c.op_floor(padded) + attn + c.comm_floor(padded))
-        return cast(np.ndarray, self.host_s + layers + c.op_floor(n, "emb") + lm + PASS_LAUNCH_S)
+        return cast(np.ndarray, self.host_s + layers + c.op_floor(total, "emb") + lm + PASS_LAUNCH_S)
 
     def drafter(self, k: np.ndarray, m_free: np.ndarray) -> np.ndarray:
         """The drafter pass for k gains taken by m_free free rows (0: none drafts), the forced rows beside."""

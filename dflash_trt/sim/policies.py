@@ -65,6 +65,11 @@ TUNED = ("tuned-table", "vllm-table")  # need a table measured from the fixed ru
 REFERENCES = ("oracle", "optimum")  # not deployable: see the module docstring
 TRTLLM_SCHEDULE = {4: 15, 8: 7, 32: 3}
 TRTLLM_THRESHOLD, TRTLLM_WINDOW = 0.1, 32
+# A GPU server's token budget per step under chunked prefill: the CPU loop's default (256) is sized for a CPU; a
+# GPU pass stays weight bound for a few hundred tokens, and the budget must also take in the prompts of the rows
+# that replace finished ones (at 32 rows of ~200-token outputs, some 350 prompt tokens a step) after reserving
+# the running rows' largest blocks (32 x 16 = 512)
+SIM_STEP_TOKENS = 2048
 
 
 def schedule_draft_len(batch: int, schedule: dict[int, int] = TRTLLM_SCHEDULE) -> int:
@@ -187,10 +192,13 @@ def sim_decoder(
     *,
     table: dict[int, int] | None = None,
     host_s: float = 0.0,
+    prefill: str = "chunked",
+    step_tokens: int = SIM_STEP_TOKENS,
 ) -> BatchDecoder:
     """The decoder that serves policy `name` on the simulated engines, its policy timed (`TimedPolicy`).
     `table`: for "tuned-table" and "vllm-table", the best block per concurrency (1 = no drafting); `host_s`:
-    the host's seconds per step, which "optimum" adds to every step it rates."""
+    the host's seconds per step, which "optimum" adds to every step it rates; `prefill`, `step_tokens`: the
+    loop's prefill mode and its per-step token budget (chunked)."""
     if name not in POLICIES + TUNED + REFERENCES:
         raise ValueError(f"unknown policy {name!r}: one of {POLICIES + TUNED + REFERENCES}")
     if name in TUNED and not table:
@@ -198,7 +206,15 @@ def sim_decoder(
     policy: BlockPolicy = FixedBlocks()
     block_size = None
     if name == "none":
-        return BatchDecoder(target, None, block_size=1, policy=TimedPolicy(policy), clock=clock)
+        return BatchDecoder(
+            target,
+            None,
+            block_size=1,
+            policy=TimedPolicy(policy),
+            clock=clock,
+            prefill=prefill,
+            step_tokens=step_tokens,
+        )
     if name.startswith("fixed-"):
         block_size = int(name.split("-")[1])
     elif name == "trtllm-schedule":
@@ -215,4 +231,12 @@ def sim_decoder(
         policy = Oracle.measured(target, drafter, max_active, clock, gpu=True, probe_every=0, profiles=profiles)
     else:
         policy = AdaptiveBlocks.measured(target, drafter, max_active, clock, gpu=True)
-    return BatchDecoder(target, drafter, block_size=block_size, policy=TimedPolicy(policy), clock=clock)
+    return BatchDecoder(
+        target,
+        drafter,
+        block_size=block_size,
+        policy=TimedPolicy(policy),
+        clock=clock,
+        prefill=prefill,
+        step_tokens=step_tokens,
+    )

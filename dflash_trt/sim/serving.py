@@ -155,7 +155,7 @@ def simulate(
     warmup: int = 32,
     host_step_s: float = HOST_STEP_S,
     table: dict[int, int] | None = None,
-    prefill: str = "separate",
+    prefill: str = "chunked",
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
@@ -165,16 +165,25 @@ def simulate(
     requests of the same workload run through the same decoder, 16 at a time, untimed: a long-running server's
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
-    "separate" (a joining prompt is a pass of its own, the loop today) or "chunked"."""
+    "chunked" (prompts enter in chunks inside the verify pass, the loop's default) or "separate" (a pass of
+    their own)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     if prefill not in PREFILL:
         raise ValueError(f"prefill {prefill!r}: one of {PREFILL}")
-    if prefill == "chunked":
-        raise NotImplementedError("chunked prefill needs the loop's chunked mode (decoding/loop.py), not merged yet")
     limit = concurrency if concurrency is not None else (max_active or 256)
     target, drafter, clock = sim_engines(cost, work.profiles)
-    dec = sim_decoder(policy, target, drafter, clock, work.profiles, max_active or 256, table=table, host_s=host_step_s)
+    dec = sim_decoder(
+        policy,
+        target,
+        drafter,
+        clock,
+        work.profiles,
+        max_active or 256,
+        table=table,
+        host_s=host_step_s,
+        prefill=prefill,
+    )
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)
     clock.now = 0.0  # the start-up grid and the warm-up ran before serving

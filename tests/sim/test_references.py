@@ -128,3 +128,20 @@ def test_optimum_is_lossless_and_beats_a_fixed_block():
     assert best.outputs == fixed.outputs  # the target's tokens, whatever the blocks
     assert best.optimum_gap is not None and 0 <= best.optimum_gap < 0.05
     assert best.tokens_per_s > fixed.tokens_per_s
+
+
+def test_chunked_and_separate_prefill_give_the_same_tokens():
+    """The loop's two prefill modes on the simulated engines: the same sequences (a sequence's identity is its
+    prompt's first tokens, whatever the chunking), the chunks priced inside the verify pass; the optimum
+    prices the chunks that ride in its steps."""
+    work = workload("mixed", prompt_len="uniform:300-900", output_len="uniform:32-64")
+    runs = {
+        p: simulate(ProfileCost(), work, "optimum", concurrency=4, requests=10, keep_outputs=True, prefill=p)
+        for p in ("chunked", "separate")
+    }
+    assert runs["chunked"].outputs == runs["separate"].outputs
+    assert runs["chunked"].prefill == "chunked" and runs["separate"].prefill == "separate"
+    gap = runs["chunked"].optimum_gap
+    assert gap is not None and 0 <= gap < 0.05
+    with pytest.raises(ValueError, match="prefill"):
+        simulate(ProfileCost(), work, "none", concurrency=1, requests=1, prefill="whole")

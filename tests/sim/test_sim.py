@@ -155,9 +155,9 @@ def test_greedy_decoder_on_sim_equals_target_alone():
         assert t_spec < t_alone  # 8 rows on an A100: drafting pays
     # and each row is the ground truth of its sequence
     seq = alone[0].token_ids
-    from dflash_trt.sim.engines import prompt_seed
+    from dflash_trt.sim.engines import SEED_TOKENS, prompt_seed
 
-    s = prompt_seed(prompts[0])
+    s = prompt_seed(prompts[0][:SEED_TOKENS])  # the sequence's identity: its prompt's first tokens
     assert seq == [truth(s, len(prompts[0]) + i, 256) for i in range(48)]
 
 

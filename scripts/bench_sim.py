@@ -527,6 +527,7 @@ def readme(res: dict) -> str:
         "for their shape (`dflash_trt/sim`, data in `data/profiles/vidur/`). Acceptance: per-position rates",
         "fitted to the paper's Qwen3-8B block-16 tau per benchmark.",
         f"Made by `make bench-sim` ({s['minutes']} min on {s['machine']}, mode {s['mode']}).",
+        *([f"**{s['note']}**"] if s.get("note") else []),
         "",
         f"Closed loop, {s['requests_rule']}, {s['seeds']} seeds; prompts `{s['prompt_len']}`, outputs",
         f"`{s['output_len']}` tokens; host {1e3 * s['host_step_s']:.2f} ms per step; greedy (T=0). Peers: see",

@@ -24,7 +24,7 @@ from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
 from .engines import VirtualClock, sim_engines
 from .optimum import Optimum
-from .policies import TimedPolicy, sim_decoder
+from .policies import SIM_STEP_TOKENS, TimedPolicy, sim_decoder
 
 GREEDY = SamplingParams(0.0)
 
@@ -156,6 +156,7 @@ def simulate(
     host_step_s: float = HOST_STEP_S,
     table: dict[int, int] | None = None,
     prefill: str = "chunked",
+    step_tokens: int = SIM_STEP_TOKENS,
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
@@ -165,8 +166,8 @@ def simulate(
     requests of the same workload run through the same decoder, 16 at a time, untimed: a long-running server's
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
-    "chunked" (prompts enter in chunks inside the verify pass, the loop's default) or "separate" (a pass of
-    their own)."""
+    "chunked" (prompts enter in chunks inside the verify pass, the loop's default, at most `step_tokens` tokens
+    a pass) or "separate" (a pass of their own)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     if prefill not in PREFILL:
@@ -183,6 +184,7 @@ def simulate(
         table=table,
         host_s=host_step_s,
         prefill=prefill,
+        step_tokens=step_tokens,
     )
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)

@@ -65,11 +65,11 @@ TUNED = ("tuned-table", "vllm-table")  # need a table measured from the fixed ru
 REFERENCES = ("oracle", "optimum")  # not deployable: see the module docstring
 TRTLLM_SCHEDULE = {4: 15, 8: 7, 32: 3}
 TRTLLM_THRESHOLD, TRTLLM_WINDOW = 0.1, 32
-# A GPU server's token budget per step under chunked prefill: the CPU loop's default (256) is sized for a CPU; a
-# GPU pass stays weight bound for a few hundred tokens, and the budget must also take in the prompts of the rows
-# that replace finished ones (at 32 rows of ~200-token outputs, some 350 prompt tokens a step) after reserving
-# the running rows' largest blocks (32 x 16 = 512)
-SIM_STEP_TOKENS = 2048
+# A GPU server's token budget per step under chunked prefill: vLLM's first chunked-prefill default (512, "the best
+# ITL on A100" in its docs, PR vllm-project/vllm#4580). The budget trades a long prompt's stall of the running
+# rows (ITL) against how fast waiting prompts get in (TTFT): the loop reserves the running rows' largest blocks
+# first and gives the chunks at least a quarter of the budget. results/sim says what each budget measured.
+SIM_STEP_TOKENS = 512
 
 
 def schedule_draft_len(batch: int, schedule: dict[int, int] = TRTLLM_SCHEDULE) -> int:

@@ -161,9 +161,11 @@ bench-serve: venv aiperf-env
 bench-load: venv aiperf-env
 	$(BIN)/python scripts/bench_load.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
 
-# Serving simulated from measured profiles (Vidur's A100 op profiles; no GPU, no model): the real batched loop and
-# policies (none, fixed-4/8/16, adaptive, TensorRT-LLM-style schedule, vLLM-style table) on simulated engines at
-# concurrency 1..256, plus calibrations; writes results/sim/. About 10 min on 2 cores (BENCH_SIM_ARGS=--reduced: less).
+# Serving simulated from measured profiles (Vidur's A100 and H100 op profiles; no GPU, no model): the real batched
+# loop and policies (none, fixed-4/8/16, adaptive, TensorRT-LLM's schedule with and without its threshold, tuned
+# tables, the exact per-step optimum) on simulated engines at concurrency 1..256, 3 seeds, plus calibrations; writes
+# results/sim/. The full grid is hours of CPU (results/sim/README.md says how long); BENCH_SIM_ARGS="--reduced",
+# "--setups a100:llama-3-8b:1 --workloads mixed" or "--concurrency 8 32" run parts.
 bench-sim: venv
 	$(BIN)/python scripts/bench_sim.py --out results/sim $(BENCH_SIM_ARGS)
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
@@ -139,7 +139,8 @@ class AdaptiveBlocks:
         self._probing = {step.rows[i].id for i in np.flatnonzero(due).tolist()}
         ones = np.ones(len(step))
         choices = RowChoices(alpha=alpha, max_block=step.cap, new_context=ones, fixed=step.fixed, probe=due)
-        return choose_blocks(choices, self.cost, min_gain=self.min_gain)
+        chunk = (step.chunk_rows, step.chunk_tokens)
+        return choose_blocks(choices, self.cost, min_gain=self.min_gain, riding=chunk)
 
     def _state(self, row: BatchRow) -> _RowState:
         """A row's state; a row the policy has not seen join starts from the prior now."""
@@ -173,7 +174,7 @@ class AdaptiveBlocks:
 
     def _observe_costs(self, result: StepResult) -> None:
         prof = result.profile
-        self.cost.observe("target", prof.verify_rows, prof.verify_tokens, prof.verify_s)
+        self.cost.observe("target", prof.target_rows, prof.target_tokens, prof.verify_s)
         if prof.draft_rows:
             self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
         if self.refit_every and self.steps % self.refit_every == 0:
@@ -225,14 +226,19 @@ class RowChoices:
         return len(self.alpha)
 
 
-def choose_blocks(rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_gain: float = 0.0) -> list[int]:
+def choose_blocks(
+    rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_gain: float = 0.0, riding: tuple[int, int] = (0, 0)
+) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step: the module's rules in order.
-    O(rows x sizes) numpy work plus a sort or two."""
+    riding: (rows, tokens) the target pass holds besides the verify rows (prompt chunks): every choice is
+    priced with them. O(rows x sizes) numpy work plus a sort or two."""
     table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
     n = len(table)
     if not n:
         return []
     t, d = cost.current()
+    if riding != (0, 0):
+        t = replace(t, riding_rows=riding[0], riding_tokens=riding[1])
     forced, caps = _forced_sizes(table)  # rule 1
     top = int(caps.max())
     base = np.where(forced > 0, forced, 1)

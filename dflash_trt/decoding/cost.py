@@ -47,6 +47,10 @@ class LinearCost:
     below_knee: float = 0.0  # seconds per token up to the knee
 
     curve: tuple[tuple[float, float], ...] = ()  # measured (tokens, seconds) of the token term; replaces the line
+    # rows and tokens every priced pass holds besides those priced: a step's prompt chunks, which ride in its
+    # verify pass whatever blocks are chosen (chunked prefill). Such a pass is never a one-token pass.
+    riding_rows: int = 0
+    riding_tokens: int = 0
 
     def __call__(self, rows: int, tokens: int) -> float:
         return float(price(self, np.asarray(rows), np.asarray(tokens, dtype=np.float64)))
@@ -274,11 +278,15 @@ def token_sweep(max_tokens: int) -> list[int]:
 
 
 def price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
-    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price). `rows` may be
+    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price; the riding rows and
+    tokens added, see `LinearCost`). `rows` may be
     one count for every pass (a verify pass always holds the whole batch), which skips both exceptions'
     array work where they cannot apply."""
-    out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
     one_count = np.ndim(rows) == 0
+    if cost.riding_rows:  # prompt chunks ride along: the pass is never empty, never a one-token pass
+        riding = np.asarray(tokens, dtype=np.float64) + cost.riding_tokens
+        return np.asarray(cost.fixed + cost.per_row * (rows + cost.riding_rows) + cost.token_seconds(riding))
+    out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
     if cost.one_token is not None and not (one_count and rows != 1):
         out = np.where((rows == 1) & (tokens == 1), cost.one_token, out)
     if one_count:

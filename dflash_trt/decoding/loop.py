@@ -1,17 +1,25 @@
-"""The decoding loop: every active request (a *row*) advances by one step of at most three passes.
+"""The decoding loop: every active request (a *row*) advances by one step: a drafter pass and a target pass.
 
-    step:  prefill(rows that joined)             one target call for their prompts
-           choose block sizes                    the policy (`policy.BlockPolicy`) within the rows' limits
-           draft(rows whose block is >= 2)       ONE drafter call, ragged (own context, own block)
-           verify(every running row)             ONE target call, ragged (own length, own block)
-           accept / commit / roll back per row   acceptance rule, stop rules, the row's own generator
-           observe                               the policy sees the step's result, then finished rows leave
+    step:  plan: block sizes and prompt chunks       the policy (`policy.BlockPolicy`) within the rows' limits;
+                                                     the joining rows' prompts within the step's token budget
+           draft(rows whose block is >= 2)           ONE drafter call, ragged (own context, own block)
+           target(every running row + the chunks)    ONE target call, ragged: each running row's block, each
+                                                     joining row's next piece of its prompt
+           accept / commit / roll back per row       acceptance rule, stop rules, the row's own generator
+           take the chunks                           a prompt's last chunk gives the row's first token
+           observe                                   the policy sees the step's result, then finished rows leave
 
 One request is a batch of one: the CLI, `bench`, the evaluation scripts, the HTTP server and the Triton
-BLS all run this loop. Joining rows are prefilled in a call of their own at the start of the step rather
-than packed into the verify call: a prompt is tens to thousands of tokens and a verify block 1..16, so in
-one call every verifying row's attention would be padded to the longest prompt. They draft and verify from
-the next step on.
+BLS all run this loop.
+
+Chunked prefill (`prefill="chunked"`, the default): a prompt enters in chunks inside the same target pass as
+the running rows' verify blocks, so a long prompt arriving never freezes the rows that stream: each step's
+pass holds at most `step_tokens` tokens (the running rows' largest blocks are reserved first; the chunks get
+the rest, at least a quarter of the budget, so a full batch never starves a prompt). A row whose prompt is
+not all in is not drafted for; the drafter is handed its prompt's features chunk by chunk, as the target
+computes them. With no row running, a step holds only prompts and the budget protects nobody: the prompts
+go in whole. `prefill="separate"` prefills every joining row whole in a call of its own at the start of the
+step, before the verify pass: a third pass, which stalls every running row for the whole prefill.
 
 Each row keeps its own sampling generator and draws from it in a fixed order (the first token, then per
 round the drafts' sampling and their acceptance), so a seeded row with a fixed block size returns the same tokens alone or in
@@ -24,8 +32,9 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from functools import cached_property
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -42,7 +51,7 @@ from ..runtime.base import (
 from .acceptance import Proposal, acceptance_rule
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing, PromptHealer
-from .policy import BlockPolicy, FixedBlocks
+from .policy import BlockPolicy, FixedBlocks, own_or_cap
 from .request import (
     GenerationConfig,
     GenerationResult,
@@ -58,6 +67,12 @@ from .step import StepProfile, StepResult, StepRows
 from .stopping import StopChecker, truncate_at_stop
 
 NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
+PREFILL_MODES = ("chunked", "separate")
+# The default token budget of one step's target pass (chunked prefill): it bounds how much a prompt that arrives
+# lengthens the running rows' steps. Chosen on the demo CPU, where it keeps a streaming row's longest gap within
+# about 3x its median while a long prompt enters (docs/benchmarks.md, "Chunked prefill"); on a GPU a pass of this
+# many tokens is still bound by reading the weights, so the chunks cost the streaming rows little there too.
+STEP_TOKENS = 256
 
 
 class BatchRow:
@@ -84,6 +99,8 @@ class BatchRow:
         self.can_draft = can_draft
         self.target_row: int | None = None
         self.drafter_row: int | None = None
+        self.prefilled = 0  # prompt tokens in the target's cache (chunked prefill takes a prompt in pieces)
+        self.prefill_started: float | None = None  # when its first chunk's pass began
         self.generated: list[int] = []
         self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
         self.backlog = 0  # their rows: context the drafter's next draft for this row takes in
@@ -149,12 +166,22 @@ class BatchRow:
         return self._final
 
 
+class Chunk(NamedTuple):
+    """A joining row's piece of its prompt in this step's target pass: prompt_ids[start:start + size]."""
+
+    row: BatchRow
+    start: int
+    size: int
+
+
 class BatchDecoder:
     """All active requests of one worker; `step()` advances every one of them.
 
     block_size: rows without their own `block_size` use this size (default: the drafter's trained one;
     1 = the target alone); with an adaptive policy it is the largest size the policy may choose.
     clock: seconds for every timing the decoder takes and the policy reads (a simulation passes its own).
+    prefill: "chunked" (prompts enter in chunks inside the verify pass, at most `step_tokens` tokens a pass)
+    or "separate" (each joining prompt whole, in a pass of its own before the verify pass); see the module.
 
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
     `cancel` and `step` belong to the one thread that runs the engines."""
@@ -168,7 +195,14 @@ class BatchDecoder:
         block_size: int | None = None,
         policy: BlockPolicy | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        prefill: str = "chunked",
+        step_tokens: int = STEP_TOKENS,
     ):
+        if prefill not in PREFILL_MODES:
+            raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
+        self.prefill, self.step_tokens = prefill, step_tokens
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -212,7 +246,7 @@ class BatchDecoder:
 
     # ---- membership ---------------------------------------------------------------------
     def add(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
-        """Queue a request; it is prefilled at the start of the next step."""
+        """Queue a request; its prefill begins with the next step."""
         return self.join(self.new_row(prompt_ids, config))
 
     def new_row(self, prompt_ids: Sequence[int], config: GenerationConfig = GenerationConfig()) -> BatchRow:
@@ -230,7 +264,7 @@ class BatchDecoder:
         return row
 
     def join(self, row: BatchRow) -> BatchRow:
-        """Add a row made by `new_row`; it is prefilled at the start of the next step."""
+        """Add a row made by `new_row`; its prefill begins with the next step."""
         self.joining.append(row)
         return row
 
@@ -304,7 +338,7 @@ class BatchDecoder:
         result = StepResult()
         t_start = self.clock()
         verifying = list(self.running)
-        if self.joining:
+        if self.joining and (self.prefill == "separate" or not verifying):
             result.rounds += self._prefill(result.profile)
         if verifying:
             result.rounds += self._round(verifying, result)
@@ -317,45 +351,33 @@ class BatchDecoder:
         return result
 
     def _prefill(self, prof: StepProfile) -> list[tuple[BatchRow, Round]]:
-        rows, self.joining = self.joining, []
+        """Every joining row's prompt (what is left of it) whole, in one target call of its own."""
+        chunks = [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in self.joining]
         t0 = self.clock()
-        for row in rows:
-            row.target_row = self.target_session.add_row()
-            if row.can_draft and self.drafter_session is not None:
-                row.drafter_row = self.drafter_session.add_row()
+        rows, tokens = self._chunk_inputs(chunks)
         outs = self.target_session.forward(
-            [self._target_row(r) for r in rows],
-            [torch.tensor(r.prompt_ids, dtype=torch.long) for r in rows],
-            last_logits_only=True,
-            features=any(r.drafter_row is not None for r in rows),
+            rows, tokens, last_logits_only=True, features=any(c.row.drafter_row is not None for c in chunks)
         )
-        rounds = []
-        for row, out in zip(rows, outs):
-            first = next_token(row.adjusted(out.logits[-1:])[-1], row.params, row.generator)  # on the engine's device
-            if row.drafter_row is not None and out.features is not None:
-                row.pending, row.backlog = [out.features], int(out.features.shape[0])
-            row.stats.prefill_time_s = self.clock() - t0
-            timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
-            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
-            self.running.append(row)
-        prof.prefill_rows, prof.prefill_tokens = len(rows), sum(len(r.prompt_ids) for r in rows)
+        rounds = self._take_chunks(chunks, outs)
+        prof.prefill_rows, prof.prefill_tokens = len(chunks), sum(c.size for c in chunks)
         prof.prefill_s = self.clock() - t0
         return rounds
 
     def _round(self, rows: list[BatchRow], result: StepResult) -> list[tuple[BatchRow, Round]]:
-        """One draft-and-verify round for every running row."""
+        """One draft-and-verify round for every running row; the joining rows' prompt chunks ride in its
+        target pass."""
         prof = result.profile
         t0 = self.clock()
-        sizes = self._block_sizes(rows)
+        sizes, chunks = self._plan(rows)
         t1 = self.clock()
         drafts = self._draft(rows, sizes, prof)
         rows, drafts = self._drop_failed(rows, drafts, result.failed)
         proposals = [NO_DRAFT if d is None else row.rule.propose(d) for row, d in zip(rows, drafts)]
         t2 = self.clock()  # drafting: the drafter's pass and drawing the drafts from its output
-        if not rows:
+        if not rows and not chunks:
             return []
         lengths = [self.target_session.length(self._target_row(r)) for r in rows]
-        outs = self._verify(rows, proposals, prof)
+        outs = self._verify(rows, proposals, chunks, prof)
         t3 = self.clock()
         rounds = []
         for row, proposal, out, length in zip(rows, proposals, outs, lengths):
@@ -370,16 +392,25 @@ class BatchDecoder:
             drafted = int(proposal.tokens.numel())
             row.stats.drafted_ids_per_round.append(proposal.tokens.tolist())  # for `GenerationStats.trace`
             rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
+        rounds += self._take_chunks(chunks, outs[len(rows) :])
         t4 = self.clock()
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
         return rounds
 
     # ---- the parts of a round -----------------------------------------------------------
-    def _block_sizes(self, rows: list[BatchRow]) -> list[int]:
-        """Each row's block size this step, chosen by the policy within what the decoder allows: at most the
-        decoder's block size, the drafter's trained block (1 without a drafter row) and what the row has left;
-        a request's own `block_size` (capped the same way) is kept. The rows' facts go to the policy as arrays,
-        read in one pass."""
+    def _plan(self, rows: list[BatchRow]) -> tuple[list[int], list[Chunk]]:
+        """This step's block sizes and prompt chunks. The chunks are planned first, from what the budget leaves
+        after every running row's largest block, so that the policy prices the pass they share."""
+        step = self._step_rows(rows)
+        chunks = self._chunks(sum(own_or_cap(step)))
+        if chunks:
+            step = replace(step, chunk_rows=len(chunks), chunk_tokens=sum(c.size for c in chunks))
+        return self.policy.choose(step), chunks
+
+    def _step_rows(self, rows: list[BatchRow]) -> StepRows:
+        """The rows' facts as the policy reads them, in one pass: each row's block at most the decoder's block
+        size, the drafter's trained block (1 without a drafter row) and what the row has left; a request's own
+        `block_size` (capped the same way) is kept."""
         n = len(rows)
         # per row: tokens left, own block size (0: none), has a drafter row, sampled, backlog
         state = np.array(
@@ -388,15 +419,63 @@ class BatchDecoder:
         ).reshape(n, 5)
         bound = np.minimum(np.where(state[:, 2] > 0, self.trained_block, 1), state[:, 0]).astype(np.int64)
         own = state[:, 1].astype(np.int64)
-        step = StepRows(
+        return StepRows(
             rows=rows,
             cap=np.minimum(self.block_size, bound),
             fixed=np.where(own > 0, np.minimum(own, bound), 0),
             sampled=state[:, 3] > 0,
             backlog=state[:, 4],
-            batch=len(self.running),  # the rows that joined this step were moved here by the prefill
+            batch=len(self.running),  # rows whose prompt completed on an earlier step of this one were moved here
         )
-        return self.policy.choose(step)
+
+    def _chunks(self, reserved: int) -> list[Chunk]:
+        """The joining rows' next pieces of their prompts, in order of arrival: the step's budget less the
+        running rows' `reserved` tokens, but at least a quarter of the budget (a batch of long blocks never
+        starves a prompt). None with separate prefill."""
+        if self.prefill != "chunked":
+            return []
+        room = max(self.step_tokens - reserved, self.step_tokens // 4, 1)
+        chunks = []
+        for row in self.joining:
+            if room <= 0:
+                break
+            size = min(len(row.prompt_ids) - row.prefilled, room)
+            chunks.append(Chunk(row, row.prefilled, size))
+            room -= size
+        return chunks
+
+    def _chunk_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[torch.Tensor]]:
+        """The chunks' target rows and tokens; a row's first chunk gives it its rows in the sessions."""
+        now = self.clock()
+        for c in chunks:
+            if c.row.target_row is None:
+                c.row.target_row, c.row.prefill_started = self.target_session.add_row(), now
+                if c.row.can_draft and self.drafter_session is not None:
+                    c.row.drafter_row = self.drafter_session.add_row()
+        tokens = [torch.tensor(c.row.prompt_ids[c.start : c.start + c.size], dtype=torch.long) for c in chunks]
+        return [self._target_row(c.row) for c in chunks], tokens
+
+    def _take_chunks(self, chunks: list[Chunk], outs: Sequence[TargetOutput]) -> list[tuple[BatchRow, Round]]:
+        """The chunks' outputs: their features join the row's drafter backlog; a prompt's last chunk gives the
+        row's first token (as the target alone would: its logits after the whole prompt), and the row runs,
+        drafting and verifying, from the next step."""
+        rounds = []
+        for c, out in zip(chunks, outs):
+            row = c.row
+            row.prefilled += c.size
+            if row.drafter_row is not None and out.features is not None:
+                row.pending.append(out.features)
+                row.backlog += c.size
+            if row.prefilled < len(row.prompt_ids):
+                continue
+            first = next_token(row.adjusted(out.logits[-1:])[-1], row.params, row.generator)  # on the engine's device
+            assert row.prefill_started is not None
+            row.stats.prefill_time_s = self.clock() - row.prefill_started
+            timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
+            self.joining.remove(row)
+            self.running.append(row)
+            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
+        return rounds
 
     def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:
         """ONE drafter call for every row whose block is >= 2 (None for the others)."""
@@ -444,15 +523,23 @@ class BatchDecoder:
         keep = [i for i, r in enumerate(rows) if not r.done]
         return [rows[i] for i in keep], [drafts[i] for i in keep]
 
-    def _verify(self, rows: list[BatchRow], proposals: list[Proposal], prof: StepProfile) -> list[TargetOutput]:
-        """ONE target call scoring every row's block: its last committed token, then its drafts."""
+    def _verify(
+        self, rows: list[BatchRow], proposals: list[Proposal], chunks: list[Chunk], prof: StepProfile
+    ) -> list[TargetOutput]:
+        """ONE target call scoring every row's block (its last committed token, then its drafts), with the prompt
+        chunks after them; the outputs in that order."""
         blocks = [
             torch.tensor([r.generated[-1], *p.tokens.tolist()], dtype=torch.long) for r, p in zip(rows, proposals)
         ]
         prof.verify_rows, prof.blocks = len(rows), [len(b) for b in blocks]
         prof.verify_tokens = sum(prof.blocks)
+        chunk_rows, chunk_tokens = self._chunk_inputs(chunks)
+        prof.chunk_rows, prof.chunk_tokens = len(chunks), sum(c.size for c in chunks)
+        members = [*rows, *(c.row for c in chunks)]
         return self.target_session.forward(
-            [self._target_row(r) for r in rows], blocks, features=any(r.drafter_row is not None for r in rows)
+            [self._target_row(r) for r in rows] + chunk_rows,
+            blocks + chunk_tokens,
+            features=any(r.drafter_row is not None for r in members),
         )
 
     def _accept(self, row: BatchRow, proposal: Proposal, out: TargetOutput, length: int) -> tuple[list[int], int]:
@@ -473,5 +560,5 @@ class BatchDecoder:
 
     @staticmethod
     def _target_row(row: BatchRow) -> int:
-        assert row.target_row is not None  # set by the prefill
+        assert row.target_row is not None  # set by its prompt's first chunk
         return row.target_row

@@ -32,6 +32,10 @@ class StepRows:
     sampled: np.ndarray  # [rows] bool: the row samples (T > 0); greedy rows accept differently
     backlog: np.ndarray  # [rows] float64: feature rows the drafter takes in before this row's next draft
     batch: int  # rows in the batch this step, those that joined (prefilled) on it included
+    # the joining rows' prompt chunks that ride in this step's target pass (chunked prefill): the policy prices
+    # the pass with them, since the step pays for them whatever blocks it chooses
+    chunk_rows: int = 0
+    chunk_tokens: int = 0
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -41,8 +45,10 @@ class StepRows:
 class StepProfile:
     """Where one step's time went, and its shape (rows, tokens per pass)."""
 
-    prefill_rows: int = 0
+    prefill_rows: int = 0  # the prefill pass of its own (separate prefill; chunked with no row running)
     prefill_tokens: int = 0
+    chunk_rows: int = 0  # prompt chunks that rode in the verify pass (chunked prefill)
+    chunk_tokens: int = 0
     draft_rows: int = 0
     draft_tokens: int = 0  # block tokens + new context rows the drafter ran
     verify_rows: int = 0
@@ -52,9 +58,19 @@ class StepProfile:
     prefill_s: float = 0.0
     policy_s: float = 0.0
     draft_s: float = 0.0
-    verify_s: float = 0.0
+    verify_s: float = 0.0  # the verify pass, its prompt chunks included
     accept_s: float = 0.0  # acceptance, sampling, rollbacks, commits, stop checks
     total_s: float = 0.0
+
+    @property
+    def target_rows(self) -> int:
+        """Rows in the verify pass: the running rows' blocks and the prompt chunks."""
+        return self.verify_rows + self.chunk_rows
+
+    @property
+    def target_tokens(self) -> int:
+        """Tokens in the verify pass: the running rows' blocks and the prompt chunks."""
+        return self.verify_tokens + self.chunk_tokens
 
     @property
     def overhead_s(self) -> float:

@@ -4,8 +4,8 @@ Target: a static preallocated KV cache in the style of gpt-fast, `[layers, slots
 one slot per row, plus each row's length. A forward packs the rows' new tokens into one sequence (the
 projections, MLPs and lm_head see real tokens only, so a pass costs what its tokens cost), writes their
 K/V at their own positions (`length[r] + i`), and for attention alone pads the queries to the longest
-row and attends over the first max(length + n) cache positions with the mask `key position <= query
-position`. Stale K/V beyond a row's length (rolled-back drafts, other rows' longer contexts) are never
+row (of its group: rows of many new tokens, prompt chunks, attend apart from verify blocks) and attends
+over the first max(length + n) cache positions with the mask `key position <= query position`. Stale K/V beyond a row's length (rolled-back drafts, other rows' longer contexts) are never
 visible, because every position a query can see was written in this pass or is committed, so a rollback
 is just `length[r] = m` (no copy). Slots and C grow by doubling (a copy, rare); removed rows free their slot.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -175,20 +175,9 @@ class TorchTargetSession(SlotCacheRows):
         valid = torch.arange(n, device=dev)[None, :] < count_t[:, None]  # [b, n]
         pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
         vr, vi = valid.nonzero(as_tuple=True)  # row-major: the order of `flat`
-        # an idle row costs the target its share of attention only (projections and MLPs run on real tokens)
-        layout = RowLayout(rows, dev, max_idle=len(rows))
-        w_rows, w_pos, a_rows = layout.slots[vr], pos[vr, vi], layout.local[vr]
-        # idle rows of the span see positions 0..n-1 (never an empty softmax); their output is dropped
-        a_pos = torch.arange(n, device=dev)[None, :].repeat(layout.size, 1)
-        a_pos[layout.local] = pos
-        # the dense mask only where a pass needs one (models/attention.py: flash takes none, and no mask with
-        # grouped heads): one token per row at a common length sees every key; a prefill from 0 of rows of one
-        # length is the square causal pattern; anything else (verify passes, ragged rows) is masked
-        sees_all = n == 1 and all(s == end - 1 for s in starts)
-        causal = not sees_all and n == end and all(c == n for c in counts)
-        mask = None
-        if not (sees_all or causal):
-            mask = (torch.arange(end, device=dev)[None, None, :] <= a_pos[:, :, None])[:, None]  # [S, 1, n, end]
+        groups = _attention_groups(rows, starts, counts, (vr, vi, pos), dev)
+        slots = groups[0].layout.slots if len(groups) == 1 else torch.tensor(list(rows), device=dev)
+        w_rows, w_pos = slots[vr], pos[vr, vi]
 
         x = e.base.embed_tokens(flat)[None]  # [1, T, H]
         cos, sin = e.base.rotary_emb(x, w_pos[None])
@@ -206,11 +195,14 @@ class TorchTargetSession(SlotCacheRows):
             ck, cv = self.k[li], self.v[li]
             ck[w_rows, :, w_pos] = k[0].transpose(0, 1)
             cv[w_rows, :, w_pos] = v[0]
-            keys, values = layout.batch(ck, end), layout.batch(cv, end)
-            qp = q.new_zeros(layout.size, n, q.shape[1], e.head_dim)
-            qp[a_rows, vi] = q[0].transpose(0, 1)
-            a = grouped_attention(qp.transpose(1, 2), keys, values, mask=mask, causal=causal, scale=e.scaling)
-            x = x + attn.o_proj(a.transpose(1, 2)[a_rows, vi].reshape(1, total, -1))
+            if len(groups) == 1:
+                a = groups[0].attend(q[0].transpose(0, 1), ck, cv, e.scaling)
+            else:  # each group's tokens attend apart, their outputs go back to their places in the packed pass
+                a = q.new_empty(total, q.shape[1], e.head_dim)
+                for g in groups:
+                    assert g.tokens is not None
+                    a[g.tokens] = g.attend(q[0, :, g.tokens].transpose(0, 1), ck, cv, e.scaling)
+            x = x + attn.o_proj(a.reshape(1, total, -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
             if li in want:
                 outs[li] = x[0]
@@ -224,6 +216,89 @@ class TorchTargetSession(SlotCacheRows):
         else:
             per_row = list(head(e.base.norm(x[0])).float().split(counts))
         return [TargetOutput(logits=per_row[i], features=None if feats is None else feats[i]) for i in range(b)]
+
+
+# Rows with more new tokens than this (prompt chunks) attend apart from the others (verify blocks, at most a
+# drafter's block): attention pads every row's queries to the longest row of its group, so a 200-token chunk
+# in one group with eight 8-token blocks would have the blocks' rows attend 200 padded queries each.
+SHORT_QUERIES = 32
+
+
+class _AttentionGroup(NamedTuple):
+    """Rows of one forward that attend together: their tokens' places in the packed pass, their batch."""
+
+    tokens: torch.Tensor | None  # [t] the group's tokens' places in the packed pass; None: the only group
+    layout: RowLayout
+    rows: torch.Tensor  # [t] each token's row in the attention batch
+    queries: torch.Tensor  # [t] each token's query index in its row
+    n: int  # the group's longest row
+    end: int  # cache positions its attention reads
+    mask: torch.Tensor | None  # [S, 1, n, end], or None (every key visible, or the square causal pattern)
+    causal: bool
+
+    def attend(self, q: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [t, heads, d] of the group's tokens -> their attention outputs [t, heads, d] over one layer's cache."""
+        keys, values = self.layout.batch(ck, self.end), self.layout.batch(cv, self.end)
+        qp = q.new_zeros(self.layout.size, self.n, q.shape[1], q.shape[2])
+        qp[self.rows, self.queries] = q
+        a = grouped_attention(qp.transpose(1, 2), keys, values, mask=self.mask, causal=self.causal, scale=scale)
+        return a.transpose(1, 2)[self.rows, self.queries]
+
+
+def _attention_groups(
+    rows: Sequence[int],
+    starts: list[int],
+    counts: list[int],
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    dev: torch.device,
+) -> list[_AttentionGroup]:
+    """The forward's rows as attention groups: all in one, or the short rows and the long ones apart
+    (`SHORT_QUERIES`). packed: the forward's (row, query) index of each packed token and its rows' positions."""
+    long = [c > SHORT_QUERIES for c in counts]
+    if all(long) or not any(long):
+        return [_group(list(rows), starts, counts, None, packed, dev)]
+    offsets = [0]
+    for c in counts:
+        offsets.append(offsets[-1] + c)
+    out = []
+    for want in (False, True):
+        part = [i for i, k in enumerate(long) if k == want]
+        tokens = torch.cat([torch.arange(offsets[i], offsets[i + 1], device=dev) for i in part])
+        sub = [rows[i] for i in part], [starts[i] for i in part], [counts[i] for i in part]
+        out.append(_group(*sub, tokens, None, dev))
+    return out
+
+
+def _group(
+    rows: list[int],
+    starts: list[int],
+    counts: list[int],
+    tokens: torch.Tensor | None,
+    packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    dev: torch.device,
+) -> _AttentionGroup:
+    """One attention group (`packed`: its indices when it is the forward's only group, else computed here)."""
+    n, end = max(counts), max(s + c for s, c in zip(starts, counts))
+    if packed is None:
+        count_t = torch.tensor(counts, device=dev)
+        vr, vi = (torch.arange(n, device=dev)[None, :] < count_t[:, None]).nonzero(as_tuple=True)
+        pos = torch.tensor(starts, device=dev)[:, None] + torch.arange(n, device=dev)[None, :]
+    else:
+        vr, vi, pos = packed
+    # an idle row costs the target its share of attention only (projections and MLPs run on real tokens)
+    layout = RowLayout(rows, dev, max_idle=len(rows))
+    # idle rows of the span see positions 0..n-1 (never an empty softmax); their output is dropped
+    a_pos = torch.arange(n, device=dev)[None, :].repeat(layout.size, 1)
+    a_pos[layout.local] = pos
+    # the dense mask only where a pass needs one (models/attention.py: flash takes none, and no mask with
+    # grouped heads): one token per row at a common length sees every key; a prefill from 0 of rows of one
+    # length is the square causal pattern; anything else (verify passes, ragged rows) is masked
+    sees_all = n == 1 and all(s == end - 1 for s in starts)
+    causal = not sees_all and n == end and all(c == n for c in counts)
+    mask = None
+    if not (sees_all or causal):
+        mask = (torch.arange(end, device=dev)[None, None, :] <= a_pos[:, :, None])[:, None]  # [S, 1, n, end]
+    return _AttentionGroup(tokens, layout, layout.local[vr], vi, n, end, mask, causal)
 
 
 def shared_weights(

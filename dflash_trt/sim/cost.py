@@ -29,8 +29,20 @@ GPU passes (`ProfileCost`), for a pass over rows i with n_i new tokens after p_i
 - the drafter (a DFlash drafter of `drafter_layers` layers of the target's shape): block tokens go through
   whole layers; each new context feature goes through the `fc` projection (layers_target_features x hidden
   -> hidden, priced as that many [hidden x hidden] output projections) and each drafter layer's K/V
-  projection only (priced as the qkv projection's extra cost for those tokens); the block's queries attend
-  over the whole context, unmasked.
+  projection only, a GEMM of its own as in z-lab's drafter (k_proj / v_proj of the context features, apart
+  from the block's), priced as the fused QKV projection of those rows times the K/V share of its weights
+  (`kv_share`); the block's queries attend over the whole context, unmasked.
+
+CUDA graphs (`graph_sizes`, on when given): a GPU server replays captured graphs for passes of at most the
+largest captured token count, padded to the smallest captured size that holds them (vLLM's default sizes:
+`vllm_capture_sizes`); the layer ops and all-reduces then run at the padded count (the padding rows are
+computed), attention and the lm_head at the real one. Larger passes (prefills) run eagerly, unpadded. Off,
+every pass runs at its own token count: the profile's medians, no launch gaps (its kernels back to back).
+
+A what-if GPU (`what_if`): a measured profile read as another GPU's from datasheet ratios alone (bandwidth
+and bf16 peak): times divided by the bandwidth ratio (weight-bound passes), the token axis stretched by the
+ratio of the two GPUs' FLOPs per byte (where the matrices turn compute bound). Not a measurement: its name
+says what-if.
 
 CPU passes (`LinearPassCost`): the server's own fitted grid (`adaptive.LinearCost` coefficients, e.g. the
 `cost_model` that `make bench-load` records), target (rows, tokens) and drafter (rows, block + new context
@@ -41,15 +53,26 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
-from .profiles import GPUS, MODELS, AllReduceProfile, LayerProfile, all_reduce_profile, layer_profile
+import numpy as np
+
+from .profiles import GPUS, MODELS, AllReduceProfile, GpuSpec, LayerProfile, all_reduce_profile, layer_profile
 
 ATTN_BW_EFFICIENCY = 0.8  # decode attention kernels (FlashDecoding / FlashInfer) reach ~80 % of HBM bandwidth
 ATTN_FLOP_EFFICIENCY = 0.6  # FlashAttention-2 forward on A100: ~50-70 % of the bf16 peak at head dim 128
 ATTN_MIN_S = 10e-6  # one attention kernel per layer is never cheaper than this (launch, one wave)
 NCCL_LAUNCH_S = 0.02e-3  # per all-reduce: Vidur's nccl_cpu_launch_overhead_ms default
 PASS_LAUNCH_S = 50e-6  # per pass: input preparation, sampling kernels, the host-device round trip
+
+# Datasheet figures of GPUs without a measured profile, each read from a measured one (`what_if`); HGX B200:
+# 8 TB/s HBM3e, 2.25 PFLOP/s dense bf16
+WHAT_IFS = {"b200-like-what-if": ("a100", GpuSpec("B200 (what-if from A100 profiles)", 8.0e12, 2.25e15, "a100_dgx"))}
+
+
+def vllm_capture_sizes(largest: int = 512) -> tuple[int, ...]:
+    """vLLM's default CUDA-graph capture sizes: 1, 2, 4, then every multiple of 8 up to `largest`."""
+    return (1, 2, 4, *range(8, largest + 1, 8))
 
 
 class PassCost(Protocol):
@@ -76,8 +99,43 @@ class ProfileCost:
     # (a GPU whose matrices turn compute bound token_scale x later and run time_scale x faster)
     token_scale: float = 1.0
     time_scale: float = 1.0
+    graph_sizes: tuple[int, ...] = ()  # CUDA graphs: captured token counts (empty: off; module docstring)
+    label: str = ""  # the name results carry (the GPU's, or a what-if's)
+
+    @classmethod
+    def what_if(cls, name: str, model: str = "llama-3-8b", tp: int = 1, **options: object) -> ProfileCost:
+        """A GPU without a profile, read from a measured one by datasheet ratios (module docstring)."""
+        if name not in WHAT_IFS:
+            raise ValueError(f"unknown what-if {name!r}: one of {sorted(WHAT_IFS)}")
+        base, spec = WHAT_IFS[name]
+        have = GPUS[base]
+        bw = spec.hbm_bytes_per_s / have.hbm_bytes_per_s
+        ridge = (spec.bf16_flops / spec.hbm_bytes_per_s) / (have.bf16_flops / have.hbm_bytes_per_s)
+        return cls(base, model, tp, token_scale=ridge, time_scale=bw, label=name, **options)  # type: ignore[arg-type]
+
+    def padded(self, tokens: int) -> int:
+        """The token count a pass runs at: with graphs on, the smallest captured size that holds it."""
+        if not self.graph_sizes or tokens > self.graph_sizes[-1]:
+            return tokens
+        return next(g for g in self.graph_sizes if g >= tokens)
+
+    def padded_many(self, tokens: np.ndarray) -> np.ndarray:
+        """`padded` of many token counts at once."""
+        if not self.graph_sizes:
+            return tokens
+        sizes = np.asarray(self.graph_sizes)
+        at = np.minimum(np.searchsorted(sizes, tokens), len(sizes) - 1)
+        return np.where(tokens <= sizes[-1], sizes[at], tokens)
+
+    @property
+    def kv_share(self) -> float:
+        """The K and V projections' share of the fused QKV projection (its output width, hence its weights)."""
+        s = self.shape
+        return 2 * s.kv_heads / (s.heads + 2 * s.kv_heads)
 
     def __post_init__(self) -> None:
+        self.label = self.label or self.gpu
+        self.graph_sizes = tuple(sorted(self.graph_sizes))
         self.shape = MODELS[self.model]
         self.spec = GPUS[self.gpu]
         self.ops: LayerProfile = layer_profile(self.gpu, self.model)
@@ -88,6 +146,28 @@ class ProfileCost:
         n = tokens / self.token_scale
         t = self.ops.layer(n, self.tp) if name is None else self.ops.op(name, n, self.tp)
         return t / self.time_scale
+
+    def op_floor(self, tokens: np.ndarray, name: str | None = None) -> np.ndarray:
+        """`op` at integer token counts (vectorised), each replaced by the least time of any count at or above
+        it (the profile's lower monotone envelope: its medians are not monotone): a lower bound of `op` at any
+        count >= tokens (`sim.optimum`). The envelope is kept per op, extended when a larger count comes."""
+        tokens = np.asarray(tokens, np.int64)
+        need = int(np.max(tokens, initial=0)) + 1
+        floors = self.__dict__.setdefault("_floors", {})
+        floor = floors.get(name)
+        if floor is None or len(floor) <= need:
+            top = max(2 * need, 4096)
+            grid = np.arange(top + 1, dtype=np.float64)
+            t = self.ops.curve(name, grid / self.token_scale, self.tp) / self.time_scale
+            floor = floors[name] = np.minimum.accumulate(t[::-1])[::-1]
+        return cast(np.ndarray, floor[tokens])
+
+    def comm_floor(self, tokens: np.ndarray) -> np.ndarray:
+        """A lower bound of `comm` at these token counts (vectorised)."""
+        if self.tp == 1:
+            return np.zeros(len(tokens))
+        size = np.asarray(tokens, np.float64) * self.shape.hidden * self.shape.bytes_per_value
+        return np.where(size > 0, 2 * (self.all_reduce.curve(size, self.tp) + NCCL_LAUNCH_S), 0.0)
 
     def comm(self, tokens: float) -> float:
         """Both all-reduces of one layer."""
@@ -118,7 +198,8 @@ class ProfileCost:
         n = sum(new)
         if n == 0:
             return 0.0
-        per_layer = self.op(n) + self.attention(new, past, causal=True) + self.comm(n)
+        padded = self.padded(n)
+        per_layer = self.op(padded) + self.attention(new, past, causal=True) + self.comm(padded)
         return self.shape.layers * per_layer + self.op(n, "emb") + self.lm_head(logits) + PASS_LAUNCH_S
 
     def drafter(self, blocks: Sequence[int], new_context: Sequence[int], past: Sequence[int]) -> float:
@@ -126,9 +207,10 @@ class ProfileCost:
         if b == 0:
             return 0.0
         fc = self.feature_layers * self.op(c, "attn_post_proj") + self.op(c, "input_layernorm") if c else 0.0
-        kv_proj = self.op(b + c, "attn_pre_proj") - self.op(b, "attn_pre_proj")  # context rows: K/V only
+        kv_proj = self.kv_share * self.op(c, "attn_pre_proj")  # the context rows' own K/V projection
         keys = [p + n for p, n in zip(past, new_context)]
-        per_layer = self.op(b) + kv_proj + self.attention(blocks, keys, causal=False) + self.comm(b)
+        padded = self.padded(b)
+        per_layer = self.op(padded) + kv_proj + self.attention(blocks, keys, causal=False) + self.comm(padded)
         drafts = sum(max(0, x - 1) for x in blocks)
         return fc + self.drafter_layers * per_layer + self.op(b, "emb") + self.lm_head(drafts) + PASS_LAUNCH_S
 

@@ -7,7 +7,8 @@ KV-cache lengths and rollbacks, and the time every pass takes (`cost.PassCost`, 
 - Each sequence has a ground truth: the target's argmax at absolute position q is `truth(seed, q + 1)`,
   whatever the tokens (a deterministic hash of the sequence's seed and the position). The seed and the
   acceptance class come from the prompt: its first token is the class (an index into the drafter's
-  profiles), the seed is a hash of the whole prompt. So greedy decoding of the target alone yields the
+  profiles), the seed is a hash of its first `SEED_TOKENS` tokens (the same whether the prompt enters whole
+  or in chunks). So greedy decoding of the target alone yields the
   truth, and so must any lossless draft-and-verify loop on these engines.
 - Features are [n, 3] rows (class, seed, position): the drafter learns its row's sequence and where the
   block starts from them, as a real drafter learns its context from the target's hidden states.
@@ -33,6 +34,9 @@ from .acceptance import AcceptanceProfile
 from .cost import PassCost
 
 MASK64 = (1 << 64) - 1
+# A sequence's identity is its prompt's first tokens: a chunked prefill's first chunk holds them (the loop gives a
+# chunk at least a quarter of its budget), so the sequence is the same however its prompt is cut.
+SEED_TOKENS = 8
 
 
 class VirtualClock:
@@ -124,8 +128,8 @@ class SimTargetSession:
                 raise ValueError("forward needs >= 1 token per row")
             if r.length + len(ids) > e.max_context:
                 raise ValueError(f"row {row}: {r.length + len(ids)} tokens exceed max_context {e.max_context}")
-            if r.length == 0:  # the prompt: the sequence's identity
-                r.seed, r.klass = prompt_seed(ids), ids[0] % max(1, e.classes)
+            if r.length == 0:  # the prompt's first tokens: the sequence's identity, whatever the chunking
+                r.seed, r.klass = prompt_seed(ids[:SEED_TOKENS]), ids[0] % max(1, e.classes)
             positions = range(r.length, r.length + len(ids))
             scored = positions[-1:] if last_logits_only else positions
             logit = one_hot([truth(r.seed, q + 1, e.vocab_size) for q in scored], e.vocab_size)
@@ -135,7 +139,8 @@ class SimTargetSession:
             outs.append(TargetOutput(logit, feats))
             new.append(len(ids))
             past.append(r.length)
-            logits += len(scored)
+            # a prompt chunk (longer than any verify block) needs only its last token's logits on a GPU server
+            logits += len(scored) if len(ids) <= e.verify_max else 1
             r.length += len(ids)
         e.passes += 1
         e.clock.advance(e.cost.target(new, past, logits))
@@ -159,6 +164,7 @@ class SimTargetEngine:
         self.vocab_size, self.max_context = vocab_size, max_context
         self.feature_layer_ids = tuple(feature_layer_ids)
         self.classes = classes
+        self.verify_max = 16  # the longest verify block: a row's call of more tokens is a prompt chunk
         self.passes = 0
 
     def new_session(self) -> SimTargetSession:

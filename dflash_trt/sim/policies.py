@@ -1,23 +1,40 @@
 """The block-size policies the simulator compares, each a `decoding.policy.BlockPolicy`: the decoder's own
 (the target alone, a fixed block, adaptive with the server's start-up cost grid timed on the virtual clock),
-two peers' static rules and a reference that knows each row's true acceptance.
+the peers' rules configured as their documentation configures them, tables tuned per concurrency, and two
+references that know each row's true acceptance.
 
 - "trtllm-schedule": TensorRT-LLM's `draft_len_schedule` (batch size -> draft length, the smallest key >= the
-  batch; above the largest key speculation is off, its implicit `max_concurrency`), and
-  `acceptance_rate_threshold` over `acceptance_rate_window_size` speculating iterations (speculation off
-  for good once the rolling accepted/drafted falls below it). Documented in the LLM API reference
-  (`DFlashDecodingConfig`, TensorRT-LLM 1.3.0rc27+: nvidia.github.io/TensorRT-LLM/.../DFlashDecodingConfig.html)
-  and PR NVIDIA/TensorRT-LLM#10860, whose example is {4: 4, 8: 2, 32: 1} for a 4-token drafter: full
-  length up to batch 4, halving as the batch doubles, off above 32. Scaled to DFlash's 15 drafts:
-  {4: 15, 8: 7, 32: 3}. The docs give no threshold value; 0.1 with a window of 32 iterations is used.
-- "vllm-table": vLLM's `num_speculative_tokens_per_batch_size` (PR vllm-project/vllm#32374): inclusive batch
-  ranges -> K, gaps inherit the previous range's K, clamped to num_speculative_tokens. The PR's example for
-  a 3-token EAGLE drafter is {"1-16": 3, "64-128": 2, "256-4096": 0}; scaled to 15: {1-16: 15, 64-128: 10,
-  256-4096: 0}.
-- "oracle" (a reference, not deployable): the adaptive policy told each row's true acceptance (its class's
-  constant-rate equivalent, `AcceptanceProfile.equivalent_rate`) and never probing: the same per-step choice
-  with perfect knowledge of acceptance (no strict bound: still greedy per step). Where adaptive is level with
-  it, better acceptance estimates would not help.
+  batch; above the largest key speculation is off, its implicit `max_concurrency`), as `DFlashDecodingConfig`
+  configures it by default: `acceptance_rate_threshold` None, no threshold (LLM API reference,
+  nvidia.github.io/TensorRT-LLM/.../DFlashDecodingConfig.html; PR NVIDIA/TensorRT-LLM#10860, whose example
+  {4: 4, 8: 2, 32: 1} for a 4-token drafter is scaled to DFlash's 15 drafts: {4: 15, 8: 7, 32: 3}).
+- "trtllm-schedule-threshold": the same with the threshold set (a variant a user opts into): speculation off
+  for good once the rolling accepted/drafted over `TRTLLM_WINDOW` speculating iterations falls below
+  `TRTLLM_THRESHOLD`. The docs give no value; 0.1 over 32 is used. With 15 drafts a poor row's rate is
+  ~1/15, so on `mixed` traffic this switches speculation off.
+- "tuned-table": a `draft_len_schedule` tuned per concurrency, as a deployment that benchmarked its traffic
+  would write it: key C -> the best of none / fixed-4 / fixed-8 / fixed-16 measured at concurrency C (the
+  bench's own fixed runs, mean over seeds); a batch between keys takes the next key up (TensorRT-LLM's rule).
+- "vllm-table": vLLM's `num_speculative_tokens_per_batch_size` (PR vllm-project/vllm#32374: inclusive batch
+  ranges -> K, a batch in no range takes the previous range's K); its author gives no defaults on purpose, so
+  it is tuned the same way: range [C_i, C_{i+1} - 1] -> the best fixed block at C_i (the last range open
+  above). It differs from "tuned-table" only between the tuned concurrencies (vLLM rounds down, TensorRT-LLM
+  up).
+- "oracle" (a reference): the adaptive policy told each row's true acceptance (its class's constant-rate
+  equivalent) and never probing: the same greedy per-step choice with perfect knowledge of acceptance.
+- "optimum" (the bound, not deployable): per step, the per-row blocks 1..16 (ragged, block 1 allowed, a
+  row's own size kept) of the highest expected committed tokens per second under the engines' true pass
+  costs (`cost.PassCost`, the simulator's own, at the rows' cache lengths and drafter backlogs) and the rows'
+  true per-position acceptance. How it is exact (`Optimum`): a row's expected tokens are concave in its block
+  (each further position adds the product of its rates, never more than the one before), so for every total
+  N of target tokens the assignment of most expected tokens is the N - rows largest marginal gains, taken
+  greedily (exact for separable concave gains); the step's seconds depend on the choice through N (target:
+  layer ops, all-reduces and memory-bound attention at the rows' cache lengths), the drafting rows and their
+  block tokens. Every N is rated with a lower bound of its seconds (the drafter with the fewest rows that can
+  hold N, its ops at the lower monotone envelope of the profile), giving a certified upper bound of the
+  step's tokens per second; the best few N are priced exactly and the best exactly priced choice is taken.
+  Each step records the bound and the choice's rate (`Optimum.gap`): the choice is within that gap of the
+  exact optimum, and the run reports it.
 """
 
 from __future__ import annotations
@@ -36,35 +53,49 @@ from ..decoding.loop import BatchDecoder
 from ..decoding.policy import BlockPolicy, FixedBlocks
 from ..decoding.step import StepResult, StepRows
 from .acceptance import AcceptanceProfile
+from .optimum import Optimum
 
 if TYPE_CHECKING:
     from ..decoding.loop import BatchRow
     from .engines import VirtualClock
 
-POLICIES = ("none", "fixed-4", "fixed-8", "fixed-16", "adaptive", "trtllm-schedule", "vllm-table")
-REFERENCES = ("oracle",)  # not deployable: see the module docstring
+FIXED = ("none", "fixed-4", "fixed-8", "fixed-16")  # the blocks a tuned table picks from (1, 4, 8, 16)
+POLICIES = (*FIXED, "adaptive", "trtllm-schedule", "trtllm-schedule-threshold")
+TUNED = ("tuned-table", "vllm-table")  # need a table measured from the fixed runs (`sim_decoder`'s `table`)
+REFERENCES = ("oracle", "optimum")  # not deployable: see the module docstring
 TRTLLM_SCHEDULE = {4: 15, 8: 7, 32: 3}
 TRTLLM_THRESHOLD, TRTLLM_WINDOW = 0.1, 32
-VLLM_TABLE = ((1, 16, 15), (64, 128, 10), (256, 4096, 0))
+# A GPU server's token budget per step under chunked prefill: vLLM's first chunked-prefill default (512, "the best
+# ITL on A100" in its docs, PR vllm-project/vllm#4580). The budget trades a long prompt's stall of the running
+# rows (ITL) against how fast waiting prompts get in (TTFT): the loop reserves the running rows' largest blocks
+# first and gives the chunks at least a quarter of the budget. results/sim says what each budget measured.
+SIM_STEP_TOKENS = 512
 
 
-def schedule_draft_len(batch: int) -> int:
+def schedule_draft_len(batch: int, schedule: dict[int, int] = TRTLLM_SCHEDULE) -> int:
     """TensorRT-LLM draft_len_schedule: the entry of the smallest batch key >= batch; 0 above the largest."""
-    for key in sorted(TRTLLM_SCHEDULE):
+    for key in sorted(schedule):
         if batch <= key:
-            return TRTLLM_SCHEDULE[key]
+            return schedule[key]
     return 0
 
 
-def table_k(batch: int, num_speculative_tokens: int = 15) -> int:
+def table_k(batch: int, ranges: Sequence[tuple[int, int, int]], num_speculative_tokens: int = 15) -> int:
     """vLLM num_speculative_tokens_per_batch_size: the range holding batch, else the previous range's K."""
     k = num_speculative_tokens
-    for lo, hi, kk in VLLM_TABLE:
+    for lo, hi, kk in ranges:
         if batch >= lo:
             k = kk
         if lo <= batch <= hi:
             break
     return min(k, num_speculative_tokens)
+
+
+def vllm_ranges(best_block: dict[int, int]) -> list[tuple[int, int, int]]:
+    """The vLLM table tuned from the best block per concurrency: [C_i, C_{i+1} - 1] -> drafts at C_i."""
+    keys = sorted(best_block)
+    ends = [k - 1 for k in keys[1:]] + [1 << 20]
+    return [(lo, hi, best_block[lo] - 1) for lo, hi in zip(keys, ends)]
 
 
 def _every_row(step: StepRows, drafts: int) -> list[int]:
@@ -73,36 +104,38 @@ def _every_row(step: StepRows, drafts: int) -> list[int]:
 
 
 class TrtllmSchedule(FixedBlocks):
-    """TensorRT-LLM's draft-length schedule by batch size, and its acceptance-rate threshold (module docstring)."""
+    """TensorRT-LLM's draft-length schedule by batch size, and its optional acceptance-rate threshold (module
+    docstring): `threshold` None is the documented default."""
 
-    def __init__(self) -> None:
+    def __init__(self, schedule: dict[int, int] = TRTLLM_SCHEDULE, threshold: float | None = None) -> None:
+        self.schedule, self.threshold = schedule, threshold
         self.window: list[tuple[int, int]] = []  # (drafted, accepted) of recent speculating steps
         self.disabled = False
 
     def choose(self, step: StepRows) -> list[int]:
-        return _every_row(step, 0 if self.disabled else schedule_draft_len(step.batch))
+        return _every_row(step, 0 if self.disabled else schedule_draft_len(step.batch, self.schedule))
 
     def observe(self, result: StepResult) -> None:
         rounds = [rnd for _, rnd in result.verified]
         drafted = sum(r.drafted for r in rounds)
-        if self.disabled or drafted == 0:
+        if self.threshold is None or self.disabled or drafted == 0:
             return
         self.window.append((drafted, sum(r.accepted for r in rounds)))
         del self.window[:-TRTLLM_WINDOW]
         if len(self.window) == TRTLLM_WINDOW:
             d, a = (sum(x) for x in zip(*self.window))
-            if a / d < TRTLLM_THRESHOLD:
+            if a / d < self.threshold:
                 self.disabled = True
 
 
 class VllmTable(FixedBlocks):
     """vLLM's draft tokens per batch-size range (module docstring)."""
 
-    def __init__(self, trained: int):
-        self.trained = trained
+    def __init__(self, trained: int, ranges: Sequence[tuple[int, int, int]]):
+        self.trained, self.ranges = trained, list(ranges)
 
     def choose(self, step: StepRows) -> list[int]:
-        return _every_row(step, table_k(step.batch, self.trained - 1))
+        return _every_row(step, table_k(step.batch, self.ranges, self.trained - 1))
 
 
 @dataclass
@@ -156,22 +189,54 @@ def sim_decoder(
     clock: VirtualClock,
     profiles: Sequence[AcceptanceProfile],
     max_active: int,
+    *,
+    table: dict[int, int] | None = None,
+    host_s: float = 0.0,
+    prefill: str = "chunked",
+    step_tokens: int = SIM_STEP_TOKENS,
 ) -> BatchDecoder:
-    """The decoder that serves policy `name` on the simulated engines, its policy timed (`TimedPolicy`)."""
-    if name not in POLICIES + REFERENCES:
-        raise ValueError(f"unknown policy {name!r}: one of {POLICIES + REFERENCES}")
+    """The decoder that serves policy `name` on the simulated engines, its policy timed (`TimedPolicy`).
+    `table`: for "tuned-table" and "vllm-table", the best block per concurrency (1 = no drafting); `host_s`:
+    the host's seconds per step, which "optimum" adds to every step it rates; `prefill`, `step_tokens`: the
+    loop's prefill mode and its per-step token budget (chunked)."""
+    if name not in POLICIES + TUNED + REFERENCES:
+        raise ValueError(f"unknown policy {name!r}: one of {POLICIES + TUNED + REFERENCES}")
+    if name in TUNED and not table:
+        raise ValueError(f"{name} needs its table: the best block per concurrency, from the fixed runs")
     policy: BlockPolicy = FixedBlocks()
     block_size = None
     if name == "none":
-        return BatchDecoder(target, None, block_size=1, policy=TimedPolicy(policy), clock=clock)
+        return BatchDecoder(
+            target,
+            None,
+            block_size=1,
+            policy=TimedPolicy(policy),
+            clock=clock,
+            prefill=prefill,
+            step_tokens=step_tokens,
+        )
     if name.startswith("fixed-"):
         block_size = int(name.split("-")[1])
     elif name == "trtllm-schedule":
         policy = TrtllmSchedule()
-    elif name == "vllm-table":
-        policy = VllmTable(drafter.block_size)
+    elif name == "trtllm-schedule-threshold":
+        policy = TrtllmSchedule(threshold=TRTLLM_THRESHOLD)
+    elif name == "tuned-table" and table:
+        policy = TrtllmSchedule({c: b - 1 for c, b in table.items()})
+    elif name == "vllm-table" and table:
+        policy = VllmTable(drafter.block_size, vllm_ranges(table))
+    elif name == "optimum":
+        policy = Optimum(target.cost, profiles, host_s)
     elif name == "oracle":  # the server's start-up (AdaptiveBlocks.measured); the oracle needs no probes
         policy = Oracle.measured(target, drafter, max_active, clock, gpu=True, probe_every=0, profiles=profiles)
     else:
         policy = AdaptiveBlocks.measured(target, drafter, max_active, clock, gpu=True)
-    return BatchDecoder(target, drafter, block_size=block_size, policy=TimedPolicy(policy), clock=clock)
+    return BatchDecoder(
+        target,
+        drafter,
+        block_size=block_size,
+        policy=TimedPolicy(policy),
+        clock=clock,
+        prefill=prefill,
+        step_tokens=step_tokens,
+    )

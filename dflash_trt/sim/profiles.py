@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import numpy as np
+
 PROFILE_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles" / "vidur"
 
 # the ops of one decoder layer as Vidur profiles them (its ExecutionTime adds each once per layer)
@@ -57,8 +59,17 @@ class GpuSpec:
 MODELS = {
     "llama-3-8b": ModelShape("Meta-Llama-3-8B", 32, 4096, 32, 8, 128, 14336, 128256),
     "llama-3-70b": ModelShape("Meta-Llama-3-70B", 80, 8192, 64, 8, 128, 28672, 128256),
+    # Vidur profiles H100 for Llama-2 only (MHA at 7B: 32 KV heads; GQA at 70B); vocabulary 32000
+    "llama-2-7b": ModelShape("Llama-2-7b-hf", 32, 4096, 32, 32, 128, 11008, 32000),
+    "llama-2-70b": ModelShape("Llama-2-70b-hf", 80, 8192, 64, 8, 128, 28672, 32000),
 }
-GPUS = {"a100": GpuSpec("A100-SXM4-80GB", 2.039e12, 312e12, "a100_dgx")}
+# datasheet figures (dense bf16, no sparsity); `profile` names the folder of measured op times
+GPUS = {
+    "a100": GpuSpec("A100-SXM4-80GB", 2.039e12, 312e12, "a100_dgx"),
+    "h100": GpuSpec("H100-SXM5-80GB", 3.35e12, 989e12, "h100_dgx"),
+}
+# Measured profiles on disk: (gpu, model) pairs. A100: Llama-3; H100: Llama-2 (what Vidur published).
+PROFILED = {("a100", "llama-3-8b"), ("a100", "llama-3-70b"), ("h100", "llama-2-7b"), ("h100", "llama-2-70b")}
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -102,6 +113,19 @@ class LayerProfile:
         kernel, no all-reduce)."""
         return sum(self.op(o, tokens, tp) for o in LAYER_OPS)
 
+    def curve(self, name: str | None, tokens: np.ndarray, tp: int = 1) -> np.ndarray:
+        """`op` (name) or `layer` (None) at many token counts at once, the same interpolation and end
+        extrapolation (a policy that rates every token total of a step calls this)."""
+        xs = np.asarray(self._tokens[tp], np.float64)
+        ops = LAYER_OPS if name is None else (name,)
+        ys = np.sum([np.asarray(self._times[tp][o]) for o in ops], axis=0)
+        t = np.asarray(tokens, np.float64)
+        out = np.interp(t, xs, ys)
+        lo, hi = t < xs[0], t > xs[-1]
+        out[lo] = ys[0] + (ys[1] - ys[0]) * (t[lo] - xs[0]) / (xs[1] - xs[0])
+        out[hi] = ys[-1] + (ys[-1] - ys[-2]) * (t[hi] - xs[-1]) / (xs[-1] - xs[-2])
+        return np.where(t > 0, np.maximum(out, 0.0), 0.0)
+
 
 class AllReduceProfile:
     """Seconds of one all-reduce of `size_bytes` among `workers` GPUs of one node."""
@@ -122,6 +146,13 @@ class AllReduceProfile:
                 times[i] = min(times[i], times[i + 1])
             self._sizes[n], self._times[n] = [float(s) for s, _ in pts], times
 
+    def curve(self, size_bytes: np.ndarray, workers: int) -> np.ndarray:
+        """`__call__` at many sizes, never above it (beyond the last size held at the last time): a lower bound
+        for `sim.optimum`."""
+        if workers <= 1:
+            return np.zeros(len(size_bytes))
+        return np.interp(np.asarray(size_bytes, np.float64), self._sizes[workers], self._times[workers])
+
     def __call__(self, size_bytes: float, workers: int) -> float:
         if workers <= 1:
             return 0.0
@@ -135,6 +166,8 @@ class AllReduceProfile:
 
 @cache
 def layer_profile(gpu: str, model: str) -> LayerProfile:
+    if (gpu, model) not in PROFILED:
+        raise ValueError(f"no measured profile of {model} on {gpu}: measured pairs are {sorted(PROFILED)}")
     return LayerProfile(PROFILE_DIR / gpu / f"{MODELS[model].name}.mlp.csv")
 
 

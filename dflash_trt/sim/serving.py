@@ -23,10 +23,12 @@ from ..decoding.loop import BatchDecoder, BatchRow
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
 from .engines import VirtualClock, sim_engines
-from .policies import TimedPolicy, sim_decoder
+from .optimum import Optimum
+from .policies import SIM_STEP_TOKENS, TimedPolicy, sim_decoder
 
 GREEDY = SamplingParams(0.0)
 
+PREFILL = ("separate", "chunked")
 HOST_STEP_S = 0.3e-3  # per decoder step on a GPU server: scheduling, batching and bookkeeping on the host
 
 
@@ -72,15 +74,19 @@ class Workload:
 
 def workload(name: str, **lengths: str) -> Workload:
     """ "paper": each request from one of the paper's benchmarks (equal weights); "mixed": half of them
-    accept poorly (tau ~2 at block 16), the other half as "paper"; a benchmark name: that benchmark only."""
-    paper = paper_profiles()
+    accept poorly (tau ~2 at block 16), the other half as "paper"; a benchmark name: that benchmark only.
+    A "-t1" suffix takes the paper's T = 1 acceptance instead of T = 0 ("paper-t1", "math500-t1")."""
+    t1 = name.endswith("-t1")
+    paper = paper_profiles(temperature=1.0 if t1 else 0.0)
+    name = name.removesuffix("-t1")
+    label = name + ("-t1" if t1 else "")
     if name == "paper":
-        return Workload(name, tuple(paper.values()), (1.0,) * len(paper), **lengths)
+        return Workload(label, tuple(paper.values()), (1.0,) * len(paper), **lengths)
     if name == "mixed":
-        return Workload(name, (*paper.values(), POOR), (0.5 / len(paper),) * len(paper) + (0.5,), **lengths)
+        return Workload(label, (*paper.values(), POOR), (0.5 / len(paper),) * len(paper) + (0.5,), **lengths)
     if name in paper:
-        return Workload(name, (paper[name],), (1.0,), **lengths)
-    raise ValueError(f"unknown workload {name!r}: paper, mixed or one of {sorted(paper)}")
+        return Workload(label, (paper[name],), (1.0,), **lengths)
+    raise ValueError(f"unknown workload {name!r}: paper, mixed or one of {sorted(paper)}, each with -t1 or not")
 
 
 # ---- the driver ---------------------------------------------------------------------------
@@ -121,6 +127,8 @@ class RunResult:
     # rows, cheaper choices) and with the first step's prefill of every prompt at once
     policy_cpu_s_per_steady_step: float = float("nan")
     simulated_steady_step_s: float = float("nan")
+    prefill: str = "separate"  # how prompts entered: "separate" (a pass of their own) or "chunked"
+    optimum_gap: float | None = None  # "optimum" only: mean certified bound over its chosen rate, minus 1
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -146,6 +154,9 @@ def simulate(
     keep_outputs: bool = False,
     warmup: int = 32,
     host_step_s: float = HOST_STEP_S,
+    table: dict[int, int] | None = None,
+    prefill: str = "chunked",
+    step_tokens: int = SIM_STEP_TOKENS,
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
@@ -154,12 +165,27 @@ def simulate(
     request's admission (the batch is full all along); open loop, over the whole run. Before it, `warmup` short
     requests of the same workload run through the same decoder, 16 at a time, untimed: a long-running server's
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
-    seen this traffic."""
+    seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
+    "chunked" (prompts enter in chunks inside the verify pass, the loop's default, at most `step_tokens` tokens
+    a pass) or "separate" (a pass of their own)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
+    if prefill not in PREFILL:
+        raise ValueError(f"prefill {prefill!r}: one of {PREFILL}")
     limit = concurrency if concurrency is not None else (max_active or 256)
     target, drafter, clock = sim_engines(cost, work.profiles)
-    dec = sim_decoder(policy, target, drafter, clock, work.profiles, max_active or 256)
+    dec = sim_decoder(
+        policy,
+        target,
+        drafter,
+        clock,
+        work.profiles,
+        max_active or 256,
+        table=table,
+        host_s=host_step_s,
+        prefill=prefill,
+        step_tokens=step_tokens,
+    )
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)
     clock.now = 0.0  # the start-up grid and the warm-up ran before serving
@@ -172,6 +198,10 @@ def simulate(
             r.arrival = t
     tally = _drive(dec, clock, reqs, limit, concurrency is not None, host_step_s)
     run = _summarise(policy, concurrency, rate, clock.now, reqs, tally, (slo_ttft_s, slo_tpot_s))
+    run.prefill = prefill
+    inner = cast(TimedPolicy, dec.policy).policy
+    if isinstance(inner, Optimum):
+        run.optimum_gap = inner.gap
     if keep_outputs:
         run.outputs = [list(r.row.generated) for r in reqs if r.row is not None]
     return run

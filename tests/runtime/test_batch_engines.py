@@ -61,6 +61,27 @@ def test_batched_target_rows_equal_rows_alone_with_rollbacks(tiny_pair):
     assert all(o.logits.shape == (1, 96) and o.features is None for o in outs)
 
 
+def test_prompt_chunks_beside_verify_blocks_attend_apart_and_equal_rows_alone(tiny_pair):
+    """A pass holding rows of many new tokens (prompt chunks, > SHORT_QUERIES) beside rows of a few (verify blocks):
+    the two groups attend apart, and every row still equals the row alone."""
+    from dflash_trt.runtime.torch_backend import SHORT_QUERIES
+
+    family, _, _, model, drafter = tiny_pair
+    single, batch = engines(model, drafter)
+    rng = torch.Generator().manual_seed(4)
+    sess = batch.new_session()
+    rows = [sess.add_row() for _ in range(4)]
+    refs = {r: single() for r in rows}
+    long = SHORT_QUERIES + 9
+    for step, sizes in enumerate([(6, 3, 1, 11), (4, long, 8, 2), (long + 5, 1, long, 7), (3, 2, 5, long)]):
+        blocks = [ids(rng, n) for n in sizes]
+        for r, blk, o in zip(rows, blocks, sess.forward(rows, blocks)):
+            check_same(o, refs[r].forward(blk), (family, step, r))
+            keep = int(torch.randint(0, min(len(blk), 4) + 1, (1,), generator=rng))
+            sess.rollback(r, sess.length(r) - keep)
+            refs[r].rollback(refs[r].length - keep)
+
+
 def test_batched_target_rows_join_and_leave(tiny_pair):
     family, _, _, model, drafter = tiny_pair
     single, batch = engines(model, drafter)

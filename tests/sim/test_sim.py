@@ -17,7 +17,7 @@ from dflash_trt.runtime.base import DrafterEngine, DraftRequest, TargetEngine
 from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles, tau_of
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.engines import sim_engines, truth
-from dflash_trt.sim.policies import KnownAcceptance, Oracle, schedule_draft_len, sim_decoder, table_k
+from dflash_trt.sim.policies import POLICIES, TUNED, KnownAcceptance, Oracle, schedule_draft_len, sim_decoder, table_k
 from dflash_trt.sim.profiles import LAYER_OPS, all_reduce_profile, layer_profile
 from dflash_trt.sim.serving import simulate, workload
 
@@ -155,9 +155,9 @@ def test_greedy_decoder_on_sim_equals_target_alone():
         assert t_spec < t_alone  # 8 rows on an A100: drafting pays
     # and each row is the ground truth of its sequence
     seq = alone[0].token_ids
-    from dflash_trt.sim.engines import prompt_seed
+    from dflash_trt.sim.engines import SEED_TOKENS, prompt_seed
 
-    s = prompt_seed(prompts[0])
+    s = prompt_seed(prompts[0][:SEED_TOKENS])  # the sequence's identity: its prompt's first tokens
     assert seq == [truth(s, len(prompts[0]) + i, 256) for i in range(48)]
 
 
@@ -255,7 +255,9 @@ def test_oracle_is_told_each_rows_acceptance():
 
 def test_peer_schedules():
     assert [schedule_draft_len(b) for b in (1, 4, 5, 8, 9, 32, 33)] == [15, 15, 7, 7, 3, 3, 0]
-    assert [table_k(b) for b in (1, 16, 17, 63, 64, 128, 200, 256, 5000)] == [15, 15, 15, 15, 10, 10, 10, 0, 0]
+    pr_example = [(1, 16, 15), (64, 128, 10), (256, 4096, 0)]  # PR 32374's, scaled to 15 drafts
+    got = [table_k(b, pr_example) for b in (1, 16, 17, 63, 64, 128, 200, 256, 5000)]
+    assert got == [15, 15, 15, 15, 10, 10, 10, 0, 0]
 
 
 def test_linear_pass_cost():
@@ -276,12 +278,16 @@ def test_bench_script_smoke(tmp_path):
     data = json.loads((out / "results.json").read_text())
     runs = data["runs"]
     assert runs
-    keys = {"gpu", "model", "tp", "workload", "policy", "concurrency", "tokens_per_s"}
+    keys = {"gpu", "model", "tp", "workload", "policy", "prefill", "concurrency", "tokens_per_s", "itl_p99_s"}
     for r in runs:
         assert keys <= set(r)
-        assert r["policy"] in {"none", "fixed-4", "fixed-8", "fixed-16", "adaptive", "trtllm-schedule", "vllm-table"}
+        assert r["policy"] in set(POLICIES + TUNED + ("optimum",)) and r["gpu"] in {"a100", "h100"}
+        assert r["prefill"] in {"chunked", "separate"}
         if r["policy"] == "adaptive":
-            assert r["policy_cpu_s_per_step"] > 0 and r["simulated_step_s"] > 0
             # the steps that held C rows: a closed-loop cell always has some
             assert r["policy_cpu_s_per_steady_step"] > 0 and r["simulated_steady_step_s"] > 0
+        if r["policy"] == "optimum":
+            assert 0 <= r["optimum_gap"] < 0.1
+    assert {r["policy"] for r in runs} >= {"tuned-table", "vllm-table", "optimum", "trtllm-schedule-threshold"}
+    assert data["tuned_tables"]  # the tuned policies' tables, from the fixed blocks
     assert (out / "README.md").exists()

@@ -8,8 +8,7 @@ C rows), so the best block at C is the best draft length for a batch of C rows, 
 batch-size schedule keys on. The policies here are stateless, so no warm-up runs.
 
 `serving.simulate` takes its policies by name (none, fixed-4/8/16, ...); a plan needs every block 1..B and an
-arbitrary schedule, so `run` drives the simulator's own loop (`serving._drive`, `serving._summarise`) with a
-policy object: the one hook into dflash_trt/sim this package needs.
+arbitrary schedule, so `run` builds the decoder with a policy object and drives it with `serving.run_closed`.
 """
 
 from __future__ import annotations
@@ -80,9 +79,7 @@ def run(
         dec = BatchDecoder(target, None, block_size=1, policy=TimedPolicy(FixedBlocks()), clock=clock)
     else:
         dec = BatchDecoder(target, drafter, block_size=block, policy=TimedPolicy(BatchSchedule(draft_len)), clock=clock)
-    reqs = [serving._Req(p, n, c) for p, n, c in work.requests(requests, seed)]
-    tally = serving._drive(dec, clock, reqs, concurrency, True, serving.HOST_STEP_S)
-    return serving._summarise("plan", concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
+    return serving.run_closed(dec, clock, work, "plan", concurrency=concurrency, requests=requests, seed=seed)
 
 
 @dataclass

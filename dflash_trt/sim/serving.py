@@ -207,6 +207,16 @@ def simulate(
     return run
 
 
+def run_closed(
+    dec: BatchDecoder, clock: VirtualClock, work: Workload, label: str, *, concurrency: int, requests: int, seed: int
+) -> RunResult:
+    """`requests` requests of `work` through a decoder the caller built on `sim_engines`' engines (any policy),
+    closed-loop at `concurrency`, no warm-up, the default SLO: `dflash-trt plan` runs its schedules this way."""
+    reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]
+    tally = _drive(dec, clock, reqs, concurrency, True, HOST_STEP_S)
+    return _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
+
+
 def _warm_up(dec: BatchDecoder, work: Workload, n: int, seed: int) -> None:
     """`n` short requests of `work` through `dec`, 16 at a time."""
     warm = Workload(work.name, work.profiles, work.mix, "uniform:32-96", "uniform:48-96").requests(n, seed + 7)

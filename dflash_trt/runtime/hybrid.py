@@ -58,8 +58,12 @@ class HfRowSequence:
 
         self.model, self.feature_layer_ids = model, feature_layer_ids
         cache: Any = DynamicCache(config=model.config)
-        # budget 0 until a pass sets its own (`_keep`); without an explicit budget transformers 5.2x fails
-        cache.activate_past_recording(recurrent_states_to_keep=0)
+        # budget 0 until a pass sets its own (`_keep`); without an explicit budget transformers 5.2x fails.
+        # transformers 4.57 has no past recording (nor these families' linear-attention layers), and there
+        # crop(0) means "keep 0 tokens": only a negative crop is called then
+        self.records = hasattr(cache, "activate_past_recording")
+        if self.records:
+            cache.activate_past_recording(recurrent_states_to_keep=0)
         self.cache = cache
         params = inspect.signature(model.forward).parameters  # transformers 5.x renamed past_key_values
         self.cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -80,7 +84,7 @@ class HfRowSequence:
     def forward(
         self, token_ids: torch.Tensor, *, last_logits_only: bool = False, features: bool = True
     ) -> TargetOutput:
-        if self._pending_trim:  # a pass left unrolled-back: drop its recordings (crop(0) keeps every token)
+        if self._pending_trim and self.records:  # a pass not rolled back: drop its recordings (crop(0) keeps all)
             self.cache.crop(0)
         n = int(token_ids.numel())
         undoable = 0 if last_logits_only else n
@@ -108,7 +112,8 @@ class HfRowSequence:
                 f"cannot roll back to {length}: the row holds {self._length} tokens and only the last pass's "
                 f"{self._undoable} can be undone"
             )
-        self.cache.crop(-drop)
+        if drop or self.records:  # crop(0) trims the recordings (see __init__ for 4.57)
+            self.cache.crop(-drop)
         self._length, self._undoable, self._pending_trim = length, 0, False
 
     def close(self) -> None:

@@ -44,8 +44,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=textwrap.fill(
             "HTTP server: POST /generate, /v1/completions, /v1/chat/completions (all with SSE streaming), "
             "GET /v1/models, /health, /ready, /metrics. Every active request is a row of one batch: each step runs "
-            "ONE drafter pass and ONE target pass that verifies every row's block, then accepts per row; new requests "
-            "are prefilled in a call of their own between steps. Block sizes are chosen per step and per request "
+            "ONE drafter pass and ONE target pass that verifies every row's block, then accepts per row; new requests' "
+            "prompts enter that target pass in chunks (--prefill). Block sizes are chosen per step and per request "
             "(adaptive, from a cost model measured at start-up) unless --block-size or --no-adaptive fixes them; "
             "a request's own block_size wins. With adaptive sizes a seed fixes the distribution, not the text: "
             "send a fixed block_size for reproducible sampled text.",
@@ -60,6 +60,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     src = _model_args(p)
     _block_args(p)
+    _prefill_args(p)
     add_device_args(src)  # listed after the block-size flags in the usage line
     _network_args(p)
     _limit_args(p)
@@ -112,6 +113,31 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         help="use the drafter's trained block size instead of choosing one per step and request "
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
+    )
+
+
+def _prefill_args(p: argparse.ArgumentParser) -> None:
+    from ..decoding.loop import PREFILL_MODES, STEP_TOKENS
+    from .options import positive_int
+
+    pre = p.add_argument_group("prefill (how a new request's prompt enters the batch)")
+    pre.add_argument(
+        "--prefill",
+        choices=PREFILL_MODES,
+        default="chunked",
+        help="chunked (default): prompts enter in chunks inside the step's verify pass, at most --step-tokens "
+        "tokens a pass, so a long prompt arriving lengthens the streaming requests' steps a little instead of "
+        "freezing them for its whole prefill; separate: each new prompt whole, in a pass of its own before the "
+        "verify pass (the first token a little sooner, every streaming request stalled meanwhile)",
+    )
+    pre.add_argument(
+        "--step-tokens",
+        type=positive_int,
+        default=STEP_TOKENS,
+        metavar="N",
+        help=f"chunked prefill: the most tokens one step's target pass holds; the running requests' largest "
+        f"blocks are reserved first, the prompt chunks get the rest (at least N/4). Smaller: shorter stalls for "
+        f"the streaming requests, a longer wait for a new request's first token (default {STEP_TOKENS})",
     )
 
 
@@ -221,6 +247,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         health_stall_s=args.health_stall_seconds,
         block_size=args.block_size,
         adaptive=not args.no_adaptive,
+        prefill=args.prefill,
+        step_tokens=args.step_tokens,
     )
     from .options import CliError
 

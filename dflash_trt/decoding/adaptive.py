@@ -174,7 +174,11 @@ class AdaptiveBlocks:
 
     def _observe_costs(self, result: StepResult) -> None:
         prof = result.profile
-        self.cost.observe("target", prof.target_rows, prof.target_tokens, prof.verify_s)
+        # A pass holding prompt chunks is not observed: a chunk attends over its whole prompt so far, which the
+        # linear model (timed at a short context) does not price, and the correction would carry that cost into
+        # the plain verify steps that follow.
+        if not prof.chunk_rows:
+            self.cost.observe("target", prof.verify_rows, prof.verify_tokens, prof.verify_s)
         if prof.draft_rows:
             self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
         if self.refit_every and self.steps % self.refit_every == 0:

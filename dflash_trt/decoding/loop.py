@@ -69,10 +69,11 @@ from .stopping import StopChecker, truncate_at_stop
 NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
 PREFILL_MODES = ("chunked", "separate")
 # The default token budget of one step's target pass (chunked prefill): it bounds how much a prompt that arrives
-# lengthens the running rows' steps. Chosen on the demo CPU, where it keeps a streaming row's longest gap within
-# about 3x its median while a long prompt enters (docs/benchmarks.md, "Chunked prefill"); on a GPU a pass of this
-# many tokens is still bound by reading the weights, so the chunks cost the streaming rows little there too.
-STEP_TOKENS = 256
+# lengthens the running rows' steps. Chosen on the demo CPU: of the budgets tried (128, 256), the one that kept a
+# streaming row's longest gap within 3x its median while a long prompt entered (docs/benchmarks.md, "Chunked
+# prefill"). A smaller budget delays a long prompt's first token; on a GPU, where a pass of a few hundred tokens
+# is still bound by reading the weights, a larger `step_tokens` costs the streaming rows little.
+STEP_TOKENS = 128
 
 
 class BatchRow:

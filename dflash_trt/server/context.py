@@ -13,6 +13,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
+from ..decoding.loop import STEP_TOKENS
 from ..runtime.base import cuda_devices, pass_clock
 from .errors import ApiError
 from .limits import Limits
@@ -42,6 +43,10 @@ class ServerSettings:
     # a collinear fit that cannot tell per-token from per-row cost, and its error feeds the next choices
     # (docs/benchmarks.md, "No online refit of the cost model by default").
     refit_every: int = 0
+    # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most
+    # step_tokens tokens a pass, so a long prompt never freezes the rows that stream) or "separate"
+    prefill: str = "chunked"
+    step_tokens: int = STEP_TOKENS
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -76,7 +81,16 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: An
             1e3 * d.per_row,
             1e3 * d.per_token,
         )
-    return BatchDecoder(target, drafter, tokenizer, block_size=settings.block_size, policy=policy, clock=clock)
+    return BatchDecoder(
+        target,
+        drafter,
+        tokenizer,
+        block_size=settings.block_size,
+        policy=policy,
+        clock=clock,
+        prefill=settings.prefill,
+        step_tokens=settings.step_tokens,
+    )
 
 
 class Server:

@@ -116,21 +116,22 @@ class ServerMetrics:
         )
         self.batch_rows = Histogram(
             "dflash_batch_rows",
-            "rows in one batched target pass, by pass (prefill, verify)",
+            "rows in one batched target pass, by part: prefill (a pass of its own), chunk (prompt chunks in the "
+            "verify pass), verify",
             ["pass"],
             buckets=(1, 2, 4, 8, 16, 32, 64, 128),
             registry=r,
         )
         self.batch_tokens = Histogram(
             "dflash_batch_tokens",
-            "tokens in one batched target pass (all rows), by pass (prefill, verify)",
+            "tokens in one batched target pass (all rows), by part: prefill, chunk, verify",
             ["pass"],
             buckets=(1, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096, 16384),
             registry=r,
         )
         self.step_time = Histogram(
             "dflash_step_seconds",
-            "time of one batched step by part: prefill, policy "
+            "time of one batched step by part: prefill (its own pass; chunks are in verify), policy "
             "(choosing block sizes), draft, verify, accept, overhead (Python bookkeeping)",
             ["part"],
             buckets=STEP_BUCKETS,

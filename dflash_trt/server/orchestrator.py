@@ -1,15 +1,16 @@
 """The orchestrator: one worker thread advances every active request in batched steps (decoding/loop.py).
 
     submit -> bounded FIFO queue -> up to `max_active` rows of one BatchDecoder
-           -> step(): prefill the rows that joined (one target call), draft for every running row (one
-              drafter call), verify every running row (one target call), accept / commit per row
+           -> step(): draft for every running row (one drafter call), verify every running row with the new
+              rows' prompt chunks in the same pass (one target call), accept / commit per row
            -> each row's round goes back to its request's event loop as an event
 
-A new request joins at the next step: its prompt is prefilled in a call of its own at the start of that
-step, between two verify passes, not packed into the verify pass (a prompt is tens to thousands of tokens,
-a verify block 1..16: packing would make every verifying row pay for the longest prompt). A cancelled
-(disconnected) or timed-out request leaves before the next step; the others go on. If a batched pass
-raises, every row of that step fails (500) and the worker goes on serving new requests.
+A new request joins at the next step: with chunked prefill (the default) its prompt enters the verify pass in
+chunks within the step's token budget, so a long prompt lengthens the streaming rows' steps a little instead of
+freezing them; its first token comes with its last chunk (the decoder's `prefill` option, decoding/loop.py). A
+cancelled (disconnected) or timed-out request leaves before the next step, a joining one mid-prompt too; the
+others go on. If a batched pass raises, every row of that step fails (500) and the worker goes on serving new
+requests.
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ class Orchestrator:
                         self._finish(job, job.cancelled)
                         continue
                     assert self.decoder is not None
-                    self.decoder.join(job.row)  # prefilled at the start of the next step
+                    self.decoder.join(job.row)  # its prompt enters with the next step
                     self._active.append(job)
                 jobs = list(self._active)
                 self.metrics.set_queue(waiting=len(self._pending))
@@ -266,6 +267,7 @@ class Orchestrator:
             m.block_size.observe(size)
         for kind, rows, tokens in (
             ("prefill", prof.prefill_rows, prof.prefill_tokens),
+            ("chunk", prof.chunk_rows, prof.chunk_tokens),
             ("verify", prof.verify_rows, prof.verify_tokens),
         ):
             if rows:

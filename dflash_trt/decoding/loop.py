@@ -124,10 +124,16 @@ class BatchRow:
         return self.config.max_new_tokens - len(self.generated)
 
     def commit(
-        self, new: list[int], drafted: int, accepted: int, prefill: bool = False, timings: RoundTimings | None = None
+        self,
+        new: list[int],
+        drafted: list[int],
+        accepted: int,
+        prefill: bool = False,
+        timings: RoundTimings | None = None,
     ) -> Round:
+        """Commit a round's `new` tokens; `drafted`: the draft tokens it verified (`accepted` of them kept)."""
         new = commit_tokens(self, new, drafted, accepted, prefill)
-        return Round(new, drafted, accepted, prefill, timings or RoundTimings(), self._new_text())
+        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text())
 
     def _new_text(self) -> str | None:
         """The text added since the last round that can be shown: the detokenizer holds back a partial
@@ -390,8 +396,7 @@ class BatchDecoder:
             timings = RoundTimings(
                 draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
             )
-            drafted = int(proposal.tokens.numel())
-            row.stats.drafted_ids_per_round.append(proposal.tokens.tolist())  # for `GenerationStats.trace`
+            drafted = proposal.tokens.tolist()
             rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
         rounds += self._take_chunks(chunks, outs[len(rows) :])
         t4 = self.clock()
@@ -475,7 +480,7 @@ class BatchDecoder:
             timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)
             self.joining.remove(row)
             self.running.append(row)
-            rounds.append((row, row.commit([first], drafted=0, accepted=0, prefill=True, timings=timings)))
+            rounds.append((row, row.commit([first], drafted=[], accepted=0, prefill=True, timings=timings)))
         return rounds
 
     def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:

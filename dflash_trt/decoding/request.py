@@ -136,10 +136,13 @@ class CommitState(Protocol):
     clock: Callable[[], float]
 
 
-def commit_tokens(state: CommitState, new: list[int], drafted: int, accepted: int, prefill: bool = False) -> list[int]:
+def commit_tokens(
+    state: CommitState, new: list[int], drafted: list[int], accepted: int, prefill: bool = False
+) -> list[int]:
     """Append one round's tokens to a sequence and return those kept. The order: the token budget, stop
     tokens, then stop strings (cutting the text back to the stop), then the budget as a finish reason;
-    updates the stats (a prefill counts no round)."""
+    updates the stats (a prefill counts no round; a round records its `drafted` ids with its counts, so the
+    trace can never pair one round's drafts with another's acceptance)."""
     new = new[: state.config.max_new_tokens - len(state.generated)]
     keep = state.stop.stop_token(new)
     if keep is not None:
@@ -163,9 +166,10 @@ def commit_tokens(state: CommitState, new: list[int], drafted: int, accepted: in
     if not prefill:
         s.rounds += 1
         s.acceptance_lengths.append(len(new))
-        s.drafted_tokens += drafted
+        s.drafted_tokens += len(drafted)
         s.accepted_draft_tokens += accepted
-        s.drafted_per_round.append(drafted)
+        s.drafted_per_round.append(len(drafted))
+        s.drafted_ids_per_round.append(drafted)
         s.accepted_per_round.append(accepted)
     s.total_time_s = state.clock() - state.started
     return new

@@ -246,18 +246,19 @@ def loop_host(
 
 
 class _EngineTimer:
-    """Wall seconds spent inside a session's pass method (the fake engines' own Python, not the loop's)."""
+    """CPU seconds of this thread spent inside a session's pass method (the fake engines' own Python, not the
+    loop's)."""
 
     def __init__(self, session: Any, method: str):
         self.seconds = 0.0
         inner = getattr(session, method)
 
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0 = time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.seconds += time.perf_counter() - t0
+                self.seconds += time.thread_time() - t0
 
         setattr(session, method, timed)
 
@@ -265,7 +266,8 @@ class _EngineTimer:
 def sim_host(c: int, steps: int, policy: str = "adaptive", seed: int = 0) -> dict[str, float]:
     """Host ms per step of the loop with `c` rows on the simulator's engines (sim/engines.py: no model runs;
     their virtual clock is priced by Vidur's A100 profile so that the policy has a cost model to choose by).
-    Median over `steps` steady steps of (step wall time - wall time inside the fake engines); the policy's
+    Median over `steps` steady steps of (the step's CPU time - CPU time inside the fake engines), in CPU time of
+    this thread rather than wall time, so that other processes on a shared machine do not count; the policy's
     own share beside it. Rows are long enough that none finishes while timed."""
     from ..sim.cost import ProfileCost
     from ..sim.engines import sim_engines
@@ -287,10 +289,10 @@ def sim_host(c: int, steps: int, policy: str = "adaptive", seed: int = 0) -> dic
     policy_ms: list[float] = []
     for _ in range(steps):
         engines, cpu = fwd.seconds + drf.seconds, timed.cpu_s
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         dec.step()
-        wall = time.perf_counter() - t0
-        host.append(1e3 * (wall - (fwd.seconds + drf.seconds - engines)))
+        cpu_s = time.thread_time() - t0
+        host.append(1e3 * (cpu_s - (fwd.seconds + drf.seconds - engines)))
         policy_ms.append(1e3 * (timed.cpu_s - cpu))
     return {"host_ms": round(statistics.median(host), 4), "policy_ms": round(statistics.median(policy_ms), 4)}
 
@@ -385,10 +387,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers' rename notice, per call
-    results: dict[str, Any] = {
-        "machine": {"cpu": platform.processor() or platform.machine(), "threads": args.threads},
-        "torch": torch.__version__,
-    }
+    out = Path(args.out)
+    # a partial run (--skip-engines) keeps the other sections of an earlier one
+    results: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {}
+    results["machine"] = {"cpu": platform.processor() or platform.machine(), "threads": args.threads}
+    results["torch"] = torch.__version__
     if not args.skip_engines:
         from ..loading import load_decoder
         from .prompts import held_out_function_prompts
@@ -403,7 +406,6 @@ def main(argv: Sequence[str] | None = None) -> None:
                 decoder, ref, prompts[: args.demo_prompts], args.max_new_tokens, args.block, args.demo_repeats
             )
     results["sim_host"] = {c: sim_host(c, args.sim_steps) for c in args.sim_rows}
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1) + "\n")
     if "engines" in results:

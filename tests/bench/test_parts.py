@@ -3,6 +3,9 @@ modules (z-lab's `dflash` package) and our engines give the same features and dr
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -49,3 +52,16 @@ def test_demo_against_reference_same_tokens(pair: tuple[object, object]) -> None
 def test_sim_host_is_the_loop_alone() -> None:
     got = parts.sim_host(4, steps=3)
     assert 0 < got["host_ms"] < 1000 and 0 <= got["policy_ms"] <= got["host_ms"]
+
+
+def test_simulator_host_term_is_the_measured_curve(tmp_path: Path) -> None:
+    from dflash_trt.sim import serving
+
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"sim_host": {"1": {"host_ms": 0.5}, "64": {"host_ms": 2.0}, "256": {"host_ms": 5.0}}}))
+    f = serving.CPU_TO_GPU_HOST * 1e-3
+    assert serving.host_step_s(1, path) == pytest.approx(0.5 * f)
+    assert serving.host_step_s(160, path) == pytest.approx(3.5 * f)  # linear between the measured rows
+    assert serving.host_step_s(1000, path) == pytest.approx(5.0 * f)  # flat beyond them
+    with pytest.raises(FileNotFoundError, match="make bench-parts"):
+        serving.host_step_s(1, tmp_path / "missing.json")

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -138,6 +138,13 @@ BENCH_OUT ?= results/bench
 bench: venv
 	$(BIN)/dflash-trt bench --profile --out $(BENCH_OUT)
 	$(BIN)/dflash-trt bench --out $(BENCH_OUT) --max-minutes 12 $(BENCH_ARGS)
+
+# The parts of a round (issue 42): our target step / verify / drafter pass beside z-lab's reference modules (the
+# `dflash` package) on the same shapes at C = 1, 8, 32; the loop's split of a step on the demo pair; the loop's host
+# work alone on the simulator's zero-cost engines at C = 1..256 (the serving simulator's host term reads it); the
+# demo at C = 1 against the reference's dflash_generate. Tables on stdout, results/parts/results.json.
+bench-parts: venv
+	$(BIN)/python -m dflash_trt.bench.parts --out results/parts/results.json $(BENCH_PARTS_ARGS)
 
 # NVIDIA's aiperf against `dflash-trt serve` on the demo models: completions, streaming, a short
 # run (16 requests each, concurrency 4, 64 tokens in and out). Writes aiperf's exports and

@@ -534,10 +534,11 @@ class BatchDecoder:
     ) -> list[TargetOutput]:
         """ONE target call scoring every row's block (its last committed token, then its drafts), with the prompt
         chunks after them; the outputs in that order."""
-        blocks = [
-            torch.tensor([r.generated[-1], *p.tokens.tolist()], dtype=torch.long) for r, p in zip(rows, proposals)
-        ]
-        prof.verify_rows, prof.blocks = len(rows), [len(b) for b in blocks]
+        ids = [[r.generated[-1], *p.tokens.tolist()] for r, p in zip(rows, proposals)]
+        sizes = [len(b) for b in ids]
+        # one tensor for the batch, viewed per row: a tensor per row costs the host more than the ids do
+        blocks = list(torch.split(torch.tensor([t for b in ids for t in b], dtype=torch.long), sizes))
+        prof.verify_rows, prof.blocks = len(rows), sizes
         prof.verify_tokens = sum(prof.blocks)
         chunk_rows, chunk_tokens = self._chunk_inputs(chunks)
         prof.chunk_rows, prof.chunk_tokens = len(chunks), sum(c.size for c in chunks)
@@ -551,10 +552,10 @@ class BatchDecoder:
     def _accept(self, row: BatchRow, proposal: Proposal, out: TargetOutput, length: int) -> tuple[list[int], int]:
         """The acceptance rule on one row's scored block: the accepted drafts plus one token of the target's
         own (the bonus); the target's cache is rolled back to them, the drafter is handed their features."""
-        tokens = proposal.tokens
+        drafted = proposal.tokens.tolist()
         # the logits stay on the engine's device: adjustment and acceptance run there; only token ids come back
-        logits = row.adjusted(out.logits, tokens.tolist())
-        if tokens.numel() == 0:  # the target alone: its own next token
+        logits = row.adjusted(out.logits, drafted)
+        if not drafted:  # the target alone: its own next token
             accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
         else:
             accepted, bonus = row.rule.accept(proposal, logits)
@@ -562,7 +563,7 @@ class BatchDecoder:
         if row.drafter_row is not None and out.features is not None:
             row.pending.append(out.features[: accepted + 1])
             row.backlog += accepted + 1
-        return tokens[:accepted].tolist() + [bonus], accepted
+        return drafted[:accepted] + [bonus], accepted
 
     @staticmethod
     def _target_row(row: BatchRow) -> int:

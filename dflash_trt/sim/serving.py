@@ -3,7 +3,7 @@
 The driver is the orchestrator's loop (server/orchestrator.py) without threads or HTTP: requests wait in a FIFO,
 join the `BatchDecoder` (validated by `new_row`, then `join`) while fewer than `max_active` rows are active,
 and every loop turn is one `decoder.step()`; a finished row leaves through the decoder as in the server. Time
-is the engines' virtual clock plus `HOST_STEP_S` per step. Arrivals are closed-loop (`concurrency` requests in
+is the engines' virtual clock plus the host's work per step (`host_step_s`, measured: see there). Arrivals are closed-loop (`concurrency` requests in
 flight, a finished one replaced at once) or open-loop Poisson (`rate` requests per second).
 
 Policies: `policies.py` (each a `decoding.policy.BlockPolicy`, so the driver never reaches into the decoder).
@@ -11,11 +11,14 @@ Policies: `policies.py` (each a `decoding.policy.BlockPolicy`, so the driver nev
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
 from typing import cast
 
 from ..decoding import GenerationConfig, SamplingParams, StepResult
@@ -29,7 +32,46 @@ from .policies import SIM_STEP_TOKENS, TimedPolicy, sim_decoder
 GREEDY = SamplingParams(0.0)
 
 PREFILL = ("separate", "chunked")
-HOST_STEP_S = 0.3e-3  # per decoder step on a GPU server: scheduling, batching and bookkeeping on the host
+# The host's work per decoder step (policy, acceptance, commits, rollbacks, stop checks, batching) is measured,
+# not assumed: `make bench-parts` runs the real loop on the simulator's zero-cost engines and records the CPU time
+# of a step at C rows less the fake engines' own (results/parts/results.json, "sim_host").
+HOST_RESULTS = Path(__file__).resolve().parents[2] / "results" / "parts" / "results.json"
+# From the CPU that measured it to a GPU server's host: 1.0. The figure is CPU time of the loop's one thread (time
+# spent waiting for the shared machine's other processes is not in it) on a Sapphire Rapids-class Xeon core (AMX),
+# the core family of the DGX H100's host CPUs (Xeon Platinum 8480C), and Python's single-thread speed is a core's,
+# not a node's. No GPU host has run it, so no other factor is taken (docs/benchmarks.md#round-parts).
+CPU_TO_GPU_HOST = 1.0
+
+
+@cache
+def _host_curve(path: Path = HOST_RESULTS) -> tuple[tuple[int, float], ...]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: the measured host work per step is missing; `make bench-parts` writes it")
+    data = json.loads(path.read_text())["sim_host"]
+    return tuple(sorted((int(c), float(v["host_ms"]) * 1e-3) for c, v in data.items()))
+
+
+def host_step_s(rows: int, path: Path = HOST_RESULTS) -> float:
+    """Seconds of host work for one step of `rows` rows on a GPU server: the measured curve (linear between the
+    measured C, flat beyond its ends) times CPU_TO_GPU_HOST."""
+    curve = _host_curve(path)
+    if rows <= curve[0][0]:
+        return curve[0][1] * CPU_TO_GPU_HOST
+    for (c0, s0), (c1, s1) in zip(curve, curve[1:]):
+        if rows <= c1:
+            return (s0 + (s1 - s0) * (rows - c0) / (c1 - c0)) * CPU_TO_GPU_HOST
+    return curve[-1][1] * CPU_TO_GPU_HOST
+
+
+measured_host_s = host_step_s  # the module's function, for `simulate`, whose argument of that name shadows it
+
+
+def __getattr__(name: str) -> float:
+    """HOST_STEP_S: one row's step (`host_step_s(1)`), for callers that price a step without its batch; read on
+    first use, so that importing this module needs no measurement."""
+    if name == "HOST_STEP_S":
+        return host_step_s(1)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- workloads ----------------------------------------------------------------------------
@@ -153,7 +195,7 @@ def simulate(
     slo_tpot_s: float = 0.05,
     keep_outputs: bool = False,
     warmup: int = 32,
-    host_step_s: float = HOST_STEP_S,
+    host_step_s: float | None = None,
     table: dict[int, int] | None = None,
     prefill: str = "chunked",
     step_tokens: int = SIM_STEP_TOKENS,
@@ -167,7 +209,8 @@ def simulate(
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
     "chunked" (prompts enter in chunks inside the verify pass, the loop's default, at most `step_tokens` tokens
-    a pass) or "separate" (a pass of their own)."""
+    a pass) or "separate" (a pass of their own); `host_step_s`: host seconds per step (default: the measured
+    `host_step_s` at the step's rows)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     if prefill not in PREFILL:
@@ -182,7 +225,7 @@ def simulate(
         work.profiles,
         max_active or 256,
         table=table,
-        host_s=host_step_s,
+        host_s=host_step_s if host_step_s is not None else measured_host_s(limit),
         prefill=prefill,
         step_tokens=step_tokens,
     )
@@ -211,9 +254,9 @@ def run_closed(
     dec: BatchDecoder, clock: VirtualClock, work: Workload, label: str, *, concurrency: int, requests: int, seed: int
 ) -> RunResult:
     """`requests` requests of `work` through a decoder the caller built on `sim_engines`' engines (any policy),
-    closed-loop at `concurrency`, no warm-up, the default SLO: `dflash-trt plan` runs its schedules this way."""
+    closed-loop at `concurrency`, no warm-up, the default SLO, the measured host work: `dflash-trt plan` runs its schedules this way."""
     reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]
-    tally = _drive(dec, clock, reqs, concurrency, True, HOST_STEP_S)
+    tally = _drive(dec, clock, reqs, concurrency, True, None)
     return _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
 
 
@@ -244,7 +287,7 @@ class _Tally:
 
 
 def _drive(
-    dec: BatchDecoder, clock: VirtualClock, reqs: list[_Req], limit: int, closed: bool, host_step_s: float
+    dec: BatchDecoder, clock: VirtualClock, reqs: list[_Req], limit: int, closed: bool, host_s: float | None
 ) -> _Tally:
     """The orchestrator's loop on the virtual clock: admit while fewer than `limit` run, one step per turn."""
     timed = cast(TimedPolicy, dec.policy)
@@ -263,10 +306,11 @@ def _drive(
         if not active:
             clock.now = max(clock.now, waiting[0].arrival)
             continue
-        tally.batch_sum += len(dec.active)
+        rows = len(dec.active)
+        tally.batch_sum += rows
         began, cpu_before = clock.now, timed.cpu_s
         result = dec.step()
-        clock.advance(host_step_s)
+        clock.advance(host_s if host_s is not None else host_step_s(rows))
         tally.step_cpu.append((clock.now, clock.now - began, timed.cpu_s - cpu_before))
         tally.steps += 1
         tally.blocks += result.profile.blocks

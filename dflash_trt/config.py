@@ -147,7 +147,9 @@ def _dflash2_fields(raw: dict[str, Any], value: Any) -> dict[str, int]:
 
 
 def _check_layer_types(raw: dict[str, Any]) -> None:
-    """Refuse drafter layer kinds not implemented here, by name, and a sliding layer without its window."""
+    """Refuse drafter layer kinds not implemented here, by name. (A sliding layer's window is Qwen3Config's
+    sliding_window, None unless use_sliding_window: then the layer is causal without a window, as the
+    reference reads the same config.)"""
     layer_types = raw.get("layer_types")
     if layer_types is None:
         return
@@ -156,9 +158,6 @@ def _check_layer_types(raw: dict[str, Any]) -> None:
     unknown = sorted({str(t) for t in layer_types} - set(DRAFTER_LAYER_TYPES))
     if unknown:
         raise ConfigError(f"layer_types: {unknown} not supported for drafter layers (supported: {DRAFTER_LAYER_TYPES})")
-    window = raw.get("sliding_window")
-    if "sliding_attention" in layer_types and not (isinstance(window, int) and window >= 1):
-        raise ConfigError(f"sliding_window: a sliding_attention drafter layer needs a positive window, got {window!r}")
 
 
 def load_drafter_config(path: str | Path) -> tuple[Qwen3Config, DFlashSpec]:

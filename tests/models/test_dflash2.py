@@ -359,3 +359,39 @@ def test_sample_path_draws_each_position_after_the_one_drawn_before():
 
     cells = sorted(joint)
     assert chisquare([counts.get(c, 0) for c in cells], [joint[c] * n for c in cells]).pvalue > 1e-3
+
+
+@torch.inference_mode()
+def test_newer_dflash1_fields_equal_the_reference(pair):
+    """A DFlash 1 drafter with the newer fields: a sliding-window layer (causal, as the reference makes it),
+    input_embedding_scale, output_multiplier and final_logit_softcapping, all inside dflash_config."""
+    target = pair[0]
+    config = reference_config(target.config)
+    config.architectures = ["DFlashDraftModel"]
+    for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        del config.dflash_config[name]
+    config.layer_types = ["sliding_attention", "full_attention"]
+    config.use_sliding_window, config.sliding_window = True, 3  # Qwen3Config keeps the window only with both
+    config.dflash_config.update(input_embedding_scale=2.0, output_multiplier=0.5, final_logit_softcapping=4.0)
+    config = Qwen3Config.from_dict(config.to_dict())  # as a checkpoint's config.json reads
+    reference = ref.DFlashDraftModel(config)
+    randomize(reference, 7)
+    ours = DFlashDrafter.from_config(config.to_dict())
+    ours.load_state_dict(reference.state_dict())
+    first = ours.decoder_layers[0].self_attn
+    assert (
+        ours.spec.generation == 1
+        and first.causal
+        and first.window == 3
+        and reference.layers[0].self_attn.sliding_window == 3
+    )
+    features = torch.randn(1, 5, ours.feature_size, generator=torch.Generator().manual_seed(2))
+    block = torch.tensor([[7] + [ours.spec.mask_token_id] * (BLOCK - 1)])
+    embeds = ours.embed_block(block, target.model.embed_tokens.weight)
+    torch.testing.assert_close(embeds, ref._raw_input_embeddings(target, block, 2.0))
+    got, _, _ = ours(features, embeds, *ours.empty_cache())
+    want = reference(target_hidden=features, noise_embedding=embeds, position_ids=torch.arange(5 + BLOCK)[None])
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        ours.logits(got, target.lm_head.weight), reference.compute_logits(want, target.lm_head), rtol=1e-4, atol=1e-5
+    )

@@ -15,6 +15,12 @@ from typing import Any
 from transformers import Qwen3Config
 
 DRAFTER_ARCHITECTURE = "DFlashDraftModel"
+DRAFTER2_ARCHITECTURE = "DFlash2DraftModel"
+# DFlash 2 (z-lab's `dflash` 0.1.0, DFlash2DraftModel): the fields it adds, read like the others from
+# dflash_config first, then the top level
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+# the drafter layer kinds implemented here (models/drafter.py); any other is refused by name
+DRAFTER_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class ConfigError(ValueError):
@@ -44,6 +50,17 @@ class DFlashSpec:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    # DFlash 2 only (0 for DFlash 1): grouped dynamic causal convolutions around each layer's attention and
+    # MLP, and the candidate selector over the top-k tokens of each block position
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def generation(self) -> int:
+        """1: the paper's drafter; 2: DFlash 2 (convolutions and candidate selector)."""
+        return 2 if self.selector_top_k else 1
 
     @classmethod
     def from_config(cls, config: Qwen3Config | dict[str, Any]) -> DFlashSpec:
@@ -73,6 +90,7 @@ class DFlashSpec:
                 f"dflash_config.target_layer_ids: must be a non-empty list of integers, got {layer_ids!r}"
             )
         softcap = value("final_logit_softcapping")
+        dflash2 = _dflash2_fields(raw, value)
         return cls(
             block_size=block_size,
             mask_token_id=int(mask),
@@ -81,6 +99,7 @@ class DFlashSpec:
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_logit_softcapping=float(softcap) if softcap else None,
+            **dflash2,
         )
 
     def to_config_fields(self) -> dict[str, Any]:
@@ -96,12 +115,49 @@ class DFlashSpec:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.generation == 2:
+            dflash.update({name: getattr(self, name) for name in DFLASH2_FIELDS})
         return {
-            "architectures": [DRAFTER_ARCHITECTURE],
+            "architectures": [DRAFTER2_ARCHITECTURE if self.generation == 2 else DRAFTER_ARCHITECTURE],
             "block_size": self.block_size,
             "num_target_layers": self.num_target_layers,
             "dflash_config": dflash,
         }
+
+
+def _dflash2_fields(raw: dict[str, Any], value: Any) -> dict[str, int]:
+    """The DFlash 2 fields when the config is a DFlash 2 drafter's (its architecture, or any of the fields),
+    each a positive integer; {} for a DFlash 1 drafter."""
+    architectures = raw.get("architectures") or []
+    present = [name for name in DFLASH2_FIELDS if value(name) is not None]
+    if DRAFTER2_ARCHITECTURE not in architectures and not present:
+        return {}
+    fields: dict[str, int] = {}
+    for name in DFLASH2_FIELDS:
+        got = value(name)
+        if not isinstance(got, int) or isinstance(got, bool) or got < 1:
+            raise ConfigError(f"dflash_config.{name}: a DFlash 2 drafter needs a positive integer, got {got!r}")
+        fields[name] = got
+    hidden = raw.get("hidden_size")
+    if isinstance(hidden, int) and hidden % fields["conv_group_size"]:
+        raise ConfigError(
+            f"dflash_config.conv_group_size: {fields['conv_group_size']} does not divide hidden_size {hidden}"
+        )
+    return fields
+
+
+def _check_layer_types(raw: dict[str, Any]) -> None:
+    """Refuse drafter layer kinds not implemented here, by name. (A sliding layer's window is Qwen3Config's
+    sliding_window, None unless use_sliding_window: then the layer is causal without a window, as the
+    reference reads the same config.)"""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        return
+    if not isinstance(layer_types, list) or len(layer_types) != raw.get("num_hidden_layers"):
+        raise ConfigError(f"layer_types: must list one kind per drafter layer, got {layer_types!r}")
+    unknown = sorted({str(t) for t in layer_types} - set(DRAFTER_LAYER_TYPES))
+    if unknown:
+        raise ConfigError(f"layer_types: {unknown} not supported for drafter layers (supported: {DRAFTER_LAYER_TYPES})")
 
 
 def load_drafter_config(path: str | Path) -> tuple[Qwen3Config, DFlashSpec]:
@@ -119,6 +175,7 @@ def load_drafter_config(path: str | Path) -> tuple[Qwen3Config, DFlashSpec]:
 
 def drafter_config_from_dict(raw: dict[str, Any]) -> tuple[Qwen3Config, DFlashSpec]:
     spec = DFlashSpec.from_config(raw)
+    _check_layer_types(raw)
     # auto_map points at remote code we never run; the architecture is implemented here.
     fields = {k: v for k, v in raw.items() if k not in ("auto_map", "architectures", "model_type")}
     for required in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -154,3 +211,7 @@ def validate_against_target(config: Qwen3Config, spec: DFlashSpec, target_config
         )
     if spec.block_size < 2:
         raise ConfigError(f"block_size: must be >= 2, got {spec.block_size}")
+    if spec.selector_top_k > text.vocab_size:
+        raise ConfigError(
+            f"dflash_config.selector_top_k: {spec.selector_top_k} candidates from a vocabulary of {text.vocab_size}"
+        )

@@ -31,6 +31,11 @@ BATCH_DRAFTER_INPUTS = ("block_ids", "block_lengths", "features", "new_lengths",
 BATCH_DRAFTER_OUTPUTS = ("logits", "draft_tokens", "present_k", "present_v")
 BATCH_GRAPH_FILES = {"fp32": "drafter_batch.onnx", "fp16": "drafter_batch_fp16.onnx"}  # by precision
 
+# ---- DFlash 2 graphs (both kinds) add the candidate selector's inputs to its walk (models/selector.py) ----------
+# candidates [b, B-1, k] int64, step_scores [b, B-1, k, k] float32; their draft_tokens are each position's best
+# candidate, not the draft: the runtime walks the path beside the graph (greedy or sampled).
+SELECTOR_OUTPUTS = ("candidates", "step_scores")
+
 
 @dataclass(frozen=True)
 class DrafterGraphMeta:
@@ -45,6 +50,11 @@ class DrafterGraphMeta:
     head_dim: int
     vocab_size: int
     max_context: int
+    selector_top_k: int = 0  # DFlash 2: the selector's candidates per position (SELECTOR_OUTPUTS); 0: DFlash 1
+
+    def output_names(self, base: tuple[str, ...]) -> tuple[str, ...]:
+        """The graph's outputs: `base` (DRAFTER_OUTPUTS / BATCH_DRAFTER_OUTPUTS), then DFlash 2's selector outputs."""
+        return base + SELECTOR_OUTPUTS if self.selector_top_k else base
 
     def cache_shape(self, length: int) -> tuple[int, ...]:
         return (self.num_layers, 1, self.num_kv_heads, length, self.head_dim)

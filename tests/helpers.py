@@ -284,8 +284,9 @@ class DrafterSequence:
         hidden, self.past_k, self.past_v = e.drafter(
             feats, e.drafter.embed_block(block, e.embed_weight), self.past_k, self.past_v
         )
-        logits = e.drafter.logits(hidden[0, 1:], e.lm_head_weight).float()
-        return Draft(logits=logits, tokens=logits.argmax(-1))
+        logits, tokens, cands, scores = e.drafter.block_outputs(hidden[:, 1:], block[:, 0], e.lm_head_weight)
+        first = lambda t: None if t is None else t[0]  # noqa: E731
+        return Draft(logits=logits[0], tokens=tokens[0], candidates=first(cands), step_scores=first(scores))
 
 
 class SequenceTargetEngine:

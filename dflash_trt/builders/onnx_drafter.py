@@ -4,7 +4,14 @@ Inputs:  block_ids [1, B] int64 ([last token, MASK x (B-1)]), features [1, n, F]
          (target features of the n tokens committed since the last round), past_k / past_v
          [layers, 1, kv_heads, T, head_dim] float32 (the drafter's context cache).
 Outputs: logits [1, B-1, V] float32, draft_tokens [1, B-1] int64 (argmax), present_k /
-         present_v [layers, 1, kv_heads, T+n, head_dim].
+         present_v [layers, 1, kv_heads, T+n, head_dim]; a DFlash 2 drafter's graph adds candidates
+         [1, B-1, k] and step_scores [1, B-1, k, k] (formats.SELECTOR_OUTPUTS).
+
+DFlash 2's candidate selector sits half inside the graph, half beside it: the graph computes the top-k
+candidates and the score of every (predecessor, candidate) pair (models/selector.py), the runtime walks the
+path through them (greedy, or sampled at T > 0) on the host or GPU next to the graph. The walk is B-1 steps
+of k numbers each, data-dependent and sequential; outside the graph it stays one graph for greedy and
+sampled decoding, and the same walk serves ONNX Runtime and the TensorRT plan (built from this graph).
 
 The embedding table and lm_head are the TARGET's (the drafter checkpoint has neither). The
 cache is explicit, so one round costs O(n + B) drafter compute whatever the context length.
@@ -49,11 +56,25 @@ class DrafterRound(nn.Module):
 
     def forward(
         self, block_ids: torch.Tensor, features: torch.Tensor, past_k: torch.Tensor, past_v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         d = self.drafter
         hidden, present_k, present_v = d(features, d.embed_block(block_ids, self.embed_weight), past_k, past_v)
-        logits = d.logits(hidden[:, 1:], self.lm_head_weight).float()
-        return logits, logits.argmax(-1), present_k, present_v
+        return round_outputs(d, hidden[:, 1:], block_ids[:, 0], self.lm_head_weight, present_k, present_v)
+
+
+def round_outputs(
+    d: DFlashDrafter,
+    hidden: torch.Tensor,
+    anchor: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    present_k: torch.Tensor,
+    present_v: torch.Tensor,
+) -> tuple[torch.Tensor, ...]:
+    """A round graph's outputs in order: logits, draft_tokens, present_k, present_v (+ DFlash 2's selector)."""
+    logits, tokens, candidates, scores = d.block_outputs(hidden, anchor, lm_head_weight, walk=False)
+    if candidates is None or scores is None:
+        return logits, tokens, present_k, present_v
+    return logits, tokens, present_k, present_v, candidates, scores
 
 
 def graph_meta(drafter: DFlashDrafter, vocab_size: int) -> DrafterGraphMeta:
@@ -67,6 +88,7 @@ def graph_meta(drafter: DFlashDrafter, vocab_size: int) -> DrafterGraphMeta:
         head_dim=drafter.head_dim,
         vocab_size=vocab_size,
         max_context=int(drafter.config.max_position_embeddings),
+        selector_top_k=drafter.spec.selector_top_k,
     )
 
 
@@ -107,7 +129,7 @@ def export_round(module: DrafterRound, meta: DrafterGraphMeta, path: Path) -> Pa
             example_inputs(meta),
             dynamic_shapes=dynamic_shapes,
             input_names=list(DRAFTER_INPUTS),
-            output_names=list(DRAFTER_OUTPUTS),
+            output_names=list(meta.output_names(DRAFTER_OUTPUTS)),
             dynamo=True,
             external_data=True,
             optimize=True,

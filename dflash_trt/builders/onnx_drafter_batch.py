@@ -7,7 +7,9 @@ Inputs:  block_ids [b, B] int64 (row r: [last, MASK x (B_r - 1)], padded), block
          with C >= max(past_lengths) + n (the caller pads the cache; see models/drafter_batch.py).
 Outputs: logits [b, B-1, V] float32, draft_tokens [b, B-1] int64, present_k / present_v (the cache
          with each row's new context written at past_lengths[r] + i; same shape as past_k).
-Row r's outputs beyond B_r - 1 are padding. The same function (`ragged_round`) runs the PyTorch
+A DFlash 2 drafter's graph adds candidates and step_scores (formats.SELECTOR_OUTPUTS; the path is walked
+beside the graph, as for the single-sequence graph: builders/onnx_drafter.py). Row r's outputs beyond B_r - 1
+are padding. The same function (`ragged_round`) runs the PyTorch
 batched drafter, so the two backends compute one thing.
 """
 
@@ -23,7 +25,7 @@ from torch import nn
 from ..formats import BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS, BATCH_GRAPH_FILES, DrafterGraphMeta
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import ragged_round
-from .onnx_drafter import write_graphs
+from .onnx_drafter import round_outputs, write_graphs
 
 BATCH_INPUT_NAMES, BATCH_OUTPUT_NAMES = BATCH_DRAFTER_INPUTS, BATCH_DRAFTER_OUTPUTS
 
@@ -53,7 +55,7 @@ class BatchedDrafterRound(nn.Module):
         past_k: torch.Tensor,
         past_v: torch.Tensor,
         past_lengths: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor, ...]:
         d = self.drafter
         hidden, present_k, present_v = ragged_round(
             d,
@@ -65,8 +67,7 @@ class BatchedDrafterRound(nn.Module):
             past_v,
             past_lengths,
         )
-        logits = d.logits(hidden[:, 1:], self.lm_head_weight).float()
-        return logits, logits.argmax(-1), present_k, present_v
+        return round_outputs(d, hidden[:, 1:], block_ids[:, 0], self.lm_head_weight, present_k, present_v)
 
 
 def _distinct_sizes(avoid: int, count: int) -> list[int]:
@@ -115,7 +116,7 @@ def export_batched_round(module: BatchedDrafterRound, meta: DrafterGraphMeta, pa
             batch_example_inputs(meta, rows_ex, new_ex, cap_ex, meta.block_size),
             dynamic_shapes=dynamic_shapes,
             input_names=list(BATCH_INPUT_NAMES),
-            output_names=list(BATCH_OUTPUT_NAMES),
+            output_names=list(meta.output_names(BATCH_OUTPUT_NAMES)),
             dynamo=True,
             external_data=True,
             optimize=True,

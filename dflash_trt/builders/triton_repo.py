@@ -170,6 +170,12 @@ def _text_models(repo: Path, src: Sources, opt: RepoOptions) -> object:
 
 def _drafter_model(repo: Path, src: Sources, opt: RepoOptions) -> DrafterGraphMeta:
     meta = DrafterGraphMeta.read(src.drafter_dir)
+    if meta.selector_top_k:
+        # the Triton drafter models and the BLS client pass the four DFlash 1 outputs only
+        raise ValueError(
+            "a DFlash 2 drafter (candidate selector) is not supported in the Triton repository; "
+            "serve it with `dflash-trt serve` (PyTorch or ONNX Runtime drafter)"
+        )
     L, H, D, F, V = meta.num_layers, meta.num_kv_heads, meta.head_dim, meta.feature_size, meta.vocab_size
     cache = ("TYPE_FP32", [L, 1, H, -1, D])
     inputs = [

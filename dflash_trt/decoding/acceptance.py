@@ -56,6 +56,16 @@ def accept_rejection(
     rejection the replacement is drawn from norm(max(0, p_i - q_i)); if all k are accepted the
     bonus is drawn from p_k. DFlash drafts every position independently given the context, so
     each x_i is still distributed as q_i given the accepted prefix and the proof holds.
+
+    DFlash 2 drafts position by position (`sample_path`): x_i ~ q_i(. | x_<i), q_i the selector's softmax over
+    its k candidates, zero elsewhere in the vocabulary. The proof needs only that x_i, given the prefix the
+    target has accepted (which is the drafted x_<i), is distributed as the q_i that judges it, and that p_i is
+    the target's distribution after that same prefix (the verify pass scores the drafted block). Then a round
+    emits x at position i with probability q_i(x) min(1, p_i(x)/q_i(x)) + (1 - sum_y min(p_i, q_i)(y))
+    max(0, p_i(x) - q_i(x)) / Z, and Z = sum_y max(0, p_i - q_i)(y) = 1 - sum_y min(p_i, q_i)(y), so that is
+    min(p_i, q_i)(x) + max(0, p_i(x) - q_i(x)) = p_i(x). A token outside the candidates (q_i = 0) is never
+    drafted and comes from the residual, which keeps all of its p_i. q_i need not match the target's warping
+    (top-k / top-p apply to p only, as in the reference's _rejection_sample).
     """
     k = draft.shape[0]
     device = target_probs.device  # the target's device: only the k draft ids and k uniforms move there
@@ -73,6 +83,23 @@ def accept_rejection(
     # p == q exactly leaves no residual mass; then p itself is the right distribution.
     dist = residual / total if total > 0 else target_probs[accepted]
     return accepted, int(sample(dist, generator))
+
+
+def sample_path(draft: Draft, temperature: float, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """DFlash 2 at T > 0: walk the selector's candidates (models/selector.py), drawing position p's candidate
+    from softmax(step_scores[p, previous choice] / T) over its k candidates. Returns the tokens [P] and each
+    position's proposal distribution on the vocabulary [P, V] (the k probabilities, zeros elsewhere), the q
+    of `accept_rejection`."""
+    assert draft.candidates is not None and draft.step_scores is not None
+    candidates, scores = draft.candidates, draft.step_scores.float()
+    q = torch.zeros(candidates.shape[0], draft.logits.shape[-1], device=scores.device)
+    chosen, tokens = 0, []
+    for p in range(candidates.shape[0]):
+        row = torch.softmax(scores[p, chosen] / temperature, dim=-1)
+        chosen = int(sample(row, generator))
+        q[p, candidates[p]] = row
+        tokens.append(int(candidates[p, chosen]))
+    return torch.tensor(tokens, dtype=torch.long), q
 
 
 @dataclass(frozen=True)
@@ -120,6 +147,9 @@ class RejectionRule:
         self.params, self.generator = params, generator
 
     def propose(self, draft: Draft) -> Proposal:
+        if draft.candidates is not None:  # DFlash 2: the selector's own proposal (accept_rejection: exact)
+            tokens, q = sample_path(draft, self.params.temperature, self.generator)
+            return Proposal(tokens, q)
         q = probabilities(draft.logits, self.params)  # on the drafter's device; only the tokens come back
         return Proposal(sample(q, self.generator).cpu(), q)
 

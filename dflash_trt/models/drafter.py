@@ -8,6 +8,10 @@ returned; the block's K/V are thrown away after each round.
 
 The cache is explicit tensors (`[layers, batch, kv_heads, length, head_dim]` for K and V) so
 that the same code exports to ONNX with the cache as graph inputs and outputs.
+
+DFlash 2 drafters (config `DFlash2DraftModel`) add grouped dynamic causal convolutions around each layer's
+attention and MLP and a candidate selector after the logits (models/selector.py); `block_outputs` gives what
+every engine returns for a block, either generation.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, Qwe
 
 from ..config import ConfigError, DFlashSpec, drafter_config_from_dict, load_drafter_config
 from .attention import grouped_attention
+from .selector import CandidateSelector, GroupedDynamicConv, greedy_path
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
@@ -153,12 +158,39 @@ class DFlashAttention(nn.Module):
 
 
 class DFlashLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, layer_idx: int):
+    def __init__(self, config: Qwen3Config, layer_idx: int, spec: DFlashSpec | None = None):
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = _qwen3_mlp(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
+        if spec is not None and spec.generation == 2:
+            size = (config.hidden_size, spec.conv_kernel_size, spec.conv_group_size)
+            self.attention_conv, self.mlp_conv = GroupedDynamicConv(*size), GroupedDynamicConv(*size)
+
+    def _attention(
+        self,
+        x: torch.Tensor,
+        ctx_k: torch.Tensor,
+        ctx_v: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor | None,
+        block_at: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The attention sublayer's output for the normed block x; DFlash 2 convolves its input and output."""
+        if self.attention_conv is None:
+            return cast(torch.Tensor, self.self_attn(x, ctx_k, ctx_v, cos, sin, mask, block_at))
+        x, kernel = self.attention_conv.prepare(x)
+        return self.attention_conv.finish(self.self_attn(x, ctx_k, ctx_v, cos, sin, mask, block_at), kernel)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlp_conv is None:
+            return cast(torch.Tensor, self.mlp(x))
+        x, kernel = self.mlp_conv.prepare(x)
+        return self.mlp_conv.finish(self.mlp(x), kernel)
 
     def forward(
         self,
@@ -170,9 +202,8 @@ class DFlashLayer(nn.Module):
         mask: torch.Tensor | None = None,
         block_at: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask, block_at)
-        out: torch.Tensor = x + self.mlp(self.post_attention_layernorm(x))
-        return out
+        x = x + self._attention(self.input_layernorm(x), ctx_k, ctx_v, cos, sin, mask, block_at)
+        return x + self._mlp(self.post_attention_layernorm(x))
 
     def forward_blocks(
         self,
@@ -195,11 +226,16 @@ class DFlashDrafter(nn.Module):
     def __init__(self, config: Qwen3Config, spec: DFlashSpec):
         super().__init__()
         self.config, self.spec = config, spec
-        self.layers = nn.ModuleList(DFlashLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DFlashLayer(config, i, spec) for i in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(spec.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.candidate_selector: CandidateSelector | None = None
+        if spec.generation == 2:
+            self.candidate_selector = CandidateSelector(
+                config.vocab_size, config.hidden_size, spec.selector_rank, spec.selector_top_k
+            )
         attn = self.decoder_layers[0].self_attn
         self.n_kv_heads, self.head_dim = attn.n_kv_heads, attn.head_dim
         self._needs_mask = any(
@@ -280,6 +316,9 @@ class DFlashDrafter(nn.Module):
         """
         if self._needs_mask:
             raise NotImplementedError("training drafters with causal / sliding-window layers is not supported")
+        if self.spec.generation == 2:
+            # the packed blocks would run the block convolutions across block boundaries
+            raise NotImplementedError("training DFlash 2 drafters (DFlash2DraftModel) is not supported")
         b, s, _ = features.shape
         block_size = block_embeds.shape[1] // anchors.shape[1]
         ctx = self.project_context(features)
@@ -331,6 +370,21 @@ class DFlashDrafter(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def block_outputs(
+        self, hidden: torch.Tensor, anchor: torch.Tensor, lm_head_weight: torch.Tensor, walk: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """What an engine returns for blocks: hidden [b, P, H] of the drafted positions (block positions 1..),
+        anchor [b] (position 0's token). Returns float32 logits [b, P, V], the greedy draft tokens [b, P], and
+        for DFlash 2 the candidates [b, P, k] and step_scores [b, P, k, k] (models/selector.py; None for
+        DFlash 1, whose greedy draft is the argmax). walk=False (the exported graphs, whose block length is
+        dynamic): DFlash 2's tokens are each position's best candidate, and the runtime walks the path."""
+        logits = self.logits(hidden, lm_head_weight).float()
+        if self.candidate_selector is None:
+            return logits, logits.argmax(-1), None, None
+        candidates, scores = self.candidate_selector.step_scores(hidden, logits, anchor)
+        tokens = greedy_path(candidates, scores) if walk else candidates[..., 0]
+        return logits, tokens, candidates, scores
+
     def embed_block(self, block_ids: torch.Tensor, embed_weight: torch.Tensor) -> torch.Tensor:
         """Embed [last token, MASK...] with the TARGET's embedding table."""
         return F.embedding(block_ids, embed_weight) * self.spec.input_embedding_scale
@@ -369,6 +423,8 @@ class DFlashDrafter(nn.Module):
             raw.pop(key, None)
         raw.update(self.spec.to_config_fields())
         raw["model_type"] = "qwen3"
+        # the weights' dtype, as transformers writes it (loaders that honour it keep the drafter's precision)
+        raw["dtype"] = str(self.fc.weight.dtype).removeprefix("torch.")
         # transformers 4.57 (the z-lab class, TensorRT-LLM 1.2) reads only the top-level fields and would
         # silently fall back to rope theta 10000
         rope = raw.get("rope_parameters") or {}
@@ -392,5 +448,11 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for name in files:
         state.update(load_file(str(path / name)))
-    # Published checkpoints have no `model.` prefix; accept one if a tool added it.
-    return {k.removeprefix("model."): v for k, v in state.items()}
+    # Published checkpoints have no `model.` prefix; accept one if a tool added it. DFlash 2 checkpoints may
+    # store the selector's codebooks without `.weight` (the reference maps them so in from_pretrained).
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    for book in ("predecessor_codebook", "successor_codebook"):
+        bare = f"candidate_selector.{book}"
+        if bare in state:
+            state[f"{bare}.weight"] = state.pop(bare)
+    return state

@@ -39,7 +39,11 @@ class Draft:
     """One row's result of a drafter pass."""
 
     logits: torch.Tensor  # [B-1, vocab] float32: the drafter's predictions for block positions 1..B-1
-    tokens: torch.Tensor  # [B-1] argmax of logits (engines that fuse the argmax return it directly)
+    tokens: torch.Tensor  # [B-1] the greedy draft: argmax of logits (DFlash 2: the selector's greedy path)
+    # DFlash 2 only (models/selector.py): the top-k candidates [B-1, k] and the selector's scores of every
+    # (predecessor, candidate) pair [B-1, k, k]; sampling walks them (decoding/acceptance.py)
+    candidates: torch.Tensor | None = None
+    step_scores: torch.Tensor | None = None
 
 
 @dataclass

@@ -6,6 +6,9 @@ the single-sequence round graph, run once per drafting row through `rows.PerRowD
 session keeps the drafter's context cache as numpy arrays and feeds it back each round (present_k ->
 past_k), so a round runs only the new context tokens and the block.
 
+A DFlash 2 graph also returns the candidate selector's candidates and scores; the path through them is
+walked here, beside the graph (`graph_draft`; builders/onnx_drafter.py says why).
+
 The sessions take the graph call as a function, so a Triton BLS model drives the same logic with its
 own model call (dflash_trt.triton.remote).
 """
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 
 from ..formats import BATCH_GRAPH_FILES, GRAPH_FILES, DrafterGraphMeta
+from ..models.selector import greedy_path
 from .base import Draft, DrafterSession, DraftRequest, EngineOptions, EngineUnavailable
 from .cpu_threads import ort_session_options
 from .rows import PerRowDrafter, SlotCacheRows, backlog_groups
@@ -53,6 +57,21 @@ def open_graph(
         str(path), ort_session_options(ort, threads), providers=providers or ["CPUExecutionProvider"]
     )
     return meta, session
+
+
+def graph_draft(logits: np.ndarray, tokens: np.ndarray, selector: Sequence[np.ndarray], length: int) -> Draft:
+    """One row's Draft from a round graph's outputs for that row (its first `length` drafted positions):
+    logits [P, V], draft_tokens [P] and, from a DFlash 2 graph, candidates [P, k] and step_scores [P, k, k],
+    whose greedy path is the draft."""
+    draft = Draft(
+        logits=torch.from_numpy(np.ascontiguousarray(logits[:length])),
+        tokens=torch.from_numpy(np.ascontiguousarray(tokens[:length])),
+    )
+    if selector:
+        draft.candidates = torch.from_numpy(np.ascontiguousarray(selector[0][:length]))
+        draft.step_scores = torch.from_numpy(np.ascontiguousarray(selector[1][:length]))
+        draft.tokens = greedy_path(draft.candidates, draft.step_scores)
+    return draft
 
 
 class OrtDrafterEngine:
@@ -109,17 +128,17 @@ class RoundGraphSequence:
         block = np.full((1, block_size), self.meta.mask_token_id, dtype=np.int64)
         block[0, 0] = last_token
         feats = new_features.detach().to("cpu", torch.float32).numpy()[None]
-        logits, tokens, self.past_k, self.past_v = self.run(
+        logits, tokens, self.past_k, self.past_v, *selector = self.run(
             {"block_ids": block, "features": feats, "past_k": self.past_k, "past_v": self.past_v}
         )
-        return Draft(logits=torch.from_numpy(logits[0]), tokens=torch.from_numpy(tokens[0]))
+        return graph_draft(logits[0], tokens[0], [a[0] for a in selector], block_size - 1)
 
 
 class BatchGraphSession(SlotCacheRows):
     """Every row over the batched round graph: each row's context cache a slot of one numpy array."""
 
     def __init__(self, meta: DrafterGraphMeta, run: RunFn):
-        """run(feeds) -> [logits, draft_tokens, present_k, present_v]."""
+        """run(feeds) -> [logits, draft_tokens, present_k, present_v] (+ candidates, step_scores: DFlash 2)."""
         self.meta, self.run = meta, run
         m = meta
         k = np.zeros((m.num_layers, 0, m.num_kv_heads, 0, m.head_dim), dtype=np.float32)
@@ -154,7 +173,7 @@ class BatchGraphSession(SlotCacheRows):
             feats[i, : counts[i]] = q.new_features.detach().to("cpu", torch.float32).numpy()
             ids[i, 0] = q.last_token
         idx = np.asarray(rows)
-        logits, tokens, present_k, present_v = self.run(
+        logits, tokens, present_k, present_v, *selector = self.run(
             {
                 "block_ids": ids,
                 "block_lengths": np.asarray(blocks, np.int64),
@@ -167,10 +186,4 @@ class BatchGraphSession(SlotCacheRows):
         )
         self.k[:, idx, :, :cap], self.v[:, idx, :, :cap] = present_k, present_v
         self._advance(rows, past, counts)
-        return [
-            Draft(
-                logits=torch.from_numpy(np.ascontiguousarray(logits[i, : blocks[i] - 1])),
-                tokens=torch.from_numpy(np.ascontiguousarray(tokens[i, : blocks[i] - 1])),
-            )
-            for i in range(b)
-        ]
+        return [graph_draft(logits[i], tokens[i], [a[i] for a in selector], blocks[i] - 1) for i in range(b)]

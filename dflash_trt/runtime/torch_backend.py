@@ -401,6 +401,16 @@ class TorchDrafterSession(SlotCacheRows):
         if layout.span is None:  # a gathered copy: write it back
             self.k[:, layout.slots, :, :end], self.v[:, layout.slots, :, :end] = cache_k, cache_v
         self._advance(rows, past, counts)
-        logits = d.logits(hidden[layout.local, 1:], e.lm_head_weight).float()  # [b, nb-1, V]
-        tokens = logits.argmax(-1)
-        return [Draft(logits=logits[i, : blocks[i] - 1], tokens=tokens[i, : blocks[i] - 1]) for i in range(len(rows))]
+        # [b, nb-1, V] logits and the greedy draft (DFlash 2: with the selector's candidates and scores)
+        logits, tokens, cands, scores = d.block_outputs(
+            hidden[layout.local, 1:], ids[layout.local, 0], e.lm_head_weight
+        )
+        return [
+            Draft(
+                logits=logits[i, : blocks[i] - 1],
+                tokens=tokens[i, : blocks[i] - 1],
+                candidates=None if cands is None else cands[i, : blocks[i] - 1],
+                step_scores=None if scores is None else scores[i, : blocks[i] - 1],
+            )
+            for i in range(len(rows))
+        ]

@@ -6,6 +6,8 @@ GPU here); tests drive it with a fake `tensorrt` module (tests/fake_tensorrt.py)
 Per round: set_input_shape for every input, read the output shapes TensorRT infers, bind every
 tensor by NAME with set_tensor_address, execute_async_v3 on torch's current CUDA stream. The
 context cache stays on the GPU between rounds (present_k of one round is past_k of the next).
+A DFlash 2 plan (built from its ONNX graph, builders/onnx_drafter.py) also outputs the candidate selector's
+candidates and scores; the path through them is walked beside the plan, on the GPU, as for ONNX Runtime.
 `tensorrt` is imported only when an engine is created.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 import torch
 
 from ..formats import DrafterGraphMeta, plan_max_context, read_plan_manifest
+from ..models.selector import greedy_path
 from .base import Draft, DrafterSession, EngineOptions, EngineUnavailable
 from .rows import PerRowDrafter
 
@@ -129,4 +132,8 @@ class TrtDrafterSequence:
         if not ctx.execute_async_v3(stream):
             raise RuntimeError("TensorRT drafter execution failed")
         self.past_k, self.past_v = results["present_k"], results["present_v"]
-        return Draft(logits=results["logits"][0].float(), tokens=results["draft_tokens"][0].long())
+        draft = Draft(logits=results["logits"][0].float(), tokens=results["draft_tokens"][0].long())
+        if "candidates" in results:  # a DFlash 2 plan: the selector's path is walked here, beside the plan
+            draft.candidates, draft.step_scores = results["candidates"][0].long(), results["step_scores"][0].float()
+            draft.tokens = greedy_path(draft.candidates, draft.step_scores)
+        return draft

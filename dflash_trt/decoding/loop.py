@@ -384,19 +384,19 @@ class BatchDecoder:
         if not rows and not chunks:
             return []
         lengths = [self.target_session.length(self._target_row(r)) for r in rows]
-        outs = self._verify(rows, proposals, chunks, prof)
+        drafted_ids = [p.tokens.tolist() for p in proposals]  # read once: verify, acceptance and commit use them
+        outs = self._verify(rows, drafted_ids, chunks, prof)
         t3 = self.clock()
         rounds = []
-        for row, proposal, out, length in zip(rows, proposals, outs, lengths):
+        for row, proposal, drafted, out, length in zip(rows, proposals, drafted_ids, outs, lengths):
             ta = self.clock()
-            new, accepted = self._accept(row, proposal, out, length)
+            new, accepted = self._accept(row, proposal, drafted, out, length)
             own = self.clock() - ta  # this row's acceptance and rollback; the passes are shared
             row.stats.draft_time_s += t2 - t1
             row.stats.verify_time_s += t3 - t2
             timings = RoundTimings(
                 draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
             )
-            drafted = proposal.tokens.tolist()
             rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
         rounds += self._take_chunks(chunks, outs[len(rows) :])
         t4 = self.clock()
@@ -530,11 +530,11 @@ class BatchDecoder:
         return [rows[i] for i in keep], [drafts[i] for i in keep]
 
     def _verify(
-        self, rows: list[BatchRow], proposals: list[Proposal], chunks: list[Chunk], prof: StepProfile
+        self, rows: list[BatchRow], drafted: list[list[int]], chunks: list[Chunk], prof: StepProfile
     ) -> list[TargetOutput]:
         """ONE target call scoring every row's block (its last committed token, then its drafts), with the prompt
         chunks after them; the outputs in that order."""
-        ids = [[r.generated[-1], *p.tokens.tolist()] for r, p in zip(rows, proposals)]
+        ids = [[r.generated[-1], *d] for r, d in zip(rows, drafted)]
         sizes = [len(b) for b in ids]
         # one tensor for the batch, viewed per row: a tensor per row costs the host more than the ids do
         blocks = list(torch.split(torch.tensor([t for b in ids for t in b], dtype=torch.long), sizes))
@@ -549,10 +549,12 @@ class BatchDecoder:
             features=any(r.drafter_row is not None for r in members),
         )
 
-    def _accept(self, row: BatchRow, proposal: Proposal, out: TargetOutput, length: int) -> tuple[list[int], int]:
-        """The acceptance rule on one row's scored block: the accepted drafts plus one token of the target's
-        own (the bonus); the target's cache is rolled back to them, the drafter is handed their features."""
-        drafted = proposal.tokens.tolist()
+    def _accept(
+        self, row: BatchRow, proposal: Proposal, drafted: list[int], out: TargetOutput, length: int
+    ) -> tuple[list[int], int]:
+        """The acceptance rule on one row's scored block (`drafted`: the proposal's token ids): the accepted
+        drafts plus one token of the target's own (the bonus); the target's cache is rolled back to them, the
+        drafter is handed their features."""
         # the logits stay on the engine's device: adjustment and acceptance run there; only token ids come back
         logits = row.adjusted(out.logits, drafted)
         if not drafted:  # the target alone: its own next token

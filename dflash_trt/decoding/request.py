@@ -69,9 +69,8 @@ class GenerationStats:
     new_tokens: int = 0
     rounds: int = 0
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
-    drafted_per_round: list[int] = field(default_factory=list)  # draft tokens each round proposed (0: none)
+    drafted_ids_per_round: list[list[int]] = field(default_factory=list)  # the draft tokens each round proposed
     accepted_per_round: list[int] = field(default_factory=list)  # of which the target accepted
-    drafted_ids_per_round: list[list[int]] = field(default_factory=list)  # the draft tokens themselves (`trace`)
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     block_size: int = 1
@@ -89,12 +88,17 @@ class GenerationStats:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.total_time_s if self.total_time_s > 0 else 0.0
 
+    @property
+    def drafted_per_round(self) -> list[int]:
+        """Draft tokens each round proposed (0: none)."""
+        return [len(ids) for ids in self.drafted_ids_per_round]
+
     def trace(self) -> list[dict[str, Any]]:
         """One object per verify round, for debugging acceptance: the block verified (B: the last committed
         token and its B-1 drafts), the drafted ids and how many of them the target accepted. A round without a
-        draft (the target alone) has B = 1. The two lists are filled by different calls (the loop records the ids,
-        `commit` the counts), so a decoding path that commits a round without its ids is refused here rather than
-        shifting every later round's drafts onto the wrong acceptance."""
+        draft (the target alone) has B = 1. `commit_tokens` appends to both lists in one call; lists of different
+        lengths (stats put together elsewhere) are refused rather than pairing a round's drafts with another
+        round's acceptance."""
         if len(self.drafted_ids_per_round) != len(self.accepted_per_round):
             raise RuntimeError(
                 f"trace: {len(self.drafted_ids_per_round)} rounds' drafted ids for {len(self.accepted_per_round)} "
@@ -108,7 +112,7 @@ class GenerationStats:
     def to_dict(self) -> dict[str, Any]:
         """The totals (the per-round lists beside `acceptance_lengths` are for traces and per-step reports)."""
         d = asdict(self)
-        del d["drafted_per_round"], d["accepted_per_round"], d["drafted_ids_per_round"]
+        del d["accepted_per_round"], d["drafted_ids_per_round"]
         d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
         d["tokens_per_second"] = round(self.tokens_per_second, 2)
         return d
@@ -168,7 +172,6 @@ def commit_tokens(
         s.acceptance_lengths.append(len(new))
         s.drafted_tokens += len(drafted)
         s.accepted_draft_tokens += accepted
-        s.drafted_per_round.append(len(drafted))
         s.drafted_ids_per_round.append(drafted)
         s.accepted_per_round.append(accepted)
     s.total_time_s = state.clock() - state.started

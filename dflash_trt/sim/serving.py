@@ -63,9 +63,6 @@ def host_step_s(rows: int, path: Path = HOST_RESULTS) -> float:
     return curve[-1][1] * CPU_TO_GPU_HOST
 
 
-measured_host_s = host_step_s  # the module's function, for `simulate`, whose argument of that name shadows it
-
-
 def __getattr__(name: str) -> float:
     """HOST_STEP_S: one row's step (`host_step_s(1)`), for callers that price a step without its batch; read on
     first use, so that importing this module needs no measurement."""
@@ -195,7 +192,7 @@ def simulate(
     slo_tpot_s: float = 0.05,
     keep_outputs: bool = False,
     warmup: int = 32,
-    host_step_s: float | None = None,
+    host_s: float | None = None,
     table: dict[int, int] | None = None,
     prefill: str = "chunked",
     step_tokens: int = SIM_STEP_TOKENS,
@@ -209,7 +206,7 @@ def simulate(
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
     "chunked" (prompts enter in chunks inside the verify pass, the loop's default, at most `step_tokens` tokens
-    a pass) or "separate" (a pass of their own); `host_step_s`: host seconds per step (default: the measured
+    a pass) or "separate" (a pass of their own); `host_s`: host seconds per step (default: the measured
     `host_step_s` at the step's rows)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
@@ -225,7 +222,7 @@ def simulate(
         work.profiles,
         max_active or 256,
         table=table,
-        host_s=host_step_s if host_step_s is not None else measured_host_s(limit),
+        host_s=host_s if host_s is not None else host_step_s(limit),
         prefill=prefill,
         step_tokens=step_tokens,
     )
@@ -239,7 +236,7 @@ def simulate(
         for r in reqs:
             t += rng.expovariate(rate)
             r.arrival = t
-    tally = _drive(dec, clock, reqs, limit, concurrency is not None, host_step_s)
+    tally = _drive(dec, clock, reqs, limit, concurrency is not None, host_s)
     run = _summarise(policy, concurrency, rate, clock.now, reqs, tally, (slo_ttft_s, slo_tpot_s))
     run.prefill = prefill
     inner = cast(TimedPolicy, dec.policy).policy

@@ -14,8 +14,8 @@ BLS all run this loop.
 
 Chunked prefill (`prefill="chunked"`, the default): a prompt enters in chunks inside the same target pass as
 the running rows' verify blocks, so a long prompt arriving never freezes the rows that stream: each step's
-pass holds at most `step_tokens` tokens (the running rows' largest blocks are reserved first; the chunks get
-the rest, at least a quarter of the budget, so a full batch never starves a prompt). A row whose prompt is
+pass holds at most `step_tokens` tokens (the running rows' chosen blocks come first; the chunks get the
+rest, at least a quarter of the budget, so a full batch never starves a prompt). A row whose prompt is
 not all in is not drafted for; the drafter is handed its prompt's features chunk by chunk, as the target
 computes them. With no row running, a step holds only prompts and the budget protects nobody: the prompts
 go in whole. `prefill="separate"` prefills every joining row whole in a call of its own at the start of the
@@ -51,7 +51,7 @@ from ..runtime.base import (
 from .acceptance import Proposal, acceptance_rule
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing, PromptHealer
-from .policy import BlockPolicy, FixedBlocks, own_or_cap
+from .policy import BlockPolicy, FixedBlocks
 from .request import (
     GenerationConfig,
     GenerationResult,
@@ -105,6 +105,7 @@ class BatchRow:
         self.generated: list[int] = []
         self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
         self.backlog = 0  # their rows: context the drafter's next draft for this row takes in
+        self.last_block = config.block_size or 1  # its block on the last step (what the next step reserves)
         self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
         self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
         self.stop_string: str | None = None
@@ -406,12 +407,18 @@ class BatchDecoder:
     # ---- the parts of a round -----------------------------------------------------------
     def _plan(self, rows: list[BatchRow]) -> tuple[list[int], list[Chunk]]:
         """This step's block sizes and prompt chunks. The chunks are planned first, from what the budget leaves
-        after every running row's largest block, so that the policy prices the pass they share."""
+        after the rows' blocks of the step before (a request's own size; 1 for a row that has not verified), so
+        that the policy prices the pass they share; then they are cut to what the chosen blocks leave. Reserving
+        every row's largest block instead would starve the prompts whenever the policy drafts little (at a large
+        batch, where it matters most); reserving nothing would have the policy price chunks the pass cannot hold."""
         step = self._step_rows(rows)
-        chunks = self._chunks(sum(own_or_cap(step)))
+        chunks = self._chunks(sum(r.last_block for r in rows))
         if chunks:
             step = replace(step, chunk_rows=len(chunks), chunk_tokens=sum(c.size for c in chunks))
-        return self.policy.choose(step), chunks
+        sizes = self.policy.choose(step)
+        for r, b in zip(rows, sizes):
+            r.last_block = b
+        return sizes, self._cut(chunks, self._room(sum(sizes))) if chunks else chunks
 
     def _step_rows(self, rows: list[BatchRow]) -> StepRows:
         """The rows' facts as the policy reads them, in one pass: each row's block at most the decoder's block
@@ -440,7 +447,7 @@ class BatchDecoder:
         starves a prompt). None with separate prefill."""
         if self.prefill != "chunked":
             return []
-        room = max(self.step_tokens - reserved, self.step_tokens // 4, 1)
+        room = self._room(reserved)
         chunks = []
         for row in self.joining:
             if room <= 0:
@@ -449,6 +456,21 @@ class BatchDecoder:
             chunks.append(Chunk(row, row.prefilled, size))
             room -= size
         return chunks
+
+    def _room(self, reserved: int) -> int:
+        """Prompt tokens a step's pass takes beside `reserved` tokens of verify blocks."""
+        return max(self.step_tokens - reserved, self.step_tokens // 4, 1)
+
+    @staticmethod
+    def _cut(chunks: list[Chunk], room: int) -> list[Chunk]:
+        """The chunks, in order, cut to `room` tokens in all (a chunk left with nothing waits a step)."""
+        kept = []
+        for c in chunks:
+            if room <= 0:
+                break
+            kept.append(c if c.size <= room else c._replace(size=room))
+            room -= kept[-1].size
+        return kept
 
     def _chunk_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[torch.Tensor]]:
         """The chunks' target rows and tokens; a row's first chunk gives it its rows in the sessions."""

@@ -25,11 +25,15 @@ ACCEPTANCE_RULES = ("rejection", "exact-match")
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """Longest prefix where the draft equals the target's argmax; the argmax after it is the bonus."""
-    # one argmax and one transfer of k + 1 ids, then plain Python: this runs once per row per step, and a
-    # handful of tiny tensor ops per row is what the host pays at hundreds of rows
-    posterior = target_logits.argmax(-1).tolist()
+    return greedy_prefix(draft.tolist(), target_logits.argmax(-1).tolist())
+
+
+def greedy_prefix(draft: list[int], posterior: list[int]) -> tuple[int, int]:
+    """`accept_greedy` on token ids: the draft d[0..k-1] against the target's argmax after each of the block's
+    k + 1 positions. Plain Python: it runs once per row per step, and a handful of tiny tensor ops per row is
+    what the host pays at hundreds of rows."""
     accepted = 0
-    for proposed, chosen in zip(draft.tolist(), posterior):
+    for proposed, chosen in zip(draft, posterior):
         if proposed != chosen:
             break
         accepted += 1

@@ -487,9 +487,10 @@ def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCos
 
 POLISH_MOVES = 3  # single-row changes after the sweep, under a bent token cost (see `_polish`)
 # ... for steps of at most this many rows: each move is O(rows x sizes) work, and the sweep's overshoot is one
-# row's jump, which matters among a few rows and is a rounding among hundreds, where the moves would be a
-# large share of the policy's time per step (docs/benchmarks.md, "The policy solve is cheap")
-POLISH_MAX_ROWS = 64
+# row's jump, which matters among a few rows and is a rounding among dozens, where the moves and the second
+# sweep would be a large share of the host's time per step (docs/benchmarks.md, "The policy solve is cheap",
+# and the host-work table of `make bench-parts`)
+POLISH_MAX_ROWS = 32
 
 
 def _polish(

@@ -48,7 +48,7 @@ from ..runtime.base import (
     TargetOutput,
     TargetSession,
 )
-from .acceptance import Proposal, acceptance_rule
+from .acceptance import Proposal, acceptance_rule, greedy_prefix
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing, PromptHealer
 from .policy import BlockPolicy, FixedBlocks
@@ -579,7 +579,9 @@ class BatchDecoder:
         drafter is handed their features."""
         # the logits stay on the engine's device: adjustment and acceptance run there; only token ids come back
         logits = row.adjusted(out.logits, drafted)
-        if not drafted:  # the target alone: its own next token
+        if not row.sampled and logits is out.logits:  # greedy on the pass's own logits: its argmax, one for the batch
+            accepted, bonus = greedy_prefix(drafted, out.argmax())
+        elif not drafted:  # the target alone: its own next token
             accepted, bonus = 0, next_token(logits[0], row.params, row.generator)
         else:
             accepted, bonus = row.rule.accept(proposal, logits)

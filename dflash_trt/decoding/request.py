@@ -38,7 +38,7 @@ class GenerationConfig:
     heal_prompt: bool = False
 
 
-@dataclass
+@dataclass(slots=True)
 class RoundTimings:
     """Seconds one step spent in each part (the decoder's clock)."""
 
@@ -49,7 +49,7 @@ class RoundTimings:
     total_s: float = 0.0  # the whole step, bookkeeping (stop check, text) included
 
 
-@dataclass
+@dataclass(slots=True)
 class Round:
     """Tokens committed by one step: the prefill's first token, or a verified block."""
 

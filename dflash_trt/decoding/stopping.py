@@ -22,6 +22,8 @@ class StopChecker:
 
     def stop_token(self, new: Sequence[int]) -> int | None:
         """How many of the `new` tokens to keep when one is a stop token (it is kept), else None."""
+        if not self.stop_token_ids:
+            return None
         for i, t in enumerate(new):
             if t in self.stop_token_ids:
                 return i + 1

@@ -26,15 +26,41 @@ from typing import Protocol, runtime_checkable
 import torch
 
 
-@dataclass
+class PassArgmax:
+    """The argmax of every logits row of one target pass, taken for the whole pass on first use: one op and one
+    transfer to the host instead of one of each per verify row, which at hundreds of rows is most of what a
+    greedy step costs the host. An engine that already knows the ids (a simulation) hands them in."""
+
+    def __init__(self, logits: torch.Tensor | None, ids: list[int] | None = None):
+        # logits: [tokens, vocab] every row's logits of the pass, packed in row order
+        self._logits, self._ids = logits, ids
+
+    def ids(self, start: int, stop: int) -> list[int]:
+        if self._ids is None:
+            assert self._logits is not None
+            self._ids = self._logits.argmax(-1).tolist()
+            self._logits = None
+        return self._ids[start:stop]
+
+
+@dataclass(slots=True)
 class TargetOutput:
     """One row's result of a target pass."""
 
     logits: torch.Tensor  # [n, vocab] float32 (n = 1 when last_logits_only), on the engine's device
     features: torch.Tensor | None  # [n, len(feature_layer_ids) * hidden], or None when not asked for
+    # the pass's argmax, shared by its rows (None: this row takes its own); `logits` are its rows [start, start + n)
+    pass_argmax: PassArgmax | None = None
+    start: int = 0
+
+    def argmax(self) -> list[int]:
+        """The id of each logits row's largest logit: the target's greedy token after each scored position."""
+        if self.pass_argmax is not None:
+            return self.pass_argmax.ids(self.start, self.start + self.logits.shape[0])
+        return self.logits.argmax(-1).tolist()
 
 
-@dataclass
+@dataclass(slots=True)
 class Draft:
     """One row's result of a drafter pass."""
 
@@ -46,7 +72,7 @@ class Draft:
     step_scores: torch.Tensor | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class DraftRequest:
     """One row's part of a drafter call."""
 

@@ -21,6 +21,7 @@ Drafter: the same slot scheme for its context cache; one round for all rows is
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple, cast
@@ -32,7 +33,7 @@ from ..models.attention import grouped_attention
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import packed_round
 from ..models.target import DTYPES, load_target
-from .base import Draft, DraftRequest, EngineOptions, TargetOutput
+from .base import Draft, DraftRequest, EngineOptions, PassArgmax, TargetOutput
 from .hybrid import HfRowsSession, layered_refusal
 from .rows import SlotCacheRows
 
@@ -211,11 +212,13 @@ class TorchTargetSession(SlotCacheRows):
         feats = torch.split(torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1), counts) if want else None
         head = e.model.get_output_embeddings()
         if last_logits_only:
-            last = e.base.norm(x[0, count_t.cumsum(0) - 1])  # [b, H]
-            per_row = list(head(last).float().split(1))
+            logits = head(e.base.norm(x[0, count_t.cumsum(0) - 1])).float()  # [b, V]
+            scored = [1] * b
         else:
-            per_row = list(head(e.base.norm(x[0])).float().split(counts))
-        return [TargetOutput(logits=per_row[i], features=None if feats is None else feats[i]) for i in range(b)]
+            logits, scored = head(e.base.norm(x[0])).float(), counts  # [T, V]
+        per_row, top = logits.split(scored), PassArgmax(logits)
+        first = list(itertools.accumulate(scored, initial=0))
+        return [TargetOutput(per_row[i], None if feats is None else feats[i], top, first[i]) for i in range(b)]
 
 
 # Rows with more new tokens than this (prompt chunks) attend apart from the others (verify blocks, at most a

@@ -22,13 +22,14 @@ KV-cache lengths and rollbacks, and the time every pass takes (`cost.PassCost`, 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ..runtime.base import Draft, DraftRequest, TargetOutput
+from ..runtime.base import Draft, DraftRequest, PassArgmax, TargetOutput
 from ..runtime.rows import RowSlots
 from .acceptance import AcceptanceProfile
 from .cost import PassCost
@@ -119,7 +120,9 @@ class SimTargetSession:
         e = self.engine
         if len(rows) != len(tokens) or len(set(rows)) != len(rows):
             raise ValueError("one token tensor per row, each row once")
-        outs, new, past, logits = [], [], [], 0
+        new, past, logits = [], [], 0
+        top: list[int] = []  # the target's token after each scored position, every row's in turn
+        scored_per_row, feats = [], []
         for row, toks in zip(rows, tokens):
             self.slots.check(row)
             r = self.rows[row]
@@ -132,16 +135,21 @@ class SimTargetSession:
                 r.seed, r.klass = prompt_seed(ids[:SEED_TOKENS]), ids[0] % max(1, e.classes)
             positions = range(r.length, r.length + len(ids))
             scored = positions[-1:] if last_logits_only else positions
-            logit = one_hot([truth(r.seed, q + 1, e.vocab_size) for q in scored], e.vocab_size)
-            feats = None
+            top += [truth(r.seed, q + 1, e.vocab_size) for q in scored]
+            scored_per_row.append(len(scored))
             if features:
-                feats = torch.tensor([[r.klass, r.seed, q] for q in positions], dtype=torch.float64)
-            outs.append(TargetOutput(logit, feats))
+                feats += [(r.klass, r.seed, q) for q in positions]
             new.append(len(ids))
             past.append(r.length)
             # a prompt chunk (longer than any verify block) needs only its last token's logits on a GPU server
             logits += len(scored) if len(ids) <= e.verify_max else 1
             r.length += len(ids)
+        # one tensor each for the pass, viewed per row (as a real engine's packed pass)
+        per_row = torch.split(one_hot(top, e.vocab_size), scored_per_row)
+        per_feats = torch.split(torch.tensor(feats, dtype=torch.float64), new) if features else [None] * len(rows)
+        shared = PassArgmax(None, top)
+        starts = itertools.accumulate(scored_per_row, initial=0)
+        outs = [TargetOutput(lg, f, shared, s) for lg, f, s in zip(per_row, per_feats, starts)]
         e.passes += 1
         e.clock.advance(e.cost.target(new, past, logits))
         return outs

@@ -45,6 +45,77 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos[:, None] + rotated * sin[:, None]
 
 
+# Hugging Face's RMSNorm of these families: weight * (x normalised in float32, cast back). In float32 that is
+# F.rms_norm to the bit (tests/runtime/test_torch_fused.py), one op where the module runs six.
+_RMS_NORMS = frozenset({"Qwen3RMSNorm", "Qwen2RMSNorm", "LlamaRMSNorm", "MistralRMSNorm", "Qwen3MoeRMSNorm"})
+_GATED_MLPS = frozenset({"Qwen3MLP", "Qwen2MLP", "LlamaMLP", "MistralMLP", "Qwen3MoeMLP"})
+
+
+def _norm(module: Any) -> Any:
+    """The norm as one op where it is exactly F.rms_norm (float32), else the module itself."""
+    if type(module).__name__ not in _RMS_NORMS or module.weight.dtype != torch.float32:
+        return module
+    shape, weight, eps = (module.weight.shape[0],), module.weight, float(module.variance_epsilon)
+    return lambda x: torch.nn.functional.rms_norm(x, shape, weight, eps)
+
+
+def _fuse(*linears: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Linear layers that read the same input as one matrix (and bias); the layers' own parameters become views
+    of it, so the weights are held once. One GEMM costs the host one call where it paid one per layer."""
+    weight = torch.cat([m.weight.detach() for m in linears])
+    has_bias = [m.bias is not None for m in linears]
+    bias = torch.cat([m.bias.detach() for m in linears]) if all(has_bias) else None
+    start = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[start : start + n], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[start : start + n], requires_grad=False)
+        start += n
+    return weight, bias
+
+
+class _Layer(NamedTuple):
+    """One decoder layer as the packed pass runs it: its norms (one op each where exact), q/k/v as one
+    projection, and gate/up as one where the MLP is a plain gated one (a mixture of experts runs as its module)."""
+
+    norm_in: Any
+    norm_post: Any
+    q_norm: Any  # None without Qwen3's per-head q/k norms
+    k_norm: Any
+    qkv: tuple[torch.Tensor, torch.Tensor | None]
+    qkv_sizes: list[int]
+    gate_up: tuple[torch.Tensor, torch.Tensor | None] | None
+    mlp: Any
+
+    @classmethod
+    def of(cls, layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        bias = {m.bias is None for m in projections}
+        if len(bias) != 1:
+            raise ValueError("q/k/v projections with and without bias")
+        sizes = [int(m.weight.shape[0]) for m in projections]
+        gated = type(mlp).__name__ in _GATED_MLPS and mlp.gate_proj.bias is None and mlp.up_proj.bias is None
+        qk = hasattr(attn, "q_norm")
+        return cls(
+            _norm(layer.input_layernorm),
+            _norm(layer.post_attention_layernorm),
+            _norm(attn.q_norm) if qk else None,
+            _norm(attn.k_norm) if qk else None,
+            _fuse(*projections),
+            sizes,
+            _fuse(mlp.gate_proj, mlp.up_proj) if gated else None,
+            mlp,
+        )
+
+    def mlp_of(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate_up is None:
+            return cast(torch.Tensor, self.mlp(h))
+        gate, up = torch.nn.functional.linear(h, *self.gate_up).chunk(2, dim=-1)
+        return cast(torch.Tensor, self.mlp.down_proj(self.mlp.act_fn(gate) * up))
+
+
 class RowLayout:
     """Where a call's rows sit in the batch its attention runs on.
 
@@ -98,7 +169,9 @@ class TorchTargetEngine:
         self.n_kv_heads = int(text.num_key_value_heads)
         self.head_dim = int(attn.head_dim)
         self.scaling = float(attn.scaling)
-        self.qk_norm = hasattr(attn, "q_norm")
+        with torch.no_grad():
+            self.plans = [_Layer.of(layer) for layer in self.layers]
+        self.final_norm = _norm(self.base.norm)
 
     @classmethod
     def from_artifact(cls, checkpoint: Path, options: EngineOptions) -> TorchTargetEngine:
@@ -184,14 +257,15 @@ class TorchTargetSession(SlotCacheRows):
         cos, sin = e.base.rotary_emb(x, w_pos[None])
         want = set(e.feature_layer_ids) if features else set()
         outs: dict[int, torch.Tensor] = {}
-        for li, layer in enumerate(e.layers):
+        for li, (layer, plan) in enumerate(zip(e.layers, e.plans)):
             attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_proj(h).view(1, total, -1, e.head_dim)
-            k = attn.k_proj(h).view(1, total, -1, e.head_dim)
-            v = attn.v_proj(h).view(1, total, -1, e.head_dim)
-            if e.qk_norm:
-                q, k = attn.q_norm(q), attn.k_norm(k)
+            h = plan.norm_in(x)
+            q, k, v = (
+                p.view(1, total, -1, e.head_dim)
+                for p in torch.split(torch.nn.functional.linear(h, *plan.qkv), plan.qkv_sizes, dim=-1)
+            )
+            if plan.q_norm is not None:
+                q, k = plan.q_norm(q), plan.k_norm(k)
             q, k = _rope(q.transpose(1, 2), cos, sin), _rope(k.transpose(1, 2), cos, sin)  # [1, heads, T, d]
             ck, cv = self.k[li], self.v[li]
             ck[w_rows, :, w_pos] = k[0].transpose(0, 1)
@@ -204,7 +278,7 @@ class TorchTargetSession(SlotCacheRows):
                     assert g.tokens is not None
                     a[g.tokens] = g.attend(q[0, :, g.tokens].transpose(0, 1), ck, cv, e.scaling)
             x = x + attn.o_proj(a.reshape(1, total, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + plan.mlp_of(plan.norm_post(x))
             if li in want:
                 outs[li] = x[0]
         self._advance(rows, starts, counts)
@@ -212,10 +286,10 @@ class TorchTargetSession(SlotCacheRows):
         feats = torch.split(torch.cat([outs[i] for i in e.feature_layer_ids], dim=-1), counts) if want else None
         head = e.model.get_output_embeddings()
         if last_logits_only:
-            logits = head(e.base.norm(x[0, count_t.cumsum(0) - 1])).float()  # [b, V]
+            logits = head(e.final_norm(x[0, count_t.cumsum(0) - 1])).float()  # [b, V]
             scored = [1] * b
         else:
-            logits, scored = head(e.base.norm(x[0])).float(), counts  # [T, V]
+            logits, scored = head(e.final_norm(x[0])).float(), counts  # [T, V]
         per_row, top = logits.split(scored), PassArgmax(logits)
         first = list(itertools.accumulate(scored, initial=0))
         return [TargetOutput(per_row[i], None if feats is None else feats[i], top, first[i]) for i in range(b)]

@@ -58,6 +58,10 @@ class Optimum:
         strength = sorted(range(len(self.gains)), key=lambda c: -float(self.gains[c][0]))
         ordered = all(bool((self.gains[a] >= self.gains[b]).all()) for a, b in zip(strength, strength[1:]))
         self.order: list[int] | None = strength if ordered else None
+        if self.order is not None:  # every class's gains, in that order, then sorted best first (`_strongest`)
+            values = np.concatenate([self.gains[c] for c in self.order])
+            self._by_gain = np.argsort(-values, kind="stable")
+            self._sorted_gains = values[self._by_gain]
 
     @property
     def gap(self) -> float:
@@ -127,10 +131,7 @@ class Optimum:
         assert self.order is not None
         counts = np.bincount(klass, minlength=len(self.gains))[self.order]
         take = np.minimum(counts, np.maximum(0, m - np.concatenate(([0], np.cumsum(counts)[:-1]))))
-        values = np.concatenate([self.gains[c] for c in self.order])
-        weights = np.repeat(take, MAX_DRAFTS)
-        idx = np.argsort(-values, kind="stable")
-        values, weights = values[idx], weights[idx]
+        values, weights = self._sorted_gains, np.repeat(take, MAX_DRAFTS)[self._by_gain]
         cum_w = np.concatenate(([0], np.cumsum(weights)))
         cum_v = np.concatenate(([0.0], np.cumsum(values * weights)))
         j = np.clip(np.searchsorted(cum_w, k, side="right") - 1, 0, len(values) - 1)

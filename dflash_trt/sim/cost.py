@@ -172,7 +172,7 @@ class ProfileCost:
     def comm_floor(self, tokens: np.ndarray) -> np.ndarray:
         """A lower bound of `comm` at these token counts (vectorised)."""
         if self.tp == 1:
-            return np.zeros(len(tokens))
+            return np.zeros(np.shape(tokens))
         size = np.asarray(tokens, np.float64) * self.shape.hidden * self.shape.bytes_per_value
         return np.where(size > 0, 2 * (self.all_reduce.curve(size, self.tp) + NCCL_LAUNCH_S), 0.0)
 

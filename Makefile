@@ -170,8 +170,9 @@ bench-load: venv aiperf-env
 
 # Serving simulated from measured profiles (Vidur's A100 and H100 op profiles; no GPU, no model): the real batched
 # loop and policies (none, fixed-4/8/16, adaptive, TensorRT-LLM's schedule with and without its threshold, tuned
-# tables, the exact per-step optimum) on simulated engines at concurrency 1..256, 3 seeds, plus calibrations; writes
-# results/sim/. The full grid is hours of CPU (results/sim/README.md says how long); BENCH_SIM_ARGS="--reduced",
+# tables, the exact per-step optimum) on simulated engines, plus calibrations; writes results/sim/. By default a
+# labelled reduced grid (4 setup x workload pairs, C = 1/8/32/128, 2 seeds: about 12 minutes on 2 CPUs);
+# BENCH_SIM_ARGS="--full" runs the whole grid (C = 1..256, 3 seeds: about 8 CPU-hours), and
 # "--setups a100:llama-3-8b:1 --workloads mixed" or "--concurrency 8 32" run parts.
 bench-sim: venv
 	$(BIN)/python scripts/bench_sim.py --out results/sim $(BENCH_SIM_ARGS)

@@ -1,11 +1,14 @@
 """Serving simulated from measured profiles: the real batched loop and block-size policies on simulated GPUs.
 
-    python scripts/bench_sim.py [--out results/sim] [--smoke | --reduced] [--setups ...] [--concurrency ...]
+    python scripts/bench_sim.py [--out results/sim] [--full | --smoke] [--setups ...] [--concurrency ...]
 
-Sweeps (closed loop) concurrency 1..256 x policies x workloads ("paper": each request from one of the paper's
-Qwen3-8B T=0 benchmarks; "mixed": half the requests accept poorly, tau ~2 at block 16) x 3 seeds, at
-max(512, 16 x C) requests a cell, on Vidur's measured profiles: A100 Llama-3-8B tp=1 and Llama-3-70B tp=4,
-H100 Llama-2-7B tp=1 and Llama-2-70B tp=4 (dflash_trt/sim). Policies, in two phases:
+Two grids. The default, REDUCED (about 12 minutes with --jobs 2 on 2 CPUs, 2 seeds): A100 Llama-3-8B tp=1 on
+`paper` and `mixed`, H100 Llama-2-7B tp=1 on `paper`, H100 Llama-2-70B tp=4 on `mixed`, at concurrency
+1/8/32/128, 32 requests at C=1 and max(64, 8 x C) above. `--full` (about 8 CPU-hours: 4 hours with --jobs 2):
+concurrency 1..256 x workloads ("paper": each request from one of the paper's Qwen3-8B T=0 benchmarks;
+"mixed": half the requests accept poorly, tau ~2 at block 16) x every setup x 3 seeds, at max(512, 16 x C)
+requests a cell, on Vidur's measured profiles: A100 Llama-3-8B tp=1 and Llama-3-70B tp=4, H100 Llama-2-7B
+tp=1 and Llama-2-70B tp=4 (dflash_trt/sim). Both run every policy, in two phases:
 
   1. none, fixed-4/8/16, adaptive, trtllm-schedule (as DFlashDecodingConfig configures it: no acceptance
      threshold), trtllm-schedule-threshold (the threshold set: a named variant) and optimum (the exact
@@ -29,6 +32,7 @@ explanations computed from the run) and sim.png. Nothing here runs a model; ever
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -50,6 +54,15 @@ WORKLOADS = ("paper", "mixed")
 PHASE1 = (*FIXED, "adaptive", "trtllm-schedule", "trtllm-schedule-threshold", "optimum")
 SHOWN = (*PHASE1[:-1], *TUNED, "optimum")  # the tables' column order
 SEEDS = 3
+# The default grid (module docstring): every check of issue 40 has a cell in it, within ~12 minutes on 2 CPUs
+REDUCED_GROUPS = (
+    ("a100", "llama-3-8b", 1, "paper"),
+    ("a100", "llama-3-8b", 1, "mixed"),
+    ("h100", "llama-2-7b", 1, "paper"),
+    ("h100", "llama-2-70b", 4, "mixed"),
+)
+REDUCED_CONCURRENCY = (1, 8, 32, 128)
+REDUCED_SEEDS = 2
 PREFILL_AT = 32  # the concurrency at which chunked and separate prefill are run side by side
 SLO = {"ttft_s": 2.0, "tpot_s": 0.05}
 SGLANG = {"c1": 5.1, "c32": 2.8}  # dflash.md: SGLang, one B200, Qwen3-8B MATH500
@@ -57,9 +70,15 @@ BLOCK_OF = {"none": 1, "fixed-4": 4, "fixed-8": 8, "fixed-16": 16}
 
 
 def requests_for(c: int, scale: float) -> int:
-    """max(512, 16 x C) requests (times `scale` in reduced and smoke runs): the review found 4 x C too short a
-    steady window (ratios read a few percent high)."""
+    """max(512, 16 x C) requests (times `scale` in smoke runs): the review found 4 x C too short a steady window
+    (ratios read a few percent high)."""
     return max(1, round(scale * max(512, 16 * c)))
+
+
+def reduced_requests(c: int) -> int:
+    """The reduced grid's requests a cell: 32 at C=1 (a cell of single-row steps is the costliest per request;
+    one row's steady state needs no long window), max(64, 8 x C) above (twice the 4 x C the review found short)."""
+    return 32 if c == 1 else max(64, 8 * c)
 
 
 def run_cell(cell: tuple) -> dict:
@@ -106,16 +125,15 @@ def _one_thread() -> None:
 
 def _cells(args, policies: tuple[str, ...], tables: dict | None = None) -> list[tuple]:
     cells = []
-    for gpu, model, tp in args.setups:
-        for wl in args.workloads:
-            for c in args.concurrency:
-                prefills = [args.prefill]
-                if args.compare_prefill and c == PREFILL_AT:
-                    prefills = ["chunked", "separate"]
-                for prefill, seed, policy in ((p, s, q) for p in prefills for s in range(args.seeds) for q in policies):
-                    key = f"{gpu}/{model}/{tp}/{wl}/{prefill}"
-                    table = (tables or {}).get(key)
-                    cells.append((gpu, model, tp, wl, c, policy, requests_for(c, args.scale), seed, prefill, table))
+    for gpu, model, tp, wl in args.groups:
+        for c in args.concurrency:
+            prefills = [args.prefill]
+            if args.compare_prefill and c == PREFILL_AT:
+                prefills = ["chunked", "separate"]
+            for prefill, seed, policy in ((p, s, q) for p in prefills for s in range(args.seeds) for q in policies):
+                key = f"{gpu}/{model}/{tp}/{wl}/{prefill}"
+                table = (tables or {}).get(key)
+                cells.append((gpu, model, tp, wl, c, policy, args.requests(c), seed, prefill, table))
     return cells
 
 
@@ -436,6 +454,42 @@ def explanations(runs: list[dict]) -> list[str]:
             f"(mean over cells; worst cell {100 * max(gaps):.2f} %) of a proven upper bound of the per-step "
             "optimum (dflash_trt/sim/optimum.py), so adaptive / optimum is exact to that margin."
         )
+    lines += below_tuned(runs)
+    return lines
+
+
+def below_tuned(runs: list[dict]) -> list[str]:
+    """Where adaptive reads below the tuned table: which prefill, the cells' TTFT (how long prompts wait to
+    enter), and whether the per-step optimum is below the table there too."""
+    low = {k: statistics.mean(v) for k, v in _ratios(runs, "adaptive", "tuned-table").items() if statistics.mean(v) < 1}
+    if not low:
+        return []
+    ttft: dict[tuple, dict[str, list[float]]] = {}
+    for r in runs:
+        key = (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
+        if key in low:
+            ttft.setdefault(key, {}).setdefault(r["policy"], []).append(r["ttft_ms"]["p50"] / 1e3)
+    opt = {k: statistics.mean(v) for k, v in _ratios(runs, "optimum", "tuned-table").items() if k in low}
+    modes = sorted({k[4] for k in low})
+    total = len(_ratios(runs, "adaptive", "tuned-table"))
+    lines = [
+        f"- adaptive is below the tuned table in {len(low)} of {total} cells, all with {' / '.join(modes)} prefill; "
+        f"the per-step optimum is below it in {sum(v < 1 for v in opt.values())} of them. Per cell: adaptive / "
+        "tuned-table, optimum / tuned-table, TTFT p50 of adaptive against the tuned table (mean of seeds):"
+    ]
+    for k, v in sorted(low.items(), key=lambda kv: kv[1]):
+        t = ttft[k]
+        a, b = statistics.mean(t.get("adaptive", [math.nan])), statistics.mean(t.get("tuned-table", [math.nan]))
+        lines.append(
+            f"  - {'/'.join(str(x) for x in k)}: {v:.3f}x, {opt.get(k, math.nan):.3f}x, TTFT p50 {a:.2f} s against "
+            f"{b:.2f} s."
+        )
+    lines.append(
+        f"  - The reading (from the TTFT above, not isolated): under chunked prefill a step holds at most "
+        f"{SIM_STEP_TOKENS} tokens and the rows' verify blocks are reserved first, so longer blocks leave less of "
+        "the budget to waiting prompts (a quarter at least): they wait longer to enter and fewer rows decode. "
+        "Adaptive and the optimum price one step, not that, so there the per-step optimum is no bound on the run."
+    )
     return lines
 
 
@@ -469,14 +523,14 @@ def gpu_section(g: dict) -> list[str]:
     return lines
 
 
-def plot(runs: list[dict], path: Path) -> None:
+def plot(runs: list[dict], path: Path, prefill: str | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     s = summary(runs)
-    panels = sorted({k[:5] for k in s})
+    panels = sorted({k[:5] for k in s if prefill is None or k[4] == prefill})  # the grid's (not the side-by-side)
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.2), squeeze=False)
     for ax, group in zip(axes[0], panels):
         for policy in SHOWN:
@@ -517,6 +571,26 @@ LEAVES_OUT = [
 ]
 
 
+def mode_lines(s: dict) -> list[str]:
+    """What the grid that ran holds, and (reduced) what it leaves out of the full one."""
+    groups = s.get("groups")
+    if not groups:
+        return []
+    held = "; ".join(f"{g.upper()} {m} tp={tp} `{wl}`" for g, m, tp, wl in groups)
+    conc = "/".join(str(c) for c in s["concurrency"])
+    what = f"{held}; C = {conc}; {s['seeds']} seed{'s' if s['seeds'] > 1 else ''}; {s['requests_rule']}"
+    if s["mode"].startswith("reduced"):
+        return [
+            f"**Mode: reduced**, the default grid, sized for `make bench-sim` to take about 12 minutes on 2 CPUs: {what}.",
+            f"Chunked and separate prefill side by side at C={PREFILL_AT}. It leaves out the other concurrencies and",
+            "setup x workload pairs and has shorter steady windows and fewer seeds than the full grid (ratios read",
+            "with a wider spread); `scripts/bench_sim.py --full` runs every setup on both workloads at C = 1..256, 3",
+            "seeds, max(512, 16 x C) requests a cell (about 8 CPU-hours).",
+            "",
+        ]
+    return [f"**Mode: {s['mode']}**: {what}.", ""]
+
+
 def readme(res: dict) -> str:
     s = res["settings"]
     lines = [
@@ -526,9 +600,12 @@ def readme(res: dict) -> str:
         "on fake engines whose passes advance a virtual clock by the time Vidur's measured operator profiles give",
         "for their shape (`dflash_trt/sim`, data in `data/profiles/vidur/`). Acceptance: per-position rates",
         "fitted to the paper's Qwen3-8B block-16 tau per benchmark.",
-        f"Made by `make bench-sim` ({s['minutes']} min on {s['machine']}, mode {s['mode']}).",
+        f"Made by `make bench-sim` ({s['minutes']} min wall on {s['machine']}"
+        + (f", {s['jobs']} worker process{'es' if s['jobs'] > 1 else ''}" if s.get("jobs") else "")
+        + f", mode {s['mode']}).",
         *([f"**{s['note']}**"] if s.get("note") else []),
         "",
+        *mode_lines(s),
         f"Closed loop, {s['requests_rule']}, {s['seeds']} seeds; prompts `{s['prompt_len']}`, outputs",
         f"`{s['output_len']}` tokens; host {1e3 * s['host_step_s']:.2f} ms per step; greedy (T=0). Peers: see",
         "dflash_trt/sim/policies.py (trtllm-schedule as DFlashDecodingConfig configures it, no threshold;",
@@ -554,8 +631,15 @@ def readme(res: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "sim", help="output folder")
-    ap.add_argument("--smoke", action="store_true", help="a few cells only (seconds): checks the pipeline")
-    ap.add_argument("--reduced", action="store_true", help="concurrency 1/8/32/256, a quarter of the requests")
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument(
+        "--full",
+        action="store_true",
+        help="the whole grid instead of the reduced default: 4 setups x 2 workloads x C=1..256 x 10 policies x 3\n"
+        "seeds at max(512, 16 x C) requests a cell; about 8 CPU-hours (4 hours wall with --jobs 2)",
+    )
+    mode.add_argument("--smoke", action="store_true", help="a few cells only (seconds): checks the pipeline")
+    ap.add_argument("--note", help="a line for README.md (how the machine was shared while it ran, ...)")
     ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
     ap.add_argument("--load-results", type=Path, default=ROOT / "results" / "load" / "results.json")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)")
@@ -566,10 +650,10 @@ def main() -> None:
         action="store_false",
         help=f"skip running chunked and separate prefill side by side at C={PREFILL_AT}",
     )
-    ap.add_argument("--setups", nargs="+", help="gpu:model:tp items (default: all four measured setups)")
-    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), help="workloads (default: paper mixed)")
-    ap.add_argument("--concurrency", nargs="+", type=int, help="concurrencies (default: 1..256, powers of 2)")
-    ap.add_argument("--seeds", type=int, default=SEEDS, help=f"seeds per cell (default {SEEDS})")
+    ap.add_argument("--setups", nargs="+", help="gpu:model:tp items (replace the mode's setup x workload pairs)")
+    ap.add_argument("--workloads", nargs="+", help="workloads (with --setups or alone: every setup x these)")
+    ap.add_argument("--concurrency", nargs="+", type=int, help="concurrencies (default: the mode's)")
+    ap.add_argument("--seeds", type=int, help=f"seeds per cell (default: {REDUCED_SEEDS} reduced, {SEEDS} full)")
     ap.add_argument("--rates", nargs="*", type=float, help="Poisson arrival rates, req/s (default 4 16; none: skip)")
     ap.add_argument(
         "--calibrations", nargs="*", default=["cpu", "gpu"], help="calibrations to run (default: cpu gpu; none: skip)"
@@ -578,36 +662,49 @@ def main() -> None:
     if args.readme_only:
         (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
         return
-    args.setups = [(g, m, int(t)) for g, m, t in (s.split(":") for s in args.setups)] if args.setups else SETUPS
-    args.concurrency = args.concurrency or CONCURRENCY
     rates = (4, 16) if args.rates is None else tuple(args.rates)
-    args.scale, args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = 1.0, rates, 256, 2048, 4
-    if args.reduced:
-        args.concurrency, args.scale = (1, 8, 32, 256), 0.25
-    if args.smoke:
-        args.setups, args.workloads, args.concurrency, args.seeds = [SETUPS[0]], ["mixed"], [2], 1
-        args.scale, args.rates, args.poisson_requests = 16 / 512, (8,), 8
+    args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
+    args.mode = "smoke" if args.smoke else "full" if args.full else "reduced"
+    custom = [f for f in ("setups", "workloads", "concurrency", "seeds") if getattr(args, f) is not None]
+    if args.full:
+        groups = [(*s, wl) for s in SETUPS for wl in WORKLOADS]
+        conc, seeds, args.requests = CONCURRENCY, SEEDS, functools.partial(requests_for, scale=1.0)
+        rule = "max(512, 16 x C) requests per cell, steady window"
+    elif args.smoke:
+        groups, conc, seeds = [(*SETUPS[0], "mixed")], (2,), 1
+        args.requests, rule = functools.partial(requests_for, scale=16 / 512), "16 requests per cell"
+        args.rates, args.poisson_requests = (8,), 8
+    else:
+        groups, conc, seeds, args.requests = list(REDUCED_GROUPS), REDUCED_CONCURRENCY, REDUCED_SEEDS, reduced_requests
+        rule = "32 requests at C=1, max(64, 8 x C) above, steady window"
+    if args.setups or args.workloads:
+        setups = [(g, m, int(t)) for g, m, t in (x.split(":") for x in args.setups)] if args.setups else SETUPS
+        groups = [(*st, wl) for st in setups for wl in (args.workloads or WORKLOADS)]
+    args.groups = groups
+    args.concurrency = args.concurrency or conc
+    args.seeds = args.seeds or seeds
     t0 = time.perf_counter()
     runs, tuned, pois, cpu, gpu = sweep(args)
     checks = criteria(runs, gpu)
     w = workload("paper")
     res = {
         "settings": {
-            "setups": [list(s) for s in args.setups],
-            "workloads": list(args.workloads),
+            "groups": [list(g) for g in args.groups],  # (gpu, model, tp, workload) pairs the grid ran
             "policies": list(SHOWN),
             "concurrency": list(args.concurrency),
             "seeds": args.seeds,
             "prefill": args.prefill,
             "step_tokens": SIM_STEP_TOKENS,
-            "requests_rule": f"max({round(512 * args.scale)}, {16 * args.scale:g} x C) requests per cell, steady window",
+            "requests_rule": rule,
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,
             "host_step_s": HOST_STEP_S,
             "slo": SLO,
             "machine": f"{os.cpu_count()} CPUs",
+            "jobs": args.jobs,
             "minutes": round((time.perf_counter() - t0) / 60, 1),
-            "mode": "smoke" if args.smoke else "reduced" if args.reduced else "full",
+            "mode": args.mode + (f" ({', '.join(custom)} set by hand)" if custom else ""),
+            **({"note": args.note} if args.note else {}),
         },
         "runs": sorted(
             runs, key=lambda r: (r["gpu"], r["model"], r["workload"], r["concurrency"], r["policy"], r["seed"])
@@ -619,7 +716,7 @@ def main() -> None:
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-    plot(runs, args.out / "sim.png")
+    plot(runs, args.out / "sim.png", args.prefill)
     (args.out / "README.md").write_text(readme(res))
     for c in checks:
         print(("PASS " if c["passed"] else "FAIL ") + c["what"] + ": " + c["figure"], flush=True)

@@ -15,7 +15,7 @@ that gives a recorded tau at its block size (`from_tau`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 DECAY = 0.99
@@ -65,8 +65,9 @@ class AcceptanceProfile:
         the row's acceptance, as the adaptive policy keeps, would read if it were exact)."""
         return AcceptanceProfile.fit(self.name, self.tau(block), block, decay=1.0).rates[0]
 
-    def accepted(self, draws: Sequence[float]) -> int:
-        """Accepted positions for uniform draws in [0, 1), one per drafted position."""
+    def accepted(self, draws: Iterable[float]) -> int:
+        """Accepted positions for uniform draws in [0, 1), one per drafted position (taken up to the first
+        rejection: an iterator is drawn no further)."""
         k = 0
         for u, r in zip(draws, self.rates):
             if u >= r:

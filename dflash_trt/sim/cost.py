@@ -143,9 +143,16 @@ class ProfileCost:
         self.op(1)  # fail now on a tp the profile lacks
 
     def op(self, tokens: float, name: str | None = None) -> float:
-        n = tokens / self.token_scale
-        t = self.ops.layer(n, self.tp) if name is None else self.ops.op(name, n, self.tp)
-        return t / self.time_scale
+        """One op's (`name`) or a whole layer's (None) seconds at `tokens` tokens, remembered per (tokens, name):
+        a run prices the same few token counts thousands of times."""
+        known = self.__dict__.setdefault("_ops", {})
+        t = known.get((tokens, name))
+        if t is None:
+            n = tokens / self.token_scale
+            t = known[tokens, name] = (
+                self.ops.layer(n, self.tp) if name is None else self.ops.op(name, n, self.tp)
+            ) / self.time_scale
+        return cast(float, t)
 
     def op_floor(self, tokens: np.ndarray, name: str | None = None) -> np.ndarray:
         """`op` at integer token counts (vectorised), each replaced by the least time of any count at or above
@@ -165,7 +172,7 @@ class ProfileCost:
     def comm_floor(self, tokens: np.ndarray) -> np.ndarray:
         """A lower bound of `comm` at these token counts (vectorised)."""
         if self.tp == 1:
-            return np.zeros(len(tokens))
+            return np.zeros(np.shape(tokens))
         size = np.asarray(tokens, np.float64) * self.shape.hidden * self.shape.bytes_per_value
         return np.where(size > 0, 2 * (self.all_reduce.curve(size, self.tp) + NCCL_LAUNCH_S), 0.0)
 

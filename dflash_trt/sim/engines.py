@@ -26,7 +26,9 @@ import itertools
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
+import numpy as np
 import torch
 
 from ..runtime.base import Draft, DraftRequest, PassArgmax, TargetOutput
@@ -63,6 +65,23 @@ def truth(seed: int, position: int, vocab: int) -> int:
     return (z ^ (z >> 31)) % vocab
 
 
+def truth_many(seed: Sequence[int] | np.ndarray, position: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
+    """`truth` of many (seed, position) pairs at once (uint64 arithmetic wraps mod 2^64: the same ids)."""
+    s, p = np.asarray(seed).astype(np.uint64), np.asarray(position).astype(np.uint64)
+    with np.errstate(over="ignore"):
+        z = s * np.uint64(0x9E3779B97F4A7C15) + p * np.uint64(0xBF58476D1CE4E5B9) + np.uint64(1)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return cast(np.ndarray, ((z ^ (z >> np.uint64(31))) % np.uint64(vocab)).astype(np.int64))
+
+
+def _runs(first: Sequence[int], lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """The integer runs first[i], first[i] + 1, ... of lengths[i], concatenated."""
+    n = np.asarray(lengths, np.int64)
+    offsets = np.repeat(np.cumsum(n) - n, n)
+    return cast(np.ndarray, np.repeat(np.asarray(first, np.int64), n) + np.arange(int(n.sum())) - offsets)
+
+
 def prompt_seed(prompt: Sequence[int]) -> int:
     """A sequence's seed from its prompt (< 2^24, exact in the float features)."""
     h = 0
@@ -71,9 +90,10 @@ def prompt_seed(prompt: Sequence[int]) -> int:
     return h
 
 
-def one_hot(ids: Sequence[int], vocab: int) -> torch.Tensor:
-    out = torch.zeros(len(ids), vocab)
-    out[torch.arange(len(ids)), torch.tensor(list(ids), dtype=torch.long)] = 1.0
+def one_hot(ids: Sequence[int] | np.ndarray | torch.Tensor, vocab: int) -> torch.Tensor:
+    index = ids if isinstance(ids, torch.Tensor) else torch.as_tensor(np.asarray(ids, np.int64))
+    out = torch.zeros(len(index), vocab)
+    out[torch.arange(len(index)), index] = 1.0
     return out
 
 
@@ -121,33 +141,39 @@ class SimTargetSession:
         if len(rows) != len(tokens) or len(set(rows)) != len(rows):
             raise ValueError("one token tensor per row, each row once")
         new, past, logits = [], [], 0
-        top: list[int] = []  # the target's token after each scored position, every row's in turn
-        scored_per_row, feats = [], []
+        seeds, klasses, first_scored, scored_per_row = [], [], [], []
         for row, toks in zip(rows, tokens):
             self.slots.check(row)
             r = self.rows[row]
-            ids = [int(t) for t in toks.tolist()]
-            if not ids:
+            n = len(toks)
+            if not n:
                 raise ValueError("forward needs >= 1 token per row")
-            if r.length + len(ids) > e.max_context:
-                raise ValueError(f"row {row}: {r.length + len(ids)} tokens exceed max_context {e.max_context}")
+            if r.length + n > e.max_context:
+                raise ValueError(f"row {row}: {r.length + n} tokens exceed max_context {e.max_context}")
             if r.length == 0:  # the prompt's first tokens: the sequence's identity, whatever the chunking
-                r.seed, r.klass = prompt_seed(ids[:SEED_TOKENS]), ids[0] % max(1, e.classes)
-            positions = range(r.length, r.length + len(ids))
-            scored = positions[-1:] if last_logits_only else positions
-            top += [truth(r.seed, q + 1, e.vocab_size) for q in scored]
-            scored_per_row.append(len(scored))
-            if features:
-                feats += [(r.klass, r.seed, q) for q in positions]
-            new.append(len(ids))
+                head = toks[:SEED_TOKENS].tolist()
+                r.seed, r.klass = prompt_seed(head), head[0] % max(1, e.classes)
+            scored = 1 if last_logits_only else n
+            seeds.append(r.seed)
+            klasses.append(r.klass)
+            first_scored.append(r.length + n - scored)
+            scored_per_row.append(scored)
+            new.append(n)
             past.append(r.length)
             # a prompt chunk (longer than any verify block) needs only its last token's logits on a GPU server
-            logits += len(scored) if len(ids) <= e.verify_max else 1
-            r.length += len(ids)
-        # one tensor each for the pass, viewed per row (as a real engine's packed pass)
-        per_row = torch.split(one_hot(top, e.vocab_size), scored_per_row)
-        per_feats = torch.split(torch.tensor(feats, dtype=torch.float64), new) if features else [None] * len(rows)
-        shared = PassArgmax(None, top)
+            logits += scored if n <= e.verify_max else 1
+            r.length += n
+        # one tensor each for the pass, viewed per row (as a real engine's packed pass): the target's token after
+        # each scored position q is the truth at q + 1, every row's in turn
+        top = truth_many(np.repeat(seeds, scored_per_row), _runs(first_scored, scored_per_row) + 1, e.vocab_size)
+        per_row = torch.split(one_hot(torch.from_numpy(top), e.vocab_size), scored_per_row)
+        if features:  # rows (class, seed, position) of every new position
+            feats = np.empty((sum(new), 3), np.float64)
+            feats[:, 0], feats[:, 1], feats[:, 2] = np.repeat(klasses, new), np.repeat(seeds, new), _runs(past, new)
+            per_feats: Sequence[torch.Tensor | None] = torch.split(torch.from_numpy(feats), new)
+        else:
+            per_feats = [None] * len(rows)
+        shared = PassArgmax(None, top.tolist())
         starts = itertools.accumulate(scored_per_row, initial=0)
         outs = [TargetOutput(lg, f, shared, s) for lg, f, s in zip(per_row, per_feats, starts)]
         e.passes += 1
@@ -191,6 +217,7 @@ class SimDrafterSession:
         self.engine = engine
         self.slots = RowSlots()
         self.rows: dict[int, _DrafterRow] = {}
+        self.rng = random.Random()  # reseeded per row and block (draft)
 
     def add_row(self) -> int:
         row = self.slots.add()
@@ -209,7 +236,8 @@ class SimDrafterSession:
         e = self.engine
         if len({q.row for q in requests}) != len(requests):
             raise ValueError("a row appears twice in one draft call")
-        drafts, blocks, new, past = [], [], [], []
+        blocks, new, past, seeds, starts, accepted = [], [], [], [], [], []
+        rng = self.rng
         for q in requests:
             self.slots.check(q.row)
             r = self.rows[q.row]
@@ -219,18 +247,25 @@ class SimDrafterSession:
             if r.context == 0:
                 r.klass, r.seed = int(f[0, 0]), int(f[0, 1])
             start = int(f[-1, 2]) + 1  # position of the block's first token (the last committed one)
-            profile = e.profiles[r.klass]
-            rng = random.Random(r.seed * 1_000_003 + start)
-            draws = [rng.random() for _ in range(e.block_size - 1)]
-            k = profile.accepted(draws[: q.block_size - 1])
-            ids = [truth(r.seed, start + i, e.vocab_size) for i in range(1, q.block_size)]
-            if k < len(ids):
-                ids[k] = (ids[k] + 1) % e.vocab_size  # the first rejected position: any other token
-            drafts.append(Draft(one_hot(ids, e.vocab_size), torch.tensor(ids, dtype=torch.long)))
+            rng.seed(r.seed * 1_000_003 + start)  # as a fresh random.Random of that seed
+            # drawn lazily: a draw per position up to the first rejection (the ones after it decide nothing)
+            accepted.append(e.profiles[r.klass].accepted(rng.random() for _ in range(q.block_size - 1)))
+            seeds.append(r.seed)
+            starts.append(start + 1)
             blocks.append(q.block_size)
             new.append(int(f.shape[0]))
             past.append(r.context)
             r.context += int(f.shape[0])
+        # one tensor each for the call, viewed per row: the truth at the block's positions 1..B-1, the first
+        # rejected one (if any) replaced by another token
+        sizes, acc = np.asarray(blocks, np.int64) - 1, np.asarray(accepted, np.int64)
+        ids = truth_many(np.repeat(seeds, sizes), _runs(starts, sizes), e.vocab_size)
+        wrong = (np.cumsum(sizes) - sizes + acc)[acc < sizes]
+        ids[wrong] = (ids[wrong] + 1) % e.vocab_size
+        tokens, split = torch.from_numpy(ids), sizes.tolist()
+        drafts = [
+            Draft(lg, t) for lg, t in zip(torch.split(one_hot(tokens, e.vocab_size), split), torch.split(tokens, split))
+        ]
         e.passes += 1
         e.clock.advance(e.cost.drafter(blocks, new, past))
         return drafts

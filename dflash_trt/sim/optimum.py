@@ -58,6 +58,10 @@ class Optimum:
         strength = sorted(range(len(self.gains)), key=lambda c: -float(self.gains[c][0]))
         ordered = all(bool((self.gains[a] >= self.gains[b]).all()) for a, b in zip(strength, strength[1:]))
         self.order: list[int] | None = strength if ordered else None
+        if self.order is not None:  # every class's gains, in that order, then sorted best first (`_strongest`)
+            values = np.concatenate([self.gains[c] for c in self.order])
+            self._by_gain = np.argsort(-values, kind="stable")
+            self._sorted_gains = values[self._by_gain]
 
     @property
     def gap(self) -> float:
@@ -112,30 +116,36 @@ class Optimum:
         rows = len(klass)
         edges = np.unique(np.round(np.geomspace(1, rows, min(rows, 24))).astype(np.int64))
         lows = np.concatenate(([1], edges[:-1] + 1))
-        for a, b in zip(lows.tolist(), edges.tolist()):
-            if a > b:
-                continue
-            most = tokens if self.order is None else np.minimum(tokens, tokens0 + self._strongest(klass, b, k))
-            m_least = np.maximum(a, np.ceil(k / MAX_DRAFTS)).astype(np.int64)
-            ok = (k >= a) & (m_least <= b)
-            rate = most / (target + floor.drafter(k, m_least))
-            out = np.where(ok, np.maximum(out, rate), out)
-        return out
+        keep = lows <= edges
+        if not keep.any():
+            return out
+        lows, edges = lows[keep], edges[keep]
+        # every interval at once, one row each (the same elementwise sums as one interval at a time)
+        if self.order is None:
+            most = np.broadcast_to(tokens, (len(edges), len(tokens)))
+        else:
+            most = np.minimum(tokens, tokens0 + self._strongest(klass, edges, k))
+        a, b = lows[:, None], edges[:, None]
+        m_least = np.maximum(a, np.ceil(k / MAX_DRAFTS)).astype(np.int64)
+        ok = (k >= a) & (m_least <= b)
+        rate = most / (target + floor.drafter(k, m_least))
+        return cast(np.ndarray, np.maximum(out, np.where(ok, rate, -np.inf).max(axis=0)))
 
-    def _strongest(self, klass: np.ndarray, m: int, k: np.ndarray) -> np.ndarray:
-        """The sum of the k best gains of the m strongest of these rows, each allowed all 15 drafts."""
+    def _strongest(self, klass: np.ndarray, m: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Per m (one row each), the sum of the k best gains of the m strongest of these rows, each allowed all
+        15 drafts."""
         assert self.order is not None
         counts = np.bincount(klass, minlength=len(self.gains))[self.order]
-        take = np.minimum(counts, np.maximum(0, m - np.concatenate(([0], np.cumsum(counts)[:-1]))))
-        values = np.concatenate([self.gains[c] for c in self.order])
-        weights = np.repeat(take, MAX_DRAFTS)
-        idx = np.argsort(-values, kind="stable")
-        values, weights = values[idx], weights[idx]
-        cum_w = np.concatenate(([0], np.cumsum(weights)))
-        cum_v = np.concatenate(([0.0], np.cumsum(values * weights)))
-        j = np.clip(np.searchsorted(cum_w, k, side="right") - 1, 0, len(values) - 1)
-        partial = np.where(k > cum_w[j], (k - cum_w[j]) * values[j], 0.0)
-        return np.where(k >= cum_w[-1], cum_v[-1], cum_v[j] + partial)
+        before = np.concatenate(([0], np.cumsum(counts)[:-1]))
+        take = np.minimum(counts, np.maximum(0, m[:, None] - before))
+        values, weights = self._sorted_gains, np.repeat(take, MAX_DRAFTS, axis=1)[:, self._by_gain]
+        zero = np.zeros((len(m), 1))
+        cum_w = np.concatenate((zero.astype(np.int64), np.cumsum(weights, axis=1)), axis=1)
+        cum_v = np.concatenate((zero, np.cumsum(values * weights, axis=1)), axis=1)
+        j = np.clip(np.stack([np.searchsorted(w, k, side="right") for w in cum_w]) - 1, 0, len(values) - 1)
+        at_w, at_v = np.take_along_axis(cum_w, j, axis=1), np.take_along_axis(cum_v, j, axis=1)
+        partial = np.where(k > at_w, (k - at_w) * values[j], 0.0)
+        return np.where(k >= cum_w[:, -1:], cum_v[:, -1:], at_v + partial)
 
     def observe(self, result: StepResult) -> None:
         return None

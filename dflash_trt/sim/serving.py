@@ -106,9 +106,23 @@ class Workload:
         out = []
         for _ in range(n):
             c = rng.choices(range(len(self.profiles)), weights=self.mix)[0]
-            prompt = [c] + [rng.randrange(len(self.profiles), 256) for _ in range(plen(rng) - 1)]
+            prompt = [c] + _uniform_ids(rng, len(self.profiles), 256, plen(rng) - 1)
             out.append((prompt, olen(rng), c))
         return out
+
+
+def _uniform_ids(rng: random.Random, lo: int, hi: int, n: int) -> list[int]:
+    """`[rng.randrange(lo, hi) for _ in range(n)]`, the same numbers from the same generator state (randrange's
+    rejection sampling on getrandbits of the width's bit length, without its argument checks per call: most of
+    a workload's sampling time)."""
+    width = hi - lo
+    k, bits, out = width.bit_length(), rng.getrandbits, []
+    for _ in range(n):
+        r = bits(k)
+        while r >= width:
+            r = bits(k)
+        out.append(lo + r)
+    return out
 
 
 def workload(name: str, **lengths: str) -> Workload:

@@ -16,10 +16,10 @@ from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.runtime.base import DrafterEngine, DraftRequest, TargetEngine
 from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles, tau_of
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
-from dflash_trt.sim.engines import sim_engines, truth
+from dflash_trt.sim.engines import sim_engines, truth, truth_many
 from dflash_trt.sim.policies import POLICIES, TUNED, KnownAcceptance, Oracle, schedule_draft_len, sim_decoder, table_k
 from dflash_trt.sim.profiles import LAYER_OPS, all_reduce_profile, layer_profile
-from dflash_trt.sim.serving import simulate, workload
+from dflash_trt.sim.serving import _uniform_ids, simulate, workload
 
 ROOT = Path(__file__).resolve().parents[2]
 GREEDY = SamplingParams(0.0)
@@ -96,6 +96,20 @@ def test_acceptance_fit_and_sampling():
     replay = AcceptanceProfile.from_rounds("rec", rounds)
     assert replay.tau(8) == pytest.approx(1 + sum(a for _, a in rounds) / len(rounds), rel=0.03)
     assert AcceptanceProfile.from_tau("t", 4.0, 8).tau(8) == pytest.approx(4.0, abs=1e-6)
+
+
+def test_batched_sampling_draws_what_the_scalar_forms_draw():
+    """The engines' and workloads' vectorised forms are the scalar ones, number for number (a run's figures are
+    bit-identical whichever computes them): `truth_many` is `truth`, `_uniform_ids` is `randrange` in a loop."""
+    rng = random.Random(3)
+    seeds = [0, 1, (1 << 24) - 1] + [rng.randrange(1 << 24) for _ in range(200)]
+    positions = [0, 1, (1 << 20) + 5] + [rng.randrange(1 << 21) for _ in range(200)]
+    for vocab in (256, 255, 7):
+        assert truth_many(seeds, positions, vocab).tolist() == [truth(s, q, vocab) for s, q in zip(seeds, positions)]
+    for lo, hi in ((7, 256), (2, 256), (0, 1), (0, 1000)):
+        a, b = random.Random(11), random.Random(11)
+        assert _uniform_ids(a, lo, hi, 500) == [b.randrange(lo, hi) for _ in range(500)]
+        assert a.random() == b.random()  # and leaves the generator where randrange does
 
 
 def test_engines_honour_the_protocols():

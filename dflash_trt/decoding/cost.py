@@ -48,7 +48,11 @@ class LinearCost:
 
     curve: tuple[tuple[float, float], ...] = ()  # measured (tokens, seconds) of the token term; replaces the line
     # rows and tokens every priced pass holds besides those priced: a step's prompt chunks, which ride in its
-    # verify pass whatever blocks are chosen (chunked prefill). Such a pass is never a one-token pass.
+    # verify pass whatever blocks are chosen (chunked prefill). A choice is priced on top of them (the tokens'
+    # part of the pass from the chunks' tokens on, so a bent cost's slope beyond them counts), never as a
+    # one-token pass, and without the chunks' own seconds: those are spent whatever the rows draft, and in a
+    # step's rate they would lower the bar a draft must clear, so a step with a chunk would draft what plain
+    # steps find not worth it (docs/benchmarks.md, "Chunked prefill and the policy").
     riding_rows: int = 0
     riding_tokens: int = 0
 
@@ -278,14 +282,15 @@ def token_sweep(max_tokens: int) -> list[int]:
 
 
 def price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
-    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price; the riding rows and
-    tokens added, see `LinearCost`). `rows` may be
+    """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price; priced on top of the
+    riding rows and tokens, see `LinearCost`). `rows` may be
     one count for every pass (a verify pass always holds the whole batch), which skips both exceptions'
     array work where they cannot apply."""
     one_count = np.ndim(rows) == 0
-    if cost.riding_rows:  # prompt chunks ride along: the pass is never empty, never a one-token pass
-        riding = np.asarray(tokens, dtype=np.float64) + cost.riding_tokens
-        return np.asarray(cost.fixed + cost.per_row * (rows + cost.riding_rows) + cost.token_seconds(riding))
+    if cost.riding_rows:  # prompt chunks ride along: the pass is never a one-token pass; their own seconds out
+        chunk = np.float64(cost.riding_tokens)
+        on_top = cost.token_seconds(np.asarray(tokens, dtype=np.float64) + chunk) - cost.token_seconds(chunk)
+        return np.asarray(cost.fixed + cost.per_row * rows + on_top)
     out = cost.fixed + cost.per_row * rows + cost.token_seconds(tokens)
     if cost.one_token is not None and not (one_count and rows != 1):
         out = np.where((rows == 1) & (tokens == 1), cost.one_token, out)

@@ -360,7 +360,7 @@ class BatchDecoder:
 
     def _prefill(self, prof: StepProfile) -> list[tuple[BatchRow, Round]]:
         """Every joining row's prompt (what is left of it) whole, in one target call of its own."""
-        chunks = [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in self.joining]
+        chunks = self._rest_of_prompts()
         t0 = self.clock()
         rows, tokens = self._chunk_inputs(chunks)
         outs = self.target_session.forward(
@@ -447,15 +447,11 @@ class BatchDecoder:
         starves a prompt). None with separate prefill."""
         if self.prefill != "chunked":
             return []
-        room = self._room(reserved)
-        chunks = []
-        for row in self.joining:
-            if room <= 0:
-                break
-            size = min(len(row.prompt_ids) - row.prefilled, room)
-            chunks.append(Chunk(row, row.prefilled, size))
-            room -= size
-        return chunks
+        return self._cut(self._rest_of_prompts(), self._room(reserved))
+
+    def _rest_of_prompts(self) -> list[Chunk]:
+        """Every joining row's prompt from where its prefill stands to its end, in order of arrival."""
+        return [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in self.joining]
 
     def _room(self, reserved: int) -> int:
         """Prompt tokens a step's pass takes beside `reserved` tokens of verify blocks."""

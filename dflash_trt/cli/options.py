@@ -46,6 +46,13 @@ def finite_float(text: str) -> float:
     return value
 
 
+def stall_factor(text: str) -> float:
+    value = finite_float(text)
+    if value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number > 1, got {text!r}")
+    return value
+
+
 def token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t != ""]

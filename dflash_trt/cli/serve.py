@@ -117,16 +117,17 @@ def _block_args(p: argparse.ArgumentParser) -> None:
 
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
-    from ..decoding.loop import PREFILL_MODES, STEP_TOKENS
-    from .options import positive_int
+    from ..decoding.chunking import STALL, STEP_TOKENS
+    from ..decoding.loop import PREFILL_MODES
+    from .options import positive_int, stall_factor
 
     pre = p.add_argument_group("prefill (how a new request's prompt enters the batch)")
     pre.add_argument(
         "--prefill",
         choices=PREFILL_MODES,
         default="chunked",
-        help="chunked (default): prompts enter in chunks inside the step's verify pass, at most --step-tokens "
-        "tokens a pass, so a long prompt arriving lengthens the streaming requests' steps a little instead of "
+        help="chunked (default): prompts enter in chunks inside the step's verify pass (see --step-tokens and "
+        "--prefill-stall), so a long prompt arriving lengthens the streaming requests' steps a little instead of "
         "freezing them for its whole prefill; separate: each new prompt whole, in a pass of its own before the "
         "verify pass (the first token a little sooner, every streaming request stalled meanwhile)",
     )
@@ -135,9 +136,17 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=STEP_TOKENS,
         metavar="N",
-        help=f"chunked prefill: the most tokens one step's target pass holds; the running requests' largest "
-        f"blocks are reserved first, the prompt chunks get the rest (at least N/4). Smaller: shorter stalls for "
-        f"the streaming requests, a longer wait for a new request's first token (default {STEP_TOKENS})",
+        help=f"chunked prefill: the most tokens one step's target pass holds; the running requests' blocks "
+        f"are reserved first, the prompt chunks get the rest (at least N/4). Smaller: shorter stalls for the "
+        f"streaming requests, a longer wait for a new request's first token (default {STEP_TOKENS})",
+    )
+    pre.add_argument(
+        "--prefill-stall",
+        type=stall_factor,
+        default=STALL,
+        metavar="X",
+        help=f"chunked prefill: a step with prompt chunks takes at most about X times the running requests' own "
+        f"step (timed from the steps served), however many tokens --step-tokens allows; > 1 (default {STALL})",
     )
 
 
@@ -249,6 +258,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         adaptive=not args.no_adaptive,
         prefill=args.prefill,
         step_tokens=args.step_tokens,
+        prefill_stall=args.prefill_stall,
     )
     from .options import CliError
 

@@ -1,7 +1,8 @@
 """The decoding loop: every active request (a *row*) advances by one step: a drafter pass and a target pass.
 
     step:  plan: block sizes and prompt chunks       the policy (`policy.BlockPolicy`) within the rows' limits;
-                                                     the joining rows' prompts within the step's token budget
+                                                     the joining rows' prompts within the step's budget of
+                                                     tokens and of time (`chunking.ChunkPacer`)
            draft(rows whose block is >= 2)           ONE drafter call, ragged (own context, own block)
            target(every running row + the chunks)    ONE target call, ragged: each running row's block, each
                                                      joining row's next piece of its prompt
@@ -14,10 +15,10 @@ BLS all run this loop.
 
 Chunked prefill (`prefill="chunked"`, the default): a prompt enters in chunks inside the same target pass as
 the running rows' verify blocks, so a long prompt arriving never freezes the rows that stream: each step's
-pass holds at most `step_tokens` tokens (the running rows' chosen blocks come first; the chunks get the
-rest, at least a quarter of the budget, so a full batch never starves a prompt). A row whose prompt is
-not all in is not drafted for; the drafter is handed its prompt's features chunk by chunk, as the target
-computes them. With no row running, a step holds only prompts and the budget protects nobody: the prompts
+pass holds at most `step_tokens` tokens (the running rows' chosen blocks come first; the chunks get the rest,
+at least a quarter of the budget, so a full batch never starves a prompt), and a step with chunks takes at
+most about `stall` times the rows' own step (chunking.py). A row whose prompt is not all in is not drafted
+for; the drafter is handed its prompt's features chunk by chunk, as the target computes them. With no row running, a step holds only prompts and the budget protects nobody: the prompts
 go in whole. `prefill="separate"` prefills every joining row whole in a call of its own at the start of the
 step, before the verify pass: a third pass, which stalls every running row for the whole prefill.
 
@@ -34,7 +35,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from functools import cached_property
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -49,6 +50,7 @@ from ..runtime.base import (
     TargetSession,
 )
 from .acceptance import Proposal, acceptance_rule, greedy_prefix
+from .chunking import STALL, STEP_TOKENS, Chunk, ChunkPacer, cut
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing, PromptHealer
 from .policy import BlockPolicy, FixedBlocks
@@ -68,12 +70,6 @@ from .stopping import StopChecker, truncate_at_stop
 
 NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
 PREFILL_MODES = ("chunked", "separate")
-# The default token budget of one step's target pass (chunked prefill): it bounds how much a prompt that arrives
-# lengthens the running rows' steps. Chosen on the demo CPU: of the budgets tried (128, 256), the one that kept a
-# streaming row's longest gap within 3x its median while a long prompt entered (docs/benchmarks.md, "Chunked
-# prefill"). A smaller budget delays a long prompt's first token; on a GPU, where a pass of a few hundred tokens
-# is still bound by reading the weights, a larger `step_tokens` costs the streaming rows little.
-STEP_TOKENS = 128
 
 
 class BatchRow:
@@ -174,22 +170,15 @@ class BatchRow:
         return self._final
 
 
-class Chunk(NamedTuple):
-    """A joining row's piece of its prompt in this step's target pass: prompt_ids[start:start + size]."""
-
-    row: BatchRow
-    start: int
-    size: int
-
-
 class BatchDecoder:
     """All active requests of one worker; `step()` advances every one of them.
 
     block_size: rows without their own `block_size` use this size (default: the drafter's trained one;
     1 = the target alone); with an adaptive policy it is the largest size the policy may choose.
     clock: seconds for every timing the decoder takes and the policy reads (a simulation passes its own).
-    prefill: "chunked" (prompts enter in chunks inside the verify pass, at most `step_tokens` tokens a pass)
-    or "separate" (each joining prompt whole, in a pass of its own before the verify pass); see the module.
+    prefill: "chunked" (prompts enter in chunks inside the verify pass, at most `step_tokens` tokens a pass, a
+    step with chunks at most about `stall` times the rows' own) or "separate" (each joining prompt whole, in a
+    pass of its own before the verify pass); see the module.
 
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
     `cancel` and `step` belong to the one thread that runs the engines."""
@@ -205,12 +194,11 @@ class BatchDecoder:
         clock: Callable[[], float] = time.perf_counter,
         prefill: str = "chunked",
         step_tokens: int = STEP_TOKENS,
+        stall: float = STALL,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        if step_tokens < 1:
-            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
-        self.prefill, self.step_tokens = prefill, step_tokens
+        self.prefill, self.pacer = prefill, ChunkPacer(step_tokens, stall)
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
@@ -353,6 +341,7 @@ class BatchDecoder:
         result.profile.committed_tokens = sum(len(r.token_ids) for _, r in result.rounds)
         result.profile.total_s = self.clock() - t_start
         self.policy.observe(result)
+        self.pacer.observe(result.profile)
         for row, _ in result.rounds:
             if row.done:
                 self._release(row)
@@ -418,7 +407,7 @@ class BatchDecoder:
         sizes = self.policy.choose(step)
         for r, b in zip(rows, sizes):
             r.last_block = b
-        return sizes, self._cut(chunks, self._room(sum(sizes))) if chunks else chunks
+        return sizes, cut(chunks, self.pacer.room(sum(sizes))) if chunks else chunks
 
     def _step_rows(self, rows: list[BatchRow]) -> StepRows:
         """The rows' facts as the policy reads them, in one pass: each row's block at most the decoder's block
@@ -442,31 +431,15 @@ class BatchDecoder:
         )
 
     def _chunks(self, reserved: int) -> list[Chunk]:
-        """The joining rows' next pieces of their prompts, in order of arrival: the step's budget less the
-        running rows' `reserved` tokens, but at least a quarter of the budget (a batch of long blocks never
-        starves a prompt). None with separate prefill."""
+        """The joining rows' next pieces of their prompts, in order of arrival, within what the pacer gives a
+        step beside `reserved` tokens of verify blocks. None with separate prefill."""
         if self.prefill != "chunked":
             return []
-        return self._cut(self._rest_of_prompts(), self._room(reserved))
+        return cut(self._rest_of_prompts(), self.pacer.room(reserved))
 
     def _rest_of_prompts(self) -> list[Chunk]:
         """Every joining row's prompt from where its prefill stands to its end, in order of arrival."""
         return [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in self.joining]
-
-    def _room(self, reserved: int) -> int:
-        """Prompt tokens a step's pass takes beside `reserved` tokens of verify blocks."""
-        return max(self.step_tokens - reserved, self.step_tokens // 4, 1)
-
-    @staticmethod
-    def _cut(chunks: list[Chunk], room: int) -> list[Chunk]:
-        """The chunks, in order, cut to `room` tokens in all (a chunk left with nothing waits a step)."""
-        kept = []
-        for c in chunks:
-            if room <= 0:
-                break
-            kept.append(c if c.size <= room else c._replace(size=room))
-            room -= kept[-1].size
-        return kept
 
     def _chunk_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[torch.Tensor]]:
         """The chunks' target rows and tokens; a row's first chunk gives it its rows in the sessions."""

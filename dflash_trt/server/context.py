@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
-from ..decoding.loop import STEP_TOKENS
+from ..decoding.chunking import STALL, STEP_TOKENS
 from ..runtime.base import cuda_devices, pass_clock
 from .errors import ApiError
 from .limits import Limits
@@ -44,9 +44,11 @@ class ServerSettings:
     # (docs/benchmarks.md, "No online refit of the cost model by default").
     refit_every: int = 0
     # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most
-    # step_tokens tokens a pass, so a long prompt never freezes the rows that stream) or "separate"
+    # step_tokens tokens a pass and a step at most about prefill_stall x the rows' own, so a long prompt
+    # never freezes the rows that stream; decoding/chunking.py) or "separate"
     prefill: str = "chunked"
     step_tokens: int = STEP_TOKENS
+    prefill_stall: float = STALL
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -90,6 +92,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: An
         clock=clock,
         prefill=settings.prefill,
         step_tokens=settings.step_tokens,
+        stall=settings.prefill_stall,
     )
 
 

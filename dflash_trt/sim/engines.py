@@ -37,8 +37,9 @@ from .acceptance import AcceptanceProfile
 from .cost import PassCost
 
 MASK64 = (1 << 64) - 1
-# A sequence's identity is its prompt's first tokens: a chunked prefill's first chunk holds them (the loop gives a
-# chunk at least a quarter of its budget), so the sequence is the same however its prompt is cut.
+# A sequence's identity is its prompt's first tokens: a chunked prefill's first chunk holds them (the loop cuts no
+# prompt to a piece under chunking.MIN_CHUNK >= SEED_TOKENS tokens unless its budget is smaller), so the sequence
+# is the same however its prompt is cut.
 SEED_TOKENS = 8
 
 

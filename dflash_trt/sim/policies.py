@@ -68,8 +68,8 @@ TRTLLM_SCHEDULE = {4: 15, 8: 7, 32: 3}
 TRTLLM_THRESHOLD, TRTLLM_WINDOW = 0.1, 32
 # A GPU server's token budget per step under chunked prefill: vLLM's first chunked-prefill default (512, "the best
 # ITL on A100" in its docs, PR vllm-project/vllm#4580). The budget trades a long prompt's stall of the running
-# rows (ITL) against how fast waiting prompts get in (TTFT): the loop reserves the running rows' largest blocks
-# first and gives the chunks at least a quarter of the budget. results/sim says what each budget measured.
+# rows (ITL) against how fast waiting prompts get in (TTFT); the loop also bounds a chunk step by time
+# (decoding/chunking.py). results/sim says what each budget measured.
 SIM_STEP_TOKENS = 512
 
 

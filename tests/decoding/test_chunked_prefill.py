@@ -14,6 +14,7 @@ from test_batch_decode import random_prompts, reference, torch_engines
 
 from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
+from dflash_trt.decoding.chunking import MIN_CHUNK
 from dflash_trt.decoding.cost import CostModel, LinearCost, price
 
 
@@ -65,10 +66,12 @@ def test_greedy_rows_joining_mid_stream_equal_the_target_alone(tiny_pair, prefil
         assert not chunked and sum(p.prefill_tokens for p in profiles) == sum(map(len, prompts))
         return
     # the prompts that joined while rows ran entered in chunks inside the verify pass, within the budget (at least
-    # a quarter of it, at least a token; a budget below one verify block too), or whole once no row ran
+    # a quarter of it, and MIN_CHUNK tokens if the budget has them; a budget below one verify block too), or whole
+    # once no row ran
     assert sum(p.chunk_tokens + p.prefill_tokens for p in profiles) == sum(map(len, prompts))
     assert all(p.verify_rows > 0 for p in chunked)
-    assert all(p.chunk_tokens <= max(step_tokens - sum(p.blocks), step_tokens // 4, 1) for p in chunked)
+    floor = max(step_tokens // 4, min(MIN_CHUNK, step_tokens))
+    assert all(p.chunk_tokens <= max(step_tokens - sum(p.blocks), floor) for p in chunked)
     assert len(chunked) >= 2  # chunk boundaries inside prompts (at 256 too: a prompt joins a step after another)
     assert not dec.active and dec.target_session.slots.live.count(True) == 0
 

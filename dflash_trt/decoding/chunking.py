@@ -1,0 +1,109 @@
+"""How much of the waiting prompts one step takes (chunked prefill): a token budget and a time bound.
+
+A joining row's prompt enters in chunks inside the running rows' verify pass (loop.py). A step's chunks hold:
+
+- at most what the token budget `step_tokens` leaves after the running rows' verify blocks, but at least a
+  quarter of it, so a batch of long blocks never starves a prompt. The rows come first, as vLLM's and
+  TensorRT-LLM's schedulers put decode tokens (drafts included) before prefill chunks;
+- at most what keeps the step within `stall` times the rows' own step: a token budget bounds a chunk's tokens,
+  not the seconds it adds, and where the rows' steps are short (little drafted, a small batch, a CPU whose pass
+  costs what its tokens cost) a chunk of the budget is many of their steps: rows at block 1 on the CPU server
+  waited 8-13x their usual gap while a long prompt entered (docs/benchmarks.md, "Chunked prefill"). The seconds
+  come from the steps this decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
+- at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+from .step import StepProfile
+
+if TYPE_CHECKING:
+    from .loop import BatchRow
+
+# The default token budget of one step's target pass on the CPU server: a small one keeps a short prompt from
+# making one long step before any time is measured; the time bound does the rest.
+STEP_TOKENS = 128
+# A step with prompt chunks takes at most about this many times the rows' own step: a streaming row's longest
+# wait while a long prompt enters, in units of its usual one (issue 40 asks for at most 3x, on a CPU whose own
+# step-to-step noise reaches 2-3x).
+STALL = 2.0
+MIN_CHUNK = 8
+# the step seconds' line follows about the last 1 / WEIGHT steps
+WEIGHT = 0.1
+
+
+class Chunk(NamedTuple):
+    """A joining row's piece of its prompt in this step's target pass: prompt_ids[start:start + size]."""
+
+    row: BatchRow
+    start: int
+    size: int
+
+
+def cut(chunks: list[Chunk], room: int) -> list[Chunk]:
+    """The chunks, in order, cut to `room` tokens in all. A piece shorter than `MIN_CHUNK` (or than the whole
+    room, if smaller) that does not end its prompt waits a step: a pass of a few prompt tokens costs a row's
+    slot for nearly nothing, and a prompt's first chunk then always holds its first MIN_CHUNK tokens."""
+    kept, least = [], min(MIN_CHUNK, room)
+    for c in chunks:
+        size = min(c.size, room)
+        if size < c.size and size < least:
+            break
+        kept.append(c._replace(size=size))
+        room -= size
+    return kept
+
+
+class ChunkPacer:
+    """The prompt tokens a step takes (`room`), from the budget and the seconds of the steps it observed.
+
+    The seconds: a line, step seconds = `gap` + `per_token` x prompt tokens in the step, fitted by least squares
+    over the steps of running rows, each weighted by its age (about the last 1 / WEIGHT count), so it follows the
+    batch as rows come and go; at a large batch nearly every step carries a chunk, and the line still separates
+    the two from chunks of different sizes. Until the steps span two sizes, a pass of prompts alone gives
+    `per_token` (its seconds per token) and the steps' mean less that gives `gap`."""
+
+    def __init__(self, step_tokens: int = STEP_TOKENS, stall: float = STALL):
+        if step_tokens < 1:
+            raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
+        if stall <= 1.0:
+            raise ValueError(f"stall must be > 1 (a chunk step takes longer than a plain one), got {stall}")
+        self.step_tokens, self.stall = step_tokens, stall
+        self.seed: float | None = None  # seconds per token of the first pass of prompts alone
+        self._sums = [0.0] * 5  # aged sums of 1, x, y, x*x, x*y; x: a step's prompt tokens, y: its seconds
+
+    def room(self, reserved: int) -> int:
+        """Prompt tokens for the next step beside `reserved` tokens of running rows' verify blocks."""
+        tokens = max(self.step_tokens - reserved, self.step_tokens // 4)
+        line = self.line()
+        if reserved and line is not None and line[1] > 0:
+            tokens = min(tokens, int((self.stall - 1.0) * line[0] / line[1]))
+        return max(tokens, min(MIN_CHUNK, self.step_tokens))
+
+    def line(self) -> tuple[float, float] | None:
+        """(gap, per_token): the seconds of a step of the running rows alone, and what a prompt token adds."""
+        n, sx, sy, sxx, sxy = self._sums
+        if n == 0.0:
+            return None
+        spread = n * sxx - sx * sx
+        if spread > 1e-9 * max(1.0, n * sxx):
+            slope = max(0.0, (n * sxy - sx * sy) / spread)
+        elif self.seed is not None:
+            slope = self.seed
+        else:
+            return None
+        return max(0.0, (sy - slope * sx) / n), slope
+
+    def observe(self, prof: StepProfile) -> None:
+        """Learn from a step the loop ran (a pass of prompts alone seeds `per_token`; a step that separate
+        prefill stalled is neither kind and is left out)."""
+        if not prof.verify_rows:
+            if prof.prefill_tokens and self.seed is None:
+                self.seed = prof.prefill_s / prof.prefill_tokens
+            return
+        if prof.prefill_tokens:
+            return
+        x, y = float(prof.chunk_tokens), prof.total_s
+        self._sums = [(1.0 - WEIGHT) * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]

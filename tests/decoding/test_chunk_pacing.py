@@ -1,0 +1,117 @@
+"""How much prompt a step takes under chunked prefill (decoding/chunking.py): what the token budget leaves after the
+rows' verify blocks (a quarter at least), and within `stall` times the rows' own step, timed from the steps the
+decoder ran."""
+
+import statistics
+
+import pytest
+
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
+from dflash_trt.decoding.chunking import MIN_CHUNK, ChunkPacer
+from dflash_trt.decoding.step import StepProfile
+from dflash_trt.sim.acceptance import paper_profiles
+from dflash_trt.sim.cost import LinearPassCost
+from dflash_trt.sim.engines import sim_engines
+from dflash_trt.sim.serving import GREEDY
+
+
+def plain(seconds: float, rows: int = 8) -> StepProfile:
+    return StepProfile(verify_rows=rows, verify_tokens=rows, total_s=seconds)
+
+
+def chunk_step(seconds: float, tokens: int, rows: int = 8) -> StepProfile:
+    return StepProfile(verify_rows=rows, verify_tokens=rows, chunk_rows=1, chunk_tokens=tokens, total_s=seconds)
+
+
+def test_untimed_pacer_gives_what_the_blocks_leave_and_never_nothing():
+    pacer = ChunkPacer(step_tokens=512)
+    assert pacer.line() is None
+    assert pacer.room(0) == 512 and pacer.room(32) == 480
+    assert pacer.room(600) == 128  # blocks over the budget: a prompt still gets a quarter of it
+    assert ChunkPacer(step_tokens=16).room(40) == MIN_CHUNK
+    assert ChunkPacer(step_tokens=3).room(5) == 3  # never more than the budget itself
+
+
+def test_room_keeps_a_chunk_step_within_stall_times_a_plain_step():
+    pacer = ChunkPacer(step_tokens=512, stall=2.0)
+    for i in range(40):  # plain steps of 20 ms; chunks add 0.1 ms a token
+        pacer.observe(plain(0.020))
+        pacer.observe(chunk_step(0.020 + 1e-4 * (50 + 10 * (i % 5)), 50 + 10 * (i % 5)))
+    gap, per_token = pacer.line()
+    assert gap == pytest.approx(0.020) and per_token == pytest.approx(1e-4)
+    assert pacer.room(8) in (199, 200)  # (2 - 1) x 20 ms / 0.1 ms
+    assert ChunkPacer(step_tokens=128, stall=2.0).room(8) == 120  # untimed: the budget
+    tighter = ChunkPacer(step_tokens=512, stall=1.5)
+    tighter._sums = list(pacer._sums)
+    assert tighter.room(8) in (99, 100)
+
+
+def test_chunk_steps_alone_still_separate_the_gap_from_the_tokens():
+    """At a large batch nearly every step carries a chunk: chunks of different sizes still give the line."""
+    pacer = ChunkPacer(step_tokens=2048)
+    for i in range(60):
+        tokens = 100 + 37 * (i % 7)
+        pacer.observe(chunk_step(0.030 + 5e-5 * tokens, tokens))
+    gap, per_token = pacer.line()
+    assert gap == pytest.approx(0.030) and per_token == pytest.approx(5e-5)
+
+
+def test_a_pass_of_prompts_alone_seeds_the_token_cost_and_a_stalled_step_is_left_out():
+    pacer = ChunkPacer(step_tokens=512)
+    pacer.observe(StepProfile(prefill_rows=1, prefill_tokens=100, prefill_s=0.05, total_s=0.05))
+    assert pacer.seed == pytest.approx(5e-4)
+    pacer.observe(plain(0.010))
+    assert pacer.line() == pytest.approx((0.010, 5e-4))
+    assert pacer.room(8) in (19, 20)  # (2 - 1) x 10 ms / 0.5 ms
+    # separate prefill: a step whose rows waited for a prompt's pass is neither plain nor a chunk step
+    pacer.observe(StepProfile(verify_rows=8, prefill_rows=1, prefill_tokens=900, prefill_s=0.4, total_s=0.41))
+    assert pacer.line() == pytest.approx((0.010, 5e-4))
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="stall must be > 1"):
+        ChunkPacer(stall=1.0)
+    with pytest.raises(ValueError, match="step_tokens must be >= 1"):
+        ChunkPacer(step_tokens=0)
+
+
+# A CPU's pass: it costs what its tokens cost (the demo pair's shape, rounded)
+CPU = LinearPassCost(5e-3, 2e-4, 2.5e-4, 3e-3, 1e-4, 1e-4)
+
+
+@pytest.mark.parametrize("stall", [2.0, 1.5])
+def test_a_long_prompt_among_streaming_rows_stalls_them_at_most_about_stall_times_their_gap(stall):
+    """Eight rows stream at block 1 (the case a token budget alone let stall 8-13x on the CPU server); a 1,130-token
+    prompt arrives. On a simulated CPU, every step while it enters is within stall x the rows' median step (plus
+    10 % for the line's lag), the prompt gets in, and the rows' tokens are those of the target alone."""
+    target, _, clock = sim_engines(CPU, list(paper_profiles().values()))
+    dec = BatchDecoder(target, None, block_size=1, clock=clock, step_tokens=512, stall=stall)
+    config = GenerationConfig(max_new_tokens=160, sampling=GREEDY, stop_token_ids=())
+    rows = [dec.add([i % 4] + [17 + i] * 40, config) for i in range(8)]
+    profiles = [dec.step().profile for _ in range(30)]
+    long = dec.add([1] + [23] * 1129, GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=()))
+    while not long.done:
+        profiles.append(dec.step().profile)
+    gap = statistics.median(p.total_s for p in profiles if p.verify_rows and not p.chunk_rows)
+    chunked = [p for p in profiles if p.chunk_rows]
+    assert sum(p.chunk_tokens for p in chunked) == 1130
+    assert max(p.total_s for p in chunked) <= stall * gap * 1.1
+    assert len(chunked) >= 5  # the budget alone would have taken it in 3 steps of ~8x the gap
+    dec.run()
+    alone = BatchDecoder(sim_engines(CPU, list(paper_profiles().values()))[0], None, block_size=1)
+    assert [r.result().token_ids for r in rows] == [
+        r.token_ids for r in alone.generate([[i % 4] + [17 + i] * 40 for i in range(8)], config)
+    ]
+
+
+def test_no_prompt_is_cut_to_a_sliver():
+    """A piece under MIN_CHUNK that does not end its prompt waits a step (so a prompt's first chunk holds the
+    first tokens the simulator's sequences are keyed by); a prompt's end may be short."""
+    from dflash_trt.decoding.chunking import Chunk, cut
+    from dflash_trt.sim.engines import SEED_TOKENS
+
+    assert MIN_CHUNK >= SEED_TOKENS
+    a, b, c = Chunk(None, 0, 100), Chunk(None, 0, 5), Chunk(None, 0, 40)  # type: ignore[arg-type]
+    assert [x.size for x in cut([a, b, c], 110)] == [100, 5]  # c would get 5 of its 40: it waits
+    assert [x.size for x in cut([a, b, c], 120)] == [100, 5, 15]
+    assert [x.size for x in cut([c], 3)] == [3]  # a budget under MIN_CHUNK still moves

@@ -16,8 +16,8 @@ tp=1 and Llama-2-70B tp=4 (dflash_trt/sim). Both run every policy, in two phases
   2. tuned-table and vllm-table: TensorRT-LLM's and vLLM's per-batch-size tables, each entry the best of
      none / fixed-4 / fixed-8 / fixed-16 at that concurrency in phase 1 (mean over the seeds).
 
-Prefill: the grid runs with `--prefill` (default chunked, the loop's default, at a GPU server's token budget
-SIM_STEP_TOKENS in dflash_trt/sim/policies.py); at C=32 chunked and separate prefill are run side by side. Also a Poisson open-loop sweep and two calibrations:
+Prefill: the grid runs with `--prefill` (default chunked, the loop's default, at a GPU server's token budget:
+STEP_TOKENS_OF in dflash_trt/sim/policies.py, vLLM's per-GPU defaults); at C=32 chunked and separate prefill are run side by side. Also a Poisson open-loop sweep and two calibrations:
 
   (a) CPU: the simulator with the CPU cost grid and host overhead `make bench-load` recorded
       (results/load/results.json) against the measured engines-alone tokens/s;
@@ -43,7 +43,7 @@ from pathlib import Path
 from dflash_trt.bench.sim_report import cpu_calibration, criteria_table, poisson_table
 from dflash_trt.sim.acceptance import AcceptanceProfile
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
-from dflash_trt.sim.policies import FIXED, SIM_STEP_TOKENS, TUNED
+from dflash_trt.sim.policies import FIXED, STEP_TOKENS_OF, TUNED
 from dflash_trt.sim.serving import HOST_STEP_S, Workload, simulate, workload
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -485,10 +485,10 @@ def below_tuned(runs: list[dict]) -> list[str]:
             f"{b:.2f} s."
         )
     lines.append(
-        f"  - The reading (from the TTFT above, not isolated): under chunked prefill a step holds at most "
-        f"{SIM_STEP_TOKENS} tokens and the rows' verify blocks are reserved first, so longer blocks leave less of "
-        "the budget to waiting prompts (a quarter at least): they wait longer to enter and fewer rows decode. "
-        "Adaptive and the optimum price one step, not that, so there the per-step optimum is no bound on the run."
+        "  - The reading (from the TTFT above, not isolated): under chunked prefill the rows' verify blocks are "
+        "reserved out of the step's token budget first, so longer blocks leave less of it to waiting prompts (a "
+        "quarter at least): they wait longer to enter and fewer rows decode. Adaptive and the optimum price one "
+        "step, not that, so there the per-step optimum is no bound on the run."
     )
     return lines
 
@@ -694,7 +694,7 @@ def main() -> None:
             "concurrency": list(args.concurrency),
             "seeds": args.seeds,
             "prefill": args.prefill,
-            "step_tokens": SIM_STEP_TOKENS,
+            "step_tokens": STEP_TOKENS_OF,
             "requests_rule": rule,
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,

@@ -66,11 +66,21 @@ TUNED = ("tuned-table", "vllm-table")  # need a table measured from the fixed ru
 REFERENCES = ("oracle", "optimum")  # not deployable: see the module docstring
 TRTLLM_SCHEDULE = {4: 15, 8: 7, 32: 3}
 TRTLLM_THRESHOLD, TRTLLM_WINDOW = 0.1, 32
-# A GPU server's token budget per step under chunked prefill: vLLM's first chunked-prefill default (512, "the best
-# ITL on A100" in its docs, PR vllm-project/vllm#4580). The budget trades a long prompt's stall of the running
-# rows (ITL) against how fast waiting prompts get in (TTFT); the loop also bounds a chunk step by time
-# (decoding/chunking.py). results/sim says what each budget measured.
-SIM_STEP_TOKENS = 512
+# A GPU server's token budget per step under chunked prefill: vLLM's OpenAI-server default max_num_batched_tokens
+# (vllm/engine/arg_utils.py, EngineArgs' batch defaults, v0.10): 8192 on GPUs of 70 GiB or more, 2048 on smaller
+# ones and on every A100 (a larger budget lowered A100 throughput, vLLM PR 17885); the B200-like what-if as a
+# B200 (180 GB). The budget trades how fast waiting prompts get in (TTFT, and at a large batch the batch itself:
+# prompts that wait are rows that do not decode) against a long prompt's stall of the running rows (ITL); the
+# loop bounds the stall by time as well (decoding/chunking.py), whatever the budget. results/sim says what each
+# budget measured.
+STEP_TOKENS_OF = {"a100": 2048, "h100": 8192, "b200-like-what-if": 8192}
+
+
+def sim_step_tokens(cost: Any) -> int:
+    """The step budget of the GPU a ProfileCost models (by its label, a what-if's name, else its GPU); 2048, the
+    smaller default, for any other cost."""
+    label, gpu = getattr(cost, "label", ""), getattr(cost, "gpu", "")
+    return STEP_TOKENS_OF.get(label, STEP_TOKENS_OF.get(gpu, 2048))
 
 
 def schedule_draft_len(batch: int, schedule: dict[int, int] = TRTLLM_SCHEDULE) -> int:
@@ -212,18 +222,19 @@ def sim_decoder(
     table: dict[int, int] | None = None,
     host_s: float = 0.0,
     prefill: str = "chunked",
-    step_tokens: int = SIM_STEP_TOKENS,
+    step_tokens: int | None = None,
 ) -> BatchDecoder:
     """The decoder that serves policy `name` on the simulated engines, its policy timed (`TimedPolicy`).
     `table`: for "tuned-table" and "vllm-table", the best block per concurrency (1 = no drafting); `host_s`:
     the host's seconds per step, which "optimum" adds to every step it rates; `prefill`, `step_tokens`: the
-    loop's prefill mode and its per-step token budget (chunked)."""
+    loop's prefill mode and its per-step token budget (chunked; default `sim_step_tokens` of the target's cost)."""
     if name not in POLICIES + TUNED + REFERENCES:
         raise ValueError(f"unknown policy {name!r}: one of {POLICIES + TUNED + REFERENCES}")
     if name in TUNED and not table:
         raise ValueError(f"{name} needs its table: the best block per concurrency, from the fixed runs")
     policy: BlockPolicy = FixedBlocks()
     block_size = None
+    step_tokens = step_tokens or sim_step_tokens(target.cost)
     if name == "none":
         return BatchDecoder(
             target,

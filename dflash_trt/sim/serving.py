@@ -27,7 +27,7 @@ from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
 from .engines import VirtualClock, sim_engines
 from .optimum import Optimum
-from .policies import SIM_STEP_TOKENS, TimedPolicy, sim_decoder
+from .policies import TimedPolicy, sim_decoder
 
 GREEDY = SamplingParams(0.0)
 
@@ -209,7 +209,7 @@ def simulate(
     host_s: float | None = None,
     table: dict[int, int] | None = None,
     prefill: str = "chunked",
-    step_tokens: int = SIM_STEP_TOKENS,
+    step_tokens: int | None = None,
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at

@@ -30,10 +30,8 @@ STEP_TOKENS = 128
 # step-to-step noise reaches 2-3x).
 STALL = 2.0
 MIN_CHUNK = 8
-# the moving averages and the line follow about the last 1 / WEIGHT steps of their kind; a gap measured more
-# than STALE chunk steps ago is the line's instead (the batch may have changed since)
+# the step seconds' line follows about the last 1 / WEIGHT steps
 WEIGHT = 0.1
-STALE = 30
 
 
 class Chunk(NamedTuple):
@@ -61,16 +59,17 @@ def cut(chunks: list[Chunk], room: int) -> list[Chunk]:
 class ChunkPacer:
     """The prompt tokens a step takes (`room`), from the budget and the seconds of the steps it observed.
 
-    The bound is (stall - 1) x `gap` / `per_token`: `gap` is the running rows' own step, a moving average of
-    the recent steps without prompts; `per_token` what a chunk step took beyond `gap`, per prompt token, a moving
-    average over the chunk steps. Measured at the chunk sizes the bound itself picks, so a cost that is not a
-    line in the tokens (a GPU's: flat while the pass is bound by reading the weights, steep beyond) is priced
-    where it is used; and what a chunk step changes in the rows' own choices (a policy that drafts less beside a
-    chunk) is in it too.
+    The seconds: a line, step seconds = `gap` + `per_token` x prompt tokens in the step, fitted by least squares
+    over the steps of running rows, each weighted by its age (about the last 1 / WEIGHT count), so it follows the
+    batch as rows come and go; at a large batch nearly every step carries a chunk, and the line still separates
+    the two from chunks of different sizes. Until the steps span two sizes, a pass of prompts alone gives
+    `per_token` (its seconds per token) and the steps' mean less that gives `gap`.
 
-    Until both are measured, and where no step without prompts ran lately (at a large batch nearly every step
-    carries a chunk), a line fitted to every step (seconds = gap + per_token x prompt tokens, least squares,
-    each step weighted by its age) stands in; before that, a pass of prompts alone gives `per_token`."""
+    Where the cost bends (a GPU's: flat while a pass is bound by reading the weights, steep beyond) the line
+    through small and large chunks is shallow at the large ones, and a chunk step runs somewhat over `stall`
+    (about 2.3x for 2 in the simulator's H100 cells); an average over the chunk steps alone, tried in its place,
+    followed the bend but was so noisy on the CPU server, where the cost is a line, that it both stalled the
+    rows more and let prompts in slower (docs/benchmarks.md, "Chunked prefill")."""
 
     def __init__(self, step_tokens: int = STEP_TOKENS, stall: float = STALL):
         if step_tokens < 1:
@@ -80,28 +79,17 @@ class ChunkPacer:
         self.step_tokens, self.stall = step_tokens, stall
         self.seed: float | None = None  # seconds per token of the first pass of prompts alone
         self._sums = [0.0] * 5  # aged sums of 1, x, y, x*x, x*y; x: a step's prompt tokens, y: its seconds
-        self._gap: float | None = None  # moving average of the steps without prompts
-        self._since_plain = 0  # steps since the last one without prompts
-        self._per_token: float | None = None  # moving average over chunk steps
 
     def room(self, reserved: int) -> int:
         """Prompt tokens for the next step beside `reserved` tokens of running rows' verify blocks."""
         tokens = max(self.step_tokens - reserved, self.step_tokens // 4)
-        costs = self.costs()
-        if reserved and costs is not None and costs[1] > 0:
-            tokens = min(tokens, int((self.stall - 1.0) * costs[0] / costs[1]))
+        line = self.line()
+        if reserved and line is not None and line[1] > 0:
+            tokens = min(tokens, int((self.stall - 1.0) * line[0] / line[1]))
         return max(tokens, min(MIN_CHUNK, self.step_tokens))
 
-    def costs(self) -> tuple[float, float] | None:
-        """(gap, per_token) as the bound uses them (see the class)."""
-        line = self.line()
-        gap = self._gap if self._gap is not None and self._since_plain <= STALE else None
-        gap = gap if gap is not None else (line[0] if line is not None else None)
-        per_token = self._per_token if self._per_token is not None else (line[1] if line is not None else None)
-        return None if gap is None or per_token is None else (gap, per_token)
-
     def line(self) -> tuple[float, float] | None:
-        """(gap, per_token) of the line fitted to every step (see the class)."""
+        """(gap, per_token): the seconds of a step of the running rows alone, and what a prompt token adds."""
         n, sx, sy, sxx, sxy = self._sums
         if n == 0.0:
             return None
@@ -125,14 +113,3 @@ class ChunkPacer:
             return
         x, y = float(prof.chunk_tokens), prof.total_s
         self._sums = [(1.0 - WEIGHT) * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
-        if not x:
-            self._gap, self._since_plain = _moved(self._gap, y), 0
-            return
-        self._since_plain += 1
-        costs = self.costs()
-        if costs is not None:
-            self._per_token = _moved(self._per_token, max(0.0, y - costs[0]) / x)
-
-
-def _moved(average: float | None, sample: float) -> float:
-    return sample if average is None else average + WEIGHT * (sample - average)

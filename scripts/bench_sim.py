@@ -560,6 +560,8 @@ LEAVES_OUT = [
     "  constant; graphs on only add the padding to captured sizes), and overlap of host work with the GPU.",
     "- Paged-KV fragmentation, KV capacity limits and preemption (every row fits), prefix caching.",
     "- Network jitter and multi-node communication (one DGX node's profiled all-reduce).",
+    "- Measured op times past a profile's largest token count (4096 on the H100): passes beyond it are priced in",
+    "  proportion to their tokens (compute bound), not measured.",
     "- Vidur's measured attention kernels (absent from the snapshot: attention is a bandwidth/FLOP model,",
     "  checked against FlashAttention-2's published A100 rate).",
     "- Sampling at T > 0 in the loop: T = 1 enters as the paper's T = 1 acceptance only.",

@@ -72,11 +72,20 @@ GPUS = {
 PROFILED = {("a100", "llama-3-8b"), ("a100", "llama-3-70b"), ("h100", "llama-2-7b"), ("h100", "llama-2-70b")}
 
 
+# Past a profile's largest count a time is the last one scaled by the count (`_interp`, `LayerProfile.curve`): a
+# pass that large is bound by compute (GEMMs) or by bandwidth (all-reduces), so its time grows with what it moves.
+# The slope of the last two medians instead is noise: Vidur's H100 profiles end at 4096 tokens, where it falls to
+# zero or below for some ops, which priced an 8192-token pass of Llama-2-7B at 1.2x a 4096-token one.
+
+
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys) (xs sorted, >= 2 points), extrapolated along the end segments."""
+    """Piecewise-linear through (xs, ys) (xs sorted, >= 2 points); below the first point along the first segment,
+    past the last in proportion to x (see above)."""
     i = bisect.bisect_left(xs, x)
     if i < len(xs) and xs[i] == x:
         return ys[i]
+    if x > xs[-1]:
+        return ys[-1] * x / xs[-1]
     i = min(max(i, 1), len(xs) - 1)
     x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
     return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
@@ -114,8 +123,9 @@ class LayerProfile:
         return sum(self.op(o, tokens, tp) for o in LAYER_OPS)
 
     def curve(self, name: str | None, tokens: np.ndarray, tp: int = 1) -> np.ndarray:
-        """`op` (name) or `layer` (None) at many token counts at once, the same interpolation and end
-        extrapolation (a policy that rates every token total of a step calls this)."""
+        """`op` (name) or `layer` (None) at many token counts at once, the same interpolation and extrapolation
+        (a policy that rates every token total of a step calls this); past the last count the summed time is
+        scaled, as `_interp` scales each op's."""
         xs = np.asarray(self._tokens[tp], np.float64)
         ops = LAYER_OPS if name is None else (name,)
         ys = np.sum([np.asarray(self._times[tp][o]) for o in ops], axis=0)
@@ -123,7 +133,7 @@ class LayerProfile:
         out = np.interp(t, xs, ys)
         lo, hi = t < xs[0], t > xs[-1]
         out[lo] = ys[0] + (ys[1] - ys[0]) * (t[lo] - xs[0]) / (xs[1] - xs[0])
-        out[hi] = ys[-1] + (ys[-1] - ys[-2]) * (t[hi] - xs[-1]) / (xs[-1] - xs[-2])
+        out[hi] = ys[-1] * t[hi] / xs[-1]
         return np.where(t > 0, np.maximum(out, 0.0), 0.0)
 
 

@@ -487,7 +487,7 @@ def below_tuned(runs: list[dict]) -> list[str]:
     lines.append(
         "  - The reading (from the TTFT above, not isolated): under chunked prefill the rows' verify blocks are "
         "reserved out of the step's token budget first, so longer blocks leave less of it to waiting prompts (a "
-        "quarter at least): they wait longer to enter and fewer rows decode. Adaptive and the optimum price one "
+        "quarter at least, before the time bound): they wait longer to enter and fewer rows decode. Adaptive and the optimum price one "
         "step, not that, so there the per-step optimum is no bound on the run."
     )
     return lines

@@ -136,9 +136,10 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=STEP_TOKENS,
         metavar="N",
-        help=f"chunked prefill: the most tokens one step's target pass holds; the running requests' blocks "
-        f"are reserved first, the prompt chunks get the rest (at least N/4). Smaller: shorter stalls for the "
-        f"streaming requests, a longer wait for a new request's first token (default {STEP_TOKENS})",
+        help=f"chunked prefill: the token budget of one step's target pass; the running requests' blocks are "
+        f"reserved first, the prompt chunks get the rest (at least N/4 before --prefill-stall cuts them). "
+        f"Smaller: shorter stalls for the streaming requests, a longer wait for a new request's first token "
+        f"(default {STEP_TOKENS})",
     )
     pre.add_argument(
         "--prefill-stall",

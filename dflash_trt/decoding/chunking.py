@@ -3,7 +3,8 @@
 A joining row's prompt enters in chunks inside the running rows' verify pass (loop.py). A step's chunks hold:
 
 - at most what the token budget `step_tokens` leaves after the running rows' verify blocks, but at least a
-  quarter of it, so a batch of long blocks never starves a prompt. The rows come first, as vLLM's and
+  quarter of it (before the time bound below), so a batch of long blocks never starves a prompt; the pass then
+  holds the rows' blocks and the chunks, which may together exceed the budget. The rows come first, as vLLM's and
   TensorRT-LLM's schedulers put decode tokens (drafts included) before prefill chunks;
 - at most what keeps the step within `stall` times the rows' own step: a token budget bounds a chunk's tokens,
   not the seconds it adds, and where the rows' steps are short (little drafted, a small batch, a CPU whose pass
@@ -49,7 +50,7 @@ def cut(chunks: list[Chunk], room: int) -> list[Chunk]:
     kept, least = [], min(MIN_CHUNK, room)
     for c in chunks:
         size = min(c.size, room)
-        if size < c.size and size < least:
+        if size <= 0 or (size < c.size and size < least):
             break
         kept.append(c._replace(size=size))
         room -= size

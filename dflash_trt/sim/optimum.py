@@ -8,8 +8,10 @@ own block size kept), the choice of the most expected committed tokens per secon
 - the engines' TRUE pass costs (`cost.ProfileCost`, the very function the simulated engines charge), at the
   rows' cache lengths and drafter backlogs, plus the host's time per step. Prompt chunks riding in the pass
   (chunked prefill: `StepRows.chunk_rows` / `chunk_tokens`, totals only) are priced as one chunk from
-  position 0, one logit each: their tokens and their own causal attention exact, the rest of the attention a
-  floor (the same for every choice but for the pass's max of memory and compute time).
+  position 0, one logit each, in the bound and in the exact price alike (so the certificate compares like with
+  like; the engines price each chunk at its own position): the tokens and that chunk's causal attention
+  exact, the rest of the attention a floor (the same for every choice but for the pass's max of memory and
+  compute time).
 
 Why the search is exact. E_r(b + 1) - E_r(b) = rates[0] x ... x rates[b - 1], which never grows with b (every
 rate <= 1): each row's tokens are concave in its block. For a total of N target tokens the assignment of most

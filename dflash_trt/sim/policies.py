@@ -234,7 +234,7 @@ def sim_decoder(
         raise ValueError(f"{name} needs its table: the best block per concurrency, from the fixed runs")
     policy: BlockPolicy = FixedBlocks()
     block_size = None
-    step_tokens = step_tokens or sim_step_tokens(target.cost)
+    step_tokens = sim_step_tokens(target.cost) if step_tokens is None else step_tokens
     if name == "none":
         return BatchDecoder(
             target,

@@ -1,5 +1,5 @@
 """How much prompt a step takes under chunked prefill (decoding/chunking.py): what the token budget leaves after the
-rows' verify blocks (a quarter at least), and within `stall` times the rows' own step, timed from the steps the
+rows' verify blocks (a quarter at least, before the time bound), and within `stall` times the rows' own step, timed from the steps the
 decoder ran."""
 
 import statistics

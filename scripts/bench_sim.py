@@ -17,7 +17,8 @@ tp=1 and Llama-2-70B tp=4 (dflash_trt/sim). Both run every policy, in two phases
      none / fixed-4 / fixed-8 / fixed-16 at that concurrency in phase 1 (mean over the seeds).
 
 Prefill: the grid runs with `--prefill` (default chunked, the loop's default, at a GPU server's token budget:
-STEP_TOKENS_OF in dflash_trt/sim/policies.py, vLLM's per-GPU defaults); at C=32 chunked and separate prefill are run side by side. Also a Poisson open-loop sweep and two calibrations:
+STEP_TOKENS_OF in dflash_trt/sim/policies.py, vLLM's per-GPU defaults); at C=32 chunked and separate prefill
+are run side by side. Also a Poisson open-loop sweep and two calibrations:
 
   (a) CPU: the simulator with the CPU cost grid and host overhead `make bench-load` recorded
       (results/load/results.json) against the measured engines-alone tokens/s;
@@ -487,8 +488,8 @@ def below_tuned(runs: list[dict]) -> list[str]:
     lines.append(
         "  - The reading (from the TTFT above, not isolated): under chunked prefill the rows' verify blocks are "
         "reserved out of the step's token budget first, so longer blocks leave less of it to waiting prompts (a "
-        "quarter at least, before the time bound): they wait longer to enter and fewer rows decode. Adaptive and the optimum price one "
-        "step, not that, so there the per-step optimum is no bound on the run."
+        "quarter at least, before the time bound): they wait longer to enter and fewer rows decode. Adaptive "
+        "and the optimum price one step, not that, so there the per-step optimum is no bound on the run."
     )
     return lines
 

@@ -235,7 +235,8 @@ def choose_blocks(
 ) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step: the module's rules in order.
     riding: (rows, tokens) the target pass holds besides the verify rows (prompt chunks): every choice is
-    priced on top of them (`cost.LinearCost`: their own seconds are not the rows'). O(rows x sizes) numpy work plus a sort or two."""
+    priced on top of them (`cost.LinearCost`: their own seconds are not the rows'). O(rows x sizes) numpy work
+    plus a sort or two."""
     table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
     n = len(table)
     if not n:

@@ -8,9 +8,8 @@ A joining row's prompt enters in chunks inside the running rows' verify pass (lo
   TensorRT-LLM's schedulers put decode tokens (drafts included) before prefill chunks;
 - at most what keeps the step within `stall` times the rows' own step: a token budget bounds a chunk's tokens,
   not the seconds it adds, and where the rows' steps are short (little drafted, a small batch, a CPU whose pass
-  costs what its tokens cost) a chunk of the budget is many of their steps: rows at block 1 on the CPU server
-  waited 8-13x their usual gap while a long prompt entered (docs/benchmarks.md, "Chunked prefill"). The seconds
-  come from the steps this decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
+  costs what its tokens cost) a chunk of the budget is many of their steps (measured on the CPU server:
+  docs/benchmarks.md, "Chunked prefill"). The seconds come from the steps this decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
 - at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
 """
 
@@ -27,8 +26,8 @@ if TYPE_CHECKING:
 # making one long step before any time is measured; the time bound does the rest.
 STEP_TOKENS = 128
 # A step with prompt chunks takes at most about this many times the rows' own step: a streaming row's longest
-# wait while a long prompt enters, in units of its usual one (issue 40 asks for at most 3x, on a CPU whose own
-# step-to-step noise reaches 2-3x).
+# wait while a long prompt enters, in units of its usual one. Below the 3x a streaming client should tolerate,
+# with room for the machine's own step-to-step noise (docs/benchmarks.md, "Chunked prefill").
 STALL = 2.0
 MIN_CHUNK = 8
 # the step seconds' line follows about the last 1 / WEIGHT steps
@@ -67,10 +66,10 @@ class ChunkPacer:
     `per_token` (its seconds per token) and the steps' mean less that gives `gap`.
 
     Where the cost bends (a GPU's: flat while a pass is bound by reading the weights, steep beyond) the line
-    through small and large chunks is shallow at the large ones, and a chunk step runs somewhat over `stall`
-    (about 2.3x for 2 in the simulator's H100 cells); an average over the chunk steps alone, tried in its place,
-    followed the bend but was so noisy on the CPU server, where the cost is a line, that it both stalled the
-    rows more and let prompts in slower (docs/benchmarks.md, "Chunked prefill")."""
+    through small and large chunks is shallow at the large ones, and a chunk step runs somewhat over `stall`; an
+    average over the chunk steps alone, tried in its place, followed the bend but was so noisy on the CPU server,
+    where the cost is a line, that it both stalled the rows more and let prompts in slower (docs/benchmarks.md,
+    "Chunked prefill", runs G and H)."""
 
     def __init__(self, step_tokens: int = STEP_TOKENS, stall: float = STALL):
         if step_tokens < 1:

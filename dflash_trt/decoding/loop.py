@@ -19,8 +19,9 @@ get what the token budget `step_tokens` leaves after the running rows' chosen bl
 it, so a full batch never starves a prompt), cut further so that a step with chunks takes at most about
 `stall` times the rows' own step (chunking.py). A row whose prompt is not all in is not drafted for; the
 drafter is handed its prompt's features chunk by chunk, as the target computes them. With no row running, a
-step holds only prompts and the budget protects nobody: the prompts go in whole. `prefill="separate"` prefills every joining row whole in a call of its own at the start of the
-step, before the verify pass: a third pass, which stalls every running row for the whole prefill.
+step holds only prompts and the budget protects nobody: the prompts go in whole. `prefill="separate"`
+prefills every joining row whole in a call of its own at the start of the step, before the verify pass: a
+third pass, which stalls every running row for the whole prefill.
 
 Each row keeps its own sampling generator and draws from it in a fixed order (the first token, then per
 round the drafts' sampling and their acceptance), so a seeded row with a fixed block size returns the same tokens alone or in
@@ -177,8 +178,8 @@ class BatchDecoder:
     1 = the target alone); with an adaptive policy it is the largest size the policy may choose.
     clock: seconds for every timing the decoder takes and the policy reads (a simulation passes its own).
     prefill: "chunked" (prompts enter in chunks inside the verify pass, within what the budget `step_tokens`
-    leaves after the rows' blocks, a step with chunks at most about `stall` times the rows' own) or "separate" (each joining prompt whole, in a
-    pass of its own before the verify pass); see the module.
+    leaves after the rows' blocks, a step with chunks at most about `stall` times the rows' own) or "separate"
+    (each joining prompt whole, in a pass of its own before the verify pass); see the module.
 
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
     `cancel` and `step` belong to the one thread that runs the engines."""

@@ -43,9 +43,9 @@ class ServerSettings:
     # a collinear fit that cannot tell per-token from per-row cost, and its error feeds the next choices
     # (docs/benchmarks.md, "No online refit of the cost model by default").
     refit_every: int = 0
-    # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most
-    # what step_tokens leaves after the rows' blocks, a step at most about prefill_stall x the rows' own, so a long prompt
-    # never freezes the rows that stream; decoding/chunking.py) or "separate"
+    # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most what
+    # step_tokens leaves after the rows' blocks, a step at most about prefill_stall x the rows' own, so a long
+    # prompt never freezes the rows that stream; decoding/chunking.py) or "separate"
     prefill: str = "chunked"
     step_tokens: int = STEP_TOKENS
     prefill_stall: float = STALL

@@ -74,8 +74,8 @@ PROFILED = {("a100", "llama-3-8b"), ("a100", "llama-3-70b"), ("h100", "llama-2-7
 
 # Past a profile's largest count a time is the last one scaled by the count (`_interp`, `LayerProfile.curve`): a
 # pass that large is bound by compute (GEMMs) or by bandwidth (all-reduces), so its time grows with what it moves.
-# The slope of the last two medians instead is noise: Vidur's H100 profiles end at 4096 tokens, where it falls to
-# zero or below for some ops, which priced an 8192-token pass of Llama-2-7B at 1.2x a 4096-token one.
+# The slope of the last two medians instead is noise: at the end of Vidur's H100 profiles (4096 tokens) it falls
+# to zero or below for some ops, so a pass past the end would cost barely more than one at the end.
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:

@@ -220,8 +220,8 @@ def simulate(
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
     "chunked" (prompts enter in chunks inside the verify pass, the loop's default, within the step budget
-    `step_tokens`, default the GPU's, `policies.sim_step_tokens`) or "separate" (a pass of their own); `host_s`: host seconds per step (default: the measured
-    `host_step_s` at the step's rows)."""
+    `step_tokens`, default the GPU's, `policies.sim_step_tokens`) or "separate" (a pass of their own);
+    `host_s`: host seconds per step (default: the measured `host_step_s` at the step's rows)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     if prefill not in PREFILL:

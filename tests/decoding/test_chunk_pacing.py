@@ -1,6 +1,6 @@
-"""How much prompt a step takes under chunked prefill (decoding/chunking.py): what the token budget leaves after the
-rows' verify blocks (a quarter at least, before the time bound), and within `stall` times the rows' own step, timed from the steps the
-decoder ran."""
+"""How much prompt a step takes under chunked prefill (decoding/chunking.py): what the token budget leaves after
+the rows' verify blocks (a quarter at least, before the time bound), and within `stall` times the rows' own step,
+timed from the steps the decoder ran."""
 
 import statistics
 

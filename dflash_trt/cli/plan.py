@@ -171,6 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
     from ..plan import outputs, tune
     from ..plan.inputs import PlanInputError
+    from ..sim.policies import sim_step_tokens
     from ..sim.serving import Workload, length_sampler
     from .options import CliError
 
@@ -185,13 +186,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def requests(c: int) -> int:
         return tune.requests_for(c, args.min_requests, args.requests_per_row)
 
+    budget = sim_step_tokens(cost.cost)
     result = tune.plan(cost.cost, work, block, args.concurrency, requests, range(args.seeds), not args.no_progress)
     settings = {
         "concurrency": args.concurrency,
         "requests": {str(c): requests(c) for c in args.concurrency},
         "seeds": args.seeds,
         "block_size": block,
-        "workload": f"prompts {args.prompt_len}, outputs {args.output_len}, closed loop, greedy",
+        "workload": (
+            f"prompts {args.prompt_len}, outputs {args.output_len}, closed loop, greedy; prompts enter in chunks "
+            f"of at most {budget} tokens a step (vLLM's default for the GPU)"
+        ),
+        "step_tokens": budget,
     }
     held_out = None
     if args.check_seed is not None:

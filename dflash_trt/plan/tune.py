@@ -24,7 +24,7 @@ from ..decoding.step import StepRows
 from ..sim import serving
 from ..sim.cost import PassCost
 from ..sim.engines import sim_engines
-from ..sim.policies import TimedPolicy
+from ..sim.policies import TimedPolicy, sim_step_tokens
 from ..sim.serving import RunResult, Workload
 
 
@@ -72,13 +72,17 @@ def run(
     seed: int,
     block: int,
 ) -> RunResult:
-    """One closed-loop run: `draft_len` per batch size (None: the target alone, no drafter)."""
+    """One closed-loop run: `draft_len` per batch size (None: the target alone, no drafter). Prompts enter in
+    chunks within the GPU server's step budget (`sim_step_tokens`: the profile's GPU, 2048 for a measured grid),
+    not the CPU server's default."""
     target, sim_drafter, clock = sim_engines(cost, work.profiles)
     drafter: Any = sim_drafter  # a DrafterEngine in all but max_context's declared type (as sim_decoder takes it)
+    budget = sim_step_tokens(cost)
     if draft_len is None:
-        dec = BatchDecoder(target, None, block_size=1, policy=TimedPolicy(FixedBlocks()), clock=clock)
+        policy, drafting, block = TimedPolicy(FixedBlocks()), None, 1
     else:
-        dec = BatchDecoder(target, drafter, block_size=block, policy=TimedPolicy(BatchSchedule(draft_len)), clock=clock)
+        policy, drafting = TimedPolicy(BatchSchedule(draft_len)), drafter
+    dec = BatchDecoder(target, drafting, block_size=block, policy=policy, clock=clock, step_tokens=budget)
     return serving.run_closed(dec, clock, work, "plan", concurrency=concurrency, requests=requests, seed=seed)
 
 

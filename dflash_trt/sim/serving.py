@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from ..decoding import GenerationConfig, SamplingParams, StepResult
+from ..decoding.chunking import STALL
 from ..decoding.loop import BatchDecoder, BatchRow
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -210,6 +211,7 @@ def simulate(
     table: dict[int, int] | None = None,
     prefill: str = "chunked",
     step_tokens: int | None = None,
+    stall: float = STALL,
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
@@ -220,7 +222,8 @@ def simulate(
     policy state (adaptive's acceptance prior, TensorRT-LLM's acceptance window) is that of a server that has
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
     "chunked" (prompts enter in chunks inside the verify pass, the loop's default, within the step budget
-    `step_tokens`, default the GPU's, `policies.sim_step_tokens`) or "separate" (a pass of their own);
+    `step_tokens`, default the GPU's, `policies.sim_step_tokens`, a step with chunks at most about `stall` times
+    the rows' own, `decoding.chunking`) or "separate" (a pass of their own);
     `host_s`: host seconds per step (default: the measured `host_step_s` at the step's rows)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
@@ -239,6 +242,7 @@ def simulate(
         host_s=host_s if host_s is not None else host_step_s(limit),
         prefill=prefill,
         step_tokens=step_tokens,
+        stall=stall,
     )
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)

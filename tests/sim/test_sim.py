@@ -305,3 +305,29 @@ def test_bench_script_smoke(tmp_path):
     assert {r["policy"] for r in runs} >= {"tuned-table", "vllm-table", "optimum", "trtllm-schedule-threshold"}
     assert data["tuned_tables"]  # the tuned policies' tables, from the fixed blocks
     assert (out / "README.md").exists()
+
+
+def test_bench_script_runs_the_chosen_policies_and_refuses_a_table_without_its_fixed_runs(tmp_path):
+    script = [sys.executable, str(ROOT / "scripts" / "bench_sim.py"), "--smoke", "--rates", "--calibrations"]
+    bad = subprocess.run([*script, "--policies", "adaptive", "tuned-table"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and "tuned from the fixed runs" in bad.stderr
+    out = tmp_path / "sim"
+    cmd = [*script, "--policies", "adaptive", "optimum", "--prefill-stall", "1.5", "--out", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=120)
+    data = json.loads((out / "results.json").read_text())
+    assert {r["policy"] for r in data["runs"]} == {"adaptive", "optimum"}
+    assert data["settings"]["prefill_stall"] == 1.5 and "prefill-stall" in data["settings"]["mode"]
+
+
+def test_the_chunk_steps_stall_bound_reaches_the_loop_and_moves_the_run():
+    """`simulate(stall=...)` is the server's --prefill-stall: a tighter bound admits prompts in smaller chunks."""
+    profiles = list(paper_profiles().values())
+    target, drafter, clock = sim_engines(ProfileCost("a100", "llama-3-8b", 1), profiles)
+    assert sim_decoder("fixed-4", target, drafter, clock, profiles, 8, stall=1.25).pacer.stall == 1.25
+    runs = {
+        s: simulate(
+            ProfileCost("a100", "llama-3-8b", 1), workload("paper"), "fixed-4", concurrency=8, requests=24, stall=s
+        )
+        for s in (1.25, 4.0)
+    }
+    assert runs[1.25].ttft_s["p50"] > runs[4.0].ttft_s["p50"]

@@ -373,37 +373,66 @@ def criteria(runs: list[dict], gpu: dict | None) -> list[dict]:
     return checks
 
 
-def prefill_checks(runs: list[dict]) -> list[dict]:
-    """Chunked against separate prefill at C=32, per setup, workload and policy: ITL p99 at least 2x lower,
-    tokens/s not lower (means over seeds)."""
+def prefill_pairs(runs: list[dict]) -> dict[tuple, dict[str, float]]:
+    """Adaptive at C=32, chunked against separate prefill, per setup and workload (means over seeds): both ITL
+    p99s, the tokens/s ratio and chunked prefill's mean step."""
     by: dict[tuple, dict[str, list[dict]]] = {}
     for r in runs:
-        if r["concurrency"] == PREFILL_AT:
-            by.setdefault((r["gpu"], r["model"], r["tp"], r["workload"], r["policy"]), {}).setdefault(
-                r["prefill"], []
-            ).append(r)
-    checks = []
-    for (g, model, tp, wl, policy), modes in sorted(by.items()):
-        if {"chunked", "separate"} <= set(modes) and policy == "adaptive":
+        if r["concurrency"] == PREFILL_AT and r["policy"] == "adaptive":
+            by.setdefault((r["gpu"], r["model"], r["tp"], r["workload"]), {}).setdefault(r["prefill"], []).append(r)
+    out = {}
+    for key, modes in sorted(by.items()):
+        if {"chunked", "separate"} <= set(modes):
             ch, se = modes["chunked"], modes["separate"]
-            p99_se, p99_ch = (statistics.mean(r["itl_p99_s"] for r in m) for m in (se, ch))
-            tps = statistics.mean(r["tokens_per_s"] for r in ch) / statistics.mean(r["tokens_per_s"] for r in se)
-            figure = f"ITL p99 {p99_se / p99_ch:.2f}x lower, tokens/s {tps:.3f}x"
-            # A row that gains one token in a step waits the whole step, so no chunking brings the p99 much below
-            # chunked prefill's mean step (every step equal: the prompts' work spread evenly): in units of that
-            # step, separate's p99 says how far 2x is within reach at this load.
-            step = statistics.mean(r.get("simulated_steady_step_s", math.nan) for r in ch)
-            if step > 0:
-                figure += f"; in chunked's mean steps: separate {p99_se / step:.2f}, chunked {p99_ch / step:.2f}"
-            checks.append(
-                {
-                    "what": f"{g} {model} tp={tp} {wl} C={PREFILL_AT} {policy}: chunked prefill ITL p99 >= 2x lower "
-                    "than separate, tokens/s not lower",
-                    "passed": p99_se / p99_ch >= 2 and tps >= 1.0,
-                    "figure": figure,
-                }
-            )
+            out[key] = {
+                "p99_separate": statistics.mean(r["itl_p99_s"] for r in se),
+                "p99_chunked": statistics.mean(r["itl_p99_s"] for r in ch),
+                "tps": statistics.mean(r["tokens_per_s"] for r in ch) / statistics.mean(r["tokens_per_s"] for r in se),
+                "step": statistics.mean(r.get("simulated_steady_step_s", math.nan) for r in ch),
+            }
+    return out
+
+
+def prefill_checks(runs: list[dict]) -> list[dict]:
+    """Chunked against separate prefill at C=32, adaptive, per setup and workload: ITL p99 at least 2x lower,
+    tokens/s not lower (means over seeds); the figure gives both p99s in units of chunked prefill's mean step
+    (`prefill_reach`)."""
+    checks = []
+    for (g, model, tp, wl), v in prefill_pairs(runs).items():
+        lower = v["p99_separate"] / v["p99_chunked"]
+        figure = f"ITL p99 {lower:.2f}x lower, tokens/s {v['tps']:.3f}x"
+        if v["step"] > 0:
+            figure += f"; in chunked's mean steps: separate {v['p99_separate'] / v['step']:.2f}, chunked "
+            figure += f"{v['p99_chunked'] / v['step']:.2f}"
+        checks.append(
+            {
+                "what": f"{g} {model} tp={tp} {wl} C={PREFILL_AT} adaptive: chunked prefill ITL p99 >= 2x lower "
+                "than separate, tokens/s not lower",
+                "passed": lower >= 2 and v["tps"] >= 1.0,
+                "figure": figure,
+            }
+        )
     return checks
+
+
+def prefill_reach(runs: list[dict]) -> list[str]:
+    """Why the C=32 prefill check can or cannot reach 2x, computed from the run."""
+    pairs = {k: v for k, v in prefill_pairs(runs).items() if v["step"] > 0}
+    if not pairs:
+        return []
+    short = [
+        f"{g.upper()} {m} `{wl}` ({v['p99_separate'] / v['step']:.2f})"
+        for (g, m, _, wl), v in pairs.items()
+        if v["p99_separate"] < 2 * v["step"]
+    ]
+    return [
+        "- ITL p99 at C=32 in units of chunked prefill's mean step (the checks' figures): a row that gains one token "
+        "in a step waits the whole step, so while the same prompts get in as fast, no way of admitting them brings "
+        "chunked prefill's p99 much below one mean step (every step equal: their work spread evenly; a tighter "
+        "bound shortens the steps only by keeping prompts out, and fewer rows decode), and a 2x lower p99 at "
+        "tokens/s not lower needs separate prefill's at 2 or more. "
+        + (f"Below 2 here: {', '.join(short)}." if short else "Every group here is at 2 or more.")
+    ]
 
 
 def summary(runs: list[dict]) -> dict[tuple, dict[str, dict]]:
@@ -468,6 +497,7 @@ def explanations(runs: list[dict]) -> list[str]:
             f"(mean over cells; worst cell {100 * max(gaps):.2f} %) of a proven upper bound of the per-step "
             "optimum (dflash_trt/sim/optimum.py), so adaptive / optimum is exact to that margin."
         )
+    lines += prefill_reach(runs)
     lines += below_tuned(runs)
     return lines
 

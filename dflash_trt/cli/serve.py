@@ -147,7 +147,9 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
         default=STALL,
         metavar="X",
         help=f"chunked prefill: a step with prompt chunks takes at most about X times the running requests' own "
-        f"step (timed from the steps served), however many tokens --step-tokens allows; > 1 (default {STALL})",
+        f"step (timed from the steps served), however many tokens --step-tokens allows. Smaller: smoother streams, "
+        f"new requests wait longer for their first token, and below what keeps up with the arriving prompts "
+        f"fewer requests decode at once; > 1 (default {STALL})",
     )
 
 

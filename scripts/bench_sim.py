@@ -495,7 +495,7 @@ def explanations(runs: list[dict]) -> list[str]:
         lines.append(
             f"- the optimum's certificate: its chosen step rates are within {100 * statistics.mean(gaps):.2f} % "
             f"(mean over cells; worst cell {100 * max(gaps):.2f} %) of a proven upper bound of the per-step "
-            "optimum (dflash_trt/sim/optimum.py), so adaptive / optimum is exact to that margin."
+            "optimum (dflash_trt/sim/optimum.py): per step, adaptive / optimum is exact to that margin (the run: below)."
         )
     lines += prefill_reach(runs)
     lines += above_optimum(runs)

@@ -741,6 +741,14 @@ def main() -> None:
     )
     ap.add_argument("--setups", nargs="+", help="gpu:model:tp items (replace the mode's setup x workload pairs)")
     ap.add_argument("--workloads", nargs="+", help="workloads (with --setups or alone: every setup x these)")
+    ap.add_argument(
+        "--groups",
+        nargs="+",
+        help="gpu:model:tp:workload items: exactly these setup x workload pairs (e.g. the reduced grid's four on\n"
+        "the full grid's requests and seeds: --full --groups "
+        + " ".join(":".join(map(str, g)) for g in REDUCED_GROUPS)
+        + ")",
+    )
     ap.add_argument("--concurrency", nargs="+", type=int, help="concurrencies (default: the mode's)")
     ap.add_argument("--seeds", type=int, help=f"seeds per cell (default: {REDUCED_SEEDS} reduced, {SEEDS} full)")
     ap.add_argument(
@@ -763,7 +771,7 @@ def main() -> None:
     rates = (4, 16) if args.rates is None else tuple(args.rates)
     args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
     args.mode = "smoke" if args.smoke else "full" if args.full else "reduced"
-    custom = [f for f in ("setups", "workloads", "concurrency", "seeds") if getattr(args, f) is not None]
+    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
     custom += ["policies"] if set(args.policies) != set(SHOWN) else []
     custom += ["prefill-stall"] if args.prefill_stall != STALL else []
     if args.full:
@@ -780,6 +788,13 @@ def main() -> None:
     if args.setups or args.workloads:
         setups = [(g, m, int(t)) for g, m, t in (x.split(":") for x in args.setups)] if args.setups else SETUPS
         groups = [(*st, wl) for st in setups for wl in (args.workloads or WORKLOADS)]
+    if args.groups:
+        if args.setups or args.workloads:
+            ap.error("--groups replaces --setups and --workloads")
+        try:
+            groups = [(g, m, int(t), wl) for g, m, t, wl in (x.split(":") for x in args.groups)]
+        except ValueError:
+            ap.error("--groups: gpu:model:tp:workload items, e.g. a100:llama-3-8b:1:paper")
     args.groups = groups
     args.concurrency = args.concurrency or conc
     args.seeds = args.seeds or seeds

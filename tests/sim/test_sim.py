@@ -307,15 +307,16 @@ def test_bench_script_smoke(tmp_path):
     assert (out / "README.md").exists()
 
 
-def test_bench_script_runs_the_chosen_policies_and_refuses_a_table_without_its_fixed_runs(tmp_path):
+def test_bench_script_runs_the_chosen_policies_and_groups_and_refuses_a_table_without_its_fixed_runs(tmp_path):
     script = [sys.executable, str(ROOT / "scripts" / "bench_sim.py"), "--smoke", "--rates", "--calibrations"]
     bad = subprocess.run([*script, "--policies", "adaptive", "tuned-table"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and "tuned from the fixed runs" in bad.stderr
     out = tmp_path / "sim"
     cmd = [*script, "--policies", "adaptive", "optimum", "--prefill-stall", "1.5", "--out", str(out)]
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=120)
+    subprocess.run([*cmd, "--groups", "h100:llama-2-7b:1:paper"], check=True, cwd=ROOT, timeout=120)
     data = json.loads((out / "results.json").read_text())
     assert {r["policy"] for r in data["runs"]} == {"adaptive", "optimum"}
+    assert {(r["gpu"], r["model"], r["workload"]) for r in data["runs"]} == {("h100", "llama-2-7b", "paper")}
     assert data["settings"]["prefill_stall"] == 1.5 and "prefill-stall" in data["settings"]["mode"]
 
 

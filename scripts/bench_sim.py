@@ -710,7 +710,7 @@ def readme(res: dict) -> str:
     return "\n".join(lines + LEAVES_OUT) + "\n"
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=ROOT / "results" / "sim", help="output folder")
     mode = ap.add_mutually_exclusive_group()
@@ -762,18 +762,12 @@ def main() -> None:
     ap.add_argument(
         "--calibrations", nargs="*", default=["cpu", "gpu"], help="calibrations to run (default: cpu gpu; none: skip)"
     )
-    args = ap.parse_args()
-    if set(TUNED) & set(args.policies) and not set(FIXED) <= set(args.policies):
-        ap.error(f"--policies: {' and '.join(TUNED)} are tuned from the fixed runs; add {' '.join(FIXED)}")
-    if args.readme_only:
-        (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
-        return
-    rates = (4, 16) if args.rates is None else tuple(args.rates)
-    args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
-    args.mode = "smoke" if args.smoke else "full" if args.full else "reduced"
-    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
-    custom += ["policies"] if set(args.policies) != set(SHOWN) else []
-    custom += ["prefill-stall"] if args.prefill_stall != STALL else []
+    return ap
+
+
+def _grid(args: argparse.Namespace, ap: argparse.ArgumentParser) -> tuple[list[tuple], tuple[int, ...], int, str]:
+    """The mode's groups, concurrencies, seeds and requests rule (setting `args.requests`), then what
+    --setups, --workloads or --groups replace."""
     if args.full:
         groups = [(*s, wl) for s in SETUPS for wl in WORKLOADS]
         conc, seeds, args.requests = CONCURRENCY, SEEDS, functools.partial(requests_for, scale=1.0)
@@ -795,6 +789,24 @@ def main() -> None:
             groups = [(g, m, int(t), wl) for g, m, t, wl in (x.split(":") for x in args.groups)]
         except ValueError:
             ap.error("--groups: gpu:model:tp:workload items, e.g. a100:llama-3-8b:1:paper")
+    return groups, conc, seeds, rule
+
+
+def main() -> None:
+    ap = _parser()
+    args = ap.parse_args()
+    if set(TUNED) & set(args.policies) and not set(FIXED) <= set(args.policies):
+        ap.error(f"--policies: {' and '.join(TUNED)} are tuned from the fixed runs; add {' '.join(FIXED)}")
+    if args.readme_only:
+        (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
+        return
+    rates = (4, 16) if args.rates is None else tuple(args.rates)
+    args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
+    args.mode = "smoke" if args.smoke else "full" if args.full else "reduced"
+    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
+    custom += ["policies"] if set(args.policies) != set(SHOWN) else []
+    custom += ["prefill-stall"] if args.prefill_stall != STALL else []
+    groups, conc, seeds, rule = _grid(args, ap)
     args.groups = groups
     args.concurrency = args.concurrency or conc
     args.seeds = args.seeds or seeds

@@ -39,9 +39,11 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from dflash_trt.bench.sim_report import cpu_calibration, criteria_table, poisson_table
+from dflash_trt.cli.options import stall_factor
 from dflash_trt.decoding.chunking import STALL
 from dflash_trt.sim.acceptance import AcceptanceProfile
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
@@ -326,12 +328,25 @@ def pass_ratios(cost: ProfileCost, past: int = 1024) -> dict:
     return {"verify16_over_1_c32": round(whole, 2), "layer_ops_512_over_32": round(ops, 2), "c1": round(one, 3)}
 
 
+def _cell(r: dict) -> tuple:
+    """A run's cell: setup, workload, prefill and concurrency (its seeds and policies share it)."""
+    return (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
+
+
+def _ttft_p50_s(runs: list[dict], cells: Iterable[tuple]) -> dict[tuple, dict[str, float]]:
+    """Per cell in `cells`, per policy: TTFT p50 in seconds, the mean over seeds."""
+    wanted, out = set(cells), {}
+    for r in runs:
+        if _cell(r) in wanted:
+            out.setdefault(_cell(r), {}).setdefault(r["policy"], []).append(r["ttft_ms"]["p50"] / 1e3)
+    return {k: {p: statistics.mean(v) for p, v in pol.items()} for k, pol in out.items()}
+
+
 def _ratios(runs: list[dict], num: str, den: str) -> dict[tuple, list[float]]:
     """Per (setup, workload, prefill, C): num / den tokens/s for each seed both ran (paired: the same requests)."""
     by: dict[tuple, dict[str, dict[int, float]]] = {}
     for r in runs:
-        key = (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
-        by.setdefault(key, {}).setdefault(r["policy"], {})[r["seed"]] = r["tokens_per_s"]
+        by.setdefault(_cell(r), {}).setdefault(r["policy"], {})[r["seed"]] = r["tokens_per_s"]
     out = {}
     for key, pol in by.items():
         if num in pol and den in pol:
@@ -439,8 +454,7 @@ def summary(runs: list[dict]) -> dict[tuple, dict[str, dict]]:
     """Per (setup, workload, prefill, C): per policy the mean, lowest and highest tokens/s over the seeds."""
     out: dict[tuple, dict[str, dict]] = {}
     for r in runs:
-        key = (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
-        cell = out.setdefault(key, {}).setdefault(r["policy"], {"tps": [], "itl_p99": [], "block": []})
+        cell = out.setdefault(_cell(r), {}).setdefault(r["policy"], {"tps": [], "itl_p99": [], "block": []})
         cell["tps"].append(r["tokens_per_s"])
         cell["itl_p99"].append(r["itl_p99_s"])
         cell["block"].append(r["mean_block"])
@@ -510,15 +524,11 @@ def above_optimum(runs: list[dict]) -> list[str]:
     high = {k: v for k, v in ratios.items() if v > 1.01}
     if not high:
         return []
-    ttft: dict[tuple, dict[str, list[float]]] = {}
-    for r in runs:
-        key = (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
-        if key in high:
-            ttft.setdefault(key, {}).setdefault(r["policy"], []).append(r["ttft_ms"]["p50"] / 1e3)
+    ttft = _ttft_p50_s(runs, high)
     separate = [v for k, v in ratios.items() if k[4] == "separate"]
     cells = "; ".join(
-        f"{'/'.join(str(x) for x in k)} {v:.3f}x (TTFT p50 {statistics.mean(ttft[k]['adaptive']):.2f} s against "
-        f"{statistics.mean(ttft[k]['optimum']):.2f} s)"
+        f"{'/'.join(str(x) for x in k)} {v:.3f}x (TTFT p50 {ttft[k]['adaptive']:.2f} s against "
+        f"{ttft[k]['optimum']:.2f} s)"
         for k, v in sorted(high.items(), key=lambda kv: -kv[1])
     )
     return [
@@ -539,11 +549,7 @@ def below_tuned(runs: list[dict]) -> list[str]:
     low = {k: statistics.mean(v) for k, v in ratios.items() if statistics.mean(v) < 1}
     if not low:
         return []
-    ttft: dict[tuple, dict[str, list[float]]] = {}
-    for r in runs:
-        key = (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
-        if key in low:
-            ttft.setdefault(key, {}).setdefault(r["policy"], []).append(r["ttft_ms"]["p50"] / 1e3)
+    ttft = _ttft_p50_s(runs, low)
     opt = {k: statistics.mean(v) for k, v in _ratios(runs, "optimum", "tuned-table").items() if k in low}
     modes = sorted({k[4] for k in low})
     spread = sum(max(ratios[k]) >= 1.0 for k in low)
@@ -555,8 +561,7 @@ def below_tuned(runs: list[dict]) -> list[str]:
     ]
     slow = False
     for k, v in sorted(low.items(), key=lambda kv: kv[1]):
-        t = ttft[k]
-        a, b = statistics.mean(t.get("adaptive", [math.nan])), statistics.mean(t.get("tuned-table", [math.nan]))
+        a, b = ttft[k].get("adaptive", math.nan), ttft[k].get("tuned-table", math.nan)
         slow |= k[4] == "chunked" and a > 1.2 * b
         lines.append(
             f"  - {'/'.join(str(x) for x in k)}: {v:.3f}x ({min(ratios[k]):.4f}-{max(ratios[k]):.4f}), "
@@ -728,7 +733,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefill", choices=("chunked", "separate"), default="chunked", help="the grid's prefill mode")
     ap.add_argument(
         "--prefill-stall",
-        type=float,
+        type=stall_factor,
         default=STALL,
         help=f"chunked prefill's time bound: a step with chunks at most about this many times the rows' own\n"
         f"(the server's --prefill-stall; default {STALL})",

@@ -117,7 +117,7 @@ def _block_args(p: argparse.ArgumentParser) -> None:
 
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
-    from ..decoding.chunking import STALL, STEP_TOKENS
+    from ..decoding.chunking import BACKLOG_STEPS, STALL, STEP_TOKENS
     from ..decoding.loop import PREFILL_MODES
     from .options import positive_int, stall_factor
 
@@ -147,9 +147,10 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
         default=STALL,
         metavar="X",
         help=f"chunked prefill: a step with prompt chunks takes at most about X times the running requests' own "
-        f"step (timed from the steps served), however many tokens --step-tokens allows. Smaller: smoother streams, "
-        f"new requests wait longer for their first token, and below what keeps up with the arriving prompts "
-        f"fewer requests decode at once; > 1 (default {STALL})",
+        f"step (timed from the steps served), however many tokens --step-tokens allows, unless prompts queue "
+        f"behind the one entering: each step then takes at least 1/{BACKLOG_STEPS} of the queue, so it cannot "
+        f"grow without end. Smaller: smoother streams, new requests wait longer for their first token; > 1 "
+        f"(default {STALL})",
     )
 
 

@@ -10,6 +10,11 @@ A joining row's prompt enters in chunks inside the running rows' verify pass (lo
   not the seconds it adds, and where the rows' steps are short (little drafted, a small batch, a CPU whose pass
   costs what its tokens cost) a chunk of the budget is many of their steps (measured on the CPU server:
   docs/benchmarks.md, "Chunked prefill"). The seconds come from the steps this decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
+- at least the prompt tokens queued behind the one entering, over `BACKLOG_STEPS` (within the budget's room,
+  above), whatever the time bound. The bound is for one prompt entering among streaming rows; where prompts
+  arrive faster than it lets them in, the queue behind grows without end and every prompt waits many steps to
+  spare each row part of one. With the floor a steady stream of prompts keeps about `BACKLOG_STEPS` steps' worth
+  of arrivals queued, and a prompt waits about that many steps to enter;
 - at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
 """
 
@@ -30,6 +35,8 @@ STEP_TOKENS = 128
 # with room for the machine's own step-to-step noise (docs/benchmarks.md, "Chunked prefill").
 STALL = 2.0
 MIN_CHUNK = 8
+# prompts queued behind the one entering get at least 1 / BACKLOG_STEPS of their tokens into each step
+BACKLOG_STEPS = 16
 # the step seconds' line follows about the last 1 / WEIGHT steps
 WEIGHT = 0.1
 
@@ -80,12 +87,14 @@ class ChunkPacer:
         self.seed: float | None = None  # seconds per token of the first pass of prompts alone
         self._sums = [0.0] * 5  # aged sums of 1, x, y, x*x, x*y; x: a step's prompt tokens, y: its seconds
 
-    def room(self, reserved: int) -> int:
-        """Prompt tokens for the next step beside `reserved` tokens of running rows' verify blocks."""
-        tokens = max(self.step_tokens - reserved, self.step_tokens // 4)
-        line = self.line()
+    def room(self, reserved: int, waiting: int = 0) -> int:
+        """Prompt tokens for the next step beside `reserved` tokens of running rows' verify blocks, with
+        `waiting` prompt tokens queued behind the prompt entering."""
+        budget = max(self.step_tokens - reserved, self.step_tokens // 4)
+        tokens, line = budget, self.line()
         if reserved and line is not None and line[1] > 0:
-            tokens = min(tokens, int((self.stall - 1.0) * line[0] / line[1]))
+            bound = int((self.stall - 1.0) * line[0] / line[1])
+            tokens = min(budget, max(bound, -(-waiting // BACKLOG_STEPS)))
         return max(tokens, min(MIN_CHUNK, self.step_tokens))
 
     def line(self) -> tuple[float, float] | None:

@@ -408,7 +408,7 @@ class BatchDecoder:
         sizes = self.policy.choose(step)
         for r, b in zip(rows, sizes):
             r.last_block = b
-        return sizes, cut(chunks, self.pacer.room(sum(sizes))) if chunks else chunks
+        return sizes, cut(chunks, self.pacer.room(sum(sizes), self._waiting())) if chunks else chunks
 
     def _step_rows(self, rows: list[BatchRow]) -> StepRows:
         """The rows' facts as the policy reads them, in one pass: each row's block at most the decoder's block
@@ -436,11 +436,15 @@ class BatchDecoder:
         step beside `reserved` tokens of verify blocks. None with separate prefill."""
         if self.prefill != "chunked":
             return []
-        return cut(self._rest_of_prompts(), self.pacer.room(reserved))
+        return cut(self._rest_of_prompts(), self.pacer.room(reserved, self._waiting()))
 
     def _rest_of_prompts(self) -> list[Chunk]:
         """Every joining row's prompt from where its prefill stands to its end, in order of arrival."""
         return [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in self.joining]
+
+    def _waiting(self) -> int:
+        """The prompt tokens queued behind the joining row whose prompt is entering (the first, by arrival)."""
+        return sum(len(r.prompt_ids) - r.prefilled for r in self.joining[1:])
 
     def _chunk_inputs(self, chunks: list[Chunk]) -> tuple[list[int], list[torch.Tensor]]:
         """The chunks' target rows and tokens; a row's first chunk gives it its rows in the sessions."""

@@ -44,8 +44,8 @@ class ServerSettings:
     # (docs/benchmarks.md, "No online refit of the cost model by default").
     refit_every: int = 0
     # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most what
-    # step_tokens leaves after the rows' blocks, a step at most about prefill_stall x the rows' own, so a long
-    # prompt never freezes the rows that stream; decoding/chunking.py) or "separate"
+    # step_tokens leaves after the rows' blocks, a step at most about prefill_stall x the rows' own unless prompts
+    # queue, so a long prompt never freezes the rows that stream; decoding/chunking.py) or "separate"
     prefill: str = "chunked"
     step_tokens: int = STEP_TOKENS
     prefill_stall: float = STALL

@@ -1,13 +1,13 @@
 """How much prompt a step takes under chunked prefill (decoding/chunking.py): what the token budget leaves after
 the rows' verify blocks (a quarter at least, before the time bound), and within `stall` times the rows' own step,
-timed from the steps the decoder ran."""
+timed from the steps the decoder ran, unless the prompts queued behind the one entering are more than BACKLOG_STEPS such steps' worth."""
 
 import statistics
 
 import pytest
 
-from dflash_trt.decoding import BatchDecoder, GenerationConfig
-from dflash_trt.decoding.chunking import MIN_CHUNK, ChunkPacer
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, chunking
+from dflash_trt.decoding.chunking import BACKLOG_STEPS, MIN_CHUNK, ChunkPacer
 from dflash_trt.decoding.step import StepProfile
 from dflash_trt.sim.acceptance import paper_profiles
 from dflash_trt.sim.cost import LinearPassCost
@@ -44,6 +44,20 @@ def test_room_keeps_a_chunk_step_within_stall_times_a_plain_step():
     tighter = ChunkPacer(step_tokens=512, stall=1.5)
     tighter._sums = list(pacer._sums)
     assert tighter.room(8) in (99, 100)
+
+
+def test_a_backlog_gets_its_share_of_a_step_whatever_the_time_bound():
+    pacer = ChunkPacer(step_tokens=512, stall=2.0)
+    for i in range(40):
+        pacer.observe(plain(0.020))
+        pacer.observe(chunk_step(0.020 + 1e-4 * (50 + 10 * (i % 5)), 50 + 10 * (i % 5)))
+    bound = pacer.room(8)
+    assert bound in (199, 200)
+    assert pacer.room(8, waiting=bound * BACKLOG_STEPS // 2) == bound  # a short queue: the bound
+    assert pacer.room(8, waiting=300 * BACKLOG_STEPS) == 300  # a long one: its share
+    assert pacer.room(8, waiting=300 * BACKLOG_STEPS + 1) == 301  # rounded up, so the last token gets in
+    assert pacer.room(8, waiting=10_000 * BACKLOG_STEPS) == 504  # never past the budget's room
+    assert pacer.room(600, waiting=10_000 * BACKLOG_STEPS) == 128  # nor past its quarter
 
 
 def test_chunk_steps_alone_still_separate_the_gap_from_the_tokens():
@@ -102,6 +116,42 @@ def test_a_long_prompt_among_streaming_rows_stalls_them_at_most_about_stall_time
     assert [r.result().token_ids for r in rows] == [
         r.token_ids for r in alone.generate([[i % 4] + [17 + i] * 40 for i in range(8)], config)
     ]
+
+
+def _admit_a_backlog(monkeypatch, backlog_steps: int) -> tuple[list, list]:
+    """Eight rows stream at block 1 on a simulated CPU; six 1,130-token prompts arrive at once. The steps while
+    they enter, and the waiting prompt tokens before each."""
+    monkeypatch.setattr(chunking, "BACKLOG_STEPS", backlog_steps)
+    target, _, clock = sim_engines(CPU, list(paper_profiles().values()))
+    dec = BatchDecoder(target, None, block_size=1, clock=clock, step_tokens=512)
+    config = GenerationConfig(max_new_tokens=400, sampling=GREEDY, stop_token_ids=())
+    for i in range(8):
+        dec.add([i % 4] + [17 + i] * 40, config)
+    for _ in range(30):
+        dec.step()
+    short = GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=())
+    prompts = [[1 + i] + [23 + i] * 1129 for i in range(6)]
+    longs = [dec.add(p, short) for p in prompts]
+    profiles, waiting = [], []
+    while any(r in dec.joining for r in longs):
+        waiting.append(dec._waiting())
+        profiles.append(dec.step().profile)
+    dec.run()
+    alone = BatchDecoder(sim_engines(CPU, list(paper_profiles().values()))[0], None, block_size=1)
+    assert [r.result().token_ids for r in longs] == [r.token_ids for r in alone.generate(prompts, short)]
+    return profiles, waiting
+
+
+def test_a_backlog_of_prompts_enters_faster_than_the_time_bound_alone_lets_it(monkeypatch):
+    """The time bound alone admits a queue of prompts at its chunk size a step, however long the queue; with the
+    floor every step takes at least 1 / BACKLOG_STEPS of what waits behind the prompt entering (within the
+    budget), so the queue enters in fewer steps, the prompts' tokens still those of the target alone. One long
+    prompt alone is left to the bound (the test above)."""
+    floored, waiting = _admit_a_backlog(monkeypatch, BACKLOG_STEPS)
+    bound_only, _ = _admit_a_backlog(monkeypatch, 10**9)
+    assert sum(p.chunk_tokens for p in floored) == sum(p.chunk_tokens for p in bound_only) == 6 * 1130
+    assert all(p.chunk_tokens >= min(-(-w // BACKLOG_STEPS), 504) - MIN_CHUNK for p, w in zip(floored, waiting))
+    assert len(floored) < 0.8 * len(bound_only)
 
 
 def test_no_prompt_is_cut_to_a_sliver():

@@ -1,4 +1,5 @@
-"""How much of the waiting prompts one step takes (chunked prefill): a token budget and a time bound.
+"""How much of the waiting prompts one step takes (chunked prefill): a token budget, a time bound and a floor for a
+queue.
 
 A joining row's prompt enters in chunks inside the running rows' verify pass (loop.py). A step's chunks hold:
 
@@ -14,7 +15,8 @@ A joining row's prompt enters in chunks inside the running rows' verify pass (lo
   above), whatever the time bound. The bound is for one prompt entering among streaming rows; where prompts
   arrive faster than it lets them in, the queue behind grows without end and every prompt waits many steps to
   spare each row part of one. With the floor a steady stream of prompts keeps about `BACKLOG_STEPS` steps' worth
-  of arrivals queued, and a prompt waits about that many steps to enter;
+  of arrivals queued, and a prompt waits about that many steps to enter (simulated at a GPU's high load:
+  docs/benchmarks.md, "The backlog floor");
 - at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
 """
 

@@ -401,14 +401,14 @@ class BatchDecoder:
         that the policy prices the pass they share; then they are cut to what the chosen blocks leave. Reserving
         every row's largest block instead would starve the prompts whenever the policy drafts little (at a large
         batch, where it matters most); reserving nothing would have the policy price chunks the pass cannot hold."""
-        step = self._step_rows(rows)
-        chunks = self._chunks(sum(r.last_block for r in rows))
+        step, waiting = self._step_rows(rows), self._waiting()
+        chunks = self._chunks(sum(r.last_block for r in rows), waiting)
         if chunks:
             step = replace(step, chunk_rows=len(chunks), chunk_tokens=sum(c.size for c in chunks))
         sizes = self.policy.choose(step)
         for r, b in zip(rows, sizes):
             r.last_block = b
-        return sizes, cut(chunks, self.pacer.room(sum(sizes), self._waiting())) if chunks else chunks
+        return sizes, cut(chunks, self.pacer.room(sum(sizes), waiting)) if chunks else chunks
 
     def _step_rows(self, rows: list[BatchRow]) -> StepRows:
         """The rows' facts as the policy reads them, in one pass: each row's block at most the decoder's block
@@ -431,12 +431,13 @@ class BatchDecoder:
             batch=len(self.running),  # rows whose prompt completed on an earlier step of this one were moved here
         )
 
-    def _chunks(self, reserved: int) -> list[Chunk]:
+    def _chunks(self, reserved: int, waiting: int) -> list[Chunk]:
         """The joining rows' next pieces of their prompts, in order of arrival, within what the pacer gives a
-        step beside `reserved` tokens of verify blocks. None with separate prefill."""
+        step beside `reserved` tokens of verify blocks and `waiting` prompt tokens queued behind the first. None
+        with separate prefill."""
         if self.prefill != "chunked":
             return []
-        return cut(self._rest_of_prompts(), self.pacer.room(reserved, self._waiting()))
+        return cut(self._rest_of_prompts(), self.pacer.room(reserved, waiting))
 
     def _rest_of_prompts(self) -> list[Chunk]:
         """Every joining row's prompt from where its prefill stands to its end, in order of arrival."""

@@ -43,8 +43,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from dflash_trt.bench.sim_report import cpu_calibration, criteria_table, poisson_table
-from dflash_trt.cli.options import stall_factor
-from dflash_trt.decoding.chunking import STALL
+from dflash_trt.cli.options import non_negative_int, stall_factor
+from dflash_trt.decoding.chunking import BACKLOG_STEPS, STALL
 from dflash_trt.sim.acceptance import AcceptanceProfile
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.policies import FIXED, STEP_TOKENS_OF, TUNED
@@ -87,14 +87,13 @@ def reduced_requests(c: int) -> int:
 
 def run_cell(cell: tuple) -> dict:
     """One closed-loop cell (a worker process's unit of work): gpu, model, tp, workload, concurrency, policy,
-    requests, seed, prefill, tuned table (or None), the chunk steps' stall bound."""
-    gpu, model, tp, wl, c, policy, n, seed, prefill, table, stall = cell
+    requests, seed, prefill, tuned table (or None), the chunk steps' stall bound and backlog floor."""
+    gpu, model, tp, wl, c, policy, n, seed, prefill, table, stall, backlog_steps = cell
     t0 = time.perf_counter()
     cost = ProfileCost(gpu, model, tp)
     tab = {int(k): v for k, v in table.items()} if table else None
-    r = simulate(
-        cost, workload(wl), policy, concurrency=c, requests=n, seed=seed, table=tab, prefill=prefill, stall=stall
-    )
+    pacing = {"prefill": prefill, "stall": stall, "backlog_steps": backlog_steps}
+    r = simulate(cost, workload(wl), policy, concurrency=c, requests=n, seed=seed, table=tab, **pacing)
     item = {
         "gpu": cost.label,
         "model": model,
@@ -139,9 +138,8 @@ def _cells(args, policies: tuple[str, ...], tables: dict | None = None) -> list[
             for prefill, seed, policy in ((p, s, q) for p in prefills for s in range(args.seeds) for q in policies):
                 key = f"{gpu}/{model}/{tp}/{wl}/{prefill}"
                 table = (tables or {}).get(key)
-                cells.append(
-                    (gpu, model, tp, wl, c, policy, args.requests(c), seed, prefill, table, args.prefill_stall)
-                )
+                pacing = (prefill, table, args.prefill_stall, args.prefill_backlog_steps)
+                cells.append((gpu, model, tp, wl, c, policy, args.requests(c), seed, *pacing))
     return cells
 
 
@@ -165,6 +163,11 @@ def tuned_tables(runs: list[dict]) -> dict[str, dict[int, int]]:
 
 def _name(block: int) -> str:
     return next(p for p, b in BLOCK_OF.items() if b == block)
+
+
+def _pacing(args) -> dict:
+    """The grid's prefill mode and chunk pacing, as `simulate` takes them."""
+    return {"prefill": args.prefill, "stall": args.prefill_stall, "backlog_steps": args.prefill_backlog_steps}
 
 
 def sweep(args) -> tuple[list[dict], dict, list[dict], dict | None, dict | None]:
@@ -199,7 +202,7 @@ def poisson(args) -> list[dict]:
     work = workload("paper")
     for rate in args.rates:
         for policy in ("none", "fixed-8", "adaptive", "trtllm-schedule"):
-            r = simulate(cost, work, policy, rate=rate, requests=args.poisson_requests, prefill=args.prefill)
+            r = simulate(cost, work, policy, rate=rate, requests=args.poisson_requests, **_pacing(args))
             out.append(
                 {
                     "gpu": "a100",
@@ -306,7 +309,7 @@ def calibrate_gpu(args) -> dict:
             cell: dict = {}
             for c in (1, 32):
                 for p in ("none", "fixed-16", "adaptive"):
-                    r = simulate(cost, work, p, concurrency=c, requests=max(args.gpu_requests, c), prefill=args.prefill)
+                    r = simulate(cost, work, p, concurrency=c, requests=max(args.gpu_requests, c), **_pacing(args))
                     cell[f"{p}_c{c}"] = round(r.tokens / r.sim_seconds, 1)
             s1, s32 = cell["fixed-16_c1"] / cell["none_c1"], cell["fixed-16_c32"] / cell["none_c32"]
             cell.update(speedup_c1=round(s1, 2), speedup_c32=round(s32, 2), decay=round(s32 / s1, 3))
@@ -694,7 +697,9 @@ def readme(res: dict) -> str:
         *mode_lines(s),
         f"Closed loop, {s['requests_rule']}, {s['seeds']} seeds; prompts `{s['prompt_len']}`, outputs",
         f"`{s['output_len']}` tokens; host {1e3 * s['host_step_s']:.2f} ms per step; greedy (T=0); chunk steps at",
-        f"most about {s.get('prefill_stall', STALL)}x the rows' own (`--prefill-stall`). Peers: see",
+        f"most about {s.get('prefill_stall', STALL)}x the rows' own (`--prefill-stall`) unless prompts queue, then",
+        f"at least 1/{s.get('prefill_backlog_steps', BACKLOG_STEPS)} of them a step (`--prefill-backlog-steps`). "
+        "Peers: see",
         "dflash_trt/sim/policies.py (trtllm-schedule as DFlashDecodingConfig configures it, no threshold;",
         "tuned-table and vllm-table tuned per concurrency from the fixed blocks none/4/8/16; optimum: the exact",
         "per-step bound).",
@@ -737,6 +742,13 @@ def _parser() -> argparse.ArgumentParser:
         default=STALL,
         help=f"chunked prefill's time bound: a step with chunks at most about this many times the rows' own\n"
         f"(the server's --prefill-stall; default {STALL})",
+    )
+    ap.add_argument(
+        "--prefill-backlog-steps",
+        type=non_negative_int,
+        default=BACKLOG_STEPS,
+        help=f"chunked prefill's floor for prompts queued behind the one entering: at least 1/N of them a step\n"
+        f"(the server's --prefill-backlog-steps; 0: none; default {BACKLOG_STEPS})",
     )
     ap.add_argument(
         "--no-compare-prefill",
@@ -811,6 +823,7 @@ def main() -> None:
     custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
     custom += ["policies"] if set(args.policies) != set(SHOWN) else []
     custom += ["prefill-stall"] if args.prefill_stall != STALL else []
+    custom += ["prefill-backlog-steps"] if args.prefill_backlog_steps != BACKLOG_STEPS else []
     groups, conc, seeds, rule = _grid(args, ap)
     args.groups = groups
     args.concurrency = args.concurrency or conc
@@ -828,6 +841,7 @@ def main() -> None:
             "prefill": args.prefill,
             "step_tokens": STEP_TOKENS_OF,
             "prefill_stall": args.prefill_stall,
+            "prefill_backlog_steps": args.prefill_backlog_steps,
             "requests_rule": rule,
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,

@@ -119,7 +119,7 @@ def _block_args(p: argparse.ArgumentParser) -> None:
 def _prefill_args(p: argparse.ArgumentParser) -> None:
     from ..decoding.chunking import BACKLOG_STEPS, STALL, STEP_TOKENS
     from ..decoding.loop import PREFILL_MODES
-    from .options import positive_int, stall_factor
+    from .options import non_negative_int, positive_int, stall_factor
 
     pre = p.add_argument_group("prefill (how a new request's prompt enters the batch)")
     pre.add_argument(
@@ -148,9 +148,19 @@ def _prefill_args(p: argparse.ArgumentParser) -> None:
         metavar="X",
         help=f"chunked prefill: a step with prompt chunks takes at most about X times the running requests' own "
         f"step (timed from the steps served), however many tokens --step-tokens allows, unless prompts queue "
-        f"behind the one entering: each step then takes at least 1/{BACKLOG_STEPS} of the queue, so it cannot "
-        f"grow without end. Smaller: smoother streams, new requests wait longer for their first token; > 1 "
-        f"(default {STALL})",
+        f"behind the one entering (see --prefill-backlog-steps). Smaller: smoother streams, new requests wait "
+        f"longer for their first token; > 1 (default {STALL})",
+    )
+    pre.add_argument(
+        "--prefill-backlog-steps",
+        type=non_negative_int,
+        default=BACKLOG_STEPS,
+        metavar="N",
+        help=f"chunked prefill: while prompts queue behind the one entering, each step takes at least 1/N of the "
+        f"queued prompt tokens whatever --prefill-stall allows (within --step-tokens), so the queue cannot grow "
+        f"without end when requests arrive faster than the bound lets them in: a new request waits about N steps "
+        f"to enter. Larger: smoother streams under load, longer waits for the first token; 0: no floor, the "
+        f"bound holds at any load and the queue may grow (default {BACKLOG_STEPS})",
     )
 
 
@@ -263,6 +273,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill=args.prefill,
         step_tokens=args.step_tokens,
         prefill_stall=args.prefill_stall,
+        prefill_backlog_steps=args.prefill_backlog_steps,
     )
     from .options import CliError
 

@@ -11,12 +11,13 @@ A joining row's prompt enters in chunks inside the running rows' verify pass (lo
   not the seconds it adds, and where the rows' steps are short (little drafted, a small batch, a CPU whose pass
   costs what its tokens cost) a chunk of the budget is many of their steps (measured on the CPU server:
   docs/benchmarks.md, "Chunked prefill"). The seconds come from the steps this decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
-- at least the prompt tokens queued behind the one entering, over `BACKLOG_STEPS` (within the budget's room,
-  above), whatever the time bound. The bound is for one prompt entering among streaming rows; where prompts
-  arrive faster than it lets them in, the queue behind grows without end and every prompt waits many steps to
-  spare each row part of one. With the floor a steady stream of prompts keeps about `BACKLOG_STEPS` steps' worth
-  of arrivals queued, and a prompt waits about that many steps to enter (simulated at a GPU's high load:
-  docs/benchmarks.md, "The backlog floor");
+- at least the prompt tokens queued behind the one entering, over `backlog_steps` (default `BACKLOG_STEPS`;
+  within the budget's room, above), whatever the time bound. The bound is for one prompt entering among
+  streaming rows; where prompts arrive faster than it lets them in, the queue behind grows without end and every
+  prompt waits many steps to spare each row part of one. With the floor a steady stream of prompts keeps about
+  `backlog_steps` steps' worth of arrivals queued, and a prompt waits about that many steps to enter (simulated
+  at a GPU's high load: docs/benchmarks.md, "The backlog floor"). 0 turns the floor off: the bound then holds
+  under any load, and an operator who would rather have prompts wait than the streams slow chooses it;
 - at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
 """
 
@@ -80,12 +81,14 @@ class ChunkPacer:
     where the cost is a line, that it both stalled the rows more and let prompts in slower (docs/benchmarks.md,
     "Chunked prefill", runs G and H)."""
 
-    def __init__(self, step_tokens: int = STEP_TOKENS, stall: float = STALL):
+    def __init__(self, step_tokens: int = STEP_TOKENS, stall: float = STALL, backlog_steps: int = BACKLOG_STEPS):
         if step_tokens < 1:
             raise ValueError(f"step_tokens must be >= 1, got {step_tokens}")
         if stall <= 1.0:
             raise ValueError(f"stall must be > 1 (a chunk step takes longer than a plain one), got {stall}")
-        self.step_tokens, self.stall = step_tokens, stall
+        if backlog_steps < 0:
+            raise ValueError(f"backlog_steps must be >= 0 (0: no floor for a queue), got {backlog_steps}")
+        self.step_tokens, self.stall, self.backlog_steps = step_tokens, stall, backlog_steps
         self.seed: float | None = None  # seconds per token of the first pass of prompts alone
         self._sums = [0.0] * 5  # aged sums of 1, x, y, x*x, x*y; x: a step's prompt tokens, y: its seconds
 
@@ -96,7 +99,8 @@ class ChunkPacer:
         tokens, line = budget, self.line()
         if reserved and line is not None and line[1] > 0:
             bound = int((self.stall - 1.0) * line[0] / line[1])
-            tokens = min(budget, max(bound, -(-waiting // BACKLOG_STEPS)))
+            floor = -(-waiting // self.backlog_steps) if self.backlog_steps else 0
+            tokens = min(budget, max(bound, floor))
         return max(tokens, min(MIN_CHUNK, self.step_tokens))
 
     def line(self) -> tuple[float, float] | None:

@@ -51,7 +51,7 @@ from ..runtime.base import (
     TargetSession,
 )
 from .acceptance import Proposal, acceptance_rule, greedy_prefix
-from .chunking import STALL, STEP_TOKENS, Chunk, ChunkPacer, cut
+from .chunking import BACKLOG_STEPS, STALL, STEP_TOKENS, Chunk, ChunkPacer, cut
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing, PromptHealer
 from .policy import BlockPolicy, FixedBlocks
@@ -178,8 +178,9 @@ class BatchDecoder:
     1 = the target alone); with an adaptive policy it is the largest size the policy may choose.
     clock: seconds for every timing the decoder takes and the policy reads (a simulation passes its own).
     prefill: "chunked" (prompts enter in chunks inside the verify pass, within what the budget `step_tokens`
-    leaves after the rows' blocks, a step with chunks at most about `stall` times the rows' own) or "separate"
-    (each joining prompt whole, in a pass of its own before the verify pass); see the module.
+    leaves after the rows' blocks, a step with chunks at most about `stall` times the rows' own unless prompts
+    queue behind the one entering: each step then takes at least 1 / `backlog_steps` of them, 0: never) or
+    "separate" (each joining prompt whole, in a pass of its own before the verify pass); see decoding/chunking.py.
 
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`,
     `cancel` and `step` belong to the one thread that runs the engines."""
@@ -196,10 +197,11 @@ class BatchDecoder:
         prefill: str = "chunked",
         step_tokens: int = STEP_TOKENS,
         stall: float = STALL,
+        backlog_steps: int = BACKLOG_STEPS,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
-        self.prefill, self.pacer = prefill, ChunkPacer(step_tokens, stall)
+        self.prefill, self.pacer = prefill, ChunkPacer(step_tokens, stall, backlog_steps)
         if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
             raise ValueError(
                 f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"

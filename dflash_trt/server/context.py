@@ -13,7 +13,7 @@ from fastapi import Depends, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
-from ..decoding.chunking import STALL, STEP_TOKENS
+from ..decoding.chunking import BACKLOG_STEPS, STALL, STEP_TOKENS
 from ..runtime.base import cuda_devices, pass_clock
 from .errors import ApiError
 from .limits import Limits
@@ -45,10 +45,12 @@ class ServerSettings:
     refit_every: int = 0
     # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most what
     # step_tokens leaves after the rows' blocks, a step at most about prefill_stall x the rows' own unless prompts
-    # queue, so a long prompt never freezes the rows that stream; decoding/chunking.py) or "separate"
+    # queue: then at least 1 / prefill_backlog_steps of them, 0: never; so a long prompt never freezes the rows
+    # that stream; decoding/chunking.py) or "separate"
     prefill: str = "chunked"
     step_tokens: int = STEP_TOKENS
     prefill_stall: float = STALL
+    prefill_backlog_steps: int = BACKLOG_STEPS
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -93,6 +95,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: An
         prefill=settings.prefill,
         step_tokens=settings.step_tokens,
         stall=settings.prefill_stall,
+        backlog_steps=settings.prefill_backlog_steps,
     )
 
 

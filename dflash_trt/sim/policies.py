@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 from ..decoding.adaptive import AdaptiveBlocks
-from ..decoding.chunking import STALL
+from ..decoding.chunking import BACKLOG_STEPS, STALL
 from ..decoding.cost import CostModel
 from ..decoding.estimates import AcceptanceTracker
 from ..decoding.loop import BatchDecoder
@@ -225,12 +225,14 @@ def sim_decoder(
     prefill: str = "chunked",
     step_tokens: int | None = None,
     stall: float = STALL,
+    backlog_steps: int = BACKLOG_STEPS,
 ) -> BatchDecoder:
     """The decoder that serves policy `name` on the simulated engines, its policy timed (`TimedPolicy`).
     `table`: for "tuned-table" and "vllm-table", the best block per concurrency (1 = no drafting); `host_s`:
     the host's seconds per step, which "optimum" adds to every step it rates; `prefill`, `step_tokens`: the
     loop's prefill mode and its per-step token budget (chunked; default `sim_step_tokens` of the target's cost);
-    `stall`: the chunk steps' time bound, in the rows' own steps (`decoding.chunking`)."""
+    `stall`, `backlog_steps`: the chunk steps' time bound, in the rows' own steps, and the floor for prompts that
+    queue behind it (`decoding.chunking`)."""
     if name not in POLICIES + TUNED + REFERENCES:
         raise ValueError(f"unknown policy {name!r}: one of {POLICIES + TUNED + REFERENCES}")
     if name in TUNED and not table:
@@ -248,6 +250,7 @@ def sim_decoder(
             prefill=prefill,
             step_tokens=step_tokens,
             stall=stall,
+            backlog_steps=backlog_steps,
         )
     if name.startswith("fixed-"):
         block_size = int(name.split("-")[1])
@@ -274,4 +277,5 @@ def sim_decoder(
         prefill=prefill,
         step_tokens=step_tokens,
         stall=stall,
+        backlog_steps=backlog_steps,
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import cast
 
 from ..decoding import GenerationConfig, SamplingParams, StepResult
-from ..decoding.chunking import STALL
+from ..decoding.chunking import BACKLOG_STEPS, STALL
 from ..decoding.loop import BatchDecoder, BatchRow
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -212,6 +212,7 @@ def simulate(
     prefill: str = "chunked",
     step_tokens: int | None = None,
     stall: float = STALL,
+    backlog_steps: int = BACKLOG_STEPS,
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
@@ -223,7 +224,8 @@ def simulate(
     seen this traffic. `table`: a tuned policy's best block per concurrency (`policies.sim_decoder`); `prefill`:
     "chunked" (prompts enter in chunks inside the verify pass, the loop's default, within the step budget
     `step_tokens`, default the GPU's, `policies.sim_step_tokens`, a step with chunks at most about `stall` times
-    the rows' own, `decoding.chunking`) or "separate" (a pass of their own);
+    the rows' own unless prompts queue, then at least 1 / `backlog_steps` of them a step, `decoding.chunking`)
+    or "separate" (a pass of their own);
     `host_s`: host seconds per step (default: the measured `host_step_s` at the step's rows)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
@@ -243,6 +245,7 @@ def simulate(
         prefill=prefill,
         step_tokens=step_tokens,
         stall=stall,
+        backlog_steps=backlog_steps,
     )
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)

@@ -1,12 +1,13 @@
 """How much prompt a step takes under chunked prefill (decoding/chunking.py): what the token budget leaves after
 the rows' verify blocks (a quarter at least, before the time bound), and within `stall` times the rows' own step,
-timed from the steps the decoder ran, unless the prompts queued behind the one entering are more than BACKLOG_STEPS such steps' worth."""
+timed from the steps the decoder ran, unless the prompts queued behind the one entering are more than
+`backlog_steps` such steps' worth."""
 
 import statistics
 
 import pytest
 
-from dflash_trt.decoding import BatchDecoder, GenerationConfig, chunking
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding.chunking import BACKLOG_STEPS, MIN_CHUNK, ChunkPacer
 from dflash_trt.decoding.step import StepProfile
 from dflash_trt.sim.acceptance import paper_profiles
@@ -58,6 +59,12 @@ def test_a_backlog_gets_its_share_of_a_step_whatever_the_time_bound():
     assert pacer.room(8, waiting=300 * BACKLOG_STEPS + 1) == 301  # rounded up, so the last token gets in
     assert pacer.room(8, waiting=10_000 * BACKLOG_STEPS) == 504  # never past the budget's room
     assert pacer.room(600, waiting=10_000 * BACKLOG_STEPS) == 128  # nor past its quarter
+    strict = ChunkPacer(step_tokens=512, stall=2.0, backlog_steps=0)  # the operator's choice: no floor
+    strict._sums = list(pacer._sums)
+    assert strict.room(8, waiting=10_000 * BACKLOG_STEPS) == bound
+    patient = ChunkPacer(step_tokens=512, stall=2.0, backlog_steps=64)
+    patient._sums = list(pacer._sums)
+    assert patient.room(8, waiting=300 * 64) == 300
 
 
 def test_chunk_steps_alone_still_separate_the_gap_from_the_tokens():
@@ -87,6 +94,8 @@ def test_options_are_checked():
         ChunkPacer(stall=1.0)
     with pytest.raises(ValueError, match="step_tokens must be >= 1"):
         ChunkPacer(step_tokens=0)
+    with pytest.raises(ValueError, match="backlog_steps must be >= 0"):
+        ChunkPacer(backlog_steps=-1)
 
 
 # A CPU's pass: it costs what its tokens cost (the demo pair's shape, rounded)
@@ -118,12 +127,11 @@ def test_a_long_prompt_among_streaming_rows_stalls_them_at_most_about_stall_time
     ]
 
 
-def _admit_a_backlog(monkeypatch, backlog_steps: int) -> tuple[list, list]:
+def _admit_a_backlog(backlog_steps: int) -> tuple[list, list]:
     """Eight rows stream at block 1 on a simulated CPU; six 1,130-token prompts arrive at once. The steps while
     they enter, and the waiting prompt tokens before each."""
-    monkeypatch.setattr(chunking, "BACKLOG_STEPS", backlog_steps)
     target, _, clock = sim_engines(CPU, list(paper_profiles().values()))
-    dec = BatchDecoder(target, None, block_size=1, clock=clock, step_tokens=512)
+    dec = BatchDecoder(target, None, block_size=1, clock=clock, step_tokens=512, backlog_steps=backlog_steps)
     config = GenerationConfig(max_new_tokens=400, sampling=GREEDY, stop_token_ids=())
     for i in range(8):
         dec.add([i % 4] + [17 + i] * 40, config)
@@ -142,13 +150,13 @@ def _admit_a_backlog(monkeypatch, backlog_steps: int) -> tuple[list, list]:
     return profiles, waiting
 
 
-def test_a_backlog_of_prompts_enters_faster_than_the_time_bound_alone_lets_it(monkeypatch):
+def test_a_backlog_of_prompts_enters_faster_than_the_time_bound_alone_lets_it():
     """The time bound alone admits a queue of prompts at its chunk size a step, however long the queue; with the
     floor every step takes at least 1 / BACKLOG_STEPS of what waits behind the prompt entering (within the
     budget), so the queue enters in fewer steps, the prompts' tokens still those of the target alone. One long
-    prompt alone is left to the bound (the test above)."""
-    floored, waiting = _admit_a_backlog(monkeypatch, BACKLOG_STEPS)
-    bound_only, _ = _admit_a_backlog(monkeypatch, 10**9)
+    prompt alone is left to the bound (the test above); `backlog_steps=0` leaves every prompt to it."""
+    floored, waiting = _admit_a_backlog(BACKLOG_STEPS)
+    bound_only, _ = _admit_a_backlog(0)
     assert sum(p.chunk_tokens for p in floored) == sum(p.chunk_tokens for p in bound_only) == 6 * 1130
     assert all(p.chunk_tokens >= min(-(-w // BACKLOG_STEPS), 504) - MIN_CHUNK for p, w in zip(floored, waiting))
     assert len(floored) < 0.8 * len(bound_only)
@@ -165,3 +173,21 @@ def test_no_prompt_is_cut_to_a_sliver():
     assert [x.size for x in cut([a, b, c], 110)] == [100, 5]  # c would get 5 of its 40: it waits
     assert [x.size for x in cut([a, b, c], 120)] == [100, 5, 15]
     assert [x.size for x in cut([c], 3)] == [3]  # a budget under MIN_CHUNK still moves
+
+
+def test_the_server_passes_its_prefill_options_to_the_pacer():
+    """`serve --prefill-stall X --prefill-backlog-steps N` reach the serving decoder's pacer (through
+    ServerSettings and server.context.batch_decoder); a negative N is a usage error."""
+    from dflash_trt.cli.main import build_parser
+    from dflash_trt.server.context import ServerSettings, batch_decoder
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--prefill-stall", "1.5", "--prefill-backlog-steps", "0"])
+    assert (args.prefill_stall, args.prefill_backlog_steps) == (1.5, 0)
+    assert parser.parse_args(["serve"]).prefill_backlog_steps == BACKLOG_STEPS
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--prefill-backlog-steps", "-1"])
+    target, _, clock = sim_engines(CPU, list(paper_profiles().values()))
+    settings = ServerSettings(prefill_stall=args.prefill_stall, prefill_backlog_steps=args.prefill_backlog_steps)
+    dec = batch_decoder(BatchDecoder(target, None, clock=clock), settings)
+    assert (dec.pacer.stall, dec.pacer.backlog_steps) == (1.5, 0)

@@ -87,12 +87,11 @@ def reduced_requests(c: int) -> int:
 
 def run_cell(cell: tuple) -> dict:
     """One closed-loop cell (a worker process's unit of work): gpu, model, tp, workload, concurrency, policy,
-    requests, seed, prefill, tuned table (or None), the chunk steps' stall bound and backlog floor."""
-    gpu, model, tp, wl, c, policy, n, seed, prefill, table, stall, backlog_steps = cell
+    requests, seed, tuned table (or None), the prefill mode and chunk pacing (`_pacing`)."""
+    gpu, model, tp, wl, c, policy, n, seed, table, pacing = cell
     t0 = time.perf_counter()
     cost = ProfileCost(gpu, model, tp)
     tab = {int(k): v for k, v in table.items()} if table else None
-    pacing = {"prefill": prefill, "stall": stall, "backlog_steps": backlog_steps}
     r = simulate(cost, workload(wl), policy, concurrency=c, requests=n, seed=seed, table=tab, **pacing)
     item = {
         "gpu": cost.label,
@@ -138,8 +137,8 @@ def _cells(args, policies: tuple[str, ...], tables: dict | None = None) -> list[
             for prefill, seed, policy in ((p, s, q) for p in prefills for s in range(args.seeds) for q in policies):
                 key = f"{gpu}/{model}/{tp}/{wl}/{prefill}"
                 table = (tables or {}).get(key)
-                pacing = (prefill, table, args.prefill_stall, args.prefill_backlog_steps)
-                cells.append((gpu, model, tp, wl, c, policy, args.requests(c), seed, *pacing))
+                pacing = _pacing(args, prefill)
+                cells.append((gpu, model, tp, wl, c, policy, args.requests(c), seed, table, pacing))
     return cells
 
 
@@ -165,9 +164,10 @@ def _name(block: int) -> str:
     return next(p for p, b in BLOCK_OF.items() if b == block)
 
 
-def _pacing(args) -> dict:
-    """The grid's prefill mode and chunk pacing, as `simulate` takes them."""
-    return {"prefill": args.prefill, "stall": args.prefill_stall, "backlog_steps": args.prefill_backlog_steps}
+def _pacing(args, prefill: str | None = None) -> dict:
+    """The prefill mode (default the grid's) and the grid's chunk pacing, as `simulate` takes them."""
+    mode = prefill or args.prefill
+    return {"prefill": mode, "stall": args.prefill_stall, "backlog_steps": args.prefill_backlog_steps}
 
 
 def sweep(args) -> tuple[list[dict], dict, list[dict], dict | None, dict | None]:

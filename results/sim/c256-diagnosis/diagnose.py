@@ -11,7 +11,7 @@ instead of `AcceptanceTracker.prior_weight`: less noise, slower to learn a row).
 
 CONCURRENCY=N and WORKLOAD=name in the environment run another concurrency or workload (the same request count
 rule).
-`diagnose.py --table results.jsonl` prints README.md's tables: per setup and concurrency, each variant's mean
+`diagnose.py --table results.jsonl` prints README.md's tables: per setup, workload and concurrency, each variant's mean
 over its seeds and its ratio to the fixed block the full grid's tuned table picks there (per seed, min-max;
 to adaptive where that block was not run).
 """
@@ -32,27 +32,25 @@ from dflash_trt.sim.serving import simulate, workload
 WORKLOAD, CONCURRENCY = os.environ.get("WORKLOAD", "paper"), int(os.environ.get("CONCURRENCY", 256))
 REQUESTS = max(512, 16 * CONCURRENCY)  # the full grid's
 work = workload(WORKLOAD)
-tracker_for = AdaptiveBlocks.tracker_for
+tracker_for, oracle_tracker_for = AdaptiveBlocks.tracker_for, policies.Oracle.tracker_for
 
 
 def run(cost: ProfileCost, spec: str, seed: int) -> dict:
     policy, table = spec.split("+")[0].split("@")[0], None
     if policy.startswith("fixed-"):
         policy, table = "tuned-table", {CONCURRENCY: int(spec.split("-")[1])}
-    weight = float(spec.split("+w")[1]) if "+w" in spec else None
-    block = int(spec.split("@")[1]) if "@" in spec else 16
 
-    def estimate(self, row):
+    def estimate(self, row):  # "+wN": the row's estimate with N pseudo-observations of the prior
         t = tracker_for(self, row)
-        if weight is not None:
-            t.prior_weight = weight
+        t.prior_weight = float(spec.split("+w")[1])
         return t
 
-    def known(self, row):
-        return policies.KnownAcceptance(known=work.profiles[row.prompt_ids[0]].equivalent_rate(block))
+    def known(self, row):  # "@B": the class's constant rate with its tau at block B
+        return policies.KnownAcceptance(known=work.profiles[row.prompt_ids[0]].equivalent_rate(int(spec.split("@")[1])))
 
-    AdaptiveBlocks.tracker_for = estimate
-    policies.Oracle.tracker_for = known
+    # every run sets both, so a variant patched for one run never leaks into the next
+    AdaptiveBlocks.tracker_for = estimate if "+w" in spec else tracker_for
+    policies.Oracle.tracker_for = known if "@" in spec else oracle_tracker_for
     t = time.time()
     r = simulate(cost, work, policy, concurrency=CONCURRENCY, requests=REQUESTS, seed=seed, table=table)
     return {
@@ -78,7 +76,7 @@ def _order(item: tuple[str, dict]) -> tuple[int, int, str]:
 
 def table(path: str) -> None:
     tuned = json.loads((Path(__file__).parents[1] / "full-checks" / "results.json").read_text())["tuned_tables"]
-    runs: dict[tuple[str, int], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
+    runs: dict[tuple[str, str, int], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)
         runs[(r["setup"], r["workload"], r["concurrency"])][r["spec"]][r["seed"]] = r

@@ -64,20 +64,50 @@ class AcceptanceTracker:
         self.total_rejected += rejected
 
 
+# How strongly a new row's estimate leans on its regime's prior, in pseudo-observations (`AcceptancePrior.strength`):
+# never less than a tracker's own default (one failed first round must not end a row's drafting), never so much
+# that a row whose acceptance departs from its regime's is not told apart within its first few dozen rounds.
+MAX_PRIOR_WEIGHT = 64.0
+
+
 @dataclass
 class AcceptancePrior:
     """Where a new request's estimate starts: per sampling regime (greedy or sampled), the acceptance that
     recently finished requests of that regime measured (a moving average over requests). A drafter hits far
     more often at T=0 than at T=1; from one shared guess every request would spend its first rounds learning
-    its regime again, and at T=1 that is several failed blocks per request."""
+    its regime again, and at T=1 that is several failed blocks per request.
+
+    And how strongly it leans on that start (`strength`): a beta prior fitted by moments to the spread of
+    acceptance between the regime's finished requests, each request's own sampling noise taken out. Where
+    requests accept alike, a row's few rounds say less about it than the prior does, and trusting them drafts
+    long blocks for the rows they happen to overrate; where they differ (some prompts the drafter knows, some
+    it does not) a row must be told apart quickly, and the prior stays weak."""
 
     start: float = 0.6
     weight: float = 0.2  # per finished request
     min_rounds: int = 2  # requests that drafted fewer rounds say too little
+    spread_weight: float = 0.05  # per finished request: a variance needs more requests than a mean
+    min_requests: int = 8  # before this many, the spread is not known and the prior is the tracker's default
     alpha: dict[bool, float] = field(default_factory=dict)
+    # per regime, over finished requests (moving, `spread_weight`): mean and mean square of their measured
+    # acceptance, mean of its binomial sampling variance, and how many requests
+    moments: dict[bool, list[float]] = field(default_factory=dict)
 
     def tracker(self, sampled: bool) -> AcceptanceTracker:
-        return AcceptanceTracker(prior_alpha=self.alpha.get(sampled, self.start))
+        return AcceptanceTracker(prior_alpha=self.alpha.get(sampled, self.start), prior_weight=self.strength(sampled))
+
+    def strength(self, sampled: bool) -> float:
+        """Pseudo-observations of the prior for a new row of this regime: a beta distribution with the regime's
+        mean and between-request variance v has m(1 - m) / v - 1 of them; within [the tracker's default,
+        MAX_PRIOR_WEIGHT]."""
+        least = AcceptanceTracker.prior_weight
+        mean, square, noise, n = self.moments.get(sampled, (0.0, 0.0, 0.0, 0))
+        if n < self.min_requests:
+            return least
+        v = square - mean * mean - noise  # between requests: the measured spread less each one's own noise
+        if v <= 0.0:
+            return MAX_PRIOR_WEIGHT
+        return min(MAX_PRIOR_WEIGHT, max(least, mean * (1.0 - mean) / v - 1.0))
 
     def observe(self, sampled: bool, row: AcceptanceTracker) -> None:
         trials = row.total_accepted + row.total_rejected
@@ -86,6 +116,15 @@ class AcceptancePrior:
         measured = row.total_accepted / trials
         old = self.alpha.get(sampled, self.start)
         self.alpha[sampled] = (1 - self.weight) * old + self.weight * measured
+        mean, square, noise, n = self.moments.get(sampled, (0.0, 0.0, 0.0, 0))
+        w = max(self.spread_weight, 1.0 / (n + 1))  # plain means until the moving ones have requests enough
+        own = measured * (1.0 - measured) / trials
+        self.moments[sampled] = [
+            (1 - w) * mean + w * measured,
+            (1 - w) * square + w * measured * measured,
+            (1 - w) * noise + w * own,
+            n + 1,
+        ]
 
 
 GPU_PROBE_ROWS = 4  # `ProbeSchedule.max_rows` for a GPU server's batches (the trade: its `due`)

@@ -469,3 +469,33 @@ def test_new_rows_start_from_what_finished_rows_of_their_regime_measured():
     short.update(drafted=7, accepted=0)  # one round says too little
     prior.observe(False, short)
     assert False not in prior.alpha
+
+
+def _finished(prior, sampled: bool, rate: float, rounds: int = 40, block: int = 8):
+    """A request that drafted `rounds` rounds of `block` tokens accepting `rate` of its trials, observed."""
+    row = prior.tracker(sampled)
+    per_round = round(rate * (block - 1))
+    for _ in range(rounds):
+        row.update(drafted=block - 1, accepted=per_round)
+    prior.observe(sampled, row)
+
+
+def test_the_prior_is_as_strong_as_the_requests_of_its_regime_are_alike():
+    from dflash_trt.decoding.estimates import MAX_PRIOR_WEIGHT, AcceptancePrior, AcceptanceTracker
+
+    least = AcceptanceTracker.prior_weight
+    alike, apart = AcceptancePrior(), AcceptancePrior()
+    for _ in range(7):  # fewer than min_requests: the tracker's own default
+        _finished(alike, False, 6 / 7)
+    assert alike.strength(False) == least
+    for i in range(40):
+        _finished(alike, False, 6 / 7)  # every request the same: nothing between them but noise
+        _finished(apart, False, 0.0 if i % 2 else 6 / 7)  # half the drafter knows, half it does not
+    assert alike.strength(False) == MAX_PRIOR_WEIGHT
+    assert alike.tracker(False).prior_weight == MAX_PRIOR_WEIGHT
+    assert apart.strength(False) == least
+    assert alike.strength(True) == least  # the sampled regime has seen nothing
+    close = AcceptancePrior()
+    for i in range(200):  # two close classes: between the two bounds
+        _finished(close, False, 2 / 7 if i % 2 else 6 / 7)
+    assert least < close.strength(False) < MAX_PRIOR_WEIGHT

@@ -1,0 +1,46 @@
+"""Per cell, the new adaptive runs against the old (results/sim/full-checks) and both against the tuned table.
+Usage (from the repository root): python results/sim/eb-prior/delta.py RUNS.json..."""
+
+import collections
+import json
+import statistics
+import sys
+from pathlib import Path
+
+full = json.loads(Path("results/sim/full-checks/results.json").read_text())["runs"]
+
+
+def key(r):
+    return (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"])
+
+
+old = {key(r) + (r["seed"],): r["tokens_per_s"] for r in full if r["policy"] == "adaptive"}
+tt = collections.defaultdict(list)
+for r in full:
+    if r["policy"] == "tuned-table":
+        tt[key(r)].append(r["tokens_per_s"])
+cells = collections.defaultdict(list)
+for p in sys.argv[1:]:
+    for r in json.loads(Path(p).read_text())["runs"]:
+        cells[key(r)].append((r["tokens_per_s"], old[key(r) + (r["seed"],)]))
+print("| setup | workload | prefill | C | EB / old adaptive (seeds) | old / tuned | EB / tuned |")
+print("|---|---|---|---|---|---|---|")
+allr = []
+for k in sorted(cells, key=lambda k: (k[0], k[1], k[3], k[4], k[5])):
+    v = cells[k]
+    r = [a / b for a, b in v]
+    allr += r
+    t = statistics.mean(tt[k]) if tt[k] else float("nan")
+    print(
+        f"| {k[0]} {k[1]} tp={k[2]} | {k[3]} | {k[4]} | {k[5]} | {statistics.mean(r):.3f}x ({min(r):.3f}-{max(r):.3f}) | {statistics.mean(b for _, b in v) / t:.3f}x | {statistics.mean(a for a, _ in v) / t:.3f}x |"
+    )
+print(
+    "geomean EB/old over",
+    len(allr),
+    "runs:",
+    round(statistics.geometric_mean(allr), 4),
+    "min",
+    round(min(allr), 3),
+    "max",
+    round(max(allr), 3),
+)

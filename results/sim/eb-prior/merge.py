@@ -1,0 +1,34 @@
+"""Replace the adaptive runs of results/sim/full-checks with those of new bench_sim runs (--policies adaptive);
+checks and README recomputed. Usage (from the repository root):
+    python results/sim/eb-prior/merge.py OUT NOTE results/sim/eb-prior/adaptive-c64-256.json results/sim/eb-prior/adaptive-c1-32.json"""
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, "scripts")
+import bench_sim
+
+out, note = Path(sys.argv[1]), sys.argv[2]
+full = json.loads(Path("results/sim/full-checks/results.json").read_text())
+new = [r for p in sys.argv[3:] for r in json.loads(Path(p).read_text())["runs"]]
+
+
+def key(r):
+    return (r["gpu"], r["model"], r["tp"], r["workload"], r["prefill"], r["concurrency"], r["policy"], r["seed"])
+
+
+fresh = {key(r): r for r in new}
+assert all(r["policy"] == "adaptive" for r in new)
+old_adaptive = [r for r in full["runs"] if r["policy"] == "adaptive"]
+missing = [key(r) for r in old_adaptive if key(r) not in fresh]
+runs = [fresh.get(key(r), r) for r in full["runs"]]
+res = dict(full)
+res["runs"] = runs
+res["settings"] = dict(full["settings"], note=note)
+res["checks"] = bench_sim.criteria(runs, None)
+out.mkdir(parents=True, exist_ok=True)
+(out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
+(out / "README.md").write_text(bench_sim.readme(res).replace("![tokens/s vs concurrency](sim.png)\n\n", ""))
+print(f"{len(fresh)} adaptive runs replaced, {len(missing)} kept from before: {sorted(set(k[5] for k in missing))}")
+print("\n".join(f"{'PASS' if c['passed'] else 'FAIL'} {c['what']}: {c['figure']}" for c in res["checks"]))

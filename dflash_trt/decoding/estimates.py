@@ -3,7 +3,7 @@
 alpha, a row's per-position acceptance, is a running estimate (`AcceptanceTracker`): accepted drafts over
 accepted + rejections, with decay, so a row whose drafts keep failing drafts less; a row that does not draft
 drifts back towards the prior, so it is tried again later. New rows start from what recent requests of their
-sampling regime measured (`AcceptancePrior`).
+sampling regime measured (`AcceptancePrior`), leaning on it as strongly as those requests were alike (`Spread`).
 
 Probes exist because the estimates feed on themselves: a row that does not draft measures nothing, so one
 unlucky early round (or a pessimistic prior) at a batch size where drafting pays only at the true acceptance
@@ -17,6 +17,7 @@ cost).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -70,6 +71,29 @@ class AcceptanceTracker:
 MAX_PRIOR_WEIGHT = 64.0
 
 
+class Spread(NamedTuple):
+    """A regime's finished requests, as moving means over requests: their measured acceptance, its square, and
+    its binomial sampling variance (what a request's own few trials add to the spread between requests)."""
+
+    mean: float = 0.0
+    square: float = 0.0
+    noise: float = 0.0
+    requests: int = 0
+
+    def between(self) -> float:
+        """The variance of acceptance between requests: the measured spread less each one's own noise."""
+        return self.square - self.mean * self.mean - self.noise
+
+    def add(self, measured: float, noise: float, weight: float) -> Spread:
+        w = max(weight, 1.0 / (self.requests + 1))  # plain means until the moving ones have requests enough
+        return Spread(
+            (1 - w) * self.mean + w * measured,
+            (1 - w) * self.square + w * measured * measured,
+            (1 - w) * self.noise + w * noise,
+            self.requests + 1,
+        )
+
+
 @dataclass
 class AcceptancePrior:
     """Where a new request's estimate starts: per sampling regime (greedy or sampled), the acceptance that
@@ -89,9 +113,7 @@ class AcceptancePrior:
     spread_weight: float = 0.05  # per finished request: a variance needs more requests than a mean
     min_requests: int = 8  # before this many, the spread is not known and the prior is the tracker's default
     alpha: dict[bool, float] = field(default_factory=dict)
-    # per regime, over finished requests (moving, `spread_weight`): mean and mean square of their measured
-    # acceptance, mean of its binomial sampling variance, and how many requests
-    moments: dict[bool, list[float]] = field(default_factory=dict)
+    spread: dict[bool, Spread] = field(default_factory=dict)  # per regime, moving by `spread_weight`
 
     def tracker(self, sampled: bool) -> AcceptanceTracker:
         return AcceptanceTracker(prior_alpha=self.alpha.get(sampled, self.start), prior_weight=self.strength(sampled))
@@ -101,13 +123,13 @@ class AcceptancePrior:
         mean and between-request variance v has m(1 - m) / v - 1 of them; within [the tracker's default,
         MAX_PRIOR_WEIGHT]."""
         least = AcceptanceTracker.prior_weight
-        mean, square, noise, n = self.moments.get(sampled, (0.0, 0.0, 0.0, 0))
-        if n < self.min_requests:
+        spread = self.spread.get(sampled, Spread())
+        if spread.requests < self.min_requests:
             return least
-        v = square - mean * mean - noise  # between requests: the measured spread less each one's own noise
-        if v <= 0.0:
+        v = spread.between()
+        if v <= 0.0:  # requests differ no more than their own noise says they would
             return MAX_PRIOR_WEIGHT
-        return min(MAX_PRIOR_WEIGHT, max(least, mean * (1.0 - mean) / v - 1.0))
+        return min(MAX_PRIOR_WEIGHT, max(least, spread.mean * (1.0 - spread.mean) / v - 1.0))
 
     def observe(self, sampled: bool, row: AcceptanceTracker) -> None:
         trials = row.total_accepted + row.total_rejected
@@ -116,15 +138,8 @@ class AcceptancePrior:
         measured = row.total_accepted / trials
         old = self.alpha.get(sampled, self.start)
         self.alpha[sampled] = (1 - self.weight) * old + self.weight * measured
-        mean, square, noise, n = self.moments.get(sampled, (0.0, 0.0, 0.0, 0))
-        w = max(self.spread_weight, 1.0 / (n + 1))  # plain means until the moving ones have requests enough
-        own = measured * (1.0 - measured) / trials
-        self.moments[sampled] = [
-            (1 - w) * mean + w * measured,
-            (1 - w) * square + w * measured * measured,
-            (1 - w) * noise + w * own,
-            n + 1,
-        ]
+        own_noise = measured * (1.0 - measured) / trials
+        self.spread[sampled] = self.spread.get(sampled, Spread()).add(measured, own_noise, self.spread_weight)
 
 
 GPU_PROBE_ROWS = 4  # `ProbeSchedule.max_rows` for a GPU server's batches (the trade: its `due`)

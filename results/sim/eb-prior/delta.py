@@ -1,5 +1,7 @@
-"""Per cell, the new adaptive runs against the old (results/sim/full-checks) and both against the tuned table.
-Usage (from the repository root): python results/sim/eb-prior/delta.py RUNS.json..."""
+"""Per cell, the new adaptive runs against the old and both against the tuned table. OLD is full-checks' results.json
+from before merge.py put these runs in it. Usage (from the repository root):
+    git show c412238:results/sim/full-checks/results.json > /tmp/old.json
+    python results/sim/eb-prior/delta.py /tmp/old.json results/sim/eb-prior/adaptive-*.json"""
 
 import collections
 import json
@@ -7,7 +9,7 @@ import statistics
 import sys
 from pathlib import Path
 
-full = json.loads(Path("results/sim/full-checks/results.json").read_text())["runs"]
+full = json.loads(Path(sys.argv[1]).read_text())["runs"]
 
 
 def key(r):
@@ -20,7 +22,7 @@ for r in full:
     if r["policy"] == "tuned-table":
         tt[key(r)].append(r["tokens_per_s"])
 cells = collections.defaultdict(list)
-for p in sys.argv[1:]:
+for p in sys.argv[2:]:
     for r in json.loads(Path(p).read_text())["runs"]:
         cells[key(r)].append((r["tokens_per_s"], old[key(r) + (r["seed"],)]))
 print("| setup | workload | prefill | C | EB / old adaptive (seeds) | old / tuned | EB / tuned |")

@@ -25,6 +25,11 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
     (`_token_order_sweep`, `_polish`); among hundreds of rows one row's overshoot is a rounding.
  7. When no row has to draft, drafting must beat not drafting by `min_gain`: a margin for what the costs leave
     out (per-row acceptance work, the drafter's backlog) (`_with_margin`).
+ 8. Where prompts queue behind the one entering and their chunks fill what the token budget leaves, the step
+    holds at most the verify tokens the chunks leave room for (`StepRows.verify_room`; forced sizes kept): each
+    draft token beyond would take a queued prompt's token, and while prompts queue the requests' throughput is
+    set by how fast they get in, not by how fast the rows already in finish; the step's rate prices neither
+    (docs/benchmarks.md, "Drafts yield to queued prompts").
 
 A row's drafter backlog is priced as one new context row (n_r = 1): the backlog is a sunk cost, paid whenever
 the row next drafts whatever the size; charging it would keep a row that skipped drafting from ever drafting
@@ -140,7 +145,7 @@ class AdaptiveBlocks:
         ones = np.ones(len(step))
         choices = RowChoices(alpha=alpha, max_block=step.cap, new_context=ones, fixed=step.fixed, probe=due)
         chunk = (step.chunk_rows, step.chunk_tokens)
-        return choose_blocks(choices, self.cost, min_gain=self.min_gain, riding=chunk)
+        return choose_blocks(choices, self.cost, self.min_gain, riding=chunk, most_tokens=step.verify_room)
 
     def _state(self, row: BatchRow) -> _RowState:
         """A row's state; a row the policy has not seen join starts from the prior now."""
@@ -231,12 +236,16 @@ class RowChoices:
 
 
 def choose_blocks(
-    rows: Sequence[RowChoice] | RowChoices, cost: CostModel, min_gain: float = 0.0, riding: tuple[int, int] = (0, 0)
+    rows: Sequence[RowChoice] | RowChoices,
+    cost: CostModel,
+    min_gain: float = 0.0,
+    riding: tuple[int, int] = (0, 0),
+    most_tokens: int = 0,
 ) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step: the module's rules in order.
     riding: (rows, tokens) the target pass holds besides the verify rows (prompt chunks): every choice is
-    priced on top of them (`cost.LinearCost`: their own seconds are not the rows'). O(rows x sizes) numpy work
-    plus a sort or two."""
+    priced on top of them (`cost.LinearCost`: their own seconds are not the rows'). most_tokens: rule 8's bound
+    on the step's verify tokens (0 = none). O(rows x sizes) numpy work plus a sort or two."""
     table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
     n = len(table)
     if not n:
@@ -251,13 +260,14 @@ def choose_blocks(
     # size, and the base choice
     t_none, t_all, t_base = price(t, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
     if t_none <= 0:  # rule 2
-        return cast(list[int], caps.tolist())
+        return _within(caps, forced, most_tokens)
     free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
     if not len(free):
         return cast(list[int], base.tolist())
     if n == 1:  # rule 3
-        return [_best_alone(float(table.alpha[0]), int(caps[0]), float(table.new_context[0]), t, d, min_gain)]
-    step = _Step(n, t, d, table.alpha, table.new_context, forced, caps, base, free, top)
+        b = _best_alone(float(table.alpha[0]), int(caps[0]), float(table.new_context[0]), t, d, min_gain)
+        return _within(np.array([b]), forced, most_tokens)
+    step = _Step(n, t, d, table.alpha, table.new_context, forced, caps, base, free, top, most_tokens)
     start = _base_of(step, float(t_base))
     grid = _increments(step, float(t_none), float(t_all))
     best, best_rate = _sweep(step, start, grid)  # rules 4-6
@@ -285,6 +295,7 @@ class _Step(NamedTuple):
     base: np.ndarray  # the choice in which no free row drafts
     free: np.ndarray  # indices of the rows whose size is chosen
     top: int
+    most: int = 0  # rule 8: the most verify tokens (0 = any)
 
 
 class _Base(NamedTuple):
@@ -348,8 +359,9 @@ def _sweep(s: _Step, base: _Base, g: _Grid) -> tuple[np.ndarray, float]:
         sweeps.append(_token_order_sweep(g, keep, s.top))
     best, best_rate = _best_prefix(s, base, sweeps)
     if best_rate > -np.inf and bent and not many:  # rule 6
-        best = _polish(best, s.forced, s.caps, s.alpha, s.ctx, s.t, s.d, POLISH_MOVES)
-        best_rate = _rate_of(best, s.alpha, s.ctx, s.t, s.d)
+        polished = _polish(best, s.forced, s.caps, s.alpha, s.ctx, s.t, s.d, POLISH_MOVES)
+        if not s.most or polished.sum() <= s.most:  # rule 8: a move may not take the step past its bound
+            best, best_rate = polished, _rate_of(polished, s.alpha, s.ctx, s.t, s.d)
     return best, best_rate
 
 
@@ -393,6 +405,8 @@ def _best_prefix(s: _Step, base: _Base, sweeps: list[_Sweep]) -> tuple[np.ndarra
     cum = [base.sums + np.cumsum(a, axis=1) for _, a in sweeps]
     cum_gain, cum_tokens, cum_d_rows, cum_d_tokens = cum[0] if len(cum) == 1 else np.concatenate(cum, axis=1)
     rates = cum_gain / (price(s.t, s.n, cum_tokens) + price(s.d, cum_d_rows, cum_d_tokens))
+    if s.most:  # rule 8
+        rates = np.where(cum_tokens > s.most, -np.inf, rates)
     best, best_rate = s.base, -np.inf
     start_at = 0
     for rows, adds in sweeps:
@@ -449,6 +463,19 @@ def _least_slope(cost: LinearCost) -> float:
     if cost.curve:
         return curve_arrays(cost.curve).least_slope
     return max(0.0, min(cost.per_token, cost.below_knee) if cost.knee > 0 else cost.per_token)
+
+
+def _within(sizes: np.ndarray, forced: np.ndarray, most: int) -> list[int]:
+    """Rule 8 where no sweep chose (rules 2 and 3): the free rows' blocks capped at the largest size that keeps
+    the step within `most` verify tokens (forced sizes kept; at block 1 a row drafts nothing)."""
+    if most and sizes.sum() > most:
+        free = forced == 0
+        for cap in range(int(sizes.max()) - 1, 0, -1):
+            capped = np.where(free, np.minimum(sizes, cap), sizes)
+            if int(capped.sum()) <= most or cap == 1:
+                sizes = capped
+                break
+    return cast(list[int], sizes.tolist())
 
 
 def _best_alone(alpha: float, cap: int, ctx: float, t: LinearCost, d: LinearCost, min_gain: float) -> int:

@@ -19,6 +19,9 @@ A joining row's prompt enters in chunks inside the running rows' verify pass (lo
   at a GPU's high load: docs/benchmarks.md, "The backlog floor"). 0 turns the floor off: the bound then holds
   under any load, and an operator who would rather have prompts wait than the streams slow chooses it;
 - at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
+
+Where prompts queue and the chunks fill what the budget leaves, a step's drafts would take their tokens from
+the queue's (`verify_room`): a block policy may keep its drafts within it (the adaptive policy's rule 8).
 """
 
 from __future__ import annotations
@@ -102,6 +105,14 @@ class ChunkPacer:
             floor = -(-waiting // self.backlog_steps) if self.backlog_steps else 0
             tokens = min(budget, max(bound, floor))
         return max(tokens, min(MIN_CHUNK, self.step_tokens))
+
+    def verify_room(self, chunk_tokens: int, waiting: int) -> int:
+        """The verify tokens a step may hold beside `chunk_tokens` of prompt chunks before the budget cuts them
+        (`room`), where that cut delays a queue: prompts `waiting` behind the one entering and chunks above the
+        quarter of the budget that no verify blocks take. 0 where no bound applies."""
+        if not waiting or chunk_tokens <= self.step_tokens // 4:
+            return 0
+        return self.step_tokens - chunk_tokens
 
     def line(self) -> tuple[float, float] | None:
         """(gap, per_token): the seconds of a step of the running rows alone, and what a prompt token adds."""

@@ -406,7 +406,9 @@ class BatchDecoder:
         step, waiting = self._step_rows(rows), self._waiting()
         chunks = self._chunks(sum(r.last_block for r in rows), waiting)
         if chunks:
-            step = replace(step, chunk_rows=len(chunks), chunk_tokens=sum(c.size for c in chunks))
+            size = sum(c.size for c in chunks)
+            room = self.pacer.verify_room(size, waiting)
+            step = replace(step, chunk_rows=len(chunks), chunk_tokens=size, verify_room=room)
         sizes = self.policy.choose(step)
         for r, b in zip(rows, sizes):
             r.last_block = b

@@ -36,6 +36,9 @@ class StepRows:
     # the pass with them, since the step pays for them whatever blocks it chooses
     chunk_rows: int = 0
     chunk_tokens: int = 0
+    # the verify tokens the pass holds before the token budget cuts those chunks while prompts queue behind them
+    # (`chunking.ChunkPacer.verify_room`); 0 = no such bound
+    verify_room: int = 0
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -9,6 +9,7 @@ import pytest
 
 from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding.chunking import BACKLOG_STEPS, MIN_CHUNK, ChunkPacer
+from dflash_trt.decoding.policy import FixedBlocks
 from dflash_trt.decoding.step import StepProfile
 from dflash_trt.sim.acceptance import paper_profiles
 from dflash_trt.sim.cost import LinearPassCost
@@ -65,6 +66,13 @@ def test_a_backlog_gets_its_share_of_a_step_whatever_the_time_bound():
     patient = ChunkPacer(step_tokens=512, stall=2.0, backlog_steps=64)
     patient._sums = list(pacer._sums)
     assert patient.room(8, waiting=300 * 64) == 300
+
+
+def test_verify_room_is_what_the_chunks_leave_where_prompts_queue():
+    pacer = ChunkPacer(step_tokens=512)
+    assert pacer.verify_room(400, waiting=1000) == 112  # beyond 112 verify tokens the budget cuts the chunks
+    assert pacer.verify_room(400, waiting=0) == 0  # one prompt entering, none behind it: no bound
+    assert pacer.verify_room(128, waiting=1000) == 0  # chunks within the quarter that no blocks take
 
 
 def test_chunk_steps_alone_still_separate_the_gap_from_the_tokens():
@@ -191,3 +199,33 @@ def test_the_server_passes_its_prefill_options_to_the_pacer():
     settings = ServerSettings(prefill_stall=args.prefill_stall, prefill_backlog_steps=args.prefill_backlog_steps)
     dec = batch_decoder(BatchDecoder(target, None, clock=clock), settings)
     assert (dec.pacer.stall, dec.pacer.backlog_steps) == (1.5, 0)
+
+
+def test_the_policy_is_told_the_room_the_chunks_leave_while_prompts_queue():
+    """Six long prompts arrive among eight rows drafting blocks of 8 with a 256-token budget: while prompts queue
+    behind the one entering, the policy is told how many verify tokens the step holds before the budget cuts the
+    chunks, what the budget leaves beside them; once none queues, no bound."""
+    told: list[tuple[int, int, int]] = []
+
+    class Recording(FixedBlocks):
+        def choose(self, step):
+            told.append((step.verify_room, step.chunk_tokens, len(step)))
+            return super().choose(step)
+
+    target, drafter, clock = sim_engines(CPU, list(paper_profiles().values()))
+    dec = BatchDecoder(target, drafter, block_size=8, policy=Recording(), clock=clock, step_tokens=256)
+    config = GenerationConfig(max_new_tokens=300, sampling=GREEDY, stop_token_ids=())
+    for i in range(8):
+        dec.add([i % 4] + [17 + i] * 40, config)
+    for _ in range(4):
+        dec.step()
+    short = GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=())
+    longs = [dec.add([1 + i] + [23 + i] * 599, short) for i in range(6)]
+    told.clear()
+    waiting = []
+    while any(r in dec.joining for r in longs):
+        waiting.append(dec._waiting())
+        dec.step()
+    bounded = [(room, chunk) for (room, chunk, _), w in zip(told, waiting) if w and chunk > 256 // 4]
+    assert bounded and all(room == 256 - chunk for room, chunk in bounded)
+    assert all(room == 0 for (room, _, _), w in zip(told, waiting) if not w)

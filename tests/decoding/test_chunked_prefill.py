@@ -167,3 +167,24 @@ def test_riding_chunks_price_the_rows_on_top_of_them():
     alone = sum(choose_blocks(rows, bent_cost))
     beside = sum(choose_blocks(rows, bent_cost, riding=(1, 250)))
     assert beside < alone
+
+
+def test_where_prompts_queue_the_drafts_stay_within_the_room_the_chunks_leave():
+    """Rule 8: rows that would draft long blocks beside a chunk keep the step's verify tokens within `most_tokens`
+    (a queued prompt's chunk would lose every token beyond); sizes a request fixed are kept, and a lone row and an
+    unfitted cost model (rules 3 and 2) are held to it too."""
+    cost = CostModel(
+        LinearCost(fixed=1e-3, per_row=1e-5, per_token=1e-5), LinearCost(fixed=2e-4, per_row=1e-5, per_token=1e-5)
+    )
+    rows = [RowChoice(alpha=0.9, max_block=8) for _ in range(6)]
+    free = choose_blocks(rows, cost, riding=(1, 400))
+    assert sum(free) > 20
+    bounded = choose_blocks(rows, cost, riding=(1, 400), most_tokens=20)
+    assert 6 < sum(bounded) <= 20  # still drafts, within the room
+    fixed = [RowChoice(alpha=0.9, max_block=8, fixed=8) for _ in range(2)] + rows[:4]
+    assert choose_blocks(fixed, cost, riding=(1, 400), most_tokens=12) == [8, 8, 1, 1, 1, 1]
+    assert choose_blocks(rows[:1], cost, riding=(1, 400)) == [8]
+    assert choose_blocks(rows[:1], cost, riding=(1, 400), most_tokens=3) == [3]
+    unfitted = CostModel(LinearCost(), LinearCost())
+    assert sum(choose_blocks(rows, unfitted, most_tokens=20)) <= 20
+    assert choose_blocks(rows, cost, riding=(1, 400), most_tokens=0) == free  # 0: no bound

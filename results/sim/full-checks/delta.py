@@ -1,7 +1,7 @@
-"""Per cell, the new adaptive runs against the old and both against the tuned table. OLD is full-checks' results.json
-from before merge.py put these runs in it. Usage (from the repository root):
+"""Per cell, new adaptive runs against the old and both against the tuned table. OLD is full-checks' results.json
+from before merge.py put the new runs in it. Usage (from the repository root), e.g. for results/sim/eb-prior:
     git show c412238:results/sim/full-checks/results.json > /tmp/old.json
-    python results/sim/eb-prior/delta.py /tmp/old.json results/sim/eb-prior/adaptive-*.json"""
+    python results/sim/full-checks/delta.py /tmp/old.json results/sim/eb-prior/adaptive-*.json"""
 
 import collections
 import json

@@ -1,6 +1,8 @@
-"""Replace the adaptive runs of results/sim/full-checks with those of new bench_sim runs (--policies adaptive);
-checks and README recomputed. Usage (from the repository root):
-    python results/sim/eb-prior/merge.py OUT NOTE results/sim/eb-prior/adaptive-c64-256.json results/sim/eb-prior/adaptive-c1-32.json"""
+"""Replace the adaptive runs of results/sim/full-checks with those of new bench_sim runs (--policies adaptive), for a
+change that only adaptive sees (the other policies' runs stand); checks and README recomputed, NOTE appended to
+the settings' note. Usage (from the repository root):
+    python results/sim/full-checks/merge.py OUT NOTE RUNS.json...
+e.g. OUT results/sim/full-checks and RUNS results/sim/eb-prior/adaptive-*.json."""
 
 import json
 import sys
@@ -25,7 +27,7 @@ missing = [key(r) for r in old_adaptive if key(r) not in fresh]
 runs = [fresh.get(key(r), r) for r in full["runs"]]
 res = dict(full)
 res["runs"] = runs
-res["settings"] = dict(full["settings"], note=note)
+res["settings"] = dict(full["settings"], note=f"{full['settings']['note']} {note}")
 res["checks"] = bench_sim.criteria(runs, None)
 out.mkdir(parents=True, exist_ok=True)
 (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -26,10 +26,12 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
  7. When no row has to draft, drafting must beat not drafting by `min_gain`: a margin for what the costs leave
     out (per-row acceptance work, the drafter's backlog) (`_with_margin`).
  8. Where prompts queue behind the one entering and their chunks fill what the token budget leaves, the step
-    holds at most the verify tokens the chunks leave room for (`StepRows.verify_room`; forced sizes kept): each
-    draft token beyond would take a queued prompt's token, and while prompts queue the requests' throughput is
-    set by how fast they get in, not by how fast the rows already in finish; the step's rate prices neither
-    (docs/benchmarks.md, "Drafts yield to queued prompts").
+    holds at most the verify tokens the chunks leave room for (`StepRows.verify_room`): each draft token beyond
+    would take a queued prompt's token, and while prompts queue the requests' throughput is set by how fast they
+    get in, not by how fast the rows already in finish; the step's rate prices neither (docs/benchmarks.md,
+    "Drafts yield to queued prompts"). Forced sizes are kept, probes included (a probe's measurement is what
+    keeps the estimates from feeding on themselves; a few rows a step). The bound is met at the sweeps'
+    granularity (a row's first increment is its whole jump to b*), and a polish that ends past it is not taken.
 
 A row's drafter backlog is priced as one new context row (n_r = 1): the backlog is a sunk cost, paid whenever
 the row next drafts whatever the size; charging it would keep a row that skipped drafting from ever drafting
@@ -265,8 +267,8 @@ def choose_blocks(
     if not len(free):
         return cast(list[int], base.tolist())
     if n == 1:  # rule 3
-        b = _best_alone(float(table.alpha[0]), int(caps[0]), float(table.new_context[0]), t, d, min_gain)
-        return _within(np.array([b]), forced, most_tokens)
+        cap = min(int(caps[0]), most_tokens) if most_tokens else int(caps[0])  # rule 8: rate only sizes that fit
+        return [_best_alone(float(table.alpha[0]), cap, float(table.new_context[0]), t, d, min_gain) if cap > 1 else 1]
     step = _Step(n, t, d, table.alpha, table.new_context, forced, caps, base, free, top, most_tokens)
     start = _base_of(step, float(t_base))
     grid = _increments(step, float(t_none), float(t_all))
@@ -466,7 +468,7 @@ def _least_slope(cost: LinearCost) -> float:
 
 
 def _within(sizes: np.ndarray, forced: np.ndarray, most: int) -> list[int]:
-    """Rule 8 where no sweep chose (rules 2 and 3): the free rows' blocks capped at the largest size that keeps
+    """Rule 8 where nothing was rated (rule 2): the free rows' blocks capped at the largest size that keeps
     the step within `most` verify tokens (forced sizes kept; at block 1 a row drafts nothing)."""
     if most and sizes.sum() > most:
         free = forced == 0

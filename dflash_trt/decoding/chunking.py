@@ -109,10 +109,11 @@ class ChunkPacer:
     def verify_room(self, chunk_tokens: int, waiting: int) -> int:
         """The verify tokens a step may hold beside `chunk_tokens` of prompt chunks before the budget cuts them
         (`room`), where that cut delays a queue: prompts `waiting` behind the one entering and chunks above the
-        quarter of the budget that no verify blocks take. 0 where no bound applies."""
+        quarter of the budget that no verify blocks take. 0 where no bound applies; at least 1 where one does
+        (a bound under the rows' count lets no row draft)."""
         if not waiting or chunk_tokens <= self.step_tokens // 4:
             return 0
-        return self.step_tokens - chunk_tokens
+        return max(1, self.step_tokens - chunk_tokens)
 
     def line(self) -> tuple[float, float] | None:
         """(gap, per_token): the seconds of a step of the running rows alone, and what a prompt token adds."""

@@ -66,8 +66,9 @@ class AcceptanceTracker:
 
 
 # How strongly a new row's estimate leans on its regime's prior, in pseudo-observations (`AcceptancePrior.strength`):
-# never less than a tracker's own default (one failed first round must not end a row's drafting), never so much
-# that a row whose acceptance departs from its regime's is not told apart within its first few dozen rounds.
+# never less than a tracker's own default (one failed first round must not end a row's drafting). The prior does
+# not decay and a row's own trials do (about 1 / (1 - decay) rounds' worth are kept), so at the cap a row that
+# departs from its regime moves its estimate part of the way, more the longer its blocks; the cap bounds that.
 MAX_PRIOR_WEIGHT = 64.0
 
 
@@ -126,7 +127,7 @@ class AcceptancePrior:
         spread = self.spread.get(sampled, Spread())
         if spread.requests < self.min_requests:
             return least
-        v = spread.between()
+        v = spread.between()  # about the spread's own mean, not `alpha` (which follows the regime faster)
         if v <= 0.0:  # requests differ no more than their own noise says they would
             return MAX_PRIOR_WEIGHT
         return min(MAX_PRIOR_WEIGHT, max(least, spread.mean * (1.0 - spread.mean) / v - 1.0))

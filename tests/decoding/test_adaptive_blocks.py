@@ -472,7 +472,8 @@ def test_new_rows_start_from_what_finished_rows_of_their_regime_measured():
 
 
 def _finished(prior, sampled: bool, rate: float, rounds: int = 40, block: int = 8):
-    """A request that drafted `rounds` rounds of `block` tokens accepting `rate` of its trials, observed."""
+    """A request that drafted `rounds` rounds of `block` tokens, accepting about `rate` of each round's drafts (its
+    tracker measures accepted / (accepted + the one rejection)), observed."""
     row = prior.tracker(sampled)
     per_round = round(rate * (block - 1))
     for _ in range(rounds):
@@ -496,6 +497,10 @@ def test_the_prior_is_as_strong_as_the_requests_of_its_regime_are_alike():
     assert apart.strength(False) == least
     assert alike.strength(True) == least  # the sampled regime has seen nothing
     close = AcceptancePrior()
-    for i in range(200):  # two close classes: between the two bounds
+    for i in range(200):  # two close classes: between the two bounds, the beta's by moments
         _finished(close, False, 2 / 7 if i % 2 else 6 / 7)
+    low, high = 2 / 3, 6 / 7  # what each class's tracker measures over 40 rounds of 3 and of 7 trials
+    m, noise = (low + high) / 2, (low * (1 - low) / 120 + high * (1 - high) / 280) / 2
+    between = ((high - low) / 2) ** 2 - noise
     assert least < close.strength(False) < MAX_PRIOR_WEIGHT
+    assert close.strength(False) == pytest.approx(m * (1 - m) / between - 1, rel=0.05)

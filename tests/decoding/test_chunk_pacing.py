@@ -70,7 +70,9 @@ def test_a_backlog_gets_its_share_of_a_step_whatever_the_time_bound():
 
 def test_verify_room_is_what_the_chunks_leave_where_prompts_queue():
     pacer = ChunkPacer(step_tokens=512)
-    assert pacer.verify_room(400, waiting=1000) == 112  # beyond 112 verify tokens the budget cuts the chunks
+    assert pacer.verify_room(400, waiting=1000) == 112
+    assert pacer.room(112, waiting=1000) >= 400 > pacer.room(113, waiting=1000)  # beyond it the budget cuts them
+    assert ChunkPacer(step_tokens=8).verify_room(8, waiting=100) == 1  # a budget all chunk still bounds the rows
     assert pacer.verify_room(400, waiting=0) == 0  # one prompt entering, none behind it: no bound
     assert pacer.verify_room(128, waiting=1000) == 0  # chunks within the quarter that no blocks take
 

@@ -185,6 +185,11 @@ def test_where_prompts_queue_the_drafts_stay_within_the_room_the_chunks_leave():
     assert choose_blocks(fixed, cost, riding=(1, 400), most_tokens=12) == [8, 8, 1, 1, 1, 1]
     assert choose_blocks(rows[:1], cost, riding=(1, 400)) == [8]
     assert choose_blocks(rows[:1], cost, riding=(1, 400), most_tokens=3) == [3]
+    dear = CostModel(cost.target, LinearCost(fixed=2e-3, per_row=1e-5, per_token=1e-5))  # a drafter pass's price
+    assert choose_blocks(rows[:1], dear, riding=(1, 400)) == [8]
+    assert choose_blocks(rows[:1], dear, riding=(1, 400), most_tokens=2) == [1]  # block 2 does not pay for a pass
+    assert choose_blocks(rows[:1], cost, riding=(1, 400), most_tokens=1) == [1]
     unfitted = CostModel(LinearCost(), LinearCost())
-    assert sum(choose_blocks(rows, unfitted, most_tokens=20)) <= 20
+    assert choose_blocks(rows, unfitted, most_tokens=20) == [3] * 6
+    assert choose_blocks(fixed, unfitted, most_tokens=20) == [8, 8, 1, 1, 1, 1]
     assert choose_blocks(rows, cost, riding=(1, 400), most_tokens=0) == free  # 0: no bound

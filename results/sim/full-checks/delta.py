@@ -25,7 +25,7 @@ cells = collections.defaultdict(list)
 for p in sys.argv[2:]:
     for r in json.loads(Path(p).read_text())["runs"]:
         cells[key(r)].append((r["tokens_per_s"], old[key(r) + (r["seed"],)]))
-print("| setup | workload | prefill | C | EB / old adaptive (seeds) | old / tuned | EB / tuned |")
+print("| setup | workload | prefill | C | new / old adaptive (seeds) | old / tuned | new / tuned |")
 print("|---|---|---|---|---|---|---|")
 allr = []
 for k in sorted(cells, key=lambda k: (k[0], k[1], k[3], k[4], k[5])):
@@ -37,7 +37,7 @@ for k in sorted(cells, key=lambda k: (k[0], k[1], k[3], k[4], k[5])):
         f"| {k[0]} {k[1]} tp={k[2]} | {k[3]} | {k[4]} | {k[5]} | {statistics.mean(r):.3f}x ({min(r):.3f}-{max(r):.3f}) | {statistics.mean(b for _, b in v) / t:.3f}x | {statistics.mean(a for a, _ in v) / t:.3f}x |"
     )
 print(
-    "geomean EB/old over",
+    "geomean new/old over",
     len(allr),
     "runs:",
     round(statistics.geometric_mean(allr), 4),

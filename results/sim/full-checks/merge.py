@@ -1,6 +1,8 @@
 """Replace the adaptive runs of results/sim/full-checks with those of new bench_sim runs (--policies adaptive), for a
 change that only adaptive sees (the other policies' runs stand); checks and README recomputed, NOTE appended to
-the settings' note. Usage (from the repository root):
+the settings' note. It reads results/sim/full-checks/results.json whatever OUT is, and keeps its cells: a new run
+with no cell there is dropped, an old adaptive run with no new one kept (both counted). Usage (from the
+repository root):
     python results/sim/full-checks/merge.py OUT NOTE RUNS.json...
 e.g. OUT results/sim/full-checks and RUNS results/sim/eb-prior/adaptive-*.json."""
 
@@ -25,6 +27,7 @@ assert all(r["policy"] == "adaptive" for r in new)
 old_adaptive = [r for r in full["runs"] if r["policy"] == "adaptive"]
 missing = [key(r) for r in old_adaptive if key(r) not in fresh]
 runs = [fresh.get(key(r), r) for r in full["runs"]]
+dropped = len(set(fresh) - {key(r) for r in full["runs"]})
 res = dict(full)
 res["runs"] = runs
 res["settings"] = dict(full["settings"], note=f"{full['settings']['note']} {note}")
@@ -32,5 +35,6 @@ res["checks"] = bench_sim.criteria(runs, None)
 out.mkdir(parents=True, exist_ok=True)
 (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
 (out / "README.md").write_text(bench_sim.readme(res).replace("![tokens/s vs concurrency](sim.png)\n\n", ""))
-print(f"{len(fresh)} adaptive runs replaced, {len(missing)} kept from before: {sorted(set(k[5] for k in missing))}")
+kept_at = sorted(set(k[5] for k in missing))
+print(f"replaced {len(fresh) - dropped} adaptive runs; dropped {dropped} without a cell; kept {len(missing)} at C={kept_at}")
 print("\n".join(f"{'PASS' if c['passed'] else 'FAIL'} {c['what']}: {c['figure']}" for c in res["checks"]))

@@ -110,6 +110,26 @@ def test_options_are_checked():
 
 # A CPU's pass: it costs what its tokens cost (the demo pair's shape, rounded)
 CPU = LinearPassCost(5e-3, 2e-4, 2.5e-4, 3e-3, 1e-4, 1e-4)
+STREAM_PROMPTS = [[i % 4] + [17 + i] * 40 for i in range(8)]  # the eight streaming rows' prompts
+SHORT = GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=())  # a long prompt's request
+
+
+def _streaming(dec: BatchDecoder, max_new_tokens: int, steps: int) -> tuple[list, list]:
+    """Eight rows added to `dec` and stepped `steps` times, greedy: the streams long prompts arrive among. The
+    rows and the steps' profiles."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, sampling=GREEDY, stop_token_ids=())
+    rows = [dec.add(p, config) for p in STREAM_PROMPTS]
+    return rows, [dec.step().profile for _ in range(steps)]
+
+
+def _while_joining(dec: BatchDecoder, longs: list) -> tuple[list, list]:
+    """Steps `dec` until none of `longs` is still entering: the steps' profiles, and the prompt tokens waiting
+    before each step."""
+    profiles, waiting = [], []
+    while any(r in dec.joining for r in longs):
+        waiting.append(dec._waiting())
+        profiles.append(dec.step().profile)
+    return profiles, waiting
 
 
 @pytest.mark.parametrize("stall", [2.0, 1.5])
@@ -119,10 +139,8 @@ def test_a_long_prompt_among_streaming_rows_stalls_them_at_most_about_stall_time
     10 % for the line's lag), the prompt gets in, and the rows' tokens are those of the target alone."""
     target, _, clock = sim_engines(CPU, list(paper_profiles().values()))
     dec = BatchDecoder(target, None, block_size=1, clock=clock, step_tokens=512, stall=stall)
-    config = GenerationConfig(max_new_tokens=160, sampling=GREEDY, stop_token_ids=())
-    rows = [dec.add([i % 4] + [17 + i] * 40, config) for i in range(8)]
-    profiles = [dec.step().profile for _ in range(30)]
-    long = dec.add([1] + [23] * 1129, GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=()))
+    rows, profiles = _streaming(dec, max_new_tokens=160, steps=30)
+    long = dec.add([1] + [23] * 1129, SHORT)
     while not long.done:
         profiles.append(dec.step().profile)
     gap = statistics.median(p.total_s for p in profiles if p.verify_rows and not p.chunk_rows)
@@ -132,9 +150,7 @@ def test_a_long_prompt_among_streaming_rows_stalls_them_at_most_about_stall_time
     assert len(chunked) >= 5  # the budget alone would have taken it in 3 steps of ~8x the gap
     dec.run()
     alone = BatchDecoder(sim_engines(CPU, list(paper_profiles().values()))[0], None, block_size=1)
-    assert [r.result().token_ids for r in rows] == [
-        r.token_ids for r in alone.generate([[i % 4] + [17 + i] * 40 for i in range(8)], config)
-    ]
+    assert [r.result().token_ids for r in rows] == [r.token_ids for r in alone.generate(STREAM_PROMPTS, rows[0].config)]
 
 
 def _admit_a_backlog(backlog_steps: int) -> tuple[list, list]:
@@ -142,21 +158,13 @@ def _admit_a_backlog(backlog_steps: int) -> tuple[list, list]:
     they enter, and the waiting prompt tokens before each."""
     target, _, clock = sim_engines(CPU, list(paper_profiles().values()))
     dec = BatchDecoder(target, None, block_size=1, clock=clock, step_tokens=512, backlog_steps=backlog_steps)
-    config = GenerationConfig(max_new_tokens=400, sampling=GREEDY, stop_token_ids=())
-    for i in range(8):
-        dec.add([i % 4] + [17 + i] * 40, config)
-    for _ in range(30):
-        dec.step()
-    short = GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=())
+    _streaming(dec, max_new_tokens=400, steps=30)
     prompts = [[1 + i] + [23 + i] * 1129 for i in range(6)]
-    longs = [dec.add(p, short) for p in prompts]
-    profiles, waiting = [], []
-    while any(r in dec.joining for r in longs):
-        waiting.append(dec._waiting())
-        profiles.append(dec.step().profile)
+    longs = [dec.add(p, SHORT) for p in prompts]
+    profiles, waiting = _while_joining(dec, longs)
     dec.run()
     alone = BatchDecoder(sim_engines(CPU, list(paper_profiles().values()))[0], None, block_size=1)
-    assert [r.result().token_ids for r in longs] == [r.token_ids for r in alone.generate(prompts, short)]
+    assert [r.result().token_ids for r in longs] == [r.token_ids for r in alone.generate(prompts, SHORT)]
     return profiles, waiting
 
 
@@ -207,27 +215,19 @@ def test_the_policy_is_told_the_room_the_chunks_leave_while_prompts_queue():
     """Six long prompts arrive among eight rows drafting blocks of 8 with a 256-token budget: while prompts queue
     behind the one entering, the policy is told how many verify tokens the step holds before the budget cuts the
     chunks, what the budget leaves beside them; once none queues, no bound."""
-    told: list[tuple[int, int, int]] = []
+    told: list[tuple[int, int]] = []
 
     class Recording(FixedBlocks):
         def choose(self, step):
-            told.append((step.verify_room, step.chunk_tokens, len(step)))
+            told.append((step.verify_room, step.chunk_tokens))
             return super().choose(step)
 
     target, drafter, clock = sim_engines(CPU, list(paper_profiles().values()))
     dec = BatchDecoder(target, drafter, block_size=8, policy=Recording(), clock=clock, step_tokens=256)
-    config = GenerationConfig(max_new_tokens=300, sampling=GREEDY, stop_token_ids=())
-    for i in range(8):
-        dec.add([i % 4] + [17 + i] * 40, config)
-    for _ in range(4):
-        dec.step()
-    short = GenerationConfig(max_new_tokens=4, sampling=GREEDY, stop_token_ids=())
-    longs = [dec.add([1 + i] + [23 + i] * 599, short) for i in range(6)]
+    _streaming(dec, max_new_tokens=300, steps=4)
+    longs = [dec.add([1 + i] + [23 + i] * 599, SHORT) for i in range(6)]
     told.clear()
-    waiting = []
-    while any(r in dec.joining for r in longs):
-        waiting.append(dec._waiting())
-        dec.step()
-    bounded = [(room, chunk) for (room, chunk, _), w in zip(told, waiting) if w and chunk > 256 // 4]
+    _, waiting = _while_joining(dec, longs)
+    bounded = [(room, chunk) for (room, chunk), w in zip(told, waiting) if w and chunk > 256 // 4]
     assert bounded and all(room == 256 - chunk for room, chunk in bounded)
-    assert all(room == 0 for (room, _, _), w in zip(told, waiting) if not w)
+    assert all(room == 0 for (room, _), w in zip(told, waiting) if not w)

@@ -60,14 +60,14 @@ class LinearCost:
         return float(price(self, np.asarray(rows), np.asarray(tokens, dtype=np.float64)))
 
     def token_seconds(self, tokens: np.ndarray) -> np.ndarray:
-        """The tokens' part of a pass: the measured curve (interpolated; past its end at its last slope), or
-        the line with its knee."""
+        """The tokens' part of a pass: the measured curve (interpolated; past its end along the line through its
+        upper half, `beyond_slope`), or the line with its knee."""
         if self.curve:
             c = curve_arrays(self.curve)
             out = np.interp(tokens, c.xs, c.ys)
             beyond = tokens > c.xs[-1]
             if beyond.any():
-                out = np.where(beyond, c.ys[-1] + c.last_slope * (tokens - c.xs[-1]), out)
+                out = np.where(beyond, c.ys[-1] + c.slope_beyond * (tokens - c.xs[-1]), out)
         else:
             under = np.minimum(tokens, self.knee)
             out = self.below_knee * under + self.per_token * (tokens - under)
@@ -164,7 +164,7 @@ class _Curve(NamedTuple):
 
     xs: np.ndarray  # [points] tokens
     ys: np.ndarray  # [points] seconds
-    last_slope: float  # seconds per token past the last point
+    slope_beyond: float  # seconds per token past the last point (`beyond_slope`)
     least_slope: float  # the smallest slope anywhere (>= 0)
 
 
@@ -177,7 +177,7 @@ def curve_arrays(curve: tuple[tuple[float, float], ...]) -> _Curve:
         return hit[1]
     xs, ys = (np.array(v, dtype=np.float64) for v in zip(*curve))
     slopes = np.diff(ys) / np.diff(xs) if len(xs) > 1 else np.zeros(1)
-    arrays = _Curve(xs, ys, float(slopes[-1]), max(0.0, float(slopes.min())))
+    arrays = _Curve(xs, ys, beyond_slope(xs, ys), max(0.0, float(slopes.min())))
     if len(_CURVES) >= 16:
         _CURVES.clear()
     _CURVES[id(curve)] = (curve, arrays)
@@ -185,6 +185,19 @@ def curve_arrays(curve: tuple[tuple[float, float], ...]) -> _Curve:
 
 
 _CURVES: dict[int, tuple[tuple[tuple[float, float], ...], _Curve]] = {}
+
+
+def beyond_slope(xs: np.ndarray, ys: np.ndarray) -> float:
+    """Seconds per token past a measured curve's last point: the slope of the least-squares line through the
+    curve's upper half (tokens >= half the last point's; at least its last two points), at least 0. Up there a GPU's pass is compute bound,
+    its time a line in its tokens; the last two points' own slope is the difference of two noisy medians
+    (a prompt chunk puts a step's pass past a curve swept to the rows' blocks, and a noisy slope there would
+    price every verify token on top of the chunk by it)."""
+    if len(xs) < 2:
+        return 0.0
+    upper = xs >= xs[-1] / 2
+    upper[-2:] = True
+    return max(0.0, float(np.polyfit(xs[upper], ys[upper], 1)[0]))
 
 
 # a knee is fitted only where it cuts the line's squared error at least 4x

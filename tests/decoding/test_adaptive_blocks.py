@@ -252,18 +252,36 @@ def test_a_step_ends_at_the_end_of_a_tile():
 
 
 def test_a_cost_with_a_measured_token_curve():
-    """`with_curve`: the tokens priced by the measured one-row curve (interpolated, extrapolated at its last
-    slope), the fixed and per-row terms fitted to the grid; `token_sweep` steps finely where tiles do."""
+    """`with_curve`: the tokens priced by the measured one-row curve (interpolated, extrapolated along the line
+    through its upper half), the fixed and per-row terms fitted to the grid; `token_sweep` steps finely where
+    tiles do."""
     curve = [(1, 0.010), (128, 0.012), (136, 0.016), (256, 0.018)]
     truth = LinearCost(2e-3, 1e-4, 0.0, curve=tuple((float(x), y - 0.010) for x, y in curve))
     grid = [(r, r * b, truth(r, r * b)) for r in (1, 16, 32) for b in (1, 4, 8)]
     fit = LinearCost.with_curve(grid, curve)
     assert fit.bent and fit(16, 128) == pytest.approx(truth(16, 128)) and fit(32, 256) == pytest.approx(truth(32, 256))
     assert fit(1, 132) == pytest.approx((truth(1, 128) + truth(1, 136)) / 2)
-    assert fit(1, 512) - fit(1, 256) == pytest.approx(256 * (0.018 - 0.016) / 120)  # beyond: the last slope
+    upper_line = np.polyfit([128, 136, 256], [0.012, 0.016, 0.018], 1)[0]  # the points at >= 256 / 2 tokens
+    assert fit(1, 512) - fit(1, 256) == pytest.approx(256 * upper_line)  # beyond: along the upper half's line
     sweep = token_sweep(4096)
     assert sweep[:3] == [1, 8, 16] and 128 in sweep and 136 in sweep and sweep[-1] == 4096
     assert all(b > a for a, b in zip(sweep, sweep[1:]))
+
+
+def test_past_its_end_a_curve_is_priced_along_its_upper_half_not_its_last_two_medians():
+    """A GPU's pass is a line in its tokens where the sweep ends (compute bound); its last two medians carry
+    noise, and a step whose prompt chunk puts the pass past the sweep prices its verify tokens at the slope
+    beyond. That slope is the upper half's line: noise of a few percent at the last points moves it by about as
+    much, where the last segment's slope would move by tens of percent."""
+    sweep = np.array(token_sweep(4096), dtype=np.float64)
+    times = 2e-3 + 2e-5 * sweep
+    times[-2] *= 0.97  # two medians a few percent off, in opposite directions
+    times[-1] *= 1.02
+    curve = tuple(zip(sweep.tolist(), (times - times[0]).tolist()))
+    cost = LinearCost(curve=curve)
+    assert (times[-1] - times[-2]) / 128 > 1.5 * 2e-5  # what the last two points alone would say
+    assert (cost(1, 8192) - cost(1, 4096)) / 4096 == pytest.approx(2e-5, rel=0.05)
+    assert cost(1, 3072) == pytest.approx(2e-5 * (3072 - 1))  # within: as measured
 
 
 def test_probes_take_the_rows_of_least_backlog_and_at_most_a_few():

@@ -23,7 +23,9 @@ def mean(runs: dict[int, dict], field: str) -> float:
     return statistics.mean(r[field]["p50"] if field == "ttft_ms" else r[field] for r in runs.values())
 
 
-print("| setup, workload | prefill | tokens/s | TTFT p50 ms | ITL p99 ms | ITL p99 vs separate | tokens/s vs separate |")
+print(
+    "| setup, workload | prefill | tokens/s | TTFT p50 ms | ITL p99 ms | ITL p99 vs separate | tokens/s vs separate |"
+)
 print("|---|---|---|---|---|---|---|")
 for (gpu, model, tp, wl), modes in sorted(cells.items()):
     sep = modes["separate"]

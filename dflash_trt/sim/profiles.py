@@ -3,7 +3,7 @@
 A profile gives, per tensor-parallel degree and token count, the median time of every linear, norm,
 activation and rope op of ONE decoder layer (and the embedding lookup), measured on the GPU; between
 profiled token counts the time is interpolated linearly (Vidur profiles every 8 tokens up to 32768), beyond
-the last one extrapolated along the last segment. The all-reduce profile gives the time of one all-reduce
+the last one in proportion to the tokens (see `_interp`). The all-reduce profile gives the time of one all-reduce
 by message size within one DGX node; it is made monotone (an all-reduce of more bytes never costs less: the
 smallest sizes are launch-bound and noisy) and extrapolated at its last bandwidth.
 """

@@ -189,10 +189,11 @@ _CURVES: dict[int, tuple[tuple[tuple[float, float], ...], _Curve]] = {}
 
 def beyond_slope(xs: np.ndarray, ys: np.ndarray) -> float:
     """Seconds per token past a measured curve's last point: the slope of the least-squares line through the
-    curve's upper half (tokens >= half the last point's; at least its last two points), at least 0. Up there
-    a GPU's pass is compute bound, its time a line in its tokens; the last two points' own slope is the
-    difference of two noisy medians (a prompt chunk puts a step's pass past a curve swept to the rows' blocks,
-    and a noisy slope there would price every verify token on top of the chunk by it)."""
+    curve's upper half (tokens >= half the last point's; at least its last two points), at least 0. Where a
+    sweep ends in the thousands of tokens a GPU's pass is compute bound, its time a line in its tokens; the last
+    two points' own slope is the difference of two noisy medians (a prompt chunk puts a step's pass past a
+    curve swept to the rows' blocks, and a noisy slope there would price every verify token on top of the
+    chunk by it)."""
     if len(xs) < 2:
         return 0.0
     upper = xs >= xs[-1] / 2

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 
-VERIFY_MAX = 16  # the drafter's block: a row with more new tokens in a pass is a prompt (chunk)
+VERIFY_MAX = 16  # `SimTargetEngine.verify_max`: a row with more new tokens in a pass is a prompt (chunk)
 REQUESTS, CONCURRENCY, SEEDS = 512, 32, (0, 1, 2)  # the full grid's at C=32
 
 

@@ -7,7 +7,7 @@ Acceptance (`Acceptance`): per-position rates (`sim.acceptance.AcceptanceProfile
     pooled into one profile: position k's rate is the share of rounds that reached it and passed it, so the
     profile's tau at every block the rounds drafted is exactly the trace's mean (`AcceptanceProfile.from_rounds`);
   * a named profile (`named_acceptance`): "demo", the demo pair's acceptance that `make bench-load` measured per
-    prompt (results/load/results.json, the code prompts' tau at block 8, each prompt a constant rate), or the
+    prompt (data/measured/demo-load.json: the code prompts' tau at block 8, each prompt a constant rate), or the
     simulator's profiles fitted to the paper's published tau ("paper", "mixed" or one benchmark, block 16).
 
 Cost (`Cost`): a `sim.cost.PassCost`, from
@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..settings import REPO_ROOT
 from ..sim.acceptance import AcceptanceProfile
 from ..sim.cost import PassCost, ProfileCost
+from ..sim.measured import DEMO_LOAD, read
 
 if TYPE_CHECKING:
     from ..decoding.cost import LinearCost
 
 MAX_POSITIONS = 15  # the simulated drafter's positions (sim_engines' block 16): profiles are padded to them
-DEMO_LOAD_RESULTS = REPO_ROOT / "results" / "load" / "results.json"
 DEMO_BLOCK = 8  # the demo drafter's trained block (models/drafter/config.json), at which bench-load measured tau
 
 
@@ -162,9 +161,9 @@ def named_acceptance(name: str) -> Acceptance:
     return Acceptance(name, tuple(padded(p) for p in work.profiles), 16, source, False)
 
 
-def demo_acceptance(path: Path = DEMO_LOAD_RESULTS) -> Acceptance:
+def demo_acceptance(path: Path = DEMO_LOAD) -> Acceptance:
     try:
-        per_prompt = json.loads(path.read_text())["in_process"]["per_prompt"]
+        per_prompt = read(path, "demo-load")["in_process"]["per_prompt"]
         code = [p for p in per_prompt if p["set"] == "code"]
         profiles = tuple(
             padded(AcceptanceProfile.from_tau(f"prompt{p['prompt']}", p["tau_single_b8"], DEMO_BLOCK)) for p in code

@@ -11,7 +11,6 @@ Policies: `policies.py` (each a `decoding.policy.BlockPolicy`, so the driver nev
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import statistics
@@ -27,6 +26,7 @@ from ..decoding.loop import BatchDecoder, BatchRow
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
 from .engines import VirtualClock, sim_engines
+from .measured import HOST_STEP, read
 from .optimum import Optimum
 from .policies import TimedPolicy, sim_decoder
 
@@ -35,8 +35,7 @@ GREEDY = SamplingParams(0.0)
 PREFILL = ("separate", "chunked")
 # The host's work per decoder step (policy, acceptance, commits, rollbacks, stop checks, batching) is measured,
 # not assumed: `make bench-parts` runs the real loop on the simulator's zero-cost engines and records the CPU time
-# of a step at C rows less the fake engines' own (results/parts/results.json, "sim_host").
-HOST_RESULTS = Path(__file__).resolve().parents[2] / "results" / "parts" / "results.json"
+# of a step at C rows less the fake engines' own ("sim_host", copied to data/measured/host-step.json: measured.py).
 # From the CPU that measured it to a GPU server's host: 1.0. The figure is CPU time of the loop's one thread (time
 # spent waiting for the shared machine's other processes is not in it) on a Sapphire Rapids-class Xeon core (AMX),
 # the core family of the DGX H100's host CPUs (Xeon Platinum 8480C), and Python's single-thread speed is a core's,
@@ -45,14 +44,12 @@ CPU_TO_GPU_HOST = 1.0
 
 
 @cache
-def _host_curve(path: Path = HOST_RESULTS) -> tuple[tuple[int, float], ...]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: the measured host work per step is missing; `make bench-parts` writes it")
-    data = json.loads(path.read_text())["sim_host"]
+def _host_curve(path: Path = HOST_STEP) -> tuple[tuple[int, float], ...]:
+    data = read(path, "host-step")["sim_host"]
     return tuple(sorted((int(c), float(v["host_ms"]) * 1e-3) for c, v in data.items()))
 
 
-def host_step_s(rows: int, path: Path = HOST_RESULTS) -> float:
+def host_step_s(rows: int, path: Path = HOST_STEP) -> float:
     """Seconds of host work for one step of `rows` rows on a GPU server: the measured curve (linear between the
     measured C, flat beyond its ends) times CPU_TO_GPU_HOST."""
     curve = _host_curve(path)

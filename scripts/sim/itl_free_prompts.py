@@ -4,8 +4,8 @@ pass's rows longer than a verify block are left out of its time). No way of admi
 shorter than in that last run, so separate prefill's p99 over its p99 is the most any prefill scheme can lower
 ITL p99 by with adaptive's blocks. A diagnostic: it prints JSON lines, one per group and seed. Usage (from the
 repository root):
-    PYTHONPATH=. .venv/bin/python results/sim/itl-floor/free_prompts.py GPU:MODEL:TP:WORKLOAD... > OUT.jsonl
-    python results/sim/itl-floor/free_prompts.py --table OUT.jsonl..."""
+    PYTHONPATH=. .venv/bin/python scripts/sim/itl_free_prompts.py GPU:MODEL:TP:WORKLOAD... > OUT.jsonl
+    python scripts/sim/itl_free_prompts.py --table OUT.jsonl..."""
 
 import json
 import statistics

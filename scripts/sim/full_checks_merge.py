@@ -3,7 +3,7 @@ change that only adaptive sees (the other policies' runs stand); checks and READ
 the settings' note. It reads results/sim/full-checks/results.json whatever OUT is, and keeps its cells: a new run
 with no cell there is dropped, an old adaptive run with no new one kept (both counted). Usage (from the
 repository root):
-    python results/sim/full-checks/merge.py OUT NOTE RUNS.json...
+    python scripts/sim/full_checks_merge.py OUT NOTE RUNS.json...
 e.g. OUT results/sim/full-checks and RUNS results/sim/eb-prior/adaptive-*.json."""
 
 import json
@@ -36,5 +36,7 @@ out.mkdir(parents=True, exist_ok=True)
 (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
 (out / "README.md").write_text(bench_sim.readme(res).replace("![tokens/s vs concurrency](sim.png)\n\n", ""))
 kept_at = sorted(set(k[5] for k in missing))
-print(f"replaced {len(fresh) - dropped} adaptive runs; dropped {dropped} without a cell; kept {len(missing)} at C={kept_at}")
+print(
+    f"replaced {len(fresh) - dropped} adaptive runs; dropped {dropped} without a cell; kept {len(missing)} at C={kept_at}"
+)
 print("\n".join(f"{'PASS' if c['passed'] else 'FAIL'} {c['what']}: {c['figure']}" for c in res["checks"]))

@@ -1,13 +1,13 @@
 """README.md's table: adaptive at C=32 per setup and workload, separate prefill against chunked prefill at each
 time bound (`--prefill-stall` 2, 1.5 and 1.25; the folders of those names), means over the seeds and
-the ratios per seed. Run from the repository root: python results/sim/stall/with-floor/table.py"""
+the ratios per seed. Run from the repository root: python scripts/sim/stall_table.py"""
 
 import json
 import statistics
 from collections import defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).resolve().parents[2] / "results" / "sim" / "stall" / "with-floor"
 RUNS = {"2 (default)": HERE / "2" / "results.json", "1.5": HERE / "1.5" / "results.json"}
 RUNS["1.25"] = HERE / "1.25" / "results.json"
 

@@ -7,11 +7,11 @@ Specs (one per run): "fixed-K" (every row K tokens a block, any K; a one-entry t
 the first B positions), "adaptive+wN" (adaptive whose row estimates carry N pseudo-observations of the prior
 instead of `AcceptanceTracker.prior_weight`: less noise, slower to learn a row).
 
-    PYTHONPATH=. .venv/bin/python results/sim/c256-diagnosis/diagnose.py h100:llama-2-7b:1 0,1 fixed-8 adaptive
+    PYTHONPATH=. .venv/bin/python scripts/sim/c256_diagnose.py h100:llama-2-7b:1 0,1 fixed-8 adaptive
 
 CONCURRENCY=N and WORKLOAD=name in the environment run another concurrency or workload (the same request count
 rule).
-`diagnose.py --table results.jsonl` prints README.md's tables: per setup, workload and concurrency, each variant's mean
+`c256_diagnose.py --table results.jsonl` prints README.md's tables: per setup, workload and concurrency, each variant's mean
 over its seeds and its ratio to the fixed block the full grid's tuned table picks there (per seed, min-max;
 to adaptive where that block was not run).
 """
@@ -75,7 +75,9 @@ def _order(item: tuple[str, dict]) -> tuple[int, int, str]:
 
 
 def table(path: str) -> None:
-    tuned = json.loads((Path(__file__).parents[1] / "full-checks" / "results.json").read_text())["tuned_tables"]
+    tuned = json.loads(
+        (Path(__file__).resolve().parents[2] / "results" / "sim" / "full-checks" / "results.json").read_text()
+    )["tuned_tables"]
     runs: dict[tuple[str, str, int], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for line in Path(path).read_text().splitlines():
         r = json.loads(line)

@@ -2,7 +2,7 @@
 the slope of the curve's last two points (the extrapolation before dd3366c), the upper half's least-squares line
 (`cost.beyond_slope`, after), and the simulated truth: 256 rows at a 512-token context going from 16 to 32
 tokens each (4,096 to 8,192, logits for every token). Run from the
-repository root: PYTHONPATH=. .venv/bin/python results/sim/curve-end/curve_end.py"""
+repository root: PYTHONPATH=. .venv/bin/python scripts/sim/curve_end.py"""
 
 from dflash_trt.decoding.adaptive import AdaptiveBlocks
 from dflash_trt.decoding.cost import curve_arrays

@@ -1,7 +1,7 @@
 """Per cell, new adaptive runs against the old and both against the tuned table. OLD is full-checks' results.json
 from before merge.py put the new runs in it. Usage (from the repository root), e.g. for results/sim/eb-prior:
     git show c412238:results/sim/full-checks/results.json > /tmp/old.json
-    python results/sim/full-checks/delta.py /tmp/old.json results/sim/eb-prior/adaptive-*.json"""
+    python scripts/sim/full_checks_delta.py /tmp/old.json results/sim/eb-prior/adaptive-*.json"""
 
 import collections
 import json

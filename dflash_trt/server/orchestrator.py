@@ -5,6 +5,9 @@
               rows' prompt chunks in the same pass (one target call), accept / commit per row
            -> each row's round goes back to its request's event loop as an event
 
+The turn itself (admit / step / deliver / retire) is `BatchLoop`, apart from threads, locks and clocks: the
+serving simulator (sim/serving.py) drives the same class on its virtual clock, so what it simulates is this loop.
+
 A new request joins at the next step: with chunked prefill (the default) its prompt enters the verify pass in
 chunks within the step's token budget, so a long prompt lengthens the streaming rows' steps a little instead of
 freezing them; its first token comes with its last chunk (the decoder's `prefill` option, decoding/loop.py). A
@@ -20,12 +23,13 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ..decoding import GenerationResult, Round
 from ..decoding.loop import BatchDecoder, BatchRow
-from ..decoding.step import StepProfile
+from ..decoding.step import StepProfile, StepResult
 from ..runtime.cpu_threads import release_openmp_workers
 
 if TYPE_CHECKING:
@@ -83,20 +87,86 @@ class Job:
             pass
 
 
+class Member(Protocol):
+    """What BatchLoop needs of a job: its row, made (and validated) by `BatchDecoder.new_row` when it was
+    submitted, not yet joined."""
+
+    @property
+    def row(self) -> BatchRow | None: ...
+
+
+J = TypeVar("J", bound=Member)
+
+
+class BatchLoop(Generic[J]):
+    """One turn of the serving loop, for the server's worker thread and the simulator's virtual clock alike:
+    jobs wait in a FIFO (`pending`); `admit` joins them to the decoder's batch, oldest first, while fewer than
+    `max_active` are `active`; `step` runs one batched step of every active row; `deliver` hands each round to
+    its job; `retire` drops the finished jobs. The server runs admit and retire under its lock and the rest on
+    its worker thread; the simulator runs them in turn."""
+
+    def __init__(self, decoder: BatchDecoder | None, max_active: int) -> None:
+        self.decoder, self.max_active = decoder, max_active
+        self.pending: collections.deque[J] = collections.deque()
+        self.active: list[J] = []
+
+    def admit(self, drop: Callable[[J], bool] = lambda job: False) -> None:
+        """Join waiting jobs while there is room; a job `drop` is true for (gone before it started) leaves the
+        queue without engine work (`drop` does what its leaving needs)."""
+        while self.pending and len(self.active) < self.max_active:
+            job = self.pending.popleft()
+            if drop(job):
+                continue
+            assert self.decoder is not None and job.row is not None
+            self.decoder.join(job.row)  # its prompt enters with the next step
+            self.active.append(job)
+
+    def step(self) -> StepResult:
+        assert self.decoder is not None
+        return self.decoder.step()
+
+    @staticmethod
+    def deliver(rounds: StepResult, jobs: Iterable[J], to: Callable[[J, Round], None]) -> None:
+        """Each round to its job among `jobs`, in the step's row order (a row without a job there: skipped)."""
+        by_row = {id(j.row): j for j in jobs}
+        for row, rnd in rounds:
+            job = by_row.get(id(row))
+            if job is not None:
+                to(job, rnd)
+
+    def retire(self, finished: Callable[[J], bool]) -> None:
+        """Drop the finished jobs from `active` (in place: their rows left the decoder when they finished)."""
+        self.active[:] = [j for j in self.active if not finished(j)]
+
+
 class Orchestrator:
     """decoder: the BatchDecoder that only the worker thread steps; max_active: the most rows in one step."""
 
     def __init__(self, decoder: BatchDecoder | None, metrics: ServerMetrics, max_active: int = 8, max_queue: int = 64):
-        self.decoder, self.metrics = decoder, metrics
-        self.max_active, self.max_queue = max_active, max_queue
+        self.metrics, self.max_queue = metrics, max_queue
+        self._loop: BatchLoop[Job] = BatchLoop(decoder, max_active)
         self._cv = threading.Condition()
-        self._pending: collections.deque[Job] = collections.deque()
-        self._active: list[Job] = []
         self._draining = False
         self._stopping = False
         self._thread: threading.Thread | None = None
         # when the worker last made progress: a step ended, or work arrived at an idle orchestrator
         self._progress_at = time.monotonic()
+
+    @property
+    def decoder(self) -> BatchDecoder | None:
+        return self._loop.decoder
+
+    @property
+    def max_active(self) -> int:
+        return self._loop.max_active
+
+    @property
+    def _pending(self) -> collections.deque[Job]:  # the loop's FIFO: read and changed under self._cv
+        return self._loop.pending
+
+    @property
+    def _active(self) -> list[Job]:  # the loop's joined jobs: read and changed under self._cv
+        return self._loop.active
 
     # ---- lifecycle ----------------------------------------------------------------------
     def start(self) -> None:
@@ -199,14 +269,7 @@ class Orchestrator:
                     self._active.clear()
                     self._cv.notify_all()
                     return
-                while self._pending and len(self._active) < self.max_active:
-                    job = self._pending.popleft()
-                    if job.cancelled is not None:  # gone before it started: no engine work
-                        self._finish(job, job.cancelled)
-                        continue
-                    assert self.decoder is not None
-                    self.decoder.join(job.row)  # its prompt enters with the next step
-                    self._active.append(job)
+                self._loop.admit(drop=self._gone)
                 jobs = list(self._active)
                 self.metrics.set_queue(waiting=len(self._pending))
                 self.metrics.set_queue(running=len(self._active))
@@ -214,9 +277,16 @@ class Orchestrator:
                 self._step(jobs)
             with self._cv:
                 self._progress_at = time.monotonic()
-                self._active = [j for j in self._active if not j.finished]
+                self._loop.retire(lambda j: j.finished)
                 self.metrics.set_queue(running=len(self._active))
                 self._cv.notify_all()
+
+    def _gone(self, job: Job) -> bool:
+        """A job cancelled before it started: finished here, without engine work."""
+        if job.cancelled is None:
+            return False
+        self._finish(job, job.cancelled)
+        return True
 
     def _step(self, jobs: list[Job]) -> None:
         """One batched step for every active job (only this thread touches the engines: no lock)."""
@@ -231,7 +301,7 @@ class Orchestrator:
         if not live:
             return
         try:
-            rounds = self.decoder.step()
+            rounds = self._loop.step()
         except Exception as e:  # a batched pass failed: every row of this step fails, the server goes on
             ids = ", ".join(j.id for j in live)
             log.exception("batched step failed: engine failure for requests %s", ids)
@@ -242,11 +312,7 @@ class Orchestrator:
         self._observe_step(rounds.profile)
         for engine, k in rounds.cost_correction.items():
             self.metrics.cost_correction.labels(engine).set(k)
-        by_row = {id(j.row): j for j in live}
-        for row, rnd in rounds:
-            found = by_row.get(id(row))
-            if found is not None:
-                self._deliver(found, rnd)
+        self._loop.deliver(rounds, live, self._deliver)
         failed = {id(row) for row in rounds.failed}
         for job in live:  # left without a round: its drafter failed and it had no fallback
             if not job.finished and id(job.row) in failed:

@@ -1,8 +1,9 @@
 """Serving on the simulated engines: workloads, block-size policies, and the driver that steps the real loop.
 
-The driver is the orchestrator's loop (server/orchestrator.py) without threads or HTTP: requests wait in a FIFO,
-join the `BatchDecoder` (validated by `new_row`, then `join`) while fewer than `max_active` rows are active,
-and every loop turn is one `decoder.step()`; a finished row leaves through the decoder as in the server. Time
+The driver runs the server's own loop (`server.orchestrator.BatchLoop`, the turn the orchestrator's worker
+thread runs) without threads or HTTP: requests wait in its FIFO (validated by `new_row` on arrival), join the
+`BatchDecoder` while fewer than `max_active` rows are active, every turn is one step whose rounds go to their
+requests, and a finished row leaves as in the server. Time
 is the engines' virtual clock plus the host's work per step (`host_step_s`, measured: see there). Arrivals are closed-loop (`concurrency` requests in
 flight, a finished one replaced at once) or open-loop Poisson (`rate` requests per second).
 
@@ -11,18 +12,20 @@ Policies: `policies.py` (each a `decoding.policy.BlockPolicy`, so the driver nev
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
 from typing import cast
 
-from ..decoding import GenerationConfig, SamplingParams, StepResult
+from ..decoding import GenerationConfig, Round, SamplingParams
 from ..decoding.chunking import BACKLOG_STEPS, STALL
 from ..decoding.loop import BatchDecoder, BatchRow
+from ..server.orchestrator import BatchLoop
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
 from .engines import VirtualClock, sim_engines
@@ -304,57 +307,62 @@ class _Tally:
 def _drive(
     dec: BatchDecoder, clock: VirtualClock, reqs: list[_Req], limit: int, closed: bool, host_s: float | None
 ) -> _Tally:
-    """The orchestrator's loop on the virtual clock: admit while fewer than `limit` run, one step per turn."""
+    """The server's loop (`server.orchestrator.BatchLoop`: admit, step, deliver, retire) on the virtual clock:
+    a request enters its FIFO when it arrives (closed loop: when fewer than `limit` are in flight, its arrival
+    that moment), at most `limit` rows run, one step a turn, then the host's work per step."""
     timed = cast(TimedPolicy, dec.policy)
-    waiting, tally = list(reqs), _Tally()
-    active: dict[int, _Req] = {}
-    while waiting or active:
-        while waiting and len(active) < limit and waiting[0].arrival <= clock.now:
-            r = waiting.pop(0)
+    waiting, tally = collections.deque(reqs), _Tally()
+    loop: BatchLoop[_Req] = BatchLoop(dec, limit)
+    while waiting or loop.pending or loop.active:
+        while waiting and (
+            waiting[0].arrival <= clock.now if not closed else len(loop.pending) + len(loop.active) < limit
+        ):
+            r = waiting.popleft()
             if closed:
                 r.arrival = clock.now
-            cfg = GenerationConfig(max_new_tokens=r.max_new, sampling=GREEDY, stop_token_ids=())
-            r.row = dec.join(dec.new_row(r.prompt, cfg))
-            active[r.row.id] = r
+            r.row = dec.new_row(
+                r.prompt, GenerationConfig(max_new_tokens=r.max_new, sampling=GREEDY, stop_token_ids=())
+            )
+            loop.pending.append(r)
             if not waiting:
                 tally.window_end = clock.now
-        if not active:
+        loop.admit()
+        if not loop.active:
             clock.now = max(clock.now, waiting[0].arrival)
             continue
         rows = len(dec.active)
         tally.batch_sum += rows
         began, cpu_before = clock.now, timed.cpu_s
-        result = dec.step()
+        result = loop.step()
         clock.advance(host_s if host_s is not None else host_step_s(rows))
         tally.step_cpu.append((clock.now, clock.now - began, timed.cpu_s - cpu_before))
         tally.steps += 1
         tally.blocks += result.profile.blocks
-        _account(result, active, clock.now, tally)
+        tally.tokens_at.append((clock.now, 0))
+        loop.deliver(result, loop.active, partial(_account, now=clock.now, tally=tally))
+        loop.retire(lambda r: r.done_at is not None)
     return tally
 
 
-def _account(result: StepResult, active: dict[int, _Req], now: float, tally: _Tally) -> None:
-    """A step's rounds into the requests' timings and the tally; finished requests leave `active`."""
-    n_step = 0
-    for row, rnd in result:
-        r = active[row.id]
-        n = len(rnd.token_ids)
-        n_step += n
-        if rnd.prefill:
-            r.first = now
-        else:
-            tally.rounds += 1
-            tally.committed += n
-            if n and r.last is not None:
-                r.itl += [(now - r.last) / n] * n
-        r.last = now
-        r.tokens += n
-        if row.done:
-            r.done_at = now
-            del active[row.id]
-            if tally.window_start is None:
-                tally.window_start = now
-    tally.tokens_at.append((now, n_step))
+def _account(r: _Req, rnd: Round, now: float, tally: _Tally) -> None:
+    """A round into its request's timings and the tally (the step's tokens: the last `tokens_at` entry)."""
+    n = len(rnd.token_ids)
+    end, tokens = tally.tokens_at[-1]
+    tally.tokens_at[-1] = (end, tokens + n)
+    if rnd.prefill:
+        r.first = now
+    else:
+        tally.rounds += 1
+        tally.committed += n
+        if n and r.last is not None:
+            r.itl += [(now - r.last) / n] * n
+    r.last = now
+    r.tokens += n
+    assert r.row is not None
+    if r.row.done:
+        r.done_at = now
+        if tally.window_start is None:
+            tally.window_start = now
 
 
 def _summarise(

@@ -1,6 +1,6 @@
-"""The serving simulation's report (`scripts/bench_sim.py`, results/sim/README.md): Markdown sections
-rendered from its results.json, each a list of lines. The script keeps the recipe and its prose; these
-render what the run computed."""
+"""The serving simulation's report (`make bench-sim`, results/sim/README.md): Markdown sections
+rendered from its results.json, each a list of lines. `dflash_trt.sim.bench` keeps the recipe and its prose;
+these render what the run computed."""
 
 from __future__ import annotations
 

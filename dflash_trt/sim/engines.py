@@ -291,7 +291,7 @@ class SimDrafterEngine:
         self.profiles = list(profiles)
         self.vocab_size, self.block_size = vocab_size, block_size
         self.feature_layer_ids = tuple(feature_layer_ids)
-        self.max_context = None
+        self.max_context: int | None = None  # the drafter has no context bound of its own (the protocol allows None)
         self.passes = 0
 
     def new_session(self) -> SimDrafterSession:

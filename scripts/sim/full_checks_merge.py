@@ -1,4 +1,4 @@
-"""Replace the adaptive runs of results/sim/full-checks with those of new bench_sim runs (--policies adaptive), for a
+"""Replace the adaptive runs of results/sim/full-checks with those of new scripts/bench_sim.py runs (--policies adaptive), for a
 change that only adaptive sees (the other policies' runs stand); checks and README recomputed, NOTE appended to
 the settings' note. It reads results/sim/full-checks/results.json whatever OUT is, and keeps its cells: a new run
 with no cell there is dropped, an old adaptive run with no new one kept (both counted). Usage (from the
@@ -10,8 +10,8 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, "scripts")
-import bench_sim
+from dflash_trt.sim.bench.checks import criteria
+from dflash_trt.sim.bench.report import readme
 
 out, note = Path(sys.argv[1]), sys.argv[2]
 full = json.loads(Path("results/sim/full-checks/results.json").read_text())
@@ -31,10 +31,10 @@ dropped = len(set(fresh) - {key(r) for r in full["runs"]})
 res = dict(full)
 res["runs"] = runs
 res["settings"] = dict(full["settings"], note=f"{full['settings']['note']} {note}")
-res["checks"] = bench_sim.criteria(runs, None)
+res["checks"] = criteria(runs, None)
 out.mkdir(parents=True, exist_ok=True)
 (out / "results.json").write_text(json.dumps(res, indent=1) + "\n")
-(out / "README.md").write_text(bench_sim.readme(res).replace("![tokens/s vs concurrency](sim.png)\n\n", ""))
+(out / "README.md").write_text(readme(res).replace("![tokens/s vs concurrency](sim.png)\n\n", ""))
 kept_at = sorted(set(k[5] for k in missing))
 print(
     f"replaced {len(fresh) - dropped} adaptive runs; dropped {dropped} without a cell; kept {len(missing)} at C={kept_at}"

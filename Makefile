@@ -177,6 +177,14 @@ bench-load: venv aiperf-env
 bench-sim: venv
 	$(BIN)/python scripts/bench_sim.py --out results/sim $(BENCH_SIM_ARGS)
 
+# Make the last bench-parts and bench-load runs inputs of the code: copy the sections the package reads (the
+# simulator's host term, the demo pair's acceptance and CPU grid) from results/ into data/measured/ (results/ is
+# output only; dflash_trt/sim/measured.py). A step of its own: commit it saying why the new figures should stand.
+.PHONY: measured-inputs
+measured-inputs: venv
+	$(BIN)/python scripts/measured_inputs.py host-step results/parts/results.json
+	$(BIN)/python scripts/measured_inputs.py demo-load results/load/results.json
+
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"
 serve: venv

@@ -237,8 +237,9 @@ class LinearPassCost:
 
     @classmethod
     def from_cost_model(cls, cost: dict[str, dict[str, float]], k: float = 1.0) -> LinearPassCost:
-        """From a recorded `{"target": {...}, "drafter": {...}}` (results/load/results.json's cost_model), every
-        coefficient times k (e.g. the ratio of the passes that ran to the grid's price for them)."""
+        """From a recorded `{"target": {...}, "drafter": {...}}` (`make bench-load`'s cost_model, kept in
+        data/measured/demo-load.json), every coefficient times k (e.g. the ratio of the passes that ran to the
+        grid's price for them)."""
         t, d = cost["target"], cost["drafter"]
         one = t.get("one_token")
         return cls(

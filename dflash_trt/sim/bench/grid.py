@@ -1,6 +1,7 @@
 """The grid of `make bench-sim`: its setups, workloads, concurrencies, seeds and policies, one closed-loop cell
-(`run_cell`, a worker process's unit), the two phases (phase 2's tuned tables come from phase 1's fixed blocks)
-and the Poisson sweep. `cli.py` says what each mode runs."""
+(`run_cell`, a worker process's unit), the cells of a phase (`_cells`), phase 2's tuned tables from phase 1's
+fixed blocks (`tuned_tables`) and the Poisson sweep. `cli.py` runs the phases (`sweep`) and says what each mode
+runs."""
 
 from __future__ import annotations
 
@@ -15,47 +16,24 @@ from ..policies import FIXED, TUNED
 from ..serving import simulate, workload
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-
-
 SETUPS = (("a100", "llama-3-8b", 1), ("a100", "llama-3-70b", 4), ("h100", "llama-2-7b", 1), ("h100", "llama-2-70b", 4))
-
-
 WORKLOADS = ("paper", "mixed")
-
-
 PHASE1 = (*FIXED, "adaptive", "trtllm-schedule", "trtllm-schedule-threshold", "optimum")
-
-
 SHOWN = (*PHASE1[:-1], *TUNED, "optimum")  # the tables' column order
-
-
 SEEDS = 3
 
-
-# The default grid (module docstring): every check of issue 40 has a cell in it, within ~12 minutes on 2 CPUs
+# The default grid (the package's docstring): every check of issue 40 has a cell in it, within ~12 minutes on 2 CPUs
 REDUCED_GROUPS = (
     ("a100", "llama-3-8b", 1, "paper"),
     ("a100", "llama-3-8b", 1, "mixed"),
     ("h100", "llama-2-7b", 1, "paper"),
     ("h100", "llama-2-70b", 4, "mixed"),
 )
-
-
 REDUCED_CONCURRENCY = (1, 8, 32, 128)
-
-
 REDUCED_SEEDS = 2
-
-
 PREFILL_AT = 32  # the concurrency at which chunked and separate prefill are run side by side
-
-
 SLO = {"ttft_s": 2.0, "tpot_s": 0.05}
-
-
 SGLANG = {"c1": 5.1, "c32": 2.8}  # dflash.md: SGLang, one B200, Qwen3-8B MATH500
-
-
 BLOCK_OF = {"none": 1, "fixed-4": 4, "fixed-8": 8, "fixed-16": 16}
 
 

@@ -114,7 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--note", help="a line for README.md (how the machine was shared while it ran, ...)")
     ap.add_argument("--readme-only", action="store_true", help="rewrite README.md from the folder's results.json")
     ap.add_argument(
-        "--load-results", type=Path, default=DEMO_LOAD, help="the demo pair's measured figures (calibration a)"
+        "--load-results",
+        type=Path,
+        default=DEMO_LOAD,
+        help="the demo pair's measured figures for calibration (a): a results.json of make bench-load\n"
+        "(default data/measured/demo-load.json, the copy the package reads)",
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)")
     _prefill_options(ap)

@@ -666,6 +666,28 @@ def test_the_workers_sshd_admits_one_user_by_key_with_nothing_forwarded(tmp_path
     assert conf["permittunnel"] == "no"
 
 
+def test_the_roce_component_adds_the_secondary_network_and_the_gid_index(rendered, tmp_path):
+    """components/roce on the multi-node overlay (as an operator's overlay adds it): both pod templates join the
+    RDMA NIC's secondary network (Multus annotation) and the leader, whose NCCL_* reach every rank, sets
+    NCCL_IB_GID_INDEX; the result validates. The overlay alone (InfiniBand) has neither."""
+    rel = os.path.relpath(K8S, tmp_path)  # kustomize takes other kustomizations by relative path only
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/multi-node]\ncomponents: [{rel}/components/roce]\n"
+    )
+    r = subprocess.run([str(tool("kubectl")), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert deploy_tools(["validate", K8S_VERSION], docs) == []
+    for with_roce, render in ((True, docs), (False, rendered["multi-node"])):
+        lwt = one(render, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            networks = lwt[key]["metadata"].get("annotations", {}).get("k8s.v1.cni.cncf.io/networks")
+            assert bool(networks) == with_roce, (with_roce, key)
+        (leader,) = lwt["leaderTemplate"]["spec"]["containers"]
+        assert ("NCCL_IB_GID_INDEX" in _env(leader)) == with_roce
+
+
 # ---- PromQL -----------------------------------------------------------------------------------------------
 
 

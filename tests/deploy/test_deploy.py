@@ -454,6 +454,7 @@ def test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas(rendered
             assert t.get("metricType", "AverageValue") == "AverageValue"  # what KEDA's fallback needs
         fallback = so["spec"]["fallback"]
         assert fallback["behavior"] == "currentReplicasIfHigher" and fallback["failureThreshold"] >= 3, overlay
+        assert fallback["replicas"] == so["spec"]["minReplicaCount"]  # max(current, minimum): hold, never raise
 
 
 def _disk_volumes(spec: dict) -> dict[str, str]:

@@ -18,11 +18,15 @@ FROM python:3.11-slim AS cpu
 RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
 # constraints-cpu.txt pins torch 2.13.0; PyTorch's CPU index supplies the CPU build of it (PyPI's is CUDA).
 ENV PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The runtime user, never root: uid 10001, as the gpu stage and deploy/k8s (runAsUser); it owns /app and its venv.
+RUN groupadd --gid 10001 dflash && useradd --uid 10001 --gid 10001 --create-home --shell /bin/bash dflash && \
+    install -d -o 10001 -g 10001 /app
 WORKDIR /app
-COPY pyproject.toml README.md Makefile engines.toml constraints-cpu.txt ./
-COPY dflash_trt ./dflash_trt
-COPY scripts ./scripts
-COPY models ./models
+COPY --chown=10001:10001 pyproject.toml README.md Makefile engines.toml constraints-cpu.txt ./
+COPY --chown=10001:10001 dflash_trt ./dflash_trt
+COPY --chown=10001:10001 scripts ./scripts
+COPY --chown=10001:10001 models ./models
+USER 10001
 RUN make venv
 CMD ["make", "demo"]
 
@@ -52,6 +56,12 @@ RUN python3 scripts/container_pins.py > /tmp/container-pins.txt && cat /tmp/cont
     python3 scripts/container_pins.py --check /tmp/container-pins.txt && \
     mkdir -p .venv/bin && ln -s "$(command -v python3)" .venv/bin/python && \
     ln -s "$(command -v dflash-trt)" .venv/bin/dflash-trt && touch .venv/.installed
+# The runtime user, never root: uid 10001 (deploy/k8s runs the pods as it, runAsNonRoot; NVIDIA's images keep 1000
+# for their own user). It owns /app, where the default command and gpu-smoke write their engines and results; the
+# installed packages stay root's. The ranks of a multi-node group run as root (deploy/k8s/multi-node: IPC_LOCK).
+RUN groupadd --gid 10001 dflash && useradd --uid 10001 --gid 10001 --create-home --shell /bin/bash dflash && \
+    chown -R 10001:10001 /app
+USER 10001
 ENV DFLASH_TRT_MODELS=/app/models
 EXPOSE 8000
 # Engines depend on the GPU they run on, so they are built at start (keyed by their inputs and the GPU

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from ..decoding import BatchDecoder
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
+API_KEY_FILE_ENV = "DFLASH_TRT_API_KEY_FILE"
 
 
 def _port(text: str) -> int:
@@ -177,8 +178,16 @@ def _network_args(p: argparse.ArgumentParser) -> None:
     net.add_argument(
         "--api-key",
         default=None,
-        help=f"require 'Authorization: Bearer KEY' on every endpoint but /health "
-        f"(default: ${API_KEY_ENV} if set, else no auth)",
+        help=f"require 'Authorization: Bearer KEY' on every endpoint but the probes' /health and /ready "
+        f"(default: ${API_KEY_ENV} if set, else the key in --api-key-file, else no auth)",
+    )
+    net.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=None,
+        help=f"read the API key from this file (a mounted Secret: the key stays out of the environment that "
+        f"mpirun hands to every rank); an empty or unreadable file is an error, never 'no auth' "
+        f"(default: ${API_KEY_FILE_ENV} if set)",
     )
     net.add_argument(
         "--model-name", default=None, help="model id in /v1/models and responses (default: target dir name)"
@@ -259,7 +268,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ..server.app import ServerSettings, create_app
 
     settings = ServerSettings(
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        api_key=_api_key(args, decoder),
         model_name=args.model_name or name,
         max_active=args.max_active,
         max_queue=args.max_queue,
@@ -300,6 +309,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.pid_file is not None:
             args.pid_file.unlink(missing_ok=True)
     return 0
+
+
+def _api_key(args: argparse.Namespace, decoder: BatchDecoder) -> str | None:
+    """The key: --api-key, else $DFLASH_TRT_API_KEY, else the file (--api-key-file, else
+    $DFLASH_TRT_API_KEY_FILE), else None (no auth). A file that was named must hold a key: a missing or empty
+    Secret then stops the server (engines closed) instead of silently serving without authentication."""
+    from .options import CliError, close_engines
+
+    key = args.api_key or os.environ.get(API_KEY_ENV)
+    if key:
+        return str(key)
+    path = args.api_key_file or (Path(os.environ[API_KEY_FILE_ENV]) if os.environ.get(API_KEY_FILE_ENV) else None)
+    if path is None:
+        return None
+    try:
+        key = path.read_text().strip()
+        problem = "" if key else "is empty: put the key in it, or name no key file to serve without one"
+    except OSError as e:
+        problem = f"cannot be read ({e.strerror})"
+    if problem:
+        close_engines(decoder)
+        raise CliError(f"--api-key-file {path} {problem}")
+    return key
 
 
 def _load_models(args: argparse.Namespace) -> tuple[BatchDecoder, str]:

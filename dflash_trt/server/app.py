@@ -51,14 +51,14 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
         title="dflash-trt",
         version="0.1.0",
         lifespan=lifespan,
-        openapi_url=None,  # served below, behind the key like every route but /health
+        openapi_url=None,  # served below, behind the key like every route but the probes
         docs_url=None,
         redoc_url=None,
         description="DFlash speculative decoding server: native and OpenAI-compatible endpoints. "
         'Every error is a JSON body {"error": {"message", "type", "param", "code"}}.',
     )
     app.state.server = server
-    # The key is checked on every router but the liveness probe's; without a key there is no dependency, so
+    # The key is checked on every router but the probes' (/health, /ready); without a key there is no dependency, so
     # /openapi.json declares a security scheme exactly when the server has one.
     auth = [Depends(require_api_key)] if server.settings.api_key else []
     app.include_router(native.open_router)
@@ -73,7 +73,7 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
 
 def _docs_router(app: FastAPI) -> APIRouter:
     """/openapi.json and its Swagger UI (/docs), on a router, so that the API key guards them as it does
-    every route but /health."""
+    every route but the probes (/health, /ready)."""
     router = APIRouter(include_in_schema=False)
 
     @router.get("/openapi.json")

@@ -1,5 +1,5 @@
 """What the routes share, handed to them by dependency injection (`ServerDep`), and the API key check
-(`require_api_key`, a FastAPI security dependency on every router but the liveness probe's)."""
+(`require_api_key`, a FastAPI security dependency on every router but the probes')."""
 
 from __future__ import annotations
 

@@ -19,7 +19,10 @@ Nothing here runs on a cluster: what only a cluster can show is listed in deploy
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
@@ -189,27 +192,39 @@ def _env(container) -> dict:
 
 
 def test_probes_drain_and_grace(rendered):
+    """Probes on the open routes; preStop keeps serving PRESTOP_DELAY_S while the endpoint is removed, then drains for
+    DRAIN_TIMEOUT, at least the request timeout (a drain shorter than a request cuts long generations); the grace
+    period holds both and the engines' shutdown. A worker waits for its ranks inside the same grace period."""
     for overlay in ("single-node", "multi-node"):
+        grace = {}
         for role, spec in pod_specs(rendered[overlay]):
             (c,) = spec["containers"]
+            grace[role] = spec["terminationGracePeriodSeconds"]
+            assert c["lifecycle"]["preStop"]["exec"]["command"][-1].endswith("prestop.sh"), (overlay, role)
             if role == "worker":  # no HTTP on a worker: its sshd is what the leader's mpirun needs
                 assert c["livenessProbe"]["tcpSocket"]["port"] == "ssh" and "readinessProbe" not in c
+                assert _env(c)["DFLASH_ROLE"] == "worker"  # prestop.sh's worker branch: wait for the ranks
                 continue
             assert c["livenessProbe"]["httpGet"]["path"] == "/health"
             assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
             startup = c["startupProbe"]
-            assert startup["periodSeconds"] * startup["failureThreshold"] >= 15 * 60  # engine load + cost model
-            assert c["lifecycle"]["preStop"]["exec"]["command"][-1].endswith("prestop.sh")
-            drain = float(_env(c)["DRAIN_TIMEOUT"])
-            assert spec["terminationGracePeriodSeconds"] >= drain + 30  # drain, then the engines' shutdown
+            assert startup["periodSeconds"] * startup["failureThreshold"] >= 30 * 60  # engine load + cost model
+            env = _env(c)
+            drain, request, delay = (float(env[k]) for k in ("DRAIN_TIMEOUT", "REQUEST_TIMEOUT", "PRESTOP_DELAY_S"))
+            assert drain >= request >= 60 and delay >= 5, (overlay, env)
+            assert grace[role] >= delay + drain + 30  # the delay, the drain, then the engines' shutdown
             assert [i["command"][-1].rsplit("/", 1)[-1] for i in spec["initContainers"]] == ["build-engines.sh"]
+        if "worker" in grace:
+            assert grace["worker"] >= grace["leader"], overlay
     triton = one(rendered["triton"], "Deployment")["spec"]["template"]["spec"]
     (c,) = triton["containers"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert "--metrics-port=8002" in c["command"]
     exit_timeout = int(next(a for a in c["command"] if a.startswith("--exit-timeout-secs=")).split("=")[1])
-    assert triton["terminationGracePeriodSeconds"] > exit_timeout
+    sleep, delay = c["lifecycle"]["preStop"]["exec"]["command"]
+    assert sleep == "sleep" and int(delay) >= 5 and exit_timeout >= 300
+    assert triton["terminationGracePeriodSeconds"] >= int(delay) + exit_timeout + 30
     assert one(rendered["triton"], "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "metrics"
     assert {"name": "metrics", "port": 8002, "targetPort": "metrics"} in one(rendered["triton"], "Service")["spec"][
         "ports"
@@ -306,7 +321,7 @@ def test_groups_one_pod_per_node_rdma_and_a_closed_launcher_port(rendered):
         mount = next(m for m in c["volumeMounts"] if m["name"] == "ssh")
         assert mount["mountPath"] == _env(c)["DFLASH_SSH_SECRET"]  # where serve.sh copies the keys from
     worker_labels = lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"]
-    (policy,) = kinds(docs, "NetworkPolicy")
+    (policy,) = [p for p in kinds(docs, "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-workers"]
     assert policy["spec"]["podSelector"]["matchLabels"].items() <= worker_labels.items()
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     for rule in policy["spec"]["ingress"]:
@@ -363,6 +378,315 @@ def test_the_leader_gives_up_on_an_absent_worker(tmp_path):
         "dflash-trt-group-0-1.dflash-trt-group.invalid",
         "slots=1",
     ]
+
+
+# ---- issue 54: the API key, drain, size and time, least privilege --------------------------------------------------
+
+
+SERVE_SH = K8S / "base" / "scripts" / "serve.sh"
+PRESTOP_SH = K8S / "base" / "scripts" / "prestop.sh"
+IMAGE_USER = 10001  # the Dockerfile's runtime user (tests/deploy/test_dockerfile_paths.py reads it there)
+
+
+def _volume(spec: dict, container: dict, path: str) -> tuple[dict, str]:
+    """(the volume mounted where `path` lies in `container`, path's rest below the mount)."""
+    for m in container.get("volumeMounts", []):
+        if path.startswith(m["mountPath"].rstrip("/") + "/"):
+            (v,) = [v for v in spec["volumes"] if v["name"] == m["name"]]
+            return v, path[len(m["mountPath"]) :].lstrip("/")
+    raise AssertionError(f"{container['name']}: nothing mounted at {path}")
+
+
+def test_the_api_key_reaches_rank_0_only_as_a_required_secret_and_the_monitor_scrapes_with_it(rendered):
+    """The HTTP pods read the key from a file of the dflash-api-key Secret (not optional: a missing Secret keeps
+    the pod from starting); no container has it in its environment (mpirun -x would hand it to every rank) and no
+    worker mounts it; the ServiceMonitor sends the same Secret's key as a Bearer token; serve.sh forwards no key."""
+    for overlay in ("single-node", "multi-node"):
+        docs = rendered[overlay]
+        for role, spec in pod_specs(docs):
+            for c in _containers(spec):
+                names = {e["name"] for e in c.get("env", [])}
+                assert not {n for n in names if "API_KEY" in n} - {"DFLASH_TRT_API_KEY_FILE"}, (overlay, c["name"])
+            secrets = {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+            if role == "worker":
+                assert "dflash-api-key" not in secrets
+                continue
+            (c,) = spec["containers"]
+            volume, key = _volume(spec, c, _env(c)["DFLASH_TRT_API_KEY_FILE"])
+            assert volume["secret"]["secretName"] == "dflash-api-key" and not volume["secret"].get("optional")
+        (sm,) = kinds(docs, "ServiceMonitor")
+        (endpoint,) = sm["spec"]["endpoints"]
+        assert endpoint["path"] == "/metrics" and endpoint["authorization"].get("type", "Bearer") == "Bearer"
+        assert endpoint["authorization"]["credentials"] == {"name": "dflash-api-key", "key": key}, overlay
+    mpi = re.search(r"^MPI=\((.*?)\)$", SERVE_SH.read_text(), re.S | re.M)
+    assert mpi and "-x PATH" in mpi.group(1) and "API_KEY" not in mpi.group(1)
+
+
+@pytest.mark.parametrize("content", [None, "", " \n"])
+def test_serve_sh_refuses_a_missing_or_empty_key_file(tmp_path, content):
+    """Before any engine loads: a named key file that is missing or empty ends the pod with the reason."""
+    key = tmp_path / "key"
+    if content is not None:
+        key.write_text(content)
+    (tmp_path / "engines.toml").write_text("tp = 1\n")
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "DFLASH_ROLE": "single",
+        "ENGINES_CONFIG": str(tmp_path / "engines.toml"),
+        "DFLASH_RUN_DIR": str(tmp_path / "run"),
+        "DFLASH_SERVE_EXE": "echo served",  # reached only past the check
+        "DFLASH_TRT_API_KEY_FILE": str(key),
+    }
+    r = subprocess.run(["bash", str(SERVE_SH)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "missing or empty" in r.stderr and "served" not in r.stdout, r
+    key.write_text("k\n")
+    r = subprocess.run(["bash", str(SERVE_SH)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("served serve"), r  # the control: a key passes
+
+
+def test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas(rendered):
+    """KEDA's prometheus scaler reads an empty result as 0 unless ignoreNullValues is false: a failed scrape would
+    scale to the minimum under load. The fallback keeps at least the current count after repeated failures."""
+    for overlay, docs in rendered.items():
+        (so,) = kinds(docs, "ScaledObject")
+        for t in so["spec"]["triggers"]:
+            assert t["metadata"]["ignoreNullValues"] == "false", (overlay, t["name"])
+            assert t.get("metricType", "AverageValue") == "AverageValue"  # what KEDA's fallback needs
+        fallback = so["spec"]["fallback"]
+        assert fallback["behavior"] == "currentReplicasIfHigher" and fallback["failureThreshold"] >= 3, overlay
+        assert fallback["replicas"] == so["spec"]["minReplicaCount"]  # max(current, minimum): hold, never raise
+
+
+def _disk_volumes(spec: dict) -> dict[str, str]:
+    return {
+        v["name"]: v["emptyDir"].get("sizeLimit", "")
+        for v in spec["volumes"]
+        if "emptyDir" in v and v["emptyDir"].get("medium") != "Memory"
+    }
+
+
+def _gi(quantity: str) -> float:
+    units = {"Mi": 1 / 1024, "Gi": 1, "Ti": 1024}
+    return float(quantity[:-2]) * units[quantity[-2:]]
+
+
+def test_engines_are_shared_storage_is_requested_and_rollouts_wait_for_a_build(rendered):
+    """Every overlay loads its engines from the shared ReadWriteMany claim (built once per identity, not per pod);
+    every container requests the node disk it writes (its emptyDirs on disk: kubelet evicts past the node's
+    ephemeral storage); a Deployment's progress deadline outlasts a 70B build plus its load."""
+    for overlay, docs in rendered.items():
+        (pvc,) = [d for d in kinds(docs, "PersistentVolumeClaim") if d["metadata"]["name"] == "dflash-engines"]
+        assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        size = _gi(pvc["spec"]["resources"]["requests"]["storage"])
+        assert size >= (2048 if overlay == "multi-node" else 1024), overlay  # build peak + the kept identity
+        specs = pod_specs(docs) or [("single", d["spec"]["template"]["spec"]) for d in kinds(docs, "Deployment")]
+        for role, spec in specs:
+            engines = next(v for v in spec["volumes"] if v["name"] == "engines")
+            assert engines["persistentVolumeClaim"]["claimName"] == "dflash-engines", (overlay, role)
+            disk = _disk_volumes(spec)
+            assert all(disk.values()), (overlay, role, disk)  # every emptyDir on disk is bounded
+            for c in _containers(spec):
+                mounted = sum(_gi(disk[m["name"]]) for m in c.get("volumeMounts", []) if m["name"] in disk)
+                requested = _gi(c["resources"]["requests"]["ephemeral-storage"])
+                assert requested >= mounted + 10, (overlay, c["name"], requested, mounted)  # + image layer, logs
+        for d in kinds(docs, "Deployment"):
+            assert d["spec"]["progressDeadlineSeconds"] >= 2 * 3600, overlay  # 90 min build + load
+
+
+def test_every_overlay_has_a_budget_that_never_waits_on_unready_pods(rendered):
+    for overlay, docs in rendered.items():
+        (pdb,) = kinds(docs, "PodDisruptionBudget")
+        assert pdb["spec"]["maxUnavailable"] == 1 and pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+        labels = _pod_labels(docs) or [d["spec"]["template"]["metadata"]["labels"] for d in kinds(docs, "Deployment")]
+        assert labels and all(pdb["spec"]["selector"]["matchLabels"].items() <= lab.items() for lab in labels)
+
+
+def _all_pod_specs(docs) -> list[tuple[str, dict, dict]]:
+    """(role, pod spec, pod labels) of every workload, Triton's included."""
+    out = []
+    for d in docs:
+        if d["kind"] == "Deployment":
+            out.append(("single", d["spec"]["template"]["spec"], d["spec"]["template"]["metadata"]["labels"]))
+        elif d["kind"] == "LeaderWorkerSet":
+            lwt = d["spec"]["leaderWorkerTemplate"]
+            for role, key in (("leader", "leaderTemplate"), ("worker", "workerTemplate")):
+                out.append((role, lwt[key]["spec"], lwt[key]["metadata"]["labels"]))
+    return out
+
+
+def test_least_privilege(rendered):
+    """No service-account token, RuntimeDefault seccomp and no privilege escalation anywhere; the image's non-root
+    user with no capability where nothing needs one; root only in the groups, for IPC_LOCK alone; the private ssh
+    key on leaders only, the public one on workers only."""
+    for overlay, docs in rendered.items():
+        for role, spec, _ in _all_pod_specs(docs):
+            pod = spec["securityContext"]
+            assert spec["automountServiceAccountToken"] is False, (overlay, role)
+            assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, (overlay, role)
+            for c in _containers(spec):
+                sc = c["securityContext"]
+                assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged"), (overlay, c["name"])
+                caps = sc.get("capabilities", {})
+                if overlay == "multi-node" and c["name"] != "build-engines":
+                    assert caps == {"add": ["IPC_LOCK"]}, c["name"]  # the runtime's defaults + memory pinning
+                else:
+                    assert caps == {"drop": ["ALL"]}, (overlay, c["name"])
+            if overlay == "multi-node":
+                assert pod["runAsUser"] == 0  # named: the image's user is not root
+                (ssh,) = [v["secret"] for v in spec["volumes"] if v["name"] == "ssh"]
+                want = "id_ed25519" if role == "leader" else "authorized_keys"
+                assert ssh["items"] == [{"key": want, "path": want}], role
+            else:
+                assert pod["runAsNonRoot"] is True and pod["runAsUser"] == pod["fsGroup"] == IMAGE_USER, overlay
+                assert pod["fsGroupChangePolicy"] == "OnRootMismatch"  # no recursive chown of the engines volume
+
+
+def _selects(policy: dict, labels: dict) -> bool:
+    return policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+
+
+def test_network_policies_cover_every_pod_and_open_only_the_serving_ports(rendered):
+    """Every pod is selected by an Ingress policy; a rule open to anyone names only serving ports (HTTP, gRPC);
+    the rest (mpirun, NCCL, sshd, Triton's unauthenticated metrics) comes only from this application's pods or the
+    monitoring namespace."""
+    public = {"http", "grpc"}
+    for overlay, docs in rendered.items():
+        policies = kinds(docs, "NetworkPolicy")
+        for role, _, labels in _all_pod_specs(docs):
+            mine = [p for p in policies if _selects(p, labels)]
+            assert mine and all(p["spec"]["policyTypes"] == ["Ingress"] for p in mine), (overlay, role)
+            for rule in (r for p in mine for r in p["spec"]["ingress"]):
+                if "from" not in rule:
+                    assert rule["ports"] and {p["port"] for p in rule["ports"]} <= public, (overlay, role, rule)
+                else:
+                    assert all(
+                        "podSelector" in f
+                        and f["podSelector"]["matchLabels"]["app.kubernetes.io/name"].startswith("dflash-")
+                        or f.get("namespaceSelector", {}).get("matchLabels")
+                        == {"kubernetes.io/metadata.name": "monitoring"}
+                        for f in rule["from"]
+                    ), (overlay, role, rule)
+
+
+def _start_prestop(tmp_path, **env) -> subprocess.Popen:
+    return subprocess.Popen(
+        ["bash", str(PRESTOP_SH)],
+        env={"PATH": "/usr/bin:/bin", **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_prestop_serves_through_the_delay_then_drains_rank_0(tmp_path):
+    """Rank 0 is signalled only after PRESTOP_DELAY_S (the endpoint's removal reaches the proxies meanwhile), and
+    the hook returns only once it has ended."""
+    pid_file = tmp_path / "serve.pid"
+    # rank 0 as a child of a parent that reaps it (mpirun does in a pod): a reaped pid no longer answers kill -0
+    parent = subprocess.Popen(["bash", "-c", f'sleep 300 & echo $! > "{pid_file}"; wait $!'])
+    try:
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        hook = _start_prestop(tmp_path, DFLASH_PID_FILE=str(pid_file), PRESTOP_DELAY_S="2")
+        time.sleep(1)
+        assert parent.poll() is None and hook.poll() is None  # still serving inside the delay
+        assert hook.wait(30) == 0 and parent.wait(5) == 128 + signal.SIGTERM  # rank 0 ended by the SIGTERM
+        assert time.monotonic() - t0 >= 2
+    finally:
+        parent.kill()
+        parent.wait()
+
+
+def test_prestop_on_a_worker_waits_for_its_ranks(tmp_path):
+    """A worker's hook returns only when no Open MPI daemon (orted / prted) runs in the container any more: the
+    kubelet's SIGTERM to sshd, the first process, would take the ranks with it."""
+    proc = tmp_path / "proc"
+    for pid, comm in (("1", "sshd"), ("57", "orted"), ("58", "python3")):
+        (proc / pid).mkdir(parents=True)
+        (proc / pid / "comm").write_text(comm + "\n")
+    hook = _start_prestop(tmp_path, DFLASH_ROLE="worker", DFLASH_PROC=str(proc))
+    time.sleep(2.5)
+    assert hook.poll() is None  # orted still there
+    (proc / "57" / "comm").unlink()
+    (proc / "57").rmdir()
+    assert hook.wait(10) == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_workers_sshd_admits_one_user_by_key_with_nothing_forwarded(tmp_path):
+    """serve.sh's worker role starts a real sshd; its effective configuration (`sshd -T`) allows only this user,
+    by public key, with no forwarding, tunnel, terminal or user environment."""
+    sshd = Path("/usr/sbin/sshd")
+    if not sshd.exists():
+        pytest.fail(f"{sshd} missing: run `make sshd-env` (make test does)")
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(secret / "id")], check=True)
+    (secret / "authorized_keys").write_text((secret / "id.pub").read_text())
+    (tmp_path / "engines.toml").write_text("tp = 2\n")
+    sshd_dir = tmp_path / "sshd"
+    env = {
+        "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
+        "DFLASH_ROLE": "worker",
+        "ENGINES_CONFIG": str(tmp_path / "engines.toml"),
+        "DFLASH_RUN_DIR": str(tmp_path / "run"),
+        "DFLASH_SSH_SECRET": str(secret),
+        "DFLASH_SSHD_DIR": str(sshd_dir),
+        "DFLASH_SSH_PORT": str(_free_port()),
+    }
+    worker = subprocess.Popen(["bash", str(SERVE_SH)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while not (sshd_dir / "sshd.pid").exists():  # sshd writes it once it listens on its configuration
+            assert worker.poll() is None, worker.communicate()[0]
+            assert time.monotonic() < deadline, "no sshd after 30 s"
+            time.sleep(0.1)
+        out = subprocess.run(
+            [str(sshd), "-T", "-f", str(sshd_dir / "sshd_config")], capture_output=True, text=True, timeout=30
+        )
+        assert out.returncode == 0, out.stderr
+    finally:
+        worker.terminate()
+        worker.wait(10)
+    conf = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    user = subprocess.run(["id", "-un"], capture_output=True, text=True, check=True).stdout.strip()
+    assert conf["allowusers"] == user
+    # sshd -T prints prohibit-password under its older name, without-password
+    assert conf["permitrootlogin"] == ("without-password" if os.geteuid() == 0 else "no")
+    assert conf["passwordauthentication"] == conf["kbdinteractiveauthentication"] == "no"
+    assert conf["pubkeyauthentication"] == "yes" and conf["strictmodes"] == "yes"
+    assert conf["disableforwarding"] == "yes" and conf["permittty"] == "no" and conf["permituserenvironment"] == "no"
+    for option in ("allowtcpforwarding", "allowstreamlocalforwarding", "allowagentforwarding", "x11forwarding"):
+        assert conf[option] == "no", option
+    assert conf["permittunnel"] == "no"
+
+
+def test_the_roce_component_adds_the_secondary_network_and_the_gid_index(rendered, tmp_path):
+    """components/roce on the multi-node overlay (as an operator's overlay adds it): both pod templates join the
+    RDMA NIC's secondary network (Multus annotation) and the leader, whose NCCL_* reach every rank, sets
+    NCCL_IB_GID_INDEX; the result validates. The overlay alone (InfiniBand) has neither."""
+    rel = os.path.relpath(K8S, tmp_path)  # kustomize takes other kustomizations by relative path only
+    (tmp_path / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/multi-node]\ncomponents: [{rel}/components/roce]\n"
+    )
+    r = subprocess.run([str(tool("kubectl")), "kustomize", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+    assert deploy_tools(["validate", K8S_VERSION], docs) == []
+    for with_roce, render in ((True, docs), (False, rendered["multi-node"])):
+        lwt = one(render, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            networks = lwt[key]["metadata"].get("annotations", {}).get("k8s.v1.cni.cncf.io/networks")
+            assert bool(networks) == with_roce, (with_roce, key)
+        (leader,) = lwt["leaderTemplate"]["spec"]["containers"]
+        assert ("NCCL_IB_GID_INDEX" in _env(leader)) == with_roce
 
 
 # ---- PromQL -----------------------------------------------------------------------------------------------

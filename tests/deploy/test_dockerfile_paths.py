@@ -94,3 +94,38 @@ def test_gpu_stage_ships_what_gpu_smoke_imports():
     gpu = stages(DOCKERFILE.read_text())["gpu"]
     assert copied(gpu, "/app/scripts/gpu_smoke.py")
     assert copied(gpu, "/app/tests/tiny_models.py")  # the tiny random pair for tp > 1
+
+
+def runtime_user(text: str) -> dict[str, str | None]:
+    """stage name -> the user its last USER line sets (None: no USER, the base image's, root for these bases)."""
+    out: dict[str, str | None] = {}
+    current = None
+    for line in text.replace("\\\n", " ").splitlines():
+        word, _, rest = line.strip().partition(" ")
+        if word.upper() == "FROM":
+            m = re.search(r"\bAS\s+(\S+)", rest, re.I)
+            current = m.group(1) if m else f"stage{len(out)}"
+            out[current] = None
+        elif word.upper() == "USER" and current is not None:
+            out[current] = rest.strip()
+    return out
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu"])
+def test_every_stage_runs_as_the_non_root_user_the_manifests_name(name):
+    """The image's user is the uid the single-node and Triton pods run as (runAsUser, runAsNonRoot: the kubelet
+    refuses a root image there), created in that stage with that uid, and it owns /app (engines and results)."""
+    text = DOCKERFILE.read_text()
+    user = runtime_user(text)[name]
+    assert user is not None and user.isdigit() and int(user) != 0, user
+    for overlay in ("single-node", "triton"):
+        manifest = (ROOT / "deploy" / "k8s" / overlay / "deployment.yaml").read_text()
+        assert f"runAsUser: {user}" in manifest and "runAsNonRoot: true" in manifest, overlay
+    stage = text.split(f"AS {name}", 1)[1].split("\nFROM ", 1)[0]
+    assert re.search(rf"useradd --uid {user} ", stage) and re.search(rf"(chown|install -d) .*{user}:?.*\s/app", stage)
+
+
+def test_runtime_user_parser_sees_a_stage_without_user():
+    """Negative control: the Dockerfile without its USER lines leaves both stages to the base image's root."""
+    text = "\n".join(line for line in DOCKERFILE.read_text().splitlines() if not line.startswith("USER "))
+    assert runtime_user(text) == {"cpu": None, "gpu": None}

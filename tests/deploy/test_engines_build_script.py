@@ -99,3 +99,30 @@ def test_an_identity_without_both_checkpoints_is_refused(site, config):
     assert proc.returncode != 0 and builds(site) == 0, out[-2000:]
     assert "target" in out or "not found" in out
     assert not (site / "run-x" / "engines-dir").exists()
+
+
+def test_old_identities_and_dead_builds_are_removed(site):
+    """The shared volume keeps the ENGINES_KEEP most recently used identities (here 2) and nothing older; a
+    temporary folder whose build died (its identity's lock free) goes, one whose build runs (lock held) stays."""
+    import fcntl
+
+    folders = []
+    for batch in (8, 4, 2):  # three configs: three identities, used in this order
+        (site / "engines.toml").write_text(
+            f'target = "{site / "ckpt" / "target"}"\ndrafter = "{site / "ckpt" / "drafter"}"\n'
+            f"max_batch_size = {batch}\n"
+        )
+        finish(start(site, f"run-{batch}"))
+        folders.append(Path((site / f"run-{batch}" / "engines-dir").read_text().strip()))
+    first, second, third = folders
+    assert not first.exists() and second.is_dir() and third.is_dir()
+    assert not (site / "engines" / f".used-{first.name}").exists()
+    dead = site / "engines" / ".tmp-0123456789abcdef-gone"
+    live = site / "engines" / ".tmp-fedcba9876543210-busy"
+    dead.mkdir(), live.mkdir()
+    with open(site / "engines" / ".lock-fedcba9876543210", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a build of that identity in progress
+        out = finish(start(site, "run-2b"))  # the third identity again: nothing built, the pruner runs
+    assert builds(site) == 3 and '"event": "engines_ready"' in out
+    assert not dead.exists() and live.is_dir() and second.is_dir() and third.is_dir()
+    assert not list((site / "engines").glob(".trash-*"))

@@ -358,7 +358,8 @@ def test_request_timeout(decoder):
 
 def test_auth(decoder):
     with running_server(decoder, api_key="s3cret") as (url, _):
-        assert httpx.get(url + "/health").status_code == 200  # liveness stays open
+        assert httpx.get(url + "/health").status_code == 200  # the probes stay open
+        assert httpx.get(url + "/ready").status_code == 200
         body = {"prompt": "import os", "max_tokens": 3}
         for headers in (
             {},
@@ -370,7 +371,7 @@ def test_auth(decoder):
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert httpx.get(url + "/metrics").status_code == 401
         assert httpx.get(url + "/v1/models").status_code == 401
-        for path in ("/openapi.json", "/docs"):  # the contract too: every route but /health
+        for path in ("/openapi.json", "/docs"):  # the contract too: every route but the probes
             assert httpx.get(url + path).status_code == 401, path
             assert httpx.get(url + path, headers={"Authorization": "Bearer s3cret"}).status_code == 200, path
         assert httpx.get(url + "/redoc").status_code in (401, 404)

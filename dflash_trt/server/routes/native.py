@@ -1,7 +1,10 @@
 """Our own API: POST /generate (JSON or one SSE event per verified round), /health, /ready, /metrics.
 
-`open_router` (/health) answers without the API key and while draining; `router` gets the key check from
-create_app.
+`open_router` (/health, /ready) answers without the API key and while draining: Kubernetes' httpGet probes send
+no credentials (a probe's `httpHeaders` would put the key in the pod spec, readable by anyone who can read pods),
+so a probe behind the key gets 401, which counts as a failure, and no pod ever becomes Ready. They reveal
+only liveness, readiness and the served model's name. `router` gets the key check from create_app; /metrics is on
+it, and Prometheus scrapes it with the key (deploy/k8s/base/servicemonitor.yaml: `authorization`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,12 @@ async def health(server: ServerDep) -> dict[str, str] | JSONResponse:
     return {"status": "ok"}
 
 
-@router.get("/ready", response_model=Ready, responses=errors(401, 503), summary="engines loaded and not draining")
+@open_router.get(
+    "/ready",
+    response_model=Ready,
+    responses=errors(503),
+    summary="engines loaded and not draining (answers without the API key: the readiness probe sends none)",
+)
 async def ready(server: ServerDep) -> dict[str, Any] | JSONResponse:
     if not server.started:
         return error_response(503, "engines not loaded", "server_error", code="not_ready")
@@ -49,7 +57,7 @@ async def ready(server: ServerDep) -> dict[str, Any] | JSONResponse:
 
 @router.get(
     "/metrics",
-    summary="Prometheus metrics (answered while draining)",
+    summary="Prometheus metrics (answered while draining; needs the API key when the server has one)",
     response_model=None,  # what FastAPI infers without a return annotation
     response_class=Response,
     responses={

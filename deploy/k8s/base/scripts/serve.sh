@@ -25,7 +25,8 @@ TP=$(python3 -c "import sys, tomllib; print(int(tomllib.load(open(sys.argv[1], '
 read -r -a EXE <<< "${DFLASH_SERVE_EXE:-dflash-trt}"   # the test runs its rank wrapper here
 read -r -a EXTRA <<< "${DFLASH_SERVE_ARGS:-}"
 SERVE=("${EXE[@]}" serve --engines "$ENGINES" --host 0.0.0.0 --port "${PORT:-8000}"
-       --drain-timeout "${DRAIN_TIMEOUT:-120}" --health-stall-seconds "${HEALTH_STALL_S:-300}"
+       --request-timeout "${REQUEST_TIMEOUT:-300}" --drain-timeout "${DRAIN_TIMEOUT:-300}"
+       --health-stall-seconds "${HEALTH_STALL_S:-300}"
        --pid-file "${DFLASH_PID_FILE:-$RUN/serve.pid}" "${EXTRA[@]}")
 # where the image's Open MPI lives (the Dockerfile records it; NVIDIA's images: /opt/hpcx/ompi)
 MPI_PREFIX="${DFLASH_MPI_PREFIX:-$(cat /etc/dflash-mpi-prefix 2>/dev/null || echo /opt/hpcx/ompi)}"
@@ -33,13 +34,21 @@ SSH_PORT="${DFLASH_SSH_PORT:-2222}"
 SSH_SECRET="${DFLASH_SSH_SECRET:-/etc/dflash-ssh}"   # the Secret's mount: id_ed25519, authorized_keys
 SSHD_DIR="${DFLASH_SSHD_DIR:-/run/dflash-sshd}"      # every parent root-owned, not group/world writable
 MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none
-     -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x DFLASH_TRT_API_KEY)
+     -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH)
 for name in $(compgen -e); do   # NCCL's and UCX's settings (IB HCAs, socket interface) reach every rank
   case "$name" in NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac
 done
 read -r -a MPI_EXTRA <<< "${DFLASH_MPI_ARGS:-}"
 
-private_copy() {  # private_copy SRC DEST: a root-owned 0600 copy that ssh and sshd's StrictModes accept
+# The API key reaches rank 0 as a file (DFLASH_TRT_API_KEY_FILE, the mounted Secret; rank 0 reads it, `serve
+# --api-key-file`), never through the environment mpirun hands to every rank. A file that is named but empty or
+# missing stops the pod here, before the engines load, never "no authentication".
+if [ "$ROLE" != worker ] && [ -n "${DFLASH_TRT_API_KEY_FILE:-}" ] && ! grep -q '[^[:space:]]' \
+    "$DFLASH_TRT_API_KEY_FILE" 2>/dev/null; then
+  echo "DFLASH_TRT_API_KEY_FILE=$DFLASH_TRT_API_KEY_FILE is missing or empty: put the key in the Secret" >&2; exit 2
+fi
+
+private_copy() {  # private_copy SRC DEST: a 0600 copy, owned by this pod's user, that ssh and StrictModes accept
   install -d -m 700 "$SSHD_DIR" && install -m 600 "$1" "$2"
 }
 
@@ -77,6 +86,11 @@ case "$ROLE" in
     exec "${MPI[@]}" "${MPI_EXTRA[@]}" -n "$TP" --hostfile "$HOSTFILE" --map-by "ppr:$GPUS:node" \
       --mca plm_rsh_agent ssh --mca plm_rsh_args "$SSH_ARGS" --mca orte_keep_fqdn_hostnames 1 "${SERVE[@]}" ;;
   worker)
+    # Only the user this pod runs as may log in, by key only, with no forwarding, tunnel or terminal (sshd_config(5):
+    # DisableForwarding overrides every forwarding option; they are also named one by one, so that `sshd -T` shows
+    # them off): mpirun needs a command channel and nothing else. Root logs in only where the
+    # pods run as root (the multi-node overlay, for IPC_LOCK), and then by key only.
+    if [ "$(id -u)" -eq 0 ]; then ROOT_LOGIN=prohibit-password; else ROOT_LOGIN=no; fi
     private_copy "$SSH_SECRET/authorized_keys" "$SSHD_DIR/authorized_keys"
     [ -f "$SSHD_DIR/host_ed25519" ] || ssh-keygen -q -t ed25519 -N '' -f "$SSHD_DIR/host_ed25519"
     cat > "$SSHD_DIR/sshd_config" <<EOF
@@ -84,14 +98,24 @@ Port $SSH_PORT
 HostKey $SSHD_DIR/host_ed25519
 AuthorizedKeysFile $SSHD_DIR/authorized_keys
 PidFile $SSHD_DIR/sshd.pid
-PermitRootLogin prohibit-password
+PermitRootLogin $ROOT_LOGIN
+AllowUsers $(id -un)
 PubkeyAuthentication yes
 PasswordAuthentication no
 KbdInteractiveAuthentication no
 StrictModes yes
 UsePAM no
+DisableForwarding yes
+AllowTcpForwarding no
+AllowStreamLocalForwarding no
+AllowAgentForwarding no
+X11Forwarding no
+PermitTunnel no
+PermitTTY no
+PermitUserEnvironment no
 EOF
-    install -d -m 755 /run/sshd   # sshd's privilege separation folder (Debian's openssh-server)
+    # sshd's privilege separation folder (Debian's openssh-server): root's sshd only
+    if [ "$(id -u)" -eq 0 ]; then install -d -m 755 /run/sshd; fi
     exec /usr/sbin/sshd -D -e -f "$SSHD_DIR/sshd_config" ;;
   *)
     echo "DFLASH_ROLE must be single, leader or worker, got $ROLE" >&2; exit 2 ;;

@@ -12,6 +12,12 @@
 #     so no reader ever sees half an engine folder. The converted TensorRT-LLM checkpoint is deleted by the build
 #     itself once the engine exists (dflash_trt/builders/trtllm_target.py, run_plan).
 # flock on a ReadWriteMany volume needs a file system with working locks (NFSv4, Lustre, CephFS); see deploy/README.md.
+#
+# Old identities are removed, or the shared volume fills with one engine set per config, checkpoint and image ever
+# deployed: every start touches ROOT/.used-ID, and then, under ROOT/.lock-prune (one pruner at a time; a start that
+# finds it held skips pruning), every identity but the ENGINES_KEEP (default 2: this one and the one a rollback
+# returns to) most recently used is renamed out of sight (.trash-ID, so that no start ever sees half a folder)
+# and deleted, with the temporary folders of builds that died (a .tmp-ID-HOST whose .lock-ID nobody holds).
 set -euo pipefail
 CONFIG="${ENGINES_CONFIG:-/config/engines.toml}"
 ROOT="${DFLASH_ENGINES_ROOT:-/engines}"
@@ -44,6 +50,30 @@ except m.PackageNotFoundError: print('tensorrt_llm none')"
   else echo "no nvidia-smi"; fi
 }
 
+prune() {  # the identities beyond the ENGINES_KEEP most recently used, and dead builds' temporary folders
+  exec 8>"$ROOT/.lock-prune"
+  flock -n 8 || return 0
+  local keep="${ENGINES_KEEP:-2}" n=0 stamp id tmp
+  # shellcheck disable=SC2012  # names are 16 hex digits: ls -t is safe here
+  for stamp in $(cd "$ROOT" && ls -1t -- .used-* 2>/dev/null); do
+    id="${stamp#.used-}"
+    n=$((n + 1))
+    if [ "$n" -le "$keep" ] || [ "$id" = "$ID" ]; then continue; fi
+    if [ -d "$ROOT/$id" ] && mv -T "$ROOT/$id" "$ROOT/.trash-$id" 2>/dev/null; then
+      echo "{\"event\": \"engines_pruned\", \"identity\": \"$id\"}"
+    fi
+    rm -f "$ROOT/$stamp"
+  done
+  for tmp in "$ROOT"/.tmp-*; do
+    [ -e "$tmp" ] || continue
+    id="${tmp#"$ROOT"/.tmp-}"; id="${id%%-*}"
+    # a build in progress holds its identity's lock: only a dead build's folder is free to take
+    if (exec 7>"$ROOT/.lock-$id" && flock -n 7); then rm -rf "$tmp"; fi
+  done
+  rm -rf "$ROOT"/.trash-*
+  flock -u 8
+}
+
 ID=$(identity | sha256sum | cut -c1-16)
 DIR="$ROOT/$ID"
 mkdir -p "$ROOT" "$RUN"
@@ -62,4 +92,6 @@ if [ ! -d "$DIR" ]; then
   flock -u 9
 fi
 echo "$DIR" > "$RUN/engines-dir"
+touch "$ROOT/.used-$ID"
+prune
 echo "{\"event\": \"engines_ready\", \"identity\": \"$ID\", \"dir\": \"$DIR\"}"

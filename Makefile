@@ -76,7 +76,14 @@ $(DEPLOY_STAMP): deploy/requirements.txt
 # Real MPI for the tensor-parallel life-cycle test (tests/deploy/test_mpi_serve.py: mpirun -n 2 on loopback): Debian's
 # Open MPI (apt-get, as root: CI's machines are) and mpi4py in the venv, built against it.
 MPI_STAMP := $(VENV)/.mpi-installed
-mpi-env: $(MPI_STAMP)
+# A copy of that Open MPI under a prefix on no PATH, as /opt/hpcx/ompi is in NVIDIA's images: the two-namespace
+# launch test runs serve.sh's own mpirun from it, so only mpirun's --prefix lets the worker's ssh session find orted.
+MPI_TEST_PREFIX := /opt/dflash-test-ompi
+
+mpi-env: $(MPI_STAMP) $(MPI_TEST_PREFIX)/bin/orted
+
+$(MPI_TEST_PREFIX)/bin/orted: tests/deploy/relocate_ompi.sh $(MPI_STAMP)
+	bash tests/deploy/relocate_ompi.sh $(MPI_TEST_PREFIX)
 
 $(MPI_STAMP): $(STAMP)
 	command -v mpirun >/dev/null || { apt-get update -q && \
@@ -85,11 +92,13 @@ $(MPI_STAMP): $(STAMP)
 	$(BIN)/python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 	touch $(MPI_STAMP)
 
-# A real sshd for the two-namespace launch test (tests/deploy/test_netns_launch.py): Debian's openssh-server
-# (apt-get, as root); nothing is enabled or started, the test runs its own sshd per namespace.
+# A real sshd and a real DNS resolver for the two-namespace launch test (tests/deploy/test_netns_launch.py):
+# Debian's openssh-server and dnsmasq-base (the binary only, no service; apt-get, as root). Nothing is enabled or
+# started: the test runs its own sshd and dnsmasq per namespace (cluster DNS: names found through search domains).
 sshd-env:
-	test -x /usr/sbin/sshd || { apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server openssh-client; }
+	test -x /usr/sbin/sshd -a -x /usr/sbin/dnsmasq || { apt-get update -q && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server openssh-client \
+		dnsmasq-base; }
 
 test: venv triton-env deploy-env mpi-env sshd-env
 	$(BIN)/python -m ruff check .

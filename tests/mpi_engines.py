@@ -1,30 +1,117 @@
 """What the MPI launch tests share (tests/deploy/test_mpi_serve.py on loopback, test_netns_launch.py across two
-network namespaces): an engines folder whose target is a TensorRT-LLM engine folder that tests/mpi_rank.py's FAKE
-executor loads, and the JSON event lines the ranks print."""
+network namespaces, tests/runtime/test_trtllm_ranks.py): an engines folder whose target is a TensorRT-LLM engine
+folder that tests/mpi_rank.py's FAKE executor loads, the FAKE executor's rule for a rank's GPU, and the JSON event
+lines the ranks print."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from helpers import make_tiny_pair
 
+# FAKE hardware: the file in an engines folder that says how many GPUs each node of the fake cluster has (a rank
+# started by mpirun over ssh gets no test environment, so the fake reads it where every rank reads its engine).
+NODE_GPUS_FILE = "FAKE_NODE_GPUS"
+# trtllm-build's --gpus_per_node default (tensorrt_llm/commands/build.py, NVIDIA/TensorRT-LLM 008b2b8d)
+BUILD_DEFAULT_GPUS_PER_NODE = 8
 
-def fake_trtllm_engines(root: Path) -> Path:
-    """engines/ as `make engines` writes it on a GPU machine: the ONNX drafter built for real, the target as a
-    TensorRT-LLM engine folder (config.json + dflash_target.json) that the fake executor loads."""
+
+def fake_build_mapping(build_command: list[str], tp: int) -> dict[str, int]:
+    """FAKE trtllm-build: the `mapping` it writes into the engine's config.json from the command the project
+    plans. build.py's build_model sets `model_config.mapping.gpus_per_node = build_config.auto_parallel_config.
+    gpus_per_node`, which is the `--gpus_per_node` flag (default 8) whatever the checkpoint recorded
+    (tensorrt_llm/commands/build.py at NVIDIA/TensorRT-LLM 008b2b8d23af95e4e19fa6f354f9c5f6349b2bfc)."""
+    flags = build_command[1:]
+    gpus = BUILD_DEFAULT_GPUS_PER_NODE
+    if "--gpus_per_node" in flags:
+        gpus = int(flags[flags.index("--gpus_per_node") + 1])
+    return {"world_size": tp, "tp_size": tp, "pp_size": 1, "gpus_per_node": gpus}
+
+
+def executor_device(config: dict[str, Any], rank: int, node_gpus: int | None, device_ids: list[int] | None = None):
+    """FAKE of the GPU TensorRT-LLM's Executor gives `rank`, as the sources write it: the world is built from the
+    engine's `pretrained_config.mapping.gpus_per_node` (cpp/tensorrt_llm/executor/executorImpl.cpp, loadModel:
+    WorldConfig::mpi(jsonConfig.getGpusPerNode(), tp, pp, cp, parallelConfig.getDeviceIds())); without device ids
+    they are 0..gpus_per_node-1 (cpp/tensorrt_llm/runtime/worldConfig.cpp, constructor: std::iota), with them at
+    most gpus_per_node unique ids below it; rank r runs on deviceIds[r % deviceIds.size()]
+    (cpp/include/tensorrt_llm/runtime/worldConfig.h, getDevice). `node_gpus` is the FAKE hardware: a device at or
+    beyond it fails as cudaSetDevice does ("invalid device ordinal", TensorRT-LLM issue 1494); None: unchecked."""
+    mapping = config.get("pretrained_config", {}).get("mapping") or {}
+    gpus_per_node = int(mapping.get("gpus_per_node", BUILD_DEFAULT_GPUS_PER_NODE))
+    if device_ids is None:
+        ids = list(range(gpus_per_node))
+    else:
+        if len(device_ids) > gpus_per_node or len(set(device_ids)) != len(device_ids):
+            raise RuntimeError(
+                f"[TensorRT-LLM][ERROR] Assertion failed: device ids {device_ids} (gpusPerNode {gpus_per_node})"
+            )
+        if not all(0 <= d < gpus_per_node for d in device_ids):
+            raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: device ids {device_ids} < {gpus_per_node}")
+        ids = list(device_ids)
+    device = ids[rank % len(ids)]
+    if node_gpus is not None and device >= node_gpus:
+        raise RuntimeError(
+            f"[TensorRT-LLM][ERROR] CUDA runtime error in cudaSetDevice({device}): invalid device ordinal "
+            f"(FAKE: rank {rank}, engine gpus_per_node {gpus_per_node}, this node has {node_gpus} GPUs)"
+        )
+    return device
+
+
+def with_device_rule(executor_module, rank: int, node_gpus: int | None):
+    """The fake executor module with the Executor's device rule (executor_device) applied at construction; the
+    device a rank got is `Executor.device` (what a real rank passes to cudaSetDevice)."""
+    base = executor_module.Executor
+
+    class Executor(base):
+        def __init__(self, engine_dir, model_type, config):
+            engine = json.loads((Path(engine_dir) / "config.json").read_text())
+            parallel = getattr(config, "parallel_config", None)
+            ids = getattr(parallel, "device_ids", None) if parallel is not None else None
+            self.device = executor_device(engine, rank, node_gpus, ids)
+            super().__init__(engine_dir, model_type, config)
+
+    executor_module.Executor = Executor
+    return executor_module
+
+
+def fake_trtllm_engines(root: Path, config_toml: str = "", node_gpus: int | None = None) -> Path:
+    """engines/ as `make engines` writes it on a GPU machine from an engines.toml holding `config_toml` (its
+    `tp` and `gpus_per_node`): the ONNX drafter built for real, the target as a TensorRT-LLM engine folder
+    (config.json + dflash_target.json) that the fake executor loads, its mapping what trtllm-build writes from the
+    project's own build plan (fake_build_mapping). `node_gpus`: the fake cluster's GPUs per node (NODE_GPUS_FILE)."""
     from dflash_trt.builders.engines import build_engines, read_config
+    from dflash_trt.builders.trtllm_target import TargetBuildSpec, plan_target_build
     from dflash_trt.config import load_drafter_config
 
     make_tiny_pair(root, vocab_size=96, seed=3)  # no tokenizer: a request for N tokens runs exactly N
-    (root / "engines.toml").write_text('target = "target"\ndrafter = "drafter"\noutput = "engines"\n')
-    build_engines(read_config(root / "engines.toml", root), log=lambda *_: None)
+    (root / "engines.toml").write_text('target = "target"\ndrafter = "drafter"\noutput = "engines"\n' + config_toml)
+    cfg = read_config(root / "engines.toml", root)
+    build_engines(cfg, log=lambda *_: None)
     out = root / "engines"
     _, spec = load_drafter_config(root / "drafter")
     folder = out / "target_trtllm"
     (folder / "engine").mkdir(parents=True)
+    plan = plan_target_build(
+        TargetBuildSpec(
+            target_dir=root / "target",
+            out_dir=folder,
+            model_type="qwen3",
+            tp=cfg.tp,
+            block_size=spec.block_size,
+            feature_layer_ids=tuple(spec.target_layer_ids),
+            num_layers=4,
+            gpus_per_node=cfg.gpus_per_node or None,  # as engines.py's _build_trtllm passes it
+        )
+    )
     build = {"max_seq_len": 256, "max_num_tokens": 256, "plugin_config": {"tokens_per_block": 4}}
-    config = {"pretrained_config": {"vocab_size": 96, "hidden_size": 64, "dtype": "float32"}, "build_config": build}
+    mapping = fake_build_mapping(plan.commands[1], cfg.tp)
+    pretrained = {"vocab_size": 96, "hidden_size": 64, "dtype": "float32", "mapping": mapping}
+    config = {"pretrained_config": pretrained, "build_config": build}
+    (folder / "build-command.txt").write_text(plan.describe() + "\n")  # what a GPU machine would have run
+    if node_gpus is not None:
+        (out / NODE_GPUS_FILE).write_text(f"{node_gpus}\n")
     (folder / "engine" / "config.json").write_text(json.dumps(config))
     layers = list(spec.target_layer_ids)
     meta = {

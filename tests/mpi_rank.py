@@ -4,7 +4,10 @@ TensorRT-LLM and no GPU): tests/deploy/test_mpi_serve.py runs `mpirun -n 2 pytho
 The fake is tests/fake_tensorrt.py's executor (leader-only enqueue, the modelled outputs computed by the real tiny
 Hugging Face target), plus what a tensor-parallel world adds, over real MPI (mpi4py on Open MPI):
 
-- every rank builds its executor; only rank 0 (the leader, executorImpl.cpp canEnqueueRequests) can enqueue;
+- every rank builds its executor on the GPU the Executor's rule gives it (tests/mpi_engines.py executor_device:
+  deviceIds[rank % gpus_per_node] from the engine's mapping), on a fake node with as many GPUs as the engines
+  folder's FAKE_NODE_GPUS says: a device beyond them fails the rank as cudaSetDevice does;
+- only rank 0 (the leader, executorImpl.cpp canEnqueueRequests) can enqueue;
 - each executor iteration the leader runs is one step the other ranks take part in: the leader sends it to every
   rank and each rank answers, as the tensor-parallel collectives tie every rank to every iteration;
 - a non-leader's `shutdown()` (what `serve_worker()` calls) returns when the leader shuts its executor down
@@ -32,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 from fake_tensorrt import make_trtllm_executor  # noqa: E402
 from mpi4py import MPI  # noqa: E402
+from mpi_engines import NODE_GPUS_FILE, with_device_rule  # noqa: E402
 
 POLL_S = 0.005  # how often a waiting rank looks for the leader's message (Open MPI's blocking recv spins a core)
 ANSWER_TIMEOUT_S = 30.0  # a rank that does not answer an iteration within this is lost
@@ -71,12 +75,18 @@ def install(engines: Path, comm) -> None:
     rank, size = comm.Get_rank(), comm.Get_size()
     meta = json.loads((engines / "target_trtllm" / "dflash_target.json").read_text())
     ex = make_trtllm_executor([], hf_model_fn(meta["target_dir"], list(meta["feature_layer_ids"])), rank=rank)
-    base = ex.Executor
+    node_gpus_file = engines / NODE_GPUS_FILE
+    node_gpus = int(node_gpus_file.read_text()) if node_gpus_file.is_file() else None
+    base = with_device_rule(ex, rank, node_gpus).Executor
 
     class Executor(base):
         """The fake executor of one rank of a tensor-parallel world (see the module docstring)."""
 
         iterations = 0
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            event(event="fake_rank_device", rank=rank, host=socket.gethostname(), device=self.device)
 
         def await_responses(self, ids=None):
             ran = bool(self.pending)
@@ -121,9 +131,24 @@ def install(engines: Path, comm) -> None:
     registry.cuda_available = lambda: True  # the one other fake: CUDA (the registry's check for this backend)
 
 
+def launcher() -> dict[str, str]:
+    """Which Open MPI started this rank: the daemon's executable (mpirun's own ranks: mpirun; a remote node's:
+    the orted its ssh session ran) and the libmpi this process mapped."""
+    with open("/proc/self/maps") as f:
+        libs = {line.split()[-1] for line in f if "libmpi.so" in line}
+    return {"daemon": os.path.realpath(f"/proc/{os.getppid()}/exe"), "libmpi": ",".join(sorted(libs))}
+
+
 def main(argv: list[str]) -> int:
     comm = MPI.COMM_WORLD
-    event(event="fake_rank", rank=comm.Get_rank(), size=comm.Get_size(), pid=os.getpid(), host=socket.gethostname())
+    event(
+        event="fake_rank",
+        rank=comm.Get_rank(),
+        size=comm.Get_size(),
+        pid=os.getpid(),
+        host=socket.gethostname(),
+        **launcher(),
+    )
     install(Path(argv[argv.index("--engines") + 1]), comm)
     from dflash_trt.cli import main as cli_main
 

@@ -2,7 +2,7 @@
 # The same server without Slurm: one MPI world over the hosts in a hostfile (NOT RUN by this project). Every host
 # must see the same engines folder (a shared file system) and the same Python env, and reach the others over
 # ssh without a password. Build the engines once first (hash-checked; a rerun rebuilds nothing):
-#   dflash-trt engines --config engines.toml          # tp = hosts x GPUs per host
+#   dflash-trt engines --config engines.toml          # tp = hosts x GPUs per host, gpus_per_node = GPUs per host
 # hostfile, one line per node, slots = GPUs:
 #   node-a slots=4
 #   node-b slots=4

@@ -65,6 +65,9 @@ class EnginesConfig:
     drafter: Path
     output: Path = Path("engines")
     tp: int = 1
+    # GPUs of one node (pod) the TensorRT-LLM ranks run on, recorded in the engine; 0: tp (one node holds every
+    # rank). Two 4-GPU nodes serving tp 8 need 4: the Executor puts rank r on GPU r % gpus_per_node (trtllm_target)
+    gpus_per_node: int = 0
     block_size: int = 0  # 0: the drafter's trained block size
     precision: str = "fp16"  # GPU engines; the CPU drafter ships both fp32 and fp16 graphs, serves fp32
     max_batch_size: int = 8
@@ -111,6 +114,13 @@ def read_config(path: str | Path | None, base: Path, overrides: dict[str, Any] |
     for key in ("tp", "max_batch_size", "max_input_len", "max_seq_len"):
         if not isinstance(getattr(cfg, key), int) or getattr(cfg, key) < 1:
             raise EnginesConfigError(f"{key} must be a positive integer, got {getattr(cfg, key)!r}")
+    if not isinstance(cfg.gpus_per_node, int) or cfg.gpus_per_node < 0:
+        raise EnginesConfigError(f"gpus_per_node must be 0 (= tp, one node) or positive, got {cfg.gpus_per_node!r}")
+    from .trtllm_target import nodes_split
+
+    why = nodes_split(cfg.tp, cfg.gpus_per_node or cfg.tp)
+    if why:
+        raise EnginesConfigError(why)
     if not isinstance(cfg.block_size, int) or cfg.block_size < 0 or cfg.block_size == 1:
         raise EnginesConfigError(f"block_size must be 0 (trained size) or >= 2, got {cfg.block_size!r}")
     return cfg
@@ -308,6 +318,7 @@ def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
         ctx.spec.target_layer_ids,
         ctx.block_size,
         cfg.tp,
+        cfg.gpus_per_node or cfg.tp,
         cfg.precision,
         cfg.max_batch_size,
         cfg.max_seq_len,
@@ -331,6 +342,7 @@ def _build_trtllm(ctx: BuildContext, folder: Path) -> dict[str, Any]:
             dtype=dtype,
             max_batch_size=cfg.max_batch_size,
             max_seq_len=cfg.max_seq_len,
+            gpus_per_node=cfg.gpus_per_node or None,
         )
     except TargetBuildError as e:
         raise StepSkipped(str(e)) from None
@@ -338,6 +350,7 @@ def _build_trtllm(ctx: BuildContext, folder: Path) -> dict[str, Any]:
     run_plan(plan, ctx.log)
     return {
         "tp": cfg.tp,
+        "gpus_per_node": plan.spec.node_gpus,
         "feature_outputs": plan.feature_outputs,
         "outputs": plan.outputs,
         "shapes": {

@@ -1,8 +1,10 @@
 """HF checkpoint -> TensorRT-LLM checkpoint with tensor parallelism (run as a subprocess; needs tensorrt_llm).
 
 One `rank{r}.safetensors` per rank from `<Cls>.from_hugging_face(model_dir, dtype, mapping=Mapping(
-world_size=tp, rank=r, tp_size=tp))`, `save_checkpoint(out, save_config=(r == 0))`, then the feature
-layers the engine must expose are recorded in config.json for trtllm_features.py to read at build.
+world_size=tp, rank=r, gpus_per_node=g, tp_size=tp))`, `save_checkpoint(out, save_config=(r == 0))`, then the
+feature layers the engine must expose are recorded in config.json for trtllm_features.py to read at build.
+`gpus_per_node` is the GPUs of one node (tensorrt_llm/mapping.py: Mapping's default 8, its node_rank / local_rank
+rule rank // g, rank % g); trtllm-build's --gpus_per_node sets the engine's copy (trtllm_target.py says why).
 Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here).
 """
 
@@ -20,6 +22,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model_cls", required=True, choices=["LLaMAForCausalLM", "QWenForCausalLM"])
     p.add_argument("--dtype", default="float16", choices=["float16", "bfloat16", "float32"])
     p.add_argument("--tp_size", type=int, default=1, help="tensor-parallel ranks (one per GPU)")
+    p.add_argument("--gpus_per_node", type=int, default=None, help="GPUs of one node (default: tp_size, one node)")
     p.add_argument("--feature_layer_ids", required=True, help="comma-separated target layers the drafter reads")
     args = p.parse_args(argv)
     try:
@@ -32,7 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     for rank in range(args.tp_size):
-        mapping = Mapping(world_size=args.tp_size, rank=rank, tp_size=args.tp_size)
+        gpus = args.gpus_per_node or args.tp_size
+        mapping = Mapping(world_size=args.tp_size, rank=rank, gpus_per_node=gpus, tp_size=args.tp_size)
         model = cls.from_hugging_face(args.model_dir, args.dtype, mapping=mapping)
         model.save_checkpoint(str(out), save_config=(rank == 0))
         del model

@@ -23,6 +23,14 @@ Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs/
   * tp > 1 is served under `mpirun -n tp` (`launch_command`): every rank creates the Executor (leader
     mode), only the leader may enqueue requests (`cpp/tensorrt_llm/executor/executorImpl.cpp`,
     canEnqueueRequests), so only it runs the orchestrator and HTTP.
+  * `--gpus_per_node` = the GPUs of one node (one pod): the Executor builds its world from the engine's
+    `pretrained_config.mapping.gpus_per_node` (executorImpl.cpp, loadModel: WorldConfig::mpi(gpusPerNode, ...)),
+    its device ids default to 0..gpus_per_node-1 and rank r runs on deviceIds[r % gpus_per_node]
+    (cpp/include/tensorrt_llm/runtime/worldConfig.h getDevice, worldConfig.cpp). trtllm-build writes the flag
+    into the engine's mapping whatever the checkpoint says (tensorrt_llm/commands/build.py, build_model:
+    `model_config.mapping.gpus_per_node = build_config.auto_parallel_config.gpus_per_node`, default 8), so
+    without it ranks 4-7 of a tp-8 engine on two 4-GPU nodes ask for devices 4-7: "invalid device ordinal"
+    (TensorRT-LLM issues 1494, 3123). The conversion's Mapping gets it too (tensorrt_llm/mapping.py).
 
 NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here): the planning half is
 tested, the subprocesses it plans are not.
@@ -108,6 +116,12 @@ class TargetBuildSpec:
     # Attention head counts (None: unknown, not checked; spec_from_checkpoints always reads them).
     num_attention_heads: int | None = None
     num_kv_heads: int | None = None
+    # GPUs of one node (one pod) the ranks run on; None: tp (every rank on one node). See the module docstring.
+    gpus_per_node: int | None = None
+
+    @property
+    def node_gpus(self) -> int:
+        return self.gpus_per_node if self.gpus_per_node is not None else self.tp
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -190,6 +204,16 @@ def working_tp(num_heads: int, num_kv_heads: int) -> list[int]:
     return [t for t in TP_SIZES if heads_split(num_heads, num_kv_heads, t) is None]
 
 
+def nodes_split(tp: int, gpus_per_node: int) -> str | None:
+    """Why `tp` ranks cannot run on nodes of `gpus_per_node` GPUs each, or None when they can: one node holds
+    them all (tp <= gpus_per_node), or they fill whole nodes (mpirun --map-by ppr:gpus_per_node:node)."""
+    if gpus_per_node < 1:
+        return f"gpus_per_node must be >= 1, got {gpus_per_node}"
+    if tp > gpus_per_node and tp % gpus_per_node:
+        return f"tp {tp} does not fill whole nodes of {gpus_per_node} GPUs (tp must be a multiple of gpus_per_node)"
+    return None
+
+
 def validate(spec: TargetBuildSpec) -> None:
     family_classes(spec.model_type)  # first: a family this path cannot build is refused before its shapes
     if spec.tp not in TP_SIZES:
@@ -202,6 +226,9 @@ def validate(spec: TargetBuildSpec) -> None:
                 f"target has {spec.num_attention_heads} attention heads and {kv} KV heads: {why}, so the "
                 f"tensor-parallel weight split fails; tp values that work: {working_tp(spec.num_attention_heads, kv)}"
             )
+    why = nodes_split(spec.tp, spec.node_gpus)
+    if why:
+        raise TargetBuildError(why)
     if spec.block_size < 2:
         raise TargetBuildError(f"block_size must be >= 2 (a round verifies the block), got {spec.block_size}")
     if not spec.feature_layer_ids:
@@ -231,6 +258,8 @@ def convert_command(spec: TargetBuildSpec, python: str = sys.executable) -> list
         spec.dtype,
         "--tp_size",
         str(spec.tp),
+        "--gpus_per_node",
+        str(spec.node_gpus),
         "--feature_layer_ids",
         ",".join(map(str, spec.feature_layer_ids)),
     ]
@@ -266,6 +295,9 @@ def build_command(spec: TargetBuildSpec) -> list[str]:
         str(spec.num_tokens),
         "--workers",
         "1",  # >1 pickles the --model_cls_file class into workers that cannot import it
+        # the engine's mapping.gpus_per_node, from which the Executor picks each rank's GPU (module docstring)
+        "--gpus_per_node",
+        str(spec.node_gpus),
     ]
 
 
@@ -327,6 +359,7 @@ def target_meta(plan: TargetBuildPlan) -> dict[str, Any]:
         "final_hidden_output": FINAL_HIDDEN_OUTPUT,
         "block_size": plan.spec.block_size,
         "tp": plan.spec.tp,
+        "gpus_per_node": plan.spec.node_gpus,
         "max_context": plan.spec.max_context,
         "engine_dir": "engine",
         "target_dir": str(plan.spec.target_dir.resolve()),  # the lm_head and the tokenizer come from here

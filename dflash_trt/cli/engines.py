@@ -94,6 +94,13 @@ def _register_build_target(sub: argparse._SubParsersAction[argparse.ArgumentPars
     p.add_argument(
         "--tp", type=positive_int, choices=[1, 2, 4, 8], default=1, help="tensor-parallel size = GPUs (default 1)"
     )
+    p.add_argument(
+        "--gpus-per-node",
+        type=positive_int,
+        default=None,
+        help="GPUs of one node the ranks run on, recorded in the engine (default: tp, one node); the TensorRT-LLM "
+        "Executor runs rank r on GPU r %% gpus-per-node, so two 4-GPU nodes serving tp 8 need 4",
+    )
     p.add_argument("--out", type=Path, required=True, help="output folder (checkpoint/ and engine/ inside)")
     p.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's trained block size")
     p.add_argument("--dtype", choices=["float16", "bfloat16"], default="float16", help="engine dtype (default float16)")
@@ -211,6 +218,7 @@ def cmd_build_target(args: argparse.Namespace) -> int:
                 max_batch_size=args.max_batch_size,
                 max_seq_len=args.max_seq_len,
                 max_num_tokens=args.max_num_tokens,
+                gpus_per_node=args.gpus_per_node,
             )
         )
         print(plan.describe())

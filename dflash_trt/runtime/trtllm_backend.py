@@ -97,13 +97,33 @@ def mpi_rank() -> int:
     return 0
 
 
-def rank_device(rank: int) -> torch.device:
-    """The GPU the Executor runs `rank` on: device ids default to 0..gpus_per_node-1 and rank r takes
-    deviceIds[r % gpus_per_node] (cpp/tensorrt_llm/runtime/worldConfig.cpp, WorldConfig::getDevice, 1.2); one
-    node's visible GPUs are its gpus_per_node. CPU when no GPU is visible (the tests' fake executor)."""
+# The GPUs per node of an engine whose mapping names none: tensorrt_llm/mapping.py Mapping(gpus_per_node=8) and
+# cpp/include/tensorrt_llm/runtime/worldConfig.h kDefaultGpusPerNode (8 with multi-device support).
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def engine_gpus_per_node(config: dict[str, Any]) -> int:
+    """The engine's `pretrained_config.mapping.gpus_per_node` (trtllm-build --gpus_per_node writes it), from which
+    the Executor builds its world (executorImpl.cpp, loadModel: WorldConfig::mpi(gpusPerNode, ...))."""
+    mapping = config.get("pretrained_config", {}).get("mapping") or {}
+    return int(mapping.get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
+
+
+def rank_device(rank: int, gpus_per_node: int) -> torch.device:
+    """The GPU the Executor runs `rank` on: its device ids default to 0..gpus_per_node-1 and rank r takes
+    deviceIds[r % gpus_per_node] (worldConfig.cpp constructor, worldConfig.h getDevice; TensorRT-LLM 1.2 line).
+    A device this node does not have is refused here, by name, before the Executor fails on it with "invalid
+    device ordinal" (TensorRT-LLM issues 1494, 3123). CPU when no GPU is visible (the tests' fake executor)."""
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    return torch.device("cuda", rank % torch.cuda.device_count())
+    device, visible = rank % gpus_per_node, torch.cuda.device_count()
+    if device >= visible:
+        raise EngineUnavailable(
+            f"MPI rank {rank} would run on GPU {device} (rank % the engine's gpus_per_node {gpus_per_node}, the "
+            f"TensorRT-LLM Executor's rule) but this node has {visible} GPU(s): rebuild the engine with "
+            f"gpus_per_node = {visible} (engines.toml `gpus_per_node`, build-target --gpus-per-node)"
+        )
+    return torch.device("cuda", device)
 
 
 def executor_kv_fraction(folder: Path, engine_dir: Path, config: dict[str, Any], rank: int) -> float:
@@ -113,7 +133,7 @@ def executor_kv_fraction(folder: Path, engine_dir: Path, config: dict[str, Any],
 
     if rank != 0 or not torch.cuda.is_available():  # leader mode: rank 0 is the leader (executorImpl.cpp)
         return FRACTION_CAP
-    free, _ = torch.cuda.mem_get_info(rank_device(rank))
+    free, _ = torch.cuda.mem_get_info(rank_device(rank, engine_gpus_per_node(config)))
     return kv_cache_fraction(free, rank_engine_bytes(engine_dir, rank), leader_load(folder, config))
 
 
@@ -142,6 +162,9 @@ class TrtllmTargetEngine:
         self.vocab_size = int(pretrained["vocab_size"])
         self.max_context = engine_max_context(config)
         self.rank = mpi_rank()
+        # this rank's GPU by the Executor's rule, checked before the Executor is built (rank_device)
+        self.gpus_per_node = engine_gpus_per_node(config)
+        executor_device = rank_device(self.rank, self.gpus_per_node)
         self.trtllm = trtllm
         names = [*self.feature_outputs, self.final_output]
         # AdditionalModelOutput(name, gather_context): nanobind executor/request.cpp (1.2)
@@ -166,7 +189,7 @@ class TrtllmTargetEngine:
         self.is_leader = bool(self.executor.can_enqueue_requests())
         # The lm_head (verification logits) lives on the leader's GPU, the one its executor rank runs on; a
         # non-leader rank only keeps its executor going (serve_worker) and loads nothing else.
-        self.device = torch.device(device) if device else rank_device(self.rank)
+        self.device = torch.device(device) if device else executor_device
         self.lm_head: torch.Tensor | None = None
         if self.is_leader:
             self.lm_head = load_lm_head(meta["target_dir"])[: self.vocab_size].to(self.device)

@@ -164,7 +164,7 @@ def test_make_engines_skips_the_target_engine_of_a_refused_family(tmp_path, monk
     from dflash_trt.builders import engines
 
     AutoConfig.for_model("qwen3_5").save_pretrained(tmp_path / "t")
-    cfg = SimpleNamespace(target=tmp_path / "t", drafter=tmp_path / "d", tp=1, precision="fp16")
+    cfg = SimpleNamespace(target=tmp_path / "t", drafter=tmp_path / "d", tp=1, gpus_per_node=0, precision="fp16")
     cfg.max_batch_size, cfg.max_seq_len = 8, 4096
     ctx = SimpleNamespace(cfg=cfg, block_size=4, log=lambda *_: None, out=tmp_path / "e", engines={})
     ctx.sources, ctx.spec = {"target": {"sha256": "-"}}, SimpleNamespace(target_layer_ids=(1, 2))

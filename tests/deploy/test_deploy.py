@@ -352,7 +352,7 @@ def test_the_leader_gives_up_on_an_absent_worker(tmp_path):
     secret = tmp_path / "secret"
     secret.mkdir()
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(secret / "id_ed25519")], check=True)
-    (tmp_path / "engines.toml").write_text("tp = 2\n")
+    (tmp_path / "engines.toml").write_text("tp = 2\ngpus_per_node = 1\n")  # 2 pods x 1 GPU
     env = {
         "PATH": "/usr/bin:/bin:/usr/sbin:/sbin",
         "DFLASH_ROLE": "leader",

@@ -46,7 +46,8 @@ def mpirun() -> str:
 
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory) -> Path:
-    return fake_trtllm_engines(tmp_path_factory.mktemp("mpi-serve"))
+    """A tp-2 engine on one fake node of 2 GPUs: each rank on its own GPU by the Executor's rule."""
+    return fake_trtllm_engines(tmp_path_factory.mktemp("mpi-serve"), "tp = 2\n", node_gpus=2)
 
 
 class Job:

@@ -38,13 +38,17 @@ def hf_outputs(model):
     return run
 
 
-def engine_folder(root, target_dir, name="engine", max_seq_len=128, max_num_tokens=128, dtype="float32", **build):
+def engine_folder(
+    root, target_dir, name="engine", max_seq_len=128, max_num_tokens=128, dtype="float32", mapping=None, **build
+):
+    """A TensorRT-LLM engine folder; `mapping`: its pretrained_config.mapping (None: none, the runtime's defaults)."""
     folder = root / name
     (folder / "engine").mkdir(parents=True, exist_ok=True)
+    pretrained = {"vocab_size": 96, "hidden_size": 64, "dtype": dtype, **({"mapping": mapping} if mapping else {})}
     (folder / "engine" / "config.json").write_text(
         json.dumps(
             {
-                "pretrained_config": {"vocab_size": 96, "hidden_size": 64, "dtype": dtype},
+                "pretrained_config": pretrained,
                 "build_config": {
                     "max_seq_len": max_seq_len,
                     "max_num_tokens": max_num_tokens,

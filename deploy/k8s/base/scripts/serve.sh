@@ -21,7 +21,10 @@ CONFIG="${ENGINES_CONFIG:-/config/engines.toml}"
 RUN="${DFLASH_RUN_DIR:-/run/dflash}"
 # the init step (build-engines.sh) writes the folder of this engine identity there
 ENGINES="${DFLASH_ENGINES:-$(cat "$RUN/engines-dir" 2>/dev/null || echo /engines)}"
-TP=$(python3 -c "import sys, tomllib; print(int(tomllib.load(open(sys.argv[1], 'rb')).get('tp', 1)))" "$CONFIG")
+# tp and the GPUs per node the engine records (gpus_per_node; 0 or absent: tp, as dflash_trt/builders/engines.py)
+PARALLEL=$(python3 -c "import sys, tomllib; c = tomllib.load(open(sys.argv[1], 'rb')); tp = int(c.get('tp', 1))
+print(tp, int(c.get('gpus_per_node', 0)) or tp)" "$CONFIG")
+read -r TP NODE_GPUS <<< "$PARALLEL"
 read -r -a EXE <<< "${DFLASH_SERVE_EXE:-dflash-trt}"   # the test runs its rank wrapper here
 read -r -a EXTRA <<< "${DFLASH_SERVE_ARGS:-}"
 SERVE=("${EXE[@]}" serve --engines "$ENGINES" --host 0.0.0.0 --port "${PORT:-8000}"
@@ -63,6 +66,11 @@ case "$ROLE" in
     SIZE="${LWS_GROUP_SIZE:?not in a LeaderWorkerSet}"
     if [ "$((GPUS * SIZE))" -ne "$TP" ]; then
       echo "engines.toml tp=$TP but the group has $SIZE pods x $GPUS GPUs" >&2; exit 2
+    fi
+    # the engine records gpus_per_node and the Executor runs rank r on GPU r % gpus_per_node of its pod
+    if [ "$NODE_GPUS" -ne "$GPUS" ]; then
+      echo "engines.toml gpus_per_node=$NODE_GPUS but each pod has $GPUS GPUs: rank r would ask for GPU r % $NODE_GPUS" >&2
+      exit 2
     fi
     private_copy "$SSH_SECRET/id_ed25519" "$SSHD_DIR/id_ed25519"
     SSH_ARGS="-p $SSH_PORT -i $SSHD_DIR/id_ed25519 -o BatchMode=yes -o StrictHostKeyChecking=no"

@@ -8,6 +8,8 @@
 #   node-b slots=4
 # Then, on node-a (rank 0 runs there: the loop, the drafter and HTTP on :8000):
 #   deploy/slurm/mpirun-hostfile.sh hostfile 8
+# The API key: put it in a file only rank 0's host reads (DFLASH_TRT_API_KEY_FILE=/path, `serve --api-key-file`); it is
+# not handed to the other ranks with -x, which serve no HTTP. The drain waits as long as a request may run.
 # SIGTERM to rank 0's process (not to mpirun, which would end every rank at once) drains and ends all ranks:
 #   kill -TERM "$(cat /tmp/dflash-serve.pid)"
 set -euo pipefail
@@ -18,6 +20,6 @@ MPI_PREFIX="${DFLASH_MPI_PREFIX:-$(cat /etc/dflash-mpi-prefix 2>/dev/null || ech
 # by absolute path with --prefix: the ssh sessions on the other hosts then find orted outside their PATH;
 # keep_fqdn: Open MPI 4.1 cuts hostfile names at the first dot otherwise
 exec "$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --mca orte_keep_fqdn_hostnames 1 -np "$NP" --hostfile "$HOSTFILE" --map-by ppr:"$(awk -F'slots=' 'NR==1{print $2+0}' "$HOSTFILE")":node \
-  --bind-to none -x PATH -x LD_LIBRARY_PATH -x DFLASH_TRT_API_KEY \
+  --bind-to none -x PATH -x LD_LIBRARY_PATH \
   dflash-trt serve --engines "${DFLASH_ENGINES:-engines}" --host 0.0.0.0 --port "${DFLASH_PORT:-8000}" \
-    --drain-timeout "${DFLASH_DRAIN_TIMEOUT:-120}" --pid-file /tmp/dflash-serve.pid "$@"
+    --request-timeout "${DFLASH_REQUEST_TIMEOUT:-300}" --drain-timeout "${DFLASH_DRAIN_TIMEOUT:-300}" --pid-file /tmp/dflash-serve.pid "$@"

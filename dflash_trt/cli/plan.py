@@ -59,11 +59,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent(DESCRIPTION),
     )
-    p.add_argument("--out", type=Path, required=True, help="folder for the five files (created)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the five files (created; required)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="demo", help="named acceptance: demo (default), paper, mixed, a benchmark")
     src.add_argument(
         "--trace", type=Path, default=None, help="measured rounds: generate --json --trace or server stats"
+    )
+    src.add_argument(
+        "--from-metrics",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="acceptance an engine served with: a `dflash-trt plan check --save FILE` scrape",
     )
     p.add_argument(
         "--drafter", type=Path, default=None, help="drafter folder written into the configs (demo: models/drafter)"
@@ -115,6 +122,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
+    from .plan_check import register_check
+
+    register_check(p)
 
 
 def _trained_block(drafter: Path) -> int:
@@ -135,7 +145,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
     from ..settings import DEMO_DRAFTER
 
     drafter = args.drafter
-    if drafter is None and args.trace is None and args.profile == "demo":
+    if drafter is None and args.trace is None and args.from_metrics is None and args.profile == "demo":
         drafter = DEMO_DRAFTER
     trained = _trained_block(drafter) if drafter is not None else None
     if args.block_size is not None and args.block_size > inputs.MAX_POSITIONS + 1:
@@ -148,7 +158,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             f"--block-size {args.block_size}: the drafter {drafter} drafts blocks of {trained}; plan up to that or less"
         )
     block = args.block_size or trained
-    acc = inputs.read_trace(args.trace, block) if args.trace else inputs.named_acceptance(args.profile)
+    if args.trace:
+        acc = inputs.read_trace(args.trace, block)
+    elif args.from_metrics:
+        acc = inputs.metrics_acceptance(args.from_metrics, block)
+    else:
+        acc = inputs.named_acceptance(args.profile)
     target_config = None
     if args.target is not None:
         from ..costgrid import CostGridMismatch, read_target_config
@@ -175,6 +190,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..sim.serving import Workload, length_sampler
     from .options import CliError
 
+    if args.out is None:
+        raise CliError("--out is required (the folder the plan is written to)")
     torch.set_num_threads(1)  # the simulated engines' tensors are tiny; one core is faster and shares the machine
     try:
         acc, cost, drafter, block = _inputs(args)

@@ -272,3 +272,32 @@ def grid_cost(
     on = f" on {ident.get('gpu')} ({ident.get('engine')}, tp {ident.get('tp')})" if isinstance(ident, dict) else ""
     source = f"measured: cost grid {path}{on}, context {chosen}; prefill beyond the grid extrapolated (assumed)"
     return Cost(GridPassCost(target, drafter), source, True)
+
+
+# ---- acceptance from an engine's metrics --------------------------------------------------------------------
+def metrics_acceptance(path: str | Path, block_size: int | None = None) -> Acceptance:
+    """The acceptance a `plan check --save FILE` scrape saw: its per-position rates where the engine gives them
+    (the last one carried past the observed positions), else a constant rate with its tau at the drafts per
+    round the engine ran (the shape assumed, and the source says so)."""
+    from .metrics import MetricsError, Observed
+
+    path = Path(path)
+    try:
+        obs = Observed.from_json(json.loads(path.read_text()))
+    except OSError as e:
+        raise PlanInputError(f"cannot read the scrape {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, MetricsError, AttributeError) as e:
+        raise PlanInputError(f"{path} is not a `dflash-trt plan check --save` file: {e}") from None
+    drafts = round(obs.mean_drafts) if obs.mean_drafts else None
+    block = block_size or (drafts + 1 if drafts else None)
+    if block is None or block < 2:
+        raise PlanInputError(f"{path}: the engine's drafts per round are unknown; give --block-size")
+    what = f"{obs.engine} /metrics at {obs.url} over {obs.seconds:.0f} s, mean batch {obs.mean_batch:.1f}"
+    if obs.position_rates:
+        profile = AcceptanceProfile(path.stem, tuple(obs.position_rates))
+        source = f"measured: per-position acceptance from {what}"
+    else:
+        at = drafts + 1 if drafts else block
+        profile = AcceptanceProfile.from_tau(path.stem, min(max(obs.tau, 1.0), float(at)), at)
+        source = f"measured: tau {obs.tau:.2f} at {drafts} drafts from {what}; per-position shape assumed (constant)"
+    return Acceptance(path.stem, (padded(profile),), block, source, True)

@@ -129,6 +129,12 @@ def plan_json(
                 "block_size": acc.block_size,
                 "measured": acc.measured,
                 "source": acc.source,
+                # per request class, conditional per draft position: what `plan check` compares an engine with
+                "position_rates": [[round(r, 4) for r in p.rates[: plan.block - 1]] for p in acc.profiles],
+                "tau_by_block": {
+                    str(b): round(sum(p.tau(b) for p in acc.profiles) / len(acc.profiles), 4)
+                    for b in range(1, plan.block + 1)
+                },
             },
             "cost": {"measured": cost.measured, "source": cost.source},
             "workload": {"measured": False, "source": "assumed: " + settings["workload"]},

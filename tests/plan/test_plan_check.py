@@ -249,3 +249,69 @@ def test_from_metrics_plans_on_what_the_engine_saw(plan_dir, tmp_path):
     with serving(bodies_for("vllm", [low], k, 8, 2.5)) as (url, _):  # the new plan holds on the same traffic
         args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(out), "--window", "0.05"]
         assert main(args) == check.HOLDS
+
+
+# ---- this project's server under load -----------------------------------------------------------------------
+@contextmanager
+def load(url, concurrency, block=8, max_tokens=48):
+    """`concurrency` clients posting completions back to back (held-out code prompts, a fixed block) until the
+    block ends; yields the list of their answers so far."""
+    import httpx
+
+    from dflash_trt.bench.prompts import held_out_code_prompts
+
+    prompts, stop, answers = held_out_code_prompts(8, prefix_chars=200), threading.Event(), []
+
+    def client(i):
+        with httpx.Client(timeout=120) as http:
+            n = i
+            while not stop.is_set():
+                body = {"prompt": prompts[n % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
+                answers.append(http.post(url + "/v1/completions", json={**body, "block_size": block}).status_code)
+                n += concurrency
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    try:
+        yield answers
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+
+def test_this_projects_server_under_load(tmp_path, capsys):
+    """The real server (demo pair, 4 clients): the check reads its vLLM-named counters and its own batch rows;
+    a plan made --from-metrics from that scrape holds on the next window of the same traffic."""
+    from server_harness import running_server
+
+    from dflash_trt.loading import load_decoder
+    from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    plan, any_plan = tmp_path / "plan", plan_dir_for(tmp_path)
+    with running_server(load_decoder(DEMO_TARGET, DEMO_DRAFTER)) as (url, _), load(url, 4) as answers:
+        while len(answers) < 4:  # every client has had an answer: the batch is full
+            threading.Event().wait(0.2)
+        args = ["plan", "check", "--engine", "dflash-trt", "--url", url, "--window", "6", "--samples", "4"]
+        main([*args, "--plan", str(any_plan), "--save", str(first)])
+        flags = ["--concurrency", "1,4", "--min-requests", "8", "--prompt-len", "fixed:64", "--output-len", "fixed:48"]
+        assert main(["plan", "--out", str(plan), "--from-metrics", str(first), "--no-progress", *flags]) == 0
+        status = main([*args, "--plan", str(plan), "--save", str(second), "--tolerance", "0.25"])
+    out = capsys.readouterr().out
+    assert set(answers) == {200}
+    seen = json.loads(first.read_text())
+    assert seen["engine"] == "dflash-trt" and 0 < max(seen["batch"]) <= 4 and seen["tokens_per_s"] > 0
+    assert 5 < seen["mean_drafts"] <= 7  # block 8: 7 drafts a round, fewer in the rounds an output's end clips
+    assert 1 < seen["tau"] <= 8 and len(seen["position_rates"]) == int(seen["mean_drafts"])
+    assert all(0 <= r <= 1 for r in seen["position_rates"])
+    # two windows of a few seconds on different prompts: tau moves between them, within the tolerance given
+    assert status == check.HOLDS, out
+
+
+def plan_dir_for(tmp_path):
+    """Any plan for the first window's check (its verdict is not what this test reads): a tiny one."""
+    out = tmp_path / "any"
+    assert main(["plan", "--out", str(out), "--no-progress", *SMALL]) == 0
+    return out

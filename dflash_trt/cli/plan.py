@@ -222,7 +222,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         checked = sorted(set(args.concurrency) | {c for c in between if c not in args.concurrency})
         held_out = tune.holdout(result, cost.cost, work, args.check_seed, checked, requests, not args.no_progress)
     try:
-        outputs.write(result, acc, cost, settings, args.out, drafter, held_out)
+        doc = outputs.write(result, acc, cost, settings, args.out, drafter, held_out)
     except ImportError as e:
         raise CliError(f"plan.png needs matplotlib ({e}); pip install matplotlib") from None
     print(f"acceptance: {acc.source}\ncost: {cost.source}\nworkload (assumed): {settings['workload']}")
@@ -230,6 +230,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     worst = min(result.cells, key=lambda c: c.ratio)
     print(
         f"schedule vs tuned table: worst {worst.ratio:.4f} at C={worst.concurrency}; wrote {', '.join(outputs.FILES)} to {args.out}"
+    )
+    print(
+        f"alert thresholds (deploy/k8s/base/prometheusrule.yaml): tau below {doc['alerts']['tau_floor']}, "
+        f"running batch above {doc['alerts']['batch_above']}; check a serving engine with `dflash-trt plan check`"
     )
     if held_out:
         c_min = min(held_out, key=lambda c: held_out[c]["ratio"])

@@ -154,6 +154,19 @@ def plan_json(
             for c in plan.cells
         ],
         "configs": configs,
+        "alerts": alerts(plan, acc),
+    }
+
+
+def alerts(plan: Plan, acc: Acceptance, tolerance: float = 0.1) -> dict[str, Any]:
+    """The two numbers of deploy/k8s/base/prometheusrule.yaml's plan alerts (what `plan check` checks with its
+    default --tolerance): tau below the plan's at the drafts it serves, less the tolerance (the smallest over
+    the drafting concurrencies: the aggregate tau mixes them); a batch above the largest planned concurrency."""
+    taus = [sum(p.tau(c.schedule_block) for p in acc.profiles) / len(acc.profiles) for c in plan.cells]
+    drafting = [t for c, t in zip(plan.cells, taus) if c.schedule_block > 1]
+    return {
+        "tau_floor": round((1 - tolerance) * min(drafting), 2) if drafting else None,
+        "batch_above": plan.cells[-1].concurrency,
     }
 
 

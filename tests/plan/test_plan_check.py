@@ -315,3 +315,22 @@ def plan_dir_for(tmp_path):
     out = tmp_path / "any"
     assert main(["plan", "--out", str(out), "--no-progress", *SMALL]) == 0
     return out
+
+
+def test_the_cluster_rule_reads_what_the_check_reads(plan_dir):
+    """deploy/k8s/base/prometheusrule.yaml's plan alerts: tau from the same vLLM counters as `plan check`, the
+    running batch from the same gauge, and the plan gives the two thresholds (plan.json "alerts")."""
+    import yaml
+
+    from dflash_trt.settings import REPO_ROOT
+
+    doc = yaml.safe_load((REPO_ROOT / "deploy" / "k8s" / "base" / "prometheusrule.yaml").read_text())
+    rules = {r.get("alert") or r["record"]: r["expr"] for g in doc["spec"]["groups"] for r in g["rules"]}
+    tau = rules["dflash:spec_decode_tau:rate10m"]
+    assert metrics.VLLM_COUNTERS["accepted"] in tau and metrics.VLLM_COUNTERS["drafts"] in tau
+    assert "dflash:spec_decode_tau:rate10m <" in rules["DFlashPlanTauBelowPlan"]
+    assert metrics.NAMES["vllm"][1]["running"] in rules["DFlashBatchAbovePlan"]
+    plan = plan_doc(plan_dir)
+    k = plan["cells"][-1]["schedule_block"]
+    assert plan["alerts"]["batch_above"] == 8
+    assert plan["alerts"]["tau_floor"] <= round(0.9 * plan["inputs"]["acceptance"]["tau_by_block"][str(k)], 2)

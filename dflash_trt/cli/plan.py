@@ -241,6 +241,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"held out (seed {args.check_seed}, {len(held_out)} concurrencies): schedule vs best block worst "
             f"{held_out[c_min]['ratio']:.4f} at C={c_min}"
         )
+    for note in outputs.VLLM_NOTES:
+        print(f"vllm-speculative-config.json: {note}")
+    if drafter is None:
+        print("no --drafter: fill in the drafter folder at " + "; ".join(outputs.TO_FILL) + " (plan.json to_fill)")
     if result.limits is None:
         print(f"trtllm-serve.yaml: {outputs.no_schedule_note(result)}", file=sys.stderr)
     return 0

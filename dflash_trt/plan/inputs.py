@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +54,8 @@ class Acceptance:
 class Cost:
     cost: PassCost
     source: str
-    measured: bool
+    measured: bool  # every part measured
+    parts: dict[str, str] = field(default_factory=dict)  # operators / shape / drafter: measured, assumed or modelled
 
 
 def padded(profile: AcceptanceProfile) -> AcceptanceProfile:
@@ -229,10 +230,17 @@ def vidur_cost(gpu: str, model: str | None, tp: int, target_config: dict[str, An
     except (ValueError, KeyError, OSError) as e:
         raise PlanInputError(f"the {gpu} {model} profile cannot price tp {tp}: {e}") from None
     source = (
-        f"measured (Vidur): {GPUS[gpu].name} op profiles of {MODELS[model].name} at tp {tp}{note}; attention and "
+        f"Vidur: {GPUS[gpu].name} op profiles of {MODELS[model].name} at tp {tp}{note}; attention and "
         "the drafter's shape modelled (dflash_trt/sim/cost.py)"
     )
-    return Cost(cost, source, True)
+    parts = {
+        "operators": f"measured: Vidur's {GPUS[gpu].name} op profiles at tp {tp}",
+        "shape": f"assumed: {MODELS[model].name}, the profiled shape nearest the target"
+        if note
+        else f"given: {MODELS[model].name} (--model or the first profiled)",
+        "drafter": "modelled: the DFlash drafter's passes priced from the target's profiled ops (sim/cost.py)",
+    }
+    return Cost(cost, source, False, parts)
 
 
 @dataclass
@@ -271,7 +279,12 @@ def grid_cost(
     ident = raw.get("identity") if isinstance(raw, dict) else None
     on = f" on {ident.get('gpu')} ({ident.get('engine')}, tp {ident.get('tp')})" if isinstance(ident, dict) else ""
     source = f"measured: cost grid {path}{on}, context {chosen}; prefill beyond the grid extrapolated (assumed)"
-    return Cost(GridPassCost(target, drafter), source, True)
+    parts = {
+        "operators": f"measured: cost grid {path}{on}",
+        "shape": "measured: the grid's target shape" + (" (checked against --target)" if target_config else ""),
+        "drafter": "measured: the grid's drafter passes; prefill beyond the grid extrapolated (assumed)",
+    }
+    return Cost(GridPassCost(target, drafter), source, True, parts)
 
 
 # ---- acceptance from an engine's metrics --------------------------------------------------------------------

@@ -96,6 +96,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--cost-grid", type=Path, default=None, help="cost_grid.json from scripts/gpu_bare.py (measured)")
     p.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="a CPU server's measured cost model (make bench-load's results.json, in_process.cost_model), priced "
+        "in that server's step budget (--step-tokens)",
+    )
+    p.add_argument(
+        "--step-tokens", type=positive_int, default=None, help="with --cost-model: the server's --step-tokens"
+    )
+    p.add_argument(
         "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
     )
     p.add_argument(
@@ -172,7 +182,9 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             target_config = read_target_config(args.target)
         except CostGridMismatch as e:
             raise inputs.PlanInputError(str(e)) from None
-    if args.cost_grid is not None:
+    if args.cost_model is not None:
+        cost = inputs.cost_model(args.cost_model, args.step_tokens)
+    elif args.cost_grid is not None:
         cost = inputs.grid_cost(args.cost_grid, args.context, target_config, args.tp)
     else:
         cost = inputs.vidur_cost(args.gpu, args.model, args.tp, target_config)
@@ -203,7 +215,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def requests(c: int) -> int:
         return tune.requests_for(c, args.min_requests, args.requests_per_row)
 
-    budget = sim_step_tokens(cost.cost)
+    budget = getattr(cost.cost, "step_tokens", None) or sim_step_tokens(cost.cost)
     result = tune.plan(cost.cost, work, block, args.concurrency, requests, range(args.seeds), not args.no_progress)
     settings = {
         "concurrency": args.concurrency,

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..settings import REPO_ROOT
 from ..sim.acceptance import AcceptanceProfile
-from ..sim.cost import PassCost, ProfileCost
+from ..sim.cost import LinearPassCost, PassCost, ProfileCost
 
 if TYPE_CHECKING:
     from ..decoding.cost import LinearCost
@@ -241,6 +241,48 @@ def vidur_cost(gpu: str, model: str | None, tp: int, target_config: dict[str, An
         "drafter": "modelled: the DFlash drafter's passes priced from the target's profiled ops (sim/cost.py)",
     }
     return Cost(cost, source, False, parts)
+
+
+@dataclass
+class ServerPassCost:
+    """A CPU server's own linear pass costs (`sim.cost.LinearPassCost`: what its start-up grid fitted), priced
+    within that server's step budget (`step_tokens`, read by tune.run) rather than a GPU's."""
+
+    linear: LinearPassCost
+    step_tokens: int
+
+    def target(self, new: Sequence[int], past: Sequence[int], logits: int) -> float:
+        return self.linear.target(new, past, logits)
+
+    def drafter(self, blocks: Sequence[int], new_context: Sequence[int], past: Sequence[int]) -> float:
+        return self.linear.drafter(blocks, new_context, past)
+
+
+def cost_model(path: str | Path, step_tokens: int | None = None) -> Cost:
+    """A recorded CPU cost model: {"target": {fixed, per_row, per_token[, one_token]}, "drafter": {...}}, or a
+    `make bench-load` results.json holding one under in_process.cost_model (what the server's adaptive policy
+    measures at start-up, `decoding.cost.measure_costs`). Priced within the CPU server's step budget."""
+    from ..decoding.chunking import STEP_TOKENS
+
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+        doc = doc.get("in_process", {}).get("cost_model", doc)
+        linear = LinearPassCost.from_cost_model(doc)
+    except OSError as e:
+        raise PlanInputError(f"cannot read the cost model {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise PlanInputError(
+            f'{path}: not a cost model ({{"target": {{fixed, per_row, per_token}}, "drafter": ...}}): {e!r}'
+        ) from None
+    budget = step_tokens or STEP_TOKENS
+    source = f"measured: the CPU cost model in {path} (linear fits of a start-up grid), steps of {budget} tokens"
+    parts = {
+        "operators": f"measured: whole passes of the pair on the machine that wrote {path.name}",
+        "shape": "measured: the pair itself",
+        "drafter": "measured: its passes in the same grid",
+    }
+    return Cost(ServerPassCost(linear, budget), source, True, parts)
 
 
 @dataclass

@@ -77,7 +77,7 @@ def run(
     not the CPU server's default."""
     target, sim_drafter, clock = sim_engines(cost, work.profiles)
     drafter: Any = sim_drafter  # a DrafterEngine in all but max_context's declared type (as sim_decoder takes it)
-    budget = sim_step_tokens(cost)
+    budget = getattr(cost, "step_tokens", None) or sim_step_tokens(cost)  # a CPU server's own, else the GPU's
     if draft_len is None:
         policy, drafting, block = TimedPolicy(FixedBlocks()), None, 1
     else:

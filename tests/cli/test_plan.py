@@ -366,3 +366,24 @@ def test_inputs_are_labelled_as_what_they_are(tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "no --drafter: fill in the drafter folder at" in printed and '"model"' in printed
+
+
+def test_a_cpu_servers_cost_model_as_input(tmp_path):
+    """A CPU server's start-up cost model (bench-load's in_process.cost_model), priced in its step budget: the
+    input of the issue's check that a plan from a server's metrics predicts that server's tokens/s."""
+    model = {
+        "target": {"fixed": 8e-3, "per_row": 2e-5, "per_token": 1.5e-4, "one_token": 7.3e-3},
+        "drafter": {"fixed": 3e-3, "per_row": 0.0, "per_token": 3e-5, "one_token": None},
+    }
+    (tmp_path / "results.json").write_text(json.dumps({"in_process": {"cost_model": model}}))
+    out = tmp_path / "plan"
+    args = ["plan", "--out", str(out), "--cost-model", str(tmp_path / "results.json"), "--step-tokens", "96"]
+    assert main([*args, "--no-progress", *SMALL]) == 0
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["settings"]["step_tokens"] == 96 and doc["inputs"]["cost"]["measured"] is True
+    alone = doc["cells"][0]["tokens_per_s_by_block"]["1"]
+    # the target alone at C=1 commits one token a pass of fixed + per_row + per_token (or one_token) plus host work
+    assert 0.5 / (7.3e-3 + 1e-3) < alone < 1 / 7.3e-3
+    (tmp_path / "bad.json").write_text(json.dumps({"target": {}}))
+    with pytest.raises(PlanInputError, match="not a cost model"):
+        inputs.cost_model(tmp_path / "bad.json")

@@ -136,7 +136,11 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
     )
     cell = next((c for c in table if c["concurrency"] >= mean), table[-1])
     c = cell["concurrency"]
+    planned_top = max(int(b) for b in cell["tokens_per_s_by_block"])
     block = round(obs.mean_drafts) + 1 if obs.mean_drafts else cell["schedule_block"]
+    if block > planned_top:  # the plan priced no longer draft: compare at its longest
+        rep.advice.append(f"the engine drafts {block - 1} per round, more than the plan's longest {planned_top - 1}")
+        block = planned_top
     if block != cell["schedule_block"]:
         rep.advice.append(
             f"the engine drafts {block - 1} per round at this batch, the plan {cell['schedule_block'] - 1}: "

@@ -334,3 +334,14 @@ def test_the_cluster_rule_reads_what_the_check_reads(plan_dir):
     k = plan["cells"][-1]["schedule_block"]
     assert plan["alerts"]["batch_above"] == 8
     assert plan["alerts"]["tau_floor"] <= round(0.9 * plan["inputs"]["acceptance"]["tau_by_block"][str(k)], 2)
+
+
+def test_an_engine_drafting_longer_than_the_plan_is_compared_at_the_plans_longest(plan_dir):
+    doc = plan_doc(plan_dir)
+    top = max(int(b) for b in doc["cells"][-1]["tokens_per_s_by_block"])
+    planned = doc["inputs"]["acceptance"]["position_rates"]
+    tau = check.mean_tau(planned, top)
+    obs = metrics.Observed("sglang", "u", 10.0, 3.0, tau, top + 3.0, None, [8.0], None)
+    report = check.check(doc, obs)
+    assert report.holds, report.text()  # the same tau at a longer draft is no loss against the plan
+    assert f"more than the plan's longest {top - 1}" in report.text()

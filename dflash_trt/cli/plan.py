@@ -253,6 +253,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             f"held out (seed {args.check_seed}, {len(held_out)} concurrencies): schedule vs best block worst "
             f"{held_out[c_min]['ratio']:.4f} at C={c_min}"
         )
+    if result.limits is not None:  # the YAML's schedule, as docs/gpu.md quotes it
+        print(f"trtllm-serve.yaml: {', '.join(f'{k}: {v}' for k, v in result.limits.items())} (drafts)")
     for note in outputs.VLLM_NOTES:
         print(f"vllm-speculative-config.json: {note}")
     if drafter is None:

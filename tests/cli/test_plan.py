@@ -125,7 +125,11 @@ def test_a_trace_file_as_input(tmp_path, capsys):
     text = (out / "trtllm-serve.yaml").read_text()
     assert "add speculative_model" in text  # no --drafter: the YAML says what to add
     assert set(yaml.safe_load(text)["speculative_config"]) <= DFLASH_DECODING_CONFIG_FIELDS
-    assert "schedule vs tuned table" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "schedule vs tuned table" in printed
+    spec = yaml.safe_load(text)["speculative_config"]
+    key = "draft_len_schedule" if "draft_len_schedule" in spec else "max_draft_len"
+    assert f"trtllm-serve.yaml: max_draft_len: {spec['max_draft_len']}" in printed and f"{key}: " in printed
 
 
 def test_server_statistics_as_input(tmp_path):

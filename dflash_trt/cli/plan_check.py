@@ -71,8 +71,10 @@ def cmd_check(args: argparse.Namespace) -> int:
         report = check.check(doc, obs, args.tolerance)
     except (metrics.MetricsError, check.PlanDocError) as e:
         raise CliError(str(e)) from None
-    if args.save is not None:
-        args.save.write_text(json.dumps(obs.to_json(), indent=1) + "\n")
+    if args.save is not None:  # the window (what --from-metrics reads) and the verdict (for CI or cron)
+        verdict = {"holds": report.holds, "lines": report.lines, "advice": report.advice}
+        verdict["drafts_by_concurrency"] = {str(c): k for c, k in report.schedule.items()}
+        args.save.write_text(json.dumps({**obs.to_json(), "check": verdict}, indent=1) + "\n")
     print(f"{args.engine} at {obs.url}: {obs.source}")
     print(report.text())
     return check.HOLDS if report.holds else check.FAILS

@@ -192,7 +192,8 @@ def test_plan_check_passes_and_fails_where_it_should(plan_dir, engine, scenario,
     assert why in out and calls == ["/metrics"] * len(calls) and len(calls) >= 2
     saved = json.loads((tmp_path / "scrape.json").read_text())
     assert saved["tau"] == pytest.approx(tau, rel=0.01) and saved["mean_drafts"] == pytest.approx(k, rel=0.01)
-    assert max(saved["batch"]) == batch
+    assert max(saved["batch"]) == batch and saved["check"]["holds"] == (status == check.HOLDS)
+    assert set(saved["check"]["drafts_by_concurrency"]) == {"1", "8"}
     if factor != 1.0:
         assert "gain over the target alone" in out and out.count("NOT HELD") >= 2  # tau and the gain
 

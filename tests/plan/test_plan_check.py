@@ -346,3 +346,14 @@ def test_an_engine_drafting_longer_than_the_plan_is_compared_at_the_plans_longes
     report = check.check(doc, obs)
     assert report.holds, report.text()  # the same tau at a longer draft is no loss against the plan
     assert f"more than the plan's longest {top - 1}" in report.text()
+
+
+def test_a_plan_written_before_plan_check_is_refused_clearly(plan_dir, tmp_path, capsys):
+    doc = plan_doc(plan_dir)
+    del doc["inputs"]["acceptance"]["position_rates"]
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    k = doc["cells"][-1]["schedule_block"] - 1
+    with serving(bodies_for("vllm", [[0.5] * k], k, 8, 2.0)) as (url, _):
+        args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(tmp_path), "--window", "0.05"]
+        assert main(args) == 1
+    assert "write the plan again" in capsys.readouterr().err

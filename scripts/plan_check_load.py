@@ -9,7 +9,7 @@
    prompts' mean token count and bench-load's output length, and compares the plan's tokens/s for the server's
    fixed block 8 with aiperf's output tokens/s: out/summary.json, printed.
 
-    .venv/bin/python scripts/plan_check_load.py --concurrency 16 --out results/plan-check
+    .venv/bin/python scripts/plan_check_load.py --concurrency 16 --out results/load/plan-check
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--window", type=float, default=20.0, help="plan check's window, seconds (default 20)")
     ap.add_argument("--min-requests", type=int, default=160, help="aiperf requests (default 160: a long run)")
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "plan-check")
+    ap.add_argument("--out", type=Path, default=REPO / "results" / "load" / "plan-check")
     args = ap.parse_args()
     out, c = args.out, args.concurrency
     out.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..plan import tune
     from ..plan.inputs import Acceptance, Cost
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
@@ -50,7 +51,6 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ..sim.profiles import GPUS, MODELS
     from .options import positive_int
 
     p = sub.add_parser(
@@ -81,33 +81,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="largest block to plan, at most 16, the simulated drafter's (default: the drafter's, capped at 16)",
     )
-    p.add_argument("--gpu", default="a100", help=f"Vidur GPU profile: {', '.join(sorted(GPUS))} (default a100)")
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"Vidur model profile: {', '.join(MODELS)} where --gpu has one (default: the shape nearest "
-        "--target, else the first profiled on --gpu)",
-    )
-    p.add_argument(
-        "--tp", type=positive_int, default=1, help="tensor-parallel size the Vidur profile is priced at (default 1)"
-    )
-    p.add_argument(
-        "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
-    )
-    p.add_argument("--cost-grid", type=Path, default=None, help="cost_grid.json from scripts/gpu_bare.py (measured)")
-    p.add_argument(
-        "--cost-model",
-        type=Path,
-        default=None,
-        help="a CPU server's measured cost model (make bench-load's results.json, in_process.cost_model), priced "
-        "in that server's step budget (--step-tokens)",
-    )
-    p.add_argument(
-        "--step-tokens", type=positive_int, default=None, help="with --cost-model: the server's --step-tokens"
-    )
-    p.add_argument(
-        "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
-    )
+    _cost_flags(p)
     p.add_argument(
         "--concurrency",
         type=_ints,
@@ -135,6 +109,40 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from .plan_check import register_check
 
     register_check(p)
+
+
+def _cost_flags(p: argparse.ArgumentParser) -> None:
+    """The pass-cost inputs: a Vidur profile, a measured GPU grid, or a CPU server's own cost model."""
+    from ..sim.profiles import GPUS, MODELS
+    from .options import positive_int
+
+    p.add_argument("--gpu", default="a100", help=f"Vidur GPU profile: {', '.join(sorted(GPUS))} (default a100)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"Vidur model profile: {', '.join(MODELS)} where --gpu has one (default: the shape nearest "
+        "--target, else the first profiled on --gpu)",
+    )
+    p.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel size the Vidur profile is priced at (default 1)"
+    )
+    p.add_argument(
+        "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
+    )
+    p.add_argument("--cost-grid", type=Path, default=None, help="cost_grid.json from scripts/gpu_bare.py (measured)")
+    p.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="a CPU server's measured cost model (make bench-load's results.json, in_process.cost_model), priced "
+        "in that server's step budget (--step-tokens)",
+    )
+    p.add_argument(
+        "--step-tokens", type=positive_int, default=None, help="with --cost-model: the server's --step-tokens"
+    )
+    p.add_argument(
+        "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
+    )
 
 
 def _trained_block(drafter: Path) -> int:
@@ -192,7 +200,6 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import sys
 
     import torch
 
@@ -224,7 +231,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "block_size": block,
         "workload": (
             f"prompts {args.prompt_len}, outputs {args.output_len}, closed loop, greedy; prompts enter in chunks "
-            f"of at most {budget} tokens a step (vLLM's default for the GPU)"
+            f"of at most {budget} tokens a step ("
+            + ("the CPU server's --step-tokens" if args.cost_model else "vLLM's default for the GPU")
+            + ")"
         ),
         "step_tokens": budget,
     }
@@ -243,6 +252,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"schedule vs tuned table: worst {worst.ratio:.4f} at C={worst.concurrency}; wrote {', '.join(outputs.FILES)} to {args.out}"
     )
+    _print_after(result, doc, args, held_out, drafter)
+    return 0
+
+
+def _print_after(
+    result: tune.Plan, doc: dict[str, Any], args: argparse.Namespace, held_out: Any, drafter: Path | None
+) -> None:
+    """What the plan's files need beside them: alert thresholds, the held-out check, the schedule, the notes."""
+    import sys
+
+    from ..plan import outputs
+
     print(
         f"alert thresholds (deploy/k8s/base/prometheusrule.yaml): tau below {doc['alerts']['tau_floor']}, "
         f"running batch above {doc['alerts']['batch_above']}; check a serving engine with `dflash-trt plan check`"
@@ -261,4 +282,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print("no --drafter: fill in the drafter folder at " + "; ".join(outputs.TO_FILL) + " (plan.json to_fill)")
     if result.limits is None:
         print(f"trtllm-serve.yaml: {outputs.no_schedule_note(result)}", file=sys.stderr)
-    return 0

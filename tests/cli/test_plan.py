@@ -385,6 +385,7 @@ def test_a_cpu_servers_cost_model_as_input(tmp_path):
     assert main([*args, "--no-progress", *SMALL]) == 0
     doc = json.loads((out / "plan.json").read_text())
     assert doc["settings"]["step_tokens"] == 96 and doc["inputs"]["cost"]["measured"] is True
+    assert "at most 96 tokens a step (the CPU server's --step-tokens)" in doc["settings"]["workload"]
     alone = doc["cells"][0]["tokens_per_s_by_block"]["1"]
     # the target alone at C=1 commits one token a pass of fixed + per_row + per_token (or one_token) plus host work
     assert 0.5 / (7.3e-3 + 1e-3) < alone < 1 / 7.3e-3

@@ -14,32 +14,45 @@ from helpers import make_tiny_pair
 # FAKE hardware: the file in an engines folder that says how many GPUs each node of the fake cluster has (a rank
 # started by mpirun over ssh gets no test environment, so the fake reads it where every rank reads its engine).
 NODE_GPUS_FILE = "FAKE_NODE_GPUS"
-# trtllm-build's --gpus_per_node default (tensorrt_llm/commands/build.py, NVIDIA/TensorRT-LLM 008b2b8d)
-BUILD_DEFAULT_GPUS_PER_NODE = 8
+# Mapping's gpus_per_node default (tensorrt_llm/mapping.py, NVIDIA/TensorRT-LLM b35ac1b6: Mapping(world_size=1,
+# rank=0, gpus_per_node=8, ...)), what a checkpoint converted without it records
+MAPPING_DEFAULT_GPUS_PER_NODE = 8
 
 
-def fake_build_mapping(build_command: list[str], tp: int) -> dict[str, int]:
-    """FAKE trtllm-build: the `mapping` it writes into the engine's config.json from the command the project
-    plans. build.py's build_model sets `model_config.mapping.gpus_per_node = build_config.auto_parallel_config.
-    gpus_per_node`, which is the `--gpus_per_node` flag (default 8) whatever the checkpoint recorded
-    (tensorrt_llm/commands/build.py at NVIDIA/TensorRT-LLM 008b2b8d23af95e4e19fa6f354f9c5f6349b2bfc)."""
-    flags = build_command[1:]
-    gpus = BUILD_DEFAULT_GPUS_PER_NODE
-    if "--gpus_per_node" in flags:
-        gpus = int(flags[flags.index("--gpus_per_node") + 1])
+def fake_build_mapping(commands: list[list[str]], tp: int) -> dict[str, int]:
+    """FAKE conversion + trtllm-build: the `mapping` in the engine's config.json from the commands the project
+    plans. The conversion (dflash_trt/builders/trtllm_convert.py) saves Mapping(world_size=tp, gpus_per_node=
+    --gpus_per_node, tp_size=tp).to_dict() in the checkpoint (tensorrt_llm/mapping.py at b35ac1b6); trtllm-build
+    keeps the checkpoint's mapping and has no --gpus_per_node of its own at 1.2 (tensorrt_llm/commands/build.py at
+    65f1d153; removed with auto_parallel, NVIDIA/TensorRT-LLM PR 8329), so it must not be given one."""
+    convert, build = commands
+    if "--gpus_per_node" in build:
+        raise SystemExit("trtllm-build: error: unrecognized arguments: --gpus_per_node (FAKE argparse, exit 2)")
+    gpus = MAPPING_DEFAULT_GPUS_PER_NODE
+    if "--gpus_per_node" in convert:
+        gpus = int(convert[convert.index("--gpus_per_node") + 1])
     return {"world_size": tp, "tp_size": tp, "pp_size": 1, "gpus_per_node": gpus}
 
 
-def executor_device(config: dict[str, Any], rank: int, node_gpus: int | None, device_ids: list[int] | None = None):
-    """FAKE of the GPU TensorRT-LLM's Executor gives `rank`, as the sources write it: the world is built from the
-    engine's `pretrained_config.mapping.gpus_per_node` (cpp/tensorrt_llm/executor/executorImpl.cpp, loadModel:
-    WorldConfig::mpi(jsonConfig.getGpusPerNode(), tp, pp, cp, parallelConfig.getDeviceIds())); without device ids
-    they are 0..gpus_per_node-1 (cpp/tensorrt_llm/runtime/worldConfig.cpp, constructor: std::iota), with them at
-    most gpus_per_node unique ids below it; rank r runs on deviceIds[r % deviceIds.size()]
-    (cpp/include/tensorrt_llm/runtime/worldConfig.h, getDevice). `node_gpus` is the FAKE hardware: a device at or
-    beyond it fails as cudaSetDevice does ("invalid device ordinal", TensorRT-LLM issue 1494); None: unchecked."""
+def executor_device(
+    config: dict[str, Any],
+    rank: int,
+    node_gpus: int | None,
+    device_ids: list[int] | None = None,
+    world_size: int = 1,
+) -> int:
+    """FAKE of the GPU TensorRT-LLM 1.2's Executor gives `rank`, as the sources write it. The world is built from
+    the engine's `pretrained_config.mapping.gpus_per_node` (cpp/tensorrt_llm/executor/executorImpl.cpp at b35ac1b6,
+    Executor::Impl::loadModel: WorldConfig::mpi(jsonConfig.getGpusPerNode(), tp, pp, cp, deviceIds)); WorldConfig::mpi
+    lowers it to the node's GPUs, with a warning, when they are fewer than min(world size, gpus_per_node)
+    (cpp/tensorrt_llm/runtime/worldConfig.cpp, the version with cp and enableAttentionDP). Without device ids they
+    are 0..gpus_per_node-1 (the constructor's std::iota); with them, at most gpus_per_node unique ids below it;
+    rank r runs on deviceIds[r % deviceIds.size()] (cpp/include/tensorrt_llm/runtime/worldConfig.h, getDevice).
+    `node_gpus` is the FAKE hardware (None: unknown, nothing lowered)."""
     mapping = config.get("pretrained_config", {}).get("mapping") or {}
-    gpus_per_node = int(mapping.get("gpus_per_node", BUILD_DEFAULT_GPUS_PER_NODE))
+    gpus_per_node = int(mapping.get("gpus_per_node", MAPPING_DEFAULT_GPUS_PER_NODE))
+    if node_gpus is not None and node_gpus < min(world_size, gpus_per_node):
+        gpus_per_node = node_gpus  # [TensorRT-LLM][WARNING] ... gpusPerNode will be set to <deviceCount>
     if device_ids is None:
         ids = list(range(gpus_per_node))
     else:
@@ -50,16 +63,10 @@ def executor_device(config: dict[str, Any], rank: int, node_gpus: int | None, de
         if not all(0 <= d < gpus_per_node for d in device_ids):
             raise RuntimeError(f"[TensorRT-LLM][ERROR] Assertion failed: device ids {device_ids} < {gpus_per_node}")
         ids = list(device_ids)
-    device = ids[rank % len(ids)]
-    if node_gpus is not None and device >= node_gpus:
-        raise RuntimeError(
-            f"[TensorRT-LLM][ERROR] CUDA runtime error in cudaSetDevice({device}): invalid device ordinal "
-            f"(FAKE: rank {rank}, engine gpus_per_node {gpus_per_node}, this node has {node_gpus} GPUs)"
-        )
-    return device
+    return ids[rank % len(ids)]
 
 
-def with_device_rule(executor_module, rank: int, node_gpus: int | None):
+def with_device_rule(executor_module, rank: int, node_gpus: int | None, world_size: int = 1):
     """The fake executor module with the Executor's device rule (executor_device) applied at construction; the
     device a rank got is `Executor.device` (what a real rank passes to cudaSetDevice)."""
     base = executor_module.Executor
@@ -69,7 +76,7 @@ def with_device_rule(executor_module, rank: int, node_gpus: int | None):
             engine = json.loads((Path(engine_dir) / "config.json").read_text())
             parallel = getattr(config, "parallel_config", None)
             ids = getattr(parallel, "device_ids", None) if parallel is not None else None
-            self.device = executor_device(engine, rank, node_gpus, ids)
+            self.device = executor_device(engine, rank, node_gpus, ids, world_size)
             super().__init__(engine_dir, model_type, config)
 
     executor_module.Executor = Executor
@@ -80,7 +87,7 @@ def fake_trtllm_engines(root: Path, config_toml: str = "", node_gpus: int | None
     """engines/ as `make engines` writes it on a GPU machine from an engines.toml holding `config_toml` (its
     `tp` and `gpus_per_node`): the ONNX drafter built for real, the target as a TensorRT-LLM engine folder
     (config.json + dflash_target.json) that the fake executor loads, its mapping what trtllm-build writes from the
-    project's own build plan (fake_build_mapping). `node_gpus`: the fake cluster's GPUs per node (NODE_GPUS_FILE)."""
+    project's own conversion and build plan (fake_build_mapping). `node_gpus`: the fake cluster's GPUs per node (NODE_GPUS_FILE)."""
     from dflash_trt.builders.engines import build_engines, read_config
     from dflash_trt.builders.trtllm_target import TargetBuildSpec, plan_target_build
     from dflash_trt.config import load_drafter_config
@@ -106,7 +113,7 @@ def fake_trtllm_engines(root: Path, config_toml: str = "", node_gpus: int | None
         )
     )
     build = {"max_seq_len": 256, "max_num_tokens": 256, "plugin_config": {"tokens_per_block": 4}}
-    mapping = fake_build_mapping(plan.commands[1], cfg.tp)
+    mapping = fake_build_mapping(plan.commands, cfg.tp)
     pretrained = {"vocab_size": 96, "hidden_size": 64, "dtype": "float32", "mapping": mapping}
     config = {"pretrained_config": pretrained, "build_config": build}
     (folder / "build-command.txt").write_text(plan.describe() + "\n")  # what a GPU machine would have run

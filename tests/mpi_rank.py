@@ -4,9 +4,11 @@ TensorRT-LLM and no GPU): tests/deploy/test_mpi_serve.py runs `mpirun -n 2 pytho
 The fake is tests/fake_tensorrt.py's executor (leader-only enqueue, the modelled outputs computed by the real tiny
 Hugging Face target), plus what a tensor-parallel world adds, over real MPI (mpi4py on Open MPI):
 
-- every rank builds its executor on the GPU the Executor's rule gives it (tests/mpi_engines.py executor_device:
-  deviceIds[rank % gpus_per_node] from the engine's mapping), on a fake node with as many GPUs as the engines
-  folder's FAKE_NODE_GPUS says: a device beyond them fails the rank as cudaSetDevice does;
+- every rank builds its executor on the GPU TensorRT-LLM 1.2's Executor gives it (tests/mpi_engines.py
+  executor_device: rank % the engine's gpus_per_node, lowered to the node's GPUs where they are fewer than
+  min(world size, gpus_per_node)), on a fake node with as many GPUs as the engines folder's FAKE_NODE_GPUS says;
+  an engine recording fewer GPUs per node than the node's ranks is refused by dflash-trt's own check first
+  (trtllm_backend.check_node_ranks, from Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE);
 - only rank 0 (the leader, executorImpl.cpp canEnqueueRequests) can enqueue;
 - each executor iteration the leader runs is one step the other ranks take part in: the leader sends it to every
   rank and each rank answers, as the tensor-parallel collectives tie every rank to every iteration;
@@ -77,7 +79,7 @@ def install(engines: Path, comm) -> None:
     ex = make_trtllm_executor([], hf_model_fn(meta["target_dir"], list(meta["feature_layer_ids"])), rank=rank)
     node_gpus_file = engines / NODE_GPUS_FILE
     node_gpus = int(node_gpus_file.read_text()) if node_gpus_file.is_file() else None
-    base = with_device_rule(ex, rank, node_gpus).Executor
+    base = with_device_rule(ex, rank, node_gpus, size).Executor
 
     class Executor(base):
         """The fake executor of one rank of a tensor-parallel world (see the module docstring)."""

@@ -4,7 +4,8 @@ One `rank{r}.safetensors` per rank from `<Cls>.from_hugging_face(model_dir, dtyp
 world_size=tp, rank=r, gpus_per_node=g, tp_size=tp))`, `save_checkpoint(out, save_config=(r == 0))`, then the
 feature layers the engine must expose are recorded in config.json for trtllm_features.py to read at build.
 `gpus_per_node` is the GPUs of one node (tensorrt_llm/mapping.py: Mapping's default 8, its node_rank / local_rank
-rule rank // g, rank % g); trtllm-build's --gpus_per_node sets the engine's copy (trtllm_target.py says why).
+rule rank // g, rank % g); to_dict() saves it in config.json and trtllm-build keeps it in the engine
+(trtllm_target.py says why).
 Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here).
 """
 

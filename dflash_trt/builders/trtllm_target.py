@@ -23,14 +23,14 @@ Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs/
   * tp > 1 is served under `mpirun -n tp` (`launch_command`): every rank creates the Executor (leader
     mode), only the leader may enqueue requests (`cpp/tensorrt_llm/executor/executorImpl.cpp`,
     canEnqueueRequests), so only it runs the orchestrator and HTTP.
-  * `--gpus_per_node` = the GPUs of one node (one pod): the Executor builds its world from the engine's
-    `pretrained_config.mapping.gpus_per_node` (executorImpl.cpp, loadModel: WorldConfig::mpi(gpusPerNode, ...)),
-    its device ids default to 0..gpus_per_node-1 and rank r runs on deviceIds[r % gpus_per_node]
-    (cpp/include/tensorrt_llm/runtime/worldConfig.h getDevice, worldConfig.cpp). trtllm-build writes the flag
-    into the engine's mapping whatever the checkpoint says (tensorrt_llm/commands/build.py, build_model:
-    `model_config.mapping.gpus_per_node = build_config.auto_parallel_config.gpus_per_node`, default 8), so
-    without it ranks 4-7 of a tp-8 engine on two 4-GPU nodes ask for devices 4-7: "invalid device ordinal"
-    (TensorRT-LLM issues 1494, 3123). The conversion's Mapping gets it too (tensorrt_llm/mapping.py).
+  * the conversion's `--gpus_per_node` = the GPUs of one node (one pod): its Mapping(gpus_per_node=) is saved in
+    the checkpoint's config.json (tensorrt_llm/mapping.py, to_dict) and trtllm-build keeps the checkpoint's
+    mapping; trtllm-build itself has no --gpus_per_node at 1.2 (tensorrt_llm/commands/build.py at 65f1d153: it
+    went with auto_parallel, NVIDIA/TensorRT-LLM PR 8329), so passing one would stop every build. The Executor
+    builds its world from the engine's `pretrained_config.mapping.gpus_per_node` (executorImpl.cpp, loadModel:
+    WorldConfig::mpi(gpusPerNode, tp, pp, cp, deviceIds)) and runs rank r on GPU r % gpus_per_node
+    (worldConfig.cpp / worldConfig.h getDevice); a recorded value above the node's GPUs is lowered to them with a
+    warning, one below its ranks puts two ranks on one GPU (rank_device in runtime/trtllm_backend.py refuses it).
 
 NOT RUN on real hardware in this project (no TensorRT / TensorRT-LLM / GPU here): the planning half is
 tested, the subprocesses it plans are not.
@@ -295,9 +295,7 @@ def build_command(spec: TargetBuildSpec) -> list[str]:
         str(spec.num_tokens),
         "--workers",
         "1",  # >1 pickles the --model_cls_file class into workers that cannot import it
-        # the engine's mapping.gpus_per_node, from which the Executor picks each rank's GPU (module docstring)
-        "--gpus_per_node",
-        str(spec.node_gpus),
+        # no --gpus_per_node: 1.2's trtllm-build has none; the engine keeps the checkpoint's (module docstring)
     ]
 
 

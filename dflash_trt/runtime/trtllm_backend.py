@@ -37,6 +37,7 @@ against a labelled fake of the Executor that models the behaviours above.
 from __future__ import annotations
 
 import json
+import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,6 +50,8 @@ import torch.utils.dlpack
 from ..formats import CONTEXT_PREFIX, FINAL_HIDDEN_OUTPUT, TARGET_META_FILE, engine_max_context
 from .base import EngineOptions, EngineUnavailable, TargetOutput
 from .rows import PerRowTarget
+
+log = logging.getLogger(__name__)
 
 
 def _executor_module() -> Any:
@@ -87,14 +90,29 @@ def load_lm_head(target_dir: str | Path) -> torch.Tensor:
     raise KeyError(f"neither lm_head.weight nor model.embed_tokens.weight in {target_dir}")
 
 
-def mpi_rank() -> int:
-    """This process's MPI world rank (0 outside mpirun): what the Executor's WorldConfig::mpi reads."""
+def _mpi_env(names: tuple[str, ...]) -> int | None:
     import os
 
-    for name in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
+    for name in names:
         if os.environ.get(name, "").isdigit():
             return int(os.environ[name])
-    return 0
+    return None
+
+
+def mpi_rank() -> int:
+    """This process's MPI world rank (0 outside mpirun): what the Executor's WorldConfig::mpi reads."""
+    return _mpi_env(("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK")) or 0
+
+
+def mpi_world_size() -> int:
+    """The ranks of the MPI world (1 outside mpirun): WorldConfig::mpi's mpiSize."""
+    return _mpi_env(("OMPI_COMM_WORLD_SIZE", "PMI_SIZE")) or 1
+
+
+def mpi_node_ranks() -> int | None:
+    """The ranks mpirun started on this node (Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE, MPICH's MPI_LOCALNRANKS);
+    None outside mpirun or where the launcher does not say."""
+    return _mpi_env(("OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"))
 
 
 # The GPUs per node of an engine whose mapping names none: tensorrt_llm/mapping.py Mapping(gpus_per_node=8) and
@@ -103,37 +121,66 @@ DEFAULT_GPUS_PER_NODE = 8
 
 
 def engine_gpus_per_node(config: dict[str, Any]) -> int:
-    """The engine's `pretrained_config.mapping.gpus_per_node` (trtllm-build --gpus_per_node writes it), from which
-    the Executor builds its world (executorImpl.cpp, loadModel: WorldConfig::mpi(gpusPerNode, ...))."""
+    """The engine's `pretrained_config.mapping.gpus_per_node` (the conversion's Mapping records it; trtllm-build
+    keeps the checkpoint's mapping), from which the Executor builds its world (executorImpl.cpp, loadModel:
+    WorldConfig::mpi(gpusPerNode, ...))."""
     mapping = config.get("pretrained_config", {}).get("mapping") or {}
     return int(mapping.get("gpus_per_node", DEFAULT_GPUS_PER_NODE))
 
 
-def rank_device(rank: int, gpus_per_node: int) -> torch.device:
-    """The GPU the Executor runs `rank` on: its device ids default to 0..gpus_per_node-1 and rank r takes
-    deviceIds[r % gpus_per_node] (worldConfig.cpp constructor, worldConfig.h getDevice; TensorRT-LLM 1.2 line).
-    A device this node does not have is refused here, by name, before the Executor fails on it with "invalid
-    device ordinal" (TensorRT-LLM issues 1494, 3123). CPU when no GPU is visible (the tests' fake executor)."""
+def executor_gpus_per_node(recorded: int, world_size: int, visible: int) -> int:
+    """The GPUs per node the Executor runs with (TensorRT-LLM 1.2, cpp/tensorrt_llm/runtime/worldConfig.cpp,
+    WorldConfig::mpi): the engine's value, lowered to the GPUs this process sees (with a warning) when they are
+    fewer than min(world size, recorded value)."""
+    return visible if visible < min(world_size, recorded) else recorded
+
+
+def check_node_ranks(gpus_per_node: int, node_ranks: int | None, what: str) -> None:
+    """OUR check, not the Executor's (1.2 runs it silently): more ranks on a node than the GPUs per node the ranks
+    are spread over (rank % gpus_per_node) puts two ranks of this node on one GPU."""
+    if node_ranks is not None and node_ranks > gpus_per_node:
+        raise EngineUnavailable(
+            f"{node_ranks} MPI ranks run on this node but {what} is {gpus_per_node}: TensorRT-LLM's Executor would "
+            f"run them on GPUs rank % {gpus_per_node}, two ranks sharing a GPU (refused by dflash-trt); rebuild "
+            f"the engine with gpus_per_node = the node's GPUs (engines.toml `gpus_per_node`, build-target "
+            f"--gpus-per-node)"
+        )
+
+
+def rank_device(rank: int, gpus_per_node: int, world_size: int = 1, node_ranks: int | None = None) -> torch.device:
+    """The GPU the Executor runs `rank` on: rank % the GPUs per node it runs with (executor_gpus_per_node; its
+    device ids default to 0..gpus_per_node-1, worldConfig.cpp constructor, worldConfig.h getDevice).
+    `gpus_per_node` is the engine's recorded value; one below this node's ranks is refused (check_node_ranks),
+    one that differs from the node's GPUs is logged. CPU when no GPU is visible (the tests' fake executor)."""
+    check_node_ranks(gpus_per_node, node_ranks, "the engine's gpus_per_node")
     if not torch.cuda.is_available():
         return torch.device("cpu")
-    device, visible = rank % gpus_per_node, torch.cuda.device_count()
-    if device >= visible:
-        raise EngineUnavailable(
-            f"MPI rank {rank} would run on GPU {device} (rank % the engine's gpus_per_node {gpus_per_node}, the "
-            f"TensorRT-LLM Executor's rule) but this node has {visible} GPU(s): rebuild the engine with "
-            f"gpus_per_node = {visible} (engines.toml `gpus_per_node`, build-target --gpus-per-node)"
+    visible = torch.cuda.device_count()
+    effective = executor_gpus_per_node(gpus_per_node, world_size, visible)
+    if gpus_per_node != visible:
+        log.warning(
+            "the engine records gpus_per_node %d, this node has %d GPU(s): TensorRT-LLM runs with %d (rank %d on "
+            "GPU %d); build the engine with gpus_per_node = the node's GPUs",
+            gpus_per_node,
+            visible,
+            effective,
+            rank,
+            rank % effective,
         )
-    return torch.device("cuda", device)
+    check_node_ranks(effective, node_ranks, "the GPUs per node TensorRT-LLM runs with (this node's GPUs)")
+    return torch.device("cuda", rank % effective)
 
 
-def executor_kv_fraction(folder: Path, engine_dir: Path, config: dict[str, Any], rank: int) -> float:
-    """The executor's free_gpu_memory_fraction on this rank's GPU: the cap where nothing else loads (a non-leader
-    rank, or no GPU: the tests' fake), else what leaves the leader's lm_head and drafter room (trtllm_memory)."""
+def executor_kv_fraction(
+    folder: Path, engine_dir: Path, config: dict[str, Any], rank: int, device: torch.device
+) -> float:
+    """The executor's free_gpu_memory_fraction on this rank's GPU (`device`): the cap where nothing else loads (a
+    non-leader rank, or no GPU: the tests' fake), else what leaves the leader's lm_head and drafter room."""
     from .trtllm_memory import FRACTION_CAP, kv_cache_fraction, leader_load, rank_engine_bytes
 
     if rank != 0 or not torch.cuda.is_available():  # leader mode: rank 0 is the leader (executorImpl.cpp)
         return FRACTION_CAP
-    free, _ = torch.cuda.mem_get_info(rank_device(rank, engine_gpus_per_node(config)))
+    free, _ = torch.cuda.mem_get_info(device)
     return kv_cache_fraction(free, rank_engine_bytes(engine_dir, rank), leader_load(folder, config))
 
 
@@ -164,7 +211,7 @@ class TrtllmTargetEngine:
         self.rank = mpi_rank()
         # this rank's GPU by the Executor's rule, checked before the Executor is built (rank_device)
         self.gpus_per_node = engine_gpus_per_node(config)
-        executor_device = rank_device(self.rank, self.gpus_per_node)
+        executor_device = rank_device(self.rank, self.gpus_per_node, mpi_world_size(), mpi_node_ranks())
         self.trtllm = trtllm
         names = [*self.feature_outputs, self.final_output]
         # AdditionalModelOutput(name, gather_context): nanobind executor/request.cpp (1.2)
@@ -174,7 +221,7 @@ class TrtllmTargetEngine:
             additional_model_outputs=[trtllm.AdditionalModelOutput(self.final_output, gather_context=True)]
         )
         if kv_cache_free_fraction is None:  # what the leader loads next on this GPU decides (trtllm_memory.py)
-            kv_cache_free_fraction = executor_kv_fraction(folder, engine_dir, config, self.rank)
+            kv_cache_free_fraction = executor_kv_fraction(folder, engine_dir, config, self.rank, executor_device)
         self.kv_cache_free_fraction = kv_cache_free_fraction
         # ExecutorConfig / KvCacheConfig: nanobind executor/executorConfig.cpp (1.2)
         executor_config = trtllm.ExecutorConfig(

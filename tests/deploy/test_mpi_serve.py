@@ -200,3 +200,27 @@ def test_a_dead_worker_fails_ready_and_ends_the_job_non_zero(engines, tmp_path):
         assert code != 0, job.text()[-3000:]
     finally:
         job.kill()
+
+
+def test_an_engine_recording_fewer_gpus_per_node_than_the_nodes_ranks_is_refused(tmp_path):
+    """Two ranks on one node, an engine recording gpus_per_node 1: TensorRT-LLM 1.2 would run both on GPU 0
+    (rank % 1; nothing lowered, worldConfig.cpp WorldConfig::mpi). dflash-trt's own check (check_node_ranks, from
+    Open MPI's OMPI_COMM_WORLD_LOCAL_SIZE) refuses it by name on both ranks; the job ends non-zero, no hang."""
+    engines = fake_trtllm_engines(tmp_path / "one-gpu-per-node", "tp = 2\ngpus_per_node = 1\n", node_gpus=2)
+    log = tmp_path / "mpi.log"
+    job = None
+    try:
+        try:
+            job = Job(engines, log)
+        except AssertionError:  # mpirun ended before rank 0 listened
+            pass
+        else:
+            got = httpx.post(job.url + "/generate", json={"input_ids": [1], "max_tokens": 3}, timeout=120)
+            assert not got.is_success
+            assert job.wait(90) != 0
+    finally:
+        if job is not None:
+            job.kill()
+    text = log.read_text(errors="replace")
+    assert text.count("2 MPI ranks run on this node but the engine's gpus_per_node is 1") >= 2, text[-3000:]
+    assert not json_events(text, "fake_rank_device")  # refused before either rank built its executor

@@ -14,9 +14,11 @@ runs in both, with nothing added to the `mpirun` line it builds (no DFLASH_MPI_A
 - the worker role starts a real sshd (Debian's openssh-server) from the keys of a Secret-like folder;
 - the leader role waits for it over ssh, writes the hostfile from the LWS variables and starts `mpirun` for two ranks
   per pod (tp 4, DFLASH_GPUS_PER_POD 2) across the namespaces; the ranks run tests/mpi_rank.py, the `serve` command
-  on the labelled FAKE TensorRT-LLM executor, which gives each rank the GPU the Executor's rule gives it from the
-  engine's gpus_per_node (deviceIds[rank % gpus_per_node]) on fake nodes of 2 GPUs: an engine that records the
-  default 8 sends ranks 2 and 3 to GPUs 2 and 3, which the worker's node does not have (issue 54, point 1).
+  on the labelled FAKE TensorRT-LLM executor, which gives each rank the GPU TensorRT-LLM 1.2's Executor gives it
+  from the engine's gpus_per_node (rank % gpus_per_node, lowered to the node's GPUs where they are fewer than
+  min(world size, gpus_per_node): worldConfig.cpp WorldConfig::mpi) on fake nodes of 2 GPUs: an engine that
+  records 1 would put both ranks of a pod on GPU 0, which dflash-trt's own check refuses on every rank before the
+  executor is built (issue 54, point 1; the loopback case is tests/deploy/test_mpi_serve.py's).
 
 Checked: every rank runs where the hostfile maps it, on its own GPU, started by the relocated Open MPI (the worker's
 ranks by its orted); rank 0 serves HTTP in the leader namespace and answers, the worker's ranks follow every
@@ -343,7 +345,7 @@ def test_leader_and_worker_namespaces_serve_and_drain_together(netns, group):
     leader, worker = (HOST[r].split(".")[0] for r in ("leader", "worker"))
     # two ranks per pod, in the hostfile's order: ranks 2 and 3 really ran in the worker's namespace
     assert {r: e["host"] for r, e in ranks.items()} == {0: leader, 1: leader, 2: worker, 3: worker}
-    # each on its own GPU of its node, by the Executor's rule from the engine's gpus_per_node
+    # each on its own GPU of its node, by the Executor's rule from the engine's gpus_per_node (2, the pod's)
     devices = {e["rank"]: (e["host"], e["device"]) for e in group.events("fake_rank_device")}
     assert devices == {0: (leader, 0), 1: (leader, 1), 2: (worker, 0), 3: (worker, 1)}
     # started by the relocated Open MPI: mpirun's own ranks by mpirun, the worker's by the orted its ssh session ran
@@ -439,7 +441,8 @@ def test_sshd_refuses_the_secret_mount_itself(netns, secret, tmp_path):
 )
 def test_the_leader_refuses_an_engine_whose_gpus_per_node_is_not_the_pods(tmp_path, toml, refused):
     """serve.sh's leader, before any ssh: an engines.toml whose gpus_per_node (absent: tp) is not the pod's GPUs
-    would send ranks to GPUs the pod lacks (the Executor's rank % gpus_per_node); refused by name. No namespace."""
+    is refused by name: the engine is to say what the pod has (smaller: two ranks on one GPU by the Executor's
+    rank % gpus_per_node; larger: TensorRT-LLM 1.2 lowers it with a warning). No namespace."""
     (tmp_path / "engines.toml").write_text(toml)
     env = {
         "PATH": os.environ["PATH"],

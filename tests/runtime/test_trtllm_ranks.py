@@ -1,8 +1,8 @@
 """Tensor-parallel ranks of a TensorRT-LLM target: each rank's device, and what a non-leader rank loads.
 
 Against the FAKE executor (tests/fake_tensorrt.py: leader mode, only rank 0 enqueues; executorImpl.cpp, 1.2) with the
-Executor's device rule (tests/mpi_engines.py executor_device: deviceIds[rank % gpus_per_node] from the engine's
-mapping) and a FAKE lm_head that records where it is moved (no GPU here; torch.cuda is patched to report GPUs)."""
+Executor's device rule (tests/mpi_engines.py executor_device: TensorRT-LLM 1.2's rank % gpus_per_node from the engine's
+mapping, lowered to the node's GPUs) and a FAKE lm_head that records where it is moved (no GPU here; torch.cuda is patched to report GPUs)."""
 
 import json
 import types
@@ -18,7 +18,14 @@ from dflash_trt.builders.engines import EnginesConfigError, read_config
 from dflash_trt.builders.trtllm_target import TargetBuildError, TargetBuildSpec, plan_target_build
 from dflash_trt.runtime import trtllm_backend
 from dflash_trt.runtime.base import EngineUnavailable
-from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine, mpi_rank, rank_device
+from dflash_trt.runtime.trtllm_backend import (
+    TrtllmTargetEngine,
+    executor_gpus_per_node,
+    mpi_node_ranks,
+    mpi_rank,
+    mpi_world_size,
+    rank_device,
+)
 from dflash_trt.runtime.trtllm_memory import FRACTION_CAP, MemoryPlanError
 
 
@@ -70,19 +77,52 @@ def test_rank_r_runs_on_gpu_r_mod_the_engines_gpus_per_node(gpus):
     assert str(rank_device(5, 4)) == "cpu"
 
 
-def test_an_engine_recording_8_gpus_per_node_fails_ranks_4_to_7_on_a_4_gpu_node(gpus):
-    """TensorRT-LLM issues 1494 / 3123: the default gpus_per_node (8) on 4-GPU nodes. The fake executor fails ranks
-    4-7 as cudaSetDevice does; rank_device refuses them first, by name, with the fix."""
+def test_an_engine_recording_8_gpus_per_node_runs_on_4_gpu_nodes_lowered_with_a_warning(gpus, caplog):
+    """TensorRT-LLM 1.2 runs it: WorldConfig::mpi lowers gpusPerNode to the GPUs it sees, with a warning, when they
+    are fewer than min(mpiSize, gpusPerNode) (cpp/tensorrt_llm/runtime/worldConfig.cpp, the version with cp and
+    enableAttentionDP, called by executorImpl.cpp b35ac1b6 loadModel). "Invalid device ordinal" (TensorRT-LLM issues
+    1494, 3123) was the v0.9-era WorldConfig, which had no such check. rank_device mirrors 1.2 and logs."""
     gpus(4)
-    for rank in range(8):
-        if rank < 4:
-            assert executor_device(engine_config(), rank, 4) == rank
-            assert str(rank_device(rank, 8)) == f"cuda:{rank}"
-            continue
-        with pytest.raises(RuntimeError, match="invalid device ordinal"):
-            executor_device(engine_config(), rank, 4)
-        with pytest.raises(EngineUnavailable, match=f"rank {rank} would run on GPU {rank} .* gpus_per_node = 4"):
-            rank_device(rank, 8)
+    assert executor_gpus_per_node(8, 8, 4) == 4
+    assert [executor_device(engine_config(), r, 4, world_size=8) for r in range(8)] == [r % 4 for r in range(8)]
+    with caplog.at_level("WARNING", logger="dflash_trt.runtime.trtllm_backend"):
+        assert [str(rank_device(r, 8, world_size=8, node_ranks=4)) for r in range(8)] == [
+            f"cuda:{r % 4}" for r in range(8)
+        ]
+    assert "records gpus_per_node 8, this node has 4 GPU(s): TensorRT-LLM runs with 4" in caplog.text
+    # not lowered where the world fits the node's GPUs: 2 ranks on a 4-GPU node, an engine recording 8
+    assert executor_gpus_per_node(8, 2, 4) == 8
+    assert [str(rank_device(r, 8, world_size=2, node_ranks=2)) for r in range(2)] == ["cuda:0", "cuda:1"]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dflash_trt.runtime.trtllm_backend"):
+        rank_device(5, 4, world_size=8, node_ranks=4)  # the node's own value: nothing to say
+    assert caplog.text == ""
+
+
+def test_an_engine_recording_fewer_gpus_per_node_than_the_nodes_ranks_is_refused(gpus):
+    """The hazard 1.2 runs silently: gpus_per_node 2 with 4 ranks on one 4-GPU node puts ranks 0-3 on GPUs 0,1,0,1
+    (nothing lowered: 4 GPUs are not fewer than min(4, 2)). dflash-trt's own check refuses it, GPU or not."""
+    gpus(4)
+    assert [executor_device(engine_config(2), r, 4, world_size=4) for r in range(4)] == [0, 1, 0, 1]
+    for rank in range(4):
+        with pytest.raises(EngineUnavailable, match="4 MPI ranks run on this node but the engine's gpus_per_node is 2"):
+            rank_device(rank, 2, world_size=4, node_ranks=4)
+    gpus(0)
+    with pytest.raises(EngineUnavailable, match="two ranks sharing a GPU .refused by dflash-trt"):
+        rank_device(1, 1, world_size=4, node_ranks=2)
+    # a node with fewer GPUs than its ranks: 1.2 lowers to them, and the ranks share them
+    gpus(1)
+    with pytest.raises(EngineUnavailable, match="2 MPI ranks run on this node but the GPUs per node TensorRT-LLM"):
+        rank_device(1, 2, world_size=2, node_ranks=2)
+
+
+def test_the_mpi_world_from_the_launchers_environment(monkeypatch):
+    for name in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(name, raising=False)
+    assert (mpi_world_size(), mpi_node_ranks()) == (1, None)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "4")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    assert (mpi_world_size(), mpi_node_ranks()) == (4, 2)
 
 
 def test_explicit_device_ids_follow_the_executors_checks():
@@ -98,16 +138,29 @@ def spec(tp: int, gpus_per_node: int | None, tmp_path) -> TargetBuildSpec:
 
 
 @pytest.mark.parametrize(("tp", "gpus_per_node", "recorded"), [(8, 4, 4), (4, 2, 2), (2, None, 2), (8, None, 8)])
-def test_gpus_per_node_reaches_the_conversion_and_the_build(tmp_path, tp, gpus_per_node, recorded):
+def test_gpus_per_node_reaches_the_engine_through_the_conversion(tmp_path, tp, gpus_per_node, recorded):
     plan = plan_target_build(spec(tp, gpus_per_node, tmp_path))
-    convert, build = plan.commands
+    convert, _ = plan.commands
     assert convert[convert.index("--gpus_per_node") + 1] == str(recorded)  # Mapping(..., gpus_per_node=)
-    # trtllm-build writes its --gpus_per_node into the engine's mapping (fake_build_mapping reads build.py's rule)
-    assert fake_build_mapping(build, tp)["gpus_per_node"] == recorded
-    assert [
-        executor_device({"pretrained_config": {"mapping": fake_build_mapping(build, tp)}}, r, recorded)
-        for r in range(tp)
-    ] == [r % recorded for r in range(tp)]
+    # the checkpoint's mapping is the engine's (fake_build_mapping: trtllm-build keeps it)
+    mapping = fake_build_mapping(plan.commands, tp)
+    assert mapping["gpus_per_node"] == recorded
+    engine = {"pretrained_config": {"mapping": mapping}}
+    assert [executor_device(engine, r, recorded, world_size=tp) for r in range(tp)] == [r % recorded for r in range(tp)]
+
+
+def test_trtllm_build_is_given_no_gpus_per_node(tmp_path):
+    """TensorRT-LLM 1.2's trtllm-build has no --gpus_per_node (tensorrt_llm/commands/build.py at 65f1d153; it went
+    with auto_parallel, NVIDIA/TensorRT-LLM PR 8329): argparse would exit 2 on it and no engine would be built."""
+    plan = plan_target_build(spec(8, 4, tmp_path))
+    assert plan.commands[1][0] == "trtllm-build"
+    assert not [flag for flag in plan.commands[1] if flag.startswith("--gpus_per_node")]
+    with pytest.raises(SystemExit, match="unrecognized arguments: --gpus_per_node"):
+        fake_build_mapping([plan.commands[0], [*plan.commands[1], "--gpus_per_node", "4"]], 8)
+    # a checkpoint converted without it records Mapping's default (tensorrt_llm/mapping.py: gpus_per_node=8)
+    convert = [f for f in plan.commands[0]]
+    del convert[convert.index("--gpus_per_node") : convert.index("--gpus_per_node") + 2]
+    assert fake_build_mapping([convert, plan.commands[1]], 8)["gpus_per_node"] == 8
 
 
 def test_ranks_that_do_not_fill_whole_nodes_are_refused(tmp_path):
@@ -147,7 +200,7 @@ def test_only_the_leader_loads_an_lm_head_on_its_ranks_gpu(monkeypatch, tiny, gp
     queried = []  # free memory, asked on the leader only (it sizes the KV cache around what it loads next)
     free = 1 * 2**30 + 96 * 64 * 4 + 2**20  # headroom + the lm_head + 1 MiB: the KV cache gets 1 MiB of it
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: queried.append(str(d)) or (free, 80 * 2**30))
-    install_trtllm(monkeypatch, with_device_rule(make_trtllm_executor([], hf_outputs(model), rank=rank), rank, 2))
+    install_trtllm(monkeypatch, with_device_rule(make_trtllm_executor([], hf_outputs(model), rank=rank), rank, 2, 4))
     folder = engine_folder(root, root / "target", mapping={"world_size": 4, "tp_size": 4, "gpus_per_node": 2})
     if rank == 0:
         with pytest.raises(MemoryPlanError, match="leaving the KV cache less than 5%"):

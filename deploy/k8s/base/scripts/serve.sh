@@ -67,9 +67,12 @@ case "$ROLE" in
     if [ "$((GPUS * SIZE))" -ne "$TP" ]; then
       echo "engines.toml tp=$TP but the group has $SIZE pods x $GPUS GPUs" >&2; exit 2
     fi
-    # the engine records gpus_per_node and the Executor runs rank r on GPU r % gpus_per_node of its pod
+    # the engine records gpus_per_node and the Executor runs rank r on GPU r % gpus_per_node of its pod: a smaller
+    # value puts two ranks on one GPU, a larger one TensorRT-LLM 1.2 lowers to the pod's GPUs with a warning
+    # (worldConfig.cpp, WorldConfig::mpi); the engine is to say what the pod has
     if [ "$NODE_GPUS" -ne "$GPUS" ]; then
-      echo "engines.toml gpus_per_node=$NODE_GPUS but each pod has $GPUS GPUs: rank r would ask for GPU r % $NODE_GPUS" >&2
+      echo "engines.toml gpus_per_node=$NODE_GPUS but each pod has $GPUS GPUs: set gpus_per_node = $GPUS and rebuild" \
+        "(rank r runs on GPU r % gpus_per_node of its pod)" >&2
       exit 2
     fi
     private_copy "$SSH_SECRET/id_ed25519" "$SSHD_DIR/id_ed25519"

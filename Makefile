@@ -197,8 +197,9 @@ gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
 	PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
 
 # Bare GPU host (one GPU, torch + CUDA and transformers preinstalled, no network, no TensorRT, make optional): the
-# PyTorch engines on CUDA, demo pair and a tiny random 8/2-head pair: speculative == target alone, tau and tokens/s
-# at concurrency 1/16/64 (BatchDecoder), and a Llama-3-8B-shaped cost grid; < 5 min, 3 files in $OUT or results/gpu/.
+# PyTorch engines on CUDA, demo pair, a tiny random 8/2-head pair and tiny Qwen3.5 / Gemma 4 / gpt-oss pairs (each
+# apart): speculative == target alone (up to near-ties), tau and tokens/s at concurrency 1/16/64 (BatchDecoder), and a
+# Llama-3-8B-shaped cost grid; each stage gated on the clock, < 5 min, 3 files in $OUT or results/gpu/ after each.
 # `make gpu-bare-pack` writes what the host needs (no wheels: see --list-carry) to .cache/gpu-bare.tar.gz;
 # on the host: tar xzf gpu-bare.tar.gz && python3 scripts/gpu_bare.py (what this target runs).
 GPU_BARE_PYTHON ?= python3

@@ -36,7 +36,8 @@ FROM ${TRITON_TRTLLM_IMAGE} AS gpu
 # (/run/sshd: sshd's privilege separation folder, as kubeflow/mpi-operator's build/base/Dockerfile makes it). The
 # image records where its Open MPI lives (/opt/hpcx/ompi in NVIDIA's images) for `mpirun --prefix`, and the build
 # fails if there is none: the ssh sessions on other nodes find orted only through that prefix.
-RUN apt-get update && apt-get install -y --no-install-recommends openssh-server openssh-client && \
+# make: `make gpu-smoke` / `make engines` in the image (NVIDIA's images ship without it).
+RUN apt-get update && apt-get install -y --no-install-recommends make openssh-server openssh-client && \
     rm -rf /var/lib/apt/lists/* && mkdir -p /run/sshd && \
     dirname "$(dirname "$(readlink -f "$(command -v mpirun)")")" > /etc/dflash-mpi-prefix && \
     test -x "$(cat /etc/dflash-mpi-prefix)/bin/orted" && cat /etc/dflash-mpi-prefix

@@ -203,16 +203,20 @@ serve: venv
 # speedup), then the drafter plan and the TensorRT-LLM target engine with TP ranks (greedy output == the same
 # engines with --no-draft; agreement with the HF target reported), tau and speedup; each part says PASS, FAIL or
 # SKIP with the reason (no GPU / tensorrt / tensorrt_llm). At TP > 1 a target whose heads do not split into TP
-# ranks (the demo target) is replaced by a tiny random 8/2-head pair. Other checkpoints or a CUDA
+# ranks (the demo target) is replaced by a tiny random 8/2-head pair. Where python3 has tensorrt_llm (a TensorRT-LLM
+# container) that Python runs it on this checkout, no venv is built (a venv would hold a CPU torch without
+# tensorrt_llm and need a network), and a part that skips there counts as a failure. Other checkpoints or a CUDA
 # python of your own (one with dflash-trt installed): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
 TP ?= 1
-GPU_SMOKE_PYTHON ?= $(BIN)/python
+HAS_TRTLLM_PYTHON = $(shell python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('tensorrt_llm') is None)" 2>/dev/null && echo python3)
+GPU_SMOKE_PYTHON ?= $(or $(HAS_TRTLLM_PYTHON),$(BIN)/python)
 gpu-smoke: $(if $(filter $(BIN)/python,$(GPU_SMOKE_PYTHON)),venv)
-	$(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
+	PYTHONPATH=.$(if $(PYTHONPATH),:$(PYTHONPATH)) $(GPU_SMOKE_PYTHON) scripts/gpu_smoke.py --tp $(TP) $(GPU_SMOKE_ARGS)
 
 # Bare GPU host (one GPU, torch + CUDA and transformers preinstalled, no network, no TensorRT, make optional): the
-# PyTorch engines on CUDA, demo pair and a tiny random 8/2-head pair: speculative == target alone, tau and tokens/s
-# at concurrency 1/16/64 (BatchDecoder), and a Llama-3-8B-shaped cost grid; < 5 min, 3 files in $OUT or results/gpu/.
+# PyTorch engines on CUDA, demo pair, a tiny random 8/2-head pair and tiny Qwen3.5 / Gemma 4 / gpt-oss pairs (each
+# apart): speculative == target alone (up to near-ties), tau and tokens/s at concurrency 1/16/64 (BatchDecoder), and a
+# Llama-3-8B-shaped cost grid; each stage gated on the clock, < 5 min, 3 files in $OUT or results/gpu/ after each.
 # `make gpu-bare-pack` writes what the host needs (no wheels: see --list-carry) to .cache/gpu-bare.tar.gz;
 # on the host: tar xzf gpu-bare.tar.gz && python3 scripts/gpu_bare.py (what this target runs).
 GPU_BARE_PYTHON ?= python3

@@ -58,6 +58,13 @@ def load_target(path: str | Path, dtype: torch.dtype = torch.float32, device: st
         )
     from transformers.utils import logging as hf_logging
 
+    from .mxfp4 import mxfp4_plan
+
+    plan = mxfp4_plan(path, config, dtype, device)  # what an MXFP4 checkpoint needs, before loading it
+    if plan is not None:
+        import logging
+
+        logging.getLogger(__name__).warning("%s: %s", path, plan)
     # a per-tensor "Loading weights" bar on every CLI call is noise for small local checkpoints
     bar_was_on = hf_logging.is_progress_bar_enabled()
     # (the `type: ignore`s here and below: transformers leaves these functions unannotated)

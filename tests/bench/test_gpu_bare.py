@@ -61,12 +61,13 @@ sys.exit(rc)
 
 def test_dry_run_on_the_cpu_writes_at_most_8_files_and_imports_only_torch_and_transformers(tmp_path):
     """Also: no --out, so it writes under $OUT (a lent host's folder), prints its tables, and times the grid on
-    --grid-target's shape with the identity trtllm-serve-config checks."""
+    --grid-target's shape with the identity trtllm-serve-config checks. 30 minutes on the clock: every stage is
+    gated on it, and a shared CPU runs this dry run slower than a GPU runs the real one."""
     from tiny_models import make_tiny_target
 
     make_tiny_target(tmp_path / "grid-target", vocab_size=96, layers=4, num_attention_heads=4, num_key_value_heads=2)
     out = subprocess.run(
-        [sys.executable, "-c", DRY_RUN, "--device", "cpu", "--quick", "--pairs", "tiny"]
+        [sys.executable, "-c", DRY_RUN, "--device", "cpu", "--quick", "--pairs", "tiny", "--max-minutes", "30"]
         + ["--grid-target", str(tmp_path / "grid-target")],
         capture_output=True,
         text=True,
@@ -160,3 +161,92 @@ def test_demo_prompts_are_what_the_prep_stage_writes(tmp_path):
     drawn = np.load(path)
     assert drawn.dtype == np.uint16 and drawn.shape == (100, 64)
     assert all((row[1:] - row[:-1] == 1).all() for row in drawn)  # windows of the corpus, in order
+
+
+# Stages: gated on the clock, each apart, the files rewritten after each (a killed run keeps what it measured).
+def fake_pair(name, make, device, clock, quick):
+    return {
+        "pair": name,
+        "equal": {"pass": True, "differ": [], "differ_adaptive": [], "near_ties": []},
+        "throughput": [],
+    }
+
+
+def test_the_summary_is_on_disk_after_each_stage_so_a_killed_run_keeps_it(tmp_path, monkeypatch):
+    calls = []
+
+    def killed_at_the_second(name, *args):
+        calls.append(name)
+        if len(calls) == 2:
+            written = json.loads((tmp_path / "summary.json").read_text())
+            assert [p["pair"] for p in written["pairs"]] == ["tiny-8q-2kv"] and written["complete"] is False
+            raise KeyboardInterrupt  # what a 10-minute kill looks like from inside: nothing after this runs
+        return fake_pair(name, *args)
+
+    monkeypatch.setattr(gpu_bare, "pair_stage", killed_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_bare.main(["--device", "cpu", "--out", str(tmp_path), "--pairs", "tiny,gpt_oss"])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["pairs"][0]["pair"] == "tiny-8q-2kv" and summary["complete"] is False
+    assert "partial" in (tmp_path / "README.md").read_text()
+
+
+def test_a_stage_without_the_time_it_needs_is_skipped_and_fails_the_run(tmp_path, monkeypatch):
+    started = []
+    monkeypatch.setattr(gpu_bare, "pair_stage", lambda name, *a: started.append(name) or fake_pair(name, *a))
+    monkeypatch.setattr(gpu_bare, "cost_grid_stage", lambda *a: started.append("grid") or {})
+    clock = iter([0.0, 1.0, 1.0] + [1000.0] * 20)  # perf_counter: start, pair 1 gated and written, then past it
+    monkeypatch.setattr(gpu_bare.time, "perf_counter", lambda: next(clock))
+    rc = gpu_bare.main(["--device", "cpu", "--out", str(tmp_path), "--max-minutes", "2", "--pairs", "tiny,qwen3_5"])
+    assert rc == 1 and started == ["tiny-8q-2kv"]  # neither the second pair nor the grid started
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["pairs"][1] == {"pair": "tiny-qwen3_5", "skipped": summary["pairs"][1]["skipped"]}
+    assert (
+        summary["pairs"][1]["skipped"].startswith("time limit: 0 s left")
+        and "needs 30 s" in summary["pairs"][1]["skipped"]
+    )
+    assert summary["cost_grid_skipped"].startswith("time limit") and summary["complete"] is True
+
+
+def test_one_pair_failing_costs_only_that_pair(tmp_path, monkeypatch):
+    def second_breaks(name, *a):
+        if name == "tiny-gemma4":
+            raise TypeError("activate_past_recording() got an unexpected keyword argument")
+        return fake_pair(name, *a)
+
+    monkeypatch.setattr(gpu_bare, "pair_stage", second_breaks)
+    rc = gpu_bare.main(["--device", "cpu", "--out", str(tmp_path), "--no-grid", "--pairs", "qwen3_5,gemma4,gpt_oss"])
+    pairs = json.loads((tmp_path / "summary.json").read_text())["pairs"]
+    assert rc == 1 and [p["pair"] for p in pairs] == ["tiny-qwen3_5", "tiny-gemma4", "tiny-gpt_oss"]
+    assert "error" in pairs[1] and pairs[0]["equal"]["pass"] and pairs[2]["equal"]["pass"]
+
+
+def test_a_parting_at_a_near_tie_is_reported_and_passes_a_wide_one_fails():
+    from tiny_models import make_tiny_target
+
+    model = make_tiny_target(None, vocab_size=64, layers=2, seed=0)
+    prompt = [5, 9, 13]
+    with torch.no_grad():
+        first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+    alone = [first, 7, 7]
+    wide = gpu_bare.parting(model, prompt, [(first + 1) % 64, 7, 7], alone)
+    assert wide["token"] == 0 and not wide["near_tie"] and wide["margin"] >= 0
+    assert wide["near_tie_below"] == pytest.approx(gpu_bare.NEAR_TIE_SPREAD * wide["near_tie_below"] / 1e-3)
+    runner_up = int(model(torch.tensor([prompt])).logits[0, -1].topk(2).indices[1])
+    with torch.no_grad():  # the runner-up's output row made the winner's: a tie the reduction order decides
+        model.lm_head.weight[runner_up] = model.lm_head.weight[first]
+    tie = gpu_bare.parting(model, prompt, [runner_up, 7, 7], alone)
+    assert tie["near_tie"] and tie["margin"] < tie["near_tie_below"]
+    assert gpu_bare.parting(model, prompt, alone, alone) is None
+
+
+def test_the_family_pairs_run_per_row_on_the_cpu(tmp_path):
+    """Qwen3.5, Gemma 4 and gpt-oss tiny pairs at toy sizes: speculative == the target alone, per row."""
+    rc = gpu_bare.main(
+        ["--device", "cpu", "--quick", "--no-grid", "--max-minutes", "30", "--out", str(tmp_path)]
+        + ["--pairs", ",".join(gpu_bare.FAMILY_PAIRS)]
+    )
+    pairs = json.loads((tmp_path / "summary.json").read_text())["pairs"]
+    assert rc == 0, pairs
+    assert [p["pair"] for p in pairs] == ["tiny-qwen3_5", "tiny-gemma4", "tiny-gpt_oss"]
+    assert all(p["equal"]["pass"] and p["equal"]["differ"] == [] and p["per_row"] for p in pairs)

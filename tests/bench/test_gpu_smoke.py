@@ -4,6 +4,7 @@ its PyTorch part is checked here on the CPU (the same code runs with device cuda
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -129,6 +130,7 @@ def test_tp2_replaces_a_target_whose_heads_do_not_split(tmp_path):
     assert "5 query heads do not divide by tp 2" in report.rows[0][2]
     from dflash_trt.builders.trtllm_target import plan_target_build, spec_from_checkpoints
 
+    assert args.engine_precision == "fp32"  # the random pair's engines are judged exactly
     plan_target_build(spec_from_checkpoints(args.target, args.drafter, tmp_path / "e", tp=2))  # plans cleanly
     kept = argparse.Namespace(target=args.target, drafter=args.drafter, tp=2, out=tmp_path / "engines")
     gpu_smoke.tp_pair(kept, gpu_smoke.Report())
@@ -136,13 +138,58 @@ def test_tp2_replaces_a_target_whose_heads_do_not_split(tmp_path):
 
 
 def test_judge_is_exact_in_float32_and_accepts_only_near_ties_in_half_precision():
-    wide, tie = (lambda i: 2.5), (lambda i: 0.01)
+    wide, tie = (lambda i: (2.5, 3.0)), (lambda i: (0.01, 3.0))  # (top-2 margin, the logits' standard deviation)
     assert gpu_smoke.judge([1, 2, 3], [1, 2, 3], True, wide) == (True, "identical")
     assert gpu_smoke.judge([1, 2, 3], [1, 2, 4], True, tie) == (False, "differs at token 2")  # fp32: no excuse
     ok, note = gpu_smoke.judge([1, 2, 3], [1, 2, 4], False, tie)
-    assert ok and note == f"parts at token 2 at a near-tie (top-2 margin 0.0100 < {gpu_smoke.NEAR_TIE_LOGITS})"
+    assert ok and note == "parts at token 2 at a near-tie (top-2 margin 0.0100 < 0.1500)"
     ok, note = gpu_smoke.judge([1, 9, 3], [1, 2, 4], False, wide)
     assert not ok and "differs at token 1, top-2 margin 2.5000" in note
+
+
+def test_the_near_tie_threshold_scales_with_the_logits_spread():
+    """Beside a tiny random pair's logits (standard deviation ~0.3) a margin of 0.05 is a sixth of the spread:
+    a wrong token, which the former fixed 0.1 let pass as a near-tie."""
+    ok, note = gpu_smoke.judge([1, 9], [1, 2], False, lambda i: (0.05, 0.3))
+    assert not ok and "top-2 margin 0.0500 >= 0.0150: not a near-tie" in note
+    assert gpu_smoke.judge([1, 9], [1, 2], False, lambda i: (0.05, 3.0))[0]  # the same margin beside wide logits
+
+
+def test_in_a_python_with_tensorrt_llm_a_skipped_part_is_a_failure(monkeypatch, capsys):
+    """A TensorRT-LLM container should run every part: a skip there (no GPU, the plan or engine not built) is
+    counted as a failure with its reason, not an exit 0."""
+    env = {"torch": torch.__version__, "cuda": False, "gpus": 0, "gpu_names": [], "tensorrt": "10.13"}
+    monkeypatch.setattr(gpu_smoke, "environment", lambda: {**env, "tensorrt_llm": "1.2.1", "transformers": "4.57.1"})
+    assert gpu_smoke.main(["--tp", "2"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert not any(line.startswith("SKIP ") for line in lines)
+    assert any(
+        line.startswith("FAIL pytorch engines on cuda: skipped where tensorrt_llm is installed") for line in lines
+    )
+    assert lines[-1] == "gpu-smoke: 0 passed, 4 failed, 0 skipped"
+
+
+def test_make_gpu_smoke_uses_a_python_that_has_tensorrt_llm_without_building_a_venv(tmp_path):
+    """In an NGC container the venv recipe would build a CPU torch without tensorrt_llm (and need a network)."""
+    (tmp_path / "tensorrt_llm").mkdir()
+    (tmp_path / "tensorrt_llm" / "__init__.py").write_text("")  # what find_spec sees in a TensorRT-LLM image
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").symlink_to(sys.executable)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    dry = ["make", "-n", "-W", "pyproject.toml", "gpu-smoke", "TP=2"]
+    container = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True, env={**env, "PYTHONPATH": str(tmp_path)})
+    assert container.returncode == 0, container.stderr
+    assert "python3 scripts/gpu_smoke.py --tp 2" in container.stdout and "pip install" not in container.stdout
+    plain = subprocess.run(dry, cwd=ROOT, capture_output=True, text=True, env={**env, "PYTHONPATH": ""})
+    assert ".venv/bin/python scripts/gpu_smoke.py --tp 2" in plain.stdout and "pip install" in plain.stdout
+
+
+def test_the_gpu_image_installs_make():
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    gpu_stage = dockerfile[dockerfile.index(" AS gpu") :]
+    install = next(line for line in gpu_stage.splitlines() if "apt-get install" in line)
+    assert " make" in install.split("--no-install-recommends", 1)[1]
 
 
 @pytest.fixture

@@ -233,3 +233,86 @@ def test_hybrid_target_through_make_engines_and_serve(tmp_path):
         reply = httpx.post(url + "/generate", json={"input_ids": prompt, "max_tokens": 16}, timeout=120).json()
     assert reply["token_ids"] == hf_greedy(model, prompt, 16)
     assert reply["spec"]["rounds"] >= 1
+
+
+# Rollback on the installed transformers (runtime/hybrid.py, "What the installed transformers can do").
+def _before_5_25(monkeypatch) -> None:
+    """The linear-attention layers as transformers 5.16-5.24 write them (read in 5.17.0's cache_utils.py):
+    `activate_past_recording(self)` takes no budget and keeps no per-token recurrent state."""
+    from transformers.cache_utils import LinearAttentionCacheLayerMixin
+
+    def activate_past_recording(self):
+        self.record_past = True
+        self.recurrent_states_history = dict.fromkeys(range(self.number_of_states), [])  # what 5.25's crop reads
+
+    monkeypatch.setattr(LinearAttentionCacheLayerMixin, "activate_past_recording", activate_past_recording)
+
+
+def test_rollback_mode_follows_what_the_installed_transformers_records():
+    hybrid = make_tiny_target(None, family="qwen3_5", vocab_size=VOCAB, layers=4, seed=0)
+    windowed = make_tiny_target(None, family="gpt_oss", vocab_size=VOCAB, layers=4, seed=0)
+    assert HfRowSequence(hybrid, ()).mode == "recorded"  # transformers 5.25 in this venv
+    assert HfRowSequence(windowed, ()).mode == "none"  # no linear-attention layer
+
+
+def test_a_transformers_without_per_token_states_replays_and_stays_the_target(monkeypatch):
+    """Before 5.25 the budget argument is a TypeError at the first row; the replay fallback needs nothing new
+    and leaves every row where the target alone is, whatever prefix a round keeps."""
+    _before_5_25(monkeypatch)
+    for family in ("qwen3_5", "qwen3_5_moe"):
+        model = make_tiny_target(None, family=family, vocab_size=VOCAB, layers=4, seed=0)
+        assert HfRowSequence(model, ()).mode == "replay"
+        test_partial_acceptance_leaves_each_row_where_the_target_alone_is((family, None, None, model))
+
+
+def test_replay_without_running_the_kept_tokens_again_is_caught(monkeypatch):
+    """Negative control: a replay that restores the saved state but does not run the kept tokens again."""
+    _before_5_25(monkeypatch)
+
+    def restore_only(self, length):
+        for i, layer in enumerate(self.cache.layers):
+            if i in self._saved:
+                self.cache.layers[i] = self._saved[i]
+            else:
+                layer.crop(-(self._length - length))
+        self._saved, self._pass_ids = {}, None
+
+    monkeypatch.setattr(HfRowSequence, "_replay", restore_only)
+    model = make_tiny_target(None, family="qwen3_5", vocab_size=VOCAB, layers=4, seed=0)
+    with pytest.raises(AssertionError):
+        test_partial_acceptance_leaves_each_row_where_the_target_alone_is(("qwen3_5", None, None, model))
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma4"])
+def test_sliding_window_features_after_rollbacks_are_one_full_forward(family, monkeypatch):
+    """The features the drafter is given, pass after pass through rollbacks of a 16-token window (rounds keep
+    0 to B-1 drafts, so layers are cut across the window's edge), are those of one forward without a cache
+    over the committed tokens and the block: every row of every pass, 60 tokens past a 17-token prompt."""
+    model = make_tiny_target(None, family=family, vocab_size=VOCAB, layers=4, seed=0, sliding_window=16)
+    layers = (1, 2)
+    passes: list[tuple[int, list[int], torch.Tensor]] = []
+    run = HfRowSequence._run
+
+    def recorded(self, token_ids, last_logits_only, want):
+        start = self.length
+        out = run(self, token_ids, last_logits_only, want)
+        if out.features is not None:
+            passes.append((start, token_ids.view(-1).tolist(), out.features))
+        return out
+
+    monkeypatch.setattr(HfRowSequence, "_run", recorded)
+    prompt = _prompts(3, seed=7)[2]
+    expected = hf_greedy(model, prompt, 60)
+    oracle = NoisyOracleDrafter(expected, len(prompt), VOCAB, 4, 0.6, seed=3, feature_layer_ids=layers)
+    got = generate_one(
+        BatchDecoder(TorchTargetEngine(model, layers), oracle), prompt, GenerationConfig(60, block_size=4)
+    )
+    assert got.token_ids == expected
+    assert len(set(got.stats.acceptance_lengths[:-1])) >= 3
+    committed = prompt + expected
+    with torch.no_grad():
+        for start, block, feats in passes:
+            hidden = model(input_ids=torch.tensor([committed[:start] + block]), output_hidden_states=True).hidden_states
+            want = torch.cat([hidden[i + 1][0, start:] for i in layers], dim=-1)
+            assert torch.allclose(feats, want, atol=1e-4), (family, start, float((feats - want).abs().max()))
+    assert max(start for start, _, _ in passes) > 3 * 16

@@ -388,6 +388,57 @@ PRESTOP_SH = K8S / "base" / "scripts" / "prestop.sh"
 IMAGE_USER = 10001  # the Dockerfile's runtime user (tests/deploy/test_dockerfile_paths.py reads it there)
 
 
+SCRIPTS = {p.name: p for d in (K8S / "base" / "scripts", K8S / "components" / "engines") for p in d.glob("*.sh")}
+
+
+def _default(script: str, var: str) -> str:
+    """The default a script gives `var` (`${VAR:-default}`), read from the script itself."""
+    (value,) = set(re.findall(r"\$\{" + var + r":-([^}]+)\}", SCRIPTS[script].read_text()))
+    return value
+
+
+def _written_paths(script: str, env: dict) -> set[str]:
+    """The folders a script (and the scripts it runs) writes, with the container's environment applied."""
+    run = env.get(
+        "DFLASH_RUN_DIR", _default(script if script != "build-repo.sh" else "build-engines.sh", "DFLASH_RUN_DIR")
+    )
+    if script == "serve.sh":  # the pid file, the leader's hostfile
+        return {run}
+    paths = {run, env.get("DFLASH_ENGINES_ROOT", _default("build-engines.sh", "DFLASH_ENGINES_ROOT"))}
+    if script == "build-repo.sh":  # build-engines.sh, then the model repository at --out
+        assert "bash /engine-scripts/build-engines.sh" in SCRIPTS[script].read_text()
+        paths.add(re.search(r"--out (\S+)", SCRIPTS[script].read_text()).group(1))
+    return paths
+
+
+def _writable_at(spec: dict, container: dict, path: str) -> bool:
+    """A mount at `path` or above it that the container can write: not readOnly, not a ConfigMap or Secret."""
+    for m in container.get("volumeMounts", []):
+        if (path + "/").startswith(m["mountPath"].rstrip("/") + "/"):
+            (v,) = [v for v in spec["volumes"] if v["name"] == m["name"]]
+            claim = v.get("persistentVolumeClaim", {})
+            return not m.get("readOnly") and not claim.get("readOnly") and ("emptyDir" in v or bool(claim))
+    return False
+
+
+def test_a_non_root_container_can_write_every_folder_its_scripts_write(rendered):
+    """uid 10001 cannot create folders in the image's root-owned / or /run: every folder a non-root container's
+    script writes (DFLASH_RUN_DIR, the engines root, Triton's model repository) is a writable mount. Triton's
+    build-repo had none at /run/dflash: `mkdir -p /run/dflash` failed under set -e and no pod started."""
+    checked = set()
+    for overlay, docs in rendered.items():
+        for _, spec, _ in _all_pod_specs(docs):
+            for c in _containers(spec):
+                user = c.get("securityContext", {}).get("runAsUser", spec["securityContext"].get("runAsUser"))
+                script = c["command"][-1].rsplit("/", 1)[-1]
+                if user == 0 or script not in SCRIPTS:
+                    continue
+                for path in _written_paths(script, _env(c)):
+                    assert _writable_at(spec, c, path), (overlay, c["name"], path)
+                checked.add((overlay, script))
+    assert {("triton", "build-repo.sh"), ("single-node", "build-engines.sh"), ("single-node", "serve.sh")} <= checked
+
+
 def _volume(spec: dict, container: dict, path: str) -> tuple[dict, str]:
     """(the volume mounted where `path` lies in `container`, path's rest below the mount)."""
     for m in container.get("volumeMounts", []):

@@ -502,7 +502,7 @@ def test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas(rendered
         (so,) = kinds(docs, "ScaledObject")
         for t in so["spec"]["triggers"]:
             assert t["metadata"]["ignoreNullValues"] == "false", (overlay, t["name"])
-            assert t.get("metricType", "AverageValue") == "AverageValue"  # what KEDA's fallback needs
+            assert t.get("metricType", "AverageValue") == "AverageValue"  # the thresholds are per replica
         fallback = so["spec"]["fallback"]
         assert fallback["behavior"] == "currentReplicasIfHigher" and fallback["failureThreshold"] >= 3, overlay
         assert fallback["replicas"] == so["spec"]["minReplicaCount"]  # max(current, minimum): hold, never raise

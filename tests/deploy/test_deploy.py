@@ -718,10 +718,11 @@ def test_the_workers_sshd_admits_one_user_by_key_with_nothing_forwarded(tmp_path
     assert conf["permittunnel"] == "no"
 
 
-def test_the_roce_component_adds_the_secondary_network_and_the_gid_index(rendered, tmp_path):
+def test_the_roce_component_adds_the_secondary_network_and_leaves_the_gid_to_nccl(rendered, tmp_path):
     """components/roce on the multi-node overlay (as an operator's overlay adds it): both pod templates join the
-    RDMA NIC's secondary network (Multus annotation) and the leader, whose NCCL_* reach every rank, sets
-    NCCL_IB_GID_INDEX; the result validates. The overlay alone (InfiniBand) has neither."""
+    RDMA NIC's secondary network (Multus annotation); the result validates. The overlay alone (InfiniBand) has no
+    such network. No rank gets a fixed NCCL_IB_GID_INDEX: NCCL >= 2.21 picks each NIC's RoCE v2 GID (connect.cc,
+    ncclIbGetGidIndex), and a fixed index breaks NICs whose GID table differs."""
     rel = os.path.relpath(K8S, tmp_path)  # kustomize takes other kustomizations by relative path only
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
@@ -736,8 +737,9 @@ def test_the_roce_component_adds_the_secondary_network_and_the_gid_index(rendere
         for key in ("leaderTemplate", "workerTemplate"):
             networks = lwt[key]["metadata"].get("annotations", {}).get("k8s.v1.cni.cncf.io/networks")
             assert bool(networks) == with_roce, (with_roce, key)
-        (leader,) = lwt["leaderTemplate"]["spec"]["containers"]
-        assert ("NCCL_IB_GID_INDEX" in _env(leader)) == with_roce
+        for key in ("leaderTemplate", "workerTemplate"):
+            for c in _containers(lwt[key]["spec"]):
+                assert "NCCL_IB_GID_INDEX" not in _env(c), (with_roce, key, c["name"])
 
 
 # ---- PromQL -----------------------------------------------------------------------------------------------

@@ -827,9 +827,31 @@ def server_metrics() -> str:
         return httpx.get(url + "/metrics", timeout=30).text
 
 
+# Prometheus' own series per scrape target (Prometheus docs, "Jobs and instances": `up` is 1 when the scrape
+# succeeded, 0 when it failed), which no server exports
+PROMETHEUS_OWN = {"up"}
+
+
+def test_an_alert_fires_when_no_target_is_scraped(rendered):
+    """A failed scrape (401 with a wrong key) or lost targets blind every alert and KEDA's triggers: one alert per
+    overlay fires on `up == 0` for every target of the job or on no `up` series at all (absent). Parsed by
+    Prometheus' grammar (promql-parser), selecting the Service's job."""
+    for overlay, docs in rendered.items():
+        job = one(docs, "Service")["metadata"]["name"]  # the job a ServiceMonitor gives its series
+        rules = [r for d in kinds(docs, "PrometheusRule") for g in d["spec"]["groups"] for r in g["rules"]]
+        (scrape,) = [r for r in rules if "alert" in r and "absent(" in r["expr"]]
+        expr = " ".join(scrape["expr"].split())
+        assert parsed_names([expr]) == PROMETHEUS_OWN, overlay
+        selector = f'up{{job="{job}"}}'
+        assert f"({selector}) == 0" in expr and f"absent({selector})" in expr and " or " in expr, (overlay, expr)
+        assert scrape["labels"]["severity"] == "critical" and scrape["annotations"]["description"], overlay
+    broken = deploy_tools(["promql"], ['sum(up{job="dflash-trt"}) == 0 or absent(up{job="dflash-trt"}'])
+    assert [r["ok"] for r in broken] == [False]
+
+
 def test_server_exports_every_metric_the_rules_autoscaler_and_dashboard_use(rendered, server_metrics):
     exprs, recorded = queries(rendered["multi-node"])
-    used = parsed_names(exprs + _dashboard_exprs()) - recorded
+    used = parsed_names(exprs + _dashboard_exprs()) - recorded - PROMETHEUS_OWN
     assert {"dflash_queue_depth", "vllm:spec_decode_num_drafts_total"} <= used  # the sets are the real ones
     missing = used - exported_names(server_metrics)
     assert not missing, f"named in deploy/ but not exported by the server: {sorted(missing)}"
@@ -862,7 +884,7 @@ def test_triton_exports_every_metric_its_rules_and_autoscaler_use(rendered, tmp_
     finally:
         server.stop()
     exprs, recorded = queries(rendered["triton"])
-    used = parsed_names(exprs) - recorded
+    used = parsed_names(exprs) - recorded - PROMETHEUS_OWN
     assert used and all(n.startswith("nv_inference_") for n in used)
     missing = used - exported_names(text)
     assert not missing, f"named in deploy/k8s/triton but not exported by tritonserver: {sorted(missing)}"

@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import textwrap
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from ..plan import tune
     from ..plan.inputs import Acceptance, Cost
 
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
@@ -50,7 +51,6 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from ..sim.profiles import GPUS, MODELS
     from .options import positive_int
 
     p = sub.add_parser(
@@ -59,11 +59,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent(DESCRIPTION),
     )
-    p.add_argument("--out", type=Path, required=True, help="folder for the five files (created)")
+    p.add_argument("--out", type=Path, default=None, help="folder for the five files (created; required)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="demo", help="named acceptance: demo (default), paper, mixed, a benchmark")
     src.add_argument(
         "--trace", type=Path, default=None, help="measured rounds: generate --json --trace or server stats"
+    )
+    src.add_argument(
+        "--from-metrics",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="acceptance an engine served with: a `dflash-trt plan check --save FILE` scrape",
     )
     p.add_argument(
         "--drafter", type=Path, default=None, help="drafter folder written into the configs (demo: models/drafter)"
@@ -74,23 +81,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default=None,
         help="largest block to plan, at most 16, the simulated drafter's (default: the drafter's, capped at 16)",
     )
-    p.add_argument("--gpu", default="a100", help=f"Vidur GPU profile: {', '.join(sorted(GPUS))} (default a100)")
-    p.add_argument(
-        "--model",
-        default=None,
-        help=f"Vidur model profile: {', '.join(MODELS)} where --gpu has one (default: the shape nearest "
-        "--target, else the first profiled on --gpu)",
-    )
-    p.add_argument(
-        "--tp", type=positive_int, default=1, help="tensor-parallel size the Vidur profile is priced at (default 1)"
-    )
-    p.add_argument(
-        "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
-    )
-    p.add_argument("--cost-grid", type=Path, default=None, help="cost_grid.json from scripts/gpu_bare.py (measured)")
-    p.add_argument(
-        "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
-    )
+    _cost_flags(p)
     p.add_argument(
         "--concurrency",
         type=_ints,
@@ -115,6 +106,43 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_plan)
+    from .plan_check import register_check
+
+    register_check(p)
+
+
+def _cost_flags(p: argparse.ArgumentParser) -> None:
+    """The pass-cost inputs: a Vidur profile, a measured GPU grid, or a CPU server's own cost model."""
+    from ..sim.profiles import GPUS, MODELS
+    from .options import positive_int
+
+    p.add_argument("--gpu", default="a100", help=f"Vidur GPU profile: {', '.join(sorted(GPUS))} (default a100)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"Vidur model profile: {', '.join(MODELS)} where --gpu has one (default: the shape nearest "
+        "--target, else the first profiled on --gpu)",
+    )
+    p.add_argument(
+        "--tp", type=positive_int, default=1, help="tensor-parallel size the Vidur profile is priced at (default 1)"
+    )
+    p.add_argument(
+        "--target", type=Path, default=None, help="target folder: its shape picks the profile, checks a grid"
+    )
+    p.add_argument("--cost-grid", type=Path, default=None, help="cost_grid.json from scripts/gpu_bare.py (measured)")
+    p.add_argument(
+        "--cost-model",
+        type=Path,
+        default=None,
+        help="a CPU server's measured cost model (make bench-load's results.json, in_process.cost_model), priced "
+        "in that server's step budget (--step-tokens)",
+    )
+    p.add_argument(
+        "--step-tokens", type=positive_int, default=None, help="with --cost-model: the server's --step-tokens"
+    )
+    p.add_argument(
+        "--context", type=positive_int, default=None, help="the grid's context length to use (default: largest)"
+    )
 
 
 def _trained_block(drafter: Path) -> int:
@@ -135,7 +163,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
     from ..settings import DEMO_DRAFTER
 
     drafter = args.drafter
-    if drafter is None and args.trace is None and args.profile == "demo":
+    if drafter is None and args.trace is None and args.from_metrics is None and args.profile == "demo":
         drafter = DEMO_DRAFTER
     trained = _trained_block(drafter) if drafter is not None else None
     if args.block_size is not None and args.block_size > inputs.MAX_POSITIONS + 1:
@@ -148,7 +176,12 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             f"--block-size {args.block_size}: the drafter {drafter} drafts blocks of {trained}; plan up to that or less"
         )
     block = args.block_size or trained
-    acc = inputs.read_trace(args.trace, block) if args.trace else inputs.named_acceptance(args.profile)
+    if args.trace:
+        acc = inputs.read_trace(args.trace, block)
+    elif args.from_metrics:
+        acc = inputs.metrics_acceptance(args.from_metrics, block)
+    else:
+        acc = inputs.named_acceptance(args.profile)
     target_config = None
     if args.target is not None:
         from ..costgrid import CostGridMismatch, read_target_config
@@ -157,7 +190,9 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             target_config = read_target_config(args.target)
         except CostGridMismatch as e:
             raise inputs.PlanInputError(str(e)) from None
-    if args.cost_grid is not None:
+    if args.cost_model is not None:
+        cost = inputs.cost_model(args.cost_model, args.step_tokens)
+    elif args.cost_grid is not None:
         cost = inputs.grid_cost(args.cost_grid, args.context, target_config, args.tp)
     else:
         cost = inputs.vidur_cost(args.gpu, args.model, args.tp, target_config)
@@ -165,7 +200,6 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import sys
 
     import torch
 
@@ -175,6 +209,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from ..sim.serving import Workload, length_sampler
     from .options import CliError
 
+    if args.out is None:
+        raise CliError("--out is required (the folder the plan is written to)")
     torch.set_num_threads(1)  # the simulated engines' tensors are tiny; one core is faster and shares the machine
     try:
         acc, cost, drafter, block = _inputs(args)
@@ -186,7 +222,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     def requests(c: int) -> int:
         return tune.requests_for(c, args.min_requests, args.requests_per_row)
 
-    budget = sim_step_tokens(cost.cost)
+    budget = getattr(cost.cost, "step_tokens", None) or sim_step_tokens(cost.cost)
     result = tune.plan(cost.cost, work, block, args.concurrency, requests, range(args.seeds), not args.no_progress)
     settings = {
         "concurrency": args.concurrency,
@@ -195,7 +231,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "block_size": block,
         "workload": (
             f"prompts {args.prompt_len}, outputs {args.output_len}, closed loop, greedy; prompts enter in chunks "
-            f"of at most {budget} tokens a step (vLLM's default for the GPU)"
+            f"of at most {budget} tokens a step ("
+            + ("the CPU server's --step-tokens" if args.cost_model else "vLLM's default for the GPU")
+            + ")"
         ),
         "step_tokens": budget,
     }
@@ -205,7 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         checked = sorted(set(args.concurrency) | {c for c in between if c not in args.concurrency})
         held_out = tune.holdout(result, cost.cost, work, args.check_seed, checked, requests, not args.no_progress)
     try:
-        outputs.write(result, acc, cost, settings, args.out, drafter, held_out)
+        doc = outputs.write(result, acc, cost, settings, args.out, drafter, held_out)
     except ImportError as e:
         raise CliError(f"plan.png needs matplotlib ({e}); pip install matplotlib") from None
     print(f"acceptance: {acc.source}\ncost: {cost.source}\nworkload (assumed): {settings['workload']}")
@@ -214,12 +252,33 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"schedule vs tuned table: worst {worst.ratio:.4f} at C={worst.concurrency}; wrote {', '.join(outputs.FILES)} to {args.out}"
     )
+    _print_after(result, doc, args, held_out, drafter)
+    return 0
+
+
+def _print_after(
+    result: tune.Plan, doc: dict[str, Any], args: argparse.Namespace, held_out: Any, drafter: Path | None
+) -> None:
+    """What the plan's files need beside them: alert thresholds, the held-out check, the schedule, the notes."""
+    import sys
+
+    from ..plan import outputs
+
+    print(
+        f"alert thresholds (deploy/k8s/base/prometheusrule.yaml): tau below {doc['alerts']['tau_floor']}, "
+        f"running batch above {doc['alerts']['batch_above']}; check a serving engine with `dflash-trt plan check`"
+    )
     if held_out:
         c_min = min(held_out, key=lambda c: held_out[c]["ratio"])
         print(
             f"held out (seed {args.check_seed}, {len(held_out)} concurrencies): schedule vs best block worst "
             f"{held_out[c_min]['ratio']:.4f} at C={c_min}"
         )
+    if result.limits is not None:  # the YAML's schedule, as docs/gpu.md quotes it
+        print(f"trtllm-serve.yaml: {', '.join(f'{k}: {v}' for k, v in result.limits.items())} (drafts)")
+    for note in outputs.VLLM_NOTES:
+        print(f"vllm-speculative-config.json: {note}")
+    if drafter is None:
+        print("no --drafter: fill in the drafter folder at " + "; ".join(outputs.TO_FILL) + " (plan.json to_fill)")
     if result.limits is None:
         print(f"trtllm-serve.yaml: {outputs.no_schedule_note(result)}", file=sys.stderr)
-    return 0

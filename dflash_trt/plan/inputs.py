@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..sim.acceptance import AcceptanceProfile
-from ..sim.cost import PassCost, ProfileCost
+from ..sim.cost import LinearPassCost, PassCost, ProfileCost
 from ..sim.measured import DEMO_LOAD, read
 
 if TYPE_CHECKING:
@@ -53,7 +53,8 @@ class Acceptance:
 class Cost:
     cost: PassCost
     source: str
-    measured: bool
+    measured: bool  # every part measured
+    parts: dict[str, str] = field(default_factory=dict)  # operators / shape / drafter: measured, assumed or modelled
 
 
 def padded(profile: AcceptanceProfile) -> AcceptanceProfile:
@@ -228,10 +229,59 @@ def vidur_cost(gpu: str, model: str | None, tp: int, target_config: dict[str, An
     except (ValueError, KeyError, OSError) as e:
         raise PlanInputError(f"the {gpu} {model} profile cannot price tp {tp}: {e}") from None
     source = (
-        f"measured (Vidur): {GPUS[gpu].name} op profiles of {MODELS[model].name} at tp {tp}{note}; attention and "
+        f"Vidur: {GPUS[gpu].name} op profiles of {MODELS[model].name} at tp {tp}{note}; attention and "
         "the drafter's shape modelled (dflash_trt/sim/cost.py)"
     )
-    return Cost(cost, source, True)
+    parts = {
+        "operators": f"measured: Vidur's {GPUS[gpu].name} op profiles at tp {tp}",
+        "shape": f"assumed: {MODELS[model].name}, the profiled shape nearest the target"
+        if note
+        else f"given: {MODELS[model].name} (--model or the first profiled)",
+        "drafter": "modelled: the DFlash drafter's passes priced from the target's profiled ops (sim/cost.py)",
+    }
+    return Cost(cost, source, False, parts)
+
+
+@dataclass
+class ServerPassCost:
+    """A CPU server's own linear pass costs (`sim.cost.LinearPassCost`: what its start-up grid fitted), priced
+    within that server's step budget (`step_tokens`, read by tune.run) rather than a GPU's."""
+
+    linear: LinearPassCost
+    step_tokens: int
+
+    def target(self, new: Sequence[int], past: Sequence[int], logits: int) -> float:
+        return self.linear.target(new, past, logits)
+
+    def drafter(self, blocks: Sequence[int], new_context: Sequence[int], past: Sequence[int]) -> float:
+        return self.linear.drafter(blocks, new_context, past)
+
+
+def cost_model(path: str | Path, step_tokens: int | None = None) -> Cost:
+    """A recorded CPU cost model: {"target": {fixed, per_row, per_token[, one_token]}, "drafter": {...}}, or a
+    `make bench-load` results.json holding one under in_process.cost_model (what the server's adaptive policy
+    measures at start-up, `decoding.cost.measure_costs`). Priced within the CPU server's step budget."""
+    from ..decoding.chunking import STEP_TOKENS
+
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+        doc = doc.get("in_process", {}).get("cost_model", doc)
+        linear = LinearPassCost.from_cost_model(doc)
+    except OSError as e:
+        raise PlanInputError(f"cannot read the cost model {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise PlanInputError(
+            f'{path}: not a cost model ({{"target": {{fixed, per_row, per_token}}, "drafter": ...}}): {e!r}'
+        ) from None
+    budget = step_tokens or STEP_TOKENS
+    source = f"measured: the CPU cost model in {path} (linear fits of a start-up grid), steps of {budget} tokens"
+    parts = {
+        "operators": f"measured: whole passes of the pair on the machine that wrote {path.name}",
+        "shape": "measured: the pair itself",
+        "drafter": "measured: its passes in the same grid",
+    }
+    return Cost(ServerPassCost(linear, budget), source, True, parts)
 
 
 @dataclass
@@ -270,4 +320,38 @@ def grid_cost(
     ident = raw.get("identity") if isinstance(raw, dict) else None
     on = f" on {ident.get('gpu')} ({ident.get('engine')}, tp {ident.get('tp')})" if isinstance(ident, dict) else ""
     source = f"measured: cost grid {path}{on}, context {chosen}; prefill beyond the grid extrapolated (assumed)"
-    return Cost(GridPassCost(target, drafter), source, True)
+    parts = {
+        "operators": f"measured: cost grid {path}{on}",
+        "shape": "measured: the grid's target shape" + (" (checked against --target)" if target_config else ""),
+        "drafter": "measured: the grid's drafter passes; prefill beyond the grid extrapolated (assumed)",
+    }
+    return Cost(GridPassCost(target, drafter), source, True, parts)
+
+
+# ---- acceptance from an engine's metrics --------------------------------------------------------------------
+def metrics_acceptance(path: str | Path, block_size: int | None = None) -> Acceptance:
+    """The acceptance a `plan check --save FILE` scrape saw: its per-position rates where the engine gives them
+    (the last one carried past the observed positions), else a constant rate with its tau at the drafts per
+    round the engine ran (the shape assumed, and the source says so)."""
+    from .metrics import MetricsError, Observed
+
+    path = Path(path)
+    try:
+        obs = Observed.from_json(json.loads(path.read_text()))
+    except OSError as e:
+        raise PlanInputError(f"cannot read the scrape {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, MetricsError, AttributeError) as e:
+        raise PlanInputError(f"{path} is not a `dflash-trt plan check --save` file: {e}") from None
+    drafts = round(obs.mean_drafts) if obs.mean_drafts else None
+    block = block_size or (drafts + 1 if drafts else None)
+    if block is None or block < 2:
+        raise PlanInputError(f"{path}: the engine's drafts per round are unknown; give --block-size")
+    what = f"{obs.engine} /metrics at {obs.url} over {obs.seconds:.0f} s, mean batch {obs.mean_batch:.1f}"
+    if obs.position_rates:
+        profile = AcceptanceProfile(path.stem, tuple(obs.position_rates))
+        source = f"measured: per-position acceptance from {what}"
+    else:
+        at = drafts + 1 if drafts else block
+        profile = AcceptanceProfile.from_tau(path.stem, min(max(obs.tau, 1.0), float(at)), at)
+        source = f"measured: tau {obs.tau:.2f} at {drafts} drafts from {what}; per-position shape assumed (constant)"
+    return Acceptance(path.stem, (padded(profile),), block, source, True)

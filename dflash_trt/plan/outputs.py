@@ -25,7 +25,33 @@ from typing import Any
 from .inputs import Acceptance, Cost
 from .tune import Plan
 
-FILES = ("trtllm-serve.yaml", "vllm-speculative-config.json", "sglang-args.txt", "plan.json", "plan.png")
+FILES = (
+    "trtllm-serve.yaml",
+    "vllm-speculative-config.json",
+    "vllm-speculative-config-fixed.json",
+    "sglang-args.txt",
+    "plan.json",
+    "plan.png",
+)
+# where a plan without --drafter leaves the placeholder DRAFTER (or nothing) for the drafter folder
+TO_FILL = [
+    'vllm-speculative-config.json and vllm-speculative-config-fixed.json: "model"',
+    "sglang-args.txt: --speculative-draft-model-path",
+    "trtllm-serve.yaml: speculative_config.speculative_model",
+]
+UNIT = "drafted tokens per request per step (the anchor token excluded)"
+# vLLM's JSON cannot carry comments: what applies to num_speculative_tokens_per_batch_size is printed, written to
+# plan.json "notes" and said in docs/gpu.md (sources: vllm-project/vllm#32374, #51510, vllm/config/vllm.py)
+VLLM_NOTES = (
+    "num_speculative_tokens_per_batch_size needs a vLLM with pull request 32374 (merged 2026-05; 0.27.1 has it, "
+    "issue 49548); older releases refuse the key",
+    "under the V1 model runner a schedule downgrades full CUDA graphs to piecewise, which the plan does not price",
+    "under Model Runner V2 (the default for dense models) the per-step length does not reach the speculators "
+    "(issue 51510): the schedule is inert, and DFlash 2 drafters run on V2 only",
+    "with data parallelism (data_parallel_size > 1) vLLM drops the schedule",
+    "where the schedule cannot act, serve vllm-speculative-config-fixed.json: the one length with the best "
+    "geometric mean over the planned concurrencies",
+)
 
 
 def trtllm_spec(plan: Plan, drafter: Path | None) -> dict[str, Any] | None:
@@ -39,6 +65,24 @@ def trtllm_spec(plan: Plan, drafter: Path | None) -> dict[str, Any] | None:
         spec = serve_config(drafter)["speculative_config"]
     spec.update(plan.limits)
     return spec
+
+
+def trtllm_header(plan: Plan, step_tokens: int | None) -> list[str]:
+    """What trtllm-serve.yaml's values mean and what TensorRT-LLM does around them (comment lines)."""
+    from ..builders.trtllm_serve import ATTENTION_NOTE
+
+    top = plan.cells[-1].concurrency
+    chunk = f"chunked at {step_tokens} tokens a step" if step_tokens else "chunked"
+    return [
+        f"values: {UNIT}; the schedule covers batch sizes 1..{top} (a key b: that many drafts up to batch b)",
+        f"above the largest key TensorRT-LLM drafts 0, which stops refreshing DFlash's per-request context buffers "
+        f"(NVIDIA/TensorRT-LLM#16888): max_batch_size {top} keeps the batch inside the plan, and no planned batch "
+        "size drafts fewer than 1",
+        f"attention: {ATTENTION_NOTE}; DFlash 2 drafters cannot take TRTLLM (no non-causal sliding-window "
+        "attention, NVIDIA/TensorRT-LLM#19159), which on SM100/103 also needs FlashInfer",
+        f"prefill: the plan simulated prompts {chunk}; this file leaves enable_chunked_prefill at BaseLlmArgs' "
+        "default (false), so TTFT and ITL with long prompts in the batch differ from plan.json's",
+    ]
 
 
 def no_schedule_note(plan: Plan) -> str:
@@ -79,11 +123,21 @@ def vllm_config(plan: Plan, drafter: Path | None) -> dict[str, Any]:
     }
 
 
+def vllm_fixed(plan: Plan, drafter: Path | None) -> dict[str, Any]:
+    """One length at every batch size, for where vLLM's schedule cannot act (VLLM_NOTES)."""
+    return {
+        "method": "dflash",
+        "model": str(drafter.resolve()) if drafter is not None else "DRAFTER",
+        "num_speculative_tokens": max(1, sglang_block(plan)[0] - 1),
+    }
+
+
 def vllm_json(config: dict[str, Any]) -> str:
     """The config as JSON with one batch range a line (a reader scans the ranges as a table)."""
     lines = [f"  {json.dumps(k)}: {json.dumps(v)}" for k, v in config.items() if not isinstance(v, list)]
-    ranges = ",\n".join(f"    {json.dumps(r)}" for r in config["num_speculative_tokens_per_batch_size"])
-    lines.append(f'  "num_speculative_tokens_per_batch_size": [\n{ranges}\n  ]')
+    if "num_speculative_tokens_per_batch_size" in config:
+        ranges = ",\n".join(f"    {json.dumps(r)}" for r in config["num_speculative_tokens_per_batch_size"])
+        lines.append(f'  "num_speculative_tokens_per_batch_size": [\n{ranges}\n  ]')
     return "{\n" + ",\n".join(lines) + "\n}\n"
 
 
@@ -100,21 +154,29 @@ def sglang_block(plan: Plan) -> tuple[int, dict[int, float]]:
 def sglang_args(plan: Plan, drafter: Path | None) -> str:
     block, ratio = sglang_block(plan)
     worst = min(ratio, key=lambda c: ratio[c])
+    top = plan.cells[-1].concurrency
     lines = [
-        "# flags for: python -m sglang.launch_server --model-path TARGET $(grep -v '^#' sglang-args.txt)",
-        "# SGLang's DFLASH verifies one block size at every batch size; this one has the best geometric mean of",
-        f"# tokens/s relative to each planned concurrency's best block (worst: {ratio[worst]:.3f}x at C={worst}).",
+        # eval keeps a drafter path with spaces one argument (the flags below are shell-quoted)
+        "# usage: eval \"python -m sglang.launch_server --model-path TARGET $(grep -v '^#' sglang-args.txt)\"",
+        f"# SGLang's DFLASH drafts one length at every batch size: {block - 1} {UNIT}, the length with the best",
+        "# geometric mean of tokens/s relative to each planned concurrency's best "
+        f"(worst: {ratio[worst]:.3f}x at C={worst});",
+        f"# --speculative-num-draft-tokens counts the anchor token too: {block} = {block - 1} drafts + 1.",
     ]
     if block == 1:
-        lines.append("# drafting pays at no planned concurrency as one fixed block: serve without --speculative-*")
+        lines.append("# drafting pays at no planned concurrency as one fixed length: serve without --speculative-*")
         return "\n".join(lines) + "\n"
+    lines += [
+        f"# --max-running-requests {top}: the plan covers batch sizes 1..{top}; it replaces SGLang's speculative",
+        "# default of 48 (server_args.py sets 48 when unset) and caps admission there: requests above it queue.",
+    ]
     flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path"]
     flags += [
         str(drafter.resolve()) if drafter is not None else "DRAFTER",
         "--speculative-num-draft-tokens",
         str(block),
     ]
-    flags += ["--max-running-requests", str(plan.cells[-1].concurrency)]
+    flags += ["--max-running-requests", str(top)]
     return "\n".join(lines) + "\n" + shlex.join(flags) + "\n"
 
 
@@ -129,8 +191,14 @@ def plan_json(
                 "block_size": acc.block_size,
                 "measured": acc.measured,
                 "source": acc.source,
+                # per request class, conditional per draft position: what `plan check` compares an engine with
+                "position_rates": [[round(r, 4) for r in p.rates[: plan.block - 1]] for p in acc.profiles],
+                "tau_by_block": {
+                    str(b): round(sum(p.tau(b) for p in acc.profiles) / len(acc.profiles), 4)
+                    for b in range(1, plan.block + 1)
+                },
             },
-            "cost": {"measured": cost.measured, "source": cost.source},
+            "cost": {"measured": cost.measured, "source": cost.source, "parts": cost.parts},
             "workload": {"measured": False, "source": "assumed: " + settings["workload"]},
         },
         "settings": settings,
@@ -141,6 +209,8 @@ def plan_json(
                 "tokens_per_s_by_block": {str(b): round(t, 1) for b, t in c.tokens_per_s.items()},
                 "tuned_block": c.best_block,
                 "schedule_block": c.schedule_block,
+                "tuned_drafts": c.best_block - 1,
+                "schedule_drafts": c.schedule_block - 1,
                 "predicted": _rounded(c.predicted),
                 "schedule_vs_tuned": round(c.ratio, 4),
                 "vs_target_alone": round(c.predicted["tokens_per_s"] / c.tokens_per_s[1], 3),
@@ -148,6 +218,21 @@ def plan_json(
             for c in plan.cells
         ],
         "configs": configs,
+        "units": f"*_drafts and every configuration file: {UNIT}; *_block and tokens_per_s_by_block: drafts + 1",
+        "notes": {"vllm": list(VLLM_NOTES), "trtllm": trtllm_header(plan, settings.get("step_tokens"))},
+        "alerts": alerts(plan, acc),
+    }
+
+
+def alerts(plan: Plan, acc: Acceptance, tolerance: float = 0.1) -> dict[str, Any]:
+    """The two numbers of deploy/k8s/base/prometheusrule.yaml's plan alerts (what `plan check` checks with its
+    default --tolerance): tau below the plan's at the drafts it serves, less the tolerance (the smallest over
+    the drafting concurrencies: the aggregate tau mixes them); a batch above the largest planned concurrency."""
+    taus = [sum(p.tau(c.schedule_block) for p in acc.profiles) / len(acc.profiles) for c in plan.cells]
+    drafting = [t for c, t in zip(plan.cells, taus) if c.schedule_block > 1]
+    return {
+        "tau_floor": round((1 - tolerance) * min(drafting), 2) if drafting else None,
+        "batch_above": plan.cells[-1].concurrency,
     }
 
 
@@ -163,11 +248,11 @@ def table(plan: Plan) -> str:
     for c in plan.cells:
         p = c.predicted
         rows.append(
-            f"{c.concurrency:>5} {c.best_block:>5} {c.schedule_block:>5} {p['tokens_per_s']:>9.1f} "
+            f"{c.concurrency:>5} {c.best_block - 1:>5} {c.schedule_block - 1:>5} {p['tokens_per_s']:>9.1f} "
             f"{p['tokens_per_s'] / c.tokens_per_s[1]:>7.2f} {c.ratio:>8.3f} "
             f"{p['ttft_ms']['p50']:>8.0f}/{p['ttft_ms']['p99']:<8.0f} {p['itl_ms']['p50']:>7.1f}/{p['itl_ms']['p99']:<7.1f}"
         )
-    return "\n".join(rows)
+    return "\n".join(rows) + f"\n(tuned, sched: {UNIT})"
 
 
 def plot(plan: Plan, path: Path, title: str) -> None:
@@ -180,13 +265,15 @@ def plot(plan: Plan, path: Path, title: str) -> None:
     cs = [c.concurrency for c in plan.cells]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for b in range(2, plan.block + 1):
-        label = f"fixed blocks 2..{plan.block}" if b == 2 else None
+        label = f"fixed 1..{plan.block - 1} drafts" if b == 2 else None
         left.plot(cs, [c.tokens_per_s[b] for c in plan.cells], color="0.8", lw=0.8, label=label)
     left.plot(cs, [c.tokens_per_s[1] for c in plan.cells], "k--", label="target alone")
     left.plot(cs, [c.predicted["tokens_per_s"] for c in plan.cells], "o-", color="C0", label="planned schedule")
     for c in plan.cells:
-        left.annotate(str(c.schedule_block), (c.concurrency, c.predicted["tokens_per_s"]), fontsize=7)
-    left.set(xscale="log", xlabel="concurrency", ylabel="tokens/s (simulated)", title="throughput (labels: block)")
+        left.annotate(str(c.schedule_block - 1), (c.concurrency, c.predicted["tokens_per_s"]), fontsize=7)
+    left.set(
+        xscale="log", xlabel="concurrency", ylabel="tokens/s (simulated)", title="throughput (labels: drafts per step)"
+    )
     left.legend(fontsize=8)
     right.plot(cs, [c.predicted["itl_ms"]["p50"] for c in plan.cells], "o-", label="ITL p50")
     right.plot(cs, [c.predicted["itl_ms"]["p99"] for c in plan.cells], "s--", label="ITL p99")
@@ -210,24 +297,30 @@ def write(
     drafter: Path | None,
     held_out: dict[int, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Write the five files into `out` (plan.json with the held-out check when one ran); returns plan.json's."""
+    """Write FILES into `out` (plan.json with the held-out check when one ran); returns plan.json's."""
     from ..builders.trtllm_serve import to_yaml
 
     out.mkdir(parents=True, exist_ok=True)
     spec = trtllm_spec(plan, drafter)
-    header = f"# dflash-trt plan: {acc.name} acceptance, {cost.source.split(';')[0]}\n"
+    lines = [f"dflash-trt plan: {acc.name} acceptance, {cost.source.split(';')[0]}"]
     if spec is None:
-        yaml = header + f"# {no_schedule_note(plan)} (no speculative_config)\n{{}}\n"
+        yaml = "".join(f"# {x}\n" for x in [*lines, f"{no_schedule_note(plan)} (no speculative_config)"]) + "{}\n"
     else:
-        hint = "" if drafter else "# add speculative_model: the drafter folder (no --drafter was given)\n"
-        yaml = header + hint + to_yaml({"speculative_config": spec})
+        lines += trtllm_header(plan, settings.get("step_tokens"))
+        if drafter is None:
+            lines.append("add speculative_model: the drafter folder (no --drafter was given)")
+        body = {"max_batch_size": plan.cells[-1].concurrency, "speculative_config": spec}
+        yaml = "".join(f"# {x}\n" for x in lines) + to_yaml(body)
     vllm = vllm_config(plan, drafter)
     (out / "trtllm-serve.yaml").write_text(yaml)
     (out / "vllm-speculative-config.json").write_text(vllm_json(vllm))
+    (out / "vllm-speculative-config-fixed.json").write_text(vllm_json(vllm_fixed(plan, drafter)))
     sglang = sglang_args(plan, drafter)
     (out / "sglang-args.txt").write_text(sglang)
     configs = {"trtllm": spec, "vllm": vllm, "sglang_block": sglang_block(plan)[0]}
     doc = plan_json(plan, acc, cost, settings, configs)
+    if drafter is None:
+        doc["to_fill"] = TO_FILL
     if held_out is not None:
         doc["held_out"] = {str(c): _rounded(v) for c, v in held_out.items()}
     (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")

@@ -77,7 +77,7 @@ def run(
     not the CPU server's default."""
     target, sim_drafter, clock = sim_engines(cost, work.profiles)
     drafter: Any = sim_drafter  # a DrafterEngine in all but max_context's declared type (as sim_decoder takes it)
-    budget = sim_step_tokens(cost)
+    budget = getattr(cost, "step_tokens", None) or sim_step_tokens(cost)  # a CPU server's own, else the GPU's
     if draft_len is None:
         policy, drafting, block = TimedPolicy(FixedBlocks()), None, 1
     else:
@@ -141,6 +141,15 @@ class Plan:
     seeds: tuple[int, ...]
 
 
+def dflash_drafts(best: dict[int, int]) -> dict[int, int]:
+    """Drafts per concurrency for TensorRT-LLM from the best blocks, never 0 once drafting starts: a schedule
+    length resolving to 0 stops refreshing DFlash's per-request context buffers, so acceptance collapses for the
+    rest of every affected request once the batch shrinks (NVIDIA/TensorRT-LLM#16888). A plan that does not
+    draft at its smallest concurrency keeps its 0 there (speculation_limits refuses it: serve the target alone)."""
+    drafts = {c: b - 1 for c, b in best.items()}
+    return {c: max(1, k) for c, k in drafts.items()} if drafts[min(drafts)] > 0 else drafts
+
+
 def requests_for(concurrency: int, minimum: int = 24, per_row: int = 3) -> int:
     """Requests a run at `concurrency`: per_row x C, at least `minimum`. The steady window holds the requests
     beyond the first C, so (per_row - 1) x C of them are measured at a full batch."""
@@ -167,7 +176,7 @@ def plan(
         cells.append(Cell(c, requests(c), sweep(cost, work, c, requests(c), seeds, block, bar)))
     best = best_blocks({cell.concurrency: cell.tokens_per_s for cell in cells})
     try:
-        limits: dict[str, Any] | None = speculation_limits({c: b - 1 for c, b in best.items()})
+        limits: dict[str, Any] | None = speculation_limits(dflash_drafts(best))
     except ServeConfigError:
         limits = None  # no drafting at the smallest concurrency: outputs.no_schedule_note says what follows
     for cell in cells:

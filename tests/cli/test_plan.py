@@ -54,7 +54,8 @@ def test_default_run_writes_all_five_files(default_plan, capsys):
 
 def test_native_yaml_passes_the_dflash_decoding_config_field_check(default_plan):
     loaded = yaml.safe_load((default_plan / "trtllm-serve.yaml").read_text())
-    assert set(loaded) <= LLM_ARGS_KEYS_WE_WRITE
+    # BaseLlmArgs.max_batch_size (tensorrt_llm/llmapi/llm_args.py): the plan bounds the batch at its largest C
+    assert set(loaded) <= LLM_ARGS_KEYS_WE_WRITE | {"max_batch_size"} and loaded["max_batch_size"] == 64
     spec = loaded["speculative_config"]
     assert set(spec) <= DFLASH_DECODING_CONFIG_FIELDS, set(spec) - DFLASH_DECODING_CONFIG_FIELDS
     check_like_decoding_base_config(spec)
@@ -124,7 +125,11 @@ def test_a_trace_file_as_input(tmp_path, capsys):
     text = (out / "trtllm-serve.yaml").read_text()
     assert "add speculative_model" in text  # no --drafter: the YAML says what to add
     assert set(yaml.safe_load(text)["speculative_config"]) <= DFLASH_DECODING_CONFIG_FIELDS
-    assert "schedule vs tuned table" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "schedule vs tuned table" in printed
+    spec = yaml.safe_load(text)["speculative_config"]
+    key = "draft_len_schedule" if "draft_len_schedule" in spec else "max_draft_len"
+    assert f"trtllm-serve.yaml: max_draft_len: {spec['max_draft_len']}" in printed and f"{key}: " in printed
 
 
 def test_server_statistics_as_input(tmp_path):
@@ -276,3 +281,114 @@ def test_help_names_the_inputs_outputs_and_profiles(capsys):
     for needed in ("draft_len_schedule", "num_speculative_tokens_per_batch_size", "sglang-args.txt", "--trace FILE"):
         assert needed in text, needed
     assert "Vidur GPU profile: a100" in text and "llama-3-70b" in text and "at most 16" in text
+
+
+# ---- configurations that do what they say (issue 56) ---------------------------------------------------------
+def _plan(best, blocks=8):
+    """A plan with these best blocks per concurrency, tokens/s made up so each best block wins, fed back."""
+    cells = []
+    for c, b in best.items():
+        tokens = {k: 100.0 * c * (2.0 if k == b else 1.0) for k in range(1, blocks + 1)}
+        predicted = {"tokens_per_s": tokens[b], "ttft_ms": {"p50": 1.0, "p99": 2.0}, "itl_ms": {"p50": 1.0, "p99": 2.0}}
+        cells.append(tune.Cell(c, 8, tokens, b, b, {**predicted, "tau": 2.0, "mean_block": float(b)}))
+    from dflash_trt.builders.trtllm_serve import speculation_limits
+
+    return tune.Plan(blocks, cells, speculation_limits(tune.dflash_drafts(best)), (0,))
+
+
+def _written(tmp_path, plan, drafter=None):
+    acc, cost = (
+        inputs.named_acceptance("demo"),
+        inputs.vidur_cost("a100", None, 1, {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128}),
+    )
+    settings = {"workload": "w", "step_tokens": 2048}
+    doc = outputs.write(plan, acc, cost, settings, tmp_path, drafter)
+    return doc, {name: (tmp_path / name).read_text() for name in outputs.FILES if name != "plan.png"}
+
+
+def test_the_trtllm_schedule_never_resolves_to_zero_drafts_for_dflash(tmp_path):
+    """PR 16888: 0 drafts stops DFlash's context refresh. Where the tuned table says 0 drafts at a larger batch,
+    the schedule keeps 1, and the YAML bounds the batch at the largest planned concurrency."""
+    assert tune.dflash_drafts({1: 8, 8: 5, 64: 1}) == {1: 7, 8: 4, 64: 1}
+    assert tune.dflash_drafts({1: 1, 8: 5}) == {1: 0, 8: 4}  # no drafting at the smallest: target alone, as before
+    plan = _plan({1: 8, 8: 5, 64: 1})
+    _, files = _written(tmp_path, plan)
+    loaded = yaml.safe_load(files["trtllm-serve.yaml"])
+    assert loaded["max_batch_size"] == 64
+    assert all(tune.trtllm_draft_len(loaded["speculative_config"], b) >= 1 for b in range(1, 65))
+    text = files["trtllm-serve.yaml"]
+    assert "#16888" in text and "flash-attn" in text and "#19159" in text and "enable_chunked_prefill" in text
+
+
+def test_every_file_speaks_in_drafted_tokens_and_heads_with_its_range(tmp_path):
+    plan = _plan({1: 8, 8: 5, 64: 3})
+    doc, files = _written(tmp_path, plan, DEMO_DRAFTER)
+    block = outputs.sglang_block(plan)[0]
+    sglang = files["sglang-args.txt"]
+    assert f"{block - 1} drafted tokens per request per step" in sglang
+    assert f"--speculative-num-draft-tokens {block}" in sglang and f"{block} = {block - 1} drafts + 1" in sglang
+    assert "default of 48" in sglang and "--max-running-requests 64" in sglang  # says what the flag replaces
+    assert "drafted tokens per request per step" in files["trtllm-serve.yaml"] and "1..64" in files["trtllm-serve.yaml"]
+    assert [c["schedule_drafts"] for c in doc["cells"]] == [c["schedule_block"] - 1 for c in doc["cells"]]
+    table = outputs.table(plan).splitlines()
+    assert table[1].split()[1:3] == ["7", "7"] and "anchor token excluded" in table[-1]
+    fixed = json.loads(files["vllm-speculative-config-fixed.json"])
+    assert fixed["num_speculative_tokens"] == block - 1 and "num_speculative_tokens_per_batch_size" not in fixed
+    notes = " ".join(doc["notes"]["vllm"])
+    assert "32374" in notes and "51510" in notes and "piecewise" in notes and "data parallel" in notes
+
+
+def test_the_sglang_usage_line_keeps_a_drafter_path_with_spaces_one_argument(tmp_path):
+    import shutil
+    import subprocess
+    import sys
+
+    drafter = tmp_path / "my drafter"
+    shutil.copytree(DEMO_DRAFTER, drafter)
+    _, files = _written(tmp_path / "out", _plan({1: 8, 8: 5}), drafter)
+    usage = files["sglang-args.txt"].splitlines()[0].removeprefix("# usage: ")
+    stub = tmp_path / "launch"  # stands for python -m sglang.launch_server: prints its arguments as JSON
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(0o755)
+    command = usage.replace("python -m sglang.launch_server", str(stub))
+    got = subprocess.run(["bash", "-c", command], cwd=tmp_path / "out", capture_output=True, text=True, check=True)
+    argv = json.loads(got.stdout)
+    assert argv[argv.index("--speculative-draft-model-path") + 1] == str(drafter.resolve())
+
+
+def test_inputs_are_labelled_as_what_they_are(tmp_path, capsys):
+    doc, files = _written(tmp_path, _plan({1: 8, 8: 5}))
+    cost = doc["inputs"]["cost"]
+    assert cost["measured"] is False  # the shape is the nearest profiled one and the drafter is modelled
+    assert cost["parts"]["operators"].startswith("measured") and cost["parts"]["shape"].startswith("assumed")
+    assert cost["parts"]["drafter"].startswith("modelled")
+    assert doc["to_fill"] == outputs.TO_FILL and json.loads(files["vllm-speculative-config.json"])["model"] == "DRAFTER"
+    out = tmp_path / "cli"
+    assert (
+        main(["plan", "--out", str(out), "--trace", str(_trace_file(tmp_path / "t.jsonl")), "--no-progress", *SMALL])
+        == 0
+    )
+    printed = capsys.readouterr().out
+    assert "no --drafter: fill in the drafter folder at" in printed and '"model"' in printed
+
+
+def test_a_cpu_servers_cost_model_as_input(tmp_path):
+    """A CPU server's start-up cost model (bench-load's in_process.cost_model), priced in its step budget: the
+    input of the issue's check that a plan from a server's metrics predicts that server's tokens/s."""
+    model = {
+        "target": {"fixed": 8e-3, "per_row": 2e-5, "per_token": 1.5e-4, "one_token": 7.3e-3},
+        "drafter": {"fixed": 3e-3, "per_row": 0.0, "per_token": 3e-5, "one_token": None},
+    }
+    (tmp_path / "results.json").write_text(json.dumps({"in_process": {"cost_model": model}}))
+    out = tmp_path / "plan"
+    args = ["plan", "--out", str(out), "--cost-model", str(tmp_path / "results.json"), "--step-tokens", "96"]
+    assert main([*args, "--no-progress", *SMALL]) == 0
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["settings"]["step_tokens"] == 96 and doc["inputs"]["cost"]["measured"] is True
+    assert "at most 96 tokens a step (the CPU server's --step-tokens)" in doc["settings"]["workload"]
+    alone = doc["cells"][0]["tokens_per_s_by_block"]["1"]
+    # the target alone at C=1 commits one token a pass of fixed + per_row + per_token (or one_token) plus host work
+    assert 0.5 / (7.3e-3 + 1e-3) < alone < 1 / 7.3e-3
+    (tmp_path / "bad.json").write_text(json.dumps({"target": {}}))
+    with pytest.raises(PlanInputError, match="not a cost model"):
+        inputs.cost_model(tmp_path / "bad.json")

@@ -1,0 +1,80 @@
+"""CLI: `plan check` (an engine's own metrics against a plan's assumptions; exit 3 when its gain no longer holds)."""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+from pathlib import Path
+
+CHECK_DESCRIPTION = """\
+Scrape a serving engine's metrics over a window and check the plan in --plan against them: tau at the drafts
+per round the engine ran, per-position acceptance where the engine gives it (vLLM, dflash-trt), the running
+batch sizes against the planned concurrencies, and the plan's predicted gain over the target alone at that
+batch recomputed at the acceptance seen (at a fixed batch and draft length a round costs the same whatever
+the acceptance, so tokens/s scale with tau). It prints which assumptions held, which did not and by how much,
+and the draft length per planned concurrency that the acceptance seen would choose.
+
+Exit status: 0 the plan holds; 3 it does not (tau or the gain fell by more than --tolerance, the gain fell to
+1x or less, or the batch ran above the planned range); 1 an error (unreachable URL, no speculative round in
+the window). Usable from CI or cron; deploy/k8s/base/prometheusrule.yaml does the same check in a cluster.
+
+Engines and what is read (dflash_trt/plan/metrics.py cites each engine's source):
+  vllm        /metrics: vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens /
+              _num_accepted_tokens_per_pos, vllm:num_requests_running, vllm:generation_tokens
+  sglang      /metrics (--enable-metrics): sglang:spec_accept_length, sglang:spec_accept_rate,
+              sglang:num_running_reqs (gauges, averaged over the scrapes: use --samples 5 or more)
+  trtllm      trtllm-serve /metrics (enable_iter_perf_stats: true): iteration statistics with
+              specDecodingStats; each call drains them, so the first scrape only starts the window
+  dflash-trt  this project's server: the vLLM names plus its batch rows and generated tokens
+
+--save FILE writes what the window saw as JSON: `dflash-trt plan --from-metrics FILE` plans from it."""
+
+
+def register_check(plan_parser: argparse.ArgumentParser) -> None:
+    from ..plan.metrics import ENGINES
+    from .options import positive_int
+
+    actions = plan_parser.add_subparsers(dest="plan_action", metavar="check", required=False)
+    c = actions.add_parser(
+        "check",
+        help="check a plan against an engine's own metrics (exit 3 when its predicted gain no longer holds)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.dedent(CHECK_DESCRIPTION),
+    )
+    c.add_argument("--engine", required=True, choices=ENGINES, help="the engine serving the plan")
+    c.add_argument("--url", required=True, help="the engine's base URL (or its metrics URL), e.g. http://host:8000")
+    c.add_argument("--plan", type=Path, required=True, help="the plan's folder (its plan.json) or plan.json")
+    c.add_argument("--window", type=float, default=60.0, help="seconds between the first and last scrape (60)")
+    c.add_argument("--samples", type=positive_int, default=2, help="scrapes over the window, at least 2 (default 2)")
+    c.add_argument(
+        "--tolerance", type=float, default=0.1, help="how far tau or the gain may fall below the plan (0.1 = 10 %%)"
+    )
+    c.add_argument("--save", type=Path, default=None, help="write the window's figures as JSON (for --from-metrics)")
+    c.set_defaults(func=cmd_check)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import json
+
+    from ..plan import check, metrics
+    from .options import CliError
+
+    path = args.plan / "plan.json" if args.plan.is_dir() else args.plan
+    if args.samples < 2:
+        raise CliError("--samples: a window needs 2 scrapes at least")
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CliError(f"cannot read the plan {path}: {e}") from None
+    try:
+        obs = metrics.scrape(args.engine, args.url, args.window, args.samples)
+        report = check.check(doc, obs, args.tolerance)
+    except (metrics.MetricsError, check.PlanDocError) as e:
+        raise CliError(str(e)) from None
+    if args.save is not None:  # the window (what --from-metrics reads) and the verdict (for CI or cron)
+        verdict = {"holds": report.holds, "lines": report.lines, "advice": report.advice}
+        verdict["drafts_by_concurrency"] = {str(c): k for c, k in report.schedule.items()}
+        args.save.write_text(json.dumps({**obs.to_json(), "check": verdict}, indent=1) + "\n")
+    print(f"{args.engine} at {obs.url}: {obs.source}")
+    print(report.text())
+    return check.HOLDS if report.holds else check.FAILS

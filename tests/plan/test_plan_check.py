@@ -1,0 +1,359 @@
+"""`dflash-trt plan check` against each engine's metrics, served by a local HTTP server, and `plan --from-metrics`.
+
+The metrics text of each engine is written here with that engine's own metric names, label sets and format
+(dflash_trt/plan/metrics.py cites the source of each): vLLM's and SGLang's Prometheus text, TensorRT-LLM's
+trtllm-serve /metrics JSON list of iteration statistics (drained by each call). The counts in it are what an
+engine serving the plan's acceptance (or a worse one) at a batch size would publish: expected per-position
+counts of N rounds, so the scenarios are exact, not sampled. Three scenarios per engine, as the issue asks:
+the plan's tau holds (exit 0), tau dropped by a third (exit 3), the batch ran above the planned range (exit 3).
+"""
+
+import json
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from dflash_trt.cli.main import main
+from dflash_trt.plan import check, metrics
+from dflash_trt.sim.acceptance import AcceptanceProfile
+
+SMALL = ["--concurrency", "1,8", "--min-requests", "8", "--prompt-len", "fixed:64", "--output-len", "fixed:48"]
+VLLM_LABELS = 'engine="0",model_name="Qwen/Qwen3-8B"'  # vllm/v1/metrics/loggers.py: labelnames model_name, engine
+SGLANG_LABELS = 'engine_type="unified",model_name="Qwen/Qwen3-8B",pp_rank="0",tp_rank="0"'
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory):
+    """A small plan of the demo acceptance (A100 Llama-3-8B profile): concurrencies 1 and 8."""
+    out = tmp_path_factory.mktemp("plan")
+    assert main(["plan", "--out", str(out), "--no-progress", *SMALL]) == 0
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["cells"][-1]["schedule_block"] > 1, "the plan drafts nothing at C=8: the scenarios would prove nothing"
+    return out
+
+
+def plan_doc(plan_dir):
+    return json.loads((plan_dir / "plan.json").read_text())
+
+
+def cumulative(profiles, k):
+    """Per position j < k: the share of rounds that accepted positions 0..j (mean over request classes)."""
+    out = []
+    for j in range(k):
+        total = 0.0
+        for rates in profiles:
+            p = 1.0
+            for r in rates[: j + 1]:
+                p *= r
+            total += p
+        out.append(total / len(profiles))
+    return out
+
+
+def engine_state(profiles, k, rounds):
+    """Expected counters after `rounds` drafting rounds of k drafts each."""
+    per_pos = [rounds * c for c in cumulative(profiles, k)]
+    return {"drafts": rounds, "draft_tokens": rounds * k, "per_pos": per_pos, "accepted": sum(per_pos)}
+
+
+# ---- each engine's exposition -------------------------------------------------------------------------------
+def vllm_text(state, running, generated):
+    """vLLM's /metrics (vllm/v1/spec_decode/metrics.py SpecDecodingProm, vllm/v1/metrics/loggers.py)."""
+    lines = []
+
+    def counter(name, doc, value, extra=""):
+        lines.extend([f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter"])
+        lines.append(f"{name}_total{{{VLLM_LABELS}{extra}}} {float(value)}")
+
+    lines += ["# HELP vllm:num_requests_running Number of requests in model execution batches."]
+    lines += ["# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{VLLM_LABELS}}} {running}"]
+    counter("vllm:generation_tokens", "Number of generation tokens processed.", generated)
+    counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", state["drafts"])
+    counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", state["draft_tokens"])
+    counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", state["accepted"])
+    lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position."]
+    lines += ["# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
+    for pos, value in enumerate(state["per_pos"]):
+        lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{VLLM_LABELS},position="{pos}"}} {value}')
+    return "\n".join(lines) + "\n"
+
+
+def sglang_text(tau, k, running, generated):
+    """SGLang's /metrics (python/sglang/srt/metrics/collector.py SchedulerMetricsCollector gauges)."""
+    gauges = {
+        "sglang:num_running_reqs": ("The number of running requests.", running),
+        "sglang:spec_accept_length": ("The average acceptance length of speculative decoding.", tau),
+        "sglang:spec_accept_rate": ("The average acceptance rate of speculative decoding.", (tau - 1) / k),
+    }
+    lines = []
+    for name, (doc, value) in gauges.items():
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name}{{{SGLANG_LABELS}}} {value}"]
+    lines += ["# HELP sglang:generation_tokens_total Number of generation tokens processed."]
+    lines += ["# TYPE sglang:generation_tokens_total counter"]
+    lines.append(f"sglang:generation_tokens_total{{{SGLANG_LABELS}}} {float(generated)}")
+    return "\n".join(lines) + "\n"
+
+
+def trtllm_iterations(tau, k, batch, n, first_iter=0):
+    """trtllm-serve /metrics: n iterations of `batch` generation requests drafting k each, tau per request
+    (cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats field names)."""
+    out, accepted_so_far = [], 0
+    for i in range(n):
+        due = round((i + 1) * batch * (tau - 1))
+        accepted, accepted_so_far = due - accepted_so_far, due
+        out.append(
+            {
+                "iter": first_iter + i,
+                "iterLatencyMS": 20.0,
+                "numActiveRequests": batch,
+                "numQueuedRequests": 0,
+                "inflightBatchingStats": {
+                    "numScheduledRequests": batch,
+                    "numContextRequests": 0,
+                    "numGenRequests": batch,
+                },
+                "specDecodingStats": {
+                    "numDraftTokens": batch * k,
+                    "numAcceptedTokens": accepted,
+                    "numRequestsWithDraftTokens": batch,
+                    "acceptanceLength": 1 + accepted / batch,
+                    "iterLatencyMS": 3.0,
+                    "draftOverhead": 0.15,
+                },
+            }
+        )
+    return out
+
+
+@contextmanager
+def serving(bodies):
+    """A local HTTP server answering GET /metrics with bodies[0], bodies[1], ... (the last one repeated)."""
+    calls = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = bodies[min(len(calls), len(bodies) - 1)].encode()
+            calls.append(self.path)
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", calls
+    finally:
+        server.shutdown()
+        thread.join(5)
+        server.server_close()
+
+
+def bodies_for(engine, profiles, k, running, tau):
+    """Two scrapes' bodies (three for SGLang, whose gauges are averaged) of an engine serving `profiles`."""
+    if engine in ("vllm", "dflash-trt"):
+        assert engine == "vllm"
+        a, b = engine_state(profiles, k, 1000), engine_state(profiles, k, 5000)
+        return [vllm_text(a, running, 1000 * tau), vllm_text(b, running, 5000 * tau)]
+    if engine == "sglang":
+        return [sglang_text(tau, k, running, g) for g in (1000, 2000, 3000)]
+    warm = trtllm_iterations(tau * 2, k, running, 5)  # before the window: drained by the first scrape, not counted
+    return [json.dumps(warm), json.dumps(trtllm_iterations(tau, k, running, 200, first_iter=5))]
+
+
+SCENARIOS = {  # name: (batch, tau factor, exit status, the line that must say why)
+    "tau holds": (8, 1.0, check.HOLDS, "held      tau"),
+    "tau dropped by a third": (8, 2 / 3, check.FAILS, "NOT HELD  tau"),
+    "batch above the planned range": (16, 1.0, check.FAILS, "NOT HELD  batch"),
+}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "trtllm"])
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_plan_check_passes_and_fails_where_it_should(plan_dir, engine, scenario, capsys, tmp_path):
+    batch, factor, status, why = SCENARIOS[scenario]
+    doc = plan_doc(plan_dir)
+    k = doc["cells"][-1]["schedule_block"] - 1
+    planned = doc["inputs"]["acceptance"]["position_rates"]
+    tau = check.mean_tau(planned, k + 1) * factor
+    profiles = planned if factor == 1.0 else [AcceptanceProfile.from_tau("low", tau, k + 1).rates]
+    with serving(bodies_for(engine, profiles, k, batch, tau)) as (url, calls):
+        samples = ["--samples", "3"] if engine == "sglang" else []
+        args = ["plan", "check", "--engine", engine, "--url", url, "--plan", str(plan_dir), "--window", "0.1"]
+        got = main([*args, *samples, "--save", str(tmp_path / "scrape.json")])
+    out = capsys.readouterr().out
+    assert got == status, out
+    assert why in out and calls == ["/metrics"] * len(calls) and len(calls) >= 2
+    saved = json.loads((tmp_path / "scrape.json").read_text())
+    assert saved["tau"] == pytest.approx(tau, rel=0.01) and saved["mean_drafts"] == pytest.approx(k, rel=0.01)
+    assert max(saved["batch"]) == batch and saved["check"]["holds"] == (status == check.HOLDS)
+    assert set(saved["check"]["drafts_by_concurrency"]) == {"1", "8"}
+    if factor != 1.0:
+        assert "gain over the target alone" in out and out.count("NOT HELD") >= 2  # tau and the gain
+
+
+def test_vllm_per_position_rates_are_read_back_exactly(plan_dir):
+    doc = plan_doc(plan_dir)
+    k = doc["cells"][-1]["schedule_block"] - 1
+    planned = doc["inputs"]["acceptance"]["position_rates"]
+    a, b = engine_state(planned, k, 100), engine_state(planned, k, 700)
+    samples = [metrics.read("vllm", vllm_text(s, 8, 0), t) for s, t in ((a, 0.0), (b, 2.0))]
+    obs = metrics.window("vllm", "u", samples)
+    cum = cumulative(planned, k)
+    assert obs.position_rates == pytest.approx([cum[0]] + [cum[j] / cum[j - 1] for j in range(1, k)])
+    assert obs.tau == pytest.approx(check.mean_tau(planned, k + 1)) and obs.seconds == 2.0
+
+
+def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
+    """PR 16888: a schedule that resolves to 0 drafts with generation requests in flight stops DFlash's context
+    refresh; the check counts those iterations and says what to do."""
+    its = trtllm_iterations(4.0, 7, 8, 50)
+    for it in its[:10]:
+        it["specDecodingStats"] = {**it["specDecodingStats"], "numDraftTokens": 0, "numAcceptedTokens": 0}
+    with serving(["[]", json.dumps(its)]) as (url, _):
+        args = ["plan", "check", "--engine", "trtllm", "--url", url, "--plan", str(plan_dir), "--window", "0.05"]
+        main(args)
+    assert "10 iterations ran generation requests without drafts" in capsys.readouterr().out
+
+
+def test_no_traffic_and_no_server_are_clear_errors(plan_dir, capsys):
+    state = engine_state([[0.5] * 7], 7, 0)
+    with serving([vllm_text(state, 0, 0)]) as (url, _):
+        args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(plan_dir), "--window", "0.05"]
+        assert main(args) == 1
+    assert "no speculative round in the window" in capsys.readouterr().err
+    args = ["plan", "check", "--engine", "vllm", "--url", "http://127.0.0.1:9", "--plan", str(plan_dir)]
+    assert main([*args, "--window", "0"]) == 1
+    assert "cannot scrape http://127.0.0.1:9/metrics" in capsys.readouterr().err
+
+
+def test_from_metrics_plans_on_what_the_engine_saw(plan_dir, tmp_path):
+    doc = plan_doc(plan_dir)
+    k = doc["cells"][-1]["schedule_block"] - 1
+    low = AcceptanceProfile.from_tau("low", 2.5, k + 1).rates
+    with serving(bodies_for("vllm", [low], k, 8, 2.5)) as (url, _):
+        args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(plan_dir), "--window", "0.05"]
+        assert main([*args, "--save", str(tmp_path / "seen.json")]) == check.FAILS
+    out = tmp_path / "replan"
+    assert (
+        main(["plan", "--out", str(out), "--from-metrics", str(tmp_path / "seen.json"), "--no-progress", *SMALL]) == 0
+    )
+    acc = json.loads((out / "plan.json").read_text())["inputs"]["acceptance"]
+    assert acc["measured"] and "vllm /metrics" in acc["source"] and "per-position" in acc["source"]
+    assert acc["tau_by_block"][str(k + 1)] == pytest.approx(2.5, rel=0.01)
+    with serving(bodies_for("vllm", [low], k, 8, 2.5)) as (url, _):  # the new plan holds on the same traffic
+        args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(out), "--window", "0.05"]
+        assert main(args) == check.HOLDS
+
+
+# ---- this project's server under load -----------------------------------------------------------------------
+@contextmanager
+def load(url, concurrency, block=8, max_tokens=48):
+    """`concurrency` clients posting completions back to back (held-out code prompts, a fixed block) until the
+    block ends; yields the list of their answers so far."""
+    import httpx
+
+    from dflash_trt.bench.prompts import held_out_code_prompts
+
+    prompts, stop, answers = held_out_code_prompts(8, prefix_chars=200), threading.Event(), []
+
+    def client(i):
+        with httpx.Client(timeout=120) as http:
+            n = i
+            while not stop.is_set():
+                body = {"prompt": prompts[n % len(prompts)], "max_tokens": max_tokens, "temperature": 0}
+                answers.append(http.post(url + "/v1/completions", json={**body, "block_size": block}).status_code)
+                n += concurrency
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    try:
+        yield answers
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+
+
+def test_this_projects_server_under_load(tmp_path, capsys):
+    """The real server (demo pair, 4 clients): the check reads its vLLM-named counters and its own batch rows;
+    a plan made --from-metrics from that scrape holds on the next window of the same traffic."""
+    from server_harness import running_server
+
+    from dflash_trt.loading import load_decoder
+    from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    plan, any_plan = tmp_path / "plan", plan_dir_for(tmp_path)
+    with running_server(load_decoder(DEMO_TARGET, DEMO_DRAFTER)) as (url, _), load(url, 4) as answers:
+        while len(answers) < 4:  # every client has had an answer: the batch is full
+            threading.Event().wait(0.2)
+        args = ["plan", "check", "--engine", "dflash-trt", "--url", url, "--window", "6", "--samples", "4"]
+        main([*args, "--plan", str(any_plan), "--save", str(first)])
+        flags = ["--concurrency", "1,4", "--min-requests", "8", "--prompt-len", "fixed:64", "--output-len", "fixed:48"]
+        assert main(["plan", "--out", str(plan), "--from-metrics", str(first), "--no-progress", *flags]) == 0
+        status = main([*args, "--plan", str(plan), "--save", str(second), "--tolerance", "0.25"])
+    out = capsys.readouterr().out
+    assert set(answers) == {200}
+    seen = json.loads(first.read_text())
+    assert seen["engine"] == "dflash-trt" and 0 < max(seen["batch"]) <= 4 and seen["tokens_per_s"] > 0
+    assert 5 < seen["mean_drafts"] <= 7  # block 8: 7 drafts a round, fewer in the rounds an output's end clips
+    assert 1 < seen["tau"] <= 8 and len(seen["position_rates"]) == int(seen["mean_drafts"])
+    assert all(0 <= r <= 1 for r in seen["position_rates"])
+    # two windows of a few seconds on different prompts: tau moves between them, within the tolerance given
+    assert status == check.HOLDS, out
+
+
+def plan_dir_for(tmp_path):
+    """Any plan for the first window's check (its verdict is not what this test reads): a tiny one."""
+    out = tmp_path / "any"
+    assert main(["plan", "--out", str(out), "--no-progress", *SMALL]) == 0
+    return out
+
+
+def test_the_cluster_rule_reads_what_the_check_reads(plan_dir):
+    """deploy/k8s/base/prometheusrule.yaml's plan alerts: tau from the same vLLM counters as `plan check`, the
+    running batch from the same gauge, and the plan gives the two thresholds (plan.json "alerts")."""
+    import yaml
+
+    from dflash_trt.settings import REPO_ROOT
+
+    doc = yaml.safe_load((REPO_ROOT / "deploy" / "k8s" / "base" / "prometheusrule.yaml").read_text())
+    rules = {r.get("alert") or r["record"]: r["expr"] for g in doc["spec"]["groups"] for r in g["rules"]}
+    tau = rules["dflash:spec_decode_tau:rate10m"]
+    assert metrics.VLLM_COUNTERS["accepted"] in tau and metrics.VLLM_COUNTERS["drafts"] in tau
+    assert "dflash:spec_decode_tau:rate10m <" in rules["DFlashPlanTauBelowPlan"]
+    assert metrics.NAMES["vllm"][1]["running"] in rules["DFlashBatchAbovePlan"]
+    plan = plan_doc(plan_dir)
+    k = plan["cells"][-1]["schedule_block"]
+    assert plan["alerts"]["batch_above"] == 8
+    assert plan["alerts"]["tau_floor"] <= round(0.9 * plan["inputs"]["acceptance"]["tau_by_block"][str(k)], 2)
+
+
+def test_an_engine_drafting_longer_than_the_plan_is_compared_at_the_plans_longest(plan_dir):
+    doc = plan_doc(plan_dir)
+    top = max(int(b) for b in doc["cells"][-1]["tokens_per_s_by_block"])
+    planned = doc["inputs"]["acceptance"]["position_rates"]
+    tau = check.mean_tau(planned, top)
+    obs = metrics.Observed("sglang", "u", 10.0, 3.0, tau, top + 3.0, None, [8.0], None)
+    report = check.check(doc, obs)
+    assert report.holds, report.text()  # the same tau at a longer draft is no loss against the plan
+    assert f"more than the plan's longest {top - 1}" in report.text()
+
+
+def test_a_plan_written_before_plan_check_is_refused_clearly(plan_dir, tmp_path, capsys):
+    doc = plan_doc(plan_dir)
+    del doc["inputs"]["acceptance"]["position_rates"]
+    (tmp_path / "plan.json").write_text(json.dumps(doc))
+    k = doc["cells"][-1]["schedule_block"] - 1
+    with serving(bodies_for("vllm", [[0.5] * k], k, 8, 2.0)) as (url, _):
+        args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(tmp_path), "--window", "0.05"]
+        assert main(args) == 1
+    assert "write the plan again" in capsys.readouterr().err

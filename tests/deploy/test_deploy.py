@@ -214,8 +214,8 @@ def test_probes_drain_and_grace(rendered):
             assert drain >= request >= 60 and delay >= 5, (overlay, env)
             assert grace[role] >= delay + drain + 30  # the delay, the drain, then the engines' shutdown
             assert [i["command"][-1].rsplit("/", 1)[-1] for i in spec["initContainers"]] == ["build-engines.sh"]
-        if "worker" in grace:
-            assert grace["worker"] >= grace["leader"], overlay
+        if "worker" in grace:  # the leader's drain starts after the worker's eviction: it must end first
+            assert grace["worker"] >= grace["leader"] + 30, overlay
     triton = one(rendered["triton"], "Deployment")["spec"]["template"]["spec"]
     (c,) = triton["containers"]
     assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
@@ -388,6 +388,57 @@ PRESTOP_SH = K8S / "base" / "scripts" / "prestop.sh"
 IMAGE_USER = 10001  # the Dockerfile's runtime user (tests/deploy/test_dockerfile_paths.py reads it there)
 
 
+SCRIPTS = {p.name: p for d in (K8S / "base" / "scripts", K8S / "components" / "engines") for p in d.glob("*.sh")}
+
+
+def _default(script: str, var: str) -> str:
+    """The default a script gives `var` (`${VAR:-default}`), read from the script itself."""
+    (value,) = set(re.findall(r"\$\{" + var + r":-([^}]+)\}", SCRIPTS[script].read_text()))
+    return value
+
+
+def _written_paths(script: str, env: dict) -> set[str]:
+    """The folders a script (and the scripts it runs) writes, with the container's environment applied."""
+    run = env.get(
+        "DFLASH_RUN_DIR", _default(script if script != "build-repo.sh" else "build-engines.sh", "DFLASH_RUN_DIR")
+    )
+    if script == "serve.sh":  # the pid file, the leader's hostfile
+        return {run}
+    paths = {run, env.get("DFLASH_ENGINES_ROOT", _default("build-engines.sh", "DFLASH_ENGINES_ROOT"))}
+    if script == "build-repo.sh":  # build-engines.sh, then the model repository at --out
+        assert "bash /engine-scripts/build-engines.sh" in SCRIPTS[script].read_text()
+        paths.add(re.search(r"--out (\S+)", SCRIPTS[script].read_text()).group(1))
+    return paths
+
+
+def _writable_at(spec: dict, container: dict, path: str) -> bool:
+    """A mount at `path` or above it that the container can write: not readOnly, not a ConfigMap or Secret."""
+    for m in container.get("volumeMounts", []):
+        if (path + "/").startswith(m["mountPath"].rstrip("/") + "/"):
+            (v,) = [v for v in spec["volumes"] if v["name"] == m["name"]]
+            claim = v.get("persistentVolumeClaim", {})
+            return not m.get("readOnly") and not claim.get("readOnly") and ("emptyDir" in v or bool(claim))
+    return False
+
+
+def test_a_non_root_container_can_write_every_folder_its_scripts_write(rendered):
+    """uid 10001 cannot create folders in the image's root-owned / or /run: every folder a non-root container's
+    script writes (DFLASH_RUN_DIR, the engines root, Triton's model repository) is a writable mount. Triton's
+    build-repo had none at /run/dflash: `mkdir -p /run/dflash` failed under set -e and no pod started."""
+    checked = set()
+    for overlay, docs in rendered.items():
+        for _, spec, _ in _all_pod_specs(docs):
+            for c in _containers(spec):
+                user = c.get("securityContext", {}).get("runAsUser", spec["securityContext"].get("runAsUser"))
+                script = c["command"][-1].rsplit("/", 1)[-1]
+                if user == 0 or script not in SCRIPTS:
+                    continue
+                for path in _written_paths(script, _env(c)):
+                    assert _writable_at(spec, c, path), (overlay, c["name"], path)
+                checked.add((overlay, script))
+    assert {("triton", "build-repo.sh"), ("single-node", "build-engines.sh"), ("single-node", "serve.sh")} <= checked
+
+
 def _volume(spec: dict, container: dict, path: str) -> tuple[dict, str]:
     """(the volume mounted where `path` lies in `container`, path's rest below the mount)."""
     for m in container.get("volumeMounts", []):
@@ -451,7 +502,7 @@ def test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas(rendered
         (so,) = kinds(docs, "ScaledObject")
         for t in so["spec"]["triggers"]:
             assert t["metadata"]["ignoreNullValues"] == "false", (overlay, t["name"])
-            assert t.get("metricType", "AverageValue") == "AverageValue"  # what KEDA's fallback needs
+            assert t.get("metricType", "AverageValue") == "AverageValue"  # the thresholds are per replica
         fallback = so["spec"]["fallback"]
         assert fallback["behavior"] == "currentReplicasIfHigher" and fallback["failureThreshold"] >= 3, overlay
         assert fallback["replicas"] == so["spec"]["minReplicaCount"]  # max(current, minimum): hold, never raise
@@ -667,10 +718,11 @@ def test_the_workers_sshd_admits_one_user_by_key_with_nothing_forwarded(tmp_path
     assert conf["permittunnel"] == "no"
 
 
-def test_the_roce_component_adds_the_secondary_network_and_the_gid_index(rendered, tmp_path):
+def test_the_roce_component_adds_the_secondary_network_and_leaves_the_gid_to_nccl(rendered, tmp_path):
     """components/roce on the multi-node overlay (as an operator's overlay adds it): both pod templates join the
-    RDMA NIC's secondary network (Multus annotation) and the leader, whose NCCL_* reach every rank, sets
-    NCCL_IB_GID_INDEX; the result validates. The overlay alone (InfiniBand) has neither."""
+    RDMA NIC's secondary network (Multus annotation); the result validates. The overlay alone (InfiniBand) has no
+    such network. No rank gets a fixed NCCL_IB_GID_INDEX: NCCL >= 2.21 picks each NIC's RoCE v2 GID (connect.cc,
+    ncclIbGetGidIndex), and a fixed index breaks NICs whose GID table differs."""
     rel = os.path.relpath(K8S, tmp_path)  # kustomize takes other kustomizations by relative path only
     (tmp_path / "kustomization.yaml").write_text(
         "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
@@ -685,8 +737,9 @@ def test_the_roce_component_adds_the_secondary_network_and_the_gid_index(rendere
         for key in ("leaderTemplate", "workerTemplate"):
             networks = lwt[key]["metadata"].get("annotations", {}).get("k8s.v1.cni.cncf.io/networks")
             assert bool(networks) == with_roce, (with_roce, key)
-        (leader,) = lwt["leaderTemplate"]["spec"]["containers"]
-        assert ("NCCL_IB_GID_INDEX" in _env(leader)) == with_roce
+        for key in ("leaderTemplate", "workerTemplate"):
+            for c in _containers(lwt[key]["spec"]):
+                assert "NCCL_IB_GID_INDEX" not in _env(c), (with_roce, key, c["name"])
 
 
 # ---- PromQL -----------------------------------------------------------------------------------------------
@@ -774,9 +827,31 @@ def server_metrics() -> str:
         return httpx.get(url + "/metrics", timeout=30).text
 
 
+# Prometheus' own series per scrape target (Prometheus docs, "Jobs and instances": `up` is 1 when the scrape
+# succeeded, 0 when it failed), which no server exports
+PROMETHEUS_OWN = {"up"}
+
+
+def test_an_alert_fires_when_no_target_is_scraped(rendered):
+    """A failed scrape (401 with a wrong key) or lost targets blind every alert and KEDA's triggers: one alert per
+    overlay fires on `up == 0` for every target of the job or on no `up` series at all (absent). Parsed by
+    Prometheus' grammar (promql-parser), selecting the Service's job."""
+    for overlay, docs in rendered.items():
+        job = one(docs, "Service")["metadata"]["name"]  # the job a ServiceMonitor gives its series
+        rules = [r for d in kinds(docs, "PrometheusRule") for g in d["spec"]["groups"] for r in g["rules"]]
+        (scrape,) = [r for r in rules if "alert" in r and "absent(" in r["expr"]]
+        expr = " ".join(scrape["expr"].split())
+        assert parsed_names([expr]) == PROMETHEUS_OWN, overlay
+        selector = f'up{{job="{job}"}}'
+        assert f"({selector}) == 0" in expr and f"absent({selector})" in expr and " or " in expr, (overlay, expr)
+        assert scrape["labels"]["severity"] == "critical" and scrape["annotations"]["description"], overlay
+    broken = deploy_tools(["promql"], ['sum(up{job="dflash-trt"}) == 0 or absent(up{job="dflash-trt"}'])
+    assert [r["ok"] for r in broken] == [False]
+
+
 def test_server_exports_every_metric_the_rules_autoscaler_and_dashboard_use(rendered, server_metrics):
     exprs, recorded = queries(rendered["multi-node"])
-    used = parsed_names(exprs + _dashboard_exprs()) - recorded
+    used = parsed_names(exprs + _dashboard_exprs()) - recorded - PROMETHEUS_OWN
     assert {"dflash_queue_depth", "vllm:spec_decode_num_drafts_total"} <= used  # the sets are the real ones
     missing = used - exported_names(server_metrics)
     assert not missing, f"named in deploy/ but not exported by the server: {sorted(missing)}"
@@ -809,7 +884,7 @@ def test_triton_exports_every_metric_its_rules_and_autoscaler_use(rendered, tmp_
     finally:
         server.stop()
     exprs, recorded = queries(rendered["triton"])
-    used = parsed_names(exprs) - recorded
+    used = parsed_names(exprs) - recorded - PROMETHEUS_OWN
     assert used and all(n.startswith("nv_inference_") for n in used)
     missing = used - exported_names(text)
     assert not missing, f"named in deploy/k8s/triton but not exported by tritonserver: {sorted(missing)}"

@@ -126,3 +126,60 @@ def test_old_identities_and_dead_builds_are_removed(site):
     assert builds(site) == 3 and '"event": "engines_ready"' in out
     assert not dead.exists() and live.is_dir() and second.is_dir() and third.is_dir()
     assert not list((site / "engines").glob(".trash-*"))
+
+
+IMAGE_USER = 10001  # the image's user (Dockerfile), which the single-node and Triton pods run as
+
+
+@pytest.fixture
+def shared():
+    """A folder every uid can traverse (pytest's tmp_path is root's, mode 700), removed afterwards."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="engines-uid-"))
+    path.chmod(0o755)
+    yield path
+    shutil.rmtree(path)
+
+
+def _as_image_user(site: Path, root: Path, run: Path) -> subprocess.CompletedProcess:
+    for role in ("target", "drafter"):
+        (site / "ckpt" / role).mkdir(parents=True, exist_ok=True)
+    (site / "engines.toml").write_text(f'target = "{site}/ckpt/target"\ndrafter = "{site}/ckpt/drafter"\n')
+    # a stand-in for `dflash-trt engines` (what is tested here is the script's own writes): the --out folder
+    (site / "fake.sh").write_text('while [ $# -gt 0 ]; do [ "$1" = --out ] && mkdir -p "$2"; shift; done\n')
+    env = {
+        "PATH": os.environ["PATH"],
+        "ENGINES_CONFIG": str(site / "engines.toml"),
+        "DFLASH_ENGINES_ROOT": str(root),
+        "DFLASH_RUN_DIR": str(run),
+        "DFLASH_ENGINES_CMD": f"bash {site / 'fake.sh'}",
+    }
+    user = ["setpriv", f"--reuid={IMAGE_USER}", f"--regid={IMAGE_USER}", "--clear-groups"]
+    if os.geteuid() != 0:
+        user = []  # already not root: the folders below are then owned by this user, not by root
+    return subprocess.run([*user, "bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run the script as the image's uid (setpriv)")
+def test_a_root_the_image_user_cannot_write_is_refused_by_name(shared):
+    """The engines root of a ReadWriteMany claim whose share is root's (fsGroup does not reach it unless the CSI
+    driver's fsGroupPolicy is File): the step stops at once and says what to change, before hashing or building;
+    a run folder it cannot write likewise. The control: both owned by the image's uid, the step completes."""
+    locked = shared / "engines"  # root's, 755: what uid 10001 meets on a share nobody prepared
+    locked.mkdir()
+    r = _as_image_user(shared, locked, shared / "run")
+    assert r.returncode == 1 and f"{locked} is not writable by uid {IMAGE_USER}" in r.stderr, r
+    assert "fsGroupPolicy: File" in r.stderr and "access point" in r.stderr and not list(locked.iterdir())
+
+    os.chown(locked, IMAGE_USER, IMAGE_USER)
+    run = shared / "rundir"
+    run.mkdir(mode=0o755)  # root's: /run/dflash with no emptyDir mounted on it
+    r = _as_image_user(shared, locked, run / "dflash")
+    assert r.returncode == 1 and "DFLASH_RUN_DIR" in r.stderr and "emptyDir" in r.stderr, r
+
+    os.chown(run, IMAGE_USER, IMAGE_USER)
+    r = _as_image_user(shared, locked, run / "dflash")
+    assert r.returncode == 0 and '"event": "engines_ready"' in r.stdout, r
+    assert Path((run / "dflash" / "engines-dir").read_text().strip()).parent == locked

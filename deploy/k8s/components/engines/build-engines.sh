@@ -24,6 +24,27 @@ ROOT="${DFLASH_ENGINES_ROOT:-/engines}"
 RUN="${DFLASH_RUN_DIR:-/run/dflash}"
 read -r -a ENGINES_CMD <<< "${DFLASH_ENGINES_CMD:-dflash-trt engines}"
 
+# Both folders written below must be writable by this process (the image's uid 10001 in the single-node and
+# Triton pods): checked before anything is hashed or built. A pod's fsGroup does not make a ReadWriteMany claim
+# writable: the kubelet applies it only where the volume's CSI driver says so (kubernetes pkg/apis/storage/types.go:
+# the default FSGroupPolicy, ReadWriteOnceWithFSType, applies it to ReadWriteOnce volumes with an fsType only).
+writable() {  # a real write (access(2) can answer wrongly on NFS): a file made and removed
+  local probe="$1/.write-probe-$$"
+  mkdir -p "$1" 2>/dev/null && : > "$probe" 2>/dev/null && rm -f "$probe"
+}
+if ! writable "$ROOT"; then
+  cat >&2 <<MSG
+engines: $ROOT is not writable by uid $(id -u) gid $(id -g). A pod's fsGroup does not reach a ReadWriteMany
+volume unless its CSI driver declares fsGroupPolicy: File: make the share's root writable by uid/gid $(id -u)
+(an EFS access point with uid and gid $(id -u), an NFS export owned by it) or use such a driver
+(deploy/README.md, "Least privilege").
+MSG
+  exit 1
+fi
+if ! writable "$RUN"; then
+  echo "engines: $RUN (DFLASH_RUN_DIR) is not writable by uid $(id -u): mount an emptyDir there" >&2; exit 1
+fi
+
 # The checkpoint folders the config names; a config without both fails here (set -e), never an identity without
 # their stamp (which would reuse an old folder after the checkpoints changed).
 CHECKPOINTS=$(python3 - "$CONFIG" <<'PY'

@@ -45,6 +45,11 @@ UNIT = "drafted tokens per request per step (the anchor token excluded)"
 # tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM at 00043967; without it /metrics answers an empty list);
 # SGLang publishes its Prometheus metrics only under --enable-metrics (python/sglang/srt/server_args.py).
 TRTLLM_METRICS = {"enable_iter_perf_stats": True}
+# The plan simulates prompts entering in chunks within a step budget (tune.run), so the YAML asks TensorRT-LLM for
+# the same: BaseLlmArgs.enable_chunked_prefill defaults to False (llm_args.py at 00043967), and its DFlash keeps a
+# chunked prompt's context chunk by chunk (tensorrt_llm/_torch/speculative/dflash.py _store_prefill_context,
+# NVIDIA/TensorRT-LLM at 00679c66).
+TRTLLM_SERVING = {"enable_chunked_prefill": True, **TRTLLM_METRICS}
 SGLANG_METRICS = "--enable-metrics"
 # vLLM's JSON cannot carry comments: what applies to num_speculative_tokens_per_batch_size is printed, written to
 # plan.json "notes" and said in docs/gpu.md (sources: vllm-project/vllm#32374, #51510, vllm/config/vllm.py)
@@ -88,8 +93,9 @@ def trtllm_header(plan: Plan, step_tokens: int | None) -> list[str]:
         "without it",
         f"attention: {ATTENTION_NOTE}; DFlash 2 drafters cannot take TRTLLM (no non-causal sliding-window "
         "attention, NVIDIA/TensorRT-LLM#19159), which on SM100/103 also needs FlashInfer",
-        f"prefill: the plan simulated prompts {chunk}; this file leaves enable_chunked_prefill at BaseLlmArgs' "
-        "default (false), so TTFT and ITL with long prompts in the batch differ from plan.json's",
+        f"enable_chunked_prefill: true: the plan simulated prompts {chunk} (BaseLlmArgs' default is false); "
+        "TensorRT-LLM's DFlash keeps a chunked prompt's context chunk by chunk "
+        "(tensorrt_llm/_torch/speculative/dflash.py _store_prefill_context, NVIDIA/TensorRT-LLM 00679c66)",
     ]
 
 
@@ -314,12 +320,12 @@ def write(
     lines = [f"dflash-trt plan: {acc.name} acceptance, {cost.source.split(';')[0]}"]
     if spec is None:
         yaml = "".join(f"# {x}\n" for x in [*lines, f"{no_schedule_note(plan)} (no speculative_config)"])
-        yaml += to_yaml(TRTLLM_METRICS)
+        yaml += to_yaml(TRTLLM_SERVING)
     else:
         lines += trtllm_header(plan, settings.get("step_tokens"))
         if drafter is None:
             lines.append("add speculative_model: the drafter folder (no --drafter was given)")
-        body = {"max_batch_size": plan.cells[-1].concurrency, **TRTLLM_METRICS, "speculative_config": spec}
+        body = {"max_batch_size": plan.cells[-1].concurrency, **TRTLLM_SERVING, "speculative_config": spec}
         yaml = "".join(f"# {x}\n" for x in lines) + to_yaml(body)
     vllm = vllm_config(plan, drafter)
     (out / "trtllm-serve.yaml").write_text(yaml)

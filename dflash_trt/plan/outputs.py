@@ -92,7 +92,7 @@ def trtllm_header(plan: Plan, step_tokens: int | None) -> list[str]:
         "enable_iter_perf_stats: true: trtllm-serve's /metrics (what `dflash-trt plan check` reads) is empty "
         "without it",
         f"attention: {ATTENTION_NOTE}; DFlash 2 drafters cannot take TRTLLM (no non-causal sliding-window "
-        "attention, NVIDIA/TensorRT-LLM#19159), which on SM100/103 also needs FlashInfer",
+        "attention, NVIDIA/TensorRT-LLM#19159)",
         f"enable_chunked_prefill: true: the plan simulated prompts {chunk} (BaseLlmArgs' default is false); "
         "TensorRT-LLM's DFlash keeps a chunked prompt's context chunk by chunk "
         "(tensorrt_llm/_torch/speculative/dflash.py _store_prefill_context, NVIDIA/TensorRT-LLM 00679c66)",

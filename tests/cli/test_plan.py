@@ -324,6 +324,13 @@ def test_the_trtllm_schedule_never_resolves_to_zero_drafts_for_dflash(tmp_path):
     assert "#16888" in text and "flash-attn" in text and "#19159" in text and "enable_chunked_prefill" in text
 
 
+def test_the_attention_note_says_trtllm_needs_flashinfer(tmp_path):
+    """DFlashDecodingConfig.attention_backend (llm_args.py): TRTLLM on SM100 / SM103 needs FlashInfer."""
+    _, files = _written(tmp_path, _plan({1: 8, 8: 5, 64: 3}), DEMO_DRAFTER)
+    line = next(x for x in files["trtllm-serve.yaml"].splitlines() if x.startswith("# attention:"))
+    assert "TRTLLM needs no flash-attn but needs FlashInfer" in line and "needs none" not in line
+
+
 def test_trtllm_serves_prompts_chunked_as_the_plan_simulated(tmp_path):
     """The plan chunks prompts within a step budget; BaseLlmArgs.enable_chunked_prefill defaults to False, and
     TensorRT-LLM's DFlash supports chunked prefill (dflash.py _store_prefill_context, TensorRT-LLM 00679c66)."""

@@ -25,7 +25,8 @@ defines them:
   cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats serialise them; needs
   enable_iter_perf_stats): per iteration numActiveRequests, inflightBatchingStats.numGenRequests and
   specDecodingStats {numDraftTokens, numAcceptedTokens, numRequestsWithDraftTokens}. The first scrape only
-  drains the queue; the later ones hold the window's iterations. Tokens per iteration are derived (each
+  drains the queue; the later ones hold the window's iterations. The engine keeps only the last max_stats_len
+  iterations (an LLM argument, 1000 by default): a scrape that returns that many may have lost older ones. Tokens per iteration are derived (each
   generation request commits one token plus its accepted drafts; context requests are not counted).
 * dflash-trt (this project's server, dflash_trt/server/metrics.py): the vLLM names above (it exports them
   from the same verify rounds), plus dflash_generated_tokens, dflash_inflight_requests and the verify pass's
@@ -49,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ENGINES = ("vllm", "sglang", "trtllm", "dflash-trt")
+TRTLLM_STATS_KEPT = 1000  # the LLM args' max_stats_len default: iterations trtllm-serve queues between scrapes
 
 
 class MetricsError(ValueError):
@@ -82,6 +84,7 @@ class Observed:
     tokens_per_s: float | None  # generated tokens per second over the window
     idle_drafting: int | None = None  # TensorRT-LLM: iterations with generation requests and no draft
     source: str = ""
+    full_scrapes: int | None = None  # TensorRT-LLM: window scrapes returning >= TRTLLM_STATS_KEPT iterations
 
     @property
     def mean_batch(self) -> float:
@@ -262,6 +265,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
     batch = [float(i.get("numActiveRequests", 0)) for i in iters]
     src = f"{len(iters)} iterations ({len(with_drafts)} drafting) of trtllm-serve /metrics over {seconds:.1f} s"
     tps = tokens / seconds if seconds > 0 else None
+    full = sum(1 for s in samples[1:] if len(s.iterations) >= TRTLLM_STATS_KEPT)
     return Observed(
         "trtllm",
         url,
@@ -274,6 +278,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
         tps,
         idle,
         src,
+        full,
     )
 
 

@@ -258,6 +258,18 @@ def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
     assert "10 iterations ran generation requests without drafts" in capsys.readouterr().out
 
 
+def test_a_trtllm_scrape_at_max_stats_len_warns_of_lost_iterations(plan_dir):
+    """trtllm-serve keeps the last max_stats_len iterations (1000 by default): a scrape returning that many may
+    have dropped older ones, and the check says so; one below it does not."""
+    doc = plan_doc(plan_dir)
+    first = metrics.read("trtllm", "[]", 0.0)
+    for n, warned in ((999, False), (1000, True)):
+        last = metrics.read("trtllm", json.dumps(trtllm_iterations(4.0, 7, 8, n)), 10.0)
+        obs = metrics.window("trtllm", "u", [first, last])
+        assert obs.full_scrapes == int(warned)
+        assert ("raise max_stats_len" in check.check(doc, obs).text()) is warned
+
+
 def test_no_traffic_and_no_server_are_clear_errors(plan_dir, capsys):
     state = engine_state([[0.5] * 7], 7, 0)
     with serving([vllm_text(state, 0, 0)]) as (url, _):

@@ -29,7 +29,8 @@ nothing per family, but the drafter's target_layer_ids and fc width must fit the
 Attention: DFlashForCausalLM's block decode defaults to its VANILLA backend, which imports `flash_attn_with_kvcache`
 from the flash-attn package (tensorrt_llm/_torch/speculative/dflash_attention.py, get_dflash_flash_attention:
 "DFlash VANILLA attention requires the flash-attn package"); the TRTLLM backend (`attention_backend: TRTLLM`) needs
-SM100 / SM103 (Blackwell). So on GPUs before Blackwell, install flash-attn next to TensorRT-LLM (`ATTENTION_NOTE`).
+SM100 / SM103 (Blackwell) and FlashInfer there (DFlashDecodingConfig.attention_backend's description). So on GPUs
+before Blackwell, install flash-attn next to TensorRT-LLM (`ATTENTION_NOTE`).
 
 The 1.2 engine path (`dflash-trt build-target`, TensorRT-LLM 1.2 in Triton's 26.03-26.07 images) is the other
 way to serve on a GPU: see docs/gpu.md for which fits which container. NOT RUN against a real TensorRT-LLM here
@@ -46,10 +47,12 @@ from typing import Any
 
 from ..costgrid import CostGridMismatch, check_grid_matches, read_target_config
 
+# DFlashDecodingConfig.attention_backend's field description (llm_args.py, same snapshot): TRTLLM runs on
+# SM100 / SM103 and needs FlashInfer there
 ATTENTION_NOTE = (
     "TensorRT-LLM's default DFlash attention backend (VANILLA) needs the flash-attn package "
     "(pip install flash-attn) on GPUs before Blackwell; on Blackwell (SM100 / SM103) --attention-backend TRTLLM "
-    "needs none"
+    "needs no flash-attn but needs FlashInfer"
 )
 ATTENTION_BACKENDS = ("VANILLA", "TRTLLM")  # DFlashDecodingConfig.attention_backend (llm_args.py, same snapshot)
 # z-lab's DFlash 2 recipe, read from dflash_config only by TensorRT-LLM (_validate_dflash2_config: all four >= 1,

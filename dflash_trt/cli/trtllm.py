@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "every family TensorRT-LLM's PyTorch backend serves (qwen3_5, qwen3_5_moe, gpt_oss, gemma4, ...) are "
             "checked against the drafter's feature layers. Attention: TensorRT-LLM's default DFlash attention backend "
             "(VANILLA) needs the flash-attn package on GPUs before Blackwell; --attention-backend TRTLLM needs "
-            "Blackwell (SM100 / SM103). For TensorRT-LLM 1.2 (the engine path) use build-target instead; docs/gpu.md "
+            "Blackwell (SM100 / SM103) and FlashInfer. For TensorRT-LLM 1.2 (the engine path) use build-target instead; docs/gpu.md "
             "says which fits which container.",
             100,
         ),
@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         choices=["VANILLA", "TRTLLM"],
         default=None,
         help="DFlashDecodingConfig.attention_backend (default: not written, so TensorRT-LLM's VANILLA, which needs "
-        "the flash-attn package); TRTLLM: Blackwell only",
+        "the flash-attn package); TRTLLM: Blackwell only, with FlashInfer",
     )
     p.set_defaults(func=cmd_trtllm_serve_config)
 
@@ -76,7 +76,8 @@ def cmd_trtllm_serve_config(args: argparse.Namespace) -> int:
     cmd = serve_command(args.target, args.out or "FILE")
     if args.tp > 1:
         cmd += ["--tp_size", str(args.tp)]
-    note = "" if args.attention_backend == "TRTLLM" else f"\n# note: {ATTENTION_NOTE}"
+    trtllm = "attention_backend TRTLLM needs Blackwell (SM100 / SM103) and FlashInfer there"
+    note = f"\n# note: {trtllm if args.attention_backend == 'TRTLLM' else ATTENTION_NOTE}"
     if args.out is None:
         print(text, end="")
         print("# serve with: " + shlex.join(cmd) + note)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sim.acceptance import tau_of
-from .metrics import Observed
+from .metrics import TRTLLM_STATS_KEPT, Observed
 
 ABOVE = (
     "above it TensorRT-LLM's draft_len_schedule drafts nothing, vLLM keeps its last range's length and nothing "
@@ -183,6 +183,12 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
         rep.advice.append(
             f"{obs.idle_drafting} iterations ran generation requests without drafts: a schedule at 0 drafts stops "
             "refreshing DFlash's context (TensorRT-LLM PR 16888); bound max_batch_size instead"
+        )
+    if obs.full_scrapes:
+        rep.advice.append(
+            f"{obs.full_scrapes} scrapes returned {TRTLLM_STATS_KEPT} iterations or more: trtllm-serve keeps only "
+            "the last max_stats_len (default 1000), so older iterations of the window may be lost; raise "
+            "max_stats_len in the YAML or scrape more often (--samples)"
         )
     schedule_advice(rep, table, planned, seen)
     return rep

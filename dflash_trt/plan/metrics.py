@@ -11,16 +11,22 @@ defines them:
   vllm:spec_decode_num_accepted_tokens_per_pos (label `position`, from 0; a round that accepted n drafts
   counts positions 0..n-1 once each); gauge vllm:num_requests_running; counter vllm:generation_tokens.
 * SGLang (`python/sglang/srt/metrics/collector.py`, SchedulerMetricsCollector, sgl-project/sglang at
-  00ae9c15; labels: the scheduler's `labels` dict, model_name first): gauges sglang:spec_accept_length (mean
-  tokens per verify forward, the bonus included), sglang:spec_accept_rate (accepted drafts / proposed drafts
-  in the batch), sglang:num_running_reqs, set at each scheduler log interval (mostrecent), so they are
-  averaged over the scrapes; counter sglang:generation_tokens. No per-position figure.
+  00ae9c15; labels model_name, engine_type, tp_rank, pp_rank and dp_rank where set, from
+  `python/sglang/srt/managers/scheduler_metrics_mixin.py` init_metrics at 01bb3c80): gauges
+  sglang:spec_accept_length (tokens committed per request per verify forward, the bonus included: tau),
+  sglang:spec_accept_rate (the same accepted tokens, bonus included, over forward count x
+  speculative_num_draft_tokens: tau / block, log_decode_stats at 78ac30c2; update_spec_metrics adds the
+  bonus), sglang:num_running_reqs, set at each scheduler log interval (mostrecent), so they are averaged over
+  the scrapes; counter sglang:generation_tokens. No per-position figure. Each scheduler that records metrics
+  (dp ranks; every rank with --enable-metrics-for-all-schedulers) publishes its own label set: the running
+  batch is summed over them, tau and the rate (per-scheduler ratios) are averaged over those that drafted.
 * TensorRT-LLM (`trtllm-serve` GET /metrics, tensorrt_llm/serve/openai_server.py get_iteration_stats: a JSON
   list of the iteration statistics queued since the last call, drained by each call; fields as
   cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats serialise them; needs
   enable_iter_perf_stats): per iteration numActiveRequests, inflightBatchingStats.numGenRequests and
   specDecodingStats {numDraftTokens, numAcceptedTokens, numRequestsWithDraftTokens}. The first scrape only
-  drains the queue; the later ones hold the window's iterations. Tokens per iteration are derived (each
+  drains the queue; the later ones hold the window's iterations. The engine keeps only the last max_stats_len
+  iterations (an LLM argument, 1000 by default): a scrape that returns that many may have lost older ones. Tokens per iteration are derived (each
   generation request commits one token plus its accepted drafts; context requests are not counted).
 * dflash-trt (this project's server, dflash_trt/server/metrics.py): the vLLM names above (it exports them
   from the same verify rounds), plus dflash_generated_tokens, dflash_inflight_requests and the verify pass's
@@ -44,6 +50,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ENGINES = ("vllm", "sglang", "trtllm", "dflash-trt")
+TRTLLM_STATS_KEPT = 1000  # the LLM args' max_stats_len default: iterations trtllm-serve queues between scrapes
 
 
 class MetricsError(ValueError):
@@ -57,7 +64,7 @@ class Sample:
 
     t: float
     counters: dict[str, float] = field(default_factory=dict)
-    gauges: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)  # RATIO_GAUGES averaged over label sets
     per_pos: dict[int, float] = field(default_factory=dict)
     iterations: list[dict[str, Any]] = field(default_factory=list)
 
@@ -77,6 +84,7 @@ class Observed:
     tokens_per_s: float | None  # generated tokens per second over the window
     idle_drafting: int | None = None  # TensorRT-LLM: iterations with generation requests and no draft
     source: str = ""
+    full_scrapes: int | None = None  # TensorRT-LLM: window scrapes returning >= TRTLLM_STATS_KEPT iterations
 
     @property
     def mean_batch(self) -> float:
@@ -136,23 +144,35 @@ NAMES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
 }
 
 
+# Gauges that are each scheduler's own ratio (SGLang's tau and tau / block): a sum over label sets would add
+# ratios, so they are averaged over the label sets that drafted (a scheduler that ran no verify forward in its
+# log interval publishes 0). Every other gauge (the running batch) is summed: each scheduler runs its own.
+RATIO_GAUGES = frozenset({"accept_length", "accept_rate"})
+
+
 def read_prometheus(engine: str, text: str, t: float) -> Sample:
-    """One Prometheus scrape of `engine`, by the names above (label sets summed; dflash_batch_rows: the
-    verify pass only)."""
+    """One Prometheus scrape of `engine`, by the names above (label sets summed, RATIO_GAUGES averaged;
+    dflash_batch_rows: the verify pass only)."""
     counters, gauges = NAMES[engine]
     by_name = {v: k for k, v in counters.items()}
     by_gauge = {v: k for k, v in gauges.items()}
     s = Sample(t)
+    ratios: dict[str, list[float]] = {}
     for name, labels, value in prometheus_samples(text):
         if name.startswith("dflash_batch_rows") and labels.get("pass") != "verify":
             continue
         if name in by_name:
             s.counters[by_name[name]] = s.counters.get(by_name[name], 0.0) + value
+        elif by_gauge.get(name) in RATIO_GAUGES:
+            ratios.setdefault(by_gauge[name], []).append(value)
         elif name in by_gauge:
             s.gauges[by_gauge[name]] = s.gauges.get(by_gauge[name], 0.0) + value
         elif name == VLLM_PER_POS and engine in ("vllm", "dflash-trt"):
             pos = int(labels.get("position", -1))
             s.per_pos[pos] = s.per_pos.get(pos, 0.0) + value
+    for key, values in ratios.items():
+        drafted = [v for v in values if v > 0]
+        s.gauges[key] = sum(drafted) / len(drafted) if drafted else 0.0
     return s
 
 
@@ -210,7 +230,7 @@ def window_prometheus(engine: str, url: str, samples: Sequence[Sample]) -> Obser
             raise _no_drafts(engine, url)
         tau = sum(lengths) / len(lengths)
         rate = sum(accept_rates) / len(accept_rates) if accept_rates else 0.0
-        k = (tau - 1) / rate if rate > 0 else None  # accept_length - 1 = rate x drafts per round
+        k = tau / rate - 1 if rate > 0 else None  # rate = tau / block, and a block is the anchor + its drafts
         src = f"sglang:spec_accept_length / spec_accept_rate averaged over {len(lengths)} scrapes"
         return Observed(engine, url, seconds, float(len(lengths)), tau, k, None, batch, tps, source=src)
     drafts = _delta(first, last, "drafts") or 0.0
@@ -245,6 +265,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
     batch = [float(i.get("numActiveRequests", 0)) for i in iters]
     src = f"{len(iters)} iterations ({len(with_drafts)} drafting) of trtllm-serve /metrics over {seconds:.1f} s"
     tps = tokens / seconds if seconds > 0 else None
+    full = sum(1 for s in samples[1:] if len(s.iterations) >= TRTLLM_STATS_KEPT)
     return Observed(
         "trtllm",
         url,
@@ -257,6 +278,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
         tps,
         idle,
         src,
+        full,
     )
 
 

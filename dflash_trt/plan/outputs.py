@@ -40,6 +40,17 @@ TO_FILL = [
     "trtllm-serve.yaml: speculative_config.speculative_model",
 ]
 UNIT = "drafted tokens per request per step (the anchor token excluded)"
+# What `plan check` reads must be switched on in what the plan writes. trtllm-serve's GET /metrics returns the
+# iteration statistics only when the LLM args enable them (TorchLlmArgs.enable_iter_perf_stats, default False:
+# tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM at 00043967; without it /metrics answers an empty list);
+# SGLang publishes its Prometheus metrics only under --enable-metrics (python/sglang/srt/server_args.py).
+TRTLLM_METRICS = {"enable_iter_perf_stats": True}
+# The plan simulates prompts entering in chunks within a step budget (tune.run), so the YAML asks TensorRT-LLM for
+# the same: BaseLlmArgs.enable_chunked_prefill defaults to False (llm_args.py at 00043967), and its DFlash keeps a
+# chunked prompt's context chunk by chunk (tensorrt_llm/_torch/speculative/dflash.py _store_prefill_context,
+# NVIDIA/TensorRT-LLM at 00679c66).
+TRTLLM_SERVING = {"enable_chunked_prefill": True, **TRTLLM_METRICS}
+SGLANG_METRICS = "--enable-metrics"
 # vLLM's JSON cannot carry comments: what applies to num_speculative_tokens_per_batch_size is printed, written to
 # plan.json "notes" and said in docs/gpu.md (sources: vllm-project/vllm#32374, #51510, vllm/config/vllm.py)
 VLLM_NOTES = (
@@ -78,10 +89,13 @@ def trtllm_header(plan: Plan, step_tokens: int | None) -> list[str]:
         f"above the largest key TensorRT-LLM drafts 0, which stops refreshing DFlash's per-request context buffers "
         f"(NVIDIA/TensorRT-LLM#16888): max_batch_size {top} keeps the batch inside the plan, and no planned batch "
         "size drafts fewer than 1",
+        "enable_iter_perf_stats: true: trtllm-serve's /metrics (what `dflash-trt plan check` reads) is empty "
+        "without it",
         f"attention: {ATTENTION_NOTE}; DFlash 2 drafters cannot take TRTLLM (no non-causal sliding-window "
-        "attention, NVIDIA/TensorRT-LLM#19159), which on SM100/103 also needs FlashInfer",
-        f"prefill: the plan simulated prompts {chunk}; this file leaves enable_chunked_prefill at BaseLlmArgs' "
-        "default (false), so TTFT and ITL with long prompts in the batch differ from plan.json's",
+        "attention, NVIDIA/TensorRT-LLM#19159)",
+        f"enable_chunked_prefill: true: the plan simulated prompts {chunk} (BaseLlmArgs' default is false); "
+        "TensorRT-LLM's DFlash keeps a chunked prompt's context chunk by chunk "
+        "(tensorrt_llm/_torch/speculative/dflash.py _store_prefill_context, NVIDIA/TensorRT-LLM 00679c66)",
     ]
 
 
@@ -169,6 +183,7 @@ def sglang_args(plan: Plan, drafter: Path | None) -> str:
     lines += [
         f"# --max-running-requests {top}: the plan covers batch sizes 1..{top}; it replaces SGLang's speculative",
         "# default of 48 (server_args.py sets 48 when unset) and caps admission there: requests above it queue.",
+        f"# {SGLANG_METRICS}: /metrics, which `dflash-trt plan check --engine sglang` reads, is off without it.",
     ]
     flags = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path"]
     flags += [
@@ -176,7 +191,7 @@ def sglang_args(plan: Plan, drafter: Path | None) -> str:
         "--speculative-num-draft-tokens",
         str(block),
     ]
-    flags += ["--max-running-requests", str(top)]
+    flags += ["--max-running-requests", str(top), SGLANG_METRICS]
     return "\n".join(lines) + "\n" + shlex.join(flags) + "\n"
 
 
@@ -304,12 +319,13 @@ def write(
     spec = trtllm_spec(plan, drafter)
     lines = [f"dflash-trt plan: {acc.name} acceptance, {cost.source.split(';')[0]}"]
     if spec is None:
-        yaml = "".join(f"# {x}\n" for x in [*lines, f"{no_schedule_note(plan)} (no speculative_config)"]) + "{}\n"
+        yaml = "".join(f"# {x}\n" for x in [*lines, f"{no_schedule_note(plan)} (no speculative_config)"])
+        yaml += to_yaml(TRTLLM_SERVING)
     else:
         lines += trtllm_header(plan, settings.get("step_tokens"))
         if drafter is None:
             lines.append("add speculative_model: the drafter folder (no --drafter was given)")
-        body = {"max_batch_size": plan.cells[-1].concurrency, "speculative_config": spec}
+        body = {"max_batch_size": plan.cells[-1].concurrency, **TRTLLM_SERVING, "speculative_config": spec}
         yaml = "".join(f"# {x}\n" for x in lines) + to_yaml(body)
     vllm = vllm_config(plan, drafter)
     (out / "trtllm-serve.yaml").write_text(yaml)

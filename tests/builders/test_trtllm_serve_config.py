@@ -351,7 +351,7 @@ def test_cli_says_the_default_attention_backend_needs_flash_attn(tmp_path):
     default = run()
     assert "flash-attn" in default and "attention_backend" not in yaml.safe_load(default)["speculative_config"]
     blackwell = run("--attention-backend", "TRTLLM")
-    assert "flash-attn" not in blackwell
+    assert "flash-attn" not in blackwell and "FlashInfer" in blackwell  # DFlashDecodingConfig.attention_backend
     assert yaml.safe_load(blackwell)["speculative_config"]["attention_backend"] == "TRTLLM"
     help_text = subprocess.run(
         [sys.executable, "-m", "dflash_trt.cli", "trtllm-serve-config", "--help"], capture_output=True, text=True

@@ -3,8 +3,10 @@ schedule fed back into the simulator against the tuned table, a trace and a meas
 
 Everything here is simulated (dflash_trt/sim: the real batched loop on simulated engines); nothing runs a model."""
 
+import dataclasses
 import json
 import random
+import shlex
 
 import pytest
 from builders.test_trtllm_serve_config import (
@@ -54,8 +56,10 @@ def test_default_run_writes_all_five_files(default_plan, capsys):
 
 def test_native_yaml_passes_the_dflash_decoding_config_field_check(default_plan):
     loaded = yaml.safe_load((default_plan / "trtllm-serve.yaml").read_text())
-    # BaseLlmArgs.max_batch_size (tensorrt_llm/llmapi/llm_args.py): the plan bounds the batch at its largest C
-    assert set(loaded) <= LLM_ARGS_KEYS_WE_WRITE | {"max_batch_size"} and loaded["max_batch_size"] == 64
+    # BaseLlmArgs.max_batch_size (tensorrt_llm/llmapi/llm_args.py): the plan bounds the batch at its largest C;
+    # TorchLlmArgs.enable_iter_perf_stats (same file): what `plan check` reads; enable_chunked_prefill: as planned
+    written = LLM_ARGS_KEYS_WE_WRITE | {"max_batch_size", "enable_iter_perf_stats", "enable_chunked_prefill"}
+    assert set(loaded) <= written and loaded["max_batch_size"] == 64
     spec = loaded["speculative_config"]
     assert set(spec) <= DFLASH_DECODING_CONFIG_FIELDS, set(spec) - DFLASH_DECODING_CONFIG_FIELDS
     check_like_decoding_base_config(spec)
@@ -318,6 +322,33 @@ def test_the_trtllm_schedule_never_resolves_to_zero_drafts_for_dflash(tmp_path):
     assert all(tune.trtllm_draft_len(loaded["speculative_config"], b) >= 1 for b in range(1, 65))
     text = files["trtllm-serve.yaml"]
     assert "#16888" in text and "flash-attn" in text and "#19159" in text and "enable_chunked_prefill" in text
+
+
+def test_the_attention_note_says_trtllm_needs_flashinfer(tmp_path):
+    """DFlashDecodingConfig.attention_backend (llm_args.py): TRTLLM on SM100 / SM103 needs FlashInfer."""
+    _, files = _written(tmp_path, _plan({1: 8, 8: 5, 64: 3}), DEMO_DRAFTER)
+    line = next(x for x in files["trtllm-serve.yaml"].splitlines() if x.startswith("# attention:"))
+    assert "TRTLLM needs no flash-attn but needs FlashInfer" in line and "needs none" not in line
+
+
+def test_trtllm_serves_prompts_chunked_as_the_plan_simulated(tmp_path):
+    """The plan chunks prompts within a step budget; BaseLlmArgs.enable_chunked_prefill defaults to False, and
+    TensorRT-LLM's DFlash supports chunked prefill (dflash.py _store_prefill_context, TensorRT-LLM 00679c66)."""
+    doc, files = _written(tmp_path, _plan({1: 8, 8: 5, 64: 3}), DEMO_DRAFTER)
+    assert yaml.safe_load(files["trtllm-serve.yaml"])["enable_chunked_prefill"] is True
+    note = " ".join(doc["notes"]["trtllm"])
+    assert "_store_prefill_context" in note and "chunked at 2048 tokens a step" in note and "differ" not in note
+
+
+def test_the_written_configs_switch_on_the_metrics_plan_check_reads(tmp_path):
+    """trtllm-serve's /metrics is empty unless enable_iter_perf_stats (TorchLlmArgs, default False); SGLang serves
+    no /metrics without --enable-metrics. Both files carry them, the target-alone YAML too."""
+    _, files = _written(tmp_path / "a", _plan({1: 8, 8: 5, 64: 3}), DEMO_DRAFTER)
+    assert yaml.safe_load(files["trtllm-serve.yaml"])["enable_iter_perf_stats"] is True
+    flags = [line for line in files["sglang-args.txt"].splitlines() if not line.startswith("#")]
+    assert "--enable-metrics" in shlex.split(flags[0])
+    _, alone = _written(tmp_path / "b", dataclasses.replace(_plan({1: 8, 8: 5}), limits=None))
+    assert yaml.safe_load(alone["trtllm-serve.yaml"])["enable_iter_perf_stats"] is True
 
 
 def test_every_file_speaks_in_drafted_tokens_and_heads_with_its_range(tmp_path):

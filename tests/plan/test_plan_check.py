@@ -80,19 +80,31 @@ def vllm_text(state, running, generated):
     return "\n".join(lines) + "\n"
 
 
-def sglang_text(tau, k, running, generated):
-    """SGLang's /metrics (python/sglang/srt/metrics/collector.py SchedulerMetricsCollector gauges)."""
+def sglang_text(tau, k, running, generated, label_sets=(SGLANG_LABELS,)):
+    """SGLang's /metrics (python/sglang/srt/metrics/collector.py SchedulerMetricsCollector gauges), one label
+    set per scheduler. spec_accept_rate is tau / (k + 1): accepted tokens with the bonus over forward count x
+    speculative_num_draft_tokens (scheduler_metrics_mixin.py log_decode_stats, sglang at 78ac30c2). `tau`,
+    `k` and `running` may be one per label set."""
+
+    def each(v):
+        return list(v) if isinstance(v, (list, tuple)) else [v] * len(label_sets)
+
+    taus, ks, runs = each(tau), each(k), each(running)
     gauges = {
-        "sglang:num_running_reqs": ("The number of running requests.", running),
-        "sglang:spec_accept_length": ("The average acceptance length of speculative decoding.", tau),
-        "sglang:spec_accept_rate": ("The average acceptance rate of speculative decoding.", (tau - 1) / k),
+        "sglang:num_running_reqs": ("The number of running requests.", runs),
+        "sglang:spec_accept_length": ("The average acceptance length of speculative decoding.", taus),
+        "sglang:spec_accept_rate": (
+            "The average acceptance rate of speculative decoding.",
+            [t / (b + 1) for t, b in zip(taus, ks)],
+        ),
     }
     lines = []
-    for name, (doc, value) in gauges.items():
-        lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge", f"{name}{{{SGLANG_LABELS}}} {value}"]
+    for name, (doc, values) in gauges.items():
+        lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
+        lines += [f"{name}{{{labels}}} {value}" for labels, value in zip(label_sets, values)]
     lines += ["# HELP sglang:generation_tokens_total Number of generation tokens processed."]
     lines += ["# TYPE sglang:generation_tokens_total counter"]
-    lines.append(f"sglang:generation_tokens_total{{{SGLANG_LABELS}}} {float(generated)}")
+    lines += [f"sglang:generation_tokens_total{{{labels}}} {generated / len(label_sets)}" for labels in label_sets]
     return "\n".join(lines) + "\n"
 
 
@@ -210,6 +222,30 @@ def test_vllm_per_position_rates_are_read_back_exactly(plan_dir):
     assert obs.tau == pytest.approx(check.mean_tau(planned, k + 1)) and obs.seconds == 2.0
 
 
+def test_sglang_drafts_per_round_are_the_block_less_its_anchor():
+    """spec_accept_rate = tau / speculative_num_draft_tokens (log_decode_stats, sglang 78ac30c2): tau 4 at a
+    block of 8 publishes rate 0.5, which is 7 drafts per round, not (tau - 1) / rate = 6."""
+    text = sglang_text(4.0, 7, 8, 0)
+    assert f"sglang:spec_accept_rate{{{SGLANG_LABELS}}} 0.5" in text
+    samples = [metrics.read("sglang", text, t) for t in (0.0, 1.0)]
+    obs = metrics.window("sglang", "u", samples)
+    assert obs.tau == 4.0 and obs.mean_drafts == pytest.approx(7.0)
+
+
+def test_sglang_label_sets_sum_the_batch_and_average_the_ratios():
+    """Two schedulers (dp_rank 0 and 1: scheduler_metrics_mixin.py init_metrics, sglang 01bb3c80) each publish
+    their own gauges: the running batch adds up, tau and tau / block are each scheduler's own ratio."""
+    sets = tuple(f'dp_rank="{d}",{SGLANG_LABELS}' for d in (0, 1))
+    text = sglang_text([3.0, 5.0], 7, [4, 6], 200, label_sets=sets)
+    sample = metrics.read("sglang", text, 0.0)
+    assert sample.gauges["running"] == 10 and sample.counters["generated"] == 200
+    assert sample.gauges["accept_length"] == pytest.approx(4.0)
+    obs = metrics.window("sglang", "u", [sample, metrics.read("sglang", text, 1.0)])
+    assert obs.tau == pytest.approx(4.0) and obs.mean_drafts == pytest.approx(7.0) and obs.batch == [10, 10]
+    idle = sglang_text([4.0, 0.0], 7, [8, 0], 0, label_sets=sets)  # a scheduler that ran no verify forward
+    assert metrics.read("sglang", idle, 0.0).gauges["accept_length"] == 4.0
+
+
 def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
     """PR 16888: a schedule that resolves to 0 drafts with generation requests in flight stops DFlash's context
     refresh; the check counts those iterations and says what to do."""
@@ -220,6 +256,18 @@ def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
         args = ["plan", "check", "--engine", "trtllm", "--url", url, "--plan", str(plan_dir), "--window", "0.05"]
         main(args)
     assert "10 iterations ran generation requests without drafts" in capsys.readouterr().out
+
+
+def test_a_trtllm_scrape_at_max_stats_len_warns_of_lost_iterations(plan_dir):
+    """trtllm-serve keeps the last max_stats_len iterations (1000 by default): a scrape returning that many may
+    have dropped older ones, and the check says so; one below it does not."""
+    doc = plan_doc(plan_dir)
+    first = metrics.read("trtllm", "[]", 0.0)
+    for n, warned in ((999, False), (1000, True)):
+        last = metrics.read("trtllm", json.dumps(trtllm_iterations(4.0, 7, 8, n)), 10.0)
+        obs = metrics.window("trtllm", "u", [first, last])
+        assert obs.full_scrapes == int(warned)
+        assert ("raise max_stats_len" in check.check(doc, obs).text()) is warned
 
 
 def test_no_traffic_and_no_server_are_clear_errors(plan_dir, capsys):

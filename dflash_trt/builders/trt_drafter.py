@@ -139,6 +139,12 @@ def build_plan(
         raise RuntimeError("TensorRT failed to build the drafter plan (see the TensorRT log above)")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / plan_file).write_bytes(bytes(plan))
+    # What each execution context allocates on the device beside the plan's weights: ICudaEngine.device_memory_size_v2
+    # (TensorRT 10.1+ and 11 Python API; the activation memory a context created with the default STATIC strategy
+    # takes, sized for the largest profile). The executor's memory plan counts it per row (runtime/trtllm_memory.py).
+    engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(plan))
+    if engine is None:
+        raise RuntimeError("TensorRT could not load the plan it just built (see the TensorRT log above)")
     sources = [onnx_path, onnx_path.with_name(onnx_path.name + ".data"), graph_dir / META_FILE]
     manifest = {
         "backend": "tensorrt",
@@ -146,6 +152,7 @@ def build_plan(
         "tensorrt_version": str(trt.__version__),
         "typing": typing,
         "precision": "fp16",
+        "context_device_memory": int(engine.device_memory_size_v2),
         "gpu": gpu_name(),
         "profile": {k: {"min": v.min, "opt": v.opt, "max": v.max} for k, v in shapes.items()},
         "source_graph": onnx_path.name,

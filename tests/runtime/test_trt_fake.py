@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from fake_tensorrt import FILL, make
+from fake_tensorrt import FAKE_CONTEXT_MEMORY, FILL, make
 
 from dflash_trt.builders import trt_drafter
 from dflash_trt.formats import DrafterGraphMeta
@@ -70,6 +70,9 @@ def test_build_sequence_trt10_weak_typing(monkeypatch, graph_dir, tmp_path):
     assert manifest["tensorrt_version"] == "10.14.1.48" and manifest["typing"] == "weak"
     assert set(manifest["input_sha256"]) == {"drafter.onnx", "drafter.onnx.data", "drafter.json"}
     assert manifest["profile"]["past_k"]["max"] == [2, 1, 2, 256, 16]
+    # the built plan is loaded once to record each execution context's activation memory (the executor's plan)
+    assert kinds.index("build_serialized_network") < kinds.index("deserialize_cuda_engine")
+    assert manifest["context_device_memory"] == FAKE_CONTEXT_MEMORY
 
 
 def test_trt10_strongly_typed_uses_fp16_graph_and_no_flag(monkeypatch, graph_dir, tmp_path):

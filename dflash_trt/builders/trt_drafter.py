@@ -1,8 +1,11 @@
 """TensorRT FP16 plan from the exported drafter graph (`dflash-trt build-drafter`).
 
 Precision per TensorRT major version:
-  10.x  weak typing: the fp32 graph + BuilderFlag.FP16 (default), or strongly typed on the fp16 graph
+  10.x  strongly typed on the fp16 graph (default), or weak typing: the fp32 graph + BuilderFlag.FP16
   11.x  strongly typed only (BuilderFlag.FP16 is gone): the fp16 graph, whose casts fix every type
+Strong typing is the default because the fp16 graph keeps the RMS norms' arithmetic in fp32
+(builders/onnx_drafter.to_fp16) and a strongly typed build follows its casts; under weak typing TensorRT may pick
+fp16 kernels for the norms' squares, which overflow above 256 (target hidden states reach thousands).
 Every dynamic input gets a profile (block length, new-context length, cache length). A plan only
 loads on the TensorRT version and GPU it was built for, so the manifest beside it records both.
 Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here); tests
@@ -58,7 +61,7 @@ def choose_typing(major: int, requested: str | None) -> str:
             raise ValueError("TensorRT 11 builds strongly typed networks only: use --typing strong (the fp16 graph)")
         return "strong"
     if major == 10:
-        return requested or "weak"
+        return requested or "strong"
     raise EngineUnavailable(f"TensorRT {major}.x is not supported: install TensorRT 10.x or 11.x")
 
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-serve bench-load bench-sim aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -193,6 +193,13 @@ bench-sim: venv
 measured-inputs: venv
 	$(BIN)/python scripts/measured_inputs.py host-step results/parts/results.json
 	$(BIN)/python scripts/measured_inputs.py demo-load results/load/results.json
+
+# Soak (issue 54): a real server on a real port, waves of 48 concurrent completions (a third streamed to the end, a
+# third cut mid-stream, a third malformed), 5,040 requests, RSS read after every wave; fails unless RSS is flat
+# (< 5 % growth) over the second half. Writes results/soak/{results.json,rss.png}. Minutes on a quiet machine.
+# More: make bench-soak BENCH_SOAK_ARGS="--requests 10080 --max-tokens 8"
+bench-soak: venv
+	nice $(BIN)/python scripts/bench_soak.py --out results/soak $(BENCH_SOAK_ARGS)
 
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"

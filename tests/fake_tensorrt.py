@@ -153,6 +153,9 @@ def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
 
     class Engine:
         num_io_tensors = len(io or {})
+        # ICudaEngine.device_memory_size_v2 (TensorRT 10.1+ / 11 Python API): the device memory one execution
+        # context allocates (STATIC strategy: the largest profile's); a fixed figure here
+        device_memory_size_v2 = FAKE_CONTEXT_MEMORY
 
         def get_tensor_name(self, i):
             return list(io)[i]
@@ -179,6 +182,7 @@ def make(version: str, calls: list, io: dict | None = None) -> types.ModuleType:
     return trt
 
 
+FAKE_CONTEXT_MEMORY = 3 * 2**20  # the fake engine's activation memory per execution context
 FILL = {"logits": 0.5, "draft_tokens": 7, "present_k": 1.0, "present_v": 2.0}
 
 

@@ -141,18 +141,81 @@ def export_round(module: DrafterRound, meta: DrafterGraphMeta, path: Path) -> Pa
 
 
 def to_fp16(src: Path, dst: Path) -> Path:
-    """fp16 weights and math, fp32 inputs/outputs (so callers and caches stay fp32)."""
+    """fp16 weights and math, fp32 inputs/outputs (so callers and caches stay fp32), and every RMS norm's
+    arithmetic in fp32 (norm_node_names): a norm squares its input, and the target's hidden states, which the
+    drafter's first norm receives through `fc`, reach hundreds to thousands on 7B-70B targets (single "massive
+    activations" too): a square above 65,504 is inf in fp16, and the mean of the squares of a row whose RMS is
+    above 256 is too, whatever the kernel accumulates in. The norm's output (x / RMS(x), times its weight) is of
+    order one and goes back to fp16."""
     import onnx
-    from onnxruntime.transformers.float16 import convert_float_to_float16
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
 
     model = onnx.load(str(src), load_external_data=True)
-    half = convert_float_to_float16(model, keep_io_types=True)
+    half = convert_float_to_float16(
+        model, keep_io_types=True, op_block_list=DEFAULT_OP_BLOCK_LIST, node_block_list=norm_node_names(model.graph)
+    )
+    _join_fp32_casts(half.graph)
     _sort_nodes(half.graph)  # the converter appends its input casts at the end of the node list
     dst.parent.mkdir(parents=True, exist_ok=True)
     onnx.save_model(
         half, str(dst), save_as_external_data=True, all_tensors_to_one_file=True, location=dst.name + ".data"
     )
     return dst
+
+
+NORM_CHAIN_OPS = ("Add", "Sqrt", "Reciprocal")  # mean(x^2) + eps -> sqrt -> 1 / ...: the exporter's rsqrt
+
+
+def norm_node_names(graph: onnx.GraphProto) -> list[str]:
+    """The nodes of every RMS norm's arithmetic, as the dynamo exporter writes Qwen3RMSNorm / LlamaRMSNorm
+    (x.pow(2).mean(-1) + eps, rsqrt, x * that): Pow -> ReduceMean -> Add -> Sqrt -> Reciprocal -> Mul. Found by
+    that shape (a ReduceMean of a Pow, then its chain to the Mul that scales x), not by name."""
+    producer = {out: n for n in graph.node for out in n.output}
+    consumers: dict[str, list[onnx.NodeProto]] = {}
+    for n in graph.node:
+        for name in n.input:
+            consumers.setdefault(name, []).append(n)
+    names: list[str] = []
+    for mean in (n for n in graph.node if n.op_type == "ReduceMean"):
+        square = producer.get(mean.input[0])
+        if square is None or square.op_type != "Pow":
+            continue
+        chain, node = [square, mean], mean
+        while len(users := consumers.get(node.output[0], [])) == 1 and users[0].op_type in NORM_CHAIN_OPS:
+            node = users[0]
+            chain.append(node)
+        chain += [u for u in consumers.get(node.output[0], []) if u.op_type in ("Mul", "Div")]
+        names += [n.name for n in chain]
+    return names
+
+
+def _join_fp32_casts(graph: onnx.GraphProto) -> None:
+    """Between two fp32 (blocked) nodes the converter writes Cast(to fp16) -> Cast(to fp32): the square that was
+    kept in fp32 would overflow in that round trip. The second cast is made to read the first one's input (a cast
+    to fp32 of fp32: exact); first casts nobody reads any more are dropped."""
+    import onnx
+
+    producer = {out: n for n in graph.node for out in n.output}
+
+    def cast_to(node: onnx.NodeProto | None) -> int | None:
+        if node is None or node.op_type != "Cast":
+            return None
+        return next((a.i for a in node.attribute if a.name == "to"), None)
+
+    for node in graph.node:
+        first = producer.get(node.input[0]) if node.input else None
+        if cast_to(node) == onnx.TensorProto.FLOAT and first is not None and cast_to(first) == onnx.TensorProto.FLOAT16:
+            node.input[0] = first.input[0]
+    read = {name for n in graph.node for name in n.input} | {o.name for o in graph.output}
+    unread = [n for n in graph.node if cast_to(n) == onnx.TensorProto.FLOAT16 and n.output[0] not in read]
+    for n in unread:
+        graph.node.remove(n)
+    # An initializer only fp32 nodes read stays fp32 (the converter's rule) while the converter's value_info
+    # still calls it fp16: ONNX type inference (and a strict checker) refuse the graph for that contradiction.
+    initializers = {t.name for t in graph.initializer}
+    stale = [v for v in graph.value_info if v.name in initializers]
+    for v in stale:
+        graph.value_info.remove(v)
 
 
 def _sort_nodes(graph: onnx.GraphProto) -> None:

@@ -1,8 +1,11 @@
 """TensorRT FP16 plan from the exported drafter graph (`dflash-trt build-drafter`).
 
 Precision per TensorRT major version:
-  10.x  weak typing: the fp32 graph + BuilderFlag.FP16 (default), or strongly typed on the fp16 graph
+  10.x  strongly typed on the fp16 graph (default), or weak typing: the fp32 graph + BuilderFlag.FP16
   11.x  strongly typed only (BuilderFlag.FP16 is gone): the fp16 graph, whose casts fix every type
+Strong typing is the default because the fp16 graph keeps the RMS norms' arithmetic in fp32
+(builders/onnx_drafter.to_fp16) and a strongly typed build follows its casts; under weak typing TensorRT may pick
+fp16 kernels for the norms' squares, which overflow above 256 (target hidden states reach thousands).
 Every dynamic input gets a profile (block length, new-context length, cache length). A plan only
 loads on the TensorRT version and GPU it was built for, so the manifest beside it records both.
 Written against the real API, never run in this project (no TensorRT / TensorRT-LLM / GPU here); tests
@@ -58,7 +61,7 @@ def choose_typing(major: int, requested: str | None) -> str:
             raise ValueError("TensorRT 11 builds strongly typed networks only: use --typing strong (the fp16 graph)")
         return "strong"
     if major == 10:
-        return requested or "weak"
+        return requested or "strong"
     raise EngineUnavailable(f"TensorRT {major}.x is not supported: install TensorRT 10.x or 11.x")
 
 
@@ -139,6 +142,12 @@ def build_plan(
         raise RuntimeError("TensorRT failed to build the drafter plan (see the TensorRT log above)")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / plan_file).write_bytes(bytes(plan))
+    # What each execution context allocates on the device beside the plan's weights: ICudaEngine.device_memory_size_v2
+    # (TensorRT 10.1+ and 11 Python API; the activation memory a context created with the default STATIC strategy
+    # takes, sized for the largest profile). The executor's memory plan counts it per row (runtime/trtllm_memory.py).
+    engine = trt.Runtime(logger).deserialize_cuda_engine(bytes(plan))
+    if engine is None:
+        raise RuntimeError("TensorRT could not load the plan it just built (see the TensorRT log above)")
     sources = [onnx_path, onnx_path.with_name(onnx_path.name + ".data"), graph_dir / META_FILE]
     manifest = {
         "backend": "tensorrt",
@@ -146,6 +155,7 @@ def build_plan(
         "tensorrt_version": str(trt.__version__),
         "typing": typing,
         "precision": "fp16",
+        "context_device_memory": int(engine.device_memory_size_v2),
         "gpu": gpu_name(),
         "profile": {k: {"min": v.min, "opt": v.opt, "max": v.max} for k, v in shapes.items()},
         "source_graph": onnx_path.name,

@@ -45,7 +45,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..costgrid import CostGridMismatch, check_grid_matches, read_target_config
+from ..costgrid import TRTLLM_ENGINE, CostGridMismatch, check_grid_matches, config_dtype, read_target_config
 
 # DFlashDecodingConfig.attention_backend's field description (llm_args.py, same snapshot): TRTLLM runs on
 # SM100 / SM103 and needs FlashInfer there
@@ -326,8 +326,9 @@ def serve_config(
     attention_backend: str | None = None,
 ) -> dict[str, Any]:
     """The trtllm-serve --config mapping for this drafter (raises ServeConfigError when it would not load, or does
-    not fit `target_dir`). A cost table must have been measured on this target (`target_dir`'s shape) at this `tp`
-    (dflash_trt.costgrid). attention_backend: DFlashDecodingConfig's (None: TensorRT-LLM's default, VANILLA)."""
+    not fit `target_dir`). A cost table must have been measured on this target (`target_dir`'s shape) at this `tp`,
+    on TensorRT-LLM in the checkpoint's dtype (dflash_trt.costgrid). attention_backend: DFlashDecodingConfig's
+    (None: TensorRT-LLM's default, VANILLA)."""
     drafter_dir = Path(drafter_dir)
     problems = drafter_problems(drafter_dir)
     if target_dir is not None and not problems:
@@ -355,7 +356,11 @@ def serve_config(
         target, drafter, _ = read_cost_table(cost_table, context)
         raw = json.loads(Path(cost_table).read_text())
         try:
-            check_grid_matches(raw, read_target_config(target_dir), tp, source=f"cost table {cost_table}")
+            config = read_target_config(target_dir)
+            # trtllm-serve runs the target on TensorRT-LLM, in the checkpoint's dtype (its dtype "auto")
+            check_grid_matches(
+                raw, config, tp, source=f"cost table {cost_table}", engine=TRTLLM_ENGINE, dtype=config_dtype(config)
+            )
         except CostGridMismatch as e:
             raise ServeConfigError(str(e)) from None
         sizes = sorted({int(e["rows"]) for e in raw["target"]})

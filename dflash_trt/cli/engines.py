@@ -38,8 +38,8 @@ def _register_build_drafter(sub: argparse._SubParsersAction[argparse.ArgumentPar
         "build-drafter",
         help="build a TensorRT FP16 plan from an exported drafter (needs TensorRT and a GPU)",
         description="Build drafter.plan + drafter.plan.json (TensorRT version, GPU, profile shapes, input hashes) "
-        "from the folder `export-drafter` wrote. TensorRT 10: weak typing with FP16 kernels (default) or strongly "
-        "typed fp16 graph; TensorRT 11: strongly typed only.",
+        "from the folder `export-drafter` wrote. TensorRT 10: the strongly typed fp16 graph, its norms in fp32 "
+        "(default), or weak typing with FP16 kernels; TensorRT 11: strongly typed only.",
     )
     p.add_argument("--onnx", type=Path, required=True, help="folder written by export-drafter")
     p.add_argument("--out", type=Path, required=True, help="output folder for the plan")
@@ -47,8 +47,9 @@ def _register_build_drafter(sub: argparse._SubParsersAction[argparse.ArgumentPar
         "--typing",
         choices=["weak", "strong"],
         default=None,
-        help="weak: fp32 graph + BuilderFlag.FP16 (TensorRT 10 only); strong: the fp16 graph "
-        "(default: weak on 10, strong on 11)",
+        help="strong (default): the fp16 graph, whose casts keep the RMS norms in fp32; weak: fp32 graph + "
+        "BuilderFlag.FP16 (TensorRT 10 only; TensorRT may run the norms' squares in fp16, which overflow on "
+        "large activations)",
     )
     p.add_argument(
         "--max-context",

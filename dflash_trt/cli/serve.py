@@ -253,8 +253,10 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from ..runtime.kernel_caches import bound_kernel_caches
     from ..server.serving import serve_app, setup_logging
 
+    bound_kernel_caches()  # before any kernel runs: the caches read their capacity once
     setup_logging()
     if args.threads:
         import torch

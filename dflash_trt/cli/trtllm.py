@@ -35,7 +35,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_model_args(p, dtype=False)
     p.add_argument("--out", type=Path, default=None, help="YAML file to write (default: print it)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size for the printed command line")
-    p.add_argument("--cost-table", type=Path, default=None, help="measured cost grid JSON (target and drafter)")
+    p.add_argument(
+        "--cost-table",
+        type=Path,
+        default=None,
+        help="measured cost grid JSON (target and drafter), measured on this target at this --tp, on TensorRT-LLM "
+        "in the checkpoint's dtype: a grid recording another shape, tp, engine or dtype is refused",
+    )
     p.add_argument(
         "--tau", type=float, default=None, help="measured mean acceptance length at the drafter's block size"
     )

@@ -25,6 +25,7 @@ Rules:
 
 from __future__ import annotations
 
+import bisect
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,13 +55,16 @@ class Healing:
 
 class PromptHealer:
     """Heals prompts for one tokenizer and a target of `vocab_size` logits (ids the target cannot score are never
-    allowed). The texts of the tokens are decoded once, on first use, and each last token's allowed set once;
-    safe from any thread (HTTP handlers heal their own requests)."""
+    allowed). The texts of the tokens are decoded and sorted once, on first use; a last token's allowed set is the
+    run of sorted texts that start with its text (two bisections), made per request and kept by nothing after it:
+    a healer that served for days holds what it held after its first request (a set kept per last token seen
+    grows towards the vocabulary's prefix pairs, tens of MiB for a 128k vocabulary). Safe from any thread (HTTP
+    handlers heal their own requests)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._texts: list[str] | None = None
-        self._allowed: dict[int, tuple[int, ...]] = {}
+        self._sorted: tuple[list[str], list[int]] = ([], [])  # texts in sorted order, and their token ids
         self._lock = threading.Lock()
 
     def texts(self) -> list[str]:
@@ -69,8 +73,20 @@ class PromptHealer:
                 size = len(self.tokenizer)
                 if self.vocab_size is not None:
                     size = min(size, self.vocab_size)
-                self._texts = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(size)]
+                texts = [self.tokenizer.decode([i], skip_special_tokens=True) for i in range(size)]
+                order = sorted(range(size), key=texts.__getitem__)
+                self._sorted = ([texts[i] for i in order], order)
+                self._texts = texts
             return self._texts
+
+    def allowed(self, tail: str) -> tuple[int, ...]:
+        """The token ids whose text starts with `tail`, in id order."""
+        self.texts()
+        keys, ids = self._sorted
+        lo = bisect.bisect_left(keys, tail)
+        # texts cut to len(tail) stay sorted, so those equal to tail (the texts starting with it) are one run
+        hi = bisect.bisect_right(keys, tail, lo, key=lambda text: text[: len(tail)])
+        return tuple(sorted(ids[lo:hi]))
 
     def heal(self, ids: Sequence[int]) -> tuple[list[int], Healing | None]:
         """The prompt backed up by its last token and the constraint on the first token, or the prompt as it
@@ -82,10 +98,7 @@ class PromptHealer:
         tail = texts[ids[-1]]
         if not tail or REPLACEMENT in tail:
             return ids, None
-        allowed = self._allowed.get(ids[-1])
-        if allowed is None:
-            allowed = tuple(i for i, text in enumerate(texts) if text.startswith(tail))
-            self._allowed[ids[-1]] = allowed
+        allowed = self.allowed(tail)
         if len(allowed) < 2:
             return ids, None
         return ids[:-1], Healing(tail, allowed)

@@ -121,15 +121,32 @@ class SlotCacheRows:
             self.slots.lengths[r] = p + c
 
     def _reserve(self, slots: int, length: int) -> None:
+        """Grow the cache to hold `slots` rows of `length` positions (slots and C by doubling), K then V: each old
+        buffer is released before the next new one is allocated, so the peak is the new cache and one old half
+        (2.5x the old cache when C doubles, not old + new = 3x). A cache on a GPU goes through host memory: its
+        old half leaves the device before the new one is allocated, so the device never holds old and new
+        together (the peak there is the new cache), at the price of a copy each way, once per doubling."""
         _, s, _, c, _ = self.k.shape
         if slots <= s and length <= c:
             return
         new_s = s if slots <= s else max(slots, 2 * s, 4)
         new_c = c if length <= c else grown(c, length, self.cache_limit)
         shape = (self.k.shape[0], new_s, self.k.shape[2], new_c, self.k.shape[4])
-        k, v = self._zeros(shape), self._zeros(shape)
-        k[:, :s, :, :c], v[:, :s, :, :c] = self.k, self.v
-        self.k, self.v = k, v
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            # a placeholder keeps the dtype and device _zeros reads (torch), holding no memory
+            setattr(self, name, old.new_empty((0,)) if isinstance(old, torch.Tensor) else None)
+            device = old.device if isinstance(old, torch.Tensor) and old.device.type != "cpu" else None
+            if device is not None:
+                old = old.cpu()  # the device buffer's last reference goes with this rebinding
+            try:
+                new = self._zeros(shape)
+            except BaseException:  # out of memory: the cache stays as it was, the session usable
+                setattr(self, name, old if device is None else old.to(device))
+                raise
+            new[:, :s, :, :c] = old
+            setattr(self, name, new)
+            del old  # released before the next buffer is allocated
 
 
 class SequenceTarget(Protocol):

@@ -89,6 +89,9 @@ class TrtDrafterSequence:
 
     def __init__(self, engine: TrtDrafterEngine):
         self.engine = engine
+        # The default STATIC allocation strategy: the context allocates its activation memory now, the largest
+        # profile's (ICudaEngine.device_memory_size_v2, TensorRT 10.1+ / 11), and keeps it for its lifetime; one
+        # context per row, so runtime/trtllm_memory.py counts it once per row in the executor's memory plan.
         self.context = engine.engine.create_execution_context()
         if self.context is None:
             raise RuntimeError("TensorRT could not create an execution context (out of GPU memory?)")

@@ -5,7 +5,11 @@ of the GPU memory still free once the engine's weights and runtime buffers are i
 (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp, calculateMaxNumBlocks /
 BaseKVCacheManager::calculateFreeMemBytes), and keeps it for the executor's lifetime. On the same GPU the leader
 rank then loads the target's lm_head (vocab x hidden) for verification logits and the drafter: its weights and one
-TensorRT execution context per row, each with its own context cache and block logits. A fixed share leaves the
+TensorRT execution context per row (runtime/trt_backend.py), each with its own context cache and block logits and
+the activation memory TensorRT allocates for it: ICudaEngine.device_memory_size_v2 (TensorRT 10.1+ / 11 Python API),
+which a context created with the default STATIC ExecutionContextAllocationStrategy takes whole, sized for the
+largest optimization profile (IRuntimeConfig docs: "static allocation with the maximum size across all profiles"),
+recorded in the plan's manifest at build time (builders/trt_drafter.py) as `context_device_memory`. A fixed share leaves the
 leader whatever is left over: for a large target with a large vocabulary the lm_head and the rows' drafter caches
 need more, and the leader would run out of memory after the executor started. The fraction here is computed from
 what the leader still has to load, capped at FRACTION_CAP (non-leader ranks load nothing and keep the cap), floored
@@ -55,12 +59,23 @@ def lm_head_bytes(vocab: int, hidden: int, dtype_bytes: int) -> int:
     return vocab * hidden * dtype_bytes
 
 
-def drafter_context_bytes(meta: DrafterGraphMeta, dtype_bytes: int) -> int:
+def drafter_context_bytes(meta: DrafterGraphMeta, dtype_bytes: int, activation_bytes: int = 0) -> int:
     """One row's drafter allocations: its context cache as past and present K and V (all layers, up to the plan's
-    max_context) and its block's logits in float32. The plan's own activation memory is counted in its weights'
-    share (the plan file), an estimate on the small side for very wide drafters."""
+    max_context), its block's logits in float32, and its execution context's activation memory (`activation_bytes`:
+    the plan manifest's context_device_memory, for the largest profile)."""
     cache = 2 * 2 * meta.num_layers * meta.num_kv_heads * meta.max_context * meta.head_dim * dtype_bytes
-    return cache + meta.block_size * meta.vocab_size * 4
+    return cache + meta.block_size * meta.vocab_size * 4 + activation_bytes
+
+
+def context_activation_bytes(manifest: dict[str, Any], folder: Path) -> int:
+    """The activation memory of one execution context of the plan in `folder`, as its build recorded it."""
+    if "context_device_memory" not in manifest:
+        raise MemoryPlanError(
+            f"{folder} records no context_device_memory (the device memory each of the drafter's execution "
+            "contexts allocates): the plan was built before it was recorded; rebuild it (`make engines`) so that "
+            "the executor's memory plan can count one context per row"
+        )
+    return int(manifest["context_device_memory"])
 
 
 def kv_cache_fraction(free_bytes: int, engine_bytes: int, leader: LeaderLoad) -> float:
@@ -85,7 +100,8 @@ def kv_cache_fraction(free_bytes: int, engine_bytes: int, leader: LeaderLoad) ->
 
 def leader_load(target_folder: Path, engine_config: dict[str, Any]) -> LeaderLoad:
     """What the leader loads for this engines folder: the lm_head at the engine's dtype, and the TensorRT drafter
-    of the folder's manifest (plan file + one context per row, max_batch_size rows) when that is what it serves."""
+    of the folder's manifest (plan file + one context per row, max_batch_size rows, each with its cache, logits and
+    activation memory) when that is what it serves."""
     pretrained = engine_config.get("pretrained_config", {})
     dsize = DTYPE_BYTES.get(str(pretrained.get("dtype", "float16")), 2)
     head = lm_head_bytes(int(pretrained["vocab_size"]), int(pretrained["hidden_size"]), dsize)
@@ -95,8 +111,11 @@ def leader_load(target_folder: Path, engine_config: dict[str, Any]) -> LeaderLoa
     if drafter.get("backend") != "tensorrt":
         return LeaderLoad(lm_head=head)
     folder = target_folder.parent / drafter["dir"]
-    plan = folder / read_plan_manifest(folder)["plan"]
-    return LeaderLoad(head, plan.stat().st_size, rows, drafter_context_bytes(DrafterGraphMeta.read(folder), dsize))
+    plan_manifest = read_plan_manifest(folder)
+    plan = folder / plan_manifest["plan"]
+    activation = context_activation_bytes(plan_manifest, folder)
+    per_row = drafter_context_bytes(DrafterGraphMeta.read(folder), dsize, activation)
+    return LeaderLoad(head, plan.stat().st_size, rows, per_row)
 
 
 def rank_engine_bytes(engine_dir: Path, rank: int) -> int:

@@ -23,7 +23,7 @@ from dflash_trt.builders.trtllm_serve import (
     target_problems,
     to_yaml,
 )
-from dflash_trt.costgrid import grid_identity, read_target_config
+from dflash_trt.costgrid import TRTLLM_ENGINE, grid_identity, read_target_config
 from dflash_trt.decoding.cost import LinearCost
 from dflash_trt.settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
 
@@ -146,8 +146,9 @@ def test_weights_out_of_place_are_caught(tiny_drafter):
     assert any("layers [0, 1, 5]" in p for p in problems)
 
 
-def demo_identity(tp=1, **shape):
-    ident = grid_identity(read_target_config(DEMO_TARGET), dtype="bfloat16", engine="torch", tp=tp, gpu="test GPU")
+def demo_identity(tp=1, engine=TRTLLM_ENGINE, dtype="float16", **shape):
+    """A grid identity of the demo target (a float16 checkpoint) as trtllm-serve would run it, unless told."""
+    ident = grid_identity(read_target_config(DEMO_TARGET), dtype=dtype, engine=engine, tp=tp, gpu="test GPU")
     ident["target"].update(shape)
     return ident
 
@@ -222,6 +223,29 @@ def test_a_grid_of_another_target_is_refused(tmp_path, identity, message):
     assert err.match(message) and "gpu_bare.py --grid-target" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "identity, message",
+    [
+        (demo_identity(engine="torch"), "engine torch \\(grid\\) != tensorrt-llm \\(serving\\)"),
+        (demo_identity(dtype="float32"), "dtype float32 \\(grid\\) != float16 \\(serving\\)"),
+        (demo_identity(engine="torch", dtype="bf16"), "engine torch .*; dtype bf16 \\(grid\\) != float16"),
+    ],
+)
+def test_a_grid_of_another_engine_or_dtype_is_refused(tmp_path, identity, message):
+    """An eager PyTorch grid (what gpu_bare.py measures) or one of another dtype: the target's shape and tp
+    match, its pass times still are not TensorRT-LLM's in the checkpoint's dtype."""
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-7, identity=identity)))
+    with pytest.raises(ServeConfigError, match="another engine or dtype") as err:
+        serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0, target_dir=DEMO_TARGET)
+    assert err.match(message)
+
+
+def test_dtype_spellings_are_one_dtype(tmp_path):
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-7, identity=demo_identity(dtype="fp16"))))
+    cfg = serve_config(DEMO_DRAFTER, cost_table=tmp_path / "grid.json", tau=4.0, target_dir=DEMO_TARGET)
+    assert cfg["speculative_config"]["max_draft_len"] >= 1
+
+
 def test_a_grid_without_identity_or_without_target_is_refused(tmp_path):
     raw = grid(1e-7)
     del raw["identity"]
@@ -238,6 +262,9 @@ def test_cli_refuses_a_grid_of_another_target(tmp_path):
     cmd += ["--drafter", str(DEMO_DRAFTER), "--cost-table", str(tmp_path / "grid.json"), "--tau", "4"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "measured on another target" in proc.stderr and "heads 32" in proc.stderr
+    (tmp_path / "grid.json").write_text(json.dumps(grid(1e-7, identity=demo_identity(engine="torch"))))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "engine torch (grid) != tensorrt-llm (serving)" in proc.stderr
 
 
 # ---- DFlash 2 and the new target families (TensorRT-LLM pull request 18155's loader, see trtllm_serve.py) ----

@@ -87,3 +87,32 @@ def test_a_stop_string_in_the_removed_text_does_not_cut_the_output(decoder):
     assert healed.text.strip()  # the body's first line, not nothing
     assert decoder.tokenizer.decode(healed.token_ids).lstrip("\n").startswith(healed.text)
     assert len(healed.token_ids) >= 2 and plain.token_ids  # the first token plus the line's
+
+
+def test_allowed_sets_are_every_token_starting_with_the_text(decoder):
+    healer = PromptHealer(decoder.tokenizer)
+    texts = healer.texts()
+    for tail in ("\n", " ", "def", "\n    ", "(", "x", "zzzz-none"):
+        assert healer.allowed(tail) == tuple(i for i, t in enumerate(texts) if t.startswith(tail)), tail
+
+
+def test_the_healer_keeps_nothing_per_last_token(decoder):
+    """A server heals every text prompt with one healer: after its first request it must not grow with the last
+    tokens it meets (a set per token id, kept, grows towards the vocabulary's prefix pairs)."""
+    import gc
+    import tracemalloc
+
+    healer = PromptHealer(decoder.tokenizer)
+    healer.heal([5, 6])  # the texts are decoded and sorted on first use
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        healed = [healer.heal([5, last]) for last in range(2, len(healer.texts()))]
+        assert sum(h is not None for _, h in healed) > 100  # many of them were healed
+        del healed
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 64 * 1024, f"the healer kept {kept} bytes after healing every last token once"

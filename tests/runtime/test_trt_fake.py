@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from fake_tensorrt import FILL, make
+from fake_tensorrt import FAKE_CONTEXT_MEMORY, FILL, make
 
 from dflash_trt.builders import trt_drafter
 from dflash_trt.formats import DrafterGraphMeta
@@ -51,7 +51,9 @@ def test_tensorrt_missing_is_a_clear_error(monkeypatch, graph_dir, tmp_path):
 
 def test_build_sequence_trt10_weak_typing(monkeypatch, graph_dir, tmp_path):
     calls = install(monkeypatch, "10.14.1.48")
-    plan = trt_drafter.build_drafter_plan(graph_dir, tmp_path / "plan", max_context=256, max_new_tokens=128)
+    plan = trt_drafter.build_drafter_plan(
+        graph_dir, tmp_path / "plan", typing="weak", max_context=256, max_new_tokens=128
+    )
     kinds = [c[0] for c in calls]
     # order: network (no strong typing flag) -> parse the fp32 graph from file -> FP16 flag -> profile -> build
     assert ("create_network", 0) in calls
@@ -70,6 +72,9 @@ def test_build_sequence_trt10_weak_typing(monkeypatch, graph_dir, tmp_path):
     assert manifest["tensorrt_version"] == "10.14.1.48" and manifest["typing"] == "weak"
     assert set(manifest["input_sha256"]) == {"drafter.onnx", "drafter.onnx.data", "drafter.json"}
     assert manifest["profile"]["past_k"]["max"] == [2, 1, 2, 256, 16]
+    # the built plan is loaded once to record each execution context's activation memory (the executor's plan)
+    assert kinds.index("build_serialized_network") < kinds.index("deserialize_cuda_engine")
+    assert manifest["context_device_memory"] == FAKE_CONTEXT_MEMORY
 
 
 def test_trt10_strongly_typed_uses_fp16_graph_and_no_flag(monkeypatch, graph_dir, tmp_path):
@@ -78,6 +83,16 @@ def test_trt10_strongly_typed_uses_fp16_graph_and_no_flag(monkeypatch, graph_dir
     assert ("create_network", 1 << 1) in calls
     assert ("parse_from_file", str(graph_dir / "drafter_fp16.onnx")) in calls
     assert not [c for c in calls if c[0] == "set_flag"]
+
+
+def test_trt10_defaults_to_strong_typing(monkeypatch, graph_dir, tmp_path):
+    """The fp16 graph keeps its norms in fp32 and a strongly typed build follows its casts; weak typing would let
+    TensorRT choose fp16 for the norms' squares."""
+    calls = install(monkeypatch, "10.14.1.48")
+    trt_drafter.build_drafter_plan(graph_dir, tmp_path / "plan")
+    assert ("create_network", 1 << 1) in calls
+    assert ("parse_from_file", str(graph_dir / "drafter_fp16.onnx")) in calls
+    assert json.loads((tmp_path / "plan" / "drafter.plan.json").read_text())["typing"] == "strong"
 
 
 def test_trt11_is_strongly_typed_only(monkeypatch, graph_dir, tmp_path):

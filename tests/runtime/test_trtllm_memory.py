@@ -75,7 +75,8 @@ def test_leader_load_reads_the_engines_folder(tmp_path):
     engines = tmp_path / "engines"
     (engines / "drafter-tensorrt").mkdir(parents=True)
     (engines / "drafter-tensorrt" / "drafter.plan").write_bytes(b"\0" * 4096)
-    (engines / "drafter-tensorrt" / "drafter.plan.json").write_text(json.dumps({"plan": "drafter.plan"}))
+    plan_manifest = {"plan": "drafter.plan", "context_device_memory": 3 * GIB}
+    (engines / "drafter-tensorrt" / "drafter.plan.json").write_text(json.dumps(plan_manifest))
     (engines / "drafter-tensorrt" / "drafter.json").write_text(json.dumps(DRAFTER.to_dict()))
     manifest = {
         "engines": {"drafter_tensorrt": {"backend": "tensorrt", "dir": "drafter-tensorrt"}},
@@ -85,7 +86,13 @@ def test_leader_load_reads_the_engines_folder(tmp_path):
     config = {"pretrained_config": {"vocab_size": VOCAB, "hidden_size": HIDDEN, "dtype": "bfloat16"}}
     config["build_config"] = {"max_batch_size": 64}
     load = leader_load(engines / "target-tensorrt_llm", config)
-    assert load == LeaderLoad(lm_head_bytes(VOCAB, HIDDEN, 2), 4096, 64, drafter_context_bytes(DRAFTER, 2))
+    # each of the 64 rows' execution contexts with its activation memory (the plan's record), not only its caches
+    assert load == LeaderLoad(lm_head_bytes(VOCAB, HIDDEN, 2), 4096, 64, drafter_context_bytes(DRAFTER, 2) + 3 * GIB)
+    assert load.total - LeaderLoad(load.lm_head, 4096, 64, drafter_context_bytes(DRAFTER, 2)).total == 64 * 3 * GIB
+    del plan_manifest["context_device_memory"]  # a plan built before the figure was recorded: refused by name
+    (engines / "drafter-tensorrt" / "drafter.plan.json").write_text(json.dumps(plan_manifest))
+    with pytest.raises(MemoryPlanError, match="records no context_device_memory.*rebuild"):
+        leader_load(engines / "target-tensorrt_llm", config)
     manifest["engines"]["drafter_tensorrt"]["backend"] = "onnxruntime"  # a CPU drafter: the lm_head only
     (engines / "manifest.json").write_text(json.dumps(manifest))
     assert leader_load(engines / "target-tensorrt_llm", config) == LeaderLoad(lm_head=lm_head_bytes(VOCAB, HIDDEN, 2))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from .options import (
+    PROPOSER_CHOICES,
     CliError,
     add_model_args,
     close_engines,
@@ -51,6 +52,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "(default) or the reference's exact match with greedy drafts; both are lossless",
     )
     g.add_argument(
+        "--proposer",
+        choices=PROPOSER_CHOICES,
+        default="dflash",
+        help="where the drafts come from: dflash (the drafter; default), suffix (runs of the request's own "
+        "earlier tokens after the longest repeated suffix: no drafter needed) or hybrid (per round whichever "
+        "earns more tokens per second); all lossless",
+    )
+    g.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it"
     )
     g.add_argument("--no-draft", action="store_true", help="run the target alone (autoregressive baseline)")
@@ -73,7 +82,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--trace",
         action="store_true",
         help='with --json, add "trace": one object per verify round, {"block_size": B, "drafted": [the B-1 '
-        'drafted token ids], "accepted": n}, to see where the target rejects the drafter (B = 1: the target alone)',
+        'drafted token ids], "accepted": n, "proposer": "dflash"|"suffix"|"none"}, to see where the target rejects the drafts '
+        "(B = 1: the target alone)",
     )
     g.set_defaults(func=cmd_generate)
 
@@ -99,6 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             block_size=None if args.no_draft else args.block_size,
             acceptance=args.acceptance,
+            proposer=args.proposer,
             stop_token_ids=decoder.default_stop_ids(),
             stop_strings=tuple(args.stop),
             heal_prompt=args.prompt is not None and not args.no_heal_prompt,

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from ..decoding import BatchDecoder
 
 
+# `decoding.proposers.PROPOSERS`, spelled here so that --help never imports the decoding package (torch); a test
+# holds the two equal
+PROPOSER_CHOICES = ("dflash", "suffix", "hybrid")
+
+
 class CliError(Exception):
     """Printed as one line, exit code 1 (2 for usage errors via argparse)."""
 

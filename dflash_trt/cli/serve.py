@@ -95,7 +95,7 @@ def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def _block_args(p: argparse.ArgumentParser) -> None:
-    from .options import positive_int
+    from .options import PROPOSER_CHOICES, positive_int
 
     blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
     one = blk.add_mutually_exclusive_group()
@@ -113,6 +113,14 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         help="use the drafter's trained block size instead of choosing one per step and request "
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
+    )
+    blk.add_argument(
+        "--proposer",
+        choices=PROPOSER_CHOICES,
+        default="dflash",
+        help="where a request's drafts come from unless it sends its own `proposer`: dflash (the drafter; "
+        "default), suffix (runs of the request's own earlier tokens after the longest repeated suffix: no "
+        "drafter pass), hybrid (per row and round whichever earns more tokens per second); all lossless",
     )
 
 
@@ -269,6 +277,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         health_stall_s=args.health_stall_seconds,
         block_size=args.block_size,
+        proposer=args.proposer,
         adaptive=not args.no_adaptive,
         prefill=args.prefill,
         step_tokens=args.step_tokens,

@@ -69,7 +69,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     """What runs: output folder, methods, block sizes, sampling, prompts and repetitions."""
     from ..bench.prompts import PROMPT_SETS
     from ..bench.runner import FAMILIES
-    from .options import PROPOSER_CHOICES, finite_float, positive_int
+    from .options import add_proposer_arg, finite_float, positive_int
 
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder (default results/bench)")
     p.add_argument(
@@ -86,15 +86,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="DFlash block sizes (default 4 8 16; sizes above the drafter's trained size are skipped)",
     )
-    p.add_argument(
-        "--proposer",
-        nargs="+",
-        choices=PROPOSER_CHOICES,
-        default=["dflash"],
-        help="where the DFlash methods' drafts come from, one method per proposer and block size: dflash (the "
-        "drafter; default), suffix (runs of the request's own earlier tokens), hybrid (per round whichever "
-        "earns more); methods other than dflash are named <family>-<proposer>-b<B>",
-    )
+    add_proposer_arg(p, many=True, extra="; one method per proposer and block size, <family>-<proposer>-b<B>")
     p.add_argument(
         "--temperatures",
         nargs="+",

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from .options import (
-    PROPOSER_CHOICES,
     CliError,
     add_model_args,
+    add_proposer_arg,
     close_engines,
     finite_float,
     load_engines_or_fail,
@@ -51,14 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="sampling acceptance rule: speculative rejection sampling with draft probabilities "
         "(default) or the reference's exact match with greedy drafts; both are lossless",
     )
-    g.add_argument(
-        "--proposer",
-        choices=PROPOSER_CHOICES,
-        default="dflash",
-        help="where the drafts come from: dflash (the drafter; default), suffix (runs of the request's own "
-        "earlier tokens after the longest repeated suffix: no drafter needed) or hybrid (per round whichever "
-        "earns more tokens per second); all lossless",
-    )
+    add_proposer_arg(g)
     g.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it"
     )

@@ -95,7 +95,7 @@ def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def _block_args(p: argparse.ArgumentParser) -> None:
-    from .options import PROPOSER_CHOICES, positive_int
+    from .options import add_proposer_arg, positive_int
 
     blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
     one = blk.add_mutually_exclusive_group()
@@ -114,14 +114,7 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
     )
-    blk.add_argument(
-        "--proposer",
-        choices=PROPOSER_CHOICES,
-        default="dflash",
-        help="where a request's drafts come from unless it sends its own `proposer`: dflash (the drafter; "
-        "default), suffix (runs of the request's own earlier tokens after the longest repeated suffix: no "
-        "drafter pass), hybrid (per row and round whichever earns more tokens per second); all lossless",
-    )
+    add_proposer_arg(blk, extra="; a request's own `proposer` wins")
 
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:

@@ -108,12 +108,23 @@ def rounds_from_cache_starts(starts: list[int], prompt_len: int, new_tokens: int
     return lengths if all(n >= 1 for n in lengths) and sum(lengths) == new_tokens else None
 
 
-def dflash_method(name: str, family: str, decoder: BatchDecoder, block_size: int, backend: str | None = None) -> Method:
+def dflash_method(
+    name: str,
+    family: str,
+    decoder: BatchDecoder,
+    block_size: int,
+    backend: str | None = None,
+    proposer: str = "dflash",
+) -> Method:
+    """The loop as a bench method: DFlash blocks of `block_size`, drafts from `proposer` (decoding/proposers.py)."""
     from ..decoding import GenerationConfig, SamplingParams
 
     def run(prompt_ids: list[int], max_new: int, temperature: float, seed: int) -> Run:
         cfg = GenerationConfig(
-            max_new_tokens=max_new, sampling=SamplingParams(temperature, seed=seed), block_size=block_size
+            max_new_tokens=max_new,
+            sampling=SamplingParams(temperature, seed=seed),
+            block_size=block_size,
+            proposer=proposer,
         )
         t0 = time.perf_counter()
         [result] = decoder.generate([prompt_ids], cfg)

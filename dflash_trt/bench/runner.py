@@ -75,6 +75,9 @@ class BenchSettings:
     out: Path
     methods: tuple[str, ...] = FAMILIES
     block_sizes: tuple[int, ...] = (4, 8, 16)
+    # where the DFlash methods' drafts come from (decoding/proposers.py): one method per proposer and block size,
+    # named <family>-b<B> for dflash and <family>-<proposer>-b<B> for the others
+    proposers: tuple[str, ...] = ("dflash",)
     temperatures: tuple[float, ...] = (0.0, 1.0)
     max_new_tokens: tuple[int, ...] = (128, 512)
     prompt_sets: tuple[str, ...] = tuple(PROMPT_SETS)
@@ -212,8 +215,10 @@ def build_methods(
     for backend, drafter in drafters.items():  # drafters: backend name -> engine, as load_everything chose
         family = DFLASH_FAMILIES[backend]
         dec = BatchDecoder(decoder.target, drafter, decoder.tokenizer)
-        for b in usable_block_sizes(s, drafter):
-            methods.append(dflash_method(f"{family}-b{b}", family, dec, b, backend))
+        for p in s.proposers:
+            for b in usable_block_sizes(s, drafter):
+                name = f"{family}-b{b}" if p == "dflash" else f"{family}-{p}-b{b}"
+                methods.append(dflash_method(name, family, dec, b, backend, proposer=p))
     if assistant is not None:
         methods.append(
             hf_method(

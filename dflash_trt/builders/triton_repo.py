@@ -344,6 +344,7 @@ OPTIONAL_INPUTS = [
     tensor("temperature", "TYPE_FP32", [1], optional=True),
     tensor("seed", "TYPE_UINT64", [1], optional=True),
     tensor("stream", "TYPE_BOOL", [1], optional=True),
+    tensor("proposer", "TYPE_STRING", [1], optional=True),  # decoding/proposers.py: dflash, suffix or hybrid
 ]
 BLS_OUTPUTS = [
     tensor("output_ids", "TYPE_INT64", [-1]),

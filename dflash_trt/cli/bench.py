@@ -69,7 +69,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     """What runs: output folder, methods, block sizes, sampling, prompts and repetitions."""
     from ..bench.prompts import PROMPT_SETS
     from ..bench.runner import FAMILIES
-    from .options import finite_float, positive_int
+    from .options import add_proposer_arg, finite_float, positive_int
 
     p.add_argument("--out", type=Path, default=Path("results/bench"), help="results folder (default results/bench)")
     p.add_argument(
@@ -86,6 +86,7 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="DFlash block sizes (default 4 8 16; sizes above the drafter's trained size are skipped)",
     )
+    add_proposer_arg(p, many=True, extra="; one method per proposer and block size, <family>-<proposer>-b<B>")
     p.add_argument(
         "--temperatures",
         nargs="+",
@@ -250,6 +251,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         out=args.out,
         methods=tuple(dict.fromkeys(["baseline", *args.methods])),
         block_sizes=tuple(args.block_sizes),
+        proposers=tuple(dict.fromkeys(args.proposer)),
         temperatures=tuple(args.temperatures),
         max_new_tokens=tuple(args.max_new_tokens),
         prompt_sets=tuple(args.prompt_sets),

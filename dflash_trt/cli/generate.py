@@ -10,6 +10,7 @@ from pathlib import Path
 from .options import (
     CliError,
     add_model_args,
+    add_proposer_arg,
     close_engines,
     finite_float,
     load_engines_or_fail,
@@ -50,6 +51,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="sampling acceptance rule: speculative rejection sampling with draft probabilities "
         "(default) or the reference's exact match with greedy drafts; both are lossless",
     )
+    add_proposer_arg(g)
     g.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it"
     )
@@ -73,7 +75,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--trace",
         action="store_true",
         help='with --json, add "trace": one object per verify round, {"block_size": B, "drafted": [the B-1 '
-        'drafted token ids], "accepted": n}, to see where the target rejects the drafter (B = 1: the target alone)',
+        'drafted token ids], "accepted": n, "proposer": "dflash"|"suffix"|"none"}, to see where the target rejects the drafts '
+        "(B = 1: the target alone)",
     )
     g.set_defaults(func=cmd_generate)
 
@@ -99,6 +102,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             sampling=sampling,
             block_size=None if args.no_draft else args.block_size,
             acceptance=args.acceptance,
+            proposer=args.proposer,
             stop_token_ids=decoder.default_stop_ids(),
             stop_strings=tuple(args.stop),
             heal_prompt=args.prompt is not None and not args.no_heal_prompt,

@@ -13,6 +13,24 @@ if TYPE_CHECKING:
     from ..decoding import BatchDecoder
 
 
+# `decoding.proposers.PROPOSERS`, spelled here so that --help never imports the decoding package (torch); a test
+# holds the two equal
+PROPOSER_CHOICES = ("dflash", "suffix", "hybrid")
+
+
+def add_proposer_arg(p: argparse._ActionsContainer, many: bool = False, extra: str = "") -> None:
+    """`--proposer` (one name; `many`: one or more), the same choices and words on every command."""
+    p.add_argument(
+        "--proposer",
+        nargs="+" if many else None,
+        choices=PROPOSER_CHOICES,
+        default=["dflash"] if many else "dflash",
+        help="where the drafts come from: dflash (the drafter; default), suffix (runs of the request's own "
+        "earlier tokens after the longest repeated suffix: no drafter pass) or hybrid (per row and round "
+        "whichever earns more tokens per second); all lossless" + extra,
+    )
+
+
 class CliError(Exception):
     """Printed as one line, exit code 1 (2 for usage errors via argparse)."""
 

@@ -96,7 +96,7 @@ def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def _block_args(p: argparse.ArgumentParser) -> None:
-    from .options import positive_int
+    from .options import add_proposer_arg, positive_int
 
     blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
     one = blk.add_mutually_exclusive_group()
@@ -115,6 +115,7 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
     )
+    add_proposer_arg(blk, extra="; a request's own `proposer` wins")
 
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
@@ -280,6 +281,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         drain_timeout_s=args.drain_timeout,
         health_stall_s=args.health_stall_seconds,
         block_size=args.block_size,
+        proposer=args.proposer,
         adaptive=not args.no_adaptive,
         prefill=args.prefill,
         step_tokens=args.step_tokens,

@@ -37,6 +37,7 @@ class ServerSettings:
     # that a liveness probe restarts a server whose engines hang (a stuck collective); 0: never.
     health_stall_s: float = 300.0
     block_size: int | None = None  # every request's block size unless it asks for its own (1: target alone)
+    proposer: str = "dflash"  # requests without their own `proposer` (decoding/proposers.py)
     adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,

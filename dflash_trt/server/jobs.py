@@ -39,6 +39,7 @@ def generation_config(
         max_new_tokens=max_tokens,
         sampling=SamplingParams(temperature, _or(body.top_p, 1.0), _or(body.top_k, 0), body.seed),
         block_size=body.block_size,
+        proposer=_or(body.proposer, server.settings.proposer),
         stop_token_ids=() if body.ignore_eos else eos,
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,

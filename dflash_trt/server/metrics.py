@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from ..decoding.suffix import BYTES_PER_STATE
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -158,6 +160,30 @@ class ServerMetrics:
         self.accepted_draft_tokens = Counter(
             "dflash_accepted_draft_tokens", "draft tokens the target accepted (bonus tokens excluded)", registry=r
         )
+        # the same three per proposer (decoding/proposers.py), under vLLM's names with a `proposer` label; vLLM's
+        # own families below keep vLLM's exact labels, on which its dashboards select
+        by = ["proposer"]
+        self.proposer_drafts = Counter("dflash_spec_decode_num_drafts", "drafts, by proposer", by, registry=r)
+        self.proposer_draft_tokens = Counter(
+            "dflash_spec_decode_num_draft_tokens", "draft tokens, by proposer", by, registry=r
+        )
+        self.proposer_accepted = Counter(
+            "dflash_spec_decode_num_accepted_tokens", "accepted draft tokens, by proposer", by, registry=r
+        )
+        self.suffix_states = Gauge(
+            "dflash_suffix_states", "states of the live requests' suffix automata (suffix/hybrid proposers)", registry=r
+        )
+        self.suffix_states_max = Gauge(
+            "dflash_suffix_states_max", "the largest live request's suffix automaton, in states", registry=r
+        )
+        self.suffix_shared_states = Gauge(
+            "dflash_suffix_shared_states", "states of the automaton over finished requests' outputs", registry=r
+        )
+        self.suffix_bytes = Gauge(
+            "dflash_suffix_bytes",
+            "the suffix automata's memory, the requests' and the shared one, estimated (states x bytes per state)",
+            registry=r,
+        )
 
     def _vllm(self, num_spec_tokens: int) -> None:
         """The same counters and the scheduler gauges under vLLM's names and labels (see the module docstring)."""
@@ -186,11 +212,24 @@ class ServerMetrics:
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", VLLM_LABELS, registry=r
         ).labels(*lv)
 
-    def observe_round(self, drafted: int, accepted: int) -> None:
-        """One verify round: `drafted` tokens proposed, the first `accepted` of them kept by the target."""
+    def observe_suffix_states(self, states: list[int], shared: int = 0) -> None:
+        """The suffix automata after a step: the live requests' states in all and the largest, the shared
+        automaton's, and their bytes."""
+        total = sum(states)
+        self.suffix_states.set(total)
+        self.suffix_states_max.set(max(states, default=0))
+        self.suffix_shared_states.set(shared)
+        self.suffix_bytes.set((total + shared) * BYTES_PER_STATE)
+
+    def observe_round(self, drafted: int, accepted: int, proposer: str = "dflash") -> None:
+        """One verify round: `drafted` tokens proposed by `proposer`, the first `accepted` of them kept by the
+        target."""
         if drafted <= 0:  # block size 1: no draft (vLLM counts only rounds where the proposer ran)
             return
         accepted = max(0, min(accepted, drafted))
+        self.proposer_drafts.labels(proposer).inc()
+        self.proposer_draft_tokens.labels(proposer).inc(drafted)
+        self.proposer_accepted.labels(proposer).inc(accepted)
         for c in (self.draft_rounds, self._vllm_drafts):
             c.inc()
         for c in (self.draft_tokens, self._vllm_draft_tokens):

@@ -329,6 +329,10 @@ class Orchestrator:
 
     def _observe_step(self, prof: StepProfile) -> None:
         m = self.metrics
+        if self.decoder is not None:
+            shared = self.decoder.shared_suffixes
+            states = [row.drafts.suffix_states for row in self.decoder.active]
+            m.observe_suffix_states(states, shared.size if shared is not None else 0)
         for size in prof.blocks:
             m.block_size.observe(size)
         for kind, rows, tokens in (
@@ -365,7 +369,7 @@ class Orchestrator:
             m.ttft.observe(now - job.submitted)
         else:
             m.acceptance.observe(n)
-            m.observe_round(rnd.drafted, rnd.accepted)
+            m.observe_round(rnd.drafted, rnd.accepted, rnd.proposer)
             m.draft_time.observe(rnd.timings.draft_s)
             m.verify_time.observe(rnd.timings.verify_s)
             if n and job.last_event is not None:

@@ -142,6 +142,15 @@ class OutputFields(BaseModel):
             "a seeded sampled request returns the same text only with a fixed size"
         ),
     )
+    proposer: Literal["dflash", "suffix", "hybrid"] | None = Field(
+        None,
+        description=(
+            "where the drafts come from: dflash (the drafter), suffix (runs of the request's own earlier tokens "
+            "after the longest repeated suffix; no drafter pass), hybrid (per round whichever earns more tokens "
+            "per second); null = the server's --proposer. Output is the same whatever the proposer (greedy) or "
+            "has the same distribution (sampled)"
+        ),
+    )
 
 
 class GenerateRequest(OutputFields):

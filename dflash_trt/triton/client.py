@@ -43,6 +43,7 @@ def build_inputs(
     temperature: float | None = None,
     seed: int | None = None,
     stream: bool | None = None,
+    proposer: str | None = None,
 ) -> list[Any]:
     n = len(prompts)
 
@@ -61,6 +62,8 @@ def build_inputs(
         add("seed", "UINT64", np.full((n, 1), seed, dtype=np.uint64))
     if stream is not None:
         add("stream", "BOOL", np.full((n, 1), stream, dtype=bool))
+    if proposer is not None:
+        add("proposer", "BYTES", np.array([[proposer.encode("utf-8")]] * n, dtype=np.object_))
     return out
 
 
@@ -77,6 +80,7 @@ def generate(
     max_tokens: int | None = None,
     temperature: float | None = None,
     seed: int | None = None,
+    proposer: str | None = None,
     on_chunk: Callable[[list[str]], None] | None = None,
     timeout_s: float = 300,
 ) -> Reply:
@@ -85,12 +89,14 @@ def generate(
         raise ValueError("streaming needs gRPC (Triton's HTTP endpoint refuses decoupled models)")
     client = mod.InferenceServerClient(url)
     if not stream:
-        result = client.infer("dflash_sync", build_inputs(mod, prompts, max_tokens, temperature, seed))
+        result = client.infer(
+            "dflash_sync", build_inputs(mod, prompts, max_tokens, temperature, seed, proposer=proposer)
+        )
         return Reply(_strings(result, "text_output"), _strings(result, "finish_reason"))
     responses: queue.Queue[tuple[Any, Any]] = queue.Queue()  # (result, error)
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     try:
-        client.async_stream_infer("dflash", build_inputs(mod, prompts, max_tokens, temperature, seed, stream=True))
+        client.async_stream_infer("dflash", build_inputs(mod, prompts, max_tokens, temperature, seed, True, proposer))
         reply = Reply([""] * len(prompts), [""] * len(prompts))
         while not all(reply.finish_reasons):
             result, error = responses.get(timeout=timeout_s)

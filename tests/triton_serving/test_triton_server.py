@@ -95,6 +95,17 @@ def test_ensemble_text_equals_generate(server, reference, protocol):
         assert reply.finish_reasons == [expected.finish_reason]
 
 
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_the_proposer_input_keeps_the_text(server, reference, proposer):
+    """The BLS model's optional `proposer` input (decoding/proposers.py): greedy text is the target's whatever
+    drafts it; an unknown proposer is a request error."""
+    for prompt in PROMPTS[:2]:
+        reply = generate(server.grpc_url, [prompt], protocol="grpc", max_tokens=MAX_TOKENS, proposer=proposer)
+        assert reply.texts == [reference(prompt).text], prompt
+    with pytest.raises(Exception, match="proposer must be one of"):
+        generate(server.grpc_url, [PROMPTS[0]], protocol="grpc", max_tokens=4, proposer="eagle")
+
+
 def test_grpc_stream_one_response_per_round(server, reference):
     client = grpcclient.InferenceServerClient(server.grpc_url)
     responses: queue.Queue = queue.Queue()

@@ -2,7 +2,8 @@
 and dflash_drafter.
 
 Inputs per row: input_ids [N, L] + input_length [N, 1] from preprocessing; optional max_tokens
-INT32, temperature FP32, seed UINT64, stream BOOL ([N, 1]). Batches: every row of every request in
+INT32, temperature FP32, seed UINT64, stream BOOL, proposer STRING ("dflash", "suffix" or "hybrid": where the
+row's drafts come from, decoding/proposers.py; default: the model's `proposer` parameter, else "dflash") ([N, 1]). Batches: every row of every request in
 one execute() call is a row of ONE BatchDecoder, so a step is one dflash_target call that verifies every
 row (several sessions per call) and one dflash_drafter_batch call for every drafting row (the batched
 graph; with only the single-sequence dflash_drafter, one call per drafting row); each row keeps its own
@@ -25,7 +26,7 @@ import triton_python_backend_utils as pb_utils
 from ...decoding import BatchDecoder, BatchRow, GenerationConfig, InputError, SamplingParams
 from ...runtime.base import DrafterEngine
 from ..remote import RemoteDrafterEngine, RemoteTargetEngine, pad_rows, unpad_rows
-from .common import error_response, load_config, need, scalar, strings
+from .common import error_response, load_config, need, scalar, strings, texts
 
 # Triton's python backend (triton_python_backend_utils) is untyped: requests, responses and senders are Any.
 
@@ -80,6 +81,7 @@ class TritonPythonModel:
             self.drafter = RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"), meta)
         self.stop_ids = tuple(json.loads(params.get("stop_token_ids", "[]")))
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
+        self.proposer = params.get("proposer", "dflash")
 
     def _job(self, decoder: BatchDecoder, request: Any) -> Job:
         prompts = unpad_rows(need(request, "input_ids"), need(request, "input_length"))
@@ -88,11 +90,15 @@ class TritonPythonModel:
         temperature = scalar(request, "temperature", 0.0, n)
         seed = scalar(request, "seed", None, n)
         stream = any(scalar(request, "stream", False, n))
+        proposer = texts(request, "proposer", self.proposer, n)
         rows: list[BatchRow] = []
         try:
-            for prompt, mt, t, s in zip(prompts, max_tokens, temperature, seed):
+            for prompt, mt, t, s, p in zip(prompts, max_tokens, temperature, seed, proposer):
                 config = GenerationConfig(
-                    max_new_tokens=int(mt), sampling=SamplingParams(float(t), seed=s), stop_token_ids=self.stop_ids
+                    max_new_tokens=int(mt),
+                    sampling=SamplingParams(float(t), seed=s),
+                    stop_token_ids=self.stop_ids,
+                    proposer=p,
                 )
                 rows.append(decoder.add(prompt, config))
         except BaseException:

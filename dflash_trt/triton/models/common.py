@@ -67,6 +67,19 @@ def scalar(request: Any, name: str, default: Any, rows: int) -> list[Any]:
     return [v.item() for v in flat]
 
 
+def texts(request: Any, name: str, default: str, rows: int) -> list[str]:
+    """An optional per-row string input (TYPE_STRING, [N, 1] with batching) as a list of N strings."""
+    a = get(request, name)
+    if a is None:
+        return [default] * rows
+    flat = [v.decode("utf-8") if isinstance(v, bytes) else str(v) for v in a.reshape(-1)]
+    if len(flat) == 1 and rows > 1:
+        return flat * rows
+    if len(flat) != rows:
+        raise ValueError(f"input {name!r} has {len(flat)} values for {rows} rows")
+    return flat
+
+
 def error_response(message: str, cancelled: bool = False) -> Any:  # a pb_utils.InferenceResponse
     if cancelled:  # Triton's CANCELLED status (python backend >= 23.10), so clients see a cancellation
         return pb_utils.InferenceResponse(

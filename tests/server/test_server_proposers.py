@@ -1,0 +1,60 @@
+"""The `proposer` request field and the server's `--proposer` default on a real server (uvicorn on a free loopback
+port, the tiny text pair): greedy output is the target's own with every proposer, `spec` says which proposer drafted
+what, /metrics counts draft tokens per proposer and the live suffix automata, /openapi.json documents the field."""
+
+import httpx
+import pytest
+from server_harness import metric, running_server, scrape, server_fixtures
+
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
+from dflash_trt.decoding.proposers import PROPOSERS
+
+models, decoder, server = server_fixtures("server-proposers")
+PROMPT = [5, 6, 7, 8, 9, 10, 11] * 3  # repeats: suffix runs fire from the first round
+
+
+@pytest.fixture(scope="module")
+def reference(decoder):
+    alone = BatchDecoder(decoder.target, tokenizer=decoder.tokenizer)
+    return alone.generate([PROMPT], GenerationConfig(max_new_tokens=24))[0].token_ids
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_every_proposer_returns_the_targets_greedy_tokens(server, reference, proposer):
+    before = scrape(server)
+    body = {"input_ids": PROMPT, "max_tokens": 24, "temperature": 0, "proposer": proposer}
+    got = httpx.post(server + "/generate", json=body, timeout=60).json()
+    after = scrape(server)
+    assert got["token_ids"] == reference
+    spec = got["spec"]
+    assert spec["proposer"] == proposer
+    for name in ("dflash", "suffix"):
+        labels = {"proposer": name}
+        delta = metric(after, "dflash_spec_decode_num_draft_tokens_total", **labels) - metric(
+            before, "dflash_spec_decode_num_draft_tokens_total", **labels
+        )
+        assert delta == spec["drafted_by"].get(name, 0)
+        accepted = metric(after, "dflash_spec_decode_num_accepted_tokens_total", **labels) - metric(
+            before, "dflash_spec_decode_num_accepted_tokens_total", **labels
+        )
+        assert accepted == spec["accepted_by"].get(name, 0)
+    if proposer != "dflash":
+        assert spec["drafted_by"].get("suffix", 0) > 0 and spec["suffix_states"] > 0
+
+
+def test_an_unknown_proposer_is_a_400(server):
+    r = httpx.post(server + "/generate", json={"input_ids": [1, 2], "proposer": "eagle"}, timeout=30)
+    assert r.status_code in (400, 422) and "proposer" in r.text
+
+
+def test_the_field_is_in_the_openapi_document(server):
+    doc = httpx.get(server + "/openapi.json", timeout=30).json()
+    field = doc["components"]["schemas"]["GenerateRequest"]["properties"]["proposer"]
+    assert "suffix" in str(field) and "hybrid" in str(field)
+
+
+def test_the_servers_default_proposer_serves_requests_without_one(decoder, reference):
+    with running_server(decoder, proposer="suffix") as (url, _):
+        got = httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60).json()
+        assert got["spec"]["proposer"] == "suffix" and got["token_ids"] == reference
+        assert "dflash_suffix_states " in scrape(url)

@@ -10,10 +10,12 @@ the shared machine's drift hits them alike, and every mode's answers must be the
 (greedy, /v1/completions, ignore_eos). Per mode: tokens/s over all turns, by turn (later turns carry more of
 what the server produced before), and the ratio to the first mode. Prints a table; writes JSON.
 
-Modes (--modes, JSON: name -> {"serve": [serve args], "request": {extra request fields}}); the default compares
-the target alone with the server's default proposer. With the proposer seam, for example:
+Modes (--modes, JSON: name -> {"serve": [serve args], "request": {extra request fields}}; modes with the same
+serve arguments share one server); the default compares the target alone with the server's default proposer.
+With the proposer seam, for example:
 
     --modes '{"target": {"serve": ["--block-size", "1"]},
+              "dflash": {"request": {"proposer": "dflash"}},
               "hybrid": {"serve": ["--proposer", "hybrid"]},
               "hybrid-per-request": {"serve": ["--proposer", "hybrid", "--suffix-shared-tokens", "0"]}}'
 """
@@ -96,17 +98,21 @@ def summary(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str, 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     names = list(args.modes)
-    servers = {}
+    servers: dict[tuple[str, ...], Any] = {}  # modes with the same serve arguments share a server
+    urls = {}
     try:
         for name in names:
-            serve = [*args.serve_args.split(), *args.modes[name].get("serve", [])]
-            servers[name] = start_serve(serve, args.out.parent / f"serve-{name}.log", timeout_s=args.start_timeout)
+            serve = (*args.serve_args.split(), *args.modes[name].get("serve", []))
+            if serve not in servers:
+                log = args.out.parent / f"serve-{name}.log"
+                servers[serve] = start_serve(list(serve), log, timeout_s=args.start_timeout)
+            urls[name] = servers[serve][1]
         runs: dict[str, list[list[dict[str, Any]]]] = {n: [] for n in names}
         opening, heads, source = session_turns(args.turns)
         for k in range(args.sessions):
             for name in names if k % 2 == 0 else names[::-1]:
                 request = args.modes[name].get("request", {})
-                runs[name].append(session(servers[name][1], request, opening, heads, args.max_tokens))
+                runs[name].append(session(urls[name], request, opening, heads, args.max_tokens))
                 print(f"session {k} {name}: " + ", ".join(f"{t['seconds']:.1f}s" for t in runs[name][-1]))
     finally:
         for proc, _ in servers.values():

@@ -16,16 +16,33 @@ Terminology
                   acceptance estimate (`estimates`).
     probe         a forced full block for a row that has not drafted lately, so that its acceptance
                   estimate is measured again (`estimates.ProbeSchedule`).
+    proposer      where a round's drafts come from (`proposers.Proposer`, chosen per request by
+                  `GenerationConfig.proposer`): "dflash" (the drafter's block, sized by the block policy),
+                  "suffix" (a suffix run: the tokens that followed the longest suffix of the request that
+                  occurred before in it, from the request's `suffix.SuffixAutomaton`; no drafter pass) or
+                  "hybrid" (per row and round whichever, or none, has the most expected tokens per second).
+                  Asked per row after the block policy (`Proposer.pick` -> `Pick`: proposer, block, run);
+                  a new method is a class and a line in `proposers.PROPOSER_TYPES`.
+    max_block     the largest DFlash block a row may use this step (`StepRows.max_block`: the decoder's
+                  block size, the drafter's trained block, the tokens the row has left).
+    block         the tokens a row verifies in a round (`Pick.block`, `BatchRow.block`: its last step's).
 
-Pieces: `request` (settings, validation, results), `loop` (the step), `step` (what a step hands around),
-`acceptance` (greedy match and rejection sampling), `sampling`, `processors` (logits adjustments),
-`stopping`, `detokenizer`, `policy` / `adaptive` / `cost` / `estimates` (the block-size policies).
+A step: the block policy sizes each row's DFlash block within `max_block`; each row's proposer picks its
+proposal; ONE drafter call for the rows that picked a DFlash block (none if no row did: the others' features
+wait in their backlog); ONE target pass verifies every row's block; the row's acceptance rule judges it (a
+suffix run is deterministic: `acceptance.accept_deterministic`).
+
+Pieces: `request` (settings, validation, results), `row` (one request in the loop), `loop` (the step), `step`
+(what a step hands around), `acceptance` (greedy match and rejection sampling), `proposers` / `suffix` (where
+drafts come from), `sampling`, `processors` (logits adjustments), `stopping`, `detokenizer`, `policy` /
+`adaptive` / `cost` / `estimates` (the block-size policies). No module here imports the loop but this one.
 """
 
 from .adaptive import AdaptiveBlocks
-from .loop import BatchDecoder, BatchRow
+from .loop import BatchDecoder
 from .policy import BlockPolicy, FixedBlocks
 from .processors import LogitsAdjustment
+from .proposers import PROPOSERS, Pick, Proposer
 from .request import (
     ContextLengthError,
     GenerationConfig,
@@ -35,6 +52,7 @@ from .request import (
     Round,
     RoundTimings,
 )
+from .row import BatchRow
 from .sampling import SamplingParams
 from .step import StepProfile, StepResult, StepRows
 
@@ -50,6 +68,9 @@ __all__ = [
     "GenerationStats",
     "InputError",
     "LogitsAdjustment",
+    "PROPOSERS",
+    "Pick",
+    "Proposer",
     "Round",
     "RoundTimings",
     "SamplingParams",

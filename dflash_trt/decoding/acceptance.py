@@ -51,6 +51,24 @@ def accept_exact_match(draft: torch.Tensor, target_probs: torch.Tensor, generato
     return accepted, int(posterior[accepted])
 
 
+def accept_deterministic(
+    draft: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
+) -> tuple[int, int]:
+    """Speculative sampling of a deterministic draft (a suffix run: the tokens that followed an earlier occurrence
+    of the context, chosen without sampling), at T > 0.
+
+    Rule: the proposal at position i is one-hot, q_i = e_{x_i}, given the accepted prefix (the run is a function of
+    the committed tokens, which include that prefix). Rejection sampling (`accept_rejection`) accepts x_i with
+    probability min(1, p_i(x_i) / q_i(x_i)) = p_i(x_i) and at a rejection draws from norm(max(0, p_i - q_i)) =
+    p_i restricted to y != x_i, renormalised by 1 - p_i(x_i). Sampling y ~ p_i and accepting while y = x_i
+    (`accept_exact_match`) is the same law: P(y = x_i) = p_i(x_i), and y given y != x_i is that restriction. So a
+    position emits x with probability p_i(x_i) [x = x_i] + (1 - p_i(x_i)) p_i(x) [x != x_i] / (1 - p_i(x_i)) =
+    p_i(x): the target's distribution, whatever the run. Where p_i(x_i) = 1 the rejection branch has probability
+    0. After all k drafts are accepted the bonus is drawn from p_k, as in every rule here. Greedy rows need none of
+    this: the longest prefix equal to the target's argmax (`accept_greedy`) keeps the target's own tokens."""
+    return accept_exact_match(draft, target_probs, generator)
+
+
 def accept_rejection(
     draft: torch.Tensor, draft_probs: torch.Tensor, target_probs: torch.Tensor, generator: torch.Generator
 ) -> tuple[int, int]:
@@ -158,8 +176,9 @@ class RejectionRule:
         return Proposal(sample(q, self.generator).cpu(), q)
 
     def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
-        assert proposal.probs is not None  # RejectionRule.propose always sets them
         p = probabilities(target_logits, self.params)
+        if proposal.probs is None:  # a deterministic draft (a suffix run): its q is one-hot
+            return accept_deterministic(proposal.tokens, p, self.generator)
         return accept_rejection(proposal.tokens, proposal.probs, p, self.generator)
 
 

@@ -50,11 +50,11 @@ import numpy as np
 from ..runtime.base import DrafterEngine, TargetEngine, cuda_devices
 from .cost import CostModel, LinearCost, curve_arrays, measure_costs, price, token_sweep
 from .estimates import GPU_PROBE_ROWS, AcceptancePrior, AcceptanceTracker, ProbeSchedule
-from .policy import own_or_cap
+from .policy import own_or_max
 from .step import StepResult, StepRows
 
 if TYPE_CHECKING:
-    from .loop import BatchRow
+    from .row import BatchRow
 
 
 @dataclass
@@ -136,16 +136,16 @@ class AdaptiveBlocks:
         return self.prior.tracker(row.sampled)
 
     def choose(self, step: StepRows) -> list[int]:
-        if bool(((step.fixed > 0) | (step.cap < 2)).all()):  # nothing to choose: no probe either
+        if bool(((step.fixed > 0) | (step.max_block < 2)).all()):  # nothing to choose: no probe either
             self._probing = set()
-            return own_or_cap(step)
+            return own_or_max(step)
         states = [self._state(r) for r in step.rows]
         alpha = np.fromiter((s.tracker.alpha for s in states), np.float64, len(states))
         last = np.fromiter((s.last_draft_step for s in states), np.int64, len(states))
         due = self.probes.due(self.steps, step.sampled, last, step.backlog)
         self._probing = {step.rows[i].id for i in np.flatnonzero(due).tolist()}
         ones = np.ones(len(step))
-        choices = RowChoices(alpha=alpha, max_block=step.cap, new_context=ones, fixed=step.fixed, probe=due)
+        choices = RowChoices(alpha=alpha, max_block=step.max_block, new_context=ones, fixed=step.fixed, probe=due)
         chunk = (step.chunk_rows, step.chunk_tokens)
         return choose_blocks(choices, self.cost, self.min_gain, riding=chunk, most_tokens=step.verify_room)
 
@@ -168,6 +168,9 @@ class AdaptiveBlocks:
         probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
         for row, rnd in verified:
             state = self._state(row)
+            if rnd.proposer != "dflash":  # a suffix run or no draft: the drafter's estimate learns nothing
+                state.tracker.update(0, 0)
+                continue
             state.tracker.update(rnd.drafted, rnd.accepted)
             if rnd.drafted:
                 state.last_draft_step = self.steps
@@ -255,21 +258,27 @@ def choose_blocks(
     t, d = cost.current()
     if riding != (0, 0):
         t = replace(t, riding_rows=riding[0], riding_tokens=riding[1])
-    forced, caps = _forced_sizes(table)  # rule 1
-    top = int(caps.max())
+    forced, max_blocks = _forced_sizes(table)  # rule 1
+    top = int(max_blocks.max())
     base = np.where(forced > 0, forced, 1)
     # the target's passes this needs, priced in one call: n tokens (no row drafts), every row at its largest
     # size, and the base choice
     t_none, t_all, t_base = price(t, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
     if t_none <= 0:  # rule 2
-        return _within(caps, forced, most_tokens)
-    free = np.flatnonzero((forced == 0) & (caps >= 2))  # the rows whose size is chosen here
+        return _within(max_blocks, forced, most_tokens)
+    free = np.flatnonzero((forced == 0) & (max_blocks >= 2))  # the rows whose size is chosen here
     if not len(free):
         return cast(list[int], base.tolist())
     if n == 1:  # rule 3
-        cap = min(int(caps[0]), most_tokens) if most_tokens else int(caps[0])  # rule 8: rate only sizes that fit
-        return [_best_alone(float(table.alpha[0]), cap, float(table.new_context[0]), t, d, min_gain) if cap > 1 else 1]
-    step = _Step(n, t, d, table.alpha, table.new_context, forced, caps, base, free, top, most_tokens)
+        max_block = (
+            min(int(max_blocks[0]), most_tokens) if most_tokens else int(max_blocks[0])
+        )  # rule 8: rate only sizes that fit
+        return [
+            _best_alone(float(table.alpha[0]), max_block, float(table.new_context[0]), t, d, min_gain)
+            if max_block > 1
+            else 1
+        ]
+    step = _Step(n, t, d, table.alpha, table.new_context, forced, max_blocks, base, free, top, most_tokens)
     start = _base_of(step, float(t_base))
     grid = _increments(step, float(t_none), float(t_all))
     best, best_rate = _sweep(step, start, grid)  # rules 4-6
@@ -278,10 +287,10 @@ def choose_blocks(
 
 def _forced_sizes(table: RowChoices) -> tuple[np.ndarray, np.ndarray]:
     """Rule 1: per row the size it must use (its own, or its whole block when probed; 0 = free) and its largest
-    size (the forced one, else its cap)."""
+    size (the forced one, else its max_block)."""
     forced = np.where(table.fixed > 0, table.fixed, np.where(table.probe & (table.max_block >= 2), table.max_block, 0))
-    caps = np.where(forced > 0, forced, np.maximum(table.max_block, 1))
-    return forced, caps
+    max_blocks = np.where(forced > 0, forced, np.maximum(table.max_block, 1))
+    return forced, max_blocks
 
 
 class _Step(NamedTuple):
@@ -293,7 +302,7 @@ class _Step(NamedTuple):
     alpha: np.ndarray
     ctx: np.ndarray
     forced: np.ndarray
-    caps: np.ndarray
+    max_blocks: np.ndarray
     base: np.ndarray  # the choice in which no free row drafts
     free: np.ndarray  # indices of the rows whose size is chosen
     top: int
@@ -324,7 +333,7 @@ class _Grid(NamedTuple):
     sizes: np.ndarray  # [1, top]
     gain: np.ndarray  # E(b) - E(1)
     one_more: np.ndarray  # E(b) - E(b - 1): what the b-th token adds
-    valid: np.ndarray  # the sizes the row may take (2..cap)
+    valid: np.ndarray  # the sizes the row may take (2..max_block)
     ratio: np.ndarray  # gain per second of the jump from block 1 to b
     jump: np.ndarray  # [free] b*: the size whose jump gains most per second
     token_price: float  # a drafted token's seconds at the mean price
@@ -342,7 +351,7 @@ def _increments(s: _Step, t_none: float, t_all: float) -> _Grid:
     ctx = s.ctx[s.free]
     start = s.d.per_row + s.d.per_token * (1.0 + ctx[:, None])  # the drafter's share of a row that drafts
     seconds = token_price * (sizes - 1.0) + start  # [free, top]: from block 1 to block b
-    valid = (sizes >= 2) & (sizes <= s.caps[s.free, None])
+    valid = (sizes >= 2) & (sizes <= s.max_blocks[s.free, None])
     ratio = np.where(valid, gain / np.maximum(seconds, 1e-30), -np.inf)
     return _Grid(sizes, gain, one_more, valid, ratio, ratio.argmax(axis=1) + 1, token_price, ctx)
 
@@ -361,7 +370,7 @@ def _sweep(s: _Step, base: _Base, g: _Grid) -> tuple[np.ndarray, float]:
         sweeps.append(_token_order_sweep(g, keep, s.top))
     best, best_rate = _best_prefix(s, base, sweeps)
     if best_rate > -np.inf and bent and not many:  # rule 6
-        polished = _polish(best, s.forced, s.caps, s.alpha, s.ctx, s.t, s.d, POLISH_MOVES)
+        polished = _polish(best, s.forced, s.max_blocks, s.alpha, s.ctx, s.t, s.d, POLISH_MOVES)
         if not s.most or polished.sum() <= s.most:  # rule 8: a move may not take the step past its bound
             best, best_rate = polished, _rate_of(polished, s.alpha, s.ctx, s.t, s.d)
     return best, best_rate
@@ -480,10 +489,10 @@ def _within(sizes: np.ndarray, forced: np.ndarray, most: int) -> list[int]:
     return cast(list[int], sizes.tolist())
 
 
-def _best_alone(alpha: float, cap: int, ctx: float, t: LinearCost, d: LinearCost, min_gain: float) -> int:
+def _best_alone(alpha: float, max_block: int, ctx: float, t: LinearCost, d: LinearCost, min_gain: float) -> int:
     """`choose_blocks` for one free row alone in its step: the size of the best expected tokens per second,
     drafting only when it beats block 1 by `min_gain`."""
-    sizes = np.arange(1, cap + 1, dtype=np.float64)
+    sizes = np.arange(1, max_block + 1, dtype=np.float64)
     ones = np.ones_like(sizes)
     step_s = price(t, ones, sizes) + np.where(sizes > 1, price(d, ones, sizes + ctx), 0.0)
     rate = _expected(np.float64(alpha), sizes) / step_s
@@ -526,7 +535,7 @@ POLISH_MAX_ROWS = 32
 def _polish(
     out: np.ndarray,
     forced: np.ndarray,
-    caps: np.ndarray,
+    max_blocks: np.ndarray,
     alpha: np.ndarray,
     ctx: np.ndarray,
     t: LinearCost,
@@ -537,10 +546,10 @@ def _polish(
     the true cost) the most, while one does and some row still drafts. Under a bent cost the sweep's order
     (at the mean token price) can overshoot the end of a tile: a row accepting nearly everything jumps
     straight to its largest block; the moves close that gap."""
-    n, top = len(out), int(caps.max())
+    n, top = len(out), int(max_blocks.max())
     sizes = np.arange(1, top + 1)[None, :]
     gain = _expected_grid(alpha, top)  # [rows, top]: E per cell
-    allowed = np.where(forced[:, None] > 0, sizes == forced[:, None], sizes <= caps[:, None])
+    allowed = np.where(forced[:, None] > 0, sizes == forced[:, None], sizes <= max_blocks[:, None])
     index = np.arange(n)
     out = out.copy()
     for _ in range(moves):

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, NamedTuple
 from .step import StepProfile
 
 if TYPE_CHECKING:
-    from .loop import BatchRow
+    from .row import BatchRow
 
 # The default token budget of one step's target pass on the CPU server: a small one keeps a short prompt from
 # making one long step before any time is measured; the time bound does the rest.

@@ -50,125 +50,22 @@ from ..runtime.base import (
     TargetOutput,
     TargetSession,
 )
-from .acceptance import Proposal, acceptance_rule, greedy_prefix
+from .acceptance import Proposal, greedy_prefix
 from .chunking import BACKLOG_STEPS, STALL, STEP_TOKENS, Chunk, ChunkPacer, cut
-from .detokenizer import IncrementalDetokenizer, held_back
-from .healing import Healing, PromptHealer
+from .cost import CostModel
+from .healing import PromptHealer
 from .policy import BlockPolicy, FixedBlocks
-from .request import (
-    GenerationConfig,
-    GenerationResult,
-    GenerationStats,
-    InputError,
-    Round,
-    RoundTimings,
-    commit_tokens,
-    validate_request,
-)
+from .proposers import NO_PICK, PROPOSERS, Pick, Prices, Proposer, proposer_for
+from .request import GenerationConfig, GenerationResult, InputError, Round, RoundTimings, validate_request
+from .row import BatchRow
 from .sampling import next_token
 from .step import StepProfile, StepResult, StepRows
-from .stopping import StopChecker, truncate_at_stop
+from .suffix import SHARED_TOKENS, SharedSuffixes
+
+__all__ = ["PREFILL_MODES", "BatchDecoder", "BatchRow"]  # BatchRow: its home is row.py; imported from here too
 
 NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
 PREFILL_MODES = ("chunked", "separate")
-
-
-class BatchRow:
-    """One request inside a BatchDecoder: its settings, its output so far and its place in the sessions."""
-
-    def __init__(
-        self,
-        rid: int,
-        prompt_ids: list[int],
-        config: GenerationConfig,
-        tokenizer: Any,
-        can_draft: bool,
-        clock: Callable[[], float],
-        healing: Healing | None = None,
-    ):
-        self.id, self.prompt_ids, self.config, self.healing = rid, prompt_ids, config, healing
-        self.params = config.sampling
-        self.sampled = not self.params.greedy  # the row's sampling regime (greedy and sampled rows accept differently)
-        self.generator = self.params.generator()
-        self.rule = acceptance_rule(config.acceptance, self.params, self.generator)
-        skip = healing.text if healing is not None else ""
-        self.detokenizer = IncrementalDetokenizer(tokenizer, skip=skip) if tokenizer is not None else None
-        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
-        self.can_draft = can_draft
-        self.target_row: int | None = None
-        self.drafter_row: int | None = None
-        self.prefilled = 0  # prompt tokens in the target's cache (chunked prefill takes a prompt in pieces)
-        self.prefill_started: float | None = None  # when its first chunk's pass began
-        self.generated: list[int] = []
-        self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
-        self.backlog = 0  # their rows: context the drafter's next draft for this row takes in
-        self.last_block = config.block_size or 1  # its block on the last step (what the next step reserves)
-        self.stats = GenerationStats(prompt_tokens=len(prompt_ids), block_size=config.block_size or 0)
-        self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
-        self.stop_string: str | None = None
-        self.error: Exception | None = None
-        self.drafter_error: Exception | None = None  # set when drafter_fallback took over
-        self._shown = ""  # the text its rounds have handed out (`Round.text`)
-        self._final: str | None = None
-        self.clock = clock
-        self.started = clock()
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
-
-    @property
-    def remaining(self) -> int:
-        return self.config.max_new_tokens - len(self.generated)
-
-    def commit(
-        self,
-        new: list[int],
-        drafted: list[int],
-        accepted: int,
-        prefill: bool = False,
-        timings: RoundTimings | None = None,
-    ) -> Round:
-        """Commit a round's `new` tokens; `drafted`: the draft tokens it verified (`accepted` of them kept)."""
-        new = commit_tokens(self, new, drafted, accepted, prefill)
-        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text())
-
-    def _new_text(self) -> str | None:
-        """The text added since the last round that can be shown: the detokenizer holds back a partial
-        character, and here the end that may still begin a stop string waits too; once the row is done, the
-        rest of its final text (cut at the stop string)."""
-        if self.detokenizer is None:
-            return None
-        if self.done:
-            full = self._final_text()
-        else:
-            full = self.detokenizer.text
-            full = full[: len(full) - held_back(full, self.config.stop_strings)]
-        if not full.startswith(self._shown):  # cannot happen with sane tokenizers; never repeat text
-            return ""
-        new, self._shown = full[len(self._shown) :], full
-        return new
-
-    def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
-        """The target's logits as this request sees them (penalties, logit_bias, min_tokens): row i after the
-        committed tokens + draft[:i] (exact, since row i only counts if draft[:i] is accepted). A healed
-        prompt's first token is constrained (healing.py)."""
-        adjust = self.config.adjust
-        out = logits if adjust is None else adjust.apply(logits, self.generated, draft)
-        return self.healing.constrain(out) if self.healing is not None and not self.generated else out
-
-    def result(self) -> GenerationResult:
-        if not self.done:
-            raise RuntimeError("row still running")
-        text = self._final_text() if self.detokenizer is not None else None
-        return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
-
-    def _final_text(self) -> str:
-        """The finished row's text, cut at its stop string (decoded once)."""
-        if self._final is None:
-            assert self.detokenizer is not None
-            self._final = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
-        return self._final
 
 
 class BatchDecoder:
@@ -198,6 +95,7 @@ class BatchDecoder:
         step_tokens: int = STEP_TOKENS,
         stall: float = STALL,
         backlog_steps: int = BACKLOG_STEPS,
+        shared_suffix_tokens: int = SHARED_TOKENS,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
@@ -215,6 +113,9 @@ class BatchDecoder:
         self.joining: list[BatchRow] = []
         self.running: list[BatchRow] = []
         self._ids = itertools.count()
+        self._proposers = {name: proposer_for(name) for name in PROPOSERS}  # they keep no per-row state
+        # the finished suffix / hybrid requests' outputs, for the suffix runs of those that follow (0: none)
+        self.shared_suffixes = SharedSuffixes(shared_suffix_tokens) if shared_suffix_tokens else None
 
     # ---- the engines' sessions, made on first use (a non-leader TensorRT-LLM rank never makes one) ----
     @cached_property
@@ -257,10 +158,27 @@ class BatchDecoder:
         if config.heal_prompt and self.tokenizer is not None:
             prompt, healing = self.healer.heal(prompt)
         size = config.block_size or self.block_size
-        can_draft = self.drafter is not None and size != 1
-        row = BatchRow(next(self._ids), prompt, config, self.tokenizer, can_draft, self.clock, healing)
+        proposer = self.proposer(config.proposer)
+        can_draft = self.drafter is not None and size != 1 and proposer.uses_drafter
+        row = BatchRow(
+            next(self._ids),
+            prompt,
+            config,
+            self.tokenizer,
+            can_draft,
+            self.clock,
+            healing,
+            proposer,
+            self.shared_suffixes,
+        )
         row.stats.block_size = size if can_draft else 1
         return row
+
+    def proposer(self, name: str) -> Proposer:
+        """The decoder's proposer called `name` (`proposers.PROPOSERS`)."""
+        if name not in self._proposers:
+            raise InputError(f"proposer must be one of {tuple(self._proposers)}, got {name!r}")
+        return self._proposers[name]
 
     def join(self, row: BatchRow) -> BatchRow:
         """Add a row made by `new_row`; its prefill begins with the next step."""
@@ -287,6 +205,13 @@ class BatchDecoder:
             self.target_session.remove_row(row.target_row)
             row.target_row = None
         self._leave_drafter(row)
+        if (
+            row.drafts.suffix is not None
+            and self.shared_suffixes is not None
+            and row.finish_reason in ("stop", "length")
+        ):
+            self.shared_suffixes.add(row.generated)
+        row.drafts.suffix = row.drafts.shared = None  # the request's suffix structures go with it (size: stats)
 
     def _leave_drafter(self, row: BatchRow) -> None:
         if row.drafter_row is not None and self.drafter_session is not None:
@@ -368,11 +293,11 @@ class BatchDecoder:
         target pass."""
         prof = result.profile
         t0 = self.clock()
-        sizes, chunks = self._plan(rows)
+        picks, chunks = self._plan(rows)
         t1 = self.clock()
-        drafts = self._draft(rows, sizes, prof)
-        rows, drafts = self._drop_failed(rows, drafts, result.failed)
-        proposals = [NO_DRAFT if d is None else row.rule.propose(d) for row, d in zip(rows, drafts)]
+        drafts = self._draft(rows, picks, prof)
+        rows, drafts, picks = self._drop_failed(rows, drafts, picks, result.failed)
+        proposals = [self._proposal(row, pick, d) for row, pick, d in zip(rows, picks, drafts)]
         t2 = self.clock()  # drafting: the drafter's pass and drawing the drafts from its output
         if not rows and not chunks:
             return []
@@ -381,7 +306,7 @@ class BatchDecoder:
         outs = self._verify(rows, drafted_ids, chunks, prof)
         t3 = self.clock()
         rounds = []
-        for row, proposal, drafted, out, length in zip(rows, proposals, drafted_ids, outs, lengths):
+        for row, pick, proposal, drafted, out, length in zip(rows, picks, proposals, drafted_ids, outs, lengths):
             ta = self.clock()
             new, accepted = self._accept(row, proposal, drafted, out, length)
             own = self.clock() - ta  # this row's acceptance and rollback; the passes are shared
@@ -390,29 +315,62 @@ class BatchDecoder:
             timings = RoundTimings(
                 draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
             )
-            rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings)))
+            name = pick.proposer if drafted else "none"
+            rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings, proposer=name)))
         rounds += self._take_chunks(chunks, outs[len(rows) :])
         t4 = self.clock()
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
         return rounds
 
     # ---- the parts of a round -----------------------------------------------------------
-    def _plan(self, rows: list[BatchRow]) -> tuple[list[int], list[Chunk]]:
-        """This step's block sizes and prompt chunks. The chunks are planned first, from what the budget leaves
-        after the rows' blocks of the step before (a request's own size; 1 for a row that has not verified), so
-        that the policy prices the pass they share; then they are cut to what the chosen blocks leave. Reserving
-        every row's largest block instead would starve the prompts whenever the policy drafts little (at a large
-        batch, where it matters most); reserving nothing would have the policy price chunks the pass cannot hold."""
+    def _plan(self, rows: list[BatchRow]) -> tuple[list[Pick], list[Chunk]]:
+        """This step's proposals (each row's block and where its drafts come from) and prompt chunks. The chunks
+        are planned first, from what the budget leaves after the rows' blocks of the step before (a request's own
+        size; 1 for a row that has not verified), so that the policy prices the pass they share; then they are
+        cut to what the chosen blocks leave. Reserving every row's largest block instead would starve the prompts
+        whenever the policy drafts little (at a large batch, where it matters most); reserving nothing would have
+        the policy price chunks the pass cannot hold."""
         step, waiting = self._step_rows(rows), self._waiting()
-        chunks = self._chunks(sum(r.last_block for r in rows), waiting)
+        chunks = self._chunks(sum(r.block for r in rows), waiting)
         if chunks:
             size = sum(c.size for c in chunks)
             room = self.pacer.verify_room(size, waiting)
             step = replace(step, chunk_rows=len(chunks), chunk_tokens=size, verify_room=room)
-        sizes = self.policy.choose(step)
-        for r, b in zip(rows, sizes):
-            r.last_block = b
-        return sizes, cut(chunks, self.pacer.room(sum(sizes), waiting)) if chunks else chunks
+        picks = self._pick(rows, self.policy.choose(step))
+        for r, p in zip(rows, picks):
+            r.block = p.block
+        return picks, cut(chunks, self.pacer.room(sum(r.block for r in rows), waiting)) if chunks else chunks
+
+    def _pick(self, rows: list[BatchRow], blocks: list[int]) -> list[Pick]:
+        """Each row's proposal, from its proposer given the DFlash block the policy chose for it."""
+        if all(r.proposer.name == "dflash" for r in rows):  # no prices to read: the policy's blocks as they are
+            return [Pick("dflash", b) if b >= 2 else NO_PICK for b in blocks]
+        prices = self._prices(len(rows))
+        return [r.proposer.pick(r, b, prices) for r, b in zip(rows, blocks)]
+
+    def _prices(self, n: int) -> Prices:
+        """A row's round's seconds for the proposers' choice: from the policy's cost model where it has one
+        (`AdaptiveBlocks.cost`), else from the step seconds the chunk pacer measured (no drafter price: fixed
+        blocks never weigh it), else unpriced (every option costs one row's step)."""
+        cost = getattr(self.policy, "cost", None)
+        if isinstance(cost, CostModel):
+            t, d = cost.current()
+            one, two = t(n, n), t(n, 2 * n)
+            if one > 0:
+                drafted = d(n, 2 * n)
+                return Prices(one / n, max(0.0, two - one) / n, drafted / n, max(0.0, d(n, 4 * n) - drafted) / (2 * n))
+        line = self.pacer.line()
+        if line is not None and line[0] > 0:
+            return Prices(line[0] / n, line[1])
+        return Prices()
+
+    @staticmethod
+    def _proposal(row: BatchRow, pick: Pick, draft: Draft | None) -> Proposal:
+        """The tokens the target verifies for a row: a suffix run as picked (deterministic: no distribution, so
+        its acceptance is the one-hot rule, acceptance.py), a DFlash draft through the row's acceptance rule."""
+        if pick.proposer == "suffix":
+            return Proposal(torch.tensor(pick.drafts, dtype=torch.long))
+        return NO_DRAFT if draft is None else row.rule.propose(draft)
 
     def _step_rows(self, rows: list[BatchRow]) -> StepRows:
         """The rows' facts as the policy reads them, in one pass: each row's block at most the decoder's block
@@ -428,7 +386,7 @@ class BatchDecoder:
         own = state[:, 1].astype(np.int64)
         return StepRows(
             rows=rows,
-            cap=np.minimum(self.block_size, bound),
+            max_block=np.minimum(self.block_size, bound),
             fixed=np.where(own > 0, np.minimum(own, bound), 0),
             sampled=state[:, 3] > 0,
             backlog=state[:, 4],
@@ -484,10 +442,15 @@ class BatchDecoder:
             rounds.append((row, row.commit([first], drafted=[], accepted=0, prefill=True, timings=timings)))
         return rounds
 
-    def _draft(self, rows: list[BatchRow], sizes: list[int], prof: StepProfile) -> list[Draft | None]:
-        """ONE drafter call for every row whose block is >= 2 (None for the others)."""
+    def _draft(self, rows: list[BatchRow], picks: list[Pick], prof: StepProfile) -> list[Draft | None]:
+        """ONE drafter call for every row that picked a DFlash block (None for the others); none when no row
+        did (their features wait in their backlog)."""
         drafts: list[Draft | None] = [None] * len(rows)
-        todo = [i for i, (r, s) in enumerate(zip(rows, sizes)) if s >= 2 and r.drafter_row is not None and r.pending]
+        todo = [
+            i
+            for i, (r, p) in enumerate(zip(rows, picks))
+            if p.proposer == "dflash" and p.block >= 2 and r.drafter_row is not None and r.pending
+        ]
         if not todo or self.drafter_session is None:
             return drafts
         requests = []
@@ -495,7 +458,7 @@ class BatchDecoder:
             row = rows[i]
             assert row.drafter_row is not None
             feats = row.pending[0] if len(row.pending) == 1 else torch.cat(row.pending)
-            requests.append(DraftRequest(row.drafter_row, feats, row.generated[-1], sizes[i]))
+            requests.append(DraftRequest(row.drafter_row, feats, row.generated[-1], picks[i].block))
         try:
             out = self.drafter_session.draft(requests)
         except Exception as e:  # noqa: BLE001 - per-row handling below
@@ -519,8 +482,8 @@ class BatchDecoder:
         self._leave_drafter(row)
 
     def _drop_failed(
-        self, rows: list[BatchRow], drafts: list[Draft | None], failed: list[BatchRow]
-    ) -> tuple[list[BatchRow], list[Draft | None]]:
+        self, rows: list[BatchRow], drafts: list[Draft | None], picks: list[Pick], failed: list[BatchRow]
+    ) -> tuple[list[BatchRow], list[Draft | None], list[Pick]]:
         """Rows the drafter failed without a fallback leave now (into `failed`); the others go on to
         verification."""
         for r in rows:
@@ -528,7 +491,7 @@ class BatchDecoder:
                 failed.append(r)
                 self._release(r)
         keep = [i for i, r in enumerate(rows) if not r.done]
-        return [rows[i] for i in keep], [drafts[i] for i in keep]
+        return [rows[i] for i in keep], [drafts[i] for i in keep], [picks[i] for i in keep]
 
     def _verify(
         self, rows: list[BatchRow], drafted: list[list[int]], chunks: list[Chunk], prof: StepProfile

@@ -6,7 +6,7 @@ reaches into the decoder. Implementations: `FixedBlocks` here (every row its lar
 `adaptive.AdaptiveBlocks` (the block sizes of the best expected tokens per second), and the simulator's
 references and peers' schedules (`sim/policies.py`).
 
-What the decoder settles before asking (`StepRows.cap`, `StepRows.fixed`): a row's block is at most the
+What the decoder settles before asking (`StepRows.max_block`, `StepRows.fixed`): a row's block is at most the
 decoder's block size, the drafter's trained block (1 for a row without a drafter) and the tokens it has
 left; a request's own `block_size` is kept. A policy chooses within that.
 """
@@ -20,12 +20,12 @@ import numpy as np
 from .step import StepResult, StepRows
 
 if TYPE_CHECKING:
-    from .loop import BatchRow
+    from .row import BatchRow
 
 
 class BlockPolicy(Protocol):
     def choose(self, step: StepRows) -> list[int]:
-        """Each verify row's block size this step ([rows], each in 1..cap; a fixed row's own size)."""
+        """Each verify row's block size this step ([rows], each in 1..max_block; a fixed row's own size)."""
 
     def observe(self, result: StepResult) -> None:
         """What a step did: its rounds (prefills included) and its passes' costs."""
@@ -34,16 +34,19 @@ class BlockPolicy(Protocol):
         """A row left the decoder (finished, cancelled or failed): drop its state."""
 
 
-def own_or_cap(step: StepRows) -> list[int]:
+def own_or_max(step: StepRows) -> list[int]:
     """Every row's own block size, else its largest allowed one."""
-    return cast(list[int], np.where(step.fixed > 0, step.fixed, step.cap).tolist())
+    return cast(list[int], np.where(step.fixed > 0, step.fixed, step.max_block).tolist())
+
+
+own_or_cap = own_or_max  # the simulator's name for it (sim/optimum.py), until it moves to the new one
 
 
 class FixedBlocks:
     """Every row drafts its largest allowed block (the decoder's block size; 1 = the target alone)."""
 
     def choose(self, step: StepRows) -> list[int]:
-        return own_or_cap(step)
+        return own_or_max(step)
 
     def observe(self, result: StepResult) -> None:
         return None

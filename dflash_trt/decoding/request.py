@@ -9,6 +9,7 @@ from typing import Any, Protocol
 from .acceptance import ACCEPTANCE_RULES
 from .detokenizer import IncrementalDetokenizer
 from .processors import LogitsAdjustment
+from .proposers import PROPOSERS
 from .sampling import SamplingParams
 from .stopping import StopChecker
 
@@ -36,6 +37,9 @@ class GenerationConfig:
     # back up the prompt's last token when the tokenizer would have merged it with what follows (healing.py);
     # for prompts encoded from text, never for token ids the client chose
     heal_prompt: bool = False
+    # where the drafts come from (proposers.py): "dflash" (the drafter), "suffix" (runs out of the request's own
+    # tokens, no drafter), "hybrid" (per round whichever earns more)
+    proposer: str = "dflash"
 
 
 @dataclass(slots=True)
@@ -61,6 +65,7 @@ class Round:
     # the text this round adds that can be shown now (None without a tokenizer): a partial character, and an
     # end that may still begin a stop string, wait for a later round; the last round carries the rest
     text: str | None = None
+    proposer: str = "none"  # where its drafts came from: "dflash", "suffix", or "none" (no draft; a prefill)
 
 
 @dataclass
@@ -71,9 +76,14 @@ class GenerationStats:
     acceptance_lengths: list[int] = field(default_factory=list)  # tokens committed per round, bonus included
     drafted_ids_per_round: list[list[int]] = field(default_factory=list)  # the draft tokens each round proposed
     accepted_per_round: list[int] = field(default_factory=list)  # of which the target accepted
+    proposer_per_round: list[str] = field(default_factory=list)  # where each round's drafts came from
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     block_size: int = 1
+    proposer: str = "dflash"  # the request's proposer (a hybrid's rounds say which one each used)
+    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per proposer ("dflash", "suffix")
+    accepted_by: dict[str, int] = field(default_factory=dict)  # of which the target accepted
+    suffix_states: int = 0  # states of the request's suffix automaton (its memory measure; 0 without one)
     prefill_time_s: float = 0.0
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
@@ -95,24 +105,30 @@ class GenerationStats:
 
     def trace(self) -> list[dict[str, Any]]:
         """One object per verify round, for debugging acceptance: the block verified (B: the last committed
-        token and its B-1 drafts), the drafted ids and how many of them the target accepted. A round without a
-        draft (the target alone) has B = 1. `commit_tokens` appends to both lists in one call; lists of different
-        lengths (stats put together elsewhere) are refused rather than pairing a round's drafts with another
-        round's acceptance."""
+        token and its B-1 drafts), the drafted ids, how many of them the target accepted and, where the loop
+        recorded it, the proposer they came from. A round without a draft (the target alone) has B = 1.
+        `commit_tokens` appends to every list in one call; lists of different lengths (stats put together
+        elsewhere) are refused rather than pairing a round's drafts with another round's acceptance."""
         if len(self.drafted_ids_per_round) != len(self.accepted_per_round):
             raise RuntimeError(
                 f"trace: {len(self.drafted_ids_per_round)} rounds' drafted ids for {len(self.accepted_per_round)} "
                 "rounds' acceptance (a decoding path committed rounds without recording their drafts)"
             )
-        return [
+        rounds = [
             {"block_size": len(ids) + 1, "drafted": ids, "accepted": a}
             for ids, a in zip(self.drafted_ids_per_round, self.accepted_per_round)
         ]
+        if self.proposer_per_round:
+            if len(self.proposer_per_round) != len(rounds):
+                raise RuntimeError(f"trace: {len(self.proposer_per_round)} rounds' proposers for {len(rounds)} rounds")
+            for r, name in zip(rounds, self.proposer_per_round):
+                r["proposer"] = name
+        return rounds
 
     def to_dict(self) -> dict[str, Any]:
         """The totals (the per-round lists beside `acceptance_lengths` are for traces and per-step reports)."""
         d = asdict(self)
-        del d["accepted_per_round"], d["drafted_ids_per_round"]
+        del d["accepted_per_round"], d["drafted_ids_per_round"], d["proposer_per_round"]
         d["mean_acceptance_length"] = round(self.mean_acceptance_length, 4)
         d["tokens_per_second"] = round(self.tokens_per_second, 2)
         return d
@@ -141,12 +157,12 @@ class CommitState(Protocol):
 
 
 def commit_tokens(
-    state: CommitState, new: list[int], drafted: list[int], accepted: int, prefill: bool = False
+    state: CommitState, new: list[int], drafted: list[int], accepted: int, prefill: bool = False, proposer: str = "none"
 ) -> list[int]:
     """Append one round's tokens to a sequence and return those kept. The order: the token budget, stop
     tokens, then stop strings (cutting the text back to the stop), then the budget as a finish reason;
-    updates the stats (a prefill counts no round; a round records its `drafted` ids with its counts, so the
-    trace can never pair one round's drafts with another's acceptance)."""
+    updates the stats (a prefill counts no round; a round records its `drafted` ids with its counts and its
+    `proposer`, so the trace can never pair one round's drafts with another's acceptance)."""
     new = new[: state.config.max_new_tokens - len(state.generated)]
     keep = state.stop.stop_token(new)
     if keep is not None:
@@ -174,6 +190,10 @@ def commit_tokens(
         s.accepted_draft_tokens += accepted
         s.drafted_ids_per_round.append(drafted)
         s.accepted_per_round.append(accepted)
+        s.proposer_per_round.append(proposer)
+        if drafted:
+            s.drafted_by[proposer] = s.drafted_by.get(proposer, 0) + len(drafted)
+            s.accepted_by[proposer] = s.accepted_by.get(proposer, 0) + accepted
     s.total_time_s = state.clock() - state.started
     return new
 
@@ -204,5 +224,7 @@ def validate_request(prompt_ids: Sequence[int], cfg: GenerationConfig, target: A
         limit = drafter.block_size if drafter is not None else 1
         if not 1 <= cfg.block_size <= limit:
             raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
+    if cfg.proposer not in PROPOSERS:
+        raise InputError(f"proposer must be one of {PROPOSERS}, got {cfg.proposer!r}")
     if cfg.acceptance not in ACCEPTANCE_RULES:
         raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")

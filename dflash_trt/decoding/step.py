@@ -17,7 +17,7 @@ import numpy as np
 from .request import Round
 
 if TYPE_CHECKING:
-    from .loop import BatchRow
+    from .row import BatchRow
 
 
 @dataclass(frozen=True)
@@ -26,7 +26,7 @@ class StepRows:
     hundreds of rows, and the policy runs every step)."""
 
     rows: Sequence[BatchRow]  # [rows] the rows themselves (ids, prompts, settings)
-    cap: np.ndarray  # [rows] int64: the largest block the row may use: the decoder's block size, the
+    max_block: np.ndarray  # [rows] int64: the largest DFlash block the row may use: the decoder's block size, the
     # drafter's trained block (1 without a drafter row) and the tokens the row has left
     fixed: np.ndarray  # [rows] int64: the request's own block size, capped the same way; 0 = none
     sampled: np.ndarray  # [rows] bool: the row samples (T > 0); greedy rows accept differently
@@ -42,6 +42,11 @@ class StepRows:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @property
+    def cap(self) -> np.ndarray:
+        """`max_block` under its former name, read by the simulator's and the planner's policies."""
+        return self.max_block
 
 
 @dataclass

@@ -1,0 +1,133 @@
+"""One request inside the decoding loop (a *row*): its settings, its output so far, its place in the engines'
+sessions and what its proposers keep for it. The loop (`loop.BatchDecoder`) steps rows; the policy, the step's
+records and the chunk planner read them, so the row lives here, below all of them (no module of this package
+imports the loop but the package's front door)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .acceptance import acceptance_rule
+from .detokenizer import IncrementalDetokenizer, held_back
+from .healing import Healing
+from .proposers import DFlashProposer, Proposer, RowDrafts
+from .request import GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens
+from .stopping import StopChecker, truncate_at_stop
+from .suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
+
+
+class BatchRow:
+    """One request inside a BatchDecoder: its settings, its output so far and its place in the sessions."""
+
+    def __init__(
+        self,
+        rid: int,
+        prompt_ids: list[int],
+        config: GenerationConfig,
+        tokenizer: Any,
+        can_draft: bool,
+        clock: Callable[[], float],
+        healing: Healing | None = None,
+        proposer: Proposer | None = None,
+        shared: SharedSuffixes | None = None,
+    ):
+        self.id, self.prompt_ids, self.config, self.healing = rid, prompt_ids, config, healing
+        self.params = config.sampling
+        self.sampled = not self.params.greedy  # the row's sampling regime (greedy and sampled rows accept differently)
+        self.generator = self.params.generator()
+        self.rule = acceptance_rule(config.acceptance, self.params, self.generator)
+        skip = healing.text if healing is not None else ""
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip=skip) if tokenizer is not None else None
+        self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
+        self.can_draft = can_draft  # may hold a drafter row (a DFlash proposer, a drafter loaded, block > 1)
+        self.proposer: Proposer = proposer or DFlashProposer()
+        uses = self.proposer.uses_suffix
+        self.drafts = RowDrafts(
+            SuffixAutomaton() if uses else None, SharedWalk(shared) if uses and shared is not None else None
+        )
+        self.drafts.add(prompt_ids)
+        self.target_row: int | None = None
+        self.drafter_row: int | None = None
+        self.prefilled = 0  # prompt tokens in the target's cache (chunked prefill takes a prompt in pieces)
+        self.prefill_started: float | None = None  # when its first chunk's pass began
+        self.generated: list[int] = []
+        self.pending: list[torch.Tensor] = []  # features committed but not yet shown to the drafter
+        self.backlog = 0  # their rows: context the drafter's next draft for this row takes in
+        self.block = config.block_size or 1  # its block on the last step (what the next step reserves)
+        self.stats = GenerationStats(
+            prompt_tokens=len(prompt_ids), block_size=config.block_size or 0, proposer=config.proposer
+        )
+        self.finish_reason: str | None = None  # "stop", "length", "cancelled", "error"
+        self.stop_string: str | None = None
+        self.error: Exception | None = None
+        self.drafter_error: Exception | None = None  # set when drafter_fallback took over
+        self._shown = ""  # the text its rounds have handed out (`Round.text`)
+        self._final: str | None = None
+        self.clock = clock
+        self.started = clock()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def remaining(self) -> int:
+        return self.config.max_new_tokens - len(self.generated)
+
+    def commit(
+        self,
+        new: list[int],
+        drafted: list[int],
+        accepted: int,
+        prefill: bool = False,
+        timings: RoundTimings | None = None,
+        proposer: str = "none",
+    ) -> Round:
+        """Commit a round's `new` tokens; `drafted`: the draft tokens it verified (`accepted` of them kept),
+        proposed by `proposer`. The proposers' structures and estimates learn from it."""
+        new = commit_tokens(self, new, drafted, accepted, prefill, proposer)
+        self.drafts.add(new)
+        if not prefill:
+            self.drafts.observe(proposer, len(drafted), accepted)
+        self.stats.suffix_states = self.drafts.suffix_states
+        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), proposer)
+
+    def _new_text(self) -> str | None:
+        """The text added since the last round that can be shown: the detokenizer holds back a partial
+        character, and here the end that may still begin a stop string waits too; once the row is done, the
+        rest of its final text (cut at the stop string)."""
+        if self.detokenizer is None:
+            return None
+        if self.done:
+            full = self._final_text()
+        else:
+            full = self.detokenizer.text
+            full = full[: len(full) - held_back(full, self.config.stop_strings)]
+        if not full.startswith(self._shown):  # cannot happen with sane tokenizers; never repeat text
+            return ""
+        new, self._shown = full[len(self._shown) :], full
+        return new
+
+    def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
+        """The target's logits as this request sees them (penalties, logit_bias, min_tokens): row i after the
+        committed tokens + draft[:i] (exact, since row i only counts if draft[:i] is accepted). A healed
+        prompt's first token is constrained (healing.py)."""
+        adjust = self.config.adjust
+        out = logits if adjust is None else adjust.apply(logits, self.generated, draft)
+        return self.healing.constrain(out) if self.healing is not None and not self.generated else out
+
+    def result(self) -> GenerationResult:
+        if not self.done:
+            raise RuntimeError("row still running")
+        text = self._final_text() if self.detokenizer is not None else None
+        return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
+
+    def _final_text(self) -> str:
+        """The finished row's text, cut at its stop string (decoded once)."""
+        if self._final is None:
+            assert self.detokenizer is not None
+            self._final = truncate_at_stop(self.detokenizer.final_text(), self.stop_string)
+        return self._final

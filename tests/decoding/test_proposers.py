@@ -1,0 +1,243 @@
+"""Proposers (decoding/proposers.py, suffix.py): the suffix automaton finds the longest repeated suffix, and every
+proposer is lossless: greedy output equals the target alone token for token, sampled output has the target's
+distribution (with a negative control that breaks the deterministic rule and must fail)."""
+
+import random
+
+import pytest
+import torch
+from helpers import generate_one
+from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, exact_joint, sharp_pair  # noqa: F401
+
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, InputError
+from dflash_trt.decoding import acceptance as acceptance_module
+from dflash_trt.decoding.proposers import (
+    PROPOSER_TYPES,
+    PROPOSERS,
+    Prices,
+    RowDrafts,
+    best_run,
+    proposer_for,
+    suffix_prior,
+)
+from dflash_trt.decoding.suffix import SharedSuffixes, SharedWalk, SuffixAutomaton, SuffixMatch
+from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+
+
+# ---- the suffix automaton ------------------------------------------------------------------
+def _longest_repeat(tokens: list[int]) -> tuple[int, list[int]]:
+    """Brute force: the longest suffix that also ends earlier, and the positions where it does."""
+    n = len(tokens)
+    for length in range(n - 1, 0, -1):
+        ends = [e for e in range(length - 1, n - 1) if tokens[e - length + 1 : e + 1] == tokens[n - length :]]
+        if ends:
+            return length, ends
+    return 0, []
+
+
+def test_automaton_finds_the_longest_repeated_suffix_and_what_followed_it():
+    rng = random.Random(0)
+    for _ in range(200):
+        sam, tokens = SuffixAutomaton(), []
+        for _ in range(rng.randint(1, 50)):
+            tokens.append(rng.randint(0, 3))
+            sam.extend(tokens[-1])
+            length, ends = _longest_repeat(tokens)
+            found = sam.match(5)
+            if not length:
+                assert found is None
+                continue
+            assert found is not None and found.length == length, (tokens, found)
+            assert any(tuple(tokens[e + 1 : e + 6]) == found.continuation for e in ends), (tokens, found, ends)
+        assert sam.size <= 2 * len(tokens) + 1  # memory: at most 2n states
+
+
+def test_automaton_reads_the_most_recent_earlier_occurrence():
+    sam = SuffixAutomaton()
+    sam.extend_all([7, 8, 1, 7, 8, 2, 7, 8])
+    assert sam.match(1) == SuffixMatch(2, 2, (2,))  # after the second "7 8" (the newest), not the first
+
+
+def test_automaton_stops_growing_at_its_bound():
+    sam = SuffixAutomaton(max_tokens=10)
+    sam.extend_all(list(range(50)))
+    assert len(sam.tokens) == 10 and sam.size <= 21
+    assert sam.match(4) is None  # a full automaton proposes nothing (its text no longer ends where the row does)
+
+
+def test_the_shared_automaton_proposes_what_an_earlier_output_continued_with():
+    shared = SharedSuffixes(max_tokens=64)
+    shared.add([1, 2, 3, 4, 5])
+    shared.add([9, 8, 7])
+    walk = SharedWalk(shared)
+    walk.add([6, 6, 2, 3])  # (made unsynced: the first match walks the recorded tokens)
+    assert walk.match(8) == SuffixMatch(2, 1, (4, 5))  # the run stops where that output ended
+    walk.add([4, 5])
+    assert walk.match(8) is None  # "2 3 4 5" ends an output: nothing followed it there
+
+
+def test_the_shared_automaton_is_bounded_and_evicts_the_oldest_outputs():
+    shared = SharedSuffixes(max_tokens=40)
+    walk = SharedWalk(shared)
+    for i in range(30):
+        shared.add([100 + i, 1, 2, 3])
+        assert len(shared.sam.tokens) <= 40 and shared.size <= 81
+    assert shared.outputs[0][0] > 100 and shared.outputs[-1][0] == 129  # the newest kept, the oldest gone
+    walk.add([129, 1])  # a walk made before the rebuilds is walked again on its next match
+    assert walk.match(4) == SuffixMatch(2, 1, (2, 3))
+
+
+def test_a_suffix_run_is_priced_by_its_match_and_the_rows_own_rounds():
+    drafts = RowDrafts(SuffixAutomaton())
+    drafts.add([1, 2, 3, 4, 5, 6, 1, 2, 3])
+    run, rate = best_run(drafts, 10, Prices(row_s=1.0, token_s=0.0))
+    assert run.proposer == "suffix" and run.drafts == (4, 5, 6, 1, 2, 3)  # free tokens: the whole continuation
+    assert rate > 1.0
+    dear = best_run(drafts, 10, Prices(row_s=1.0, token_s=1.0))[0]  # a token costs a whole step: never worth it
+    assert dear.proposer == "none"
+    prior = suffix_prior(SuffixMatch(3, 1, (4,)))
+    assert 0.0 < prior < suffix_prior(SuffixMatch(8, 1, (4,))) < 1.0  # a longer match is trusted more
+    for _ in range(20):  # the row's suffix runs keep failing: its estimate falls below the match's prior
+        drafts.observe("suffix", 4, 0)
+    assert drafts.suffix_alpha(SuffixMatch(3, 1, (4,))) < prior / 2
+
+
+def test_a_new_proposer_is_a_class_and_a_line_in_the_factory():
+    assert set(PROPOSER_TYPES) == set(PROPOSERS)
+    assert [proposer_for(n).name for n in PROPOSERS] == list(PROPOSERS)
+    with pytest.raises(ValueError, match="proposer must be one of"):
+        proposer_for("eagle")
+
+
+# ---- greedy: every proposer equals the target alone -----------------------------------------
+def _repetitive(rng: torch.Generator) -> list[int]:
+    """A prompt that repeats a random phrase (as agents and rewrites resend text), so suffix runs fire."""
+    phrase = torch.randint(0, 95, (int(torch.randint(3, 12, (1,), generator=rng)),), generator=rng).tolist()
+    return phrase * int(torch.randint(2, 4, (1,), generator=rng)) + phrase[: len(phrase) // 2]
+
+
+@pytest.mark.parametrize("proposer", PROPOSERS)
+def test_greedy_equals_target_alone_with_every_proposer(tiny_pair, proposer):
+    family, _, _, model, drafter = tiny_pair
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = BatchDecoder(TorchTargetEngine(model))
+    rng = torch.Generator().manual_seed(5)
+    by: dict[str, int] = {}
+    for trial in range(8):
+        prompt = _repetitive(rng) if trial % 2 == 0 else torch.randint(0, 95, (20,), generator=rng).tolist()
+        n = int(torch.randint(10, 50, (1,), generator=rng))
+        expected = generate_one(base, prompt, GenerationConfig(max_new_tokens=n)).token_ids
+        got = generate_one(spec, prompt, GenerationConfig(max_new_tokens=n, proposer=proposer))
+        assert got.token_ids == expected, (family, proposer, trial)
+        for name, count in got.stats.drafted_by.items():
+            by[name] = by.get(name, 0) + count
+        assert {r["proposer"] for r in got.stats.trace()} <= {"dflash", "suffix", "none"}
+        assert got.stats.proposer == proposer
+    if proposer in ("suffix", "hybrid"):
+        assert by.get("suffix", 0) > 0, "suffix runs must be verified for the test to mean anything"
+    if proposer == "suffix":
+        assert "dflash" not in by
+
+
+def test_batched_rows_of_different_proposers_each_equal_the_target_alone(tiny_pair):
+    _, _, _, model, drafter = tiny_pair
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = BatchDecoder(TorchTargetEngine(model))
+    rng = torch.Generator().manual_seed(9)
+    prompts = [_repetitive(rng) for _ in range(6)]
+    configs = [GenerationConfig(max_new_tokens=30, proposer=PROPOSERS[i % 3]) for i in range(6)]
+    got = spec.generate(prompts, configs)
+    for prompt, result in zip(prompts, got):
+        assert result.token_ids == generate_one(base, prompt, GenerationConfig(max_new_tokens=30)).token_ids
+
+
+def test_a_target_without_a_drafter_gets_suffix_runs(tiny_pair):
+    _, _, _, model, _ = tiny_pair
+    alone = BatchDecoder(TorchTargetEngine(model))
+    prompt = [5, 6, 7, 8, 9, 10] * 3
+    expected = generate_one(alone, prompt, GenerationConfig(max_new_tokens=30)).token_ids
+    for proposer in ("suffix", "hybrid"):
+        got = generate_one(alone, prompt, GenerationConfig(max_new_tokens=30, proposer=proposer))
+        assert got.token_ids == expected
+        assert got.stats.drafted_by.get("suffix", 0) > 0 and got.stats.suffix_states > 0
+
+
+def test_a_step_where_no_row_takes_a_dflash_block_makes_no_drafter_call(tiny_pair):
+    from helpers import CountingDrafter
+
+    _, _, _, model, drafter = tiny_pair
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    counting = CountingDrafter(TorchDrafterEngine.for_target(drafter, target))
+    dec = BatchDecoder(target, counting)
+    generate_one(dec, [3, 4, 5] * 4, GenerationConfig(max_new_tokens=20, proposer="suffix"))
+    assert counting.tokens_handed == []  # a suffix row holds no drafter row
+    got = generate_one(dec, [3, 4, 5, 6] * 6, GenerationConfig(max_new_tokens=40, proposer="hybrid"))
+    rounds = [r["proposer"] for r in got.stats.trace()]
+    assert "suffix" in rounds
+    assert len(counting.tokens_handed) == rounds.count("dflash")  # one drafted row per DFlash round, no more
+
+
+def test_a_later_request_drafts_from_an_earlier_ones_output(tiny_pair):
+    _, _, _, model, _ = tiny_pair
+    alone = BatchDecoder(TorchTargetEngine(model))
+    prompt = list(range(10, 40))  # no repeat inside: only the shared automaton can propose
+    config = GenerationConfig(max_new_tokens=40, proposer="suffix")
+    expected = generate_one(alone, prompt, GenerationConfig(max_new_tokens=40)).token_ids
+    first, again = generate_one(alone, prompt, config), generate_one(alone, prompt, config)
+    assert first.token_ids == again.token_ids == expected
+    assert again.stats.accepted_by.get("suffix", 0) > first.stats.accepted_by.get("suffix", 0)
+    no_shared = BatchDecoder(TorchTargetEngine(model), shared_suffix_tokens=0)
+    generate_one(no_shared, prompt, config)
+    alone_again = generate_one(no_shared, prompt, config)  # per request only: the first output is not seen
+    assert alone_again.stats.accepted_by.get("suffix", 0) < again.stats.accepted_by.get("suffix", 0)
+
+
+def test_an_unknown_proposer_is_an_input_error(tiny_pair):
+    _, _, _, model, _ = tiny_pair
+    with pytest.raises(InputError, match="proposer must be one of"):
+        BatchDecoder(TorchTargetEngine(model)).add([1, 2], GenerationConfig(proposer="eagle"))
+
+
+# ---- sampling: the target's distribution, with a negative control --------------------------
+SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # every token of V repeats: suffix runs from the first round
+
+
+def _sample_counts(model, drafter, proposer: str) -> tuple[dict, int]:
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    counts: dict = {}
+    accepted = 0
+    for seed in range(N_SAMPLES):
+        config = GenerationConfig(max_new_tokens=4, sampling=SETTINGS["T1"](seed), proposer=proposer)
+        r = generate_one(spec, SAMPLED_PROMPT, config)
+        counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
+        accepted += r.stats.accepted_by.get("suffix", 0)
+    return counts, accepted
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_sampled_suffix_and_hybrid_drafts_keep_the_targets_distribution(sharp_pair, proposer):  # noqa: F811
+    model, drafter = sharp_pair
+    expected = exact_joint(model, SAMPLED_PROMPT, SETTINGS["T1"](0), 4)
+    counts, accepted = _sample_counts(model, drafter, proposer)
+    assert accepted > N_SAMPLES * 0.05, "suffix drafts must be accepted often enough to test their acceptance"
+    p = chi_square_pvalue(counts, expected, N_SAMPLES)
+    assert p > 1e-3, f"{proposer} samples deviate from the target distribution (p={p:.2e})"
+
+
+def _accept_every_draft(draft, target_probs, generator):
+    from dflash_trt.decoding.sampling import sample
+
+    return draft.shape[0], int(sample(target_probs[draft.shape[0]], generator))
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_statistical_test_catches_a_broken_deterministic_rule(sharp_pair, monkeypatch, proposer):  # noqa: F811
+    """Negative control: accepting a suffix run without judging it must fail the test above."""
+    model, drafter = sharp_pair
+    monkeypatch.setattr(acceptance_module, "accept_deterministic", _accept_every_draft)
+    expected = exact_joint(model, SAMPLED_PROMPT, SETTINGS["T1"](0), 4)
+    counts, _ = _sample_counts(model, drafter, proposer)
+    assert chi_square_pvalue(counts, expected, N_SAMPLES) < 1e-6

@@ -130,9 +130,6 @@ def test_no_circle_in(subpackage: str) -> None:
     assert inside == [], f"import circles in {prefix}: {inside}"
 
 
-@pytest.mark.xfail(
-    strict=True, reason="decoding's circle (loop <-> policy, step, chunking) goes with the proposer seam (issue 55)"
-)
 def test_the_package_has_no_import_circle() -> None:
     found = circles(import_graph())
     assert found == [], "import circles (each a set of modules that reach one another): " + "; ".join(

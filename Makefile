@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -114,10 +114,16 @@ demo: venv
 
 # The demo pair on 40 held-out functions (signature + docstring, greedy, 96 new tokens) at the server's defaults:
 # the share of completions whose body parses with two or more real statements, tau and speedup against the target
-# alone, every output compared with the target's (results/quality.json; figures in models/README.md).
+# alone, every output compared with the target's (results/quality.json; figures in models/README.md). Then the
+# proposer workloads cut from installed packages (dflash_trt/bench/workloads.py):
+# results/quality-{bodies,in-file,rewrite,long}.json.
 eval: venv
 	$(BIN)/python scripts/eval_acceptance.py --prompt-set functions --prompts 40 --max-new-tokens 96 \
 		--server-defaults --out results/quality.json
+	for set in bodies in-file rewrite; do $(BIN)/python scripts/eval_acceptance.py --prompt-set $$set --prompts 8 \
+		--max-new-tokens 128 --server-defaults --out results/quality-$$set.json || exit 1; done
+	$(BIN)/python scripts/eval_acceptance.py --prompt-set long --prompts 3 --max-new-tokens 512 --server-defaults \
+		--out results/quality-long.json
 
 # Every engine this machine supports, from engines.toml (CPU: ONNX drafter + PyTorch target; GPU: TensorRT /
 # TensorRT-LLM too) into engines/ with engines/manifest.json. Unchanged inputs: nothing is rebuilt.
@@ -154,6 +160,15 @@ bench: venv
 # demo at C = 1 against the reference's dflash_generate. Tables on stdout, results/parts/results.json.
 bench-parts: venv
 	$(BIN)/python -m dflash_trt.bench.parts --out results/parts/results.json $(BENCH_PARTS_ARGS)
+
+# Proposers side by side (issue 55): the target alone, DFlash, suffix drafting, the hybrid and HF prompt lookup on
+# the server's decoder, on workloads cut from installed packages (function bodies, a function inside its file, a
+# rewrite given the earlier version, 512-token generations), rotated per prompt, greedy outputs checked against
+# the target's; tables on stdout, results/proposers/results.json. Then a multi-turn session through the server.
+# Fewer prompts: make bench-proposers BENCH_PROPOSERS_ARGS="--prompts 3"
+bench-proposers: venv
+	$(BIN)/python -m dflash_trt.bench.proposers --out results/proposers/results.json $(BENCH_PROPOSERS_ARGS)
+	$(BIN)/python scripts/bench_session.py --out results/proposers/session.json $(BENCH_SESSION_ARGS)
 
 # NVIDIA's aiperf against `dflash-trt serve` on the demo models: completions, streaming, a short
 # run (16 requests each, concurrency 4, 64 tokens in and out). Writes aiperf's exports and

@@ -65,6 +65,20 @@ def parse_args() -> argparse.Namespace:
         help="--block-size for both servers (default: adaptive, whose start-up cost grid can differ between the "
         "two servers and with it every step's shape; a fixed size compares the prefill modes alone)",
     )
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        choices=MODES,
+        default=list(MODES),
+        help="prefill modes to run (default both; chunked alone with --base-tree for a before / after)",
+    )
+    p.add_argument(
+        "--base-tree",
+        type=Path,
+        default=None,
+        help="also a chunked server run from this source tree (PYTHONPATH; e.g. a git worktree of the commit "
+        "before a change), mode 'chunked-base', alternating with the others",
+    )
     p.add_argument("--out", type=Path, default=REPO / "results/load/prefill", help="folder for results.json")
     return p.parse_args()
 
@@ -174,8 +188,7 @@ def table(out: dict[str, Any]) -> str:
         f"(other gaps only) | long prompt's TTFT | tokens/s, {out['args']['load_clients']} clients |",
         "|---|---|---|---|---|---|",
     ]
-    for mode in MODES:
-        m = s[mode]
+    for mode, m in s.items():
         lines.append(
             f"| {mode} | {m['median_gap_ms']} ms | {m['largest_gap_ms']} ms ({m['largest_in_window_ms']} ms) | "
             f"{m['worst_ratio']}x ({m['worst_ratio_outside']}x) | {m['long_ttft_ms']} ms | {m['load_tokens_per_s']} |"
@@ -191,14 +204,25 @@ def main() -> None:
     threads = [] if args.threads is None else ["--threads", str(args.threads)]
     threads += [] if args.block_size is None else ["--block-size", str(args.block_size)]
     load_before = os.getloadavg()
-    servers = {m: start_serve(["--prefill", m, *extra[m], *threads], args.out / f"serve-{m}.log") for m in MODES}
-    trials: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    loads: dict[str, list[float]] = {m: [] for m in MODES}
+    modes = list(args.modes) + (["chunked-base"] if args.base_tree else [])
+    envs = {"chunked-base": {"PYTHONPATH": str(args.base_tree.resolve())}} if args.base_tree else {}
+    extra["chunked-base"] = extra["chunked"]
+    servers = {
+        m: start_serve(
+            ["--prefill", m.removesuffix("-base"), *extra[m], *threads],
+            args.out / f"serve-{m}.log",
+            timeout_s=600,
+            env=envs.get(m),
+        )
+        for m in modes
+    }
+    trials: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    loads: dict[str, list[float]] = {m: [] for m in modes}
     try:
         for _, url in servers.values():  # warm-up: each server's first requests
             asyncio.run(stall_trial(url, prompts, long, argparse.Namespace(**{**vars(args), "osl": 16})))
         for k in range(args.trials):
-            for mode in MODES if k % 2 == 0 else MODES[::-1]:
+            for mode in modes if k % 2 == 0 else modes[::-1]:
                 url = servers[mode][1]
                 trials[mode].append(asyncio.run(stall_trial(url, prompts, long, args)))
                 if args.load_clients:
@@ -219,7 +243,7 @@ def main() -> None:
             "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         },
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "summary": {m: summary(trials[m], loads[m]) for m in MODES},
+        "summary": {m: summary(trials[m], loads[m]) for m in modes},
         "trials": trials,
         "load_tokens_per_s": loads,
     }

@@ -5,7 +5,9 @@ For each prompt it runs the target alone and DFlash, in alternating order, check
 identical (greedy), and records tau (mean tokens per round, bonus included) and the time ratio.
 Prompts: prefixes of standard-library files the demo models never saw (default); `--prompt-set
 functions`: held-out functions cut after their docstring, each completion checked as code
-(`dflash_trt.bench.quality`: the body parses with two or more real statements); or a prompt file
+(`dflash_trt.bench.quality`: the body parses with two or more real statements); `bodies`, `in-file`,
+`rewrite`, `long`: the proposer workloads cut from installed packages (`dflash_trt.bench.workloads`; the first
+three checked as code the same way, long wants --max-new-tokens 512); or a prompt file
 from `dflash_trt.train.prompts` (--prompt-file: chat prompts through the chat template, code prompts
 raw, generation stopping at the tokenizer's end tokens), plus --long-prompts N prompts of about
 --long-tokens tokens (held-out file prefixes) to check acceptance holds on long contexts. At
@@ -26,6 +28,7 @@ import torch
 
 from dflash_trt.bench.prompts import held_out_code_prompts, held_out_function_prompts
 from dflash_trt.bench.quality import check_body
+from dflash_trt.bench.workloads import WORKLOADS
 from dflash_trt.decoding import GenerationConfig
 from dflash_trt.decoding.sampling import SamplingParams
 from dflash_trt.loading import load_decoder
@@ -39,10 +42,11 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=20, help="held-out prompts (default 20)")
     p.add_argument(
         "--prompt-set",
-        choices=("prefixes", "functions"),
+        choices=("prefixes", "functions", *WORKLOADS),
         default="prefixes",
         help="prefixes: the first lines of held-out files; functions: held-out functions' signature and "
-        "docstring, each completion checked as code (default prefixes)",
+        "docstring, each completion checked as code; bodies / in-file / rewrite / long: from installed packages "
+        "(dflash_trt.bench.workloads) (default prefixes)",
     )
     p.add_argument(
         "--server-defaults",
@@ -215,6 +219,10 @@ def build_prompts(decoder, args) -> list[tuple[str, list[int], str | None]]:
         prompts = [(p.kind, encode_prompt(tok, p), None) for p in chosen]
     elif args.prompt_set == "functions":
         prompts = [("function", decoder.encode(f.text), f.text) for f in held_out_function_prompts(args.prompts)]
+    elif args.prompt_set in WORKLOADS:
+        w = WORKLOADS[args.prompt_set](args.prompts)
+        # the function whose body is asked for is the prompt's last part (after the context or earlier version)
+        prompts = [(w.name, decoder.encode(t), None if w.name == "long" else t.split("\n\n\n")[-1]) for t in w.prompts]
     else:
         prompts = [("code", decoder.encode(t), None) for t in held_out_code_prompts(args.prompts)]
     if args.long_prompts:

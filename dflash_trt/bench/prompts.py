@@ -1,13 +1,16 @@
 """Prompt sets for evaluation. The code set is cut from HELD-OUT standard-library files (never
-trained on by the demo models); the others are generic."""
+trained on by the demo models); bodies, in-file and rewrite from installed packages (`workloads`: never trained
+on either); the others are generic."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..train.data import read_texts, stdlib_files
 from .quality import check_body, real_statements
+from .workloads import WORKLOADS
 
 
 def held_out_code_prompts(n: int = 20, prefix_chars: int = 400) -> list[str]:
@@ -51,7 +54,21 @@ def free_text_prompts(n: int = 5) -> list[str]:
     return (base * (n // len(base) + 1))[:n]
 
 
-PROMPT_SETS = {"code": held_out_code_prompts, "repetitive": repetitive_prompts, "free": free_text_prompts}
+def workload_prompts(name: str) -> Callable[[int], list[str]]:
+    """A `workloads` set's prompt texts as a prompt set (its own length aside: the benchmark sets the lengths)."""
+
+    def texts(n: int) -> list[str]:
+        return WORKLOADS[name](n).prompts
+
+    return texts
+
+
+PROMPT_SETS: dict[str, Callable[[int], list[str]]] = {
+    "code": held_out_code_prompts,
+    "repetitive": repetitive_prompts,
+    "free": free_text_prompts,
+    **{name: workload_prompts(name) for name in ("bodies", "in-file", "rewrite")},
+}
 
 
 @dataclass(frozen=True)

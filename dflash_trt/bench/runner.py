@@ -15,15 +15,18 @@ import tempfile
 import time
 import weakref
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .measure import PassCosts, PeakRSS, divergence_margin, pass_costs, target_nll
-from .methods import ForwardTimer, Method, Run, dflash_method, hf_method, target_model
+from .methods import ForwardTimer, Method, dflash_method, hf_method, target_model
 from .prompts import PROMPT_SETS
+from .settings import FAMILIES as FAMILIES
+from .settings import BenchSettings as BenchSettings
+from .settings import Cell, CellKey
 from .summary import headline, histograms, summarise
 
 if TYPE_CHECKING:
@@ -36,11 +39,8 @@ if TYPE_CHECKING:
 
 # (temperature, max_new_tokens, prompt set, prompt index): one group of runs of every method
 Group = tuple[float, int, str, int]
-# (temperature, max_new_tokens, prompt set, method name): one cell of the report
-CellKey = tuple[float, int, str, str]
 
 DFLASH_FAMILIES = {"torch": "dflash-torch", "onnxruntime": "dflash-ort"}  # drafter backend -> method family
-FAMILIES = ("baseline", "hf-generate", "dflash-torch", "dflash-ort", "hf-assisted", "prompt-lookup")
 
 MEMORY_NOTE = (
     "peak_rss_delta_mb: before each run free heap is handed back to the OS (malloc_trim) and the kernel's "
@@ -65,49 +65,6 @@ CEILING_NOTE = (
     "directly in this run (timings section) at a context of a typical prompt plus half the new tokens. "
     "DFlash methods only (the HF proposers' per-round draft length varies inside generate())."
 )
-
-
-@dataclass
-class BenchSettings:
-    target: Path
-    drafter: Path | None
-    ar_draft: Path | None
-    out: Path
-    methods: tuple[str, ...] = FAMILIES
-    block_sizes: tuple[int, ...] = (4, 8, 16)
-    # where the DFlash methods' drafts come from (decoding/proposers.py): one method per proposer and block size,
-    # named <family>-b<B> for dflash and <family>-<proposer>-b<B> for the others
-    proposers: tuple[str, ...] = ("dflash",)
-    temperatures: tuple[float, ...] = (0.0, 1.0)
-    max_new_tokens: tuple[int, ...] = (128, 512)
-    prompt_sets: tuple[str, ...] = tuple(PROMPT_SETS)
-    prompts_per_set: int = 3
-    long_prompts_per_set: int = 1  # for max_new_tokens > long_threshold
-    long_threshold: int = 128
-    repeats: int = 1
-    threads: int | None = None
-    dtype: str = "float32"
-    device: str = "cpu"
-    drafter_dtype: str | None = None  # see loading.drafter_dtype (None: the target's)
-    onnx_drafter: Path | None = None  # an exported drafter folder; None: export into a scratch folder
-    prompt_lookup_tokens: int = 10
-    max_ngram: int = 2
-    assistant_tokens: int | None = None  # None: Hugging Face's default
-    timing_reps: int = 20
-    tie_tolerance: float = 1e-3
-    corrupt_method: str | None = None  # self-test: corrupt this method's greedy outputs
-    max_minutes: float | None = None  # stop starting new prompt groups after this (all methods of a group run)
-    plots: bool = True
-    progress: bool = True
-
-
-@dataclass
-class Cell:
-    """All runs of one method on one prompt set at one temperature and length."""
-
-    runs: dict[int, list[Run]] = field(default_factory=lambda: defaultdict(list))  # prompt index -> [Run per repeat]
-    peak_mb: list[float | None] = field(default_factory=list)
-    nll: list[float] = field(default_factory=list)
 
 
 class BenchError(RuntimeError):

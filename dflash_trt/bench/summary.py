@@ -11,7 +11,7 @@ from .measure import PassCosts, ceiling
 
 if TYPE_CHECKING:
     from .methods import Method
-    from .runner import BenchSettings, Cell, CellKey
+    from .settings import BenchSettings, Cell, CellKey
 
 
 def _per_prompt_rate(cell: Cell) -> dict[int, float]:

@@ -106,7 +106,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         nargs="+",
         choices=list(PROMPT_SETS),
         default=list(PROMPT_SETS),
-        help="prompt sets (default: all: held-out stdlib code, repetitive text, free text)",
+        help="prompt sets (default: all: held-out stdlib code, repetitive text, free text, and from installed "
+        "packages function bodies, a function inside its file, a rewrite given the earlier version)",
     )
     p.add_argument(
         "--prompts-per-set", type=positive_int, default=None, help="prompts per set for lengths <= 128 (default 3)"

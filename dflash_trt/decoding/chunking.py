@@ -78,6 +78,15 @@ class ChunkPacer:
     the two from chunks of different sizes. Until the steps span two sizes, a pass of prompts alone gives
     `per_token` (its seconds per token) and the steps' mean less that gives `gap`.
 
+    Once the pacer has seen steps of the running rows alone, `gap` is the mean of the last few of them (about
+    1 / WEIGHT, however many chunk steps came between) and `per_token` the slope through it. Left to the line, a
+    long prompt entering in chunks of about one size (every step carrying one, so that the steps stop spanning
+    sizes) whose cost grows with the context it has entered (attention over it; on the CPU engine the verify
+    rows' queries padded to a chunk of SHORT_QUERIES or fewer tokens) read as a growing `gap`: the bound stayed
+    where it was while the steps it should have cut grew to 3-6x the rows' own (docs/benchmarks.md, "A long
+    prompt among streams, issue 55"). A stale `gap` (the batch grew while every step carried chunks) errs low:
+    smaller chunks, the streams kept safe, the backlog floor still moving a queue.
+
     Where the cost bends (a GPU's: flat while a pass is bound by reading the weights, steep beyond) the line
     through small and large chunks is shallow at the large ones, and a chunk step runs somewhat over `stall`; an
     average over the chunk steps alone, tried in its place, followed the bend but was so noisy on the CPU server,
@@ -94,6 +103,7 @@ class ChunkPacer:
         self.step_tokens, self.stall, self.backlog_steps = step_tokens, stall, backlog_steps
         self.seed: float | None = None  # seconds per token of the first pass of prompts alone
         self._sums = [0.0] * 5  # aged sums of 1, x, y, x*x, x*y; x: a step's prompt tokens, y: its seconds
+        self._plain = [0.0, 0.0]  # aged sums of 1 and y over the steps without chunks (aged among themselves)
 
     def room(self, reserved: int, waiting: int = 0) -> int:
         """Prompt tokens for the next step beside `reserved` tokens of running rows' verify blocks, with
@@ -120,6 +130,12 @@ class ChunkPacer:
         n, sx, sy, sxx, sxy = self._sums
         if n == 0.0:
             return None
+        plain_n, plain_y = self._plain
+        if plain_n > 0.0:  # the rows' own step has been seen: the line goes through it
+            gap = plain_y / plain_n
+            if sxx > 0.0:
+                return gap, max(0.0, (sxy - gap * sx) / sxx)
+            return (gap, self.seed) if self.seed is not None else None
         spread = n * sxx - sx * sx
         if spread > 1e-9 * max(1.0, n * sxx):
             slope = max(0.0, (n * sxy - sx * sy) / spread)
@@ -140,3 +156,5 @@ class ChunkPacer:
             return
         x, y = float(prof.chunk_tokens), prof.total_s
         self._sums = [(1.0 - WEIGHT) * s + v for s, v in zip(self._sums, (1.0, x, y, x * x, x * y))]
+        if x == 0.0:
+            self._plain = [(1.0 - WEIGHT) * self._plain[0] + 1.0, (1.0 - WEIGHT) * self._plain[1] + y]

@@ -4,15 +4,17 @@ script cut from a corpus."""
 
 from __future__ import annotations
 
-import hashlib
-import sysconfig
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from .corpus import read_texts as read_texts
+from .corpus import stdlib_files as stdlib_files
+from .corpus import text_files as text_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
@@ -22,43 +24,6 @@ if TYPE_CHECKING:
 
 EOS_TOKEN = "<|endoftext|>"
 MASK_TOKEN = "<|mask|>"
-
-
-def stdlib_files(split: str = "train", held_out_every: int = 10) -> list[Path]:
-    """Python files of the running interpreter's standard library, split by a stable hash of the
-    relative path: 1 in `held_out_every` files is held out (never trained on)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files: list[Path] = []
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).as_posix()
-        if "site-packages" in rel:
-            continue
-        held = int(hashlib.sha1(rel.encode()).hexdigest(), 16) % held_out_every == 0
-        if (split == "held-out") == held:
-            files.append(path)
-    return files
-
-
-def read_texts(paths: Iterable[Path], min_chars: int = 200) -> Iterator[str]:
-    for path in paths:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue  # a few stdlib test files are deliberately not UTF-8
-        if len(text) >= min_chars:
-            yield text
-
-
-def text_files(data: str | Path) -> list[Path]:
-    """`stdlib` (the training split), a text file, or a folder (its *.py, *.txt, *.md files)."""
-    if str(data) == "stdlib":
-        return stdlib_files("train")
-    path = Path(data)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        return sorted(p for ext in ("*.py", "*.txt", "*.md") for p in path.rglob(ext))
-    raise FileNotFoundError(f"training data not found: {data} (a file, a folder, or 'stdlib')")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int, out: Path) -> PreTrainedTokenizerFast:
@@ -139,7 +104,7 @@ def load_training_sequences(
     """`data`: a .npy of token sequences, regenerated responses (a .npz or a folder of shard-*.npz from
     `train.regen`: anchors in the responses only), or text (file, folder, 'stdlib'). With
     `regenerate_with` (the target), prompts cut from the text are continued by the target itself."""
-    from .regen import SequenceSet, regenerate  # imported here: regen's prompts module imports this one
+    from .regen import SequenceSet, regenerate
 
     if str(data).endswith(".npy"):
         rows: np.ndarray = np.load(data)

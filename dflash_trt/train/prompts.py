@@ -1,5 +1,5 @@
 """An offline prompt set for regenerating a chat/code target's own responses: built from the Python
-standard library, split (train / held-out) by source file like `data.stdlib_files`.
+standard library, split (train / held-out) by source file like `corpus.stdlib_files`.
 
 - chat: a function's docstring becomes a request, "Write a Python function `name(args)` that ...";
 - explain: "Explain what this Python function does" over a short function's source;
@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..decoding.prompting import chat_prompt_ids
-from .data import stdlib_files
+from .corpus import stdlib_files
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -63,6 +63,7 @@ def decoder_method(decoder: BatchDecoder, proposer: str | None) -> Callable[[lis
         extra: dict[str, Any] = {"block_size": 1} if proposer is None else {}
         if proposer is not None and "proposer" in {f.name for f in dataclasses.fields(GenerationConfig)}:
             extra["proposer"] = proposer
+        decoder.forget_finished_outputs()  # no run reads another run's output of the same prompt
         t0 = time.perf_counter()
         [result] = decoder.generate([ids], GenerationConfig(max_new_tokens=max_new, **extra))
         seconds = time.perf_counter() - t0

@@ -117,6 +117,13 @@ class BatchDecoder:
         # the finished suffix / hybrid requests' outputs, for the suffix runs of those that follow (0: none)
         self.shared_suffixes = SharedSuffixes(shared_suffix_tokens) if shared_suffix_tokens else None
 
+    def forget_finished_outputs(self) -> None:
+        """Empty the shared suffix structure (same bound). A benchmark that runs one prompt under several methods
+        calls it before each run: otherwise a later run's suffix drafts read an earlier run's output of the same
+        prompt, which no real request has, and its acceptance is inflated."""
+        if self.shared_suffixes is not None:
+            self.shared_suffixes = SharedSuffixes(self.shared_suffixes.max_tokens)
+
     # ---- the engines' sessions, made on first use (a non-leader TensorRT-LLM rank never makes one) ----
     @cached_property
     def target_session(self) -> TargetSession:

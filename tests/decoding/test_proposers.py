@@ -245,3 +245,27 @@ def test_statistical_test_catches_a_broken_deterministic_rule(sharp_pair, monkey
     expected = exact_joint(model, SAMPLED_PROMPT, SETTINGS["T1"](0), 4)
     counts, _ = _sample_counts(model, drafter, proposer)
     assert chi_square_pvalue(counts, expected, N_SAMPLES) < 1e-6
+
+
+def test_a_benchmark_run_never_reads_an_earlier_runs_output_of_the_same_prompt(tiny_pair, monkeypatch):
+    """The bench methods run one prompt under several methods on one decoder: each run must draft as a first
+    request would, or a later suffix / hybrid run reads an earlier run's output and its acceptance is inflated."""
+    from dflash_trt.bench.methods import dflash_method
+
+    _, _, _, model, _ = tiny_pair
+    decoder = BatchDecoder(TorchTargetEngine(model))
+    seen: list[int] = []  # earlier outputs in the shared structure when each run starts
+    generate = decoder.generate
+
+    def counting(*args, **kwargs):
+        assert decoder.shared_suffixes is not None
+        seen.append(len(decoder.shared_suffixes.outputs))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(decoder, "generate", counting)
+    method = dflash_method("suffix", "dflash", decoder, 1, proposer="suffix")
+    prompt = list(range(10, 40))
+    first, again = method.run(prompt, 40, 0.0, 0), method.run(prompt, 40, 0.0, 0)
+    assert first.token_ids == again.token_ids
+    assert seen == [0, 0]
+    assert decoder.shared_suffixes is not None and decoder.shared_suffixes.outputs  # still on: the server's default

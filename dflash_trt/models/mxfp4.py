@@ -58,11 +58,18 @@ def _has(module: str) -> bool:
 
 
 def _triton_at_least(wanted: tuple[int, int]) -> bool:
-    if not _has("triton"):
-        return False
-    from importlib.metadata import version
+    """transformers' own test (utils.is_triton_available), so that its version rule is the one applied."""
+    from transformers.utils import is_triton_available
 
-    return tuple(int(p) for p in version("triton").split(".")[:2]) >= wanted
+    return bool(is_triton_available(f"{wanted[0]}.{wanted[1]}.0"))
+
+
+def _kernels_usable() -> bool:
+    """transformers' own test (utils.is_kernels_available): it accepts `kernels` only within the version range it
+    supports, so an installed `kernels` outside it still means dequantizing; presence alone would say packed."""
+    from transformers.utils import is_kernels_available
+
+    return bool(is_kernels_available())
 
 
 def keeps_mxfp4(device: torch.device) -> str | None:
@@ -76,7 +83,7 @@ def keeps_mxfp4(device: torch.device) -> str | None:
             return f"the GPU's compute capability {major}.{minor} is below 7.5"
     triton = (3, 4) if device.type == "cuda" else (3, 5)
     missing = [f"triton >= {triton[0]}.{triton[1]}"] if not _triton_at_least(triton) else []
-    missing += [] if _has("kernels") else ["kernels"]
+    missing += [] if _kernels_usable() else ["kernels (a version transformers accepts)"]
     return f"{' and '.join(missing)} not installed" if missing else None
 
 

@@ -73,9 +73,12 @@ def test_what_fits_is_said_before_loading(checkpoint, monkeypatch):
 
 
 def test_where_mxfp4_stays_packed_follows_transformers(monkeypatch):
-    monkeypatch.setattr(mxfp4, "_has", lambda module: module == "accelerate")
-    assert mxfp4.keeps_mxfp4(torch.device("cpu")) == "triton >= 3.5 and kernels not installed"
-    monkeypatch.setattr(mxfp4, "_has", lambda module: True)
+    monkeypatch.setattr(mxfp4, "_triton_at_least", lambda wanted: False)
+    monkeypatch.setattr(mxfp4, "_kernels_usable", lambda: False)
+    assert mxfp4.keeps_mxfp4(torch.device("cpu")) == (
+        "triton >= 3.5 and kernels (a version transformers accepts) not installed"
+    )
+    monkeypatch.setattr(mxfp4, "_kernels_usable", lambda: True)
     monkeypatch.setattr(mxfp4, "_triton_at_least", lambda wanted: wanted <= (3, 4))
     assert mxfp4.keeps_mxfp4(torch.device("cpu")) == "triton >= 3.5 not installed"  # CPU needs 3.5
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -89,3 +92,13 @@ def test_a_checkpoint_that_is_not_mxfp4_has_no_plan(tmp_path):
 
     model = make_tiny_target(tmp_path, family="gpt_oss", vocab_size=64, layers=2)
     assert mxfp4.mxfp4_plan(tmp_path, model.config, torch.float32, "cpu") is None
+
+
+def test_kernels_outside_the_range_transformers_accepts_mean_dequantizing(monkeypatch):
+    """transformers' is_kernels_available() refuses a `kernels` outside the versions it supports
+    (KERNELS_MIN_VERSION..KERNELS_MAX_VERSION in utils/import_utils.py) and then dequantizes: an installed but
+    unsupported `kernels` must not be read as 'stays packed' (that skipped the memory check)."""
+    monkeypatch.setattr(mxfp4, "_triton_at_least", lambda wanted: True)
+    monkeypatch.setattr(mxfp4, "_has", lambda module: True)  # every package present, `kernels` included
+    monkeypatch.setattr("transformers.utils.is_kernels_available", lambda: False)  # ... at a version it refuses
+    assert "kernels" in (mxfp4.keeps_mxfp4(torch.device("cpu")) or "")

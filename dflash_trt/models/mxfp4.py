@@ -59,7 +59,7 @@ def _has(module: str) -> bool:
 
 def _triton_at_least(wanted: tuple[int, int]) -> bool:
     """transformers' own test (utils.is_triton_available), so that its version rule is the one applied."""
-    from transformers.utils import is_triton_available
+    from transformers.utils.import_utils import is_triton_available
 
     return bool(is_triton_available(f"{wanted[0]}.{wanted[1]}.0"))
 
@@ -67,7 +67,7 @@ def _triton_at_least(wanted: tuple[int, int]) -> bool:
 def _kernels_usable() -> bool:
     """transformers' own test (utils.is_kernels_available): it accepts `kernels` only within the version range it
     supports, so an installed `kernels` outside it still means dequantizing; presence alone would say packed."""
-    from transformers.utils import is_kernels_available
+    from transformers.utils.import_utils import is_kernels_available
 
     return bool(is_kernels_available())
 

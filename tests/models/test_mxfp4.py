@@ -100,5 +100,7 @@ def test_kernels_outside_the_range_transformers_accepts_mean_dequantizing(monkey
     unsupported `kernels` must not be read as 'stays packed' (that skipped the memory check)."""
     monkeypatch.setattr(mxfp4, "_triton_at_least", lambda wanted: True)
     monkeypatch.setattr(mxfp4, "_has", lambda module: True)  # every package present, `kernels` included
-    monkeypatch.setattr("transformers.utils.is_kernels_available", lambda: False)  # ... at a version it refuses
+    monkeypatch.setattr(
+        "transformers.utils.import_utils.is_kernels_available", lambda: False
+    )  # ... at a version it refuses
     assert "kernels" in (mxfp4.keeps_mxfp4(torch.device("cpu")) or "")

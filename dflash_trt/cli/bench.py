@@ -14,9 +14,18 @@ DEFAULTS = dict(
     block_sizes=[4, 8, 16],
     repeats=1,
     timing_reps=20,
+    prompt_sets=None,  # every set (cmd_bench fills it from PROMPT_SETS)
 )
+# A smoke run's targets may be tiny, with short contexts: only the sets of short prompts (in-file's run to
+# thousands of tokens)
 SMOKE = dict(
-    prompts_per_set=1, long_prompts_per_set=1, max_new_tokens=[16], block_sizes=[2, 4], repeats=1, timing_reps=3
+    prompts_per_set=1,
+    long_prompts_per_set=1,
+    max_new_tokens=[16],
+    block_sizes=[2, 4],
+    repeats=1,
+    timing_reps=3,
+    prompt_sets=["code", "repetitive", "free"],
 )
 
 
@@ -105,9 +114,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         "--prompt-sets",
         nargs="+",
         choices=list(PROMPT_SETS),
-        default=list(PROMPT_SETS),
+        default=None,
         help="prompt sets (default: all: held-out stdlib code, repetitive text, free text, and from installed "
-        "packages function bodies, a function inside its file, a rewrite given the earlier version)",
+        "packages function bodies, a function inside its file, a rewrite given the earlier version; with "
+        "--smoke: code repetitive free)",
     )
     p.add_argument(
         "--prompts-per-set", type=positive_int, default=None, help="prompts per set for lengths <= 128 (default 3)"
@@ -214,6 +224,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.prompt_sets is None:
+        from ..bench.prompts import PROMPT_SETS
+
+        args.prompt_sets = list(PROMPT_SETS)
     if not args.target.is_dir():
         raise CliError(
             f"target directory not found: {args.target} (the demo models come from "

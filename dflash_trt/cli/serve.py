@@ -33,6 +33,15 @@ def _seconds(text: str, allow_zero: bool = False) -> float:
     return value
 
 
+def _gib(text: str) -> float:
+    from .options import finite_float
+
+    value = finite_float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 GiB, got {text}")
+    return value
+
+
 def _drain_seconds(text: str) -> float:
     return _seconds(text, allow_zero=True)
 
@@ -213,6 +222,14 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
     )
     lim.add_argument("--request-timeout", type=_seconds, default=300.0, help="seconds per request (default 300)")
     lim.add_argument(
+        "--cache-reserve-gib",
+        type=_gib,
+        default=1.0,
+        help="GiB of K/V cache (target and drafter) sized at start-up for --max-active rows: the target's whole "
+        "context, or the most positions (a power of two) that fit; growing a cache later copies it inside a "
+        "step, a stall every stream feels. 0: grow on demand (default 1)",
+    )
+    lim.add_argument(
         "--max-body-bytes",
         type=positive_int,
         default=1 << 20,
@@ -287,6 +304,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         step_tokens=args.step_tokens,
         prefill_stall=args.prefill_stall,
         prefill_backlog_steps=args.prefill_backlog_steps,
+        cache_reserve_bytes=int(args.cache_reserve_gib * 2**30),
     )
     from .options import CliError
 

@@ -120,6 +120,22 @@ class SlotCacheRows:
         for r, p, c in zip(rows, past, counts):
             self.slots.lengths[r] = p + c
 
+    def reserve(self, rows: int, positions: int) -> None:
+        """Size the cache now for `rows` rows of `positions` positions each (C at most `cache_limit`), so that no
+        later call within those bounds grows it. A growth is a copy of the whole cache made inside the call that
+        needs it: a server's streams wait for it as for a long step (a prompt crossing 512 or 1,024 positions,
+        a row's first draft), so a server reserves its bounds at start-up (`server.context.reserve_caches`)."""
+        if rows < 1 or positions < 1:
+            raise ValueError(f"reserve needs >= 1 row and >= 1 position, got {rows} and {positions}")
+        if self.cache_limit is not None:
+            positions = min(positions, self.cache_limit)
+        self._reserve(rows, positions)
+
+    def position_bytes(self) -> int:
+        """Bytes of K and V one row's position takes in this cache (all layers)."""
+        layers, _, heads, _, dim = self.k.shape
+        return int(2 * layers * heads * dim * self.k.dtype.itemsize)
+
     def _reserve(self, slots: int, length: int) -> None:
         """Grow the cache to hold `slots` rows of `length` positions (slots and C by doubling), K then V: each old
         buffer is released before the next new one is allocated, so the peak is the new cache and one old half

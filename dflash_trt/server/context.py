@@ -52,6 +52,9 @@ class ServerSettings:
     step_tokens: int = STEP_TOKENS
     prefill_stall: float = STALL
     prefill_backlog_steps: int = BACKLOG_STEPS
+    # bytes of K/V cache sized at start-up for max_active rows (`reserve_caches`): up to the target's whole
+    # context, fewer positions (a power of two) where that would take more; 0: grow on demand
+    cache_reserve_bytes: int = 1 << 30
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -100,6 +103,30 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: An
     )
 
 
+def reserve_caches(decoder: BatchDecoder, rows: int, budget_bytes: int) -> int:
+    """Size the engines' K/V caches for `rows` rows before serving, so that no step grows them: a growth copies
+    the whole cache inside one step (`runtime.rows.SlotCacheRows.reserve`), a stall every stream feels. Positions:
+    the target's context, or the largest power of two whose caches (target and drafter) fit `budget_bytes`; past
+    them a cache still grows on demand. Sessions without slot caches (TensorRT-LLM's paged cache, per-row
+    Hugging Face sessions) size themselves and are left alone. Returns the positions reserved (0: none)."""
+    sessions = [decoder.target_session, decoder.drafter_session]
+    caches = [s for s in sessions if s is not None and hasattr(s, "reserve") and hasattr(s, "position_bytes")]
+    if budget_bytes <= 0 or not caches:
+        return 0
+    per_position = rows * sum(s.position_bytes() for s in caches)
+    positions = int(decoder.target.max_context)
+    if positions * per_position > budget_bytes:
+        positions = 1 << max(0, (budget_bytes // per_position).bit_length() - 1)
+    if positions < 16:
+        return 0
+    for s in caches:
+        s.reserve(rows, positions)
+    log.info(
+        "K/V caches reserved for %d rows x %d positions (%.0f MiB)", rows, positions, positions * per_position / 2**20
+    )
+    return positions
+
+
 class Server:
     """The one serving decoder (built from the loaded engines, its tokenizer serialized between request
     threads), the orchestrator stepping it, the metrics, the settings, and the served model's limits."""
@@ -108,6 +135,7 @@ class Server:
         self.settings = settings
         tokenizer = None if loaded.tokenizer is None else SerializedTokenizer(loaded.tokenizer)
         self.decoder = batch_decoder(loaded, settings, tokenizer)  # the one decoder serving every request
+        reserve_caches(self.decoder, settings.max_active, settings.cache_reserve_bytes)
         self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.metrics = ServerMetrics(settings.model_name, max(0, self.limits.max_block_size - 1))
         self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)

@@ -186,9 +186,9 @@ bench-serve: venv aiperf-env
 	$(BIN)/python scripts/bench_serve.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/bench-serve $(BENCH_SERVE_ARGS)
 
 # The load benchmark (issue 11): aiperf against the server at concurrency 1/4/16/32 x temperature 0/1 for the
-# batched target alone, DFlash at block 8 and adaptive DFlash, next to Hugging Face batched generate() on the
-# same held-out prompts, plus per-prompt ratios and a step profile. Writes results/load/ (README.md table,
-# results.json, load.png). Long (durations in docs/benchmarks.md); run it on a quiet machine.
+# batched target alone, DFlash at block 8, adaptive DFlash and the hybrid proposer (issue 55), next to Hugging
+# Face batched generate() on the same held-out prompts, plus per-prompt ratios and a step profile. Writes
+# results/load/ (README.md table, results.json, load.png). Long (durations in docs/benchmarks.md); run it on a quiet machine.
 bench-load: venv aiperf-env
 	$(BIN)/python scripts/bench_load.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
 

@@ -10,7 +10,10 @@ Held-out code prompts (never trained on), OpenAI completions endpoint, streaming
                    and theirs fall in the same minutes of the machine's drift
     target         the server with --block-size 1: the batched target alone, same step loop
     dflash-b8      the server with --block-size 8: DFlash at a fixed block of 8
-    adaptive       the server as shipped: DFlash, block size chosen per step and per request
+    adaptive       the server's adaptive policy with DFlash drafts (--proposer dflash): block size chosen per
+                   step and per request
+    hybrid         the same with --proposer hybrid: per row and round a DFlash block or a suffix run
+                   (decoding/proposers.py), whichever is expected to earn more
 
 Each cell is run --load-repeats times, every mode (HF generate included) back to back in a rotating order,
 and reports its median run. aiperf measures output tokens/s, time to first token and inter-token latency
@@ -53,7 +56,8 @@ REPO = Path(__file__).resolve().parents[1]
 MODES = {  # server flags per mode
     "target": ["--block-size", "1"],
     "dflash-b8": ["--block-size", "8"],
-    "adaptive": [],
+    "adaptive": ["--proposer", "dflash"],
+    "hybrid": ["--proposer", "hybrid"],
 }
 STEP_KEYS = ("prefill_s", "policy_s", "draft_s", "verify_s", "accept_s", "overhead_s", "total_s")
 
@@ -455,6 +459,13 @@ def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None,
         w = min(worst)
         found.append(
             ("every cell: adaptive >= 0.95x batched target", w[0] >= 0.95, f"lowest {w[0]:.2f}x (c={w[1]}, T={w[2]:g})")
+        )
+    low = [(ratio(v, tps.get(("adaptive", c, t))), c, t) for (m, c, t), v in tps.items() if m == "hybrid"]
+    low = [w for w in low if w[0] is not None]
+    if low:
+        w = min(low)
+        found.append(
+            ("every cell: hybrid >= 0.98x adaptive DFlash", w[0] >= 0.98, f"lowest {w[0]:.2f}x (c={w[1]}, T={w[2]:g})")
         )
     if proc and proc.get("per_prompt"):
         rows = proc["per_prompt"]

@@ -362,10 +362,16 @@ class BatchDecoder:
         cost = getattr(self.policy, "cost", None)
         if isinstance(cost, CostModel):
             t, d = cost.current()
-            one, two = t(n, n), t(n, 2 * n)
+            one, two, three = t(n, n), t(n, 2 * n), t(n, 3 * n)
             if one > 0:
-                drafted = d(n, 2 * n)
-                return Prices(one / n, max(0.0, two - one) / n, drafted / n, max(0.0, d(n, 4 * n) - drafted) / (2 * n))
+                drafted, token = d(n, 2 * n), max(0.0, three - two) / n
+                return Prices(
+                    one / n,
+                    token,
+                    drafted / n,
+                    max(0.0, d(n, 4 * n) - drafted) / (2 * n),
+                    draft_s=max(0.0, (two - one) / n - token),
+                )
         line = self.pacer.line()
         if line is not None and line[0] > 0:
             return Prices(line[0] / n, line[1])

@@ -18,8 +18,9 @@ for their next DFlash draft, as a paused row's do. A row without a drafter (none
 `drafter_fallback`) is offered only suffix runs.
 
 The choice (`best_run`, `HybridProposer.pick`) rates each option by expected committed tokens over the seconds the
-row's round costs: `Prices.row_s` (its share of a one-token step) plus what the option adds: a verify token per
-draft (`token_s`), and for a DFlash block the row's drafter share and its tokens. Expected tokens of b - 1 drafts at
+row's round costs: `Prices.row_s` (its share of a one-token step) plus what the option adds: the step to a pass of
+drafts (`draft_s`, once) and a verify token per draft (`token_s`), and for a DFlash block the row's drafter share
+and its tokens. Expected tokens of b - 1 drafts at
 per-position acceptance alpha: `estimates.expected_tokens(alpha, b)`.
 """
 
@@ -54,12 +55,23 @@ NO_PICK = Pick("none", 1)
 
 
 class Prices(NamedTuple):
-    """Seconds a row's round costs, as the step's cost model or measured line prices them."""
+    """Seconds a row's round costs, as the step's cost model or measured line prices them: a round of k >= 1
+    drafts costs row_s + draft_s + k x token_s (`Prices.verify_s`), plus the drafter's part for a DFlash block.
+
+    draft_s is apart from token_s because a pass of one token is not on the line of the larger ones (on a CPU a
+    one-token pass multiplies vectors, a larger one matrices: `cost.LinearCost`): the first draft pays that step
+    once, each further one only the line's slope. Folded into a per-token price, the step would be paid again
+    by every drafted token, and a 16-token run would look several times dearer than the pass it makes."""
 
     row_s: float = 1.0  # the row's share of a step where every row verifies one token
     token_s: float = 0.0  # one more verify token
     drafter_row_s: float = 0.0  # the row's share of the drafter pass (a DFlash block only)
     drafter_token_s: float = 0.0  # one more drafted token (a DFlash block only)
+    draft_s: float = 0.0  # what any draft adds once: a pass of more tokens than rows over the line's slope
+
+    def verify_s(self, drafts: int) -> float:
+        """The row's seconds of a round that verifies `drafts` drafted tokens (0: its last token alone)."""
+        return self.row_s + (self.draft_s + self.token_s * drafts if drafts > 0 else 0.0)
 
 
 def suffix_prior(match: SuffixMatch) -> float:
@@ -120,7 +132,7 @@ def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]
     alpha = drafts.suffix_alpha(match)
     best, best_rate = NO_PICK, none_rate
     for k in range(1, len(match.continuation) + 1):
-        rate = expected_tokens(alpha, k + 1) / (prices.row_s + prices.token_s * k)
+        rate = expected_tokens(alpha, k + 1) / prices.verify_s(k)
         if rate > best_rate:
             best, best_rate = Pick("suffix", k + 1, match.continuation[:k]), rate
     return best, best_rate
@@ -130,8 +142,8 @@ def dflash_rate(drafts: RowDrafts, block: int, prices: Prices) -> float:
     """Expected tokens per second of the row's DFlash block of `block` tokens (its own estimate)."""
     if block < 2:
         return 1.0 / prices.row_s
-    extra = prices.drafter_row_s + (prices.token_s + prices.drafter_token_s) * (block - 1)
-    return expected_tokens(drafts.dflash_estimate.alpha, block) / (prices.row_s + extra)
+    drafter_s = prices.drafter_row_s + prices.drafter_token_s * (block - 1)
+    return expected_tokens(drafts.dflash_estimate.alpha, block) / (prices.verify_s(block - 1) + drafter_s)
 
 
 class ProposingRow(Protocol):

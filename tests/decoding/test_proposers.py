@@ -102,6 +102,31 @@ def test_a_suffix_run_is_priced_by_its_match_and_the_rows_own_rounds():
     assert drafts.suffix_alpha(SuffixMatch(3, 1, (4,))) < prior / 2
 
 
+def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
+    """A CPU's shape (`cost.LinearCost`): a one-token pass 10 ms, any larger one 20 ms + 0.5 ms a token. A run of
+    k drafts costs 20.5 + 0.5 k ms, so a long run of a sound match pays; priced per token at the 1 -> 2 step
+    (10.5 ms a token) no run longer than a few tokens would."""
+    from dflash_trt.decoding.cost import CostModel, LinearCost
+    from dflash_trt.decoding.policy import FixedBlocks
+
+    line = LinearCost(fixed=0.02, per_token=0.0005, one_token=0.01)
+    decoder = BatchDecoder.__new__(BatchDecoder)
+    decoder.policy = FixedBlocks()
+    decoder.policy.cost = CostModel(line, LinearCost(fixed=0.002))  # type: ignore[attr-defined]
+    prices = decoder._prices(1)
+    assert prices.verify_s(0) == pytest.approx(0.01)
+    assert prices.verify_s(1) == pytest.approx(0.021) and prices.verify_s(16) == pytest.approx(0.0285)
+    drafts = RowDrafts(SuffixAutomaton())
+    text = list(range(40))
+    drafts.add(text + text[:12])  # a 12-token match, 28 tokens on
+    for _ in range(8):
+        drafts.observe("suffix", 16, 16)  # the row's runs have held
+    run = best_run(drafts, 16, prices)[0]
+    assert run.proposer == "suffix" and len(run.drafts) == 16
+    folded = Prices(prices.row_s, prices.draft_s + prices.token_s)  # the step paid by every token
+    assert len(best_run(drafts, 16, folded)[0].drafts) < 16
+
+
 def test_a_new_proposer_is_a_class_and_a_line_in_the_factory():
     assert set(PROPOSER_TYPES) == set(PROPOSERS)
     assert [proposer_for(n).name for n in PROPOSERS] == list(PROPOSERS)

@@ -34,9 +34,11 @@ and scheduled drafts, predicted tokens/s, its ratio to the target alone and to t
 Acceptance: --profile demo (default: the demo pair's tau per code prompt, measured by make bench-load), paper,
 mixed or a benchmark name (the paper's published tau, per-position shape assumed); or --trace FILE: the output of
 `dflash-trt generate --json --trace` (one or more, JSON or JSON lines) or the server's per-request statistics
-("spec_decode_metrics": "detailed"), every round pooled per position. Cost: Vidur's profiles (--gpu, --model,
---tp; --target DIR picks the profiled shape nearest its config.json), or --cost-grid FILE measured on your GPU
-by scripts/gpu_bare.py. The workload's lengths are assumed (--prompt-len, --output-len).
+("spec_decode_metrics": "detailed"), every round pooled per position; or --from-metrics FILE: what a serving
+engine measured (`dflash-trt plan check --save FILE`). Cost: Vidur's profiles (--gpu, --model, --tp; --target DIR
+picks the profiled shape nearest its config.json), --cost-grid FILE measured on your GPU by scripts/gpu_bare.py,
+or --cost-model FILE, a CPU server's measured cost model (make bench-load). The workload's lengths are assumed
+(--prompt-len, --output-len).
 
 Run time: a run costs about its committed rounds. The default (7 concurrencies x 9 runs, 3 x C requests, at
 least 24, one seed) is sized to stay short on one core (docs/gpu.md gives a measured time); every --seeds adds

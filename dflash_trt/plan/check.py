@@ -30,8 +30,9 @@ from ..sim.acceptance import tau_of
 from .metrics import TRTLLM_STATS_KEPT, Observed
 
 ABOVE = (
-    "above it TensorRT-LLM's draft_len_schedule drafts nothing, vLLM keeps its last range's length and nothing "
-    "was simulated: re-plan up to the largest batch served, or bound the engine's batch"
+    "above it TensorRT-LLM's draft_len_schedule drafts nothing (releases with min_runtime_draft_len: 1 draft), "
+    "vLLM keeps its last range's length and nothing was simulated: re-plan up to the largest batch served, or "
+    "bound the engine's batch"
 )
 HOLDS, FAILS = 0, 3  # exit statuses of `plan check` (1 stays for errors)
 

@@ -97,13 +97,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"concurrencies (batch sizes) to plan, comma-separated; TensorRT-LLM's schedule ends at the largest "
         f"(default {DEFAULT_CONCURRENCY})",
     )
-    p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
-    p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")
-    p.add_argument("--seeds", type=positive_int, default=1, help="request sets per run, averaged (default 1)")
-    p.add_argument(
-        "--prompt-len", default="lognormal:512,0.6,32-4096", help="prompt lengths (fixed:N, uniform:A-B, lognormal:...)"
-    )
-    p.add_argument("--output-len", default="lognormal:192,0.5,32-1024", help="output lengths, same forms")
+    _workload_flags(p)
     p.add_argument(
         "--check-seed",
         type=int,
@@ -117,6 +111,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from .plan_check import register_check
 
     register_check(p)
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    """The simulated requests: how many a run, how many request sets, their lengths (assumed)."""
+    from .options import positive_int
+
+    p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
+    p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")
+    p.add_argument("--seeds", type=positive_int, default=1, help="request sets per run, averaged (default 1)")
+    p.add_argument(
+        "--prompt-len", default="lognormal:512,0.6,32-4096", help="prompt lengths (fixed:N, uniform:A-B, lognormal:...)"
+    )
+    p.add_argument("--output-len", default="lognormal:192,0.5,32-1024", help="output lengths, same forms")
 
 
 def _cost_flags(p: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@
    and, while aiperf loads that server, `dflash-trt plan check --engine dflash-trt --save out/scrape.json`;
 3. plans with `--from-metrics out/scrape.json --cost-model out/cost_model.json` at that concurrency, on the
    prompts' mean token count and bench-load's output length, and compares the plan's tokens/s for the server's
-   fixed block 8 with aiperf's output tokens/s: out/summary.json, printed.
+   fixed block 8 (7 drafted tokens, the unit plan.json keys by) with aiperf's output tokens/s: out/summary.json, printed.
 
     .venv/bin/python scripts/plan_check_load.py --concurrency 16 --out results/load/plan-check
 """
@@ -106,11 +106,11 @@ def main() -> int:
     flags += ["--prompt-len", f"fixed:{mean_prompt}", "--output-len", "fixed:64", "--seeds", "2"]
     subprocess.run([*plan, "--out", str(out / "plan"), *flags], check=True)
     cell = json.loads((out / "plan" / "plan.json").read_text())["cells"][0]
-    predicted = cell["tokens_per_s_by_block"]["8"]
+    predicted = cell["tokens_per_s_by_drafts"]["7"]  # block 8: 7 drafts and the anchor
     summary = {
         "concurrency": c,
         "measured_tokens_per_s": measured["tokens_per_s"],
-        "predicted_tokens_per_s_block_8": predicted,
+        "predicted_tokens_per_s_7_drafts": predicted,
         "ratio": predicted / measured["tokens_per_s"],
         "scrape": json.loads((out / "scrape.json").read_text()),
         "mean_prompt_tokens": mean_prompt,

@@ -16,24 +16,29 @@ DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64"
 DESCRIPTION = """\
 Plan which draft length to serve at which batch size, for a drafter's measured acceptance on a GPU, and write
 it for three servers. The serving simulator (dflash_trt/sim: the real batched loop on simulated engines, pass
-times from measured GPU profiles) runs every block size 1..B (1: the target alone; B: the drafter's block) at
-every concurrency, closed loop; the best block per concurrency is the tuned table, which becomes TensorRT-LLM's
-draft_len_schedule, and that schedule is simulated again: its figures are the predictions.
+times from measured GPU profiles) runs every draft length 0..B-1 (0: the target alone; B: the drafter's block,
+its drafted tokens and the anchor) at every concurrency, closed loop; the best length per concurrency is the
+tuned table, which becomes TensorRT-LLM's draft_len_schedule, and that schedule is simulated again: its figures
+are the predictions. Every file counts drafted tokens (the anchor excluded), as TensorRT-LLM's max_draft_len and
+vLLM's num_speculative_tokens do; SGLang's --speculative-num-draft-tokens, which counts the anchor, is the one
+flag that says drafts + 1, and its file says so.
 
 Into --out it writes trtllm-serve.yaml (trtllm-serve --config: DFlashDecodingConfig with max_draft_len and
 draft_len_schedule or max_concurrency; above the schedule's largest key TensorRT-LLM drafts nothing, so plan up
 to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config, with
-num_speculative_tokens_per_batch_size), sglang-args.txt (SGLang drafts one block size at every batch: the best
-single block), plan.json (every figure, every input labelled measured or assumed) and plan.png; it prints the
-table: per concurrency the tuned and scheduled block, predicted tokens/s, its ratio to the target alone and to
-the tuned table, TTFT and ITL.
+num_speculative_tokens_per_batch_size; vllm-speculative-config-fixed.json: one length, for where vLLM's schedule
+cannot act), sglang-args.txt (SGLang drafts one length at every batch: the best single length), plan.json (every
+figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency the tuned
+and scheduled drafts, predicted tokens/s, its ratio to the target alone and to the tuned table, TTFT and ITL.
 
 Acceptance: --profile demo (default: the demo pair's tau per code prompt, measured by make bench-load), paper,
 mixed or a benchmark name (the paper's published tau, per-position shape assumed); or --trace FILE: the output of
 `dflash-trt generate --json --trace` (one or more, JSON or JSON lines) or the server's per-request statistics
-("spec_decode_metrics": "detailed"), every round pooled per position. Cost: Vidur's profiles (--gpu, --model,
---tp; --target DIR picks the profiled shape nearest its config.json), or --cost-grid FILE measured on your GPU
-by scripts/gpu_bare.py. The workload's lengths are assumed (--prompt-len, --output-len).
+("spec_decode_metrics": "detailed"), every round pooled per position; or --from-metrics FILE: what a serving
+engine measured (`dflash-trt plan check --save FILE`). Cost: Vidur's profiles (--gpu, --model, --tp; --target DIR
+picks the profiled shape nearest its config.json), --cost-grid FILE measured on your GPU by scripts/gpu_bare.py,
+or --cost-model FILE, a CPU server's measured cost model (make bench-load). The workload's lengths are assumed
+(--prompt-len, --output-len).
 
 Run time: a run costs about its committed rounds. The default (7 concurrencies x 9 runs, 3 x C requests, at
 least 24, one seed) is sized to stay short on one core (docs/gpu.md gives a measured time); every --seeds adds
@@ -59,7 +64,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         description=textwrap.dedent(DESCRIPTION),
     )
-    p.add_argument("--out", type=Path, default=None, help="folder for the five files (created; required)")
+    p.add_argument(
+        "--out", type=Path, default=None, help="folder the plan's six files are written to (created; required)"
+    )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="demo", help="named acceptance: demo (default), paper, mixed, a benchmark")
     src.add_argument(
@@ -79,7 +86,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--block-size",
         type=positive_int,
         default=None,
-        help="largest block to plan, at most 16, the simulated drafter's (default: the drafter's, capped at 16)",
+        help="largest block to plan, in the drafter's unit (drafts + 1: the anchor included), at most 16, the "
+        "simulated drafter's (default: the drafter's, capped at 16); the files say drafts (this - 1 at most)",
     )
     _cost_flags(p)
     p.add_argument(
@@ -89,19 +97,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"concurrencies (batch sizes) to plan, comma-separated; TensorRT-LLM's schedule ends at the largest "
         f"(default {DEFAULT_CONCURRENCY})",
     )
-    p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
-    p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")
-    p.add_argument("--seeds", type=positive_int, default=1, help="request sets per run, averaged (default 1)")
-    p.add_argument(
-        "--prompt-len", default="lognormal:512,0.6,32-4096", help="prompt lengths (fixed:N, uniform:A-B, lognormal:...)"
-    )
-    p.add_argument("--output-len", default="lognormal:192,0.5,32-1024", help="output lengths, same forms")
+    _workload_flags(p)
     p.add_argument(
         "--check-seed",
         type=int,
         default=None,
         help="also re-tune on this seed's requests (not the plan's) at the planned concurrencies and the ones "
-        "between them, and report the schedule against each one's best block (held_out in plan.json); about as "
+        "between them, and report the schedule against each one's best draft length (held_out in plan.json); about as "
         "much time again as one seed's plan, more where the added concurrencies are large",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -109,6 +111,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from .plan_check import register_check
 
     register_check(p)
+
+
+def _workload_flags(p: argparse.ArgumentParser) -> None:
+    """The simulated requests: how many a run, how many request sets, their lengths (assumed)."""
+    from .options import positive_int
+
+    p.add_argument("--requests-per-row", type=positive_int, default=3, help="requests per run: this x C (default 3)")
+    p.add_argument("--min-requests", type=positive_int, default=24, help="requests per run at least (default 24)")
+    p.add_argument("--seeds", type=positive_int, default=1, help="request sets per run, averaged (default 1)")
+    p.add_argument(
+        "--prompt-len", default="lognormal:512,0.6,32-4096", help="prompt lengths (fixed:N, uniform:A-B, lognormal:...)"
+    )
+    p.add_argument("--output-len", default="lognormal:192,0.5,32-1024", help="output lengths, same forms")
 
 
 def _cost_flags(p: argparse.ArgumentParser) -> None:
@@ -228,7 +243,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         "concurrency": args.concurrency,
         "requests": {str(c): requests(c) for c in args.concurrency},
         "seeds": args.seeds,
-        "block_size": block,
+        "max_drafts": block - 1,
         "workload": (
             f"prompts {args.prompt_len}, outputs {args.output_len}, closed loop, greedy; prompts enter in chunks "
             f"of at most {budget} tokens a step ("
@@ -271,7 +286,7 @@ def _print_after(
     if held_out:
         c_min = min(held_out, key=lambda c: held_out[c]["ratio"])
         print(
-            f"held out (seed {args.check_seed}, {len(held_out)} concurrencies): schedule vs best block worst "
+            f"held out (seed {args.check_seed}, {len(held_out)} concurrencies): schedule vs best draft length worst "
             f"{held_out[c_min]['ratio']:.4f} at C={c_min}"
         )
     if result.limits is not None:  # the YAML's schedule, as docs/gpu.md quotes it

@@ -55,6 +55,7 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
 
 def cmd_check(args: argparse.Namespace) -> int:
     import json
+    import sys
 
     from ..plan import check, metrics
     from .options import CliError
@@ -66,7 +67,13 @@ def cmd_check(args: argparse.Namespace) -> int:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CliError(f"cannot read the plan {path}: {e}") from None
+    if not isinstance(doc, dict):
+        raise CliError(f"{path} is not a plan.json (a JSON object)")
     try:
+        notice = check.upgrade(doc)
+        if notice:  # a plan written before drafted tokens became plan.json's one unit still checks
+            print(f"{path}: {notice}", file=sys.stderr)
+        check.cells(doc), check.planned_rates(doc)  # a plan the check cannot read fails before the window
         obs = metrics.scrape(args.engine, args.url, args.window, args.samples)
         report = check.check(doc, obs, args.tolerance)
     except (metrics.MetricsError, check.PlanDocError) as e:

@@ -2,8 +2,9 @@
 
 The rule (why a tau check is a throughput check): at a fixed batch size and draft length a verify round
 costs the same whatever the drafter's acceptance, so tokens/s at that cell scale with tokens per round.
-A plan's simulated tokens/s at concurrency C and block b, times tau_now(b) / tau_planned(b), is what the
-same cell gives at the acceptance seen now. From that:
+A plan's simulated tokens/s at concurrency C and k drafted tokens, times tau_now(k) / tau_planned(k), is
+what the same cell gives at the acceptance seen now. From that (every count in drafted tokens, the anchor
+excluded, as plan.json keys them):
 
 * the batch: the mean running batch picks the plan's cell (the smallest planned concurrency at or above it,
   as TensorRT-LLM's draft_len_schedule picks its key); a batch above the largest planned concurrency is
@@ -29,8 +30,9 @@ from ..sim.acceptance import tau_of
 from .metrics import TRTLLM_STATS_KEPT, Observed
 
 ABOVE = (
-    "above it TensorRT-LLM's draft_len_schedule drafts nothing, vLLM keeps its last range's length and nothing "
-    "was simulated: re-plan up to the largest batch served, or bound the engine's batch"
+    "above it TensorRT-LLM's draft_len_schedule drafts nothing (releases with min_runtime_draft_len: 1 draft), "
+    "vLLM keeps its last range's length and nothing was simulated: re-plan up to the largest batch served, or "
+    "bound the engine's batch"
 )
 HOLDS, FAILS = 0, 3  # exit statuses of `plan check` (1 stays for errors)
 
@@ -102,22 +104,55 @@ def per_position(seen: list[float], planned: list[list[float]]) -> str:
     )
 
 
+# plan.json before drafted tokens became its one unit keyed cells and tau by block (drafts + 1); operators
+# keep such files, so they are read through this table (old key -> new key), with a notice.
+BLOCK_KEYS = {"tokens_per_s_by_block": "tokens_per_s_by_drafts", "tuned_block": "tuned_drafts"}
+BLOCK_KEYS |= {"schedule_block": "schedule_drafts", "tau_by_block": "tau_by_drafts"}
+OLD_UNITS = "plan.json keyed by block (drafts + 1, before drafted tokens became its one unit): read in drafts"
+
+
+def _in_drafts(value: Any) -> Any:
+    """A block-keyed mapping or a block count, one less: drafted tokens (the anchor excluded)."""
+    if isinstance(value, dict):
+        return {str(int(b) - 1): v for b, v in value.items()}
+    return int(value) - 1
+
+
+def upgrade(doc: dict[str, Any]) -> str | None:
+    """Rewrite, in place, a plan.json written with block keys (BLOCK_KEYS) into drafts; the notice, or None
+    when `doc` is already in drafts. A key present in both forms keeps its drafts value."""
+    try:
+        parts = [c for c in doc.get("cells", []) if isinstance(c, dict)]
+        parts.append(doc.get("inputs", {}).get("acceptance", {}))
+        old = False
+        for part in parts:
+            for key, new in BLOCK_KEYS.items():
+                if isinstance(part, dict) and key in part:
+                    value = _in_drafts(part.pop(key))
+                    part.setdefault(new, value)
+                    old = True
+    except (AttributeError, TypeError, ValueError) as e:
+        raise PlanDocError(f"plan.json is not a plan written by `dflash-trt plan`: {e}") from None
+    return OLD_UNITS if old else None
+
+
 def cells(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    upgrade(doc)
     try:
         out = sorted(doc["cells"], key=lambda c: c["concurrency"])
-        if all("1" in c["tokens_per_s_by_block"] and c["schedule_block"] >= 1 for c in out):
+        if all("0" in c["tokens_per_s_by_drafts"] and c["schedule_drafts"] >= 0 for c in out):
             return out
     except (KeyError, TypeError):
         pass
-    raise PlanDocError("plan.json has no cells with tokens_per_s_by_block and schedule_block")
+    raise PlanDocError("plan.json has no cells with tokens_per_s_by_drafts and schedule_drafts")
 
 
 def implied(cell: dict[str, Any], planned: list[list[float]], seen: list[list[float]]) -> dict[int, float]:
-    """Tokens/s per block at this cell at the acceptance seen now (module docstring's rule)."""
+    """Tokens/s per draft length at this cell at the acceptance seen now (module docstring's rule)."""
     out = {}
-    for b_text, tps in cell["tokens_per_s_by_block"].items():
-        b = int(b_text)
-        out[b] = tps if b == 1 else tps * mean_tau(seen, b) / mean_tau(planned, b)
+    for k_text, tps in cell["tokens_per_s_by_drafts"].items():
+        k = int(k_text)
+        out[k] = tps if k == 0 else tps * mean_tau(seen, k + 1) / mean_tau(planned, k + 1)
     return out
 
 
@@ -127,17 +162,19 @@ def schedule_advice(
     """Per planned concurrency, the draft length the acceptance seen would choose (a change: when it gains 2 %)."""
     for cl in table:
         t = implied(cl, planned, seen)
-        best = max(sorted(t), key=lambda b: (t[b], -b))
-        rep.schedule[cl["concurrency"]] = best - 1
-        if best != cl["schedule_block"] and t[best] > t.get(cl["schedule_block"], 0) * 1.02:
+        best = max(sorted(t), key=lambda k: (t[k], -k))
+        rep.schedule[cl["concurrency"]] = best
+        k = cl["schedule_drafts"]
+        if best != k and t[best] > t.get(k, 0) * 1.02:
             rep.advice.append(
-                f"C={cl['concurrency']}: {best - 1} drafts would give {t[best]:.0f} tokens/s, the plan's "
-                f"{cl['schedule_block'] - 1} {t.get(cl['schedule_block'], 0):.0f}: re-plan with --from-metrics"
+                f"C={cl['concurrency']}: {best} drafts would give {t[best]:.0f} tokens/s, the plan's "
+                f"{k} {t.get(k, 0):.0f}: re-plan with --from-metrics"
             )
 
 
 def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
-    """Each assumption of the plan in `doc` (plan.json) against `obs` (module docstring)."""
+    """Each assumption of the plan in `doc` (plan.json; one keyed by block is read in drafts, `upgrade`)
+    against `obs` (module docstring)."""
     planned, table = planned_rates(doc), cells(doc)
     seen = seen_rates(obs, planned)
     rep = Report()
@@ -150,33 +187,33 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
         + ("" if top <= largest else f" ({ABOVE})"),
     )
     cell = next((c for c in table if c["concurrency"] >= mean), table[-1])
-    c = cell["concurrency"]
-    planned_top = max(int(b) for b in cell["tokens_per_s_by_block"])
-    block = round(obs.mean_drafts) + 1 if obs.mean_drafts else cell["schedule_block"]
-    if block > planned_top:  # the plan priced no longer draft: compare at its longest
-        rep.advice.append(f"the engine drafts {block - 1} per round, more than the plan's longest {planned_top - 1}")
-        block = planned_top
-    if block != cell["schedule_block"]:
+    c, by_drafts = cell["concurrency"], cell["tokens_per_s_by_drafts"]
+    planned_top = max(int(k) for k in by_drafts)
+    k = round(obs.mean_drafts) if obs.mean_drafts else cell["schedule_drafts"]
+    if k > planned_top:  # the plan priced no longer draft: compare at its longest
+        rep.advice.append(f"the engine drafts {k} per round, more than the plan's longest {planned_top}")
+        k = planned_top
+    if k != cell["schedule_drafts"]:
         rep.advice.append(
-            f"the engine drafts {block - 1} per round at this batch, the plan {cell['schedule_block'] - 1}: "
+            f"the engine drafts {k} per round at this batch, the plan {cell['schedule_drafts']}: "
             "check that the configuration written is the one serving"
         )
-    tau_plan = mean_tau(planned, block)
+    tau_plan = mean_tau(planned, k + 1)
     drop = obs.tau / tau_plan - 1
-    rep.add(drop >= -tolerance, f"tau at {block - 1} drafts: planned {tau_plan:.2f}, seen {obs.tau:.2f} ({drop:+.0%})")
+    rep.add(drop >= -tolerance, f"tau at {k} drafts: planned {tau_plan:.2f}, seen {obs.tau:.2f} ({drop:+.0%})")
     if obs.position_rates:
         rep.advice.append(per_position(obs.position_rates, planned))
     tps = implied(cell, planned, seen)
-    alone = cell["tokens_per_s_by_block"]["1"]
-    gain_plan = cell["tokens_per_s_by_block"][str(block)] / alone if str(block) in cell["tokens_per_s_by_block"] else 1
-    gain_now = tps.get(block, alone) / alone
+    alone = by_drafts["0"]
+    gain_plan = by_drafts[str(k)] / alone if str(k) in by_drafts else 1
+    gain_now = tps.get(k, alone) / alone
     ok = gain_now > 1 and gain_now >= gain_plan * (1 - tolerance)
     rep.add(
         ok, f"gain over the target alone at C={c}: planned {gain_plan:.2f}x, at the acceptance seen {gain_now:.2f}x"
     )
     if obs.tokens_per_s is not None:
         rep.advice.append(
-            f"tokens/s seen {obs.tokens_per_s:.1f}; the plan's at C={c} with the acceptance seen {tps.get(block, alone):.1f} "
+            f"tokens/s seen {obs.tokens_per_s:.1f}; the plan's at C={c} with the acceptance seen {tps.get(k, alone):.1f} "
             "(a gap here with tau held is the cost profile, not the drafter)"
         )
     if obs.idle_drafting:

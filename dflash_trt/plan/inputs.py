@@ -156,7 +156,7 @@ def named_acceptance(name: str) -> Acceptance:
     except ValueError as e:
         raise PlanInputError(f"unknown acceptance profile {name!r}: demo, paper, mixed or a benchmark ({e})") from None
     source = (
-        "assumed: Qwen3-8B DFlash's published tau at block 16 (the paper's Table 1, T=0), per-position shape "
+        "assumed: Qwen3-8B DFlash's published tau at 15 drafts (block 16; the paper's Table 1, T=0), per-position shape "
         "assumed (dflash_trt/sim/acceptance.py)"
     )
     return Acceptance(name, tuple(padded(p) for p in work.profiles), 16, source, False)
@@ -176,7 +176,7 @@ def demo_acceptance(path: Path = DEMO_LOAD) -> Acceptance:
     if not profiles:
         raise PlanInputError(f"{path} holds no code prompt's acceptance; run `make bench-load`")
     source = (
-        f"measured: the demo pair's tau at block 8 on {len(profiles)} code prompts (make bench-load, {path.name}), "
+        f"measured: the demo pair's tau at 7 drafts (block 8) on {len(profiles)} code prompts (make bench-load, {path.name}), "
         "each prompt a constant per-position rate"
     )
     return Acceptance("demo", profiles, DEMO_BLOCK, source, True)

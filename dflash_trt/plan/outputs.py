@@ -40,6 +40,12 @@ TO_FILL = [
     "trtllm-serve.yaml: speculative_config.speculative_model",
 ]
 UNIT = "drafted tokens per request per step (the anchor token excluded)"
+# Above draft_len_schedule's largest key TensorRT-LLM at 00043967 drafts 0; later (main at 011d0933,
+# tensorrt_llm/_torch/speculative/utils.py get_draft_len_for_batch_size) every scheduled length, the implicit one
+# above the largest key included, is floored at DecodingBaseConfig.min_runtime_draft_len: 0 for Eagle3 / MTP-Eagle,
+# which keep their drafter warm, 1 for the other one-engine modes (its tests check PARD and Draft_Target; DFlash,
+# one-engine with no keep-warm forward, is expected at 1 but not tested there). Within the plan neither applies:
+# max_batch_size bounds the batch at the largest key, and no key below it schedules 0 once drafting starts.
 # What `plan check` reads must be switched on in what the plan writes. trtllm-serve's GET /metrics returns the
 # iteration statistics only when the LLM args enable them (TorchLlmArgs.enable_iter_perf_stats, default False:
 # tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM at 00043967; without it /metrics answers an empty list);
@@ -87,8 +93,9 @@ def trtllm_header(plan: Plan, step_tokens: int | None) -> list[str]:
     return [
         f"values: {UNIT}; the schedule covers batch sizes 1..{top} (a key b: that many drafts up to batch b)",
         f"above the largest key TensorRT-LLM drafts 0, which stops refreshing DFlash's per-request context buffers "
-        f"(NVIDIA/TensorRT-LLM#16888): max_batch_size {top} keeps the batch inside the plan, and no planned batch "
-        "size drafts fewer than 1",
+        f"(NVIDIA/TensorRT-LLM#16888; releases with DecodingBaseConfig.min_runtime_draft_len draft that floor, 1, "
+        f"instead): max_batch_size {top} keeps the batch inside the plan, and no planned batch size drafts fewer "
+        "than 1",
         "enable_iter_perf_stats: true: trtllm-serve's /metrics (what `dflash-trt plan check` reads) is empty "
         "without it",
         f"attention: {ATTENTION_NOTE}; DFlash 2 drafters cannot take TRTLLM (no non-causal sliding-window "
@@ -203,13 +210,13 @@ def plan_json(
         "inputs": {
             "acceptance": {
                 "name": acc.name,
-                "block_size": acc.block_size,
+                "max_drafts": acc.block_size - 1,
                 "measured": acc.measured,
                 "source": acc.source,
                 # per request class, conditional per draft position: what `plan check` compares an engine with
                 "position_rates": [[round(r, 4) for r in p.rates[: plan.block - 1]] for p in acc.profiles],
-                "tau_by_block": {
-                    str(b): round(sum(p.tau(b) for p in acc.profiles) / len(acc.profiles), 4)
+                "tau_by_drafts": {
+                    str(b - 1): round(sum(p.tau(b) for p in acc.profiles) / len(acc.profiles), 4)
                     for b in range(1, plan.block + 1)
                 },
             },
@@ -221,22 +228,38 @@ def plan_json(
             {
                 "concurrency": c.concurrency,
                 "requests": c.requests,
-                "tokens_per_s_by_block": {str(b): round(t, 1) for b, t in c.tokens_per_s.items()},
-                "tuned_block": c.best_block,
-                "schedule_block": c.schedule_block,
+                "tokens_per_s_by_drafts": {str(b - 1): round(t, 1) for b, t in c.tokens_per_s.items()},
                 "tuned_drafts": c.best_block - 1,
                 "schedule_drafts": c.schedule_block - 1,
-                "predicted": _rounded(c.predicted),
+                "predicted": predicted_json(c.predicted),
                 "schedule_vs_tuned": round(c.ratio, 4),
                 "vs_target_alone": round(c.predicted["tokens_per_s"] / c.tokens_per_s[1], 3),
             }
             for c in plan.cells
         ],
         "configs": configs,
-        "units": f"*_drafts and every configuration file: {UNIT}; *_block and tokens_per_s_by_block: drafts + 1",
+        "units": f"every count of tokens drafted (*_drafts, *_by_drafts keys, configs) and every configuration "
+        f"file: {UNIT}; 0 drafts is the target alone",
         "notes": {"vllm": list(VLLM_NOTES), "trtllm": trtllm_header(plan, settings.get("step_tokens"))},
         "alerts": alerts(plan, acc),
     }
+
+
+def predicted_json(predicted: dict[str, Any]) -> dict[str, Any]:
+    """tune.figures' prediction with its mean block given as mean drafts per verify row (plan.json's one unit)."""
+    out = {k: v for k, v in predicted.items() if k != "mean_block"}
+    if "mean_block" in predicted:
+        out["mean_drafts"] = predicted["mean_block"] - 1
+    return {k: _rounded(v) for k, v in out.items()}
+
+
+def held_out_json(held_out: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """tune.holdout's figures per concurrency, its best block given in drafts (plan.json's one unit)."""
+    out = {}
+    for c, v in held_out.items():
+        row = {k: x for k, x in v.items() if k != "best_block"}
+        out[str(c)] = _rounded({"best_drafts": v["best_block"] - 1, **row})
+    return out
 
 
 def alerts(plan: Plan, acc: Acceptance, tolerance: float = 0.1) -> dict[str, Any]:
@@ -333,12 +356,12 @@ def write(
     (out / "vllm-speculative-config-fixed.json").write_text(vllm_json(vllm_fixed(plan, drafter)))
     sglang = sglang_args(plan, drafter)
     (out / "sglang-args.txt").write_text(sglang)
-    configs = {"trtllm": spec, "vllm": vllm, "sglang_block": sglang_block(plan)[0]}
+    configs = {"trtllm": spec, "vllm": vllm, "sglang_drafts": sglang_block(plan)[0] - 1}
     doc = plan_json(plan, acc, cost, settings, configs)
     if drafter is None:
         doc["to_fill"] = TO_FILL
     if held_out is not None:
-        doc["held_out"] = {str(c): _rounded(v) for c, v in held_out.items()}
+        doc["held_out"] = held_out_json(held_out)
     (out / "plan.json").write_text(json.dumps(doc, indent=1) + "\n")
     plot(plan, out / "plan.png", f"{acc.name} acceptance; {cost.source.split(';')[0]}")
     return doc

@@ -42,9 +42,10 @@ def test_default_run_writes_all_five_files(default_plan, capsys):
     assert [c["concurrency"] for c in doc["cells"]] == [1, 2, 4, 8, 16, 32, 64]
     assert doc["inputs"]["acceptance"]["name"] == "demo" and doc["inputs"]["acceptance"]["measured"] is True
     assert doc["inputs"]["workload"]["measured"] is False  # the lengths are assumed, and it says so
+    assert doc["settings"]["max_drafts"] == 7 and doc["inputs"]["acceptance"]["max_drafts"] >= 7
     assert "A100" in doc["inputs"]["cost"]["source"] and "Llama-3-8B" in doc["inputs"]["cost"]["source"]
     for c in doc["cells"]:
-        assert set(c["tokens_per_s_by_block"]) == {str(b) for b in range(1, 9)}
+        assert set(c["tokens_per_s_by_drafts"]) == {str(k) for k in range(8)}  # 0 (the target alone) .. 7
         assert c["predicted"]["ttft_ms"]["p50"] > 0 and c["predicted"]["itl_ms"]["p50"] > 0
     vllm = json.loads((default_plan / "vllm-speculative-config.json").read_text())
     ranges = vllm["num_speculative_tokens_per_batch_size"]
@@ -78,11 +79,11 @@ def test_yaml_schedule_fed_back_is_within_2_percent_of_the_tuned_table(default_p
     against the best fixed block there (plan.json's tuned table, same requests)."""
     spec = yaml.safe_load((default_plan / "trtllm-serve.yaml").read_text())["speculative_config"]
     doc = json.loads((default_plan / "plan.json").read_text())
-    drafting = [c for c in doc["cells"] if c["tuned_block"] > 1]
+    drafting = [c for c in doc["cells"] if c["tuned_drafts"] > 0]
     assert drafting, "no concurrency drafts: the check would prove nothing"
     for c in doc["cells"]:
-        assert tune.trtllm_draft_len(spec, c["concurrency"]) + 1 == c["schedule_block"]
-        tuned = c["tokens_per_s_by_block"][str(c["tuned_block"])]
+        assert tune.trtllm_draft_len(spec, c["concurrency"]) == c["schedule_drafts"]
+        tuned = c["tokens_per_s_by_drafts"][str(c["tuned_drafts"])]
         fed = _fed_back(spec, c["concurrency"], c["requests"]).tokens_per_s
         assert fed >= 0.98 * tuned, (c["concurrency"], fed, tuned)
         assert c["schedule_vs_tuned"] >= 0.98
@@ -93,7 +94,7 @@ def test_the_2_percent_check_catches_a_bad_schedule(default_plan):
     doc = json.loads((default_plan / "plan.json").read_text())
     cell = next(c for c in doc["cells"] if c["concurrency"] == 16)
     fed = _fed_back({"max_draft_len": 7, "draft_len_schedule": {1: 7}}, 16, cell["requests"]).tokens_per_s
-    assert fed < 0.98 * cell["tokens_per_s_by_block"][str(cell["tuned_block"])]
+    assert fed < 0.98 * cell["tokens_per_s_by_drafts"][str(cell["tuned_drafts"])]
 
 
 def _trace_file(path, rate=0.7, rounds=60, seed=0):
@@ -253,6 +254,7 @@ def test_the_held_out_check_reports_concurrencies_between_the_planned_ones(tmp_p
     assert set(held) == {"1", "3", "8"}  # planned 1 and 8, and their geometric mean
     for v in held.values():
         assert 0 < v["ratio"] <= 1.0 and v["best_tokens_per_s"] >= v["schedule_tokens_per_s"]
+        assert 0 <= v["best_drafts"] <= 7 and "best_block" not in v  # drafted tokens, as every plan.json key
 
 
 def test_a_drafter_that_would_not_load_is_refused_before_simulating(tmp_path, capsys):
@@ -322,6 +324,9 @@ def test_the_trtllm_schedule_never_resolves_to_zero_drafts_for_dflash(tmp_path):
     assert all(tune.trtllm_draft_len(loaded["speculative_config"], b) >= 1 for b in range(1, 65))
     text = files["trtllm-serve.yaml"]
     assert "#16888" in text and "flash-attn" in text and "#19159" in text and "enable_chunked_prefill" in text
+    # main's get_draft_len_for_batch_size floors the length above the largest key at min_runtime_draft_len (1 for
+    # DFlash): the header says what each release does there
+    assert "min_runtime_draft_len" in text and "floor, 1" in text
 
 
 def test_the_attention_note_says_trtllm_needs_flashinfer(tmp_path):
@@ -351,6 +356,16 @@ def test_the_written_configs_switch_on_the_metrics_plan_check_reads(tmp_path):
     assert yaml.safe_load(alone["trtllm-serve.yaml"])["enable_iter_perf_stats"] is True
 
 
+def _block_keys(x, where=""):
+    """Every key under `x` that counts blocks (drafts + 1) rather than drafted tokens."""
+    if isinstance(x, dict):
+        own = [f"{where}.{k}" for k in x if "block" in str(k)]
+        return own + [p for k, v in x.items() for p in _block_keys(v, f"{where}.{k}")]
+    if isinstance(x, list):
+        return [p for i, v in enumerate(x) for p in _block_keys(v, f"{where}[{i}]")]
+    return []
+
+
 def test_every_file_speaks_in_drafted_tokens_and_heads_with_its_range(tmp_path):
     plan = _plan({1: 8, 8: 5, 64: 3})
     doc, files = _written(tmp_path, plan, DEMO_DRAFTER)
@@ -360,7 +375,13 @@ def test_every_file_speaks_in_drafted_tokens_and_heads_with_its_range(tmp_path):
     assert f"--speculative-num-draft-tokens {block}" in sglang and f"{block} = {block - 1} drafts + 1" in sglang
     assert "default of 48" in sglang and "--max-running-requests 64" in sglang  # says what the flag replaces
     assert "drafted tokens per request per step" in files["trtllm-serve.yaml"] and "1..64" in files["trtllm-serve.yaml"]
-    assert [c["schedule_drafts"] for c in doc["cells"]] == [c["schedule_block"] - 1 for c in doc["cells"]]
+    assert [c["schedule_drafts"] for c in doc["cells"]] == [c.schedule_block - 1 for c in plan.cells]
+    assert doc["configs"]["sglang_drafts"] == block - 1
+    assert [c["predicted"]["mean_drafts"] for c in doc["cells"]] == [7.0, 4.0, 2.0]  # _plan's mean block, less 1
+    assert not _block_keys(doc), _block_keys(doc)  # plan.json keys drafted tokens only (its "units" says so)
+    assert set(doc["cells"][0]["tokens_per_s_by_drafts"]) == {str(k) for k in range(8)}
+    taus = doc["inputs"]["acceptance"]["tau_by_drafts"]
+    assert taus["0"] == 1.0 and len(taus) == 8 and doc["inputs"]["acceptance"]["max_drafts"] == 7
     table = outputs.table(plan).splitlines()
     assert table[1].split()[1:3] == ["7", "7"] and "anchor token excluded" in table[-1]
     fixed = json.loads(files["vllm-speculative-config-fixed.json"])
@@ -417,7 +438,7 @@ def test_a_cpu_servers_cost_model_as_input(tmp_path):
     doc = json.loads((out / "plan.json").read_text())
     assert doc["settings"]["step_tokens"] == 96 and doc["inputs"]["cost"]["measured"] is True
     assert "at most 96 tokens a step (the CPU server's --step-tokens)" in doc["settings"]["workload"]
-    alone = doc["cells"][0]["tokens_per_s_by_block"]["1"]
+    alone = doc["cells"][0]["tokens_per_s_by_drafts"]["0"]
     # the target alone at C=1 commits one token a pass of fixed + per_row + per_token (or one_token) plus host work
     assert 0.5 / (7.3e-3 + 1e-3) < alone < 1 / 7.3e-3
     (tmp_path / "bad.json").write_text(json.dumps({"target": {}}))

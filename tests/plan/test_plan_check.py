@@ -30,7 +30,7 @@ def plan_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("plan")
     assert main(["plan", "--out", str(out), "--no-progress", *SMALL]) == 0
     doc = json.loads((out / "plan.json").read_text())
-    assert doc["cells"][-1]["schedule_block"] > 1, "the plan drafts nothing at C=8: the scenarios would prove nothing"
+    assert doc["cells"][-1]["schedule_drafts"] > 0, "the plan drafts nothing at C=8: the scenarios would prove nothing"
     return out
 
 
@@ -191,7 +191,7 @@ SCENARIOS = {  # name: (batch, tau factor, exit status, the line that must say w
 def test_plan_check_passes_and_fails_where_it_should(plan_dir, engine, scenario, capsys, tmp_path):
     batch, factor, status, why = SCENARIOS[scenario]
     doc = plan_doc(plan_dir)
-    k = doc["cells"][-1]["schedule_block"] - 1
+    k = doc["cells"][-1]["schedule_drafts"]
     planned = doc["inputs"]["acceptance"]["position_rates"]
     tau = check.mean_tau(planned, k + 1) * factor
     profiles = planned if factor == 1.0 else [AcceptanceProfile.from_tau("low", tau, k + 1).rates]
@@ -212,7 +212,7 @@ def test_plan_check_passes_and_fails_where_it_should(plan_dir, engine, scenario,
 
 def test_vllm_per_position_rates_are_read_back_exactly(plan_dir):
     doc = plan_doc(plan_dir)
-    k = doc["cells"][-1]["schedule_block"] - 1
+    k = doc["cells"][-1]["schedule_drafts"]
     planned = doc["inputs"]["acceptance"]["position_rates"]
     a, b = engine_state(planned, k, 100), engine_state(planned, k, 700)
     samples = [metrics.read("vllm", vllm_text(s, 8, 0), t) for s, t in ((a, 0.0), (b, 2.0))]
@@ -283,7 +283,7 @@ def test_no_traffic_and_no_server_are_clear_errors(plan_dir, capsys):
 
 def test_from_metrics_plans_on_what_the_engine_saw(plan_dir, tmp_path):
     doc = plan_doc(plan_dir)
-    k = doc["cells"][-1]["schedule_block"] - 1
+    k = doc["cells"][-1]["schedule_drafts"]
     low = AcceptanceProfile.from_tau("low", 2.5, k + 1).rates
     with serving(bodies_for("vllm", [low], k, 8, 2.5)) as (url, _):
         args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(plan_dir), "--window", "0.05"]
@@ -294,7 +294,7 @@ def test_from_metrics_plans_on_what_the_engine_saw(plan_dir, tmp_path):
     )
     acc = json.loads((out / "plan.json").read_text())["inputs"]["acceptance"]
     assert acc["measured"] and "vllm /metrics" in acc["source"] and "per-position" in acc["source"]
-    assert acc["tau_by_block"][str(k + 1)] == pytest.approx(2.5, rel=0.01)
+    assert acc["tau_by_drafts"][str(k)] == pytest.approx(2.5, rel=0.01)
     with serving(bodies_for("vllm", [low], k, 8, 2.5)) as (url, _):  # the new plan holds on the same traffic
         args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(out), "--window", "0.05"]
         assert main(args) == check.HOLDS
@@ -380,28 +380,77 @@ def test_the_cluster_rule_reads_what_the_check_reads(plan_dir):
     assert "dflash:spec_decode_tau:rate10m <" in rules["DFlashPlanTauBelowPlan"]
     assert metrics.NAMES["vllm"][1]["running"] in rules["DFlashBatchAbovePlan"]
     plan = plan_doc(plan_dir)
-    k = plan["cells"][-1]["schedule_block"]
+    k = plan["cells"][-1]["schedule_drafts"]
     assert plan["alerts"]["batch_above"] == 8
-    assert plan["alerts"]["tau_floor"] <= round(0.9 * plan["inputs"]["acceptance"]["tau_by_block"][str(k)], 2)
+    assert plan["alerts"]["tau_floor"] <= round(0.9 * plan["inputs"]["acceptance"]["tau_by_drafts"][str(k)], 2)
 
 
 def test_an_engine_drafting_longer_than_the_plan_is_compared_at_the_plans_longest(plan_dir):
     doc = plan_doc(plan_dir)
-    top = max(int(b) for b in doc["cells"][-1]["tokens_per_s_by_block"])
+    top = max(int(k) for k in doc["cells"][-1]["tokens_per_s_by_drafts"])
     planned = doc["inputs"]["acceptance"]["position_rates"]
-    tau = check.mean_tau(planned, top)
-    obs = metrics.Observed("sglang", "u", 10.0, 3.0, tau, top + 3.0, None, [8.0], None)
+    tau = check.mean_tau(planned, top + 1)
+    obs = metrics.Observed("sglang", "u", 10.0, 3.0, tau, top + 2.0, None, [8.0], None)
     report = check.check(doc, obs)
     assert report.holds, report.text()  # the same tau at a longer draft is no loss against the plan
-    assert f"more than the plan's longest {top - 1}" in report.text()
+    assert f"more than the plan's longest {top}" in report.text()
 
 
 def test_a_plan_written_before_plan_check_is_refused_clearly(plan_dir, tmp_path, capsys):
     doc = plan_doc(plan_dir)
     del doc["inputs"]["acceptance"]["position_rates"]
     (tmp_path / "plan.json").write_text(json.dumps(doc))
-    k = doc["cells"][-1]["schedule_block"] - 1
+    k = doc["cells"][-1]["schedule_drafts"]
     with serving(bodies_for("vllm", [[0.5] * k], k, 8, 2.0)) as (url, _):
         args = ["plan", "check", "--engine", "vllm", "--url", url, "--plan", str(tmp_path), "--window", "0.05"]
         assert main(args) == 1
     assert "write the plan again" in capsys.readouterr().err
+
+
+def as_block_keyed(doc):
+    """plan.json as the version before drafted tokens became its one unit wrote it: cells and tau keyed by block
+    (drafts + 1) beside the *_drafts copies, the acceptance's block_size."""
+    old = json.loads(json.dumps(doc))
+    for c in old["cells"]:
+        c["tokens_per_s_by_block"] = {str(int(k) + 1): v for k, v in c.pop("tokens_per_s_by_drafts").items()}
+        c["tuned_block"], c["schedule_block"] = c["tuned_drafts"] + 1, c["schedule_drafts"] + 1
+    acc = old["inputs"]["acceptance"]
+    acc["tau_by_block"] = {str(int(k) + 1): v for k, v in acc.pop("tau_by_drafts").items()}
+    acc["block_size"] = acc.pop("max_drafts") + 1
+    return old
+
+
+@pytest.mark.parametrize("factor", [1.0, 2 / 3])
+def test_a_plan_keyed_by_block_is_checked_as_its_drafts_form_with_a_notice(plan_dir, factor, capsys, tmp_path):
+    """Operators hold plan.json files of the previous version: `plan check` reads them in drafts, says so in
+    one line, and reaches the same verdict, line for line, as on the same plan keyed by drafts."""
+    doc = plan_doc(plan_dir)
+    (tmp_path / "plan.json").write_text(json.dumps(as_block_keyed(doc)))
+    k = doc["cells"][-1]["schedule_drafts"]
+    tau = check.mean_tau(doc["inputs"]["acceptance"]["position_rates"], k + 1) * factor
+    outs = []
+    for where in (plan_dir, tmp_path):
+        with serving(bodies_for("sglang", [], k, 8, tau)) as (url, _):
+            args = ["plan", "check", "--engine", "sglang", "--url", url, "--plan", str(where), "--window", "0.1"]
+            outs.append((main([*args, "--samples", "3"]), capsys.readouterr()))
+    (new_status, new), (old_status, old) = outs
+    assert old_status == new_status == (check.HOLDS if factor == 1.0 else check.FAILS), old.out
+
+    def verdict(out):  # every line but the engine's own and the tokens/s seen (wall-clock over the window)
+        return [line for line in out.splitlines()[1:] if "tokens/s seen" not in line]
+
+    assert verdict(old.out) == verdict(new.out) and len(verdict(new.out)) >= 4
+    assert new.err == "" and old.err.count("\n") == 1 and check.OLD_UNITS in old.err
+
+
+def test_upgrade_rewrites_every_block_key_and_leaves_a_drafts_plan_alone(plan_dir):
+    doc = plan_doc(plan_dir)
+    assert check.upgrade(json.loads(json.dumps(doc))) is None
+    old = as_block_keyed(doc)
+    assert check.upgrade(old) == check.OLD_UNITS
+    assert (
+        old["cells"] == doc["cells"]
+        and old["inputs"]["acceptance"]["tau_by_drafts"] == (doc["inputs"]["acceptance"]["tau_by_drafts"])
+    )
+    with pytest.raises(check.PlanDocError, match="not a plan"):
+        check.upgrade({"cells": [{"schedule_block": "x"}]})

@@ -11,11 +11,11 @@ the shared machine's drift hits them alike, and every mode's answers must be the
 what the server produced before), and the ratio to the first mode. Prints a table; writes JSON.
 
 Modes (--modes, JSON: name -> {"serve": [serve args], "request": {extra request fields}}; modes with the same
-serve arguments share one server); the default compares the target alone with the server's default proposer.
-With the proposer seam, for example:
+serve arguments share one server); the default (below) compares the target alone, DFlash, the hybrid and the
+hybrid without the shared structure of earlier outputs. Written out:
 
     --modes '{"target": {"serve": ["--block-size", "1"]},
-              "dflash": {"request": {"proposer": "dflash"}},
+              "dflash": {"serve": ["--proposer", "dflash"]},
               "hybrid": {"serve": ["--proposer", "hybrid"]},
               "hybrid-per-request": {"serve": ["--proposer", "hybrid", "--suffix-shared-tokens", "0"]}}'
 """
@@ -36,7 +36,12 @@ import httpx
 from dflash_trt.bench.workloads import session_turns
 from dflash_trt.server.process import start_serve
 
-DEFAULT_MODES = {"target": {"serve": ["--block-size", "1"]}, "default": {"serve": []}}
+DEFAULT_MODES = {  # the target alone, then the shared structure's gain: hybrid with and without it
+    "target": {"serve": ["--block-size", "1"]},
+    "dflash": {"serve": ["--proposer", "dflash"]},
+    "hybrid": {"serve": ["--proposer", "hybrid"]},
+    "hybrid-per-request": {"serve": ["--proposer", "hybrid", "--suffix-shared-tokens", "0"]},
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

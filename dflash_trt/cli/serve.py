@@ -125,6 +125,18 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         "acceptance so far and the cost of a batched pass, measured at start-up)",
     )
     add_proposer_arg(blk, extra="; a request's own `proposer` wins")
+    from ..decoding.suffix import SHARED_TOKENS
+    from .options import non_negative_int
+
+    blk.add_argument(
+        "--suffix-shared-tokens",
+        type=non_negative_int,
+        default=SHARED_TOKENS,
+        metavar="N",
+        help="tokens of finished requests' outputs that suffix and hybrid drafts also match (a client's next "
+        f"turn resends what it received); the oldest are evicted past N (default {SHARED_TOKENS}); 0: each "
+        "request matches its own tokens only",
+    )
 
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
@@ -305,6 +317,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         prefill_stall=args.prefill_stall,
         prefill_backlog_steps=args.prefill_backlog_steps,
         cache_reserve_bytes=int(args.cache_reserve_gib * 2**30),
+        shared_suffix_tokens=args.suffix_shared_tokens,
     )
     from .options import CliError
 

@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
 from ..decoding.chunking import BACKLOG_STEPS, STALL, STEP_TOKENS
+from ..decoding.suffix import SHARED_TOKENS
 from ..runtime.base import cuda_devices, pass_clock
 from .errors import ApiError
 from .limits import Limits
@@ -55,6 +56,8 @@ class ServerSettings:
     # bytes of K/V cache sized at start-up for max_active rows (`reserve_caches`): up to the target's whole
     # context, fewer positions (a power of two) where that would take more; 0: grow on demand
     cache_reserve_bytes: int = 1 << 30
+    # tokens of finished outputs that suffix drafts also match (decoding/suffix.py SharedSuffixes); 0: none
+    shared_suffix_tokens: int = SHARED_TOKENS
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -100,6 +103,7 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: An
         step_tokens=settings.step_tokens,
         stall=settings.prefill_stall,
         backlog_steps=settings.prefill_backlog_steps,
+        shared_suffix_tokens=settings.shared_suffix_tokens,
     )
 
 

@@ -58,3 +58,20 @@ def test_the_servers_default_proposer_serves_requests_without_one(decoder, refer
         got = httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60).json()
         assert got["spec"]["proposer"] == "suffix" and got["token_ids"] == reference
         assert "dflash_suffix_states " in scrape(url)
+
+
+def test_suffix_shared_tokens_zero_serves_without_the_shared_structure(decoder, reference):
+    """`serve --suffix-shared-tokens 0` (ServerSettings.shared_suffix_tokens): a request matches its own tokens only,
+    so a second identical request drafts from its own prompt, not from the first one's output."""
+    from dflash_trt.cli.main import build_parser
+
+    args = build_parser().parse_args(["serve", "--suffix-shared-tokens", "0"])
+    assert args.suffix_shared_tokens == 0
+    with running_server(decoder, proposer="suffix", shared_suffix_tokens=0) as (url, app):
+        for _ in range(2):
+            got = httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60).json()
+            assert got["token_ids"] == reference
+        assert app.state.server.decoder.shared_suffixes is None
+    with running_server(decoder, proposer="suffix") as (url, app):
+        httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60)
+        assert app.state.server.decoder.shared_suffixes.size > 1  # the default keeps finished outputs

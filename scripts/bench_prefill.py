@@ -203,6 +203,7 @@ def main() -> None:
     extra = {"chunked": [] if args.step_tokens is None else ["--step-tokens", str(args.step_tokens)], "separate": []}
     threads = [] if args.threads is None else ["--threads", str(args.threads)]
     threads += [] if args.block_size is None else ["--block-size", str(args.block_size)]
+    threads += ["--max-active", str(args.streams + 1)]  # the long prompt joins the streams, never waits for one to end
     load_before = os.getloadavg()
     modes = list(args.modes) + (["chunked-base"] if args.base_tree else [])
     envs = {"chunked-base": {"PYTHONPATH": str(args.base_tree.resolve())}} if args.base_tree else {}

@@ -18,16 +18,18 @@ if TYPE_CHECKING:
 PROPOSER_CHOICES = ("dflash", "suffix", "hybrid")
 
 
-def add_proposer_arg(p: argparse._ActionsContainer, many: bool = False, extra: str = "") -> None:
+def add_proposer_arg(
+    p: argparse._ActionsContainer, many: bool = False, extra: str = "", default: str = "dflash"
+) -> None:
     """`--proposer` (one name; `many`: one or more), the same choices and words on every command."""
     p.add_argument(
         "--proposer",
         nargs="+" if many else None,
         choices=PROPOSER_CHOICES,
-        default=["dflash"] if many else "dflash",
-        help="where the drafts come from: dflash (the drafter; default), suffix (runs of the request's own "
-        "earlier tokens after the longest repeated suffix: no drafter pass) or hybrid (per row and round "
-        "whichever earns more tokens per second); all lossless" + extra,
+        default=[default] if many else default,
+        help="where the drafts come from: dflash (the drafter), suffix (runs of the request's own earlier tokens "
+        "after the longest repeated suffix: no drafter pass) or hybrid (per row and round whichever earns more "
+        f"tokens per second); all lossless (default {default})" + extra,
     )
 
 

@@ -105,6 +105,7 @@ def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 
 
 def _block_args(p: argparse.ArgumentParser) -> None:
+    from ..settings import SERVER_PROPOSER
     from .options import add_proposer_arg, positive_int
 
     blk = p.add_argument_group("block size (tokens verified per row per step; default: adaptive)")
@@ -124,7 +125,7 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
     )
-    add_proposer_arg(blk, extra="; a request's own `proposer` wins")
+    add_proposer_arg(blk, extra="; a request's own `proposer` wins", default=SERVER_PROPOSER)
     from ..decoding.suffix import SHARED_TOKENS
     from .options import non_negative_int
 

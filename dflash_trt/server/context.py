@@ -16,6 +16,7 @@ from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
 from ..decoding.chunking import BACKLOG_STEPS, STALL, STEP_TOKENS
 from ..decoding.suffix import SHARED_TOKENS
 from ..runtime.base import cuda_devices, pass_clock
+from ..settings import SERVER_PROPOSER
 from .errors import ApiError
 from .limits import Limits
 from .metrics import ServerMetrics
@@ -38,7 +39,7 @@ class ServerSettings:
     # that a liveness probe restarts a server whose engines hang (a stuck collective); 0: never.
     health_stall_s: float = 300.0
     block_size: int | None = None  # every request's block size unless it asks for its own (1: target alone)
-    proposer: str = "dflash"  # requests without their own `proposer` (decoding/proposers.py)
+    proposer: str = SERVER_PROPOSER  # requests without their own `proposer` (decoding/proposers.py)
     adaptive: bool = True  # without block_size: choose block sizes per step and row (else the drafter's trained size)
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,

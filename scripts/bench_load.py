@@ -55,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 MODES = {  # server flags per mode
     "target": ["--block-size", "1"],
-    "dflash-b8": ["--block-size", "8"],
+    "dflash-b8": ["--block-size", "8", "--proposer", "dflash"],
     "adaptive": ["--proposer", "dflash"],
     "hybrid": ["--proposer", "hybrid"],
 }

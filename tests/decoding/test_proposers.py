@@ -294,3 +294,22 @@ def test_a_benchmark_run_never_reads_an_earlier_runs_output_of_the_same_prompt(t
     assert first.token_ids == again.token_ids
     assert seen == [0, 0]
     assert decoder.shared_suffixes is not None and decoder.shared_suffixes.outputs  # still on: the server's default
+
+
+@pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
+def test_a_fixed_block_size_bounds_suffix_runs_too(tiny_pair, proposer):
+    """block_size 1 is the target alone whatever the proposer (`serve --block-size 1`, the benchmarks' baseline);
+    a fixed block of 3 verifies at most 2 suffix drafts a round; the output stays the target's."""
+    _, _, _, model, drafter = tiny_pair
+    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    base = BatchDecoder(TorchTargetEngine(model))
+    prompt = [5, 6, 7, 8, 9, 10, 11] * 4
+    expected = generate_one(base, prompt, GenerationConfig(max_new_tokens=30)).token_ids
+    alone = generate_one(spec, prompt, GenerationConfig(max_new_tokens=30, proposer=proposer, block_size=1))
+    assert alone.token_ids == expected and not alone.stats.drafted_by
+    three = generate_one(spec, prompt, GenerationConfig(max_new_tokens=30, proposer=proposer, block_size=3))
+    assert three.token_ids == expected and three.stats.drafted_by.get("suffix", 0) > 0
+    assert max(r["block_size"] for r in three.stats.trace()) <= 3
+    fixed = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target), block_size=1)
+    assert not generate_one(fixed, prompt, GenerationConfig(max_new_tokens=30, proposer=proposer)).stats.drafted_by

@@ -66,6 +66,11 @@ def parse_args() -> argparse.Namespace:
         "two servers and with it every step's shape; a fixed size compares the prefill modes alone)",
     )
     p.add_argument(
+        "--proposer",
+        default=None,
+        help="--proposer for every server (default: serve's default); name one when --base-tree's serve has another",
+    )
+    p.add_argument(
         "--modes",
         nargs="+",
         choices=MODES,
@@ -203,6 +208,7 @@ def main() -> None:
     extra = {"chunked": [] if args.step_tokens is None else ["--step-tokens", str(args.step_tokens)], "separate": []}
     threads = [] if args.threads is None else ["--threads", str(args.threads)]
     threads += [] if args.block_size is None else ["--block-size", str(args.block_size)]
+    threads += [] if args.proposer is None else ["--proposer", args.proposer]
     threads += ["--max-active", str(args.streams + 1)]  # the long prompt joins the streams, never waits for one to end
     load_before = os.getloadavg()
     modes = list(args.modes) + (["chunked-base"] if args.base_tree else [])

@@ -39,7 +39,7 @@ def generation_config(
         max_new_tokens=max_tokens,
         sampling=SamplingParams(temperature, _or(body.top_p, 1.0), _or(body.top_k, 0), body.seed),
         block_size=body.block_size,
-        proposer=_or(body.proposer, server.settings.proposer),
+        proposer=request_proposer(body.proposer, body.block_size, server.settings.proposer),
         stop_token_ids=() if body.ignore_eos else eos,
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,
@@ -52,6 +52,16 @@ def generation_config(
             min_tokens_suppress=eos,
         ),
     )
+
+
+def request_proposer(asked: str | None, block_size: int | None, default: str) -> str:
+    """The request's proposer: its own, else the server's; but a request that fixes its block size and names none
+    gets DFlash where the server's default is the hybrid. A fixed block size is how a client asks for reproducible
+    seeded text (docs/api.md, Seeds), and the hybrid's choice is not reproducible: it weighs timed costs and
+    matches other requests' outputs (the shared suffix structure)."""
+    if asked is not None:
+        return asked
+    return "dflash" if block_size is not None and default == "hybrid" else default
 
 
 def _or(value: T | None, default: T) -> T:

@@ -147,7 +147,9 @@ class OutputFields(BaseModel):
         description=(
             "where the drafts come from: dflash (the drafter), suffix (runs of the request's own earlier tokens "
             "after the longest repeated suffix; no drafter pass), hybrid (per round whichever earns more tokens "
-            "per second); null = the server's --proposer. Output is the same whatever the proposer (greedy) or "
+            "per second); null = the server's --proposer (dflash where the request fixes block_size and the "
+            "server's is hybrid, so that seeded text is reproducible). Output is the same whatever the proposer "
+            "(greedy) or "
             "has the same distribution (sampled)"
         ),
     )

@@ -164,7 +164,7 @@ def test_block_size_settings_reach_the_decoder(decoder):
         own = httpx.post(url + "/generate", json={**bodies[0], "block_size": 3}, timeout=60).json()
         assert own["spec"]["drafted_tokens"] > 0 and own["spec"]["block_size"] == 3  # the request's size wins
         assert own["token_ids"] == fixed[0].json()["token_ids"]
-    with running_server(decoder, adaptive=False) as (url, _):
+    with running_server(decoder, adaptive=False, proposer="dflash") as (url, _):  # suffix runs may run longer
         trained_runs = post_all(url, bodies)
         total, le = block_counts(scrape(url))
         assert le[trained] == total and total - le[trained - 1] >= len(bodies)  # the trained size (the last

@@ -75,3 +75,16 @@ def test_suffix_shared_tokens_zero_serves_without_the_shared_structure(decoder, 
     with running_server(decoder, proposer="suffix") as (url, app):
         httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60)
         assert app.state.server.decoder.shared_suffixes.size > 1  # the default keeps finished outputs
+
+
+def test_a_request_fixing_its_block_size_gets_dflash_from_a_hybrid_server(decoder, reference):
+    """The hybrid server's requests that fix `block_size` and name no proposer get DFlash (seeded text stays
+    reproducible, docs/api.md Seeds); naming one, or leaving the block size to the server, keeps the choice."""
+    with running_server(decoder, proposer="hybrid") as (url, _):
+        for extra, want in (
+            ({"block_size": 4}, "dflash"),
+            ({}, "hybrid"),
+            ({"block_size": 4, "proposer": "hybrid"}, "hybrid"),
+        ):
+            got = httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24, **extra}, timeout=60)
+            assert got.json()["spec"]["proposer"] == want and got.json()["token_ids"] == reference, extra

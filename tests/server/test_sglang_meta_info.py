@@ -97,7 +97,8 @@ def test_meta_info_follows_sglangs_formulas(server):
 
 
 def test_completions_and_streams_carry_it_in_the_finishing_chunk(server):
-    body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "return_meta_info": True}
+    # DFlash named: under the hybrid the second request would draft from the first one's output (fewer rounds)
+    body = {"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "return_meta_info": True, "proposer": "dflash"}
     whole = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
     assert whole["meta_info"]["completion_tokens"] == 12 and whole["choices"][0]["meta_info"] == whole["meta_info"]
     with httpx.stream("POST", server + "/v1/completions", json={**body, "stream": True}, timeout=60) as r:

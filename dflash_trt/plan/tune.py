@@ -36,7 +36,7 @@ class BatchSchedule(FixedBlocks):
 
     def choose(self, step: StepRows) -> list[int]:
         k = self.draft_len(step.batch)
-        return [int(f) if f > 0 else min(int(c), k + 1) for f, c in zip(step.fixed, step.cap)]
+        return [int(f) if f > 0 else min(int(c), k + 1) for f, c in zip(step.fixed, step.max_block)]
 
 
 def trtllm_draft_len(spec: dict[str, Any], batch: int) -> int:

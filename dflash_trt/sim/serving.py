@@ -24,7 +24,8 @@ from typing import cast
 
 from ..decoding import GenerationConfig, Round, SamplingParams
 from ..decoding.chunking import BACKLOG_STEPS, STALL
-from ..decoding.loop import BatchDecoder, BatchRow
+from ..decoding.loop import BatchDecoder
+from ..decoding.row import BatchRow
 from ..server.orchestrator import BatchLoop
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost

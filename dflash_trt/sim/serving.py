@@ -278,13 +278,26 @@ def simulate(
 
 
 def run_closed(
-    dec: BatchDecoder, clock: VirtualClock, work: Workload, label: str, *, concurrency: int, requests: int, seed: int
+    dec: BatchDecoder,
+    clock: VirtualClock,
+    work: Workload,
+    label: str,
+    *,
+    concurrency: int,
+    requests: int,
+    seed: int,
+    proposing: Proposing = Proposing(),
 ) -> RunResult:
     """`requests` requests of `work` through a decoder the caller built on `sim_engines`' engines (any policy),
-    closed-loop at `concurrency`, no warm-up, the default SLO, the measured host work: `dflash-trt plan` runs its schedules this way."""
+    closed-loop at `concurrency`, no warm-up, the default SLO, the measured host work, the requests drafting with
+    `proposing` (as in `simulate`): `dflash-trt plan` runs its schedules this way."""
+    proposing.check()
+    dec.shared_suffixes = None  # as in `simulate`: the trace's replay is every suffix match
     reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]
-    tally = _drive(dec, clock, reqs, concurrency, True, None)
-    return _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
+    tally = _drive(dec, clock, reqs, concurrency, True, None, proposing)
+    run = _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
+    run.proposer = proposing.proposer
+    return run
 
 
 def _warm_up(dec: BatchDecoder, work: Workload, n: int, seed: int) -> None:

@@ -110,3 +110,15 @@ def test_bench_sim_runs_the_hybrid_on_a_recorded_trace(tmp_path):
     assert all(r["proposer"] == "hybrid" and r["proposers"]["suffix"]["rounds"] > 0 for r in data["runs"])
     bad = subprocess.run([*cmd, "--proposer", "suffix", "--suffix-trace", "nope"], cwd=REPO_ROOT, capture_output=True)
     assert bad.returncode == 2 and b"holds no trace" in bad.stderr
+
+
+def test_the_planners_closed_loop_runs_the_hybrid_on_a_trace():
+    """`plan`'s runs (tune.run -> serving.run_closed) take the same proposer and trace."""
+    from dflash_trt.plan import tune
+
+    def one(proposing: Proposing) -> RunResult:
+        return tune.run(ProfileCost(), _work(128), tune.fixed(8), 4, 16, 0, 8, proposing=proposing)
+
+    dflash, hybrid = one(Proposing()), one(Proposing("hybrid", SuffixTrace.load("rewrite")))
+    assert hybrid.proposer == "hybrid" and hybrid.proposers["suffix"]["accepted"] > 0
+    assert hybrid.tokens_per_s > 1.1 * dflash.tokens_per_s

@@ -27,9 +27,9 @@ The shared structure of earlier requests' outputs is not replayed (the recording
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..decoding import GenerationConfig, SamplingParams
 from ..decoding.proposers import PRIOR_HALF, PROPOSERS
@@ -56,6 +56,17 @@ def position_map(rounds: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]
             continue
         out += [(drafted - i, accepted - i) if i < drafted else (0, 0) for i in range(accepted + 1)]
     return tuple(out)
+
+
+def rounds_of(trace: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+    """A request's `--trace` rounds (`GenerationStats.trace`: `dflash-trt generate --json --trace`) as replayable
+    rounds: a suffix round's [drafted, accepted]; any other round, one [0, 0] per token it committed (a hybrid's
+    DFlash round does not say whether a suffix run was there: counted as none, so a hybrid's trace understates)."""
+    out: list[list[int]] = []
+    for r in trace:
+        drafted, accepted = len(r["drafted"]), int(r["accepted"])
+        out += [[drafted, accepted]] if r.get("proposer") == "suffix" else [[0, 0]] * (accepted + 1)
+    return out
 
 
 def pooled_alpha(requests: Sequence[Sequence[Sequence[int]]]) -> float:
@@ -94,6 +105,18 @@ class SuffixTrace(NamedTuple):
         if workload not in recorded:
             raise ValueError(f"{path} holds no trace of {workload!r}: it has {sorted(recorded)}")
         return cls.from_rounds(workload, [r["rounds"] for r in recorded[workload]["requests"]])
+
+    @classmethod
+    def resolve(cls, spec: str, path: Path = SUFFIX_TRACE) -> SuffixTrace:
+        """`spec`: a workload of the recorded trace file, or a file of `dflash-trt generate --json --trace`
+        outputs (one JSON object a line, each a request: its "trace" replayed by `rounds_of`)."""
+        given = Path(spec)
+        if not given.is_file():
+            return cls.load(spec, path)
+        lines = [json.loads(line) for line in given.read_text().splitlines() if line.strip()]
+        if not lines or not all(isinstance(x, dict) and "trace" in x for x in lines):
+            raise ValueError(f"{given}: expected `dflash-trt generate --json --trace` outputs, one a line")
+        return cls.from_rounds(given.stem, [rounds_of(x["trace"]) for x in lines])
 
     def suffix_acceptance(self) -> tuple[float, float]:
         """(the share of rounds that verified a suffix run, accepted over drafted suffix tokens) as recorded."""

@@ -24,6 +24,7 @@ from dflash_trt.decoding import GenerationConfig
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.context import ServerSettings, batch_decoder
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.sim.suffix import rounds_of
 
 
 def main() -> None:
@@ -57,7 +58,7 @@ def main() -> None:
             [res] = decoder.generate([ids], GenerationConfig(max_new_tokens=w.max_new_tokens, proposer="suffix"))
             trace = res.stats.trace()
             assert all(r["proposer"] in ("suffix", "none") for r in trace), "a suffix-only run's rounds"
-            rounds = [[len(r["drafted"]), r["accepted"]] for r in trace]
+            rounds = rounds_of(trace)
             requests.append({"source": label, "prompt_tokens": len(ids), "rounds": rounds})
             print(name, label, len(res.token_ids), "tokens,", sum(d > 0 for d, _ in rounds), "suffix rounds")
         out["workloads"][name] = {"max_new_tokens": w.max_new_tokens, "sources": w.sources, "requests": requests}

@@ -7,6 +7,7 @@ import collections
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -16,7 +17,7 @@ from dflash_trt.sim.cost import ProfileCost
 from dflash_trt.sim.engines import SEED_TOKENS, prompt_seed
 from dflash_trt.sim.measured import SUFFIX_TRACE
 from dflash_trt.sim.serving import RunResult, Workload, simulate
-from dflash_trt.sim.suffix import Proposing, SuffixTrace, position_map
+from dflash_trt.sim.suffix import Proposing, SuffixTrace, position_map, rounds_of
 
 # the demo drafter's acceptance (tau about 2.5 at block 16, the issue's 2.3-3.0 on these workloads)
 DEMO = AcceptanceProfile.fit("demo", 2.5, 16)
@@ -122,3 +123,29 @@ def test_the_planners_closed_loop_runs_the_hybrid_on_a_trace():
     dflash, hybrid = one(Proposing()), one(Proposing("hybrid", SuffixTrace.load("rewrite")))
     assert hybrid.proposer == "hybrid" and hybrid.proposers["suffix"]["accepted"] > 0
     assert hybrid.tokens_per_s > 1.1 * dflash.tokens_per_s
+
+
+def test_rounds_of_a_hybrids_trace_counts_its_dflash_rounds_as_no_match():
+    trace = [
+        {"proposer": "dflash", "drafted": [5, 6, 7], "accepted": 2},
+        {"proposer": "suffix", "drafted": [1, 2], "accepted": 1},
+        {"proposer": "none", "drafted": [], "accepted": 0},
+    ]
+    assert rounds_of(trace) == [[0, 0], [0, 0], [0, 0], [2, 1], [0, 0]]  # the DFlash round's 3 tokens: no match
+
+
+def test_a_generate_trace_file_is_replayed(tmp_path):
+    """`dflash-trt generate --json --trace --proposer suffix` on the demo pair, its output replayed as is."""
+    prompt = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n"
+    cmd = [str(Path(sys.executable).parent / "dflash-trt"), "generate", "--prompt", prompt, "--max-new-tokens", "48"]
+    out = subprocess.run(
+        [*cmd, "--proposer", "suffix", "--json", "--trace"], check=True, capture_output=True, text=True
+    )
+    path = tmp_path / "generate.jsonl"
+    path.write_text(out.stdout)
+    recorded = json.loads(out.stdout)
+    trace = SuffixTrace.resolve(str(path))
+    assert len(trace.positions[0]) == 1 + sum(r["accepted"] + 1 for r in recorded["trace"])
+    assert trace.rounds[0] == tuple((len(r["drafted"]), r["accepted"]) for r in recorded["trace"])
+    hybrid, dflash = _run(trace, "hybrid", 48, 8), _run(None, "dflash", 48, 8)
+    assert hybrid.outputs == dflash.outputs and hybrid.proposers["suffix"]["accepted"] > 0

@@ -116,7 +116,7 @@ def _proposer_options(ap: argparse.ArgumentParser) -> None:
         default="rewrite",
         help=f"the recorded workload whose suffix rounds are replayed (data/measured/suffix-trace.json, recorded\n"
         f"on the demo pair by scripts/sim/record_suffix_trace.py: {', '.join(recorded_workloads()) or 'missing'};\n"
-        f"default: rewrite)",
+        f"default: rewrite), or a file of `dflash-trt generate --json --trace --proposer suffix` outputs, one a line",
     )
 
 
@@ -209,7 +209,7 @@ def main() -> None:
         return
     try:
         args.proposing = Proposing(
-            args.proposer, SuffixTrace.load(args.suffix_trace) if args.proposer != "dflash" else None
+            args.proposer, SuffixTrace.resolve(args.suffix_trace) if args.proposer != "dflash" else None
         )
     except (ValueError, FileNotFoundError) as e:
         ap.error(f"--suffix-trace: {e}")

@@ -234,7 +234,6 @@ def simulate(
     or "separate" (a pass of their own);
     `host_s`: host seconds per step (default: the measured `host_step_s` at the step's rows); `proposing`: the
     proposer the requests name and the trace their suffix matches replay (sim/suffix.py; the warm-up's are DFlash)."""
-    proposing.check()
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     if prefill not in PREFILL:
@@ -255,7 +254,6 @@ def simulate(
         stall=stall,
         backlog_steps=backlog_steps,
     )
-    dec.shared_suffixes = None  # earlier outputs hold no repeats of pseudo-random tokens; the trace's replay is all
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)
     clock.now = 0.0  # the start-up grid and the warm-up ran before serving
@@ -291,8 +289,6 @@ def run_closed(
     """`requests` requests of `work` through a decoder the caller built on `sim_engines`' engines (any policy),
     closed-loop at `concurrency`, no warm-up, the default SLO, the measured host work, the requests drafting with
     `proposing` (as in `simulate`): `dflash-trt plan` runs its schedules this way."""
-    proposing.check()
-    dec.shared_suffixes = None  # as in `simulate`: the trace's replay is every suffix match
     reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]
     tally = _drive(dec, clock, reqs, concurrency, True, None, proposing)
     run = _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
@@ -339,6 +335,8 @@ def _drive(
     """The server's loop (`server.orchestrator.BatchLoop`: admit, step, deliver, retire) on the virtual clock:
     a request enters its FIFO when it arrives (closed loop: when fewer than `limit` are in flight, its arrival
     that moment), at most `limit` rows run, one step a turn, then the host's work per step."""
+    proposing.check()
+    dec.shared_suffixes = None  # earlier outputs hold no repeats of pseudo-random tokens: the trace's replay is all
     timed = cast(TimedPolicy, dec.policy)
     waiting, tally = collections.deque(reqs), _Tally()
     loop: BatchLoop[_Req] = BatchLoop(dec, limit)

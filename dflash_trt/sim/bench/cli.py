@@ -120,6 +120,17 @@ def _proposer_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def _proposing(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str, str]:
+    """Set `args.proposing` (what `grid._pacing` hands every cell) from --proposer and --suffix-trace; the
+    settings that record them."""
+    try:
+        trace = SuffixTrace.resolve(args.suffix_trace) if args.proposer != "dflash" else None
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(f"--suffix-trace: {e}")
+    args.proposing = Proposing(args.proposer, trace)
+    return {"proposer": args.proposer, **({"suffix_trace": args.suffix_trace} if trace is not None else {})}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=ABOUT.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "sim", help="output folder")
@@ -199,6 +210,15 @@ def _grid(
     return groups, conc, seeds, rule
 
 
+def _set_by_hand(args: argparse.Namespace) -> list[str]:
+    """The options that moved the run off its mode's grid (the settings' "mode" names them)."""
+    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
+    custom += ["policies"] if set(args.policies) != set(SHOWN) else []
+    custom += ["prefill-stall"] if args.prefill_stall != STALL else []
+    custom += ["prefill-backlog-steps"] if args.prefill_backlog_steps != BACKLOG_STEPS else []
+    return custom + ([f"proposer {args.proposer}"] if args.proposer != "dflash" else [])
+
+
 def main() -> None:
     ap = _parser()
     args = ap.parse_args()
@@ -207,20 +227,11 @@ def main() -> None:
     if args.readme_only:
         (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
         return
-    try:
-        args.proposing = Proposing(
-            args.proposer, SuffixTrace.resolve(args.suffix_trace) if args.proposer != "dflash" else None
-        )
-    except (ValueError, FileNotFoundError) as e:
-        ap.error(f"--suffix-trace: {e}")
+    proposer_settings = _proposing(args, ap)
     rates = (4, 16) if args.rates is None else tuple(args.rates)
     args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
     args.mode = "smoke" if args.smoke else "full" if args.full else "reduced"
-    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
-    custom += ["policies"] if set(args.policies) != set(SHOWN) else []
-    custom += ["prefill-stall"] if args.prefill_stall != STALL else []
-    custom += ["prefill-backlog-steps"] if args.prefill_backlog_steps != BACKLOG_STEPS else []
-    custom += [f"proposer {args.proposer}, suffix trace {args.suffix_trace}"] if args.proposer != "dflash" else []
+    custom = _set_by_hand(args)
     groups, conc, seeds, rule = _grid(args, ap)
     args.groups = groups
     args.concurrency = args.concurrency or conc
@@ -239,8 +250,7 @@ def main() -> None:
             "step_tokens": STEP_TOKENS_OF,
             "prefill_stall": args.prefill_stall,
             "prefill_backlog_steps": args.prefill_backlog_steps,
-            "proposer": args.proposer,
-            **({"suffix_trace": args.suffix_trace} if args.proposer != "dflash" else {}),
+            **proposer_settings,
             "requests_rule": rule,
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,

@@ -62,7 +62,7 @@ from .sampling import next_token
 from .step import StepProfile, StepResult, StepRows
 from .suffix import SHARED_TOKENS, SharedSuffixes
 
-__all__ = ["PREFILL_MODES", "BatchDecoder", "BatchRow"]  # BatchRow: its home is row.py; imported from here too
+__all__ = ["PREFILL_MODES", "BatchDecoder"]
 
 NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
 PREFILL_MODES = ("chunked", "separate")

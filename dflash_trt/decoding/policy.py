@@ -39,9 +39,6 @@ def own_or_max(step: StepRows) -> list[int]:
     return cast(list[int], np.where(step.fixed > 0, step.fixed, step.max_block).tolist())
 
 
-own_or_cap = own_or_max  # the simulator's name for it (sim/optimum.py), until it moves to the new one
-
-
 class FixedBlocks:
     """Every row drafts its largest allowed block (the decoder's block size; 1 = the target alone)."""
 

@@ -43,11 +43,6 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.rows)
 
-    @property
-    def cap(self) -> np.ndarray:
-        """`max_block` under its former name, read by the simulator's and the planner's policies."""
-        return self.max_block
-
 
 @dataclass
 class StepProfile:

@@ -26,6 +26,7 @@ from ..sim.cost import PassCost
 from ..sim.engines import sim_engines
 from ..sim.policies import TimedPolicy, sim_step_tokens
 from ..sim.serving import RunResult, Workload
+from ..sim.suffix import Proposing
 
 
 class BatchSchedule(FixedBlocks):
@@ -36,7 +37,7 @@ class BatchSchedule(FixedBlocks):
 
     def choose(self, step: StepRows) -> list[int]:
         k = self.draft_len(step.batch)
-        return [int(f) if f > 0 else min(int(c), k + 1) for f, c in zip(step.fixed, step.cap)]
+        return [int(f) if f > 0 else min(int(c), k + 1) for f, c in zip(step.fixed, step.max_block)]
 
 
 def trtllm_draft_len(spec: dict[str, Any], batch: int) -> int:
@@ -71,10 +72,12 @@ def run(
     requests: int,
     seed: int,
     block: int,
+    proposing: Proposing = Proposing(),
 ) -> RunResult:
     """One closed-loop run: `draft_len` per batch size (None: the target alone, no drafter). Prompts enter in
     chunks within the GPU server's step budget (`sim_step_tokens`: the profile's GPU, 2048 for a measured grid),
-    not the CPU server's default."""
+    not the CPU server's default. `proposing`: the requests' proposer and the suffix trace it replays
+    (sim/suffix.py; default DFlash)."""
     target, sim_drafter, clock = sim_engines(cost, work.profiles)
     drafter: Any = sim_drafter  # a DrafterEngine in all but max_context's declared type (as sim_decoder takes it)
     budget = getattr(cost, "step_tokens", None) or sim_step_tokens(cost)  # a CPU server's own, else the GPU's
@@ -83,7 +86,9 @@ def run(
     else:
         policy, drafting = TimedPolicy(BatchSchedule(draft_len)), drafter
     dec = BatchDecoder(target, drafting, block_size=block, policy=policy, clock=clock, step_tokens=budget)
-    return serving.run_closed(dec, clock, work, "plan", concurrency=concurrency, requests=requests, seed=seed)
+    return serving.run_closed(
+        dec, clock, work, "plan", concurrency=concurrency, requests=requests, seed=seed, proposing=proposing
+    )
 
 
 @dataclass

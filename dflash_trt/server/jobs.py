@@ -23,7 +23,7 @@ from .schemas import RequestBody, stop_tuple
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
 
-    from ..decoding.loop import BatchRow
+    from ..decoding.row import BatchRow
     from .context import Server
 
 T = TypeVar("T")

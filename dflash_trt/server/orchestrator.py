@@ -28,7 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from ..decoding import GenerationResult, Round
-from ..decoding.loop import BatchDecoder, BatchRow
+from ..decoding.loop import BatchDecoder
+from ..decoding.row import BatchRow
 from ..decoding.step import StepProfile, StepResult
 from ..runtime.cpu_threads import release_openmp_workers
 

@@ -9,7 +9,10 @@ benchmark's results.json that the code reads (the same keys, so a results.json i
     rows (sim.serving.host_step_s prices every simulated step with it);
   * DEMO_LOAD (`demo-load.json`): `make bench-load`'s in-process figures of the demo pair (per-prompt tau at
     block 8, the CPU cost grid, the step profile, engines-alone tokens/s) and its settings: `dflash-trt plan
-    --profile demo` and the simulator's CPU calibration read them.
+    --profile demo` and the simulator's CPU calibration read them;
+  * SUFFIX_TRACE (`suffix-trace.json`): the suffix proposer's rounds on the demo pair per workload
+    (scripts/sim/record_suffix_trace.py writes it whole, not from a results.json): the simulator replays its
+    suffix matches from them (sim/suffix.py).
 
 A benchmark run does not change them by itself (a run on a busy machine would silently move every simulated
 figure): `python scripts/measured_inputs.py NAME RESULTS.json` copies a run's sections here, and the commit that
@@ -27,11 +30,13 @@ from ..settings import REPO_ROOT
 DATA_DIR = REPO_ROOT / "data" / "measured"
 HOST_STEP = DATA_DIR / "host-step.json"
 DEMO_LOAD = DATA_DIR / "demo-load.json"
+SUFFIX_TRACE = DATA_DIR / "suffix-trace.json"
 
 # name -> (file, the benchmark that measures it, the sections of its results.json the code reads)
 INPUTS: dict[str, tuple[Path, str, tuple[str, ...]]] = {
     "host-step": (HOST_STEP, "make bench-parts (python -m dflash_trt.bench.parts)", ("sim_host", "machine", "torch")),
     "demo-load": (DEMO_LOAD, "make bench-load (scripts/bench_load.py)", ("settings", "in_process")),
+    "suffix-trace": (SUFFIX_TRACE, "scripts/sim/record_suffix_trace.py", ("source", "workloads")),
 }
 
 

@@ -34,7 +34,7 @@ from typing import cast
 
 import numpy as np
 
-from ..decoding.policy import own_or_cap
+from ..decoding.policy import own_or_max
 from ..decoding.step import StepResult, StepRows
 from .acceptance import AcceptanceProfile
 from .cost import ATTN_BW_EFFICIENCY, ATTN_FLOP_EFFICIENCY, ATTN_MIN_S, PASS_LAUNCH_S, ProfileCost
@@ -71,10 +71,10 @@ class Optimum:
         return self.bound_sum / self.chosen_sum - 1 if self.chosen_sum else 0.0
 
     def choose(self, step: StepRows) -> list[int]:
-        forced = np.where(step.fixed > 0, step.fixed, np.where(step.cap < 2, 1, 0)).astype(np.int64)
+        forced = np.where(step.fixed > 0, step.fixed, np.where(step.max_block < 2, 1, 0)).astype(np.int64)
         free = np.flatnonzero(forced == 0)
         if not len(free):
-            return own_or_cap(step)
+            return own_or_max(step)
         rows = step.rows
         klass = np.array([r.prompt_ids[0] for r in rows], np.int64)
         past = np.array([len(r.prompt_ids) + len(r.generated) - 1 for r in rows], np.int64)
@@ -82,7 +82,7 @@ class Optimum:
         base = np.where(forced > 0, forced, 1)
         gains = np.full((len(free), MAX_DRAFTS), -1.0)  # -1: a block the row may not reach
         for j, i in enumerate(free.tolist()):
-            reach = min(int(step.cap[i]) - 1, MAX_DRAFTS)
+            reach = min(int(step.max_block[i]) - 1, MAX_DRAFTS)
             gains[j, :reach] = self.gains[klass[i]][:reach]
         flat = gains.ravel()
         order = np.argsort(-flat, kind="stable")  # within a row its gains in block order (they never grow)

@@ -58,7 +58,7 @@ from .acceptance import AcceptanceProfile
 from .optimum import Optimum
 
 if TYPE_CHECKING:
-    from ..decoding.loop import BatchRow
+    from ..decoding.row import BatchRow
     from .engines import VirtualClock
 
 FIXED = ("none", "fixed-4", "fixed-8", "fixed-16")  # the blocks a tuned table picks from (1, 4, 8, 16)
@@ -112,7 +112,7 @@ def vllm_ranges(best_block: dict[int, int]) -> list[tuple[int, int, int]]:
 
 def _every_row(step: StepRows, drafts: int) -> list[int]:
     """`drafts` draft tokens for every row (a block of drafts + 1) within its cap; a row's own size kept."""
-    return cast(list[int], np.where(step.fixed > 0, step.fixed, np.minimum(step.cap, drafts + 1)).tolist())
+    return cast(list[int], np.where(step.fixed > 0, step.fixed, np.minimum(step.max_block, drafts + 1)).tolist())
 
 
 class TrtllmSchedule(FixedBlocks):

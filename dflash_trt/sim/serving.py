@@ -24,7 +24,8 @@ from typing import cast
 
 from ..decoding import GenerationConfig, Round, SamplingParams
 from ..decoding.chunking import BACKLOG_STEPS, STALL
-from ..decoding.loop import BatchDecoder, BatchRow
+from ..decoding.loop import BatchDecoder
+from ..decoding.row import BatchRow
 from ..server.orchestrator import BatchLoop
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
 from .cost import PassCost
@@ -32,6 +33,7 @@ from .engines import VirtualClock, sim_engines
 from .measured import HOST_STEP, read
 from .optimum import Optimum
 from .policies import TimedPolicy, sim_decoder
+from .suffix import Proposing
 
 GREEDY = SamplingParams(0.0)
 
@@ -183,6 +185,9 @@ class RunResult:
     simulated_steady_step_s: float = float("nan")
     prefill: str = "separate"  # how prompts entered: "separate" (a pass of their own) or "chunked"
     optimum_gap: float | None = None  # "optimum" only: mean certified bound over its chosen rate, minus 1
+    proposer: str = "dflash"  # what the requests named (sim/suffix.py: suffix runs replayed from a trace)
+    # per proposer of the verify rounds ("dflash", "suffix", "none"): rounds, drafted tokens, accepted drafts
+    proposers: dict[str, dict[str, int]] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
 
 
@@ -213,6 +218,7 @@ def simulate(
     step_tokens: int | None = None,
     stall: float = STALL,
     backlog_steps: int = BACKLOG_STEPS,
+    proposing: Proposing = Proposing(),
 ) -> RunResult:
     """One run: `requests` requests of `work` through `policy`, closed-loop at `concurrency` or Poisson at `rate`
     requests/s. The server holds at most `max_active` rows (default 256; adaptive's start-up grid is timed at
@@ -226,7 +232,8 @@ def simulate(
     `step_tokens`, default the GPU's, `policies.sim_step_tokens`, a step with chunks at most about `stall` times
     the rows' own unless prompts queue, then at least 1 / `backlog_steps` of them a step, `decoding.chunking`)
     or "separate" (a pass of their own);
-    `host_s`: host seconds per step (default: the measured `host_step_s` at the step's rows)."""
+    `host_s`: host seconds per step (default: the measured `host_step_s` at the step's rows); `proposing`: the
+    proposer the requests name and the trace their suffix matches replay (sim/suffix.py; the warm-up's are DFlash)."""
     if (concurrency is None) == (rate is None):
         raise ValueError("give exactly one of concurrency (closed loop) or rate (Poisson)")
     if prefill not in PREFILL:
@@ -257,9 +264,9 @@ def simulate(
         for r in reqs:
             t += rng.expovariate(rate)
             r.arrival = t
-    tally = _drive(dec, clock, reqs, limit, concurrency is not None, host_s)
+    tally = _drive(dec, clock, reqs, limit, concurrency is not None, host_s, proposing)
     run = _summarise(policy, concurrency, rate, clock.now, reqs, tally, (slo_ttft_s, slo_tpot_s))
-    run.prefill = prefill
+    run.prefill, run.proposer = prefill, proposing.proposer
     inner = cast(TimedPolicy, dec.policy).policy
     if isinstance(inner, Optimum):
         run.optimum_gap = inner.gap
@@ -269,13 +276,24 @@ def simulate(
 
 
 def run_closed(
-    dec: BatchDecoder, clock: VirtualClock, work: Workload, label: str, *, concurrency: int, requests: int, seed: int
+    dec: BatchDecoder,
+    clock: VirtualClock,
+    work: Workload,
+    label: str,
+    *,
+    concurrency: int,
+    requests: int,
+    seed: int,
+    proposing: Proposing = Proposing(),
 ) -> RunResult:
     """`requests` requests of `work` through a decoder the caller built on `sim_engines`' engines (any policy),
-    closed-loop at `concurrency`, no warm-up, the default SLO, the measured host work: `dflash-trt plan` runs its schedules this way."""
+    closed-loop at `concurrency`, no warm-up, the default SLO, the measured host work, the requests drafting with
+    `proposing` (as in `simulate`): `dflash-trt plan` runs its schedules this way."""
     reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]
-    tally = _drive(dec, clock, reqs, concurrency, True, None)
-    return _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
+    tally = _drive(dec, clock, reqs, concurrency, True, None, proposing)
+    run = _summarise(label, concurrency, None, clock.now, reqs, tally, (2.0, 0.05))
+    run.proposer = proposing.proposer
+    return run
 
 
 def _warm_up(dec: BatchDecoder, work: Workload, n: int, seed: int) -> None:
@@ -301,15 +319,24 @@ class _Tally:
     window_start: float | None = None
     window_end: float | None = None
     tokens_at: list[tuple[float, int]] = field(default_factory=list)  # per step: its end, tokens committed
+    proposers: dict[str, dict[str, int]] = field(default_factory=dict)  # per proposer: rounds, drafted, accepted
     step_cpu: list[tuple[float, float, float]] = field(default_factory=list)  # per step: end, seconds, policy CPU
 
 
 def _drive(
-    dec: BatchDecoder, clock: VirtualClock, reqs: list[_Req], limit: int, closed: bool, host_s: float | None
+    dec: BatchDecoder,
+    clock: VirtualClock,
+    reqs: list[_Req],
+    limit: int,
+    closed: bool,
+    host_s: float | None,
+    proposing: Proposing = Proposing(),
 ) -> _Tally:
     """The server's loop (`server.orchestrator.BatchLoop`: admit, step, deliver, retire) on the virtual clock:
     a request enters its FIFO when it arrives (closed loop: when fewer than `limit` are in flight, its arrival
     that moment), at most `limit` rows run, one step a turn, then the host's work per step."""
+    proposing.check()
+    dec.shared_suffixes = None  # earlier outputs hold no repeats of pseudo-random tokens: the trace's replay is all
     timed = cast(TimedPolicy, dec.policy)
     waiting, tally = collections.deque(reqs), _Tally()
     loop: BatchLoop[_Req] = BatchLoop(dec, limit)
@@ -320,9 +347,7 @@ def _drive(
             r = waiting.popleft()
             if closed:
                 r.arrival = clock.now
-            r.row = dec.new_row(
-                r.prompt, GenerationConfig(max_new_tokens=r.max_new, sampling=GREEDY, stop_token_ids=())
-            )
+            r.row = proposing.new_row(dec, r.prompt, r.max_new)
             loop.pending.append(r)
             if not waiting:
                 tally.window_end = clock.now
@@ -354,6 +379,10 @@ def _account(r: _Req, rnd: Round, now: float, tally: _Tally) -> None:
     else:
         tally.rounds += 1
         tally.committed += n
+        counts = tally.proposers.setdefault(rnd.proposer, {"rounds": 0, "drafted": 0, "accepted": 0})
+        counts["rounds"] += 1
+        counts["drafted"] += rnd.drafted
+        counts["accepted"] += rnd.accepted
         if n and r.last is not None:
             r.itl += [(now - r.last) / n] * n
     r.last = now
@@ -412,4 +441,5 @@ def _summarise(
         simulated_step_s=end / steps,
         policy_cpu_s_per_steady_step=statistics.mean(c for _, c in steady) if steady else float("nan"),
         simulated_steady_step_s=statistics.mean(s for s, _ in steady) if steady else float("nan"),
+        proposers=tally.proposers,
     )

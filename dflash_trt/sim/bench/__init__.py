@@ -26,6 +26,10 @@ STEP_TOKENS_OF in dflash_trt/sim/policies.py, vLLM's per-GPU defaults, and the l
       acceptance) from concurrency 1 to 32 at 2048 new tokens, the published conditions, against SGLang's
       published DFlash curve (B200: 5.1x -> 2.8x), on the A100 profile and a B200-like what-if.
 
+Proposers: every request drafts DFlash blocks unless `--proposer suffix|hybrid`; their suffix matches are then
+replayed from the demo pair's recorded suffix rounds (`--suffix-trace`: data/measured/suffix-trace.json,
+dflash_trt/sim/suffix.py), and the real proposers choose on them. The GPU calibration stays DFlash.
+
 Writes results.json (`runs`: one item per closed-loop cell and seed), README.md (tables, checks, and
 explanations computed from the run) and sim.png. Nothing here runs a model; every figure is simulated.
 """

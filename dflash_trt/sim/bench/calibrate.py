@@ -11,6 +11,7 @@ from ..acceptance import AcceptanceProfile
 from ..cost import LinearPassCost, PassCost, ProfileCost
 from ..measured import read
 from ..serving import Workload, host_step_s, simulate, workload
+from ..suffix import Proposing
 from .grid import SGLANG, _pacing
 
 
@@ -107,7 +108,8 @@ def calibrate_gpu(args: argparse.Namespace) -> dict[str, Any]:
             cell: dict[str, Any] = {}
             for c in (1, 32):
                 for p in ("none", "fixed-16", "adaptive"):
-                    r = simulate(cost, work, p, concurrency=c, requests=max(args.gpu_requests, c), **_pacing(args))
+                    pacing = _pacing(args) | {"proposing": Proposing()}  # DFlash, as the published figures
+                    r = simulate(cost, work, p, concurrency=c, requests=max(args.gpu_requests, c), **pacing)
                     cell[f"{p}_c{c}"] = round(r.tokens / r.sim_seconds, 1)
             s1, s32 = cell["fixed-16_c1"] / cell["none_c1"], cell["fixed-16_c32"] / cell["none_c32"]
             cell.update(speedup_c1=round(s1, 2), speedup_c32=round(s32, 2), decay=round(s32 / s1, 3))

@@ -14,10 +14,12 @@ from typing import Any
 
 from ...cli.options import non_negative_int, stall_factor
 from ...decoding.chunking import BACKLOG_STEPS, STALL
+from ...decoding.proposers import PROPOSERS
 from ...settings import REPO_ROOT
 from ..measured import DEMO_LOAD
 from ..policies import FIXED, STEP_TOKENS_OF, TUNED
 from ..serving import host_step_s, workload
+from ..suffix import Proposing, SuffixTrace, recorded_workloads
 from .calibrate import calibrate_cpu, calibrate_gpu
 from .checks import criteria
 from .grid import (
@@ -100,6 +102,35 @@ def _prefill_options(ap: argparse.ArgumentParser) -> None:
     )
 
 
+def _proposer_options(ap: argparse.ArgumentParser) -> None:
+    """The proposer every simulated request names, and the recorded trace its suffix matches replay."""
+    ap.add_argument(
+        "--proposer",
+        choices=PROPOSERS,
+        default="dflash",
+        help="what every request drafts with (the server's --proposer): dflash blocks, suffix runs, or the hybrid's\n"
+        "choice per row and round; suffix matches are replayed from --suffix-trace (default: dflash)",
+    )
+    ap.add_argument(
+        "--suffix-trace",
+        default="rewrite",
+        help=f"the recorded workload whose suffix rounds are replayed (data/measured/suffix-trace.json, recorded\n"
+        f"on the demo pair by scripts/sim/record_suffix_trace.py: {', '.join(recorded_workloads()) or 'missing'};\n"
+        f"default: rewrite), or a file of `dflash-trt generate --json --trace --proposer suffix` outputs, one a line",
+    )
+
+
+def _proposing(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str, str]:
+    """Set `args.proposing` (what `grid._pacing` hands every cell) from --proposer and --suffix-trace; the
+    settings that record them."""
+    try:
+        trace = SuffixTrace.resolve(args.suffix_trace) if args.proposer != "dflash" else None
+    except (ValueError, FileNotFoundError) as e:
+        ap.error(f"--suffix-trace: {e}")
+    args.proposing = Proposing(args.proposer, trace)
+    return {"proposer": args.proposer, **({"suffix_trace": args.suffix_trace} if trace is not None else {})}
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=ABOUT.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "sim", help="output folder")
@@ -122,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="worker processes (default: one per CPU)")
     _prefill_options(ap)
+    _proposer_options(ap)
     ap.add_argument("--setups", nargs="+", help="gpu:model:tp items (replace the mode's setup x workload pairs)")
     ap.add_argument("--workloads", nargs="+", help="workloads (with --setups or alone: every setup x these)")
     ap.add_argument(
@@ -178,6 +210,15 @@ def _grid(
     return groups, conc, seeds, rule
 
 
+def _set_by_hand(args: argparse.Namespace) -> list[str]:
+    """The options that moved the run off its mode's grid (the settings' "mode" names them)."""
+    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
+    custom += ["policies"] if set(args.policies) != set(SHOWN) else []
+    custom += ["prefill-stall"] if args.prefill_stall != STALL else []
+    custom += ["prefill-backlog-steps"] if args.prefill_backlog_steps != BACKLOG_STEPS else []
+    return custom + ([f"proposer {args.proposer}"] if args.proposer != "dflash" else [])
+
+
 def main() -> None:
     ap = _parser()
     args = ap.parse_args()
@@ -186,13 +227,11 @@ def main() -> None:
     if args.readme_only:
         (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
         return
+    proposer_settings = _proposing(args, ap)
     rates = (4, 16) if args.rates is None else tuple(args.rates)
     args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
     args.mode = "smoke" if args.smoke else "full" if args.full else "reduced"
-    custom = [f for f in ("setups", "workloads", "groups", "concurrency", "seeds") if getattr(args, f) is not None]
-    custom += ["policies"] if set(args.policies) != set(SHOWN) else []
-    custom += ["prefill-stall"] if args.prefill_stall != STALL else []
-    custom += ["prefill-backlog-steps"] if args.prefill_backlog_steps != BACKLOG_STEPS else []
+    custom = _set_by_hand(args)
     groups, conc, seeds, rule = _grid(args, ap)
     args.groups = groups
     args.concurrency = args.concurrency or conc
@@ -211,6 +250,7 @@ def main() -> None:
             "step_tokens": STEP_TOKENS_OF,
             "prefill_stall": args.prefill_stall,
             "prefill_backlog_steps": args.prefill_backlog_steps,
+            **proposer_settings,
             "requests_rule": rule,
             "prompt_len": w.prompt_len,
             "output_len": w.output_len,

@@ -77,6 +77,8 @@ def run_cell(cell: tuple[Any, ...]) -> dict[str, Any]:
         "steps": r.steps,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
+    if r.proposer != "dflash":  # the rounds per proposer: how often the hybrid took the suffix run, and its yield
+        item["proposer"], item["proposers"] = r.proposer, r.proposers
     if r.optimum_gap is not None:
         item["optimum_gap"] = round(r.optimum_gap, 5)
     if policy == "adaptive":
@@ -131,9 +133,11 @@ def _name(block: int) -> str:
 
 
 def _pacing(args: argparse.Namespace, prefill: str | None = None) -> dict[str, Any]:
-    """The prefill mode (default the grid's) and the grid's chunk pacing, as `simulate` takes them."""
+    """The prefill mode (default the grid's), the grid's chunk pacing and its proposer (`args.proposing`, set by
+    cli.main: the proposer and the suffix trace it replays), as `simulate` takes them."""
     mode = prefill or args.prefill
-    return {"prefill": mode, "stall": args.prefill_stall, "backlog_steps": args.prefill_backlog_steps}
+    pacing = {"prefill": mode, "stall": args.prefill_stall, "backlog_steps": args.prefill_backlog_steps}
+    return pacing | {"proposing": args.proposing}
 
 
 def poisson(args: argparse.Namespace) -> list[dict[str, Any]]:

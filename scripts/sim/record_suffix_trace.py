@@ -1,0 +1,70 @@
+"""Record the suffix proposer's rounds on the demo pair, for the simulator's replay (dflash_trt/sim/suffix.py).
+
+Runs the `rewrite`, `long` and `bodies` workloads (`dflash_trt/bench/workloads.py`: text no model here was trained
+on; `bodies`, plain completions, is the control where little repeats)
+through the server's decoder with `proposer="suffix"`, greedy, one request at a time, the shared structure emptied
+before each (a request's own matches only), and keeps each request's `--trace` rounds in the compact form the
+simulator reads: [drafted, accepted] per round (drafted 0: the proposer offered no run, the target alone; no token
+ids: the simulator makes its own tokens). Suffix alone is recorded, not the hybrid: every round then says whether a run was there to take,
+which a round the hybrid gave to DFlash would not.
+
+    PYTHONPATH=. .venv/bin/python scripts/sim/record_suffix_trace.py --out data/measured/suffix-trace.json
+"""
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_trt.bench.workloads import WORKLOADS
+from dflash_trt.decoding import GenerationConfig
+from dflash_trt.loading import load_decoder
+from dflash_trt.server.context import ServerSettings, batch_decoder
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.sim.suffix import rounds_of
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument(
+        "--workloads",
+        nargs="+",
+        default=["rewrite:6", "long:3", "bodies:4"],
+        help="NAME:PROMPTS items (default: %(default)s)",
+    )
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", type=Path, default=Path("data/measured/suffix-trace.json"))
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER, drafter_dtype_name="auto"), ServerSettings())
+    out: dict = {
+        "source": "scripts/sim/record_suffix_trace.py: the demo pair, proposer suffix, greedy, one request at a time",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+        "format": "per workload, per request: its rounds in order after the prefill's token, [drafted, accepted] each "
+        "(drafted 0: no suffix run, the target alone)",
+        "workloads": {},
+    }
+    for item in args.workloads:
+        name, _, n = item.partition(":")
+        w = WORKLOADS[name](int(n or 4))
+        requests = []
+        for text, label in zip(w.prompts, w.labels):
+            decoder.forget_finished_outputs()
+            ids = decoder.encode(text)
+            [res] = decoder.generate([ids], GenerationConfig(max_new_tokens=w.max_new_tokens, proposer="suffix"))
+            trace = res.stats.trace()
+            assert all(r["proposer"] in ("suffix", "none") for r in trace), "a suffix-only run's rounds"
+            rounds = rounds_of(trace)
+            requests.append({"source": label, "prompt_tokens": len(ids), "rounds": rounds})
+            print(name, label, len(res.token_ids), "tokens,", sum(d > 0 for d, _ in rounds), "suffix rounds")
+        out["workloads"][name] = {"max_new_tokens": w.max_new_tokens, "sources": w.sources, "requests": requests}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
+
+
+if __name__ == "__main__":
+    main()

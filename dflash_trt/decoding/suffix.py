@@ -114,13 +114,22 @@ class SuffixAutomaton:
 
     def match(self, most: int) -> SuffixMatch | None:
         """The longest suffix of the text that occurred before, with up to `most` tokens that followed it there
-        (None: no suffix of one token or more repeats, or nothing follows)."""
+        (None: no suffix of one token or more repeats, or nothing follows).
+
+        Where that earlier occurrence ends d tokens before the text does, only d tokens follow it, and the run
+        goes on as an overlapping copy (LZ77's): token j of the run is token j - d of the run. The match says
+        the text from the occurrence on repeats, and the run's own first tokens are part of that text: in a
+        loop of period d (a generation cycling through its own lines) the run is the loop continued, where a
+        run cut at the text's end would offer d - 1 tokens a round however long the loop held."""
         s = self._state_of_match
         if s <= 0 or self._after < 0 or most < 1 or self.full:
             return None
         start = self._after + 1
-        run = tuple(self.tokens[start : start + most])
-        return SuffixMatch(self.length[s], self.hits[s], run) if run else None
+        run = self.tokens[start : start + most]
+        distance = len(run)
+        for j in range(distance, most if distance else 0):
+            run.append(run[j - distance])
+        return SuffixMatch(self.length[s], self.hits[s], tuple(run)) if run else None
 
 
 # The shared automaton's default bound, in tokens: about 2 states per token at `BYTES_PER_STATE`, some 25 MB.

@@ -48,8 +48,27 @@ def test_automaton_finds_the_longest_repeated_suffix_and_what_followed_it():
                 assert found is None
                 continue
             assert found is not None and found.length == length, (tokens, found)
-            assert any(tuple(tokens[e + 1 : e + 6]) == found.continuation for e in ends), (tokens, found, ends)
+            assert any(_copied(tokens, e + 1, 5) == found.continuation for e in ends), (tokens, found, ends)
         assert sam.size <= 2 * len(tokens) + 1  # memory: at most 2n states
+
+
+def _copied(tokens: list[int], start: int, most: int) -> tuple[int, ...]:
+    """What follows position `start` - 1, continued past the text's end as an overlapping copy."""
+    text = list(tokens)
+    for j in range(most):
+        text.append(text[start + j])
+    return tuple(text[start : start + most])
+
+
+def test_a_run_reaching_the_texts_end_continues_the_loop():
+    """A loop of period 3 (a generation cycling): the run is the loop continued, not the 2 tokens left before the
+    text's end (an overlapping copy: token j of the run is token j - 3)."""
+    sam = SuffixAutomaton()
+    sam.extend_all([9] + [1, 2, 3] * 4)
+    found = sam.match(10)
+    assert found is not None and found.length == 9 and found.continuation == (1, 2, 3, 1, 2, 3, 1, 2, 3, 1)
+    sam.extend_all([4, 5])  # the loop broke: "3 4 5" never occurred before, so the match is "5" alone
+    assert sam.match(4) is None or sam.match(4).length < 3
 
 
 def test_automaton_reads_the_most_recent_earlier_occurrence():
@@ -91,7 +110,7 @@ def test_a_suffix_run_is_priced_by_its_match_and_the_rows_own_rounds():
     drafts = RowDrafts(SuffixAutomaton())
     drafts.add([1, 2, 3, 4, 5, 6, 1, 2, 3])
     run, rate = best_run(drafts, 10, Prices(row_s=1.0, token_s=0.0))
-    assert run.proposer == "suffix" and run.drafts == (4, 5, 6, 1, 2, 3)  # free tokens: the whole continuation
+    assert run.proposer == "suffix" and run.drafts == (4, 5, 6, 1, 2, 3, 4, 5, 6, 1)  # free tokens: all it may
     assert rate > 1.0
     dear = best_run(drafts, 10, Prices(row_s=1.0, token_s=1.0))[0]  # a token costs a whole step: never worth it
     assert dear.proposer == "none"

@@ -5,7 +5,8 @@
    do (`decoding.cost.measure_costs`): out/cost_model.json;
 2. runs a reduced `scripts/bench_load.py` (one concurrency, T=0, the dflash-b8 server only, no in-process part)
    and, while aiperf loads that server, `dflash-trt plan check --engine dflash-trt --save out/scrape.json`;
-3. plans with `--from-metrics out/scrape.json --cost-model out/cost_model.json` at that concurrency, on the
+3. plans with `--from-metrics out/scrape.json --cost-model out/cost_model.json` at that concurrency (the cost
+   model scaled to the steps the scrape saw served: `plan.inputs.served_step_cost`), on the
    prompts' mean token count and bench-load's output length, and compares the plan's tokens/s for the server's
    fixed block 8 (7 drafted tokens, the unit plan.json keys by) with aiperf's output tokens/s: out/summary.json, printed.
 
@@ -62,11 +63,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--window", type=float, default=20.0, help="plan check's window, seconds (default 20)")
-    ap.add_argument("--min-requests", type=int, default=160, help="aiperf requests (default 160: a long run)")
+    ap.add_argument(
+        "--min-requests", type=int, default=480, help="aiperf requests (default 480: a run that outlasts the window)"
+    )
     ap.add_argument("--out", type=Path, default=REPO / "results" / "load" / "plan-check")
     args = ap.parse_args()
     out, c = args.out, args.concurrency
     out.mkdir(parents=True, exist_ok=True)
+    (out / "scrape.json").unlink(missing_ok=True)  # never plan from an earlier run's scrape
     cost = measure_cost_model(out)
     plan = [sys.executable, "-m", "dflash_trt.cli.main", "plan", "--no-progress", "--concurrency", str(c)]
     small = ["--prompt-len", "fixed:64", "--output-len", "fixed:64", "--min-requests", "8"]
@@ -92,6 +96,8 @@ def main() -> int:
     if scraper is not None:
         scraper.join()
     print(result.get("check", "no scrape"))
+    if not (out / "scrape.json").is_file():
+        raise SystemExit("plan check saved no scrape (the load ended before its window?): raise --min-requests")
     measured = next(
         x for x in json.loads((out / "load" / "results.json").read_text())["cells"] if x["mode"] == "dflash-b8"
     )

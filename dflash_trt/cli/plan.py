@@ -150,7 +150,8 @@ def _cost_flags(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         help="a CPU server's measured cost model (make bench-load's results.json, in_process.cost_model), priced "
-        "in that server's step budget (--step-tokens)",
+        "in that server's step budget (--step-tokens); with --from-metrics of that server, scaled to the steps it "
+        "served (their wall time over its passes': the loop's, HTTP's and the client's share the grid never sees)",
     )
     p.add_argument(
         "--step-tokens", type=positive_int, default=None, help="with --cost-model: the server's --step-tokens"
@@ -207,6 +208,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
             raise inputs.PlanInputError(str(e)) from None
     if args.cost_model is not None:
         cost = inputs.cost_model(args.cost_model, args.step_tokens)
+        if args.from_metrics:  # a dflash-trt server's scrape: its served steps scale the passes' costs
+            cost = inputs.served_step_cost(cost, args.from_metrics)
     elif args.cost_grid is not None:
         cost = inputs.grid_cost(args.cost_grid, args.context, target_config, args.tp)
     else:

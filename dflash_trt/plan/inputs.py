@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -326,6 +326,42 @@ def grid_cost(
         "drafter": "measured: the grid's drafter passes; prefill beyond the grid extrapolated (assumed)",
     }
     return Cost(GridPassCost(target, drafter), source, True, parts)
+
+
+def served_step_cost(cost: Cost, scrape: str | Path) -> Cost:
+    """A CPU server's cost model (`cost_model`) scaled to the steps a `plan check --save` scrape of that server saw:
+    k = the mean served step's wall seconds / the cost model's seconds for that step's passes (`Observed.steps`).
+
+    The start-up grid times the passes alone; a served step also holds the loop's own work per step, the HTTP
+    and streaming threads and, on a shared machine, the load client, none of which the grid sees. k prices them
+    as a share of the passes (one number: the scrape has one mean step), so a plan made from the scrape predicts
+    the tokens/s of the server that ran, not of its engines alone. The scrape's other figures (acceptance) are
+    read by `metrics_acceptance`."""
+    from .metrics import MetricsError, Observed
+
+    if not isinstance(cost.cost, ServerPassCost):
+        raise PlanInputError("the served steps of a scrape scale a CPU server's --cost-model only")
+    path = Path(scrape)
+    try:
+        obs = Observed.from_json(json.loads(path.read_text()))
+    except (OSError, json.JSONDecodeError, MetricsError, AttributeError) as e:
+        raise PlanInputError(f"cannot read the scrape {path}: {e}") from None
+    m, lin = obs.steps, cost.cost.linear
+    if obs.engine != "dflash-trt" or not m:  # another engine's scrape, or one saved before the steps were read
+        return cost
+    target = lin.target_fixed + lin.target_per_row * (m["rows"] + m["chunk_rows"])
+    target += lin.target_per_token * (m["tokens"] + m["chunk_tokens"])
+    drafting = min(1.0, m["drafting_rows"])  # the drafter runs on the steps where a row drafts: about this share
+    drafter = drafting * lin.drafter_fixed + lin.drafter_per_row * m["drafting_rows"]
+    drafter += lin.drafter_per_token * (m["drafted_tokens"] + 2 * m["drafting_rows"])  # + anchor and new context
+    k = m["wall_s"] / (target + drafter)
+    scaled = replace(lin, **{f.name: k * getattr(lin, f.name) for f in fields(lin) if getattr(lin, f.name) is not None})
+    source = (
+        f"{cost.source}; scaled x{k:.2f} to the served steps of {path} ({m['wall_s'] * 1e3:.1f} ms a step of "
+        f"{m['rows']:.1f} rows against {(target + drafter) * 1e3:.1f} ms of passes)"
+    )
+    parts = {**cost.parts, "served": f"measured: x{k:.2f}, the server's wall time per step over its passes'"}
+    return Cost(ServerPassCost(scaled, cost.cost.step_tokens), source, cost.measured, parts)
 
 
 # ---- acceptance from an engine's metrics --------------------------------------------------------------------

@@ -29,8 +29,10 @@ defines them:
   iterations (an LLM argument, 1000 by default): a scrape that returns that many may have lost older ones. Tokens per iteration are derived (each
   generation request commits one token plus its accepted drafts; context requests are not counted).
 * dflash-trt (this project's server, dflash_trt/server/metrics.py): the vLLM names above (it exports them
-  from the same verify rounds), plus dflash_generated_tokens, dflash_inflight_requests and the verify pass's
-  rows (dflash_batch_rows{pass="verify"}: its mean over the window is the batch the rounds actually ran).
+  from the same verify rounds), plus dflash_generated_tokens, dflash_inflight_requests and the target pass's
+  rows and tokens by part (dflash_batch_rows / dflash_batch_tokens {pass="verify"|"chunk"}): the verify rows'
+  mean over the window is the batch the rounds actually ran, and with the tokens and the window's seconds they
+  give the mean served step (`Observed.steps`), which `plan --from-metrics` prices against a cost model.
 
 Per-position rates are conditional (position k accepted given k-1 was), as the simulator's profiles hold
 them: rate_0 = accepted_per_pos[0] / drafts, rate_k = accepted_per_pos[k] / accepted_per_pos[k-1]. That is
@@ -85,6 +87,9 @@ class Observed:
     idle_drafting: int | None = None  # TensorRT-LLM: iterations with generation requests and no draft
     source: str = ""
     full_scrapes: int | None = None  # TensorRT-LLM: window scrapes returning >= TRTLLM_STATS_KEPT iterations
+    # dflash-trt: the mean served step (`step_shape`): its wall seconds, its verify rows and tokens, the prompt
+    # chunks riding in its pass, its drafting rows and their drafted tokens; `steps` is how many it averages
+    steps: dict[str, float] | None = None
 
     @property
     def mean_batch(self) -> float:
@@ -133,15 +138,14 @@ NAMES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
         },
     ),
     "dflash-trt": (
-        {
-            **VLLM_COUNTERS,
-            "generated": "dflash_generated_tokens_total",
-            "verify_rows_sum": "dflash_batch_rows_sum",
-            "verify_rows_count": "dflash_batch_rows_count",
-        },
+        {**VLLM_COUNTERS, "generated": "dflash_generated_tokens_total"},
         {"running": "dflash_inflight_requests"},
     ),
 }
+# dflash-trt's target pass by part, read per label: <part>_rows_sum, <part>_rows_count, <part>_tokens_sum
+PASS_PARTS = ("verify", "chunk")
+PASS_FAMILIES = {"dflash_batch_rows_sum": "rows_sum", "dflash_batch_rows_count": "rows_count"}
+PASS_FAMILIES["dflash_batch_tokens_sum"] = "tokens_sum"
 
 
 # Gauges that are each scheduler's own ratio (SGLang's tau and tau / block): a sum over label sets would add
@@ -159,7 +163,10 @@ def read_prometheus(engine: str, text: str, t: float) -> Sample:
     s = Sample(t)
     ratios: dict[str, list[float]] = {}
     for name, labels, value in prometheus_samples(text):
-        if name.startswith("dflash_batch_rows") and labels.get("pass") != "verify":
+        if engine == "dflash-trt" and name in PASS_FAMILIES:
+            if labels.get("pass") in PASS_PARTS:
+                key = f"{labels['pass']}_{PASS_FAMILIES[name]}"
+                s.counters[key] = s.counters.get(key, 0.0) + value
             continue
         if name in by_name:
             s.counters[by_name[name]] = s.counters.get(by_name[name], 0.0) + value
@@ -241,12 +248,35 @@ def window_prometheus(engine: str, url: str, samples: Sequence[Sample]) -> Obser
     k = draft_tokens / drafts if draft_tokens is not None else None
     per_pos = {p: last.per_pos.get(p, 0.0) - first.per_pos.get(p, 0.0) for p in last.per_pos}
     rates = _rates(per_pos, drafts, int(k) if k is not None else len(per_pos))
-    if engine == "dflash-trt":
-        rows, count = _delta(first, last, "verify_rows_sum"), _delta(first, last, "verify_rows_count")
-        if rows is not None and count:
-            batch = batch + [rows / count]  # the verify passes' mean rows: the batch the rounds ran at
+    steps = step_shape(first, last, seconds) if engine == "dflash-trt" else None
+    if steps is not None:
+        batch = batch + [steps["rows"]]  # the verify passes' mean rows: the batch the rounds ran at
     src = f"{int(drafts)} drafting rounds, counter differences over {seconds:.1f} s"
-    return Observed(engine, url, seconds, drafts, 1 + accepted / drafts, k, rates, batch, tps, source=src)
+    return Observed(engine, url, seconds, drafts, 1 + accepted / drafts, k, rates, batch, tps, source=src, steps=steps)
+
+
+def step_shape(first: Sample, last: Sample, seconds: float) -> dict[str, float] | None:
+    """The window's mean served step of a dflash-trt server: wall seconds per verify pass (everything the server
+    did between them: the loop's own work, HTTP and streaming, the client on a shared machine), rows and tokens of
+    that pass, prompt-chunk rows and tokens riding in it, drafting rows and their drafted tokens (None without
+    verify passes or the pass metrics)."""
+    n = _delta(first, last, "verify_rows_count")
+    if not n or seconds <= 0:
+        return None
+
+    def per_step(key: str) -> float:
+        return (_delta(first, last, key) or 0.0) / n
+
+    return {
+        "steps": n,
+        "wall_s": seconds / n,
+        "rows": per_step("verify_rows_sum"),
+        "tokens": per_step("verify_tokens_sum"),
+        "chunk_rows": per_step("chunk_rows_sum"),
+        "chunk_tokens": per_step("chunk_tokens_sum"),
+        "drafting_rows": per_step("drafts"),
+        "drafted_tokens": per_step("draft_tokens"),
+    }
 
 
 def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:

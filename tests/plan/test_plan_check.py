@@ -355,6 +355,10 @@ def test_this_projects_server_under_load(tmp_path, capsys):
     assert 5 < seen["mean_drafts"] <= 7  # block 8: 7 drafts a round, fewer in the rounds an output's end clips
     assert 1 < seen["tau"] <= 8 and len(seen["position_rates"]) == int(seen["mean_drafts"])
     assert all(0 <= r <= 1 for r in seen["position_rates"])
+    steps = seen["steps"]  # the mean served step, which --from-metrics prices against a --cost-model
+    assert steps["steps"] > 10 and 0 < steps["rows"] <= 4 and steps["tokens"] >= steps["rows"]
+    assert 0 < steps["drafting_rows"] <= steps["rows"] and steps["drafted_tokens"] <= 7 * steps["drafting_rows"]
+    assert steps["wall_s"] == pytest.approx(seen["seconds"] / steps["steps"])
     # two windows of a few seconds on different prompts: tau moves between them, within the tolerance given
     assert status == check.HOLDS, out
 
@@ -454,3 +458,34 @@ def test_upgrade_rewrites_every_block_key_and_leaves_a_drafts_plan_alone(plan_di
     )
     with pytest.raises(check.PlanDocError, match="not a plan"):
         check.upgrade({"cells": [{"schedule_block": "x"}]})
+
+
+def test_a_servers_scrape_scales_its_cost_model_to_the_steps_it_served(tmp_path):
+    """`plan --from-metrics S --cost-model C`: the passes' costs times the served step's wall seconds over the
+    cost model's seconds for that step (what the start-up grid does not see: the loop, HTTP, the client)."""
+    from dflash_trt.plan import inputs
+    from dflash_trt.plan.metrics import Observed
+
+    model = {
+        "target": {"fixed": 0.01, "per_row": 0.001, "per_token": 0.0002},
+        "drafter": {"fixed": 0.004, "per_row": 0.0, "per_token": 0.0001},
+    }
+    (tmp_path / "cost.json").write_text(json.dumps(model))
+    cost = inputs.cost_model(tmp_path / "cost.json", 128)
+    steps = {"steps": 100, "rows": 8, "tokens": 40, "chunk_rows": 1, "chunk_tokens": 20, "drafting_rows": 6}
+    steps["drafted_tokens"] = 30
+    passes = 0.01 + 0.001 * 9 + 0.0002 * 60 + 0.004 + 0.0001 * (30 + 12)
+    steps["wall_s"] = 1.5 * passes
+    seen = Observed("dflash-trt", "http://x", 10.0, 600, 3.0, 5.0, [0.8] * 5, [8.0], 400.0, steps=steps)
+    (tmp_path / "seen.json").write_text(json.dumps(seen.to_json()))
+    served = inputs.served_step_cost(cost, tmp_path / "seen.json")
+    assert served.cost.target([5] * 8, [100] * 8, 8) == pytest.approx(1.5 * cost.cost.target([5] * 8, [100] * 8, 8))
+    assert served.cost.drafter([6] * 4, [2] * 4, [0] * 4) == pytest.approx(
+        1.5 * cost.cost.drafter([6] * 4, [2] * 4, [0] * 4)
+    )
+    assert "scaled x1.50" in served.source and served.parts["served"].startswith("measured")
+    other = Observed("vllm", "http://x", 10.0, 600, 3.0, 5.0, [0.8] * 5, [8.0], 400.0)  # no served steps: unscaled
+    (tmp_path / "vllm.json").write_text(json.dumps(other.to_json()))
+    assert inputs.served_step_cost(cost, tmp_path / "vllm.json") is cost
+    with pytest.raises(inputs.PlanInputError, match="--cost-model"):
+        inputs.served_step_cost(inputs.vidur_cost("a100", None, 1), tmp_path / "seen.json")

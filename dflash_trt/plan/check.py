@@ -30,7 +30,7 @@ from ..sim.acceptance import tau_of
 from .metrics import TRTLLM_STATS_KEPT, Observed
 
 ABOVE = (
-    "above it TensorRT-LLM's draft_len_schedule drafts nothing (releases with min_runtime_draft_len: 1 draft), "
+    "above it TensorRT-LLM's draft_len_schedule drafts nothing (1 under the open PR 16888's min_runtime_draft_len), "
     "vLLM keeps its last range's length and nothing was simulated: re-plan up to the largest batch served, or "
     "bound the engine's batch"
 )

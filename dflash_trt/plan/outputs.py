@@ -40,12 +40,13 @@ TO_FILL = [
     "trtllm-serve.yaml: speculative_config.speculative_model",
 ]
 UNIT = "drafted tokens per request per step (the anchor token excluded)"
-# Above draft_len_schedule's largest key TensorRT-LLM at 00043967 drafts 0; later (main at 011d0933,
-# tensorrt_llm/_torch/speculative/utils.py get_draft_len_for_batch_size) every scheduled length, the implicit one
-# above the largest key included, is floored at DecodingBaseConfig.min_runtime_draft_len: 0 for Eagle3 / MTP-Eagle,
-# which keep their drafter warm, 1 for the other one-engine modes (its tests check PARD and Draft_Target; DFlash,
-# one-engine with no keep-warm forward, is expected at 1 but not tested there). Within the plan neither applies:
-# max_batch_size bounds the batch at the largest key, and no key below it schedules 0 once drafting starts.
+# Above draft_len_schedule's largest key TensorRT-LLM at 00043967 (llm_args.py, the field's description: "33+:
+# use draft_len=0 (implicit, speculation disabled)") drafts 0, and max_concurrency's schedule turns speculation off
+# above it. The open PR NVIDIA/TensorRT-LLM#16888 (its branch at 011d0933: tensorrt_llm/_torch/speculative/utils.py
+# get_draft_len_for_batch_size) would floor every scheduled length, the implicit one included, at
+# DecodingBaseConfig.min_runtime_draft_len: 1 for one-engine modes (DFlash is one), 0 for the others. Within the
+# plan neither applies: max_batch_size bounds the batch at the largest key, and no key below it schedules 0 once
+# drafting starts.
 # What `plan check` reads must be switched on in what the plan writes. trtllm-serve's GET /metrics returns the
 # iteration statistics only when the LLM args enable them (TorchLlmArgs.enable_iter_perf_stats, default False:
 # tensorrt_llm/llmapi/llm_args.py, NVIDIA/TensorRT-LLM at 00043967; without it /metrics answers an empty list);
@@ -93,7 +94,7 @@ def trtllm_header(plan: Plan, step_tokens: int | None) -> list[str]:
     return [
         f"values: {UNIT}; the schedule covers batch sizes 1..{top} (a key b: that many drafts up to batch b)",
         f"above the largest key TensorRT-LLM drafts 0, which stops refreshing DFlash's per-request context buffers "
-        f"(NVIDIA/TensorRT-LLM#16888; releases with DecodingBaseConfig.min_runtime_draft_len draft that floor, 1, "
+        f"(NVIDIA/TensorRT-LLM#16888; that PR, open, would floor it at DecodingBaseConfig.min_runtime_draft_len, 1, "
         f"instead): max_batch_size {top} keeps the batch inside the plan, and no planned batch size drafts fewer "
         "than 1",
         "enable_iter_perf_stats: true: trtllm-serve's /metrics (what `dflash-trt plan check` reads) is empty "

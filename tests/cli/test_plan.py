@@ -324,9 +324,9 @@ def test_the_trtllm_schedule_never_resolves_to_zero_drafts_for_dflash(tmp_path):
     assert all(tune.trtllm_draft_len(loaded["speculative_config"], b) >= 1 for b in range(1, 65))
     text = files["trtllm-serve.yaml"]
     assert "#16888" in text and "flash-attn" in text and "#19159" in text and "enable_chunked_prefill" in text
-    # main's get_draft_len_for_batch_size floors the length above the largest key at min_runtime_draft_len (1 for
-    # DFlash): the header says what each release does there
-    assert "min_runtime_draft_len" in text and "floor, 1" in text
+    # PR 16888's get_draft_len_for_batch_size (open) would floor the length above the largest key at
+    # min_runtime_draft_len (1 for DFlash): the header says what 00043967 does there and what the PR would do
+    assert "min_runtime_draft_len, 1" in text and "16888" in text
 
 
 def test_the_attention_note_says_trtllm_needs_flashinfer(tmp_path):

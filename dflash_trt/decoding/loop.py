@@ -110,7 +110,7 @@ class BatchDecoder:
         if block_size is not None and not 1 <= block_size <= self.trained_block:
             raise ValueError(f"block_size must be in 1..{self.trained_block} for this drafter, got {block_size}")
         self.block_size = block_size or self.trained_block
-        self.fixed_block = block_size  # None: the policy's choice; else it also bounds suffix runs (`_pick`)
+        self.fixed_block = block_size  # None: the policy's choice; else it bounds every row's drafts (`new_row`)
         self.joining: list[BatchRow] = []
         self.running: list[BatchRow] = []
         self._ids = itertools.count()
@@ -178,6 +178,7 @@ class BatchDecoder:
             healing,
             proposer,
             self.shared_suffixes,
+            config.block_size or self.fixed_block,
         )
         row.stats.block_size = size if can_draft else 1
         return row
@@ -350,18 +351,11 @@ class BatchDecoder:
         return picks, cut(chunks, self.pacer.room(sum(r.block for r in rows), waiting)) if chunks else chunks
 
     def _pick(self, rows: list[BatchRow], blocks: list[int]) -> list[Pick]:
-        """Each row's proposal, from its proposer given the DFlash block the policy chose for it. A block size the
-        request or the decoder fixed bounds a suffix run as it bounds a DFlash block (block_size 1: the target
-        alone, whatever the proposer)."""
+        """Each row's proposal, from its proposer given the DFlash block the policy chose for it."""
         if all(r.proposer.name == "dflash" for r in rows):  # no prices to read: the policy's blocks as they are
             return [Pick("dflash", b) if b >= 2 else NO_PICK for b in blocks]
         prices = self._prices(len(rows))
-        picks = [r.proposer.pick(r, b, prices) for r, b in zip(rows, blocks)]
-        for i, (r, p) in enumerate(zip(rows, picks)):
-            limit = r.config.block_size or self.fixed_block
-            if p.proposer == "suffix" and limit is not None and p.block > limit:
-                picks[i] = Pick("suffix", limit, p.drafts[: limit - 1]) if limit >= 2 else NO_PICK
-        return picks
+        return [r.proposer.pick(r, b, prices) for r, b in zip(rows, blocks)]
 
     def _prices(self, n: int) -> Prices:
         """A row's round's seconds for the proposers' choice: from the policy's cost model where it has one

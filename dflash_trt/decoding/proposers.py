@@ -147,12 +147,13 @@ def dflash_rate(drafts: RowDrafts, block: int, prices: Prices) -> float:
 
 
 class ProposingRow(Protocol):
-    """What a proposer reads of a row (`row.BatchRow`): its proposers' state and the tokens it has left."""
+    """What a proposer reads of a row (`row.BatchRow`): its proposers' state and the most tokens a draft may hold
+    (what it has left, within a fixed block size)."""
 
     drafts: RowDrafts
 
     @property
-    def remaining(self) -> int: ...
+    def max_drafts(self) -> int: ...
 
 
 class Proposer(Protocol):
@@ -179,7 +180,7 @@ class SuffixProposer:
     name, uses_drafter, uses_suffix = "suffix", False, True
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
-        return best_run(row.drafts, row.remaining - 1, prices)[0]
+        return best_run(row.drafts, row.max_drafts, prices)[0]
 
 
 class HybridProposer:
@@ -189,7 +190,7 @@ class HybridProposer:
     name, uses_drafter, uses_suffix = "hybrid", True, True
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
-        run, run_rate = best_run(row.drafts, row.remaining - 1, prices)
+        run, run_rate = best_run(row.drafts, row.max_drafts, prices)
         if block >= 2 and dflash_rate(row.drafts, block, prices) >= run_rate:
             return Pick("dflash", block)
         return run

@@ -33,6 +33,7 @@ class BatchRow:
         healing: Healing | None = None,
         proposer: Proposer | None = None,
         shared: SharedSuffixes | None = None,
+        fixed_block: int | None = None,
     ):
         self.id, self.prompt_ids, self.config, self.healing = rid, prompt_ids, config, healing
         self.params = config.sampling
@@ -44,6 +45,9 @@ class BatchRow:
         self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.can_draft = can_draft  # may hold a drafter row (a DFlash proposer, a drafter loaded, block > 1)
         self.proposer: Proposer = proposer or DFlashProposer()
+        # a block size the request or the decoder fixed (None: the policy's choice): it bounds a suffix run as it
+        # bounds a DFlash block, so block size 1 is the target alone whatever the proposer
+        self.fixed_block = fixed_block
         uses = self.proposer.uses_suffix
         self.drafts = RowDrafts(
             SuffixAutomaton() if uses else None, SharedWalk(shared) if uses and shared is not None else None
@@ -76,6 +80,13 @@ class BatchRow:
     @property
     def remaining(self) -> int:
         return self.config.max_new_tokens - len(self.generated)
+
+    @property
+    def max_drafts(self) -> int:
+        """The most tokens a draft may hold this round: the tokens left after the one the target adds, within a
+        fixed block size."""
+        most = self.remaining if self.fixed_block is None else min(self.remaining, self.fixed_block)
+        return most - 1
 
     def commit(
         self,

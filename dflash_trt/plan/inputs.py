@@ -31,6 +31,7 @@ from ..sim.measured import DEMO_LOAD, read
 
 if TYPE_CHECKING:
     from ..decoding.cost import LinearCost
+    from .metrics import Observed
 
 MAX_POSITIONS = 15  # the simulated drafter's positions (sim_engines' block 16): profiles are padded to them
 DEMO_BLOCK = 8  # the demo drafter's trained block (models/drafter/config.json), at which bench-load measured tau
@@ -337,15 +338,10 @@ def served_step_cost(cost: Cost, scrape: str | Path) -> Cost:
     as a share of the passes (one number: the scrape has one mean step), so a plan made from the scrape predicts
     the tokens/s of the server that ran, not of its engines alone. The scrape's other figures (acceptance) are
     read by `metrics_acceptance`."""
-    from .metrics import MetricsError, Observed
-
     if not isinstance(cost.cost, ServerPassCost):
         raise PlanInputError("the served steps of a scrape scale a CPU server's --cost-model only")
     path = Path(scrape)
-    try:
-        obs = Observed.from_json(json.loads(path.read_text()))
-    except (OSError, json.JSONDecodeError, MetricsError, AttributeError) as e:
-        raise PlanInputError(f"cannot read the scrape {path}: {e}") from None
+    obs = read_scrape(path)
     m, lin = obs.steps, cost.cost.linear
     if obs.engine != "dflash-trt" or not m:  # another engine's scrape, or one saved before the steps were read
         return cost
@@ -365,19 +361,24 @@ def served_step_cost(cost: Cost, scrape: str | Path) -> Cost:
 
 
 # ---- acceptance from an engine's metrics --------------------------------------------------------------------
-def metrics_acceptance(path: str | Path, block_size: int | None = None) -> Acceptance:
-    """The acceptance a `plan check --save FILE` scrape saw: its per-position rates where the engine gives them
-    (the last one carried past the observed positions), else a constant rate with its tau at the drafts per
-    round the engine ran (the shape assumed, and the source says so)."""
+def read_scrape(path: Path) -> Observed:
+    """A `plan check --save` file (PlanInputError, saying why, where it is not one)."""
     from .metrics import MetricsError, Observed
 
-    path = Path(path)
     try:
-        obs = Observed.from_json(json.loads(path.read_text()))
+        return Observed.from_json(json.loads(path.read_text()))
     except OSError as e:
         raise PlanInputError(f"cannot read the scrape {path}: {e.strerror or e}") from None
     except (json.JSONDecodeError, MetricsError, AttributeError) as e:
         raise PlanInputError(f"{path} is not a `dflash-trt plan check --save` file: {e}") from None
+
+
+def metrics_acceptance(path: str | Path, block_size: int | None = None) -> Acceptance:
+    """The acceptance a `plan check --save FILE` scrape saw: its per-position rates where the engine gives them
+    (the last one carried past the observed positions), else a constant rate with its tau at the drafts per
+    round the engine ran (the shape assumed, and the source says so)."""
+    path = Path(path)
+    obs = read_scrape(path)
     drafts = round(obs.mean_drafts) if obs.mean_drafts else None
     block = block_size or (drafts + 1 if drafts else None)
     if block is None or block < 2:

@@ -144,8 +144,11 @@ NAMES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
 }
 # dflash-trt's target pass by part, read per label: <part>_rows_sum, <part>_rows_count, <part>_tokens_sum
 PASS_PARTS = ("verify", "chunk")
-PASS_FAMILIES = {"dflash_batch_rows_sum": "rows_sum", "dflash_batch_rows_count": "rows_count"}
-PASS_FAMILIES["dflash_batch_tokens_sum"] = "tokens_sum"
+PASS_FAMILIES = {
+    "dflash_batch_rows_sum": "rows_sum",
+    "dflash_batch_rows_count": "rows_count",
+    "dflash_batch_tokens_sum": "tokens_sum",
+}
 
 
 # Gauges that are each scheduler's own ratio (SGLang's tau and tau / block): a sum over label sets would add

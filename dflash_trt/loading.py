@@ -49,7 +49,7 @@ def drafter_dtype(name: str | None, target_dtype: torch.dtype, device: torch.dev
 
     Lossless whatever it is: the target verifies every drafted token in its own dtype, so the drafter's
     precision only moves which tokens it proposes (and acceptance barely moves). On such a CPU bfloat16 makes
-    batched drafter passes of many rows faster (the measurements: docs/benchmarks.md#drafter-bf16)."""
+    batched drafter passes of many rows faster (the measurements: docs/design.md#drafter-precision)."""
     if name is None:
         return target_dtype
     if name == "auto":

@@ -13,6 +13,7 @@ DEMO_DRAFTER = DEMO_DIR / "drafter"
 DEMO_MODELS_HINT = ".venv/bin/python scripts/make_demo_models.py"  # what builds DEMO_DIR's models
 
 # The server's proposer for requests that name none: the hybrid, which measured at least DFlash alone's tokens/s on
-# every workload and concurrency it was benchmarked on (docs/benchmarks.md#proposers-55) and far more where text
-# repeats; the library's `GenerationConfig` keeps DFlash, the method a caller asked for by loading a drafter.
+# every workload and concurrency it was benchmarked on and far more where text repeats
+# (docs/benchmarks.md#make-bench-proposers-proposers-side-by-side); the library's `GenerationConfig` keeps DFlash,
+# the method a caller asked for by loading a drafter.
 SERVER_PROPOSER = "hybrid"

@@ -50,7 +50,7 @@ class AiperfRun:
     record_processors: int = 1
     # niceness of the client: sharing the server's cores, aiperf's own CPU use (it parses every streamed
     # event) is taken from the server it measures; a lower priority lets it use idle CPU only, as a client
-    # on another machine would (docs/benchmarks.md#aiperf-nice).
+    # on another machine would (docs/design.md#benchmark-method-on-a-shared-2-core-cpu).
     nice: int = 0
 
     def command(self, aiperf: str, artifacts: Path) -> list[str]:

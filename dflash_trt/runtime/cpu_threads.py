@@ -7,7 +7,7 @@ engines and times them (adaptive block sizes) on the main thread, then steps the
 thread: two teams. With more OpenMP workers in the process than CPUs, libgomp stops letting idle workers
 spin between parallel regions ("throttled" spinning), so every region of every later pass first wakes its
 workers from sleep; a pass of one row is dozens of short regions. So the main thread's team is released
-before the orchestrator starts (the measurements: docs/benchmarks.md#openmp-release).
+before the orchestrator starts (the measurements: docs/design.md#the-cpu-runtime).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def ort_session_options(ort: Any, threads: int | None = None) -> Any:
 
     onnxruntime's intra-op workers spin after each run (waiting for the next one) by default; next to the
     PyTorch target, on as many cores as there are threads, they take the cores its pass needs (the target's
-    verify passes slow down several-fold; docs/benchmarks.md#ort-no-spinning). So spinning stays off. `threads`: intra-op
+    verify passes slow down several-fold; docs/design.md#the-cpu-runtime). So spinning stays off. `threads`: intra-op
     threads (onnxruntime's default when None or 0)."""
     options = ort.SessionOptions()
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -6,7 +6,7 @@ from the LRU_CACHE_CAPACITY environment variable, default 1024; PyTorch's CPU pe
 oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY, default 1024; oneDNN's "Primitive Cache" docs). A
 serving batch has ragged shapes (prompt chunks, rows joining and leaving, new-context lengths), so both caches fill
 with entries of a few hundred KiB each: hundreds of MiB of RSS that grew over the first thousands of requests and
-looked like a leak (docs/benchmarks.md, "Soak"). A small capacity keeps the entries a steady batch reuses.
+looked like a leak (docs/design.md#the-cpu-runtime). A small capacity keeps the entries a steady batch reuses.
 
 Both variables are read once, when each cache is first used: set them before any oneDNN kernel runs (the serve
 command does, before loading the engines). A value the operator set is kept.

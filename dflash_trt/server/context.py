@@ -44,7 +44,7 @@ class ServerSettings:
     # adaptive: refit the cost model from the served steps every N steps (0: never, the default). Off because
     # the policy picks the shapes it then observes: mostly block 1 gives passes whose tokens equal their rows,
     # a collinear fit that cannot tell per-token from per-row cost, and its error feeds the next choices
-    # (docs/benchmarks.md, "No online refit of the cost model by default").
+    # (docs/design.md#the-cost-model).
     refit_every: int = 0
     # how joining prompts enter the batch (decoding/loop.py): "chunked" (inside the verify pass, at most what
     # step_tokens leaves after the rows' blocks, a step at most about prefill_stall x the rows' own unless prompts

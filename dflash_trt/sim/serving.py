@@ -44,7 +44,8 @@ PREFILL = ("separate", "chunked")
 # From the CPU that measured it to a GPU server's host: 1.0. The figure is CPU time of the loop's one thread (time
 # spent waiting for the shared machine's other processes is not in it) on a Sapphire Rapids-class Xeon core (AMX),
 # the core family of the DGX H100's host CPUs (Xeon Platinum 8480C), and Python's single-thread speed is a core's,
-# not a node's. No GPU host has run it, so no other factor is taken (docs/benchmarks.md#round-parts).
+# not a node's. No GPU host has run it, so no other factor is taken
+# (docs/benchmarks.md#make-bench-parts-the-parts-of-a-round).
 CPU_TO_GPU_HOST = 1.0
 
 

@@ -97,7 +97,7 @@ def training_device(name: str) -> str:
 
 def autocast(enabled: bool, device: torch.device | str = "cpu") -> AbstractContextManager[Any]:
     """bf16 autocast on the training device: on a GPU the usual mixed precision; on a CPU much faster
-    training where it has bfloat16 matrix instructions (AMX / AVX512-BF16; docs/benchmarks.md#bf16-autocast)."""
+    training where it has bfloat16 matrix instructions (AMX / AVX512-BF16; docs/design.md#training)."""
     return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=enabled)
 
 

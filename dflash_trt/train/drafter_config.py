@@ -29,7 +29,7 @@ class DrafterTrainConfig:
     kd_temperature: float = 1.0
     init_from_target: bool = True  # start drafter layers from target layers (same shapes)
     # drafter final norm = this x the target's final norm (with init_from_target): a small scale tempers the
-    # first steps' overconfident logits (docs/benchmarks.md#drafter-norm-scale).
+    # first steps' overconfident logits (docs/design.md#training).
     init_norm_scale: float = 0.1
     loss_chunk_rows: int = 1024  # rows per chunk of the lm_head + loss (memory: chunk x vocab fp32)
     save_every: int = 200

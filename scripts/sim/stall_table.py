@@ -7,7 +7,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parents[2] / "results" / "sim" / "stall" / "with-floor"
+HERE = Path(__file__).resolve().parents[2] / "results" / "sim" / "prefill-stall"
 RUNS = {"2 (default)": HERE / "2" / "results.json", "1.5": HERE / "1.5" / "results.json"}
 RUNS["1.25"] = HERE / "1.25" / "results.json"
 

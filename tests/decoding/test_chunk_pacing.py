@@ -239,7 +239,7 @@ class PaddedAttention(LinearPassCost):
     longest row and reading the group's longest context; longer rows (prompt chunks) attend apart. A chunk cut
     under SHORT_QUERIES then pads eight verify rows' queries to its size over its prompt's whole context, so a
     chunk's seconds grow with what its prompt has entered, not with its tokens alone (the cost the CPU server's
-    steps showed, docs/benchmarks.md, "Chunked prefill")."""
+    steps showed, docs/design.md, "The time bound")."""
 
     attention: float = 2e-7  # seconds per padded query x key
 
@@ -261,7 +261,7 @@ def test_a_chunk_whose_cost_grows_with_its_context_is_cut_to_stall_times_the_row
     steps reached about 5x the rows' step. Now `gap` stays the rows' own step while the prompt enters, and every
     chunk step down to MIN_CHUNK is within the issue's 3x of it (stall x it and the slope's lag behind a cost
     that keeps growing: about 2.4x here); at MIN_CHUNK the pass costs what the engine's padding makes it
-    (docs/benchmarks.md). The rows' tokens are the target's alone."""
+    (docs/design.md, "The time bound"). The rows' tokens are the target's alone."""
     cost = PaddedAttention(5e-3, 2e-4, 2.5e-4, 3e-3, 1e-4, 1e-4)
     target, _, clock = sim_engines(cost, list(paper_profiles().values()))
     dec = BatchDecoder(target, None, block_size=1, clock=clock)  # the server's budget and stall

@@ -149,7 +149,7 @@ def test_options_are_checked():
 def test_riding_chunks_price_the_rows_on_top_of_them():
     """A chunk in the pass is spent whatever the rows draft: a choice is priced on top of it (never as a one-token
     pass) and without its own seconds, so under a linear cost it does not move the choice (a chunk step that
-    lowered the bar drafted what plain steps do not: measured, docs/benchmarks.md); under a bent cost, tokens
+    lowered the bar drafted what plain steps do not: measured: docs/design.md, "Chunked prefill"); under a bent cost, tokens
     beyond the chunk are priced at the slope they meet there."""
     t = LinearCost(fixed=1e-3, per_row=1e-4, per_token=1e-4, one_token=5e-4)
     riding = LinearCost(fixed=1e-3, per_row=1e-4, per_token=1e-4, one_token=5e-4, riding_rows=1, riding_tokens=200)

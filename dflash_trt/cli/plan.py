@@ -26,8 +26,9 @@ flag that says drafts + 1, and its file says so.
 Into --out it writes trtllm-serve.yaml (trtllm-serve --config: DFlashDecodingConfig with max_draft_len and
 draft_len_schedule or max_concurrency; above the schedule's largest key TensorRT-LLM drafts nothing, so plan up
 to your largest batch), vllm-speculative-config.json (vllm serve --speculative-config, with
-num_speculative_tokens_per_batch_size; vllm-speculative-config-fixed.json: one length, for where vLLM's schedule
-cannot act), sglang-args.txt (SGLang drafts one length at every batch: the best single length), plan.json (every
+num_speculative_tokens_per_batch_size, no range at 0 drafts; vllm-speculative-config-fixed.json: one length, for
+where vLLM drops the schedule; vllm-args.txt: --max-num-seqs at the largest concurrency and that config),
+sglang-args.txt (SGLang drafts one length at every batch: the best single length), plan.json (every
 figure, every input labelled measured or assumed) and plan.png; it prints the table: per concurrency the tuned
 and scheduled drafts, predicted tokens/s, its ratio to the target alone and to the tuned table, TTFT and ITL.
 
@@ -65,7 +66,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=textwrap.dedent(DESCRIPTION),
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="folder the plan's six files are written to (created; required)"
+        "--out", type=Path, default=None, help="folder the plan's seven files are written to (created; required)"
     )
     src = p.add_mutually_exclusive_group()
     src.add_argument("--profile", default="demo", help="named acceptance: demo (default), paper, mixed, a benchmark")
@@ -296,6 +297,12 @@ def _print_after(
         print(f"trtllm-serve.yaml: {', '.join(f'{k}: {v}' for k, v in result.limits.items())} (drafts)")
     for note in outputs.VLLM_NOTES:
         print(f"vllm-speculative-config.json: {note}")
+    if result.limits is None:  # vLLM's ranges are floored at 1 draft (outputs.vllm_ranges): say where 0 was best
+        print(
+            "vllm-speculative-config.json: the target alone is best at the smallest planned concurrency and no range "
+            "drafts 0 (floored at 1): where drafting does not pay, serve without --speculative-config",
+            file=sys.stderr,
+        )
     if drafter is None:
         print("no --drafter: fill in the drafter folder at " + "; ".join(outputs.TO_FILL) + " (plan.json to_fill)")
     if result.limits is None:

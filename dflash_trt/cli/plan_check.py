@@ -16,13 +16,16 @@ and the draft length per planned concurrency that the acceptance seen would choo
 
 Exit status: 0 the plan holds; 3 it does not (tau or the gain fell by more than --tolerance, the gain fell to
 1x or less, or the batch ran above the planned range); 1 an error (unreachable URL, no speculative round in
-the window). Usable from CI or cron; deploy/k8s/base/prometheusrule.yaml does the same check in a cluster.
+the window, or a metric the check reads missing from the engine's: the error names it). The running batch is
+judged per engine: each data-parallel engine (vLLM) or scheduler (SGLang) runs its own. Usable from CI or cron;
+deploy/k8s/base/prometheusrule.yaml does the same check in a cluster.
 
 Engines and what is read (dflash_trt/plan/metrics.py cites each engine's source):
   vllm        /metrics: vllm:spec_decode_num_drafts / _num_draft_tokens / _num_accepted_tokens /
               _num_accepted_tokens_per_pos, vllm:num_requests_running, vllm:generation_tokens
-  sglang      /metrics (--enable-metrics): sglang:spec_accept_length, sglang:spec_accept_rate,
-              sglang:num_running_reqs (gauges, averaged over the scrapes: use --samples 5 or more)
+  sglang      /metrics (--enable-metrics): sglang:spec_accept_length, sglang:spec_num_draft_tokens (or,
+              where absent, sglang:spec_accept_rate by the formula its HELP names), sglang:num_running_reqs
+              (gauges, averaged over the scrapes: use --samples 5 or more)
   trtllm      trtllm-serve /metrics (enable_iter_perf_stats: true): iteration statistics with
               specDecodingStats; each call drains them, so the first scrape only starts the window
   dflash-trt  this project's server: the vLLM names plus its batch rows and generated tokens

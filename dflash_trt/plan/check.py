@@ -181,9 +181,10 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
     largest = table[-1]["concurrency"]
     top = max(obs.batch, default=0.0)
     mean = obs.mean_batch
+    per = f" per engine ({obs.engines} engines, each its own batch)" if obs.engines and obs.engines > 1 else ""
     rep.add(
         top <= largest,
-        f"batch: mean {mean:.1f}, largest {top:.0f} running requests; the plan covers 1..{largest}"
+        f"batch: mean {mean:.1f}, largest {top:.0f} running requests{per}; the plan covers 1..{largest}"
         + ("" if top <= largest else f" ({ABOVE})"),
     )
     cell = next((c for c in table if c["concurrency"] >= mean), table[-1])

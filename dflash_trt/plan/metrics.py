@@ -10,16 +10,21 @@ defines them:
   vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens and
   vllm:spec_decode_num_accepted_tokens_per_pos (label `position`, from 0; a round that accepted n drafts
   counts positions 0..n-1 once each); gauge vllm:num_requests_running; counter vllm:generation_tokens.
-* SGLang (`python/sglang/srt/metrics/collector.py`, SchedulerMetricsCollector, sgl-project/sglang at
-  00ae9c15; labels model_name, engine_type, tp_rank, pp_rank and dp_rank where set, from
-  `python/sglang/srt/managers/scheduler_metrics_mixin.py` init_metrics at 01bb3c80): gauges
-  sglang:spec_accept_length (tokens committed per request per verify forward, the bonus included: tau),
-  sglang:spec_accept_rate (the same accepted tokens, bonus included, over forward count x
-  speculative_num_draft_tokens: tau / block, log_decode_stats at 78ac30c2; update_spec_metrics adds the
-  bonus), sglang:num_running_reqs, set at each scheduler log interval (mostrecent), so they are averaged over
-  the scrapes; counter sglang:generation_tokens. No per-position figure. Each scheduler that records metrics
-  (dp ranks; every rank with --enable-metrics-for-all-schedulers) publishes its own label set: the running
-  batch is summed over them, tau and the rate (per-scheduler ratios) are averaged over those that drafted.
+* SGLang (SchedulerMetricsCollector: `python/sglang/srt/metrics/collector.py` at 00ae9c15, moved to
+  `python/sglang/srt/observability/metrics_collector.py`, read at sgl-project/sglang 016d8605; labels
+  model_name, engine_type, tp_rank, pp_rank, moe_ep_rank and dp_rank where set, from the scheduler's
+  init_metrics): gauges sglang:spec_accept_length (tokens committed per request per verify forward, the bonus
+  included: tau), sglang:spec_accept_rate, sglang:num_running_reqs, set at each scheduler log interval
+  (mostrecent), so they are averaged over the scrapes; counter sglang:generation_tokens. No per-position figure.
+  spec_accept_rate has had two meanings: before sgl-project/sglang PR 23530 (merged 2026-04-23) accepted tokens
+  with the bonus over verify forwards x speculative_num_draft_tokens, tau / block (log_decode_stats at
+  78ac30c2, its HELP "`accepted tokens / total draft tokens`"); since, accepted drafts over proposed drafts,
+  (tau - 1) / (block - 1) (HELP "`accepted drafts / proposed drafts`", collector at 016d8605). Since PR 25940
+  (merged 2026-05-21) the gauge sglang:spec_num_draft_tokens gives the active speculative_num_draft_tokens (the
+  block, the anchor included) and the drafts per round are read from it; without it the HELP text says which
+  formula the rate is, and a HELP that names neither is read as the current one (`sglang_drafts`). With priority
+  scheduling num_running_reqs carries a `priority` label: the total under priority="" and a breakdown per
+  priority (`_log_gauge_queue_count`, 016d8605), so only the total is read.
 * TensorRT-LLM (`trtllm-serve` GET /metrics, tensorrt_llm/serve/openai_server.py get_iteration_stats: a JSON
   list of the iteration statistics queued since the last call, drained by each call; fields as
   cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats serialise them; needs
@@ -39,6 +44,14 @@ them: rate_0 = accepted_per_pos[0] / drafts, rate_k = accepted_per_pos[k] / acce
 exact when every round drafted at least k+1 tokens; only positions below the window's mean drafts per round
 (rounded down) are kept for that reason (rounds clipped at an output's end, or a schedule that drafted fewer
 at larger batches, bias the later ones).
+
+Each engine runs its own batch: vLLM's data-parallel engines (label `engine`, "0".."N-1") and SGLang's schedulers
+(one label set each, dp_rank) publish their own running gauge, and the schedule is keyed on one engine's batch.
+The running batch is therefore read per engine (one value per label set per scrape, as the PrometheusRule's
+`max by` reads it), never summed across engines: eight engines at 24 requests are a batch of 24, not 192.
+
+A metric the check needs that is absent from the scrape is an error naming it (`MissingMetric`): a running gauge
+that is not there is not a batch of 0, and spec counters under another name are not "no traffic".
 """
 
 from __future__ import annotations
@@ -59,16 +72,29 @@ class MetricsError(ValueError):
     """A scrape that cannot be read, or a window that says nothing about speculation (the message says why)."""
 
 
+def missing(engine: str, url: str, name: str, what: str, speculative: bool = False) -> MetricsError:
+    """The error for a metric the check reads that the engine did not publish (module docstring);
+    `speculative`: a figure the engine publishes only while speculation is configured."""
+    off = ", speculation is off in it" if speculative else ""
+    return MetricsError(
+        f"{engine} at {url}: no {name} in its metrics, which the check reads for {what}: this {engine} version "
+        f"names it otherwise{off}, or the URL is not its metrics endpoint"
+    )
+
+
 @dataclass
 class Sample:
-    """One scrape: its time, counters and gauges (summed over label sets), per-position accepted counts, and
-    TensorRT-LLM's iteration statistics."""
+    """One scrape: its time, counters (summed over label sets), the running batch per engine (label set),
+    per-scheduler ratios (averaged over the label sets that drafted), per-position accepted counts, the HELP text
+    of the families read, and TensorRT-LLM's iteration statistics."""
 
     t: float
     counters: dict[str, float] = field(default_factory=dict)
     gauges: dict[str, float] = field(default_factory=dict)  # RATIO_GAUGES averaged over label sets
+    running: dict[str, float] = field(default_factory=dict)  # engine (its label set) -> running requests
     per_pos: dict[int, float] = field(default_factory=dict)
     iterations: list[dict[str, Any]] = field(default_factory=list)
+    help: dict[str, str] = field(default_factory=dict)  # family name -> HELP text
 
 
 @dataclass
@@ -82,7 +108,7 @@ class Observed:
     tau: float  # tokens committed per drafting round, the bonus token included
     mean_drafts: float | None  # drafted tokens per drafting round (anchor excluded)
     position_rates: list[float] | None  # conditional per-position acceptance (module docstring)
-    batch: list[float]  # running batch sizes seen (one per scrape, or per iteration for TensorRT-LLM)
+    batch: list[float]  # running batch sizes seen: one per engine per scrape (per iteration for TensorRT-LLM)
     tokens_per_s: float | None  # generated tokens per second over the window
     idle_drafting: int | None = None  # TensorRT-LLM: iterations with generation requests and no draft
     source: str = ""
@@ -90,6 +116,7 @@ class Observed:
     # dflash-trt: the mean served step (`step_shape`): its wall seconds, its verify rows and tokens, the prompt
     # chunks riding in its pass, its drafting rows and their drafted tokens; `steps` is how many it averages
     steps: dict[str, float] | None = None
+    engines: int | None = None  # engines (label sets of the running gauge) seen in one scrape, at most
 
     @property
     def mean_batch(self) -> float:
@@ -109,14 +136,21 @@ class Observed:
 
 
 # ---- reading one scrape -------------------------------------------------------------------------------------
-def prometheus_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
-    """(sample name, labels, value) of Prometheus exposition text."""
+def prometheus_families(text: str) -> tuple[list[tuple[str, dict[str, str], float]], dict[str, str]]:
+    """(sample name, labels, value) of Prometheus exposition text, and each family's HELP text."""
     from prometheus_client.parser import text_string_to_metric_families
 
     try:
-        return [(s.name, s.labels, float(s.value)) for f in text_string_to_metric_families(text) for s in f.samples]
+        families = list(text_string_to_metric_families(text))
+        samples = [(s.name, s.labels, float(s.value)) for f in families for s in f.samples]
     except (ValueError, TypeError) as e:
         raise MetricsError(f"not Prometheus text ({e})") from None
+    return samples, {f.name: f.documentation for f in families}
+
+
+def prometheus_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of Prometheus exposition text."""
+    return prometheus_families(text)[0]
 
 
 # engine -> (counter names to sum, gauge names to sum, per-position counter, its label)
@@ -135,6 +169,7 @@ NAMES: dict[str, tuple[dict[str, str], dict[str, str]]] = {
             "running": "sglang:num_running_reqs",
             "accept_length": "sglang:spec_accept_length",
             "accept_rate": "sglang:spec_accept_rate",
+            "block": "sglang:spec_num_draft_tokens",
         },
     ),
     "dflash-trt": (
@@ -151,21 +186,32 @@ PASS_FAMILIES = {
 }
 
 
-# Gauges that are each scheduler's own ratio (SGLang's tau and tau / block): a sum over label sets would add
-# ratios, so they are averaged over the label sets that drafted (a scheduler that ran no verify forward in its
-# log interval publishes 0). Every other gauge (the running batch) is summed: each scheduler runs its own.
-RATIO_GAUGES = frozenset({"accept_length", "accept_rate"})
+# Gauges that are each scheduler's own figure (SGLang's tau, its acceptance rate, its block): a sum over label
+# sets would add them, so they are averaged over the label sets that drafted (a scheduler that ran no verify
+# forward in its log interval publishes 0). The running gauge is kept per label set: each engine runs its own.
+RATIO_GAUGES = frozenset({"accept_length", "accept_rate", "block"})
+# Labels that split one engine's running gauge into parts rather than name another engine: SGLang's per-priority
+# breakdown (the engine's total sits under priority="", `_log_gauge_queue_count`).
+PART_LABELS = ("priority",)
+
+
+def engine_key(labels: dict[str, str]) -> str | None:
+    """The engine a running-gauge sample belongs to (its label set), or None for a part of an engine's total."""
+    if any(labels.get(name) for name in PART_LABELS):
+        return None
+    return ",".join(f"{k}={v}" for k, v in sorted(labels.items()) if k not in PART_LABELS)
 
 
 def read_prometheus(engine: str, text: str, t: float) -> Sample:
-    """One Prometheus scrape of `engine`, by the names above (label sets summed, RATIO_GAUGES averaged;
-    dflash_batch_rows: the verify pass only)."""
+    """One Prometheus scrape of `engine`, by the names above (counters summed over label sets, the running gauge
+    per engine, RATIO_GAUGES averaged; dflash_batch_rows: the verify pass only)."""
     counters, gauges = NAMES[engine]
     by_name = {v: k for k, v in counters.items()}
     by_gauge = {v: k for k, v in gauges.items()}
-    s = Sample(t)
+    samples, docs = prometheus_families(text)
+    s = Sample(t, help={n: d for n, d in docs.items() if n in by_gauge})
     ratios: dict[str, list[float]] = {}
-    for name, labels, value in prometheus_samples(text):
+    for name, labels, value in samples:
         if engine == "dflash-trt" and name in PASS_FAMILIES:
             if labels.get("pass") in PASS_PARTS:
                 key = f"{labels['pass']}_{PASS_FAMILIES[name]}"
@@ -175,8 +221,10 @@ def read_prometheus(engine: str, text: str, t: float) -> Sample:
             s.counters[by_name[name]] = s.counters.get(by_name[name], 0.0) + value
         elif by_gauge.get(name) in RATIO_GAUGES:
             ratios.setdefault(by_gauge[name], []).append(value)
-        elif name in by_gauge:
-            s.gauges[by_gauge[name]] = s.gauges.get(by_gauge[name], 0.0) + value
+        elif by_gauge.get(name) == "running":
+            part_of = engine_key(labels)
+            if part_of is not None:
+                s.running[part_of] = s.running.get(part_of, 0.0) + value
         elif name == VLLM_PER_POS and engine in ("vllm", "dflash-trt"):
             pos = int(labels.get("position", -1))
             s.per_pos[pos] = s.per_pos.get(pos, 0.0) + value
@@ -227,22 +275,65 @@ def _no_drafts(engine: str, url: str) -> MetricsError:
     )
 
 
+def running_batches(engine: str, url: str, samples: Sequence[Sample]) -> tuple[list[float], int]:
+    """Every engine's running requests at every scrape, and the most engines one scrape showed (module
+    docstring: per engine, never summed); an error naming the gauge when no scrape has it."""
+    if not any(s.running for s in samples):
+        raise missing(engine, url, NAMES[engine][1]["running"], "the running batch")
+    return [b for s in samples for b in s.running.values()], max(len(s.running) for s in samples)
+
+
+# SGLang's spec_accept_rate HELP text before and since PR 23530 (module docstring), lower case
+SGLANG_RATE_BEFORE = "accepted tokens / total draft tokens"
+SGLANG_RATE_SINCE = "accepted drafts / proposed drafts"
+
+
+def sglang_drafts(tau: float, rate: float, blocks: list[float], help_text: str) -> tuple[float | None, str]:
+    """Drafts per round from SGLang's gauges, and how they were read: the block gauge where published (the
+    block less its anchor), else the acceptance rate by the formula its HELP text names (module docstring)."""
+    if blocks:
+        return sum(blocks) / len(blocks) - 1, "sglang:spec_num_draft_tokens - 1"
+    if rate <= 0:
+        return None, "unknown (no spec_num_draft_tokens, no acceptance rate)"
+    if SGLANG_RATE_BEFORE in help_text.lower():
+        return tau / rate - 1, "tau / spec_accept_rate - 1 (the rate is tau / block: SGLang before PR 23530, its HELP)"
+    why = "its HELP" if SGLANG_RATE_SINCE in help_text.lower() else "assumed: SGLang's current formula, HELP unknown"
+    if tau <= 1:
+        return None, "unknown (nothing accepted: the rate gives no block)"
+    return (tau - 1) / rate, f"(tau - 1) / spec_accept_rate (accepted / proposed drafts since PR 23530, {why})"
+
+
+def window_sglang(url: str, samples: Sequence[Sample], batch: list[float], engines: int, tps: float | None) -> Observed:
+    names = NAMES["sglang"][1]
+    if not any("accept_length" in s.gauges for s in samples):
+        raise missing("sglang", url, names["accept_length"], "tau", speculative=True)
+    lengths = [s.gauges["accept_length"] for s in samples if s.gauges.get("accept_length", 0.0) > 0]
+    if not lengths:
+        raise _no_drafts("sglang", url)
+    drafting = [s for s in samples if s.gauges.get("accept_length", 0.0) > 0]
+    rates = [s.gauges["accept_rate"] for s in drafting if s.gauges.get("accept_rate", 0.0) > 0]
+    blocks = [s.gauges["block"] for s in drafting if s.gauges.get("block", 0.0) > 0]
+    tau = sum(lengths) / len(lengths)
+    rate = sum(rates) / len(rates) if rates else 0.0
+    help_text = next((s.help[names["accept_rate"]] for s in samples if names["accept_rate"] in s.help), "")
+    k, how = sglang_drafts(tau, rate, blocks, help_text)
+    seconds = samples[-1].t - samples[0].t
+    src = f"sglang:spec_accept_length averaged over {len(lengths)} scrapes; drafts per round: {how}"
+    return Observed("sglang", url, seconds, float(len(lengths)), tau, k, None, batch, tps, source=src, engines=engines)
+
+
 def window_prometheus(engine: str, url: str, samples: Sequence[Sample]) -> Observed:
     first, last = samples[0], samples[-1]
     seconds = last.t - first.t
-    batch = [s.gauges.get("running", 0.0) for s in samples]
+    batch, engines = running_batches(engine, url, samples)
     generated = _delta(first, last, "generated")
     tps = generated / seconds if generated is not None and seconds > 0 else None
     if engine == "sglang":
-        lengths = [s.gauges["accept_length"] for s in samples if s.gauges.get("accept_length", 0.0) > 0]
-        accept_rates = [s.gauges["accept_rate"] for s in samples if s.gauges.get("accept_rate", 0.0) > 0]
-        if not lengths:
-            raise _no_drafts(engine, url)
-        tau = sum(lengths) / len(lengths)
-        rate = sum(accept_rates) / len(accept_rates) if accept_rates else 0.0
-        k = tau / rate - 1 if rate > 0 else None  # rate = tau / block, and a block is the anchor + its drafts
-        src = f"sglang:spec_accept_length / spec_accept_rate averaged over {len(lengths)} scrapes"
-        return Observed(engine, url, seconds, float(len(lengths)), tau, k, None, batch, tps, source=src)
+        return window_sglang(url, samples, batch, engines, tps)
+    counters = NAMES[engine][0]
+    for key, what in (("drafts", "the drafting rounds"), ("accepted", "tau")):
+        if key not in last.counters:
+            raise missing(engine, url, counters[key], what, speculative=True)
     drafts = _delta(first, last, "drafts") or 0.0
     if drafts <= 0:
         raise _no_drafts(engine, url)
@@ -255,7 +346,20 @@ def window_prometheus(engine: str, url: str, samples: Sequence[Sample]) -> Obser
     if steps is not None:
         batch = batch + [steps["rows"]]  # the verify passes' mean rows: the batch the rounds ran at
     src = f"{int(drafts)} drafting rounds, counter differences over {seconds:.1f} s"
-    return Observed(engine, url, seconds, drafts, 1 + accepted / drafts, k, rates, batch, tps, source=src, steps=steps)
+    return Observed(
+        engine,
+        url,
+        seconds,
+        drafts,
+        1 + accepted / drafts,
+        k,
+        rates,
+        batch,
+        tps,
+        source=src,
+        steps=steps,
+        engines=engines,
+    )
 
 
 def step_shape(first: Sample, last: Sample, seconds: float) -> dict[str, float] | None:
@@ -282,9 +386,22 @@ def step_shape(first: Sample, last: Sample, seconds: float) -> dict[str, float] 
     }
 
 
+# trtllm-serve's iteration fields the check reads (IterationStats' JSON names, module docstring)
+TRTLLM_SPEC, TRTLLM_ACTIVE = "specDecodingStats", "numActiveRequests"
+
+
 def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
     iters = [i for s in samples[1:] for i in s.iterations]  # the first scrape drained what came before
-    spec = [i.get("specDecodingStats") or {} for i in iters]
+    if not iters:
+        raise MetricsError(
+            f"trtllm at {url}: /metrics returned no iteration statistics in the window: trtllm-serve publishes them "
+            "only with enable_iter_perf_stats: true in its YAML (the plan's has it) and only while it serves: send "
+            "traffic or widen --window"
+        )
+    for name, what in ((TRTLLM_SPEC, "the drafting rounds"), (TRTLLM_ACTIVE, "the running batch")):
+        if not any(name in i for i in iters):
+            raise missing("trtllm", url, f"{name} (an iteration statistic)", what, speculative=name == TRTLLM_SPEC)
+    spec = [i.get(TRTLLM_SPEC) or {} for i in iters]
     with_drafts = [s for s in spec if s.get("numDraftTokens", 0) > 0]
     requests = sum(s.get("numRequestsWithDraftTokens", 0) for s in with_drafts)
     if not requests:
@@ -295,7 +412,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
     idle = sum(1 for g, s in zip(gen, spec) if g > 0 and s.get("numDraftTokens", 0) == 0)
     seconds = samples[-1].t - samples[0].t
     tokens = sum(gen) + sum(s.get("numAcceptedTokens", 0) for s in spec)
-    batch = [float(i.get("numActiveRequests", 0)) for i in iters]
+    batch = [float(i.get(TRTLLM_ACTIVE, 0)) for i in iters]
     src = f"{len(iters)} iterations ({len(with_drafts)} drafting) of trtllm-serve /metrics over {seconds:.1f} s"
     tps = tokens / seconds if seconds > 0 else None
     full = sum(1 for s in samples[1:] if len(s.iterations) >= TRTLLM_STATS_KEPT)
@@ -312,6 +429,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
         idle,
         src,
         full,
+        engines=1,
     )
 
 

@@ -7,7 +7,15 @@
 * vllm-speculative-config.json: `vllm serve TARGET --speculative-config "$(cat FILE)"`, method "dflash",
   num_speculative_tokens (the most drafts any batch size gets) and num_speculative_tokens_per_batch_size
   (vllm-project/vllm#32374: a list of inclusive [first batch, last batch, drafts] ranges from batch 1; vLLM
-  carries the last range's value to larger batches, vllm/v1/spec_decode/dynamic/utils.py).
+  carries the last range's value to larger batches, vllm/v1/spec_decode/dynamic/utils.py). No range drafts 0: the
+  drafts are floored at 1 as TensorRT-LLM's schedule is (tune.dflash_drafts), because under Model Runner V2 the
+  DFlash speculator drafts its full block every step whatever the scheduled length (VLLM_NOTES), so a range of 0
+  would pay the drafter and verify nothing.
+* vllm-args.txt: the flags for `vllm serve TARGET`: --max-num-seqs, the largest planned concurrency
+  (SchedulerConfig.max_num_seqs, vllm/config/scheduler.py: the most sequences an engine's scheduler runs in one
+  iteration; each data-parallel engine schedules its own batch), so the batch never leaves the planned range,
+  as trtllm-serve.yaml's max_batch_size and sglang-args.txt's --max-running-requests bound theirs; and
+  --speculative-config with the JSON above.
 * sglang-args.txt: flags for `python -m sglang.launch_server`: SGLang's DFLASH verifies one block size
   (--speculative-num-draft-tokens is the block, the anchor token included) at every batch size, so the file
   holds the one block with the best geometric mean, over the planned concurrencies, of tokens/s relative to
@@ -29,13 +37,14 @@ FILES = (
     "trtllm-serve.yaml",
     "vllm-speculative-config.json",
     "vllm-speculative-config-fixed.json",
+    "vllm-args.txt",
     "sglang-args.txt",
     "plan.json",
     "plan.png",
 )
 # where a plan without --drafter leaves the placeholder DRAFTER (or nothing) for the drafter folder
 TO_FILL = [
-    'vllm-speculative-config.json and vllm-speculative-config-fixed.json: "model"',
+    'vllm-speculative-config.json, vllm-speculative-config-fixed.json and vllm-args.txt: "model"',
     "sglang-args.txt: --speculative-draft-model-path",
     "trtllm-serve.yaml: speculative_config.speculative_model",
 ]
@@ -59,16 +68,30 @@ TRTLLM_METRICS = {"enable_iter_perf_stats": True}
 TRTLLM_SERVING = {"enable_chunked_prefill": True, **TRTLLM_METRICS}
 SGLANG_METRICS = "--enable-metrics"
 # vLLM's JSON cannot carry comments: what applies to num_speculative_tokens_per_batch_size is printed, written to
-# plan.json "notes" and said in docs/gpu.md (sources: vllm-project/vllm#32374, #51510, vllm/config/vllm.py)
+# plan.json "notes" and said in docs/gpu.md. Sources: vllm-project/vllm#32374; Model Runner V2's DFlash speculator
+# (vllm/v1/worker/gpu/spec_decode/dflash/speculator.py at 75d3c8e9: num_query_per_req = 1 + num_speculative_steps,
+# and propose() takes no per-step length) against the scheduler's scheduled_spec_decode_tokens, which the
+# verification and the rejection count follow (vllm/v1/core/sched/scheduler.py, async_scheduler.py); PR 45953
+# (merged) ran DFlash with a batch-size schedule on V2; issue 51510 (open) and PR 57053 (open) concern the
+# AutoRegressiveSpeculator (EAGLE, MTP, draft models), which ignores the scheduled length on V2, not DFlash;
+# vllm/config/vllm.py drops the schedule with data parallelism.
 VLLM_NOTES = (
     "num_speculative_tokens_per_batch_size needs a vLLM with pull request 32374 (merged 2026-05; 0.27.1 has it, "
     "issue 49548); older releases refuse the key",
+    "no range drafts 0 (floored at 1, as TensorRT-LLM's schedule): vLLM's config accepts a 0 since PR 32374, but "
+    "under Model Runner V2 DFlash drafts its whole block every step, so a 0 would pay the drafter for nothing",
     "under the V1 model runner a schedule downgrades full CUDA graphs to piecewise, which the plan does not price",
-    "under Model Runner V2 (the default for dense models) the per-step length does not reach the speculators "
-    "(issue 51510): the schedule is inert, and DFlash 2 drafters run on V2 only",
-    "with data parallelism (data_parallel_size > 1) vLLM drops the schedule",
-    "where the schedule cannot act, serve vllm-speculative-config-fixed.json: the one length with the best "
-    "geometric mean over the planned concurrencies",
+    "under Model Runner V2 (the default for dense models, and the only runner of DFlash 2 drafters) the schedule "
+    "acts on verification: the DFlash speculator drafts 1 + num_speculative_tokens positions every step, and the "
+    "target verifies the scheduled length (PR 45953 ran DFlash with a schedule on V2; issue 51510 concerns the "
+    "autoregressive speculators, not DFlash); the plan prices the drafter at the scheduled length, so on V2 it "
+    "over-predicts where the schedule drafts fewer than num_speculative_tokens, by the drafter's cost of the "
+    "difference",
+    "with data parallelism (data_parallel_size > 1) vLLM drops the schedule: serve "
+    "vllm-speculative-config-fixed.json there, the one length with the best geometric mean over the planned "
+    "concurrencies",
+    "vllm-args.txt bounds each engine's batch at the largest planned concurrency (--max-num-seqs); with data "
+    "parallelism each engine schedules its own batch up to it",
 )
 
 
@@ -122,11 +145,12 @@ def no_schedule_note(plan: Plan) -> str:
 
 
 def vllm_ranges(plan: Plan) -> list[list[int]]:
-    """[first, last, drafts] per run of equal draft lengths, from batch 1 to the largest planned concurrency."""
+    """[first, last, drafts] per run of equal draft lengths, from batch 1 to the largest planned concurrency;
+    never 0 drafts (module docstring: floored at 1, as tune.dflash_drafts floors TensorRT-LLM's)."""
     out: list[list[int]] = []
     start = 1
     for cell in plan.cells:
-        k = cell.best_block - 1
+        k = max(1, cell.best_block - 1)
         if out and out[-1][2] == k:
             out[-1][1] = cell.concurrency
         else:
@@ -152,6 +176,23 @@ def vllm_fixed(plan: Plan, drafter: Path | None) -> dict[str, Any]:
         "model": str(drafter.resolve()) if drafter is not None else "DRAFTER",
         "num_speculative_tokens": max(1, sglang_block(plan)[0] - 1),
     }
+
+
+def vllm_args(plan: Plan, config: dict[str, Any]) -> str:
+    """vllm-args.txt: --max-num-seqs at the largest planned concurrency and --speculative-config (module
+    docstring), shell-quoted, under comment lines that say what each does."""
+    top = plan.cells[-1].concurrency
+    lines = [
+        "# usage: eval \"vllm serve TARGET $(grep -v '^#' vllm-args.txt)\"",
+        f"# --max-num-seqs {top}: the plan covers batch sizes 1..{top}; each engine's scheduler runs at most this many",
+        "# requests an iteration (SchedulerConfig.max_num_seqs; each data-parallel engine its own batch), so the",
+        "# batch stays where the schedule was planned: requests above it queue.",
+        "# --speculative-config: vllm-speculative-config.json (num_speculative_tokens_per_batch_size, vLLM PR 32374;",
+        f"# {UNIT}; no range drafts 0). Where vLLM drops the schedule (data parallelism),",
+        "# use vllm-speculative-config-fixed.json instead.",
+    ]
+    flags = ["--max-num-seqs", str(top), "--speculative-config", json.dumps(config, separators=(",", ":"))]
+    return "\n".join(lines) + "\n" + shlex.join(flags) + "\n"
 
 
 def vllm_json(config: dict[str, Any]) -> str:
@@ -355,9 +396,15 @@ def write(
     (out / "trtllm-serve.yaml").write_text(yaml)
     (out / "vllm-speculative-config.json").write_text(vllm_json(vllm))
     (out / "vllm-speculative-config-fixed.json").write_text(vllm_json(vllm_fixed(plan, drafter)))
+    (out / "vllm-args.txt").write_text(vllm_args(plan, vllm))
     sglang = sglang_args(plan, drafter)
     (out / "sglang-args.txt").write_text(sglang)
-    configs = {"trtllm": spec, "vllm": vllm, "sglang_drafts": sglang_block(plan)[0] - 1}
+    configs = {
+        "trtllm": spec,
+        "vllm": vllm,
+        "vllm_max_num_seqs": plan.cells[-1].concurrency,
+        "sglang_drafts": sglang_block(plan)[0] - 1,
+    }
     doc = plan_json(plan, acc, cost, settings, configs)
     if drafter is None:
         doc["to_fill"] = TO_FILL

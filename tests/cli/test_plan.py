@@ -211,10 +211,38 @@ def test_trtllm_draft_lengths_follow_its_documented_schedule():
     assert tune.trtllm_draft_len({"max_draft_len": 7}, 4096) == 7
 
 
-def test_vllm_ranges_cover_every_batch_from_one():
+def test_vllm_ranges_cover_every_batch_from_one_and_never_draft_zero():
+    """Where the tuned table says the target alone (block 1) the range drafts 1, as TensorRT-LLM's schedule does
+    (tune.dflash_drafts): under Model Runner V2 vLLM's DFlash speculator drafts its whole block every step
+    (vllm/v1/worker/gpu/spec_decode/dflash/speculator.py at 75d3c8e9), so a 0 would pay the drafter for nothing."""
     cells = [tune.Cell(c, 8, {1: 1.0}, best_block=b) for c, b in ((1, 8), (2, 8), (4, 5), (8, 5), (16, 1))]
     plan = tune.Plan(8, cells, {"max_draft_len": 7}, (0,))
-    assert outputs.vllm_ranges(plan) == [[1, 2, 7], [3, 8, 4], [9, 16, 0]]
+    assert outputs.vllm_ranges(plan) == [[1, 2, 7], [3, 8, 4], [9, 16, 1]]
+    never = tune.Plan(8, [tune.Cell(c, 8, {1: 1.0}, best_block=1) for c in (1, 8)], None, (0,))
+    assert outputs.vllm_ranges(never) == [[1, 8, 1]]
+
+
+def test_vllm_args_bound_the_batch_at_the_largest_planned_concurrency(tmp_path):
+    """vllm-args.txt: --max-num-seqs (SchedulerConfig.max_num_seqs, vllm/config/scheduler.py at 1f8758d5: the most
+    sequences one iteration runs, ge=1) at the largest planned concurrency, and the speculative config; its usage
+    line hands `vllm serve` both, the JSON one argument."""
+    import subprocess
+    import sys
+
+    doc, files = _written(tmp_path / "out", _plan({1: 8, 8: 5, 64: 1}), DEMO_DRAFTER)
+    text = files["vllm-args.txt"]
+    assert "--max-num-seqs 64: the plan covers batch sizes 1..64" in text and doc["configs"]["vllm_max_num_seqs"] == 64
+    usage = text.splitlines()[0].removeprefix("# usage: ")
+    stub = tmp_path / "vllm"  # stands for vllm: prints its arguments as JSON
+    stub.write_text(f"#!{sys.executable}\nimport json, sys\nprint(json.dumps(sys.argv[1:]))\n")
+    stub.chmod(0o755)
+    command = usage.replace("vllm serve", f"{stub} serve")
+    got = subprocess.run(["bash", "-c", command], cwd=tmp_path / "out", capture_output=True, text=True, check=True)
+    argv = json.loads(got.stdout)
+    assert argv[:2] == ["serve", "TARGET"] and argv[argv.index("--max-num-seqs") + 1] == "64"
+    config = json.loads(argv[argv.index("--speculative-config") + 1])
+    assert config == json.loads(files["vllm-speculative-config.json"]) == doc["configs"]["vllm"]
+    assert all(k >= 1 for _, _, k in config["num_speculative_tokens_per_batch_size"])
 
 
 def test_a_plan_that_drafts_only_above_its_smallest_concurrency_says_why_trtllm_cannot():
@@ -388,6 +416,8 @@ def test_every_file_speaks_in_drafted_tokens_and_heads_with_its_range(tmp_path):
     assert fixed["num_speculative_tokens"] == block - 1 and "num_speculative_tokens_per_batch_size" not in fixed
     notes = " ".join(doc["notes"]["vllm"])
     assert "32374" in notes and "51510" in notes and "piecewise" in notes and "data parallel" in notes
+    # Model Runner V2: the schedule acts on verification (PR 45953 ran DFlash with one); 51510 is not about DFlash
+    assert "45953" in notes and "inert" not in notes and "--max-num-seqs" in notes
 
 
 def test_the_sglang_usage_line_keeps_a_drafter_path_with_spaces_one_argument(tmp_path):

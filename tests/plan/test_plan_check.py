@@ -6,6 +6,9 @@ trtllm-serve /metrics JSON list of iteration statistics (drained by each call). 
 engine serving the plan's acceptance (or a worse one) at a batch size would publish: expected per-position
 counts of N rounds, so the scenarios are exact, not sampled. Three scenarios per engine, as the issue asks:
 the plan's tau holds (exit 0), tau dropped by a third (exit 3), the batch ran above the planned range (exit 3).
+Then each engine's current and previous metric shapes (each test names the source file and commit it is built
+from): data-parallel engines judged per engine, SGLang's acceptance rate before and since its PR 23530, and a
+missing or renamed metric, which must exit 1 naming what the check looked for.
 """
 
 import json
@@ -59,16 +62,21 @@ def engine_state(profiles, k, rounds):
 
 
 # ---- each engine's exposition -------------------------------------------------------------------------------
-def vllm_text(state, running, generated):
-    """vLLM's /metrics (vllm/v1/spec_decode/metrics.py SpecDecodingProm, vllm/v1/metrics/loggers.py)."""
+def vllm_text(state, running, generated, engines=1):
+    """vLLM's /metrics (vllm/v1/spec_decode/metrics.py SpecDecodingProm, vllm/v1/metrics/loggers.py), one label set
+    per data-parallel engine (label `engine`, "0".."N-1", each counting its own rounds: the totals split evenly).
+    `running` may be one per engine."""
+    runs = list(running) if isinstance(running, (list, tuple)) else [running] * engines
+    labels = [f'engine="{e}",model_name="Qwen/Qwen3-8B"' for e in range(engines)]
     lines = []
 
     def counter(name, doc, value, extra=""):
         lines.extend([f"# HELP {name}_total {doc}", f"# TYPE {name}_total counter"])
-        lines.append(f"{name}_total{{{VLLM_LABELS}{extra}}} {float(value)}")
+        lines.extend(f"{name}_total{{{ls}{extra}}} {float(value) / engines}" for ls in labels)
 
     lines += ["# HELP vllm:num_requests_running Number of requests in model execution batches."]
-    lines += ["# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{VLLM_LABELS}}} {running}"]
+    lines += ["# TYPE vllm:num_requests_running gauge"]
+    lines += [f"vllm:num_requests_running{{{ls}}} {r}" for ls, r in zip(labels, runs)]
     counter("vllm:generation_tokens", "Number of generation tokens processed.", generated)
     counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", state["drafts"])
     counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", state["draft_tokens"])
@@ -76,35 +84,91 @@ def vllm_text(state, running, generated):
     lines += ["# HELP vllm:spec_decode_num_accepted_tokens_per_pos_total Accepted tokens per draft position."]
     lines += ["# TYPE vllm:spec_decode_num_accepted_tokens_per_pos_total counter"]
     for pos, value in enumerate(state["per_pos"]):
-        lines.append(f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{VLLM_LABELS},position="{pos}"}} {value}')
+        lines += [
+            f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{ls},position="{pos}"}} {value / engines}'
+            for ls in labels
+        ]
     return "\n".join(lines) + "\n"
 
 
-def sglang_text(tau, k, running, generated, label_sets=(SGLANG_LABELS,)):
-    """SGLang's /metrics (python/sglang/srt/metrics/collector.py SchedulerMetricsCollector gauges), one label
-    set per scheduler. spec_accept_rate is tau / (k + 1): accepted tokens with the bonus over forward count x
-    speculative_num_draft_tokens (scheduler_metrics_mixin.py log_decode_stats, sglang at 78ac30c2). `tau`,
-    `k` and `running` may be one per label set."""
+def vllm_v0_text(state, running, generated):
+    """The V0 engine's /metrics (vllm/engine/metrics.py Metrics at vllm-project/vllm f0afa0c2): running, generated,
+    accepted and draft tokens, emitted tokens and the acceptance-rate gauges, but no count of drafting rounds
+    (vllm:spec_decode_num_drafts came with the V1 engine's SpecDecodingProm)."""
+    ls = 'model_name="Qwen/Qwen3-8B"'
+    rows = [
+        ("vllm:num_requests_running", "gauge", running),
+        ("vllm:generation_tokens_total", "counter", generated),
+        ("vllm:spec_decode_draft_acceptance_rate", "gauge", state["accepted"] / max(1, state["draft_tokens"])),
+        ("vllm:spec_decode_num_accepted_tokens_total", "counter", state["accepted"]),
+        ("vllm:spec_decode_num_draft_tokens_total", "counter", state["draft_tokens"]),
+        ("vllm:spec_decode_num_emitted_tokens_total", "counter", state["accepted"] + state["drafts"]),
+    ]
+    lines = [x for name, kind, v in rows for x in (f"# TYPE {name} {kind}", f"{name}{{{ls}}} {float(v)}")]
+    return "\n".join(lines) + "\n"
+
+
+# SGLang's HELP texts of its spec gauges: before PR 23530 (python/sglang/srt/metrics/collector.py, sglang
+# 00ae9c15) and now (python/sglang/srt/observability/metrics_collector.py, sglang 016d8605)
+SGLANG_HELP = {
+    "before": {
+        "sglang:spec_accept_length": "The average acceptance length of speculative decoding.",
+        "sglang:spec_accept_rate": "The average acceptance rate of speculative decoding (`accepted tokens / total "
+        "draft tokens` in batch).",
+    },
+    "current": {
+        "sglang:spec_accept_length": "Mean acceptance length of speculative decoding (accepted drafts + bonus token "
+        "per forward).",
+        "sglang:spec_accept_rate": "Speculative acceptance rate (`accepted drafts / proposed drafts` in batch).",
+    },
+}
+
+
+def sglang_text(tau, k, running, generated, label_sets=(SGLANG_LABELS,), shape="current", priorities=None):
+    """SGLang's /metrics, one label set per scheduler, in one of its shapes:
+
+    * "current" (sglang 016d8605: metrics_collector.py SchedulerMetricsCollector; the rate as the scheduler's
+      report computes it since PR 23530, accepted drafts / proposed drafts = (tau - 1) / k; PR 25940's
+      sglang:spec_num_draft_tokens, the block k + 1; sglang:generation_tokens_total with `is_streaming`);
+    * "23530" (after PR 23530, before PR 25940): the same rate and HELP, no spec_num_draft_tokens;
+    * "before" (collector.py at 00ae9c15, log_decode_stats at 78ac30c2): the rate tau / (k + 1), accepted tokens
+      with the bonus over forwards x speculative_num_draft_tokens; its HELP.
+
+    `tau`, `k` and `running` may be one per label set. `priorities`: a per-priority breakdown of each scheduler's
+    running requests, published beside its total under priority="" (`_log_gauge_queue_count`, 016d8605)."""
 
     def each(v):
         return list(v) if isinstance(v, (list, tuple)) else [v] * len(label_sets)
 
     taus, ks, runs = each(tau), each(k), each(running)
+    if shape == "before":
+        rates = [t / (b + 1) for t, b in zip(taus, ks)]
+    else:
+        rates = [(t - 1) / b for t, b in zip(taus, ks)]
+    helps = SGLANG_HELP["before" if shape == "before" else "current"]
     gauges = {
-        "sglang:num_running_reqs": ("The number of running requests.", runs),
-        "sglang:spec_accept_length": ("The average acceptance length of speculative decoding.", taus),
-        "sglang:spec_accept_rate": (
-            "The average acceptance rate of speculative decoding.",
-            [t / (b + 1) for t, b in zip(taus, ks)],
-        ),
+        "sglang:spec_accept_length": (helps["sglang:spec_accept_length"], taus),
+        "sglang:spec_accept_rate": (helps["sglang:spec_accept_rate"], rates),
     }
+    if shape == "current":
+        gauges["sglang:spec_num_draft_tokens"] = ("Currently active speculative_num_draft_tokens.", [b + 1 for b in ks])
     lines = []
     for name, (doc, values) in gauges.items():
         lines += [f"# HELP {name} {doc}", f"# TYPE {name} gauge"]
         lines += [f"{name}{{{labels}}} {value}" for labels, value in zip(label_sets, values)]
+    lines += ["# HELP sglang:num_running_reqs The number of running requests.", "# TYPE sglang:num_running_reqs gauge"]
+    for labels, r in zip(label_sets, runs):
+        if priorities is None:
+            lines.append(f"sglang:num_running_reqs{{{labels}}} {r}")
+        else:
+            lines.append(f'sglang:num_running_reqs{{{labels},priority=""}} {r}')
+            lines += [f'sglang:num_running_reqs{{{labels},priority="{p}"}} {n}' for p, n in priorities.items()]
     lines += ["# HELP sglang:generation_tokens_total Number of generation tokens processed."]
     lines += ["# TYPE sglang:generation_tokens_total counter"]
-    lines += [f"sglang:generation_tokens_total{{{labels}}} {generated / len(label_sets)}" for labels in label_sets]
+    streaming = ',is_streaming="true"' if shape == "current" else ""
+    lines += [
+        f"sglang:generation_tokens_total{{{labels}{streaming}}} {generated / len(label_sets)}" for labels in label_sets
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -222,28 +286,49 @@ def test_vllm_per_position_rates_are_read_back_exactly(plan_dir):
     assert obs.tau == pytest.approx(check.mean_tau(planned, k + 1)) and obs.seconds == 2.0
 
 
-def test_sglang_drafts_per_round_are_the_block_less_its_anchor():
-    """spec_accept_rate = tau / speculative_num_draft_tokens (log_decode_stats, sglang 78ac30c2): tau 4 at a
-    block of 8 publishes rate 0.5, which is 7 drafts per round, not (tau - 1) / rate = 6."""
-    text = sglang_text(4.0, 7, 8, 0)
-    assert f"sglang:spec_accept_rate{{{SGLANG_LABELS}}} 0.5" in text
+@pytest.mark.parametrize("shape", ["current", "23530", "before"])
+def test_sglang_drafts_per_round_are_read_in_each_of_its_shapes(shape):
+    """tau 4 at 7 drafts (block 8). Before PR 23530 the rate is tau / block = 0.5 (log_decode_stats, sglang
+    78ac30c2): 7 drafts, not (tau - 1) / 0.5 = 6. Since, it is accepted / proposed drafts, (tau - 1) / 7 = 3/7:
+    7 drafts, not tau / rate - 1 = 8.33 (which the check read before and made every round look longer than the
+    plan's). Since PR 25940 the block gauge gives it directly (metrics_collector.py, sglang 016d8605)."""
+    text = sglang_text(4.0, 7, 8, 0, shape=shape)
+    rate = 0.5 if shape == "before" else 3 / 7
+    assert f"sglang:spec_accept_rate{{{SGLANG_LABELS}}} {rate}" in text
     samples = [metrics.read("sglang", text, t) for t in (0.0, 1.0)]
     obs = metrics.window("sglang", "u", samples)
     assert obs.tau == 4.0 and obs.mean_drafts == pytest.approx(7.0)
+    how = {"current": "spec_num_draft_tokens", "23530": "since PR 23530, its HELP", "before": "before PR 23530"}
+    assert how[shape] in obs.source
 
 
-def test_sglang_label_sets_sum_the_batch_and_average_the_ratios():
-    """Two schedulers (dp_rank 0 and 1: scheduler_metrics_mixin.py init_metrics, sglang 01bb3c80) each publish
-    their own gauges: the running batch adds up, tau and tau / block are each scheduler's own ratio."""
+def test_an_sglang_rate_with_an_unknown_help_is_read_as_the_current_formula_and_says_so():
+    text = sglang_text(4.0, 7, 8, 0, shape="23530").replace(SGLANG_HELP["current"]["sglang:spec_accept_rate"], "x")
+    obs = metrics.window("sglang", "u", [metrics.read("sglang", text, t) for t in (0.0, 1.0)])
+    assert obs.mean_drafts == pytest.approx(7.0) and "assumed: SGLang's current formula" in obs.source
+
+
+def test_sglang_schedulers_are_each_their_own_batch_and_their_ratios_averaged():
+    """Two schedulers (dp_rank 0 and 1: the scheduler's init_metrics labels, sglang 016d8605) each publish their
+    own gauges: each runs its own batch (4 and 6, not 10), tau and the rate are each scheduler's own ratio."""
     sets = tuple(f'dp_rank="{d}",{SGLANG_LABELS}' for d in (0, 1))
     text = sglang_text([3.0, 5.0], 7, [4, 6], 200, label_sets=sets)
     sample = metrics.read("sglang", text, 0.0)
-    assert sample.gauges["running"] == 10 and sample.counters["generated"] == 200
+    assert sorted(sample.running.values()) == [4, 6] and sample.counters["generated"] == 200
     assert sample.gauges["accept_length"] == pytest.approx(4.0)
     obs = metrics.window("sglang", "u", [sample, metrics.read("sglang", text, 1.0)])
-    assert obs.tau == pytest.approx(4.0) and obs.mean_drafts == pytest.approx(7.0) and obs.batch == [10, 10]
+    assert obs.tau == pytest.approx(4.0) and obs.mean_drafts == pytest.approx(7.0)
+    assert sorted(obs.batch) == [4, 4, 6, 6] and obs.engines == 2
     idle = sglang_text([4.0, 0.0], 7, [8, 0], 0, label_sets=sets)  # a scheduler that ran no verify forward
     assert metrics.read("sglang", idle, 0.0).gauges["accept_length"] == 4.0
+
+
+def test_sglang_per_priority_running_requests_are_parts_of_the_total():
+    """With priority scheduling num_running_reqs holds the scheduler's total under priority="" and a breakdown per
+    priority (`_log_gauge_queue_count`, metrics_collector.py at sglang 016d8605): the batch is the total."""
+    text = sglang_text(4.0, 7, 8, 0, priorities={"0": 5, "1": 3})
+    assert 'priority="1"} 3' in text and 'priority=""} 8' in text
+    assert list(metrics.read("sglang", text, 0.0).running.values()) == [8]
 
 
 def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
@@ -279,6 +364,93 @@ def test_no_traffic_and_no_server_are_clear_errors(plan_dir, capsys):
     args = ["plan", "check", "--engine", "vllm", "--url", "http://127.0.0.1:9", "--plan", str(plan_dir)]
     assert main([*args, "--window", "0"]) == 1
     assert "cannot scrape http://127.0.0.1:9/metrics" in capsys.readouterr().err
+
+
+def check_against(plan_dir, engine, bodies, capsys, samples=2):
+    """`plan check` of `engine` served `bodies` by a local HTTP server: (exit status, stdout, stderr)."""
+    with serving(bodies) as (url, _):
+        args = ["plan", "check", "--engine", engine, "--url", url, "--plan", str(plan_dir), "--window", "0.05"]
+        status = main([*args, "--samples", str(samples)])
+    out = capsys.readouterr()
+    return status, out.out, out.err
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_data_parallel_engines_are_judged_per_engine(plan_dir, engine, capsys):
+    """vLLM's data-parallel engines (label engine="0".."7", vllm/v1/metrics/loggers.py at 016a8587) and SGLang's
+    schedulers (dp_rank label sets, scheduler init_metrics at sglang 016d8605) each run their own batch: eight at
+    8 requests are batches of 8, inside a plan up to 8 (summed, 64, read as a false exit 3); one of them at 16 is
+    above it."""
+    doc = plan_doc(plan_dir)
+    k = doc["cells"][-1]["schedule_drafts"]
+    planned = doc["inputs"]["acceptance"]["position_rates"]
+    tau = check.mean_tau(planned, k + 1)
+    sets = tuple(f'dp_rank="{d}",{SGLANG_LABELS}' for d in range(8))
+
+    def bodies(running):
+        if engine == "vllm":
+            a, b = engine_state(planned, k, 1000), engine_state(planned, k, 5000)
+            return [vllm_text(a, running, 1000 * tau, engines=8), vllm_text(b, running, 5000 * tau, engines=8)]
+        return [sglang_text(tau, k, running, g, label_sets=sets) for g in (1000, 2000, 3000)]
+
+    status, out, _ = check_against(plan_dir, engine, bodies([8] * 8), capsys, samples=3)
+    assert status == check.HOLDS, out
+    assert "held      batch: mean 8.0, largest 8 running requests per engine (8 engines" in out
+    status, out, _ = check_against(plan_dir, engine, bodies([8] * 7 + [16]), capsys, samples=3)
+    assert status == check.FAILS and "NOT HELD  batch: mean 9.0, largest 16 running requests per engine" in out
+
+
+def _trtllm_without(field):
+    its = trtllm_iterations(4.0, 3, 8, 20)
+    for it in its:
+        it.pop(field)
+    return ["[]", json.dumps(its)]
+
+
+MISSING = {  # case: (engine, bodies, the metric the error must name)
+    # vLLM with its running gauge renamed: the batch is unknown, not 0 (loggers.py at 016a8587 names it)
+    "vllm running gauge renamed": (
+        "vllm",
+        [
+            vllm_text(engine_state([[0.6] * 3], 3, n), 8, n).replace("num_requests_running", "num_requests_active")
+            for n in (100, 900)
+        ],
+        "vllm:num_requests_running",
+    ),
+    # vLLM's V0 engine (vllm/engine/metrics.py at f0afa0c2): no count of drafting rounds
+    "vllm V0 spec counters": (
+        "vllm",
+        [vllm_v0_text(engine_state([[0.6] * 3], 3, n), 8, n) for n in (100, 900)],
+        "vllm:spec_decode_num_drafts_total",
+    ),
+    # SGLang with the running gauge under another name (metrics_collector.py at 016d8605 names it)
+    "sglang running gauge renamed": (
+        "sglang",
+        [sglang_text(3.0, 3, 8, g).replace("sglang:num_running_reqs", "sglang:num_running") for g in (10, 20)],
+        "sglang:num_running_reqs",
+    ),
+    "sglang spec gauges renamed": (
+        "sglang",
+        [sglang_text(3.0, 3, 8, g).replace("spec_accept_length", "spec_accept_len") for g in (10, 20)],
+        "sglang:spec_accept_length",
+    ),
+    # trtllm-serve iteration statistics (cpp/include/tensorrt_llm/executor/types.h IterationStats) without their
+    # speculative part, or without the active-request count
+    "trtllm without specDecodingStats": ("trtllm", _trtllm_without("specDecodingStats"), "specDecodingStats"),
+    "trtllm without numActiveRequests": ("trtllm", _trtllm_without("numActiveRequests"), "numActiveRequests"),
+    # enable_iter_perf_stats off (TorchLlmArgs, llm_args.py at 00043967): /metrics answers an empty list
+    "trtllm stats off": ("trtllm", ["[]", "[]"], "enable_iter_perf_stats"),
+}
+
+
+@pytest.mark.parametrize("case", list(MISSING))
+def test_a_missing_or_renamed_metric_exits_1_naming_it(plan_dir, case, capsys):
+    """A running gauge that is not there is no batch of 0 (a pass at C=1), and spec counters under another name
+    are no "no traffic": both exit 1 and name the metric the check looked for."""
+    engine, bodies, name = MISSING[case]
+    status, out, err = check_against(plan_dir, engine, bodies, capsys)
+    assert status == 1, out
+    assert name in err and "held" not in out, err
 
 
 def test_from_metrics_plans_on_what_the_engine_saw(plan_dir, tmp_path):

@@ -1,0 +1,191 @@
+"""The keys TensorRT-LLM's LLM arguments accept (data/upstream/trtllm-llm-args-00043967.json, written by
+scripts/trtllm_llm_args.py from tensorrt_llm/llmapi/llm_args.py at NVIDIA/TensorRT-LLM
+0004396720054fd8e205cbf616f21f0b57c6b412), and every key `dflash-trt plan` writes into trtllm-serve.yaml against
+them: the top level is TorchLlmArgs (extra keys forbidden, BaseLlmArgs' model_config), speculative_config a
+DFlashDecodingConfig. What the validators' bodies enforce on draft_len_schedule and max_concurrency is checked by
+check_like_decoding_base_config (the rules as test_trtllm_serve_config.py states them from the same source)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from builders.test_trtllm_serve_config import check_like_decoding_base_config
+
+from dflash_trt.settings import REPO_ROOT
+
+yaml = pytest.importorskip("yaml")
+pytest.importorskip("matplotlib")
+
+COMMIT = "0004396720054fd8e205cbf616f21f0b57c6b412"
+DATA = REPO_ROOT / "data" / "upstream" / f"trtllm-llm-args-{COMMIT[:8]}.json"
+SCRIPT = REPO_ROOT / "scripts" / "trtllm_llm_args.py"
+
+
+def accepts(rule, value):
+    """Whether a value passes a field's rule as the script records it (type, bounds, literal values)."""
+    if value is None:
+        return bool(rule.get("optional"))
+    kind = rule["type"]
+    if kind == "union":
+        return any(accepts(r, value) for r in rule["any_of"])
+    if kind == "literal":
+        return value in rule["values"]
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind in ("int", "float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind == "float" else int):
+            return False
+        bounds = {"ge": value >= rule.get("ge", value), "gt": "gt" not in rule or value > rule["gt"]}
+        bounds |= {"le": value <= rule.get("le", value), "lt": "lt" not in rule or value < rule["lt"]}
+        return all(bounds.values())
+    if kind in ("str", "path"):
+        return isinstance(value, str)
+    if kind == "list":
+        return isinstance(value, list) and all(accepts(rule["items"], v) for v in value)
+    if kind == "dict":
+        return isinstance(value, dict) and all(
+            accepts(rule["keys"], k) and accepts(rule["values_of"], v) for k, v in value.items()
+        )
+    return False  # "other": a class this record does not describe; no key the plan writes may need one
+
+
+def fields_of(record, name):
+    """A class's fields with those of its bases in the record (a subclass's own declaration wins)."""
+    cls = record["classes"][name]
+    out = {}
+    for base in cls["bases"]:
+        if base in record["classes"]:
+            out |= fields_of(record, base)
+    return out | cls["fields"]
+
+
+@pytest.fixture(scope="module")
+def record():
+    return json.loads(DATA.read_text())
+
+
+def check_yaml(record, loaded):
+    """Every key of a trtllm-serve.yaml is a field with an accepted value; speculative_config's likewise."""
+    top, spec_fields = fields_of(record, "TorchLlmArgs"), fields_of(record, "DFlashDecodingConfig")
+    assert record["classes"]["BaseLlmArgs"]["extra_forbidden"]  # an unknown top-level key is refused
+    for key, value in loaded.items():
+        assert key in top, f"{key}: not a TorchLlmArgs field at {COMMIT[:8]}"
+        if key != "speculative_config":
+            assert accepts(top[key]["rule"], value), (key, value, top[key]["rule"])
+    spec = loaded.get("speculative_config")
+    if spec is not None:
+        for key, value in spec.items():
+            assert key in spec_fields, f"speculative_config.{key}: not a DFlashDecodingConfig field"
+            assert accepts(spec_fields[key]["rule"], value), (key, value, spec_fields[key]["rule"])
+        check_like_decoding_base_config(spec)
+
+
+def test_the_record_names_its_source_and_the_classes_the_yaml_is_read_as(record):
+    assert record["source"] == {
+        "repository": "NVIDIA/TensorRT-LLM",
+        "path": "tensorrt_llm/llmapi/llm_args.py",
+        "commit": COMMIT,
+    }
+    assert record["yaml"] == {"top_level": "TorchLlmArgs", "speculative_config": "DFlashDecodingConfig"}
+    assert record["classes"]["TorchLlmArgs"]["bases"] == ["BaseLlmArgs"]
+    assert record["classes"]["DFlashDecodingConfig"]["bases"] == ["DecodingBaseConfig"]
+    names = {v["name"] for v in record["classes"]["DecodingBaseConfig"]["validators"]}
+    assert {
+        "validate_draft_len_schedule_and_sort",
+        "validate_max_concurrency_and_draft_len_schedule_mutually_exclusive",
+    } <= names
+
+
+@pytest.mark.parametrize(
+    "best",
+    [
+        {1: 8, 8: 5, 64: 3},  # draft_len_schedule
+        {1: 8, 8: 8, 64: 1},  # the target alone best at 64: the schedule floors it at 1 draft
+        {1: 8, 8: 8},  # max_draft_len alone
+    ],
+)
+@pytest.mark.parametrize("with_drafter", [True, False])
+def test_every_key_the_plan_writes_is_accepted(record, tmp_path, best, with_drafter):
+    from cli.test_plan import _plan, _written
+
+    from dflash_trt.settings import DEMO_DRAFTER
+
+    _, files = _written(tmp_path, _plan(best), DEMO_DRAFTER if with_drafter else None)
+    loaded = yaml.safe_load(files["trtllm-serve.yaml"])
+    assert "speculative_config" in loaded and "max_batch_size" in loaded
+    check_yaml(record, loaded)
+
+
+def test_the_target_alone_yaml_and_trtllm_serve_configs_attention_backend_are_accepted(record, tmp_path):
+    import dataclasses
+
+    from cli.test_plan import _plan, _written
+
+    from dflash_trt.builders.trtllm_serve import ATTENTION_BACKENDS, serve_config, speculation_limits
+    from dflash_trt.settings import DEMO_DRAFTER
+
+    _, files = _written(tmp_path, dataclasses.replace(_plan({1: 8, 8: 5}), limits=None))
+    alone = yaml.safe_load(files["trtllm-serve.yaml"])
+    assert "speculative_config" not in alone
+    check_yaml(record, alone)
+    for backend in ATTENTION_BACKENDS:
+        check_yaml(record, serve_config(DEMO_DRAFTER, attention_backend=backend))
+    # trtllm-serve-config's max_concurrency (drafting up to a batch size, then off: speculation_limits)
+    limited = {**serve_config(DEMO_DRAFTER)["speculative_config"], **speculation_limits({1: 7, 8: 7, 64: 0})}
+    assert limited["max_concurrency"] == 8
+    check_yaml(record, {"speculative_config": limited})
+
+
+def test_a_value_outside_the_recorded_rules_is_refused(record):
+    """The check can fail: the values TensorRT-LLM would refuse are refused here too."""
+    top, spec = fields_of(record, "TorchLlmArgs"), fields_of(record, "DFlashDecodingConfig")
+    assert not accepts(spec["max_draft_len"]["rule"], -1)  # Optional[NonNegativeInt]
+    assert not accepts(spec["max_concurrency"]["rule"], 0)  # Optional[PositiveInt]
+    assert not accepts(spec["decoding_type"]["rule"], "Eagle3")  # Literal["DFlash"]
+    assert not accepts(spec["attention_backend"]["rule"], "FA4")  # not at this commit (1.3.0rc27 docs add it)
+    assert not accepts(top["enable_iter_perf_stats"]["rule"], "yes")
+    assert not accepts(top["max_stats_len"]["rule"], -2)  # ge=-1
+    with pytest.raises(AssertionError, match="not a TorchLlmArgs field"):
+        check_yaml(record, {"max_num_seqs": 64})
+
+
+def test_the_script_extracts_fields_rules_and_bases_from_a_source(tmp_path):
+    """The script on a small source in llm_args.py's declaration style (written here, not TensorRT-LLM's): Optional
+    and constrained ints, Field bounds and aliases, a Literal, a StrEnum, a base class's fields, validators."""
+    source = tmp_path / "llm_args.py"
+    source.write_text(
+        "class Mode(StrEnum):\n    A = 'a'\n    B = 'b'\n\n\n"
+        "class DecodingBaseConfig(StrictBaseModel):\n"
+        "    max_draft_len: Optional[NonNegativeInt] = Field(default=None)\n"
+        "    model: Optional[Union[str, Path]] = Field(default=None, validation_alias=AliasChoices('m', 'md'))\n"
+        "    rate: Optional[float] = Field(default=None, ge=0.0, le=1.0)\n"
+        "    mode: Mode = Field(default=Mode.A)\n"
+        "    _private: bool = PrivateAttr(True)\n\n"
+        "    @field_validator('max_draft_len')\n    @classmethod\n    def check(cls, v): ...\n\n\n"
+        "class DFlashDecodingConfig(DecodingBaseConfig):\n"
+        "    decoding_type: Literal['DFlash'] = Field(default='DFlash')\n"
+        "    ids: list[int] | None = None\n\n\n"
+        "class BaseLlmArgs(StrictBaseModel):\n"
+        "    model_config = ConfigDict(extra='forbid')\n"
+        "    max_batch_size: Optional[int] = Field(default=2048)\n\n\n"
+        "class TorchLlmArgs(BaseLlmArgs):\n"
+        "    schedule: Optional[dict[int, int]] = Field(default=None)\n"
+    )
+    out = tmp_path / "out.json"
+    args = [sys.executable, str(SCRIPT), str(source), "--commit", "a" * 40, "--out", str(out)]
+    subprocess.run(args, check=True, capture_output=True, text=True)
+    got = json.loads(out.read_text())
+    base = got["classes"]["DecodingBaseConfig"]["fields"]
+    assert base["max_draft_len"]["rule"] == {"type": "int", "ge": 0, "optional": True}
+    assert base["model"]["validation_alias"] == ["m", "md"] and base["model"]["rule"]["type"] == "union"
+    assert base["rate"]["rule"] == {"type": "float", "optional": True, "ge": 0.0, "le": 1.0}
+    assert base["mode"]["rule"]["values"] == ["a", "b"] and "_private" not in base
+    assert got["classes"]["DecodingBaseConfig"]["validators"][0]["fields"] == ["max_draft_len"]
+    dflash = got["classes"]["DFlashDecodingConfig"]["fields"]
+    assert dflash["decoding_type"]["rule"] == {"type": "literal", "values": ["DFlash"]}
+    assert dflash["ids"]["rule"] == {"type": "list", "items": {"type": "int"}, "optional": True}
+    assert got["classes"]["BaseLlmArgs"]["extra_forbidden"] is True
+    assert got["classes"]["TorchLlmArgs"]["fields"]["schedule"]["rule"]["type"] == "dict"
+    bad = subprocess.run([*args[:3], "--commit", "xyz"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "40 lower-case hex digits" in bad.stderr

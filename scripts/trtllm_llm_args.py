@@ -1,7 +1,7 @@
 """Extract the keys TensorRT-LLM's LLM arguments accept, and their value constraints, from a copy of
 tensorrt_llm/llmapi/llm_args.py, into data/upstream/trtllm-llm-args-<commit>.json.
 
-    python scripts/trtllm_llm_args.py PATH/llm_args.py --commit SHA [--out FILE] [--note TEXT]
+    python scripts/trtllm_llm_args.py PATH/llm_args.py --commit SHA [--total-chars N] [--out FILE] [--note TEXT]
 
 The file is parsed (`ast`), never imported (it imports torch, pydantic and TensorRT-LLM itself). For each class
 named in CLASSES, and the classes they derive from within the file, it records every annotated field: its
@@ -14,20 +14,29 @@ validator's body enforces is not extracted: the project's checks state those rul
 
 The classes are the ones `dflash-trt plan` writes keys of into trtllm-serve.yaml: the top level of the YAML is
 TorchLlmArgs (BaseLlmArgs' subclass for the PyTorch backend, extra keys forbidden), its speculative_config a
-DFlashDecodingConfig (DecodingBaseConfig's subclass). A copy of only part of the file (the fields of these classes)
-gives the same record for what it holds; `--note` says what the copy was.
+DFlashDecodingConfig (DecodingBaseConfig's subclass). Keys TorchLlmArgs no longer declares but still takes on input
+(REMOVED_ARGS: a "before" model validator pops them after a check) are recorded as `removed_args` with the check's
+name. Bases the file imports rather than defines (StrictBaseModel, from tensorrt_llm/llmapi/utils.py) are listed in
+`bases_not_in_file`: their model_config (extra, alias population, strictness) is not read here.
+
+The record names its source so that anyone can check it: repository, path, commit, and the copy's length in
+characters, its UTF-8 size and sha256. `--total-chars` is the length the upstream file has (what the search tool's
+read_file reports as total_chars); a copy of another length is refused, so a partial copy cannot pass as the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
+import hashlib
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
 CLASSES = ("TorchLlmArgs", "DFlashDecodingConfig")
+# the module-level table of arguments TorchLlmArgs dropped but still accepts (key -> the check run on its value)
+REMOVED_ARGS = ("TorchLlmArgs", "_TORCH_LLMARGS_REMOVED_ARG_CHECKS")
 # pydantic's constrained aliases and the bound each one is
 CONSTRAINED = {
     "NonNegativeInt": ("int", {"ge": 0}),
@@ -136,6 +145,24 @@ def validators(cls: ast.ClassDef) -> list[dict[str, Any]]:
     return out
 
 
+def removed_args(tree: ast.Module) -> dict[str, str]:
+    """The REMOVED_ARGS table: each key the class still takes on input, and the name of the check on its value."""
+    for node in tree.body:
+        targets: list[ast.expr]
+        if isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        elif isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        else:
+            continue
+        if not any(_name(t) == REMOVED_ARGS[1] for t in targets):
+            continue
+        if not isinstance(value, ast.Dict):
+            raise SystemExit(f"{REMOVED_ARGS[1]} is not a dict literal: this script does not read it")
+        return {ast.literal_eval(k): ast.unparse(v) for k, v in zip(value.keys, value.values) if k is not None}
+    return {}
+
+
 def extract(source: str) -> dict[str, Any]:
     """Every class of CLASSES and its bases within the file: fields, validators, bases; and the StrEnums."""
     tree = ast.parse(source)
@@ -176,7 +203,9 @@ def extract(source: str) -> dict[str, Any]:
     missing = [c for c in CLASSES if c not in out]
     if missing:
         raise SystemExit(f"no class {', '.join(missing)} in the file: not llm_args.py?")
-    return {"classes": out, "enums": enums}
+    out[REMOVED_ARGS[0]]["removed_args"] = removed_args(tree)
+    outside = sorted({b for c in out.values() for b in c["bases"] if b not in classes})
+    return {"classes": out, "bases_not_in_file": outside, "enums": enums}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,20 +213,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("source", type=Path, help="a copy of tensorrt_llm/llmapi/llm_args.py (or of its field declarations)")
     p.add_argument("--commit", required=True, help="the NVIDIA/TensorRT-LLM commit the copy is of (40 hex digits)")
     p.add_argument("--out", type=Path, default=None, help="default: data/upstream/trtllm-llm-args-<commit[:8]>.json")
+    p.add_argument(
+        "--total-chars",
+        type=int,
+        default=None,
+        help="the upstream file's length in characters; a copy of another length is refused",
+    )
     p.add_argument("--note", default="", help="what the copy is, recorded in the file")
     args = p.parse_args(argv)
     if len(args.commit) != 40 or any(c not in "0123456789abcdef" for c in args.commit):
         p.error("--commit: 40 lower-case hex digits")
+    data = args.source.read_bytes()
+    text = data.decode("utf-8")
+    if args.total_chars is not None and len(text) != args.total_chars:
+        p.error(f"--total-chars: the copy has {len(text)} characters, the file {args.total_chars}: not the whole file")
     record = {
         "source": {
             "repository": "NVIDIA/TensorRT-LLM",
             "path": "tensorrt_llm/llmapi/llm_args.py",
             "commit": args.commit,
+            "chars": len(text),
+            "bytes": len(data),
+            "sha256": hashlib.sha256(data).hexdigest(),
         },
         "extracted_by": "scripts/trtllm_llm_args.py",
         "note": args.note,
         "yaml": {"top_level": "TorchLlmArgs", "speculative_config": "DFlashDecodingConfig"},
-        **extract(args.source.read_text()),
+        **extract(text),
     }
     out = (
         args.out

@@ -3,8 +3,13 @@ scripts/trtllm_llm_args.py from tensorrt_llm/llmapi/llm_args.py at NVIDIA/Tensor
 0004396720054fd8e205cbf616f21f0b57c6b412), and every key `dflash-trt plan` writes into trtllm-serve.yaml against
 them: the top level is TorchLlmArgs (extra keys forbidden, BaseLlmArgs' model_config), speculative_config a
 DFlashDecodingConfig. What the validators' bodies enforce on draft_len_schedule and max_concurrency is checked by
-check_like_decoding_base_config (the rules as test_trtllm_serve_config.py states them from the same source)."""
+check_like_decoding_base_config (the rules as test_trtllm_serve_config.py states them from the same source).
 
+The record names the sha256 and length of the copy of llm_args.py it was extracted from; where that copy is at hand
+(COPY, an ignored path: the repository's file, not this project's), the record is checked to be the script's output
+on it."""
+
+import hashlib
 import json
 import subprocess
 import sys
@@ -20,6 +25,8 @@ pytest.importorskip("matplotlib")
 COMMIT = "0004396720054fd8e205cbf616f21f0b57c6b412"
 DATA = REPO_ROOT / "data" / "upstream" / f"trtllm-llm-args-{COMMIT[:8]}.json"
 SCRIPT = REPO_ROOT / "scripts" / "trtllm_llm_args.py"
+COPY = REPO_ROOT / ".cache" / "upstream" / f"llm_args-{COMMIT}.py"
+UPSTREAM_CHARS = 314102  # read_file's total_chars for the file at COMMIT
 
 
 def accepts(rule, value):
@@ -82,11 +89,21 @@ def check_yaml(record, loaded):
 
 
 def test_the_record_names_its_source_and_the_classes_the_yaml_is_read_as(record):
-    assert record["source"] == {
+    source = record["source"]
+    assert {k: source[k] for k in ("repository", "path", "commit")} == {
         "repository": "NVIDIA/TensorRT-LLM",
         "path": "tensorrt_llm/llmapi/llm_args.py",
         "commit": COMMIT,
     }
+    # the whole file, not a part of it: its length is the upstream file's, its digest a sha256
+    assert source["chars"] == UPSTREAM_CHARS and source["bytes"] >= source["chars"]
+    assert len(source["sha256"]) == 64 and int(source["sha256"], 16) >= 0
+    # the tail of the file (validators after character 280000) is in the record
+    torch_validators = {v["name"] for v in record["classes"]["TorchLlmArgs"]["validators"]}
+    assert {"validate_speculative_config", "validate_speculative_beam_history_d2h"} <= torch_validators
+    # sampler_type is no field but still taken on input (dropped after a check); StrictBaseModel is imported
+    assert record["classes"]["TorchLlmArgs"]["removed_args"] == {"sampler_type": "_check_removed_sampler_type"}
+    assert record["bases_not_in_file"] == ["StrictBaseModel"]
     assert record["yaml"] == {"top_level": "TorchLlmArgs", "speculative_config": "DFlashDecodingConfig"}
     assert record["classes"]["TorchLlmArgs"]["bases"] == ["BaseLlmArgs"]
     assert record["classes"]["DFlashDecodingConfig"]["bases"] == ["DecodingBaseConfig"]
@@ -95,6 +112,20 @@ def test_the_record_names_its_source_and_the_classes_the_yaml_is_read_as(record)
         "validate_draft_len_schedule_and_sort",
         "validate_max_concurrency_and_draft_len_schedule_mutually_exclusive",
     } <= names
+
+
+def test_the_record_is_the_scripts_output_on_the_named_copy(record, tmp_path):
+    """Where the copy of llm_args.py is at hand, it is the one the record names and the record is what the script
+    makes of it (so an edit to either, or a different copy, fails here)."""
+    if not COPY.exists():
+        pytest.skip(f"{COPY} absent: the copy is not committed (see data/upstream's note for how it was read)")
+    data = COPY.read_bytes()
+    assert hashlib.sha256(data).hexdigest() == record["source"]["sha256"]
+    assert len(data.decode("utf-8")) == record["source"]["chars"] == UPSTREAM_CHARS
+    out = tmp_path / "again.json"
+    args = [sys.executable, str(SCRIPT), str(COPY), "--commit", COMMIT, "--total-chars", str(UPSTREAM_CHARS)]
+    subprocess.run([*args, "--out", str(out), "--note", record["note"]], check=True, capture_output=True, text=True)
+    assert json.loads(out.read_text()) == record
 
 
 @pytest.mark.parametrize(
@@ -168,7 +199,9 @@ def test_the_script_extracts_fields_rules_and_bases_from_a_source(tmp_path):
         "    ids: list[int] | None = None\n\n\n"
         "class BaseLlmArgs(StrictBaseModel):\n"
         "    model_config = ConfigDict(extra='forbid')\n"
-        "    max_batch_size: Optional[int] = Field(default=2048)\n\n\n"
+        "    max_batch_size: Optional[int] = Field(default=2048)\n"
+        "    session: Optional[object] = Field(default=None, alias='_session')\n\n\n"
+        "_TORCH_LLMARGS_REMOVED_ARG_CHECKS: Dict[str, Callable[[Any], None]] = {'old_key': _check_old_key}\n\n\n"
         "class TorchLlmArgs(BaseLlmArgs):\n"
         "    schedule: Optional[dict[int, int]] = Field(default=None)\n"
     )
@@ -186,6 +219,18 @@ def test_the_script_extracts_fields_rules_and_bases_from_a_source(tmp_path):
     assert dflash["decoding_type"]["rule"] == {"type": "literal", "values": ["DFlash"]}
     assert dflash["ids"]["rule"] == {"type": "list", "items": {"type": "int"}, "optional": True}
     assert got["classes"]["BaseLlmArgs"]["extra_forbidden"] is True
+    assert got["classes"]["BaseLlmArgs"]["fields"]["session"]["alias"] == "_session"
     assert got["classes"]["TorchLlmArgs"]["fields"]["schedule"]["rule"]["type"] == "dict"
+    assert got["classes"]["TorchLlmArgs"]["removed_args"] == {"old_key": "_check_old_key"}
+    assert got["bases_not_in_file"] == ["StrictBaseModel"]
+    text = source.read_text()
+    assert got["source"]["sha256"] == hashlib.sha256(source.read_bytes()).hexdigest()
+    assert got["source"]["chars"] == len(text)
     bad = subprocess.run([*args[:3], "--commit", "xyz"], capture_output=True, text=True)
     assert bad.returncode == 2 and "40 lower-case hex digits" in bad.stderr
+    # a copy shorter than the upstream file is refused, and nothing is written
+    short = subprocess.run([*args, "--total-chars", str(len(text) + 1)], capture_output=True, text=True)
+    assert short.returncode == 2 and "not the whole file" in short.stderr
+    assert json.loads(out.read_text()) == got
+    whole = subprocess.run([*args, "--total-chars", str(len(text))], capture_output=True, text=True)
+    assert whole.returncode == 0, whole.stderr

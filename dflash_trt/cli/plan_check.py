@@ -44,7 +44,7 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
     from ..plan.metrics import ENGINES
     from .options import positive_int
 
-    actions = plan_parser.add_subparsers(dest="plan_action", metavar="check", required=False)
+    actions = plan_parser.add_subparsers(dest="plan_action", metavar="check|overlay", required=False)
     c = actions.add_parser(
         "check",
         help="check a plan against an engine's own metrics (exit 3 when its predicted gain no longer holds)",
@@ -75,9 +75,41 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
         "--api-key-file",
         type=Path,
         default=None,
-        help="exporter: /metrics needs `Authorization: Bearer KEY` with the key in this file (as serve's)",
+        help="the API key's file: a check sends it (`Authorization: Bearer KEY`, as the ServiceMonitor does), the "
+        "exporter asks every /metrics scrape for it",
     )
     c.set_defaults(func=cmd_check)
+    o = actions.add_parser(
+        "overlay",
+        help="fill a trtllm-serve overlay from a plan: its YAML with the pod's drafter path, its alert thresholds",
+        description=(
+            "Write trtllm-serve.yaml (the plan's, speculative_model set to the drafter folder as the pod mounts it, "
+            "checked against the LLM arguments TensorRT-LLM accepts at the pinned commit) and plan-alerts.env (the "
+            "plan's alert thresholds, which the overlay's kustomize replacements read) into an overlay folder, e.g. "
+            "deploy/k8s/trtllm-serve. Both are generated, never committed: without them the overlay does not render."
+        ),
+    )
+    o.add_argument("--plan", type=Path, required=True, help="the folder `dflash-trt plan --out` wrote")
+    o.add_argument("--out", type=Path, required=True, help="the overlay folder (deploy/k8s/trtllm-serve, ...)")
+    o.add_argument(
+        "--drafter-path",
+        default="/checkpoints/drafter",
+        help="the drafter folder inside the pod (/checkpoints/drafter)",
+    )
+    o.set_defaults(func=cmd_overlay)
+
+
+def cmd_overlay(args: argparse.Namespace) -> int:
+    from ..plan import overlay
+    from .options import CliError
+
+    try:
+        paths = overlay.write(args.plan, args.out, args.drafter_path)
+    except overlay.OverlayError as e:
+        raise CliError(str(e)) from None
+    for path in paths:
+        print(f"wrote {path}")
+    return 0
 
 
 def cmd_serve_metrics(args: argparse.Namespace) -> int:
@@ -102,7 +134,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     import json
     import sys
 
-    from ..plan import check, metrics
+    from ..plan import check, exporter, metrics
     from .options import CliError
 
     if args.serve_metrics is not None:
@@ -112,6 +144,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     path = args.plan / "plan.json" if args.plan.is_dir() else args.plan
     if args.samples < 2:
         raise CliError("--samples: a window needs 2 scrapes at least")
+    try:
+        key = exporter.read_key(args.api_key_file)
+    except (OSError, ValueError) as e:
+        raise CliError(f"--api-key-file: {e}") from None
     try:
         doc = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -123,7 +159,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         if notice:  # a plan written before drafted tokens became plan.json's one unit still checks
             print(f"{path}: {notice}", file=sys.stderr)
         check.cells(doc), check.planned_rates(doc)  # a plan the check cannot read fails before the window
-        obs = metrics.scrape(args.engine, args.url, args.window, args.samples)
+        obs = metrics.scrape(args.engine, args.url, args.window, args.samples, get=lambda u: metrics.fetch(u, key=key))
         report = check.check(doc, obs, args.tolerance)
     except (metrics.MetricsError, check.PlanDocError) as e:
         raise CliError(str(e)) from None

@@ -189,6 +189,7 @@ def serve(
 
     if poll_s > 0:
         threading.Thread(target=poller, daemon=True).start()
+
     def stopper() -> None:
         stop.wait()
         httpd.shutdown()

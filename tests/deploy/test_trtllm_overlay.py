@@ -1,0 +1,327 @@
+"""deploy/k8s/trtllm-serve (TensorRT-LLM's own DFlash engine) validated offline with the real tools of
+test_deploy.py (kubectl kustomize, kubernetes-validate and the vendored CRD schemas, promql-parser), and its pod's
+two commands run here: the FAKE trtllm-serve (tests/fake_trtllm_serve.py) in place of the NGC image's, and the real
+exporter sidecar, each with the command line the rendered Deployment gives it.
+
+- unfilled (no `dflash-trt plan overlay` yet) it does not render; filled from a plan, it renders, validates, holds
+  no placeholder, and its alert and autoscaler thresholds are plan.json's `alerts`;
+- the cluster rules every other overlay is held to (test_deploy.py's checks, called on this render);
+- the flags and probes against trtllm-serve's source (the stand-in parses the same command line), the exporter
+  the only reader of trtllm-serve's /metrics, tp = GPUs;
+- the stand-in refuses what llm_args.py at the pinned commit would, and the pod reaches ready with it: /health,
+  completions, the exporter's series, and `plan check --engine vllm` against the sidecar.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from deploy.test_deploy import K8S, K8S_VERSION, deploy_tools, kinds, one, parsed_names, queries, tool
+from deploy.test_deploy import test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas as empty_is_error
+from deploy.test_deploy import (
+    test_autoscaled_workloads_leave_replicas_to_keda_and_monitoring_carries_the_release_label as keda_and_release,
+)
+from deploy.test_deploy import test_every_overlay_has_a_budget_that_never_waits_on_unready_pods as budget
+from deploy.test_deploy import test_gpu_pods_request_cpu_memory_and_tolerate_the_gpu_taint as gpu_requests
+from deploy.test_deploy import test_least_privilege as least_privilege
+from deploy.test_deploy import test_network_policies_cover_every_pod_and_open_only_the_serving_ports as policies
+from deploy.test_deploy import test_references_resolve as references
+from deploy.test_deploy import test_scraping_reaches_the_http_pods_and_the_rules_select_its_job as scraping
+
+from dflash_trt.builders.trtllm_llm_args import yaml_problems
+from dflash_trt.cli.main import main
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+
+ROOT = Path(__file__).resolve().parents[2]
+OVERLAY = "trtllm-serve"
+STAND_IN = ROOT / "tests" / "fake_trtllm_serve.py"
+pytestmark = pytest.mark.timeout(600)
+
+
+def render(k8s: Path, overlay: str = OVERLAY) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(tool("kubectl")), "kustomize", str(k8s / overlay)], capture_output=True, text=True, timeout=120
+    )
+
+
+@pytest.fixture(scope="module")
+def plan_dir(tmp_path_factory):
+    """A small plan of the demo pair, with the drafter (so trtllm-serve.yaml has a speculative_config)."""
+    out = tmp_path_factory.mktemp("plan")
+    args = ["plan", "--out", str(out), "--no-progress", "--drafter", str(DEMO_DRAFTER), "--concurrency", "1,8"]
+    assert main([*args, "--min-requests", "8", "--prompt-len", "fixed:64", "--output-len", "fixed:48"]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def k8s_copy(tmp_path_factory):
+    """deploy/k8s copied without any generated file (the worktree's own may have been filled)."""
+    dst = tmp_path_factory.mktemp("k8s") / "k8s"
+    shutil.copytree(K8S, dst, ignore=shutil.ignore_patterns("trtllm-serve.yaml", "plan-alerts.env"))
+    return dst
+
+
+@pytest.fixture(scope="module")
+def filled(k8s_copy, plan_dir):
+    assert main(["plan", "overlay", "--plan", str(plan_dir), "--out", str(k8s_copy / OVERLAY)]) == 0
+    r = render(k8s_copy)
+    assert r.returncode == 0, r.stderr
+    return r.stdout, [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def test_an_unfilled_overlay_does_not_render(tmp_path):
+    shutil.copytree(K8S, tmp_path / "k8s", ignore=shutil.ignore_patterns("trtllm-serve.yaml", "plan-alerts.env"))
+    r = render(tmp_path / "k8s")
+    assert r.returncode != 0 and "trtllm-serve.yaml" in r.stderr
+
+
+def test_the_filled_overlay_renders_validates_and_holds_no_placeholder(filled, plan_dir):
+    text, docs = filled
+    assert {d["kind"] for d in docs} == {
+        "ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "ScaledObject", "PrometheusRule",
+        "ServiceMonitor", "NetworkPolicy",
+    }  # fmt: skip
+    assert deploy_tools(["validate", K8S_VERSION], docs) == []
+    # nothing base brings for the engine build is applied: no claim, no build scripts, no serve.sh
+    assert not kinds(docs, "PersistentVolumeClaim") and len(kinds(docs, "ConfigMap")) == 1
+    for token in ("FROM_PLAN", "DRAFTER", "local-config", str(ROOT)):
+        assert token not in text, token
+    (cm,) = kinds(docs, "ConfigMap")
+    served = yaml.safe_load(cm["data"]["trtllm-serve.yaml"])
+    assert yaml_problems(served) == []
+    assert served["speculative_config"]["speculative_model"] == "/checkpoints/drafter"
+    planned = yaml.safe_load((plan_dir / "trtllm-serve.yaml").read_text())
+    assert {k: v for k, v in served.items() if k != "speculative_config"} == {
+        k: v for k, v in planned.items() if k != "speculative_config"
+    }
+
+
+def test_the_thresholds_are_the_plans(filled, plan_dir):
+    _, docs = filled
+    alerts = json.loads((plan_dir / "plan.json").read_text())["alerts"]
+    rules = {r.get("alert") or r["record"]: r for r in one(docs, "PrometheusRule")["spec"]["groups"][0]["rules"]}
+    assert rules["DFlashPlanTauBelowPlan"]["expr"].split(" < ")[1].strip() == str(alerts["tau_floor"])
+    assert rules["DFlashBatchAbovePlan"]["expr"].split(" > ")[1].strip() == str(alerts["batch_above"])
+    triggers = {t["name"]: t for t in one(docs, "ScaledObject")["spec"]["triggers"]}
+    assert triggers["running-requests"]["metadata"]["threshold"] == str(alerts["batch_above"])
+    # another plan's numbers reach the render: nothing is a constant of the YAML
+    (plan_dir.parent / "other").mkdir(exist_ok=True)
+    other = plan_dir.parent / "other"
+    for f in ("trtllm-serve.yaml", "plan.json"):
+        shutil.copy(plan_dir / f, other / f)
+    doc = json.loads((other / "plan.json").read_text())
+    doc["alerts"] = {"tau_floor": 2.25, "batch_above": 96}
+    (other / "plan.json").write_text(json.dumps(doc))
+    k8s = plan_dir.parent / "k8s-other"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("trtllm-serve.yaml", "plan-alerts.env"))
+    assert main(["plan", "overlay", "--plan", str(other), "--out", str(k8s / OVERLAY)]) == 0
+    again = [d for d in yaml.safe_load_all(render(k8s).stdout) if d]
+    exprs = " ".join(r["expr"] for r in one(again, "PrometheusRule")["spec"]["groups"][0]["rules"])
+    assert "< 2.25" in exprs and "> 96" in exprs
+    assert {t["metadata"]["threshold"] for t in one(again, "ScaledObject")["spec"]["triggers"]} == {"4", "96"}
+
+
+def test_the_rules_every_overlay_is_held_to(filled):
+    """test_deploy.py's cluster rules on this render: references resolve, scraping reaches the server pods and the
+    rules select its job, no replicas under KEDA and the release label, GPU requests and toleration, empty queries
+    are errors with a holding fallback, the budget, least privilege, the network policies."""
+    rendered = {OVERLAY: filled[1]}
+    for rule in (references, scraping, keda_and_release, gpu_requests, empty_is_error, budget, least_privilege):
+        rule(rendered)
+    policies(rendered)
+    exprs, _ = queries(filled[1])
+    names = parsed_names(exprs)
+    vllm = {"vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_accepted_tokens_total"}
+    assert vllm | {"vllm:num_requests_running", "vllm:num_requests_waiting", "up"} <= names
+
+
+def _containers(docs):
+    spec = one(docs, "Deployment")["spec"]["template"]["spec"]
+    return spec, {c["name"]: c for c in spec["containers"]}
+
+
+def test_flags_probes_and_the_one_reader_of_trtllm_serves_metrics(filled):
+    _, docs = filled
+    spec, by_name = _containers(docs)
+    serve, side = by_name["trtllm-serve"], by_name["serve-metrics"]
+    cmd = serve["command"]
+    assert cmd[:2] == ["trtllm-serve", "/checkpoints/target"]
+    flags = dict(zip(cmd[2::2], cmd[3::2]))
+    assert flags["--backend"] == "pytorch" and flags["--host"] == "0.0.0.0"
+    assert flags["--extra_llm_api_options"] == "/config/trtllm-serve.yaml"
+    assert int(flags["--tp_size"]) == int(serve["resources"]["limits"]["nvidia.com/gpu"])  # tp inside the pod
+    port = {p["name"]: p["containerPort"] for p in serve["ports"]}["http"]
+    assert int(flags["--port"]) == port
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert serve[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # the sidecar reads trtllm-serve over the loopback, and the monitor scrapes the sidecar, never port http
+    assert f"http://127.0.0.1:{port}" in side["command"] and side["command"][:3] == ["dflash-trt", "plan", "check"]
+    sm = one(docs, "ServiceMonitor")["spec"]["endpoints"]
+    assert [e["port"] for e in sm] == ["metrics"] and sm[0]["authorization"]["credentials"]["name"] == "dflash-api-key"
+    assert "--api-key-file" in side["command"]
+    assert {m["name"] for m in serve["volumeMounts"]} & {"api-key"} == set()  # trtllm-serve has no key option
+    # the config comes from the generated ConfigMap, mounted where the flag points
+    (cm,) = kinds(docs, "ConfigMap")
+    (vol,) = [v for v in spec["volumes"] if v["name"] == "config"]
+    assert vol["configMap"]["name"] == cm["metadata"]["name"]
+    assert any(m["mountPath"] == "/config" and m["name"] == "config" for m in serve["volumeMounts"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _stand_in(argv, env=None):
+    import os
+
+    return subprocess.run(
+        [sys.executable, str(STAND_IN), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+    )
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"max_num_seqs": 8}, "max_num_seqs: not a TorchLlmArgs field"),
+        ({"enable_iter_perf_stats": "yes"}, "enable_iter_perf_stats"),
+        ({"speculative_config": {"decoding_type": "Eagle3", "max_draft_len": 7}}, "decoding_type"),
+        (
+            {"speculative_config": {"decoding_type": "DFlash", "max_draft_len": 7, "speculative_model": "DRAFTER"}},
+            "'DRAFTER' is not a drafter folder",
+        ),
+    ],  # fmt: skip
+)
+def test_the_stand_in_refuses_what_llm_args_would(tmp_path, change, named):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({"enable_iter_perf_stats": True, **change}))
+    r = _stand_in([str(DEMO_TARGET), "--backend", "pytorch", "--port", "0", "--extra_llm_api_options", str(cfg)])
+    assert r.returncode == 1 and named in r.stderr, r.stderr
+    bad_flag = _stand_in([str(DEMO_TARGET), "--max_num_seqs", "8"])
+    assert bad_flag.returncode == 2 and "max_num_seqs" in bad_flag.stderr  # click: no such option
+
+
+def test_the_pod_reaches_ready_with_the_stand_in_and_the_exporter_reads_it(filled, tmp_path, plan_dir, capsys):
+    """The rendered pod's two commands, as a pod runner would start them: trtllm-serve's with the stand-in in its
+    place (paths under /checkpoints and /config mapped to the demo pair and the ConfigMap's file), the sidecar's
+    as written. Ready on /health, completions served, the sidecar's series what the stand-in drafted, and
+    `plan check --engine vllm` against the sidecar reaches a verdict (exit 0 or 3, never an error)."""
+    _, docs = filled
+    _, by_name = _containers(docs)
+    (cm,) = kinds(docs, "ConfigMap")
+    served = yaml.safe_load(cm["data"]["trtllm-serve.yaml"])
+    served["speculative_config"]["speculative_model"] = str(DEMO_DRAFTER)  # the volume's mount, here
+    (tmp_path / "config").mkdir()
+    (tmp_path / "config" / "trtllm-serve.yaml").write_text(yaml.safe_dump(served))
+    key = tmp_path / "key"
+    key.write_text("k3y\n")
+    http, metrics_port = _free_port(), _free_port()
+    mapping = {
+        "/checkpoints/target": str(DEMO_TARGET),
+        "/config/trtllm-serve.yaml": str(tmp_path / "config" / "trtllm-serve.yaml"),
+        "8000": str(http),
+        "0.0.0.0": "127.0.0.1",
+        "http://127.0.0.1:8000": f"http://127.0.0.1:{http}",
+        "9400": str(metrics_port),
+        "/etc/dflash-api-key/key": str(key),
+    }
+    serve_cmd = [sys.executable, str(STAND_IN)] + [mapping.get(a, a) for a in by_name["trtllm-serve"]["command"][1:]]
+    side_cmd = [sys.executable, "-m", "dflash_trt.cli"] + [
+        mapping.get(a, a) for a in by_name["serve-metrics"]["command"][1:]
+    ]
+    side_cmd += ["--host", "127.0.0.1"]
+    procs = [subprocess.Popen(serve_cmd), subprocess.Popen(side_cmd, stdout=subprocess.DEVNULL)]
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # the startup probe: /health until 200
+            try:
+                if httpx.get(f"http://127.0.0.1:{http}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "never ready"
+            time.sleep(0.1)
+        auth = {"Authorization": "Bearer k3y"}
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{metrics_port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the sidecar never answered"
+            time.sleep(0.1)
+        for _ in range(6):
+            r = httpx.post(
+                f"http://127.0.0.1:{http}/v1/completions", json={"prompt": "a", "max_tokens": 32}, timeout=30
+            )
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 32
+        # the stand-in drafts 7 and accepts floor(0.5 * 7) = 3 a round: 32 tokens = 8 rounds of 4 per request
+        got: dict = {}
+        while got.get("vllm:spec_decode_num_drafts_total") != 48 and time.monotonic() < deadline:
+            text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", headers=auth, timeout=10).text
+            got = {s.name: s.value for f in _families(text) for s in f.samples}
+            time.sleep(0.1)
+        assert got["vllm:spec_decode_num_drafts_total"] == 48
+        assert got["vllm:spec_decode_num_draft_tokens_total"] == 48 * 7
+        assert got["vllm:spec_decode_num_accepted_tokens_total"] == 48 * 3
+        assert got["vllm:generation_tokens_total"] == 6 * 32 and got["vllm:num_requests_running"] >= 0
+        assert httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).status_code == 401
+        # `plan check` against the sidecar, as against vLLM, while requests keep coming
+        stop = threading.Event()
+
+        def load():
+            while not stop.is_set():
+                httpx.post(f"http://127.0.0.1:{http}/v1/completions", json={"max_tokens": 16}, timeout=30)
+
+        loader = threading.Thread(target=load, daemon=True)
+        loader.start()
+        side = f"http://127.0.0.1:{metrics_port}"
+        args = ["plan", "check", "--engine", "vllm", "--url", side, "--plan", str(plan_dir), "--window", "1"]
+        try:
+            assert main(args) == 1 and "Unauthorized" in capsys.readouterr().err  # the key is asked for
+            status = main([*args, "--api-key-file", str(key), "--save", str(tmp_path / "seen.json")])
+        finally:
+            stop.set()
+            loader.join(30)
+        out = capsys.readouterr().out
+        assert status in (0, 3), out
+        seen = json.loads((tmp_path / "seen.json").read_text())
+        assert seen["tau"] == pytest.approx(4.0) and seen["mean_drafts"] == pytest.approx(7.0)  # 1 + 3 of 7
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+    assert procs[0].returncode == 0  # SIGTERM: the stand-in stops serving and exits 0
+
+
+def _families(text):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return list(text_string_to_metric_families(text))
+
+
+def test_plan_overlay_refuses_what_trtllm_serve_would_and_a_relative_drafter_path(plan_dir, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(plan_dir, bad)
+    (bad / "trtllm-serve.yaml").write_text((plan_dir / "trtllm-serve.yaml").read_text() + "max_num_seqs: 8\n")
+    out = tmp_path / "out"
+    out.mkdir()
+    assert main(["plan", "overlay", "--plan", str(bad), "--out", str(out)]) == 1
+    assert "max_num_seqs: not a TorchLlmArgs field" in capsys.readouterr().err and not list(out.iterdir())
+    args = ["plan", "overlay", "--plan", str(plan_dir), "--out", str(out), "--drafter-path", "DRAFTER"]
+    assert main(args) == 1 and "absolute path" in capsys.readouterr().err

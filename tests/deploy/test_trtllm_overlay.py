@@ -325,3 +325,69 @@ def test_plan_overlay_refuses_what_trtllm_serve_would_and_a_relative_drafter_pat
     assert "max_num_seqs: not a TorchLlmArgs field" in capsys.readouterr().err and not list(out.iterdir())
     args = ["plan", "overlay", "--plan", str(plan_dir), "--out", str(out), "--drafter-path", "DRAFTER"]
     assert main(args) == 1 and "absolute path" in capsys.readouterr().err
+
+
+SBATCH = ROOT / "deploy" / "slurm" / "trtllm-serve.sbatch"
+
+
+def _run_sbatch(tmp_path, data, **env):
+    """The sbatch script under bash with FAKE `srun` / `scontrol` (no Slurm here) that record each call's argv."""
+    import os
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    calls = tmp_path / "calls.jsonl"
+    for name in ("srun", "scontrol"):
+        (bin_dir / name).write_text(
+            "#!/usr/bin/env python3\nimport json, sys\n"
+            f"open({str(calls)!r}, 'a').write(json.dumps([{name!r}, *sys.argv[1:]]) + '\\n')\n"
+            "if sys.argv[1:3] == ['show', 'hostnames']: print('node-a'); print('node-b')\n"
+        )
+        (bin_dir / name).chmod(0o755)
+    base = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_NTASKS": "8", "SLURM_JOB_NODELIST": "node-[a-b]"}
+    r = subprocess.run(
+        ["bash", str(SBATCH)],
+        env={**base, "TRTLLM_IMAGE": "nvcr.io#nvidia/tensorrt-llm/release:1.3.0rc26", "DFLASH_DATA": str(data), **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    got = [json.loads(line) for line in calls.read_text().splitlines()] if calls.exists() else []
+    return r, got
+
+
+def test_the_sbatch_command_lines_parse_as_trtllm_serve_and_the_exporter_take_them(tmp_path, plan_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    shutil.copytree(DEMO_TARGET, data / "target")
+    shutil.copytree(DEMO_DRAFTER, data / "drafter")
+    r, _ = _run_sbatch(tmp_path, data)
+    assert r.returncode == 2 and "plan overlay" in r.stderr  # unfilled: refused, nothing started
+    args = ["plan", "overlay", "--plan", str(plan_dir), "--out", str(data), "--drafter-path", str(data / "drafter")]
+    assert main(args) == 0
+    key = data / "key"
+    key.write_text("k\n")
+    r, calls = _run_sbatch(tmp_path, data, DFLASH_IMAGE="dflash-trt.sqsh", DFLASH_TRT_API_KEY_FILE=str(key))
+    assert r.returncode == 0, r.stderr
+    sruns = [c[1:] for c in calls if c[0] == "srun"]
+    serve = next(c for c in sruns if "trtllm-llmapi-launch" in c)
+    assert "--mpi=pmix" in serve and f"--container-mounts={data}:{data}:ro" in serve
+    argv = serve[serve.index("trtllm-llmapi-launch") + 2 :]  # after `trtllm-llmapi-launch trtllm-serve`
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_trtllm_serve import load_args, parser
+
+    parsed = parser().parse_args(argv)  # the options trtllm-serve's click command defines (serve.py at 00209af1)
+    assert parsed.tensor_parallel_size == 8 and parsed.backend == "pytorch" and parsed.host == "0.0.0.0"
+    assert load_args(parsed)["speculative_config"]["speculative_model"] == str(data / "drafter")
+    side = next(c for c in sruns if "--serve-metrics" in c)
+    from dflash_trt.cli.main import build_parser
+
+    ns = build_parser().parse_args(side[side.index("dflash-trt") + 1 :])
+    assert ns.engine == "trtllm" and ns.url == "http://node-a:8000" and ns.serve_metrics == 9400
+    assert ns.api_key_file == key and "--nodelist=node-a" in side and "--overlap" in side
+    # a drafter folder the nodes do not have is refused before anything starts
+    yaml_file = data / "trtllm-serve.yaml"
+    yaml_file.write_text(yaml_file.read_text().replace(str(data / "drafter"), "/nowhere/drafter"))
+    (tmp_path / "again").mkdir()
+    r, _ = _run_sbatch(tmp_path / "again", data)
+    assert r.returncode == 2 and "/nowhere/drafter" in r.stderr

@@ -391,3 +391,104 @@ def test_the_sbatch_command_lines_parse_as_trtllm_serve_and_the_exporter_take_th
     (tmp_path / "again").mkdir()
     r, _ = _run_sbatch(tmp_path / "again", data)
     assert r.returncode == 2 and "/nowhere/drafter" in r.stderr
+
+
+MULTI = "trtllm-serve-multi-node"
+
+
+@pytest.fixture(scope="module")
+def multi(filled, k8s_copy):
+    """The LeaderWorkerSet variant, over the one-node overlay `filled` filled."""
+    r = render(k8s_copy, MULTI)
+    assert r.returncode == 0, r.stderr
+    return [d for d in yaml.safe_load_all(r.stdout) if d]
+
+
+def test_the_multi_node_variant_renders_validates_and_keeps_the_rules(multi, filled):
+    assert deploy_tools(["validate", K8S_VERSION], multi) == []
+    assert not kinds(multi, "Deployment") and len(kinds(multi, "LeaderWorkerSet")) == 1
+    rendered = {MULTI: multi}
+    for rule in (references, scraping, keda_and_release, gpu_requests, empty_is_error, budget):
+        rule(rendered)
+    policies(rendered)
+    # the one-node overlay's config, thresholds and monitor carry over unchanged
+    for kind in ("PrometheusRule", "ServiceMonitor", "ConfigMap"):
+        names = {d["metadata"]["name"] for d in kinds(filled[1], kind)}
+        assert names <= {d["metadata"]["name"] for d in kinds(multi, kind)}, kind
+    assert one(multi, "PrometheusRule") == one(filled[1], "PrometheusRule")
+    # least privilege as deploy/k8s/multi-node's groups: root for IPC_LOCK and sshd only, keys split by role; the
+    # exporter a non-root user with no capability
+    lwt = one(multi, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    for role, key, want in (
+        ("leader", "leaderTemplate", "id_ed25519"),
+        ("worker", "workerTemplate", "authorized_keys"),
+    ):
+        spec = lwt[key]["spec"]
+        assert spec["automountServiceAccountToken"] is False and spec["securityContext"]["runAsUser"] == 0
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (ssh,) = [v["secret"] for v in spec["volumes"] if v["name"] == "ssh"]
+        assert ssh["items"] == [{"key": want, "path": want}], role
+        for c in spec["containers"]:
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False and not sc.get("privileged")
+            if c["name"] == "serve-metrics":
+                assert sc["capabilities"] == {"drop": ["ALL"]} and sc["runAsNonRoot"] and sc["runAsUser"] == 10001
+            else:
+                assert sc["capabilities"] == {"add": ["IPC_LOCK"]}, c["name"]
+    assert lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader = {c["name"]: c for c in lwt["leaderTemplate"]["spec"]["containers"]}["leader"]
+    env = {e["name"]: e.get("value") for e in leader["env"]}
+    assert int(env["DFLASH_GPUS_PER_POD"]) == int(leader["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes(tmp_path):
+    """trtllm-group.sh as a leader with FAKE ssh and mpirun on PATH (no cluster here) that record their argv: the
+    world is size x GPUs, over every pod of the group, and what each rank runs parses as trtllm-serve's options."""
+    import os
+
+    script = K8S / MULTI / "trtllm-group.sh"
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.jsonl"
+    (tmp_path / "mpi" / "bin").mkdir(parents=True)
+    bin_dir.mkdir()
+    recorder = (
+        "#!/usr/bin/env python3\nimport json, sys, os\n"
+        f"open({str(calls)!r}, 'a').write(json.dumps([os.path.basename(sys.argv[0]), *sys.argv[1:]]) + '\\n')\n"
+    )
+    for path in (bin_dir / "ssh", tmp_path / "mpi" / "bin" / "mpirun"):
+        path.write_text(recorder)
+        path.chmod(0o755)
+    secret = tmp_path / "secret"
+    secret.mkdir()
+    (secret / "id_ed25519").write_text("key\n")
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "TRTLLM_ROLE": "leader",
+        "DFLASH_GPUS_PER_POD": "4",
+        "LWS_GROUP_SIZE": "3",
+        "LWS_LEADER_ADDRESS": "dflash-trt-group-0.dflash-trt-group.ns",
+        "DFLASH_SSH_SECRET": str(secret),
+        "DFLASH_SSHD_DIR": str(tmp_path / "sshd"),
+        "DFLASH_MPI_PREFIX": str(tmp_path / "mpi"),
+        "NCCL_SOCKET_IFNAME": "eth0",
+    }
+    r = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert [c[-2] for c in got if c[0] == "ssh"] == [
+        "dflash-trt-group-0-1.dflash-trt-group.ns",
+        "dflash-trt-group-0-2.dflash-trt-group.ns",
+    ]
+    (mpirun,) = [c[1:] for c in got if c[0] == "mpirun"]
+    assert mpirun[mpirun.index("-n") + 1] == "12" and "NCCL_SOCKET_IFNAME" in mpirun
+    hosts = (tmp_path / "sshd" / "hostfile").read_text().split("\n")
+    assert [h.split()[1] for h in hosts if h] == ["slots=4"] * 3
+    rank = mpirun[mpirun.index("trtllm-llmapi-launch") + 1 :]
+    assert rank[0] == "trtllm-serve"
+    sys.path.insert(0, str(ROOT / "tests"))
+    from fake_trtllm_serve import parser
+
+    parsed = parser().parse_args(rank[1:])
+    assert parsed.model == "/checkpoints/target" and parsed.tensor_parallel_size == 12
+    assert parsed.extra_llm_api_options == "/config/trtllm-serve.yaml" and parsed.host == "0.0.0.0"
+    bad = subprocess.run(["bash", str(script)], env={**env, "TRTLLM_ROLE": "x"}, capture_output=True, text=True)
+    assert bad.returncode == 2 and "leader or worker" in bad.stderr

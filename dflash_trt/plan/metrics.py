@@ -447,9 +447,11 @@ def metrics_url(url: str) -> str:
     return url if urlsplit(url).path not in ("", "/") else url.rstrip("/") + "/metrics"
 
 
-def fetch(url: str, timeout: float = 10.0) -> str:
+def fetch(url: str, timeout: float = 10.0, key: str | None = None) -> str:
+    """GET url's body; with `key`, as `Authorization: Bearer KEY` (this project's server and the exporter)."""
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"} if key is not None else {})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
             return str(r.read().decode())
     except (urllib.error.URLError, OSError) as e:
         raise MetricsError(f"cannot scrape {url}: {getattr(e, 'reason', e)}") from None

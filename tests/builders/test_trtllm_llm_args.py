@@ -17,54 +17,16 @@ import sys
 import pytest
 from builders.test_trtllm_serve_config import check_like_decoding_base_config
 
+from dflash_trt.builders.trtllm_llm_args import COMMIT, RECORD, accepts, fields_of, yaml_problems
 from dflash_trt.settings import REPO_ROOT
 
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("matplotlib")
 
-COMMIT = "0004396720054fd8e205cbf616f21f0b57c6b412"
-DATA = REPO_ROOT / "data" / "upstream" / f"trtllm-llm-args-{COMMIT[:8]}.json"
+DATA = RECORD
 SCRIPT = REPO_ROOT / "scripts" / "trtllm_llm_args.py"
 COPY = REPO_ROOT / ".cache" / "upstream" / f"llm_args-{COMMIT}.py"
 UPSTREAM_CHARS = 314102  # read_file's total_chars for the file at COMMIT
-
-
-def accepts(rule, value):
-    """Whether a value passes a field's rule as the script records it (type, bounds, literal values)."""
-    if value is None:
-        return bool(rule.get("optional"))
-    kind = rule["type"]
-    if kind == "union":
-        return any(accepts(r, value) for r in rule["any_of"])
-    if kind == "literal":
-        return value in rule["values"]
-    if kind == "bool":
-        return isinstance(value, bool)
-    if kind in ("int", "float"):
-        if isinstance(value, bool) or not isinstance(value, (int, float) if kind == "float" else int):
-            return False
-        bounds = {"ge": value >= rule.get("ge", value), "gt": "gt" not in rule or value > rule["gt"]}
-        bounds |= {"le": value <= rule.get("le", value), "lt": "lt" not in rule or value < rule["lt"]}
-        return all(bounds.values())
-    if kind in ("str", "path"):
-        return isinstance(value, str)
-    if kind == "list":
-        return isinstance(value, list) and all(accepts(rule["items"], v) for v in value)
-    if kind == "dict":
-        return isinstance(value, dict) and all(
-            accepts(rule["keys"], k) and accepts(rule["values_of"], v) for k, v in value.items()
-        )
-    return False  # "other": a class this record does not describe; no key the plan writes may need one
-
-
-def fields_of(record, name):
-    """A class's fields with those of its bases in the record (a subclass's own declaration wins)."""
-    cls = record["classes"][name]
-    out = {}
-    for base in cls["bases"]:
-        if base in record["classes"]:
-            out |= fields_of(record, base)
-    return out | cls["fields"]
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +48,7 @@ def check_yaml(record, loaded):
             assert key in spec_fields, f"speculative_config.{key}: not a DFlashDecodingConfig field"
             assert accepts(spec_fields[key]["rule"], value), (key, value, spec_fields[key]["rule"])
         check_like_decoding_base_config(spec)
+    assert yaml_problems(loaded, record) == []  # the package's check (plan overlay, the stand-in) agrees
 
 
 def test_the_record_names_its_source_and_the_classes_the_yaml_is_read_as(record):
@@ -234,3 +197,25 @@ def test_the_script_extracts_fields_rules_and_bases_from_a_source(tmp_path):
     assert json.loads(out.read_text()) == got
     whole = subprocess.run([*args, "--total-chars", str(len(text))], capture_output=True, text=True)
     assert whole.returncode == 0, whole.stderr
+
+
+def test_yaml_problems_names_each_refused_key_and_value(record):
+    """The package's check (what `plan overlay` and the stand-in trtllm-serve refuse) on a YAML with one fault of
+    each kind: an unknown top-level key, a bad top-level value, an unknown speculative_config key, a literal
+    outside its values, and a schedule whose smallest key does not map to max_draft_len."""
+    bad = {
+        "max_num_seqs": 8,
+        "enable_iter_perf_stats": "yes",
+        "speculative_config": {
+            "decoding_type": "DFlash",
+            "max_draft_len": 7,
+            "num_speculative_tokens": 7,
+            "attention_backend": "FA4",
+            "draft_len_schedule": {1: 5, 8: 3},
+        },
+    }
+    got = yaml_problems(bad, record)
+    for part in ("max_num_seqs", "enable_iter_perf_stats", "num_speculative_tokens", "attention_backend", "smallest"):
+        assert sum(part in p for p in got) == 1, (part, got)
+    assert len(got) == 5 and all(COMMIT[:8] in p for p in got[:4])
+    assert yaml_problems([1, 2], record) == ["the YAML is not a mapping of LLM arguments"]

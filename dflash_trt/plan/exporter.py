@@ -1,0 +1,205 @@
+"""`plan check --serve-metrics`: trtllm-serve's JSON iteration statistics as Prometheus series under vLLM's names.
+
+trtllm-serve publishes drafts and acceptance only as JSON (GET /metrics, a list of the iteration statistics queued
+since the last call, drained by each call: tensorrt_llm/serve/openai_server.py get_iteration_stats,
+NVIDIA/TensorRT-LLM 00057725; its /prometheus/metrics has no speculative series, docs/gpu.md). This sidecar polls
+that list and keeps running totals, so the ServiceMonitor, the PrometheusRule's plan alerts, the KEDA triggers
+and `plan check --engine vllm` read a trtllm-serve pod exactly as they read vLLM:
+
+  vllm:spec_decode_num_drafts_total          sum of specDecodingStats.numRequestsWithDraftTokens (a request's
+                                             drafting round, as vLLM counts a draft per request per step)
+  vllm:spec_decode_num_draft_tokens_total    sum of specDecodingStats.numDraftTokens
+  vllm:spec_decode_num_accepted_tokens_total sum of specDecodingStats.numAcceptedTokens (drafts kept, the bonus
+                                             token excluded, as vLLM's)
+  vllm:generation_tokens_total               sum of inflightBatchingStats.numGenRequests + numAcceptedTokens
+                                             (each generation request commits one token plus its accepted drafts)
+  vllm:num_requests_running                  numActiveRequests of the newest iteration polled
+  vllm:num_requests_waiting                  numQueuedRequests of the newest iteration polled
+
+(vLLM's names: vllm/v1/spec_decode/metrics.py and vllm/v1/metrics/loggers.py at vllm-project/vllm 016a8587; the
+iteration fields: cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats, read through
+dflash_trt.plan.metrics, whose parser this reuses.) Per-position acceptance is not published by trtllm-serve,
+so vllm:spec_decode_num_accepted_tokens_per_pos is absent, as on an engine without it.
+
+Polling: every `poll_s` seconds in the background and once more at each scrape, so totals are current when read
+and the engine's queue (the last max_stats_len iterations, 1000 by default) is drained well before it overflows;
+a poll that returns that many iterations may have lost older ones, counted in dflash_trtllm_full_polls_total.
+A scrape whose poll fails (trtllm-serve down) answers 500, so Prometheus' `up` turns 0 rather than the series
+going flat. The totals live in this process: a restarted sidecar starts from 0, which Prometheus' rate() reads
+as a counter reset.
+"""
+
+from __future__ import annotations
+
+import hmac
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from . import metrics
+
+# vLLM's family names (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers.py at 016a8587): the names
+# dflash_trt.plan.metrics reads for engine "vllm", so one table serves both sides
+VLLM_COUNTERS = {
+    "drafts": "vllm:spec_decode_num_drafts",
+    "draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "accepted": "vllm:spec_decode_num_accepted_tokens",
+    "generated": "vllm:generation_tokens",
+}
+VLLM_RUNNING, VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
+FULL_POLLS = "dflash_trtllm_full_polls"
+
+
+class TrtllmTotals(Collector):
+    """Running totals of trtllm-serve's iteration statistics, exposed as the vLLM series above."""
+
+    def __init__(self, url: str, get: Callable[[str], str] = metrics.fetch):
+        self.url = metrics.metrics_url(url)
+        self.get = get
+        self.lock = threading.Lock()
+        self.totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
+        self.running: float | None = None
+        self.waiting: float | None = None
+        self.iterations = 0
+        self.full_polls = 0
+
+    def poll(self) -> int:
+        """Drain trtllm-serve's queue once and add what it held; returns the iterations read (MetricsError on an
+        unreachable engine or a body that is not the JSON list)."""
+        with self.lock:
+            sample = metrics.read_trtllm(self.get(self.url), time.monotonic())
+            for it in sample.iterations:
+                spec = it.get(metrics.TRTLLM_SPEC) or {}
+                gen = (it.get("inflightBatchingStats") or {}).get("numGenRequests", 0)
+                self.totals["drafts"] += spec.get("numRequestsWithDraftTokens", 0)
+                self.totals["draft_tokens"] += spec.get("numDraftTokens", 0)
+                self.totals["accepted"] += spec.get("numAcceptedTokens", 0)
+                self.totals["generated"] += gen + spec.get("numAcceptedTokens", 0)
+            if sample.iterations:
+                newest = max(sample.iterations, key=lambda i: i.get("iter", 0))
+                self.running = float(newest.get(metrics.TRTLLM_ACTIVE, 0))
+                self.waiting = float(newest.get("numQueuedRequests", 0))
+            self.iterations += len(sample.iterations)
+            if len(sample.iterations) >= metrics.TRTLLM_STATS_KEPT:
+                self.full_polls += 1
+            return len(sample.iterations)
+
+    def collect(self) -> Iterable[Metric]:
+        self.poll()  # a failed poll fails the scrape: `up` 0, never stale totals read as no traffic
+        return self.families()
+
+    def families(self) -> Iterator[Metric]:
+        with self.lock:
+            for key, name in VLLM_COUNTERS.items():
+                c = CounterMetricFamily(name, f"trtllm-serve iteration statistics: {key} (plan/exporter.py)")
+                c.add_metric([], self.totals[key])
+                yield c
+            # no gauge before the first iteration: an absent batch is an error to the check, never a batch of 0
+            for name, value in ((VLLM_RUNNING, self.running), (VLLM_WAITING, self.waiting)):
+                if value is not None:
+                    g = GaugeMetricFamily(name, "trtllm-serve's newest iteration statistics (plan/exporter.py)")
+                    g.add_metric([], value)
+                    yield g
+            f = CounterMetricFamily(FULL_POLLS, "polls that returned max_stats_len iterations (older ones lost)")
+            f.add_metric([], float(self.full_polls))
+            yield f
+
+
+def app(totals: TrtllmTotals, api_key: str | None) -> Callable[..., Iterable[bytes]]:
+    """The WSGI app: /metrics (Bearer key when one is set, as the ServiceMonitor sends it), /health open."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(totals)
+    prom = make_wsgi_app(registry)
+
+    def serve(environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "")
+        if path == "/health":
+            start("200 OK", [("Content-Type", "text/plain")])
+            return [b"ok\n"]
+        if path != "/metrics":
+            start("404 Not Found", [("Content-Type", "text/plain")])
+            return [b"not found\n"]
+        if api_key is not None:
+            sent = environ.get("HTTP_AUTHORIZATION", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {api_key}".encode()):
+                start("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+                return [b"unauthorized\n"]
+        try:
+            return list(prom(environ, start))
+        except metrics.MetricsError as e:
+            print(f"serve-metrics: scrape failed: {e}", file=sys.stderr, flush=True)
+            start("503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [f"{e}\n".encode()]
+
+    return serve
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # a scrape every 15 s would fill the log
+        pass
+
+
+class _Threading(WSGIServer):
+    daemon_threads = True
+
+
+def read_key(path: Path | None) -> str | None:
+    """The API key from its file (as `serve --api-key-file`): None without a file; an empty file is an error."""
+    if path is None:
+        return None
+    key = path.read_text().strip()
+    if not key:
+        raise ValueError(f"{path} is empty: an empty key would let every scraper in")
+    return key
+
+
+def serve(
+    url: str,
+    host: str,
+    port: int,
+    poll_s: float,
+    api_key: str | None,
+    ready: Callable[[int], None] | None = None,
+    stop: threading.Event | None = None,
+) -> None:
+    """Serve until `stop` is set (or forever): polls every poll_s seconds in the background (0: at scrapes only)."""
+    from socketserver import ThreadingMixIn
+
+    class Server(ThreadingMixIn, _Threading):
+        pass
+
+    totals = TrtllmTotals(url)
+    stop = stop or threading.Event()
+    httpd = make_server(host, port, app(totals, api_key), server_class=Server, handler_class=_Quiet)
+
+    def poller() -> None:
+        while not stop.wait(poll_s):
+            try:
+                totals.poll()
+            except metrics.MetricsError as e:  # the engine still loading, or restarting: the next poll retries
+                print(f"serve-metrics: poll failed: {e}", file=sys.stderr, flush=True)
+
+    if poll_s > 0:
+        threading.Thread(target=poller, daemon=True).start()
+
+    def stopper() -> None:
+        stop.wait()
+        httpd.shutdown()
+
+    threading.Thread(target=stopper, daemon=True).start()
+    bound = httpd.server_address[1]
+    print(f'{{"event": "serve_metrics", "port": {bound}, "engine": "{totals.url}"}}', flush=True)
+    if ready is not None:
+        ready(int(bound))
+    try:
+        httpd.serve_forever(poll_interval=0.2)
+    finally:
+        httpd.server_close()

@@ -323,6 +323,7 @@ def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
         cfg.max_batch_size,
         cfg.max_seq_len,
         "no-context-logits",
+        "paged-context-fmha-in-half-precision-only",  # fp32 engines built before this rule reused KV blocks wrongly
         vers,
     )
 

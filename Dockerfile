@@ -49,12 +49,12 @@ COPY scripts ./scripts
 COPY models ./models
 # gpu-smoke's tiny random pair (a target whose heads split at tp 2) comes from this factory.
 COPY tests/tiny_models.py ./tests/tiny_models.py
-# The container's torch, transformers, tensorrt and tensorrt_llm stay as NVIDIA built them: pin the installed
-# versions, install the project (pyproject.toml has ranges: torch>=2.6, transformers>=4.57,<6) under those pins,
-# and fail the build if any of them changed anyway.
-RUN python3 scripts/container_pins.py > /tmp/container-pins.txt && cat /tmp/container-pins.txt && \
-    python3 -m pip install --no-cache-dir -c /tmp/container-pins.txt -e . && \
-    python3 scripts/container_pins.py --check /tmp/container-pins.txt && \
+# The container's torch, transformers, tensorrt and tensorrt_llm stay as NVIDIA built them: container_install.sh
+# pins the installed versions, installs the project (pyproject.toml has ranges: torch>=2.6, transformers>=4.57,<6;
+# and onnxruntime + onnxscript, which the drafter export imports and TensorRT-LLM's requirements do not hold)
+# under those pins, and fails the build if any of them changed anyway. The same script is what `dflash-trt engines`
+# names in a plain NGC container that lacks those modules.
+RUN scripts/container_install.sh && \
     mkdir -p .venv/bin && ln -s "$(command -v python3)" .venv/bin/python && \
     ln -s "$(command -v dflash-trt)" .venv/bin/dflash-trt && touch .venv/.installed
 # The runtime user, never root: uid 10001 (deploy/k8s runs the pods as it, runAsNonRoot; NVIDIA's images keep 1000

@@ -227,7 +227,9 @@ serve: venv
 # SKIP with the reason (no GPU / tensorrt / tensorrt_llm). At TP > 1 a target whose heads do not split into TP
 # ranks (the demo target) is replaced by a tiny random 8/2-head pair. Where python3 has tensorrt_llm (a TensorRT-LLM
 # container) that Python runs it on this checkout, no venv is built (a venv would hold a CPU torch without
-# tensorrt_llm and need a network), and a part that skips there counts as a failure. Other checkpoints or a CUDA
+# tensorrt_llm and need a network), and a part that skips there counts as a failure. A plain NGC TensorRT-LLM
+# container lacks onnxruntime and onnxscript (the drafter export's): run scripts/container_install.sh there first
+# (what the gpu image runs), or the engines part fails naming it. Other checkpoints or a CUDA
 # python of your own (one with dflash-trt installed): make gpu-smoke TP=2 GPU_SMOKE_ARGS="--target DIR --drafter DIR" GPU_SMOKE_PYTHON=python3
 TP ?= 1
 HAS_TRTLLM_PYTHON = $(shell python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('tensorrt_llm') is None)" 2>/dev/null && echo python3)

@@ -13,8 +13,11 @@ tables:
                   which run per row on the host's transformers: runtime/hybrid.py): speculative output == the
                   same target engine alone (greedy, block 1), in float32, and tau and tokens/s of DFlash (the
                   drafter's block), of the server's adaptive policy (its cost model measured on the GPU at
-                  start-up, `AdaptiveBlocks.measured`) and of the target alone at concurrency 1, 16 and 64 (the
-                  per-row families: 1 and 4) through the batched loop (BatchDecoder). Where the two outputs part,
+                  start-up, `AdaptiveBlocks.measured`, over 64 rows; the per-row families: 4) and of the target
+                  alone at concurrency 1, 16 and 64 (the per-row families: 1 and 4, each row a forward pass of
+                  its own) through the batched loop (BatchDecoder); the Qwen3.5 pair's target is steered to
+                  agree with its drafter (AGREEING_PAIR), so its rounds accept several drafts and roll back
+                  inside the block ("rollbacks_keeping_drafts"). Where the two outputs part,
                   the target's top-2 logit margin there is reported: below NEAR_TIE_SPREAD x the standard
                   deviation of those logits it is a near-tie (cuBLAS picks other kernels for a verify pass's GEMM
                   sizes than for one token's, so float32 sums round differently) and passes, else it fails;
@@ -24,7 +27,8 @@ tables:
                   (target shape, dtype, engine, tp, GPU; dflash_trt/costgrid.py): the input of `dflash-trt
                   trtllm-serve-config --cost-table` (which refuses it for another target) and of the serving
                   simulation's calibration ({"identity": {...}, "target": [{rows, tokens_per_row, context,
-                  seconds}], "drafter": [...]});
+                  seconds}], "drafter": [...]}), rewritten after every cell measured, so a run cut short
+                  keeps each cell it finished;
   README.md       the same as tables.
 
 Exit status 1 when speculative output differs from the target alone beyond a near-tie, or a pair errs or is
@@ -101,6 +105,14 @@ STAGE_SECONDS = {"pair": 30.0, "grid": 60.0}
 NEAR_TIE_SPREAD = 1e-3
 # The tiny random pairs of the families that run per row (runtime/hybrid.py), built from their configs.
 FAMILY_PAIRS = ("qwen3_5", "gemma4", "gpt_oss")
+# The per-row pair whose target is steered to agree with its random drafter (models/tiny.py steer_to_agree): its
+# rounds accept several drafts and then reject one, so the verify pass is rolled back inside the block, Gated
+# DeltaNet state included, on the device (random weights alone accept almost nothing and never get there).
+AGREEING_PAIR = "qwen3_5"
+AGREEING_TOKEN = 7
+# Rows of a per-row family's adaptive start-up measurement and its largest concurrency: each row is its own
+# forward pass there, so 64 rows cost 64 passes a step (minutes of the budget, leaving none for the cost grid).
+PER_ROW_ROWS = 4
 
 
 def carry_files(root: Path = ROOT) -> list[Path]:
@@ -186,6 +198,10 @@ def family_pair(family: str):
         drafter = make_tiny_drafter(model.config, None, layers=1, block_size=8).to(device)
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, 500, (int(n),), generator=g).tolist() for n in (5, 11, 17, 23)]
+        if family == AGREEING_PAIR:
+            from dflash_trt.models.tiny import steer_to_agree
+
+            steer_to_agree(model, prompts, AGREEING_TOKEN)
         return model, drafter, prompts
 
     return make
@@ -255,6 +271,23 @@ def equality(model, prompts, spec, alone, adapted) -> dict[str, Any]:
     }
 
 
+def stage_sizes(per_row: bool, quick: bool) -> dict[str, Any]:
+    """A pair stage's sizes: new tokens per prompt, rows of the adaptive start-up measurement (what `serve
+    --max-active` would hold) and the concurrencies timed. --quick: a CPU's dry run. A per-row family runs each
+    row as its own forward pass: PER_ROW_ROWS rows, not 64."""
+    if quick:
+        return {"max_new": 8, "rows": 4, "levels": (1, 2)}
+    if per_row:
+        return {"max_new": 48, "rows": PER_ROW_ROWS, "levels": (1, PER_ROW_ROWS)}
+    return {"max_new": 96, "rows": 64, "levels": (1, 16, 64)}
+
+
+def rollbacks_keeping_drafts(results, block_size: int) -> int:
+    """Rounds that accepted at least two drafts and rejected a later one: the verify pass's cache was rolled
+    back to a point inside the block that keeps several of its tokens (acceptance lengths count the bonus)."""
+    return sum(1 for r in results for n in r.stats.acceptance_lengths if 3 <= n < block_size)
+
+
 def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[str, Any]:
     """Equality (speculative == the same engine alone, up to near-ties) and tau / tokens/s at each concurrency."""
     import torch
@@ -267,7 +300,8 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
     model, drafter, prompts = make(device)
     target, draft = engines(model, drafter)
     per_row = target.per_row_reason is not None
-    max_new = 8 if quick else 48 if per_row else 96
+    sizes = stage_sizes(per_row, quick)
+    max_new = sizes["max_new"]
     if quick:
         prompts = prompts[:2]
     result: dict[str, Any] = {"pair": name, "max_new_tokens": max_new, "dtype": "float32"}
@@ -277,17 +311,19 @@ def pair_stage(name: str, make, device: str, clock: Clock, quick: bool) -> dict[
     run_batch(target, draft, prompts[:2], 4, 1, device)
     spec, _ = run_batch(target, draft, prompts, max_new, None, device)
     alone, _ = run_batch(target, draft, prompts, max_new, 1, device)
+    taus = [r.stats.mean_acceptance_length for r in spec if r.stats.acceptance_lengths]
+    result["tau"] = round(sum(taus) / len(taus), 3) if taus else None
+    result["rollbacks_keeping_drafts"] = rollbacks_keeping_drafts(spec, drafter.spec.block_size)
     # the server's adaptive policy, its cost model measured here at start-up (on CUDA: the token curve, knees,
     # 4-row probes, every timing after the device is done), as `dflash-trt serve --max-active 64` would
     t0 = time.perf_counter()
     timer = pass_clock(target, draft)
-    rows = 4 if quick else 64  # --quick: a CPU's dry run (64 rows of a per-row family are 64 forwards a pass)
+    rows = sizes["rows"]
     adaptive = BatchDecoder(target, draft, policy=AdaptiveBlocks.measured(target, draft, rows, timer), clock=timer)
-    result["adaptive_start_up_s"] = round(time.perf_counter() - t0, 2)
+    result["adaptive_start_up_s"], result["adaptive_rows"] = round(time.perf_counter() - t0, 2), rows
     adapted, _ = run_batch(target, draft, prompts, max_new, None, device, adaptive)
     result["equal"] = equality(model, prompts, spec, alone, adapted)
-    levels = (1, 2) if quick else (1, 4) if per_row else (1, 16, 64)
-    result["throughput"] = throughput(target, draft, adaptive, prompts, max_new, levels, device, clock)
+    result["throughput"] = throughput(target, draft, adaptive, prompts, max_new, sizes["levels"], device, clock)
     del model, drafter, target, draft
     return result
 
@@ -374,7 +410,10 @@ def shape_models(device: str, quick: bool, grid_target: Path | None = None):
     return model.to(dtype), drafter.to(dtype), shape
 
 
-def cost_grid_stage(device: str, clock: Clock, quick: bool, grid_target: Path | None = None) -> dict[str, Any]:
+def cost_grid_stage(
+    device: str, clock: Clock, quick: bool, grid_target: Path | None = None, on_cell=None
+) -> dict[str, Any]:
+    """The cost grid, cell by cell: `on_cell(grid)` after every cell appended (the caller writes it out)."""
     import torch
 
     from dflash_trt.costgrid import grid_identity
@@ -438,6 +477,8 @@ def cost_grid_stage(device: str, clock: Clock, quick: bool, grid_target: Path | 
 
                 entry = {"rows": rows, "tokens_per_row": t, "context": context, "seconds": timed(one_pass)}
                 grid["target"].append(entry)
+                if on_cell is not None:
+                    on_cell(grid)
             del sess
             dsess = draft.new_session()
             dh = [dsess.add_row() for _ in range(rows)]
@@ -453,6 +494,8 @@ def cost_grid_stage(device: str, clock: Clock, quick: bool, grid_target: Path | 
                 seconds = timed(lambda b=b, dsess=dsess, dh=dh: dsess.draft([DraftRequest(h, one, 1, b) for h in dh]))
                 # each timed call adds one feature per row: the context grows by repeats + 1 tokens, noted here
                 grid["drafter"].append({"rows": rows, "tokens_per_row": b, "context": context, "seconds": seconds})
+                if on_cell is not None:
+                    on_cell(grid)
             del dsess
             if torch.device(device).type == "cuda":
                 torch.cuda.empty_cache()
@@ -551,17 +594,25 @@ def run_pairs(names: list[str], args, clock: Clock, summary: dict[str, Any]) -> 
 
 
 def run_grid(args, clock: Clock, summary: dict[str, Any]) -> dict[str, Any] | None:
+    """The cost grid, its files rewritten after every cell (a run killed or failing mid-grid keeps the cells it
+    measured); on an error, the cells measured before it and the error."""
     if args.no_grid:
         return None
     why = time_left_for("grid", clock)
     if why is not None:
         summary["cost_grid_skipped"] = why
         return None
+    latest: list[dict[str, Any]] = []
+
+    def written(grid: dict[str, Any]) -> None:
+        latest[:] = [grid]
+        write_results(args.out, summary, grid, clock)
+
     try:
-        return cost_grid_stage(args.device, clock, args.quick, args.grid_target)
+        return cost_grid_stage(args.device, clock, args.quick, args.grid_target, written)
     except Exception as e:  # noqa: BLE001
         summary["cost_grid_error"] = f"{type(e).__name__}: {e}"
-        return None
+        return latest[0] if latest else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

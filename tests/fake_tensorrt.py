@@ -294,9 +294,23 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
             # the engine's activation dtype (config.json pretrained_config.dtype, written by every build): the
             # dtype of its marked outputs
             self.dtype = getattr(torch, cfg["pretrained_config"]["dtype"])
-            self.tokens_per_block = build.get("plugin_config", {}).get("tokens_per_block", 4)
-            # trtGptModelInflightBatching.cpp fixExecutorConfig: context logits switch block reuse off
-            self.reuse = config.kv_cache_config.enable_block_reuse and not build.get("gather_context_logits", False)
+            plugin = build.get("plugin_config", {})
+            self.tokens_per_block = plugin.get("tokens_per_block", 4)
+            # trtGptModelInflightBatching.cpp fixExecutorConfig (b35ac1b6): context logits, or an engine built
+            # without paged context FMHA, switch block reuse off. A test config that omits the flag stands for
+            # an engine built with it (trtllm-build's default)
+            self.reuse = (
+                config.kv_cache_config.enable_block_reuse
+                and not build.get("gather_context_logits", False)
+                and plugin.get("use_paged_context_fmha", True)
+            )
+            # attentionOp.cpp (eea41b73) AttentionOp::initialize: context FMHA only for fp16 / bf16, any other
+            # dtype falls back to unfused MHA, whose context phase attends over the request's new tokens only
+            # (enqueueContext: attention_seq_len_2 = input_seq_length). Modelled where a config says outright
+            # that an fp32 engine has paged context FMHA (what build-target wrote before it built fp32 without)
+            self.unfused_context = cfg["pretrained_config"]["dtype"] not in ("float16", "bfloat16") and bool(
+                plugin.get("use_paged_context_fmha")
+            )
             self.gather_context_logits = build.get("gather_context_logits", False)
             # trtGptModel.h: maxInputLen = maxSequenceLen - 1 with chunked context, else min(that, maxNumTokens)
             limit = build["max_seq_len"] - 1
@@ -369,6 +383,11 @@ def make_trtllm_executor(calls: list, model_fn, rank: int = 0) -> types.ModuleTy
                     self.blocks.add((salt, tuple(tokens[:end])))
             ex.reused.append(reused)
             values = model_fn(tokens)
+            if reused and self.unfused_context:  # the new rows computed without the reused prefix
+                values = {
+                    k: np.concatenate([np.asarray(v)[:reused], np.asarray(model_fn(tokens[reused:])[k])])
+                    for k, v in values.items()
+                }
             outputs = []
             for o in wanted:
                 if o.name not in values:  # not marked in this engine: the runtime returns nothing under that name

@@ -47,6 +47,45 @@ class EnginesConfigError(ValueError):
     pass
 
 
+class EnginesDependencyError(RuntimeError):
+    """A module the engines step needs is not installed in this Python (the message names the install)."""
+
+
+# What the drafter's ONNX export imports (builders/onnx_drafter.py): onnx, onnxruntime's float16 converter, and
+# onnxscript, which torch.onnx.export(dynamo=True) needs. A TensorRT-LLM container holds only the first:
+# TensorRT-LLM's requirements.txt lists `onnx>=1.18.0,<1.20.0` and neither of the others (NVIDIA/TensorRT-LLM
+# requirements.txt at 000867d9b1ad62f3de1e54e111c094da492a5626, the 1.2.0 line: tensorrt~=10.13.3,
+# transformers==4.57.1). pyproject.toml lists all three; CONTAINER_INSTALL installs them into such a container.
+EXPORT_MODULES = ("onnx", "onnxruntime", "onnxscript")
+# The gpu image's Dockerfile runs this same script (tests/deploy/test_engines_build_script.py checks that).
+CONTAINER_INSTALL = "scripts/container_install.sh"
+
+
+def missing_export_modules() -> list[str]:
+    """The EXPORT_MODULES this Python cannot import (imported, not only found: a broken install counts too)."""
+    import importlib
+
+    missing = []
+    for name in EXPORT_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
+def check_export_modules() -> None:
+    """Refuse, before anything is built, where the drafter export could not run, naming the install."""
+    missing = missing_export_modules()
+    if missing:
+        raise EnginesDependencyError(
+            f"the engines step exports the drafter to ONNX, which needs {', '.join(missing)}, not installed in "
+            f"this Python (a TensorRT-LLM container ships onnx only). Install this project into it, keeping the "
+            f"container's torch and TensorRT-LLM, from the repository root: `{CONTAINER_INSTALL}` (what the gpu "
+            f"image's Dockerfile runs)"
+        )
+
+
 # Pipeline parallelism splits the target's layers over stages (ranks); the drafter conditions every block on hidden
 # states taken from several of those layers at once (the feature layers, spread over the depth), which no single
 # stage holds, and layer ids become stage-local (builders/trtllm_features.py refuses pp_size != 1 for that reason).
@@ -323,6 +362,7 @@ def _trtllm_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
         cfg.max_batch_size,
         cfg.max_seq_len,
         "no-context-logits",
+        "paged-context-fmha-in-half-precision-only",  # fp32 engines built before this rule reused KV blocks wrongly
         vers,
     )
 
@@ -434,6 +474,7 @@ def _run_step(step: BuildStep, ctx: BuildContext, previous: dict[str, Any], repo
 def build_engines(cfg: EnginesConfig, log: Callable[[str], Any] = print) -> tuple[dict[str, Any], BuildReport]:
     from ..config import load_drafter_config
 
+    check_export_modules()  # first: a missing module must stop the step before any engine is built
     _check_checkpoints(cfg)
     out = cfg.output
     out.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,17 @@ Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs/
     refuses them together with context logits, and additional outputs cannot be combined with external
     draft tokens (`cpp/tensorrt_llm/batch_manager/utils/inflightBatchingUtils.cpp`, copyAdditionalOutputs).
     A round is a plain context-phase request over the session's tokens; KV block reuse skips the prefix.
+  * KV block reuse only where the context phase runs fused attention, that is in half precision: TensorRT-LLM
+    falls back to unfused MHA for any other data type ("Fall back to unfused MHA because of unsupported data
+    type", cpp/tensorrt_llm/common/attentionOp.cpp AttentionOp::initialize at eea41b73a7bdddb1032ee255d8feb695e4811651),
+    and the unfused context path attends over the new tokens only (enqueueContext: `attention_seq_len_2 =
+    params.input_seq_length`, same file), so a request whose prefix blocks were reused would compute every new
+    row without its prefix. An fp32 engine is therefore built with `--use_paged_context_fmha disable`, and the
+    Executor then switches reuse off itself (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp
+    fixExecutorConfig at b35ac1b64368513d215c57d2ed01d62d910df8da: "KV cache reuse disabled because model was not
+    built with paged context FMHA support"); every round then re-runs the whole sequence, exact but slower.
+    trtllm-build keeps the flag as given for fp32 (tensorrt_llm/commands/build.py at
+    65f1d1536e18aea3380e6e270e00895a709333eb turns it off only for FP8 KV caches), so the builder must choose.
   * `--max_num_tokens >= --max_seq_len`: without chunked context the runtime accepts prompts of at most
     min(max_seq_len - 1, max_num_tokens) tokens (`cpp/tensorrt_llm/batch_manager/trtGptModel.h`); the engine
     advertises exactly that as its `max_context`.
@@ -92,6 +103,9 @@ WORKING_ROUTES = (
 )
 FEATURES_MODEL_FILE = Path(__file__).with_name("trtllm_features.py")
 TP_SIZES = (1, 2, 4, 8)
+# Engine dtypes whose context phase runs TensorRT-LLM's fused (paged) context FMHA, the only path on which KV
+# block reuse is correct (module docstring): attentionOp.cpp accepts kHALF and kBF16.
+FUSED_CONTEXT_DTYPES = ("float16", "bfloat16")
 # Flags this design must never pass (see the module docstring for the source of each refusal).
 FATAL_BUILD_FLAGS = ("--gather_context_logits", "--speculative_decoding_mode", "--max_draft_len")
 
@@ -122,6 +136,11 @@ class TargetBuildSpec:
     @property
     def node_gpus(self) -> int:
         return self.gpus_per_node if self.gpus_per_node is not None else self.tp
+
+    @property
+    def block_reuse(self) -> bool:
+        """Whether this engine may reuse KV blocks: only where its context attention is fused (half precision)."""
+        return self.dtype in FUSED_CONTEXT_DTYPES
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -279,8 +298,10 @@ def build_command(spec: TargetBuildSpec) -> list[str]:
         str(FEATURES_MODEL_FILE),
         "--model_cls_name",
         features_cls,
+        # KV block reuse needs paged context FMHA; an fp32 engine runs unfused attention, where reuse is wrong, so
+        # it is built without, and the Executor switches reuse off for it (module docstring)
         "--use_paged_context_fmha",
-        "enable",  # needed for KV block reuse with context FMHA
+        "enable" if spec.block_reuse else "disable",
         "--kv_cache_type",
         "paged",
         "--gemm_plugin",
@@ -359,6 +380,7 @@ def target_meta(plan: TargetBuildPlan) -> dict[str, Any]:
         "tp": plan.spec.tp,
         "gpus_per_node": plan.spec.node_gpus,
         "max_context": plan.spec.max_context,
+        "kv_block_reuse": plan.spec.block_reuse,
         "engine_dir": "engine",
         "target_dir": str(plan.spec.target_dir.resolve()),  # the lm_head and the tokenizer come from here
     }

@@ -241,7 +241,7 @@ def cmd_build_target(args: argparse.Namespace) -> int:
 def cmd_engines(args: argparse.Namespace) -> int:
     import time
 
-    from ..builders.engines import EnginesConfigError, build_engines, read_config
+    from ..builders.engines import EnginesConfigError, EnginesDependencyError, build_engines, read_config
     from ..config import ConfigError
     from ..settings import REPO_ROOT
 
@@ -253,7 +253,7 @@ def cmd_engines(args: argparse.Namespace) -> int:
             {"target": args.target, "drafter": args.drafter, "output": args.out, "tp": args.tp},
         )
         manifest, report = build_engines(cfg)
-    except (EnginesConfigError, ConfigError, FileNotFoundError, ValueError) as e:
+    except (EnginesConfigError, EnginesDependencyError, ConfigError, FileNotFoundError, ValueError) as e:
         _fail(e)
     for line in report.lines():
         print(line)

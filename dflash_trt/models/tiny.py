@@ -4,7 +4,7 @@ benchmarks of the code path (random weights show the plumbing, not acceptance)."
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen3Config
@@ -90,3 +90,51 @@ def make_tiny_drafter(
     if out is not None:
         drafter.save_pretrained(out)
     return drafter
+
+
+def steer_to_agree(model: CausalLM, prompts: list[list[int]], token: int, share: float = 0.8) -> float:
+    """Make a tiny random target predict `token` at about `share` of the positions of `prompts` (and of what it
+    generates after them), through the two weights its DFlash drafter shares with it, so that even a random
+    drafter drafts that token most of the time: rounds accept several drafts, then reject one, and the verify
+    pass's cache is rolled back to a point inside the block (random weights otherwise accept almost nothing).
+
+    How: every token's input embedding gets one large shared component (dimension 0), which the residual stream
+    carries to the final norm of the target and of the drafter (whose blocks start from the same embeddings), and
+    `token`'s output row reads only that component, scaled so that it beats the best other logit at `share` of
+    the calibration positions. The scale lies between two calibration ratios, never on one (no exact tie).
+    Returns that scale. The drafter is untouched: it agrees through the shared weights alone."""
+    output_layer = cast(torch.nn.Linear, model.get_output_embeddings())  # type: ignore[no-untyped-call]
+    embed = cast(torch.Tensor, model.get_input_embeddings().weight)
+    head = output_layer.weight
+    if embed.data_ptr() == head.data_ptr():
+        raise ValueError("steer_to_agree needs a target with untied input and output embeddings")
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"share must lie in (0, 1), got {share}")
+    captured: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def keep(_module: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+        captured.append((inputs[0].detach().float().flatten(0, -2), output.detach().float().flatten(0, -2)))
+
+    with torch.no_grad():
+        embed[:, 0] = 4.0 * float(embed[:, 1:].abs().max())
+        head[token] = 0.0
+        hook = output_layer.register_forward_hook(keep)
+        try:
+            device = embed.device
+            for ids in prompts:
+                model(input_ids=torch.tensor([ids], device=device))
+        finally:
+            hook.remove()
+        hidden = torch.cat([h for h, _ in captured])
+        logits = torch.cat([o for _, o in captured])
+        others = logits.clone()
+        others[:, token] = float("-inf")
+        best = others.max(dim=-1).values
+        lead = hidden[:, 0]
+        ratios = torch.where(lead > 0, best / lead.clamp_min(1e-12), torch.full_like(best, float("inf")))
+        ratios = ratios.sort().values
+        k = min(max(int(share * len(ratios)), 1), len(ratios) - 1)
+        low, high = float(ratios[k - 1]), float(ratios[k])
+        scale = (low + high) / 2 if high != float("inf") else low * 1.5 + 1e-3
+        head[token, 0] = scale
+    return scale

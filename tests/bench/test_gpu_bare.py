@@ -250,3 +250,51 @@ def test_the_family_pairs_run_per_row_on_the_cpu(tmp_path):
     assert rc == 0, pairs
     assert [p["pair"] for p in pairs] == ["tiny-qwen3_5", "tiny-gemma4", "tiny-gpt_oss"]
     assert all(p["equal"]["pass"] and p["equal"]["differ"] == [] and p["per_row"] for p in pairs)
+    # one pair's target is steered to agree with its drafter: rounds accept several drafts, then reject one, so
+    # the verify pass (Gated DeltaNet state included) is rolled back inside the block, still equal to the target
+    agreeing = next(p for p in pairs if p["pair"] == f"tiny-{gpu_bare.AGREEING_PAIR}")
+    assert agreeing["rollbacks_keeping_drafts"] >= 1 and agreeing["tau"] > 1.5, agreeing
+
+
+def test_per_row_families_run_few_rows():
+    """A per-row family runs every row as a forward pass of its own: its start-up measurement and its largest
+    concurrency hold PER_ROW_ROWS rows, not the 64 of the batched pairs (which took half the host's budget)."""
+    full, per_row = gpu_bare.stage_sizes(per_row=False, quick=False), gpu_bare.stage_sizes(per_row=True, quick=False)
+    assert full["rows"] == 64 and max(full["levels"]) == 64
+    assert per_row["rows"] == gpu_bare.PER_ROW_ROWS <= 4 and max(per_row["levels"]) == per_row["rows"]
+    assert per_row["max_new"] < full["max_new"]
+
+
+def test_the_cost_grid_is_on_disk_cell_by_cell_so_a_cut_keeps_what_was_measured(tmp_path, monkeypatch):
+    """Killed while timing its third cell, the run leaves the two cells it measured in cost_grid.json (a host's
+    time cut, or a kill, ends the script without a last write)."""
+    syncs = []
+
+    def cut_at_the_third_cell(device):
+        syncs.append(device)
+        if len(syncs) == 9:  # --quick: 2 timed passes x 2 synchronisations per cell
+            grid = json.loads((tmp_path / "cost_grid.json").read_text())
+            assert [(c["rows"], c["tokens_per_row"]) for c in grid["target"]] == [(1, 1), (1, 4)]
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(gpu_bare, "sync", cut_at_the_third_cell)
+    with pytest.raises(KeyboardInterrupt):
+        gpu_bare.main(["--device", "cpu", "--quick", "--pairs", "", "--max-minutes", "30", "--out", str(tmp_path)])
+    grid = json.loads((tmp_path / "cost_grid.json").read_text())
+    assert len(grid["target"]) == 2 and all(c["seconds"] > 0 for c in grid["target"])
+    assert "| target | 16 | 1 | 4 |" in (tmp_path / "README.md").read_text()
+
+
+def test_an_error_mid_grid_keeps_the_cells_measured_before_it(tmp_path, monkeypatch):
+    syncs = []
+
+    def breaks_at_the_third_cell(device):
+        syncs.append(device)
+        if len(syncs) == 9:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_bare, "sync", breaks_at_the_third_cell)
+    rc = gpu_bare.main(["--device", "cpu", "--quick", "--pairs", "", "--max-minutes", "30", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert rc == 0 and summary["cost_grid_error"].startswith("RuntimeError: CUDA error")
+    assert len(json.loads((tmp_path / "cost_grid.json").read_text())["target"]) == 2

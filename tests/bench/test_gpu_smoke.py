@@ -121,7 +121,9 @@ def test_generate_result_is_found_in_mpiruns_mixed_stdout():
 def test_tp2_replaces_a_target_whose_heads_do_not_split(tmp_path):
     from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
-    args = argparse.Namespace(target=DEMO_TARGET, drafter=DEMO_DRAFTER, tp=2, out=tmp_path / "engines")
+    args = argparse.Namespace(
+        target=DEMO_TARGET, drafter=DEMO_DRAFTER, tp=2, out=tmp_path / "engines", engine_precision="fp16"
+    )
     report = gpu_smoke.Report()
     gpu_smoke.tp_pair(args, report)
     assert args.target != DEMO_TARGET and (args.target / "config.json").is_file()
@@ -130,9 +132,15 @@ def test_tp2_replaces_a_target_whose_heads_do_not_split(tmp_path):
     assert "5 query heads do not divide by tp 2" in report.rows[0][2]
     from dflash_trt.builders.trtllm_target import plan_target_build, spec_from_checkpoints
 
-    assert args.engine_precision == "fp32"  # the random pair's engines are judged exactly
-    plan_target_build(spec_from_checkpoints(args.target, args.drafter, tmp_path / "e", tp=2))  # plans cleanly
-    kept = argparse.Namespace(target=args.target, drafter=args.drafter, tp=2, out=tmp_path / "engines")
+    # the pair keeps the half-precision engines, whose rounds reuse KV blocks as serving does (an fp32 engine runs
+    # unfused context attention and is built without reuse), judged up to near-ties
+    assert args.engine_precision == "fp16" and "engines in fp16" in report.rows[0][2]
+    plan = plan_target_build(spec_from_checkpoints(args.target, args.drafter, tmp_path / "e", tp=2))  # plans cleanly
+    build = plan.commands[1]
+    assert build[build.index("--use_paged_context_fmha") + 1] == "enable"
+    kept = argparse.Namespace(
+        target=args.target, drafter=args.drafter, tp=2, out=tmp_path / "engines", engine_precision="fp16"
+    )
     gpu_smoke.tp_pair(kept, gpu_smoke.Report())
     assert kept.target == args.target  # a target that splits is kept
 

@@ -75,6 +75,21 @@ def test_plan_for_each_tp(tp):
     assert launch[-4:] == ["dflash-trt", "serve", "--engines", "engines"]
 
 
+@pytest.mark.parametrize("dtype, reuse", [("float16", True), ("bfloat16", True), ("float32", False)])
+def test_kv_block_reuse_only_where_context_attention_is_fused(tmp_path, dtype, reuse):
+    """TensorRT-LLM runs fp32 context attention unfused, over the new tokens only (attentionOp.cpp), so a reused
+    prefix would be left out of every round: an fp32 engine is built without paged context FMHA, which makes the
+    Executor switch reuse off (fixExecutorConfig), and dflash_target.json records whether it reuses blocks."""
+    from dflash_trt.builders.trtllm_target import target_meta
+
+    plan = plan_target_build(spec(2, dtype=dtype), python="python3")
+    convert, build = plan.commands
+    assert flag(convert, "--dtype") == dtype
+    assert flag(build, "--use_paged_context_fmha") == ("enable" if reuse else "disable")
+    assert trtllm_build_refusals(build) == []
+    assert plan.spec.block_reuse is reuse and target_meta(plan)["kv_block_reuse"] is reuse
+
+
 def test_fake_build_check_refuses_the_previous_flags():
     """Negative control: the command line used before this design is refused by the modelled build.py."""
     old = [

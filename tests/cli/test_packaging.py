@@ -54,8 +54,12 @@ def test_gpu_image_ships_tensorrt_llm_1_2_and_keeps_the_containers_packages():
     image = re.search(r"ARG TRITON_TRTLLM_IMAGE=nvcr\.io/nvidia/tritonserver:(\d\d\.\d\d)-trtllm-python-py3", text)
     assert image and TRTLLM_IN_RELEASE[image.group(1)].startswith("1.2."), image and image.group(1)
     gpu = text[text.index("AS gpu") :]
-    assert "-c /tmp/container-pins.txt" in gpu and "container_pins.py --check" in gpu
-    assert not re.search(r"pip install[^\n]*(transformers|torch|tensorrt)", gpu)  # nothing upgrades them
+    # the gpu stage installs through scripts/container_install.sh: pins, install under them, check them after
+    assert "RUN scripts/container_install.sh" in gpu
+    install = (ROOT / "scripts" / "container_install.sh").read_text()
+    assert '-c "$PINS" -e .' in install and 'container_pins.py --check "$PINS"' in install
+    for step in (gpu, install):
+        assert not re.search(r"pip install[^\n]*(transformers|torch|tensorrt)", step)  # nothing upgrades them
     serve = (ROOT / "scripts" / "container_serve.sh").read_text()
     # by absolute path with --prefix (where the image's Open MPI lives), as deploy/k8s/base/scripts/serve.sh does
     assert '"$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" -n "$TP" --allow-run-as-root' in serve

@@ -183,3 +183,78 @@ def test_a_root_the_image_user_cannot_write_is_refused_by_name(shared):
     r = _as_image_user(shared, locked, run / "dflash")
     assert r.returncode == 0 and '"event": "engines_ready"' in r.stdout, r
     assert Path((run / "dflash" / "engines-dir").read_text().strip()).parent == locked
+
+
+# ---- the engines step in a TensorRT-LLM container without the drafter export's modules ----------------------
+def gpu_stage(dockerfile: str) -> list[str]:
+    """The gpu stage's instructions, continuation lines joined."""
+    text = dockerfile.split(" AS gpu\n", 1)[1].replace("\\\n", " ")
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_engines_step_without_onnxruntime_and_onnxscript_refuses_by_name_before_building(tmp_path, monkeypatch):
+    """TensorRT-LLM's requirements hold onnx but neither onnxruntime nor onnxscript: in such a Python the engines
+    step stops before any build with the modules and the install line, in process and through the real CLI."""
+    import sys
+
+    from dflash_trt.builders.engines import CONTAINER_INSTALL, EnginesConfig, EnginesDependencyError, build_engines
+
+    make_tiny_pair(tmp_path / "ckpt", vocab_size=64)
+    ckpt = tmp_path / "ckpt"
+    cfg = EnginesConfig(target=ckpt / "target", drafter=ckpt / "drafter", output=tmp_path / "engines")
+    for name in ("onnxruntime", "onnxscript"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ModuleNotFoundError
+    with pytest.raises(EnginesDependencyError) as e:
+        build_engines(cfg, log=lambda _: None)
+    assert "onnxruntime, onnxscript" in str(e.value) and f"`{CONTAINER_INSTALL}`" in str(e.value)
+    assert not cfg.output.exists()  # refused before anything was written
+    # the real CLI in a Python where both imports fail (a sitecustomize hides them, as a container lacks them)
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "sitecustomize.py").write_text(
+        "import sys\nsys.modules['onnxruntime'] = sys.modules['onnxscript'] = None\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(hide), str(ROOT)])}
+    toml = tmp_path / "engines.toml"
+    toml.write_text(f'target = "{cfg.target}"\ndrafter = "{cfg.drafter}"\n')
+    out = subprocess.run(
+        [str(DFLASH), "engines", "--config", str(toml), "--out", str(cfg.output)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "onnxruntime, onnxscript" in out.stderr and CONTAINER_INSTALL in out.stderr
+    assert not cfg.output.exists()
+
+
+def test_the_install_line_the_refusal_names_is_what_the_gpu_image_runs(tmp_path):
+    """The gpu stage installs the project with CONTAINER_INSTALL itself; that script installs pyproject.toml's
+    dependencies (which hold every EXPORT_MODULES entry) under the container's pins and checks the pins after. The
+    script runs here against a recording stand-in for the container's python3 (pip cannot install into one here)."""
+    import tomllib
+
+    from dflash_trt.builders.engines import CONTAINER_INSTALL, EXPORT_MODULES
+
+    runs = [i for i in gpu_stage((ROOT / "Dockerfile").read_text()) if i.startswith("RUN ")]
+    assert any(i.split()[1] == CONTAINER_INSTALL for i in runs), runs
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {d.split(">")[0].split("=")[0].split("<")[0].strip() for d in deps}
+    assert set(EXPORT_MODULES) <= names
+    log = tmp_path / "calls"
+    fake = tmp_path / "python3"
+    fake.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n')  # records each call; prints no pins
+    fake.chmod(0o755)
+    done = subprocess.run(
+        [str(ROOT / CONTAINER_INSTALL)], cwd=ROOT, env={**os.environ, "PYTHON": str(fake)}, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr
+    calls = log.read_text().splitlines()
+    assert calls[0] == "scripts/container_pins.py"
+    pins = calls[1].split(" -c ")[1].split()[0]
+    assert calls[1] == f"-m pip install --no-cache-dir -c {pins} -e ."
+    assert calls[2] == f"scripts/container_pins.py --check {pins}"
+    assert not Path(pins).exists()  # the pins file is removed afterwards
+    docs = (ROOT / "docs" / "gpu.md").read_text() + (ROOT / "docs" / "deployment.md").read_text()
+    assert CONTAINER_INSTALL in docs

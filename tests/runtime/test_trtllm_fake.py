@@ -375,3 +375,34 @@ def test_an_fp16_engine_returns_fp16_tensors_and_the_session_converts_them(fake,
     assert not torch.equal(got.features, want.features)  # they did pass through float16
     request = next(c for c in calls if hasattr(c, "input_token_ids"))
     assert request.streaming is False  # given by keyword: the real Request takes nothing else after max_tokens
+
+
+def test_an_fp32_engine_as_build_target_plans_it_reuses_nothing_and_equals_the_target(fake, tiny):
+    """TensorRT-LLM runs fp32 context attention unfused, over a request's new tokens only: with a reused prefix
+    every new row would miss it (the fake models attentionOp.cpp's fallback). build-target builds fp32 engines
+    without paged context FMHA, so the Executor turns reuse off (fixExecutorConfig) and every round is exact;
+    the engine as it was built before (fp32 with paged context FMHA) is the negative control."""
+    from dflash_trt.builders.trtllm_target import TargetBuildSpec, build_command
+    from dflash_trt.runtime.trtllm_backend import TrtllmTargetEngine
+
+    _, module = fake
+    root, model, drafter = tiny
+    spec = TargetBuildSpec(root, root, "qwen3", 1, 8, LAYERS, 5, dtype="float32")
+    build = build_command(spec)
+    paged = build[build.index("--use_paged_context_fmha") + 1] == "enable"
+    prompt = list(range(20, 33))
+    reference = generate_one(BatchDecoder(TorchTargetEngine(model)), prompt, GenerationConfig(max_new_tokens=24))
+    oracle = NoisyOracleDrafter(reference.token_ids, len(prompt), 96, 8, 0.6, seed=1, feature_layer_ids=LAYERS)
+
+    def run(name, use_paged):
+        plugin = {"tokens_per_block": 4, "use_paged_context_fmha": use_paged}
+        engine = TrtllmTargetEngine(engine_folder(root, root / "target", name=name, plugin_config=plugin))
+        start = len(module.reused)
+        got = generate_one(BatchDecoder(engine, oracle), prompt, GenerationConfig(max_new_tokens=24, block_size=8))
+        return got, module.reused[start:]
+
+    got, reused = run("fp32-as-planned", paged)
+    assert not paged and got.token_ids == reference.token_ids and not any(reused)
+    assert max(got.stats.acceptance_lengths) > 1  # rounds accepted drafts and rolled back: exact without reuse
+    before, reused = run("fp32-paged", True)  # the old plan: reuse on over unfused attention
+    assert any(reused) and before.token_ids != reference.token_ids

@@ -1,4 +1,5 @@
-"""CLI: `plan check` (an engine's own metrics against a plan's assumptions; exit 3 when its gain no longer holds)."""
+"""CLI: `plan check` (an engine's own metrics against a plan's assumptions; exit 3 when its gain no longer holds) and
+`plan check-load` (that check on the demo pair under load, against what the server measured)."""
 
 from __future__ import annotations
 
@@ -31,10 +32,11 @@ Engines and what is read (dflash_trt/plan/metrics.py cites each engine's source)
 
 
 def register_check(plan_parser: argparse.ArgumentParser) -> None:
+    from ..bench import plan_load
     from ..plan.metrics import ENGINES
     from .options import positive_int
 
-    actions = plan_parser.add_subparsers(dest="plan_action", metavar="check", required=False)
+    actions = plan_parser.add_subparsers(dest="plan_action", metavar="{check,check-load}", required=False)
     c = actions.add_parser(
         "check",
         help="check a plan against an engine's own metrics (exit 3 when its predicted gain no longer holds)",
@@ -51,6 +53,14 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
     )
     c.add_argument("--save", type=Path, default=None, help="write the window's figures as JSON (for --from-metrics)")
     c.set_defaults(func=cmd_check)
+    load = actions.add_parser(
+        "check-load",
+        help="does a plan from a `plan check` scrape predict the server's tokens/s? (the demo pair under aiperf)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plan_load.__doc__,
+    )
+    plan_load.add_arguments(load)
+    load.set_defaults(func=plan_load.run)
 
 
 def cmd_check(args: argparse.Namespace) -> int:

@@ -26,13 +26,17 @@ import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..decoding import BatchDecoder, GenerationConfig
 from ..runtime.base import DraftRequest
-from ..runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+
+if (
+    TYPE_CHECKING
+):  # at run time imported where used: transformers loads with it, and `dflash-trt --help` reads this module
+    from ..runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
 def _ms(fn: Callable[[], object]) -> float:
@@ -310,6 +314,8 @@ def _table(title: str, head: Sequence[str], rows: Sequence[Sequence[object]]) ->
 
 def run_engines(args: Any, decoder: BatchDecoder, ref_drafter: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """Our passes beside the reference's at each C, and the loop's own split of a step at each C."""
+    from ..runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+
     target, drafter = decoder.target, decoder.drafter
     assert isinstance(target, TorchTargetEngine) and isinstance(drafter, TorchDrafterEngine)
     context = [t for p in prompts for t in p][: args.context]  # held-out text, as long as asked

@@ -242,3 +242,13 @@ def test_a_bench_action_runs_on_its_own_arguments_only():
     assert args.methods == ["all"] and args.func(args) == 0
     assert vars(seen[0]) == {"smoke": True}
     assert pickle.loads(pickle.dumps(seen[0])).smoke is True
+
+
+def test_help_loads_no_model_library():
+    """`dflash-trt --help` builds every command's parser, the benchmarks' included: none of them may load
+    transformers (seconds) for it; a module that needs it imports it where it runs."""
+    code = (
+        "import sys; from dflash_trt.cli.main import build_parser; build_parser(); print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "False"

@@ -118,11 +118,11 @@ demo: venv
 # proposer workloads cut from installed packages (dflash_trt/bench/workloads.py):
 # results/quality-{bodies,in-file,rewrite,long}.json.
 eval: venv
-	$(BIN)/python scripts/eval_acceptance.py --prompt-set functions --prompts 40 --max-new-tokens 96 \
+	$(BIN)/dflash-trt eval --prompt-set functions --prompts 40 --max-new-tokens 96 \
 		--server-defaults --out results/quality.json
-	for set in bodies in-file rewrite; do $(BIN)/python scripts/eval_acceptance.py --prompt-set $$set --prompts 8 \
+	for set in bodies in-file rewrite; do $(BIN)/dflash-trt eval --prompt-set $$set --prompts 8 \
 		--max-new-tokens 128 --server-defaults --out results/quality-$$set.json || exit 1; done
-	$(BIN)/python scripts/eval_acceptance.py --prompt-set long --prompts 3 --max-new-tokens 512 --server-defaults \
+	$(BIN)/dflash-trt eval --prompt-set long --prompts 3 --max-new-tokens 512 --server-defaults \
 		--out results/quality-long.json
 
 # Every engine this machine supports, from engines.toml (CPU: ONNX drafter + PyTorch target; GPU: TensorRT /
@@ -159,7 +159,7 @@ bench: venv
 # work alone on the simulator's zero-cost engines at C = 1..256 (the serving simulator's host term reads it); the
 # demo at C = 1 against the reference's dflash_generate. Tables on stdout, results/parts/results.json.
 bench-parts: venv
-	$(BIN)/python -m dflash_trt.bench.parts --out results/parts/results.json $(BENCH_PARTS_ARGS)
+	$(BIN)/dflash-trt bench parts --out results/parts/results.json $(BENCH_PARTS_ARGS)
 
 # Proposers side by side (issue 55): the target alone, DFlash, suffix drafting, the hybrid and HF prompt lookup on
 # the server's decoder, on workloads cut from installed packages (function bodies, a function inside its file, a
@@ -167,8 +167,8 @@ bench-parts: venv
 # the target's; tables on stdout, results/proposers/results.json. Then a multi-turn session through the server.
 # Fewer prompts: make bench-proposers BENCH_PROPOSERS_ARGS="--prompts 3"
 bench-proposers: venv
-	$(BIN)/python -m dflash_trt.bench.proposers --out results/proposers/results.json $(BENCH_PROPOSERS_ARGS)
-	$(BIN)/python scripts/bench_session.py --out results/proposers/session.json $(BENCH_SESSION_ARGS)
+	$(BIN)/dflash-trt bench proposers --out results/proposers/results.json $(BENCH_PROPOSERS_ARGS)
+	$(BIN)/dflash-trt bench session --out results/proposers/session.json $(BENCH_SESSION_ARGS)
 
 # NVIDIA's aiperf against `dflash-trt serve` on the demo models: completions, streaming, a short
 # run (16 requests each, concurrency 4, 64 tokens in and out). Writes aiperf's exports and
@@ -183,14 +183,14 @@ $(AIPERF_VENV)/.installed:
 	touch $@
 
 bench-serve: venv aiperf-env
-	$(BIN)/python scripts/bench_serve.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/bench-serve $(BENCH_SERVE_ARGS)
+	$(BIN)/dflash-trt bench serve --aiperf $(AIPERF_VENV)/bin/aiperf --out results/bench-serve $(BENCH_SERVE_ARGS)
 
 # The load benchmark (issue 11): aiperf against the server at concurrency 1/4/16/32 x temperature 0/1 for the
 # batched target alone, DFlash at block 8, adaptive DFlash and the hybrid proposer (issue 55), next to Hugging
 # Face batched generate() on the same held-out prompts, plus per-prompt ratios and a step profile. Writes
 # results/load/ (README.md table, results.json, load.png). Long (durations in docs/benchmarks.md); run it on a quiet machine.
 bench-load: venv aiperf-env
-	$(BIN)/python scripts/bench_load.py --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
+	$(BIN)/dflash-trt bench load --aiperf $(AIPERF_VENV)/bin/aiperf --out results/load $(BENCH_LOAD_ARGS)
 
 # Serving simulated from measured profiles (Vidur's A100 and H100 op profiles; no GPU, no model): the real batched
 # loop and policies (none, fixed-4/8/16, adaptive, TensorRT-LLM's schedule with and without its threshold, tuned
@@ -199,22 +199,22 @@ bench-load: venv aiperf-env
 # BENCH_SIM_ARGS="--full" runs the whole grid (C = 1..256, 3 seeds: about 8 CPU-hours), and
 # "--setups a100:llama-3-8b:1 --workloads mixed" or "--concurrency 8 32" run parts.
 bench-sim: venv
-	$(BIN)/python scripts/bench_sim.py --out results/sim $(BENCH_SIM_ARGS)
+	$(BIN)/dflash-trt bench sim --out results/sim $(BENCH_SIM_ARGS)
 
 # Make the last bench-parts and bench-load runs inputs of the code: copy the sections the package reads (the
 # simulator's host term, the demo pair's acceptance and CPU grid) from results/ into data/measured/ (results/ is
 # output only; dflash_trt/sim/measured.py). A step of its own: commit it saying why the new figures should stand.
 .PHONY: measured-inputs
 measured-inputs: venv
-	$(BIN)/python scripts/measured_inputs.py host-step results/parts/results.json
-	$(BIN)/python scripts/measured_inputs.py demo-load results/load/results.json
+	$(BIN)/dflash-trt bench measured-inputs host-step results/parts/results.json
+	$(BIN)/dflash-trt bench measured-inputs demo-load results/load/results.json
 
 # Soak (issue 54): a real server on a real port, waves of 48 concurrent completions (a third streamed to the end, a
 # third cut mid-stream, a third malformed), 5,040 requests, RSS read after every wave; fails unless RSS is flat
 # (< 5 % growth) over the second half. Writes results/soak/{results.json,rss.png}. Minutes on a quiet machine.
 # More: make bench-soak BENCH_SOAK_ARGS="--requests 10080 --max-tokens 8"
 bench-soak: venv
-	nice $(BIN)/python scripts/bench_soak.py --out results/soak $(BENCH_SOAK_ARGS)
+	nice $(BIN)/dflash-trt bench soak --out results/soak $(BENCH_SOAK_ARGS)
 
 # HTTP server on 127.0.0.1:8000 (native /generate + OpenAI-compatible /v1/*), demo models by default.
 # Other models / flags: make serve SERVE_ARGS="--target DIR --drafter DIR --port 8080 --api-key KEY"

@@ -163,8 +163,8 @@ def environment(device: str) -> dict[str, Any]:
 def demo_pair(device: str):
     import torch
 
-    from dflash_trt.loading import load_target, load_tokenizer
     from dflash_trt.models.drafter import DFlashDrafter
+    from dflash_trt.models.target import load_target, load_tokenizer
     from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
     model = load_target(DEMO_TARGET, torch.float32, device)
@@ -396,7 +396,7 @@ def shape_models(device: str, quick: bool, grid_target: Path | None = None):
         "num_target_layers": layers,
         "dflash_config": {
             "mask_token_id": shape["vocab_size"] - 1,
-            "target_layer_ids": build_target_layer_ids(layers, 5),
+            "target_layer_ids": build_target_layer_ids(int(layers), 5),
         },
     }
     previous = torch.get_default_dtype()

@@ -39,6 +39,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -76,7 +77,7 @@ def environment() -> dict:
 
     import torch
 
-    env = {
+    env: dict[str, Any] = {
         "torch": torch.__version__,
         "cuda": torch.cuda.is_available(),
         "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
@@ -109,10 +110,12 @@ def pytorch_stage(
 
     from dflash_trt.decoding import GenerationConfig
     from dflash_trt.loading import load_decoder
+    from dflash_trt.runtime.torch_backend import TorchTargetEngine
 
     part = f"pytorch engines on {device} ({dtype})"
     torch.backends.cuda.matmul.allow_tf32 = False  # equality is checked at full precision
     decoder = load_decoder(target, drafter, dtype, device)
+    assert isinstance(decoder.target, TorchTargetEngine)  # load_decoder's engines are PyTorch's
     model = decoder.target.model
     spec_s = base_s = 0.0
     taus, results, agree = [], [], []
@@ -270,10 +273,12 @@ def served_engines_stage(report: Report, args, engines: Path) -> None:
     import torch
 
     from dflash_trt.loading import load_decoder
+    from dflash_trt.runtime.torch_backend import TorchTargetEngine
 
     manifest = json.loads((engines / "manifest.json").read_text())
     part = f"engines: drafter {manifest['serve']['drafter']}, target {manifest['serve']['target']} (tp {args.tp})"
     hf = load_decoder(args.target, None, "float32", "cuda" if torch.cuda.is_available() else "cpu")
+    assert isinstance(hf.target, TorchTargetEngine)  # load_decoder's engines are PyTorch's
     results, taus, tps_spec, tps_base, agree = [], [], [], [], []
     exact = args.engine_precision == "fp32"
     try:

@@ -134,6 +134,8 @@ def main(argv=None) -> int:
         print(f"prompts: {train_prompts}, {held_prompts} in {time.perf_counter() - t:.0f}s", flush=True)
 
     tokenizer = load_tokenizer(target_dir)
+    if tokenizer is None:
+        raise SystemExit(f"{target_dir}: no tokenizer (the recipe regenerates text with the chat template)")
     target = None
     regen_dir = work / "regen"
     if "regenerate" in phases:

@@ -1,4 +1,4 @@
-"""The load benchmark's report (`scripts/bench_load.py`, results/load/README.md): Markdown rendered from
+"""The load benchmark's report (`dflash-trt bench load`, results/load/README.md): Markdown rendered from
 its cells (one per server mode, concurrency and temperature), its in-process figures and its checks."""
 
 from __future__ import annotations

@@ -15,20 +15,28 @@ the loop's host work on the real engines, and the host work alone on engines tha
   the wall time of a step less the time spent inside those fake engines' own Python is what the loop costs
   the host at that batch, policy included. The serving simulator's host term reads these figures
   (`sim.serving.host_step_s`).
+- The demo (C = 1) against the reference's `dflash_generate`, alternating.
+
+Prints tables, writes JSON (`dflash-trt bench parts`, `make bench-parts`).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..decoding import BatchDecoder, GenerationConfig
 from ..runtime.base import DraftRequest
-from ..runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+
+if (
+    TYPE_CHECKING
+):  # at run time imported where used: transformers loads with it, and `dflash-trt --help` reads this module
+    from ..runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
 
 def _ms(fn: Callable[[], object]) -> float:
@@ -306,6 +314,8 @@ def _table(title: str, head: Sequence[str], rows: Sequence[Sequence[object]]) ->
 
 def run_engines(args: Any, decoder: BatchDecoder, ref_drafter: Any, prompts: list[list[int]]) -> dict[str, Any]:
     """Our passes beside the reference's at each C, and the loop's own split of a step at each C."""
+    from ..runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+
     target, drafter = decoder.target, decoder.drafter
     assert isinstance(target, TorchTargetEngine) and isinstance(drafter, TorchDrafterEngine)
     context = [t for p in prompts for t in p][: args.context]  # held-out text, as long as asked
@@ -351,16 +361,8 @@ def report(results: dict[str, Any]) -> str:
     return "\n\n".join(text)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> Any:
-    import argparse
-
-    p = argparse.ArgumentParser(
-        prog="python -m dflash_trt.bench.parts",
-        description="The parts of a DFlash round, timed: our engines' target step, verify and drafter passes beside "
-        "z-lab's reference modules (the `dflash` package) on the same shapes at each C; the loop's split of a step "
-        "on the demo pair; the loop's host work alone on the simulator's zero-cost engines at C = 1..256; and the "
-        "demo (C = 1) against the reference's dflash_generate, alternating. Prints tables, writes JSON.",
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`dflash-trt bench parts`'s flags."""
     p.add_argument("--target", default="models/target", help="target checkpoint (default: the demo target)")
     p.add_argument("--drafter", default="models/drafter", help="DFlash drafter checkpoint (default: the demo drafter)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32], help="C values for the engine passes")
@@ -375,16 +377,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Any:
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: a shared machine)")
     p.add_argument("--skip-engines", action="store_true", help="only the host alone (no models needed)")
     p.add_argument("--out", default="results/parts/results.json", help="the JSON written")
-    return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def run(args: argparse.Namespace) -> int:
     import json
     import platform
     import warnings
     from pathlib import Path
 
-    args = parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", message=".*past_key_values.*")  # transformers' rename notice, per call
     out = Path(args.out)
@@ -411,7 +411,4 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "engines" in results:
         print(report(results))
     print(f"wrote {out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

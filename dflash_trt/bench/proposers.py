@@ -9,8 +9,8 @@ to the target alone and to DFlash, and tau (tokens per target pass, bonus includ
 (`dflash-trt serve` defaults: adaptive block sizes from a cost model measured at start-up), so each proposer is
 what a request that names it gets. Prints Markdown tables; writes JSON.
 
-    .venv/bin/python -m dflash_trt.bench.proposers --out results/proposers/results.json
-    .venv/bin/python -m dflash_trt.bench.proposers --workloads rewrite long --prompts 4
+    dflash-trt bench proposers --out results/proposers/results.json
+    dflash-trt bench proposers --workloads rewrite long --prompts 4
 
 Proposers other than DFlash run where the library has them (`GenerationConfig.proposer`); without it the table
 holds the target, DFlash and prompt lookup.
@@ -177,19 +177,25 @@ def tables(summary: dict[str, dict[str, dict[str, float]]], found: list[dict[str
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`dflash-trt bench proposers`'s flags."""
     from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=DEMO_TARGET)
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER)
-    p.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
+    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
+    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
+    p.add_argument(
+        "--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS), help="the workloads (default: all)"
+    )
     p.add_argument("--prompts", type=int, default=6, help="prompts per workload (default 6; long: half, >= 2)")
     p.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=None, help="default: all the library has")
     p.add_argument("--no-prompt-lookup", action="store_true", help="leave Hugging Face's prompt lookup out")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, default=Path("results/proposers/results.json"))
-    return p.parse_args(argv)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/proposers/results.json"),
+        help="the JSON written (default %(default)s)",
+    )
 
 
 def build(args: argparse.Namespace) -> tuple[BatchDecoder, dict[str, Callable[[list[int], int], dict[str, Any]]]]:
@@ -206,8 +212,7 @@ def build(args: argparse.Namespace) -> tuple[BatchDecoder, dict[str, Callable[[l
     return decoder, methods
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     decoder, methods = build(args)
@@ -239,7 +244,3 @@ def main(argv: list[str] | None = None) -> int:
     print(tables(summary, found))
     print(f"\ngreedy outputs equal to the target alone: {'all' if not wrong else f'NOT {len(wrong)} runs'}")
     return 1 if wrong else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

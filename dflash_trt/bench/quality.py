@@ -1,4 +1,4 @@
-"""Is a completion code? The check of `scripts/eval_acceptance.py --prompt-set functions`: given a
+"""Is a completion code? The check of `dflash-trt eval --prompt-set functions`: given a
 function's head (signature and docstring), the generated body must parse and hold two or more real
 statements.
 

@@ -1,10 +1,17 @@
-"""`dflash-trt bench`: DFlash against the target alone and the classic speculative-decoding peers."""
+"""`dflash-trt bench`: DFlash against the target alone and the classic speculative-decoding peers; and, as actions
+under it, the project's other benchmarks (`dflash-trt bench ACTION --help`): the serving simulation, aiperf load and
+serve runs, the soak, a round's parts, the proposers side by side, prefill stalls, a multi-turn session, and the two
+steps that make a run an input of the code (suffix-trace, measured-inputs). Each action's module in dflash_trt/bench/
+has `add_arguments(parser)` and `run(args) -> exit status`; its docstring is its --help."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 # Flags whose default depends on --smoke (argparse default None = "not given").
 DEFAULTS = dict(
@@ -49,6 +56,99 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _peer_args(p)
     _run_args(p)
     p.set_defaults(func=cmd_bench)
+    _register_actions(p)
+
+
+def _register_actions(bench: argparse.ArgumentParser) -> None:
+    """The benchmarks that are not the method comparison, as optional actions: `dflash-trt bench` alone stays the
+    comparison, `dflash-trt bench ACTION` runs the action (whose own flags follow its name)."""
+    from ..bench import load, parts, prefill, proposers, serve, session, soak, suffix_trace
+    from . import bench_sim
+
+    modules: dict[str, tuple[ActionModule, str]] = {  # action -> (its module, its --help line)
+        "load": (
+            load,
+            "aiperf against the server at several concurrencies, beside HF batched generate() (make bench-load)",
+        ),
+        "serve": (
+            serve,
+            "a short aiperf run against `dflash-trt serve`, as a new user would measure it (make bench-serve)",
+        ),
+        "soak": (soak, "thousands of requests in waves: fails unless the server's memory stays flat (make bench-soak)"),
+        "parts": (
+            parts,
+            "a round's parts timed beside z-lab's reference; the loop's host work per step (make bench-parts)",
+        ),
+        "proposers": (proposers, "the target alone, DFlash, suffix, the hybrid and prompt lookup side by side"),
+        "prefill": (prefill, "chunked against separate prefill on two servers: the stall a long prompt causes"),
+        "session": (session, "a multi-turn session through servers of several proposers, outputs compared"),
+        "suffix-trace": (suffix_trace, "record the suffix proposer's rounds on the demo pair, for the simulator"),
+    }
+    actions = bench.add_subparsers(
+        dest="bench_action",
+        metavar="ACTION",
+        required=False,
+        title="other benchmarks (dflash-trt bench ACTION --help)",
+    )
+    sim = actions.add_parser(
+        "sim",
+        help="serving simulated from measured GPU profiles: the real loop and block-size policies (make bench-sim)",
+        description=bench_sim.ABOUT,
+        formatter_class=argparse.RawTextHelpFormatter,
+    )
+    bench_sim.add_arguments(sim)
+    sim.set_defaults(func=_own_arguments(sim, functools.partial(bench_sim.cmd_sim, sim)))
+    for name, (module, help_line) in modules.items():
+        a = actions.add_parser(
+            name, help=help_line, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        )
+        module.add_arguments(a)
+        a.set_defaults(func=_own_arguments(a, module.run))
+    m = actions.add_parser(
+        "measured-inputs",
+        help="copy the sections of a benchmark's results.json the package reads into data/measured/",
+        description="Make a benchmark's run an input of the code: copy the sections of its results.json that the "
+        "package reads into data/measured/ (dflash_trt/sim/measured.py says which, and why this is a step of its "
+        "own: commit it saying why the new figures should stand).",
+    )
+    from ..sim.measured import INPUTS
+
+    m.add_argument(
+        "name", choices=sorted(INPUTS), help="the input: " + "; ".join(f"{k}: {v[1]}" for k, v in INPUTS.items())
+    )
+    m.add_argument("results_json", metavar="RESULTS", type=Path, help="the benchmark's results.json")
+    m.set_defaults(func=cmd_measured_inputs)
+
+
+class ActionModule(Protocol):
+    """A `dflash-trt bench` action's module (dflash_trt/bench/<action>.py)."""
+
+    __doc__: str | None
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
+
+    def run(self, args: argparse.Namespace) -> int: ...
+
+
+def _own_arguments(
+    action: argparse.ArgumentParser, run: Callable[[argparse.Namespace], int]
+) -> Callable[[argparse.Namespace], int]:
+    """`run` on the action's own arguments only: the namespace also holds every `dflash-trt bench` default, which
+    an action that records its settings (results.json) must not take for its own, and the command's function,
+    which a run that hands its arguments to worker processes could not pickle."""
+    own = {a.dest for a in action._actions if a.dest != argparse.SUPPRESS}
+    return lambda args: run(argparse.Namespace(**{k: v for k, v in vars(args).items() if k in own}))
+
+
+def cmd_measured_inputs(args: argparse.Namespace) -> int:
+    from ..sim.measured import promote
+    from .options import CliError
+
+    try:
+        print(f"wrote {promote(args.name, args.results_json)}")
+    except (OSError, ValueError) as e:  # a missing or unreadable file, not JSON, not that benchmark's results
+        raise CliError(str(e)) from None
+    return 0
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:

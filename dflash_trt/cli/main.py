@@ -13,7 +13,17 @@ import sys
 
 from .options import CliError
 
-COMMAND_MODULES: tuple[str, ...] = ("generate", "serve", "engines", "train", "bench", "triton", "trtllm", "plan")
+COMMAND_MODULES: tuple[str, ...] = (
+    "generate",
+    "serve",
+    "engines",
+    "train",
+    "bench",
+    "evaluate",
+    "triton",
+    "trtllm",
+    "plan",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,4 +1,5 @@
-"""CLI: `plan check` (an engine's own metrics against a plan's assumptions; exit 3 when its gain no longer holds)."""
+"""CLI: `plan check` (an engine's own metrics against a plan's assumptions; exit 3 when its gain no longer holds) and
+`plan check-load` (that check on the demo pair under load, against what the server measured)."""
 
 from __future__ import annotations
 
@@ -41,10 +42,11 @@ reader of trtllm-serve's /metrics: each read drains the engine's queue (dflash_t
 
 
 def register_check(plan_parser: argparse.ArgumentParser) -> None:
+    from ..bench import plan_load
     from ..plan.metrics import ENGINES
     from .options import positive_int
 
-    actions = plan_parser.add_subparsers(dest="plan_action", metavar="check|overlay", required=False)
+    actions = plan_parser.add_subparsers(dest="plan_action", metavar="check|check-load|overlay", required=False)
     c = actions.add_parser(
         "check",
         help="check a plan against an engine's own metrics (exit 3 when its predicted gain no longer holds)",
@@ -97,6 +99,14 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
         help="the drafter folder inside the pod (/checkpoints/drafter)",
     )
     o.set_defaults(func=cmd_overlay)
+    load = actions.add_parser(
+        "check-load",
+        help="does a plan from a `plan check` scrape predict the server's tokens/s? (the demo pair under aiperf)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plan_load.__doc__,
+    )
+    plan_load.add_arguments(load)
+    load.set_defaults(func=plan_load.run)
 
 
 def cmd_overlay(args: argparse.Namespace) -> int:

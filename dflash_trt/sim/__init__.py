@@ -4,6 +4,6 @@
 Vidur's A100 profiles or a fitted CPU grid), `acceptance` (per-position acceptance fitted to the paper or
 replayed from recorded rounds), `serving` (workloads, and the driver that runs the server's own loop,
 `server.orchestrator.BatchLoop`, on the virtual clock), `measured` (the measured inputs under data/measured/, the
-one place they are resolved), `bench` (`make bench-sim`: its grid, calibrations, checks and report;
-scripts/bench_sim.py is its command line). Nothing here runs a model.
+one place they are resolved). The benchmark that drives it over a grid of setups and policies is
+dflash_trt.bench.sim (`dflash-trt bench sim`, `make bench-sim`). Nothing here runs a model.
 """

@@ -11,11 +11,11 @@ benchmark's results.json that the code reads (the same keys, so a results.json i
     block 8, the CPU cost grid, the step profile, engines-alone tokens/s) and its settings: `dflash-trt plan
     --profile demo` and the simulator's CPU calibration read them;
   * SUFFIX_TRACE (`suffix-trace.json`): the suffix proposer's rounds on the demo pair per workload
-    (scripts/sim/record_suffix_trace.py writes it whole, not from a results.json): the simulator replays its
+    (`dflash-trt bench suffix-trace` writes it whole, not from a results.json): the simulator replays its
     suffix matches from them (sim/suffix.py).
 
 A benchmark run does not change them by itself (a run on a busy machine would silently move every simulated
-figure): `python scripts/measured_inputs.py NAME RESULTS.json` copies a run's sections here, and the commit that
+figure): `dflash-trt bench measured-inputs NAME RESULTS.json` copies a run's sections here, and the commit that
 does it says why.
 """
 
@@ -34,9 +34,9 @@ SUFFIX_TRACE = DATA_DIR / "suffix-trace.json"
 
 # name -> (file, the benchmark that measures it, the sections of its results.json the code reads)
 INPUTS: dict[str, tuple[Path, str, tuple[str, ...]]] = {
-    "host-step": (HOST_STEP, "make bench-parts (python -m dflash_trt.bench.parts)", ("sim_host", "machine", "torch")),
-    "demo-load": (DEMO_LOAD, "make bench-load (scripts/bench_load.py)", ("settings", "in_process")),
-    "suffix-trace": (SUFFIX_TRACE, "scripts/sim/record_suffix_trace.py", ("source", "workloads")),
+    "host-step": (HOST_STEP, "make bench-parts (dflash-trt bench parts)", ("sim_host", "machine", "torch")),
+    "demo-load": (DEMO_LOAD, "make bench-load (dflash-trt bench load)", ("settings", "in_process")),
+    "suffix-trace": (SUFFIX_TRACE, "dflash-trt bench suffix-trace", ("source", "workloads")),
 }
 
 
@@ -46,7 +46,7 @@ def read(path: Path, name: str) -> dict[str, Any]:
     if not path.exists():
         made_by = INPUTS[name][1]
         raise FileNotFoundError(
-            f"{path}: the measured input is missing; {made_by} measures it and scripts/measured_inputs.py copies it here"
+            f"{path}: the measured input is missing; {made_by} measures it and `dflash-trt bench measured-inputs` copies it here"
         )
     doc = json.loads(path.read_text())
     if not isinstance(doc, dict):
@@ -64,7 +64,7 @@ def promote(name: str, results: Path) -> Path:
     if missing:
         raise ValueError(f"{results} lacks {', '.join(missing)}: not a results.json of {made_by}")
     out = {
-        "source": f"{made_by}, copied from its results.json by scripts/measured_inputs.py",
+        "source": f"{made_by}, copied from its results.json by dflash-trt bench measured-inputs",
         **{k: doc[k] for k in keys},
     }
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -5,7 +5,7 @@ A simulated request's tokens are `engines.truth(seed, position)`, pseudo-random:
 would never find what a rewrite or a long generation repeats. What the proposers read of a suffix match
 (`proposers.RowDrafts.match`) is whether there is one where the output stands and the run it offers; the target's
 verification then decides how much of the run is right. Both are replayed from a recording of the suffix proposer
-on the demo pair (data/measured/suffix-trace.json, written by scripts/sim/record_suffix_trace.py):
+on the demo pair (data/measured/suffix-trace.json, written by `dflash-trt bench suffix-trace`):
 
   * a recorded request becomes a map over its output positions (`position_map`): a round that began at output
     position p, drafted d tokens and had a of them accepted says that at p + i (0 <= i <= a, i < d) a match

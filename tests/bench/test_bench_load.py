@@ -1,26 +1,16 @@
-"""The load benchmark's plumbing (scripts/bench_load.py, dflash_trt/bench/aiperf.py): the aiperf command line,
+"""The load benchmark's plumbing (`dflash-trt bench load`: dflash_trt/bench/load.py, dflash_trt/bench/aiperf.py): the aiperf command line,
 reading aiperf's export, and the done-figure checks and table made from the cells. The benchmark itself runs
 with `make bench-load`; nothing here times anything."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from dflash_trt.bench import load
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, export_metrics, value
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("bench_load", ROOT / "scripts" / "bench_load.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_aiperf_command_sends_the_dataset_and_sampling_settings(tmp_path):
@@ -85,7 +75,7 @@ def cell(mode, c, t, tps):
 
 
 def test_checks_pass_and_fail_on_the_issue_figures():
-    bench = load_script()
+    bench = load
     proc = {
         "hf_generate": [{"concurrency": 16, "temperature": 0.0, "tokens_per_s": 400.0}],
         "per_prompt": [
@@ -142,7 +132,7 @@ def test_checks_pass_and_fail_on_the_issue_figures():
 
 
 def test_a_cell_reports_its_median_run_and_lists_them_all():
-    bench = load_script()
+    bench = load
     runs = [{"mode": "target", "tokens_per_s": t, "ttft_ms": {"p50": i}} for i, t in enumerate((700.0, 910.0, 820.0))]
     cell = bench.median_cell(runs)
     assert cell["tokens_per_s"] == 820.0 and cell["ttft_ms"] == {"p50": 2}  # the whole median run, not a mix
@@ -151,7 +141,7 @@ def test_a_cell_reports_its_median_run_and_lists_them_all():
 
 
 def test_every_round_runs_every_member_and_the_first_place_rotates():
-    bench = load_script()
+    bench = load
     members = ["target", "dflash-b8", "adaptive", "hf-generate"]
     rounds = [bench.rotation(members, r) for r in range(4)]
     assert all(sorted(r) == sorted(members) for r in rounds)  # HF generate in every round, as every mode
@@ -160,7 +150,7 @@ def test_every_round_runs_every_member_and_the_first_place_rotates():
 
 
 def test_server_side_figures_come_from_the_metrics_deltas():
-    bench = load_script()
+    bench = load
 
     def page(verify_rows, verify_passes, blocks, block_rows, busy):
         return (
@@ -188,7 +178,7 @@ def test_the_steady_state_keeps_c_rows_in_flight_and_serves_every_request(tiny_p
     from dflash_trt.decoding import BatchDecoder, GenerationConfig
     from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
-    bench = load_script()
+    bench = load
     _, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     dec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
@@ -210,7 +200,7 @@ def test_the_steady_state_keeps_c_rows_in_flight_and_serves_every_request(tiny_p
 
 
 def test_the_engines_alone_section_reports_both_ratios():
-    bench = load_script()
+    bench = load
     proc = {
         "engines_alone": {
             "concurrency": 16,

@@ -52,7 +52,7 @@ def test_function_prompts_are_held_out_heads_that_end_at_the_docstring():
 
 
 def test_the_evaluation_script_reports_code_bodies_next_to_tau_and_speedup(tmp_path):
-    """scripts/eval_acceptance.py --prompt-set functions, the server's defaults, on the tiny text pair: every
+    """`dflash-trt eval --prompt-set functions`, the server's defaults, on the tiny text pair: every
     output identical to the target alone, and each prompt's completion judged as code."""
     import json
     import subprocess
@@ -63,7 +63,7 @@ def test_the_evaluation_script_reports_code_bodies_next_to_tau_and_speedup(tmp_p
 
     target, drafter = make_text_models(tmp_path)
     out = tmp_path / "quality.json"
-    cmd = [sys.executable, "scripts/eval_acceptance.py", "--target", target, "--drafter", drafter]
+    cmd = [sys.executable, "-m", "dflash_trt.cli", "eval", "--target", target, "--drafter", drafter]
     cmd += ["--prompt-set", "functions", "--prompts", "3", "--max-new-tokens", "12", "--server-defaults"]
     done = subprocess.run(
         [*map(str, cmd), "--out", str(out)], capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2]

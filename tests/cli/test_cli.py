@@ -1,5 +1,6 @@
 """The `dflash-trt generate` contract: JSON output, equality with --no-draft, clean error exits."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -193,3 +194,61 @@ def test_proposer_flag_and_its_trace(models, capsys):
         assert {r["proposer"] for r in out["trace"]} <= {"dflash", "suffix", "none"}
         if proposer == "suffix":
             assert "dflash" not in {r["proposer"] for r in out["trace"]}
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """A parser's subcommands by name (argparse keeps them in its subparsers action's choices)."""
+    found: dict[str, argparse.ArgumentParser] = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found.update(action.choices)
+    return found
+
+
+def test_one_command_line_runs_every_benchmark_and_each_explains_itself():
+    """The benchmarks, the evaluation and the plan's load check are `dflash-trt` commands (no other command line):
+    each has a description and every flag a help line; `dflash-trt bench` without an action is the method
+    comparison it always was."""
+    from dflash_trt.cli.bench import cmd_bench
+    from dflash_trt.cli.main import build_parser
+
+    parser = build_parser()
+    top = _subcommands(parser)
+    bench, plan = _subcommands(top["bench"]), _subcommands(top["plan"])
+    assert {"sim", "load", "serve", "soak", "parts", "proposers", "prefill", "session", "suffix-trace"} <= set(bench)
+    assert "measured-inputs" in bench and "check-load" in plan and "eval" in top
+    for name, sub in [*bench.items(), ("plan check-load", plan["check-load"]), ("eval", top["eval"])]:
+        assert sub.description and len(sub.description) > 80, name
+        undocumented = [a.dest for a in sub._actions if not a.help and a.dest != "help"]
+        assert undocumented == [], f"{name}: flags without help: {undocumented}"
+    args = parser.parse_args(["bench", "--out", "x", "--repeats", "2"])
+    assert args.func is cmd_bench and args.bench_action is None and args.repeats == 2
+
+
+def test_a_bench_action_runs_on_its_own_arguments_only():
+    """An action records its settings and hands its arguments to worker processes: it gets its own flags, not
+    `dflash-trt bench`'s defaults beside them nor the parser (which does not pickle)."""
+    import pickle
+
+    from dflash_trt.cli.bench import _own_arguments
+
+    bench = argparse.ArgumentParser()
+    bench.add_argument("--methods", default=["all"])
+    action = bench.add_subparsers(dest="action").add_parser("sim")
+    action.add_argument("--smoke", action="store_true")
+    seen = []
+    action.set_defaults(func=_own_arguments(action, lambda a: seen.append(a) or 0))
+    args = bench.parse_args(["sim", "--smoke"])
+    assert args.methods == ["all"] and args.func(args) == 0
+    assert vars(seen[0]) == {"smoke": True}
+    assert pickle.loads(pickle.dumps(seen[0])).smoke is True
+
+
+def test_help_loads_no_model_library():
+    """`dflash-trt --help` builds every command's parser, the benchmarks' included: none of them may load
+    transformers (seconds) for it; a module that needs it imports it where it runs."""
+    code = (
+        "import sys; from dflash_trt.cli.main import build_parser; build_parser(); print('transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip() == "False"

@@ -263,6 +263,7 @@ def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     return counts, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting, acceptance, adaptive",
     [
@@ -281,6 +282,7 @@ def test_batched_sampling_is_lossless(sharp_batch_pair, setting, acceptance, ada
     assert p > 1e-3, f"batched samples deviate from the target distribution (p={p:.2e})"
 
 
+@pytest.mark.slow
 def test_batched_statistical_test_catches_a_broken_sampler(sharp_batch_pair, monkeypatch):
     """Negative control: accept every draft, then sample the bonus from the target."""
     from dflash_trt.decoding.sampling import sample

@@ -2,11 +2,13 @@
 package's front door), so the policy, the step's records, the chunk planner and the proposers stand below it."""
 
 import ast
+import re
 from pathlib import Path
 
 import dflash_trt.decoding
 
 PACKAGE = Path(dflash_trt.decoding.__file__).parent
+REPO = PACKAGE.parents[1]
 
 
 def _imports() -> dict[str, set[str]]:
@@ -56,3 +58,16 @@ def test_the_decoding_package_has_no_import_circle():
 
 def test_the_circle_finder_finds_one():  # negative control
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
+
+
+def test_one_name_per_idea_no_aliases_left() -> None:
+    """Issue 55: the block bound is `StepRows.max_block` and `own_or_max` (their old names `cap` / `own_or_cap`
+    are gone), and `BatchRow` comes from its home, decoding/row.py, not re-exported by the loop."""
+    from dflash_trt.decoding import loop, policy, step
+
+    assert not hasattr(step.StepRows, "cap") and not hasattr(policy, "own_or_cap")
+    assert "BatchRow" not in loop.__all__
+    sources = [*(REPO / "dflash_trt").rglob("*.py"), *(REPO / "tests").rglob("*.py")]
+    from_loop = re.compile(r"(decoding\.loop|from \.loop) import [^\n]*\bBatchRow\b")
+    importers = [p for p in sources if from_loop.search(p.read_text())]
+    assert importers == []

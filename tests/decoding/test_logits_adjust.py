@@ -114,6 +114,7 @@ def exact_joint_adjusted(model, prompt, params: SamplingParams, n: int, adj: Log
     return probs
 
 
+@pytest.mark.slow
 def test_sampling_with_adjustment_is_the_adjusted_target(sharp_pair):
     """Rejection sampling (the default rule; exact-match reads the same adjusted rows)."""
     model, drafter = sharp_pair

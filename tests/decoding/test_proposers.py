@@ -265,6 +265,7 @@ def _sample_counts(model, drafter, proposer: str) -> tuple[dict, int]:
     return counts, accepted
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
 def test_sampled_suffix_and_hybrid_drafts_keep_the_targets_distribution(sharp_pair, proposer):  # noqa: F811
     model, drafter = sharp_pair
@@ -281,6 +282,7 @@ def _accept_every_draft(draft, target_probs, generator):
     return draft.shape[0], int(sample(target_probs[draft.shape[0]], generator))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
 def test_statistical_test_catches_a_broken_deterministic_rule(sharp_pair, monkeypatch, proposer):  # noqa: F811
     """Negative control: accepting a suffix run without judging it must fail the test above."""

@@ -144,6 +144,7 @@ SETTINGS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "setting, acceptance", [("T1", "rejection"), ("T1", "exact-match"), ("T0.7-topk4-topp0.9", "rejection")]
 )
@@ -174,6 +175,7 @@ def _resample_from_target(draft, draft_probs, target_probs, generator):
     return a, int(sample(target_probs[a], generator))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", [_accept_all, _resample_from_target])
 def test_statistical_test_catches_broken_samplers(sharp_pair, monkeypatch, broken):
     """Negative control: the test above must be able to fail."""
@@ -280,6 +282,7 @@ def test_tiny_temperature_is_greedy(tiny_pair):
     assert tiny.token_ids == greedy
 
 
+@pytest.mark.slow
 def test_sample_draws_each_row_from_its_own_distribution():
     """The inverse-CDF sampler: unnormalised rows are fine, zero-probability tokens are never drawn, and the
     draws fit the distribution (chi-square); a fixed seed repeats the draws."""

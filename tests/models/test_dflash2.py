@@ -304,6 +304,7 @@ def sharp_dflash2():
     return model, drafter.eval()
 
 
+@pytest.mark.slow
 def test_sampling_with_the_selector_is_lossless(sharp_dflash2):
     """T = 0.8 with top-k 4 on the target: the selector's own q (temperature only, over its 3 candidates)
     differs from the target's warping, and the output must still be the target's distribution."""
@@ -332,6 +333,7 @@ def test_sampling_with_the_selector_is_lossless(sharp_dflash2):
     assert p > 1e-3, f"speculative samples deviate from the target distribution (p={p:.2e})"
 
 
+@pytest.mark.slow
 def test_sample_path_draws_each_position_after_the_one_drawn_before():
     """The sampled walk: position 1's candidate is drawn from the step_scores row of position 0's choice, and
     the q it returns is that row's softmax on the candidates (exactly what accept_rejection must judge)."""

@@ -141,6 +141,7 @@ def _exact_joint(model, prompt: list[int], params: SamplingParams) -> dict[tuple
     return probs
 
 
+@pytest.mark.slow
 def test_sampling_on_a_hybrid_target_is_lossless():
     from scipy.stats import chisquare
 

@@ -1,12 +1,10 @@
 """The serving simulation (dflash_trt/sim): cost model against the vendored profiles, the simulated engines
-against the batched protocols, the real loop on them, acceptance sampling, the bench script's JSON."""
+against the batched protocols, the real loop on them, acceptance sampling (`dflash-trt bench sim`, the benchmark
+that drives it: tests/bench/test_sim_bench.py)."""
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,7 @@ from dflash_trt.runtime.base import DrafterEngine, DraftRequest, TargetEngine
 from dflash_trt.sim.acceptance import PAPER_T0_B16, POOR, AcceptanceProfile, paper_profiles, tau_of
 from dflash_trt.sim.cost import LinearPassCost, ProfileCost
 from dflash_trt.sim.engines import sim_engines, truth, truth_many
-from dflash_trt.sim.policies import POLICIES, TUNED, KnownAcceptance, Oracle, schedule_draft_len, sim_decoder, table_k
+from dflash_trt.sim.policies import KnownAcceptance, Oracle, schedule_draft_len, sim_decoder, table_k
 from dflash_trt.sim.profiles import LAYER_OPS, all_reduce_profile, layer_profile
 from dflash_trt.sim.serving import _uniform_ids, simulate, workload
 
@@ -279,45 +277,6 @@ def test_linear_pass_cost():
     assert c.target([1], [100], 1) == 0.0073
     assert c.target([8, 8], [100, 100], 16) == pytest.approx(0.008 + 4e-5 + 16 * 1.5e-4)
     assert c.drafter([8], [3], [100]) == pytest.approx(0.003 + 11 * 3e-5)
-
-
-def test_bench_script_smoke(tmp_path):
-    out = tmp_path / "sim"
-    subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_sim.py"), "--smoke", "--out", str(out)],
-        check=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    data = json.loads((out / "results.json").read_text())
-    runs = data["runs"]
-    assert runs
-    keys = {"gpu", "model", "tp", "workload", "policy", "prefill", "concurrency", "tokens_per_s", "itl_p99_s"}
-    for r in runs:
-        assert keys <= set(r)
-        assert r["policy"] in set(POLICIES + TUNED + ("optimum",)) and r["gpu"] in {"a100", "h100"}
-        assert r["prefill"] in {"chunked", "separate"}
-        if r["policy"] == "adaptive":
-            # the steps that held C rows: a closed-loop cell always has some
-            assert r["policy_cpu_s_per_steady_step"] > 0 and r["simulated_steady_step_s"] > 0
-        if r["policy"] == "optimum":
-            assert 0 <= r["optimum_gap"] < 0.1
-    assert {r["policy"] for r in runs} >= {"tuned-table", "vllm-table", "optimum", "trtllm-schedule-threshold"}
-    assert data["tuned_tables"]  # the tuned policies' tables, from the fixed blocks
-    assert (out / "README.md").exists()
-
-
-def test_bench_script_runs_the_chosen_policies_and_groups_and_refuses_a_table_without_its_fixed_runs(tmp_path):
-    script = [sys.executable, str(ROOT / "scripts" / "bench_sim.py"), "--smoke", "--rates", "--calibrations"]
-    bad = subprocess.run([*script, "--policies", "adaptive", "tuned-table"], cwd=ROOT, capture_output=True, text=True)
-    assert bad.returncode == 2 and "tuned from the fixed runs" in bad.stderr
-    out = tmp_path / "sim"
-    cmd = [*script, "--policies", "adaptive", "optimum", "--prefill-stall", "1.5", "--out", str(out)]
-    subprocess.run([*cmd, "--groups", "h100:llama-2-7b:1:paper"], check=True, cwd=ROOT, timeout=120)
-    data = json.loads((out / "results.json").read_text())
-    assert {r["policy"] for r in data["runs"]} == {"adaptive", "optimum"}
-    assert {(r["gpu"], r["model"], r["workload"]) for r in data["runs"]} == {("h100", "llama-2-7b", "paper")}
-    assert data["settings"]["prefill_stall"] == 1.5 and "prefill-stall" in data["settings"]["mode"]
 
 
 def test_the_chunk_steps_stall_bound_reaches_the_loop_and_moves_the_run():

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from dflash_trt.settings import REPO_ROOT
 from dflash_trt.sim.acceptance import AcceptanceProfile
 from dflash_trt.sim.cost import ProfileCost
 from dflash_trt.sim.engines import SEED_TOKENS, prompt_seed
@@ -99,18 +98,6 @@ def test_the_recorded_trace_is_small_and_holds_the_workloads():
     doc = json.loads(SUFFIX_TRACE.read_text())
     assert SUFFIX_TRACE.stat().st_size < 32_000
     assert {"rewrite", "long"} <= set(doc["workloads"]) and "source" in doc
-
-
-def test_bench_sim_runs_the_hybrid_on_a_recorded_trace(tmp_path):
-    out = tmp_path / "sim"
-    script = [sys.executable, str(REPO_ROOT / "scripts" / "bench_sim.py"), "--smoke", "--rates", "--calibrations"]
-    cmd = [*script, "--policies", "fixed-8", "--no-compare-prefill", "--out", str(out)]
-    subprocess.run([*cmd, "--proposer", "hybrid", "--suffix-trace", "long"], check=True, cwd=REPO_ROOT, timeout=120)
-    data = json.loads((out / "results.json").read_text())
-    assert data["settings"]["proposer"] == "hybrid" and data["settings"]["suffix_trace"] == "long"
-    assert all(r["proposer"] == "hybrid" and r["proposers"]["suffix"]["rounds"] > 0 for r in data["runs"])
-    bad = subprocess.run([*cmd, "--proposer", "suffix", "--suffix-trace", "nope"], cwd=REPO_ROOT, capture_output=True)
-    assert bad.returncode == 2 and b"holds no trace" in bad.stderr
 
 
 def test_the_planners_closed_loop_runs_the_hybrid_on_a_trace():

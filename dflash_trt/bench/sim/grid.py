@@ -11,9 +11,9 @@ import statistics
 import time
 from typing import Any
 
-from ..cost import ProfileCost
-from ..policies import FIXED, TUNED
-from ..serving import simulate, workload
+from ...sim.cost import ProfileCost
+from ...sim.policies import FIXED, TUNED
+from ...sim.serving import simulate, workload
 
 CONCURRENCY = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SETUPS = (("a100", "llama-3-8b", 1), ("a100", "llama-3-70b", 4), ("h100", "llama-2-7b", 1), ("h100", "llama-2-70b", 4))

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Chunked against separate prefill on the CPU server, side by side in one run: how long a long prompt arriving
+"""`dflash-trt bench prefill`: chunked against separate prefill on the CPU server, side by side in one run: how long a long prompt arriving
 makes the streaming requests wait, and what it costs in tokens/s.
 
 Two servers (`dflash-trt serve`, the demo models, everything at its defaults but `--prefill chunked` /
@@ -20,8 +19,8 @@ that both see the same minutes of the machine's load.
 Each figure is the median over --trials trials. Prints a table; writes results/load/prefill/results.json.
 Measured on a shared machine the ratios are noisy: run it when the machine is quiet.
 
-    .venv/bin/python scripts/bench_prefill.py
-    .venv/bin/python scripts/bench_prefill.py --trials 1 --load-requests 2   # a quick look
+    dflash-trt bench prefill
+    dflash-trt bench prefill --trials 1 --load-requests 2   # a quick look
 """
 
 from __future__ import annotations
@@ -40,14 +39,12 @@ import httpx
 
 from dflash_trt.bench.prompts import held_out_code_prompts
 from dflash_trt.server.process import start_serve
-from dflash_trt.settings import DEMO_TARGET
+from dflash_trt.settings import DEMO_TARGET, REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
 MODES = ("chunked", "separate")
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=8, help="requests streaming when the long prompt arrives")
     p.add_argument("--osl", type=int, default=256, help="tokens each streaming request generates")
     p.add_argument("--warm-s", type=float, default=1.0, help="seconds the streams run before the long prompt")
@@ -84,8 +81,7 @@ def parse_args() -> argparse.Namespace:
         help="also a chunked server run from this source tree (PYTHONPATH; e.g. a git worktree of the commit "
         "before a change), mode 'chunked-base', alternating with the others",
     )
-    p.add_argument("--out", type=Path, default=REPO / "results/load/prefill", help="folder for results.json")
-    return p.parse_args()
+    p.add_argument("--out", type=Path, default=REPO_ROOT / "results/load/prefill", help="folder for results.json")
 
 
 def long_prompt(tokens: int) -> str:
@@ -201,8 +197,7 @@ def table(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    args = parse_args()
+def run(args: argparse.Namespace) -> int:
     prompts = held_out_code_prompts(40)
     long = long_prompt(args.long_tokens)
     extra = {"chunked": [] if args.step_tokens is None else ["--step-tokens", str(args.step_tokens)], "separate": []}
@@ -257,7 +252,4 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(out, indent=1) + "\n")
     print(table(out))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Soak benchmark: does `dflash-trt serve` hold its memory over thousands of requests?
+"""`dflash-trt bench soak`: does `dflash-trt serve` hold its memory over thousands of requests?
 
 Starts `dflash-trt serve --port 0` on the demo models (or --target/--drafter; or drives a server already
 running, --url with --pid), then sends waves of --concurrency concurrent requests to /v1/completions, in
@@ -14,7 +13,7 @@ The growth over the second half is the flatness figure: a server that keeps some
 there as in the first half; one that only warms up (allocator arenas, the kernels' first shapes) does not.
 
     make bench-soak
-    .venv/bin/python scripts/bench_soak.py --requests 5040 --max-tokens 8
+    dflash-trt bench soak --requests 5040 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -23,14 +22,15 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-REPO = Path(__file__).resolve().parents[1]
+from dflash_trt.settings import REPO_ROOT
+
 FLAT_LIMIT = 0.05  # the second half's RSS growth a server that runs for days may show at most
 WORDS = "def return import class self value items result data index count list name path for while if else".split()
 
@@ -69,7 +69,7 @@ def malformed(i: int, rng: random.Random, max_tokens: int) -> tuple[bytes, dict[
     return json.dumps({"prompt": prompt(rng), "max_tokens": 10**7}).encode(), json_headers  # past the context
 
 
-async def streamed(client: httpx.AsyncClient, body: dict, cut: bool) -> int | str:
+async def streamed(client: httpx.AsyncClient, body: dict[str, Any], cut: bool) -> int | str:
     """A streamed completion read to [DONE], or cut after its first event (the connection closed)."""
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -99,7 +99,7 @@ async def one(client: httpx.AsyncClient, i: int, rng: random.Random, max_tokens:
         tally.add(["stream", "cut", "malformed"][part], type(e).__name__)
 
 
-async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
+async def soak(args: argparse.Namespace, url: str, pid: int) -> dict[str, Any]:
     rng = random.Random(args.seed)
     tally, curve = Tally(), []
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
@@ -118,7 +118,7 @@ async def soak(args: argparse.Namespace, url: str, pid: int) -> dict:
     return {"curve": curve, "statuses": dict(sorted(tally.statuses.items())), "seconds": time.monotonic() - start}
 
 
-def growth(curve: list[dict]) -> dict:
+def growth(curve: list[dict[str, Any]]) -> dict[str, Any]:
     """RSS at the start, middle and end, and the second half's growth: the end (median of the last tenth of the
     waves, so one wave's noise does not decide) over the middle wave's RSS."""
     rss = [p["rss_mib"] for p in curve]
@@ -136,7 +136,7 @@ def growth(curve: list[dict]) -> dict:
     }
 
 
-def plot(curve: list[dict], path: Path) -> None:
+def plot(curve: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -154,7 +154,7 @@ def plot(curve: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def table(run: dict, g: dict) -> str:
+def table(run: dict[str, Any], g: dict[str, Any]) -> str:
     rows = [
         ("requests", f"{run['curve'][-1]['requests']}"),
         ("duration", f"{run['seconds']:.0f} s"),
@@ -170,12 +170,9 @@ def table(run: dict, g: dict) -> str:
     return "\n".join(f"| {k:<{width}} | {v:>26} |" for k, v in rows)
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
     ap.add_argument("--requests", type=int, default=5040, help="requests in all (default 5040: 105 waves of 48)")
     ap.add_argument("--concurrency", type=int, default=48, help="requests per wave, sent at once (default 48)")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per completion (default 8: the run is minutes)")
@@ -192,17 +189,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--timeout", type=float, default=300.0, help="per-request client timeout in seconds")
     ap.add_argument("--seed", type=int, default=0, help="prompts, temperatures and malformed bodies (default 0)")
-    ap.add_argument("--out", type=Path, default=REPO / "results/soak", help="output folder")
-    args = ap.parse_args(argv)
-    if (args.url is None) != (args.pid is None):
-        ap.error("--url and --pid go together")
-    return args
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "results/soak", help="output folder")
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(args: argparse.Namespace) -> int:
     from dflash_trt.server.process import start_serve
 
-    args = parse(argv)
+    if (args.url is None) != (args.pid is None):
+        raise SystemExit("--url and --pid go together")
     args.out.mkdir(parents=True, exist_ok=True)
     proc = None
     url, pid = args.url, args.pid
@@ -227,7 +221,3 @@ def main(argv: list[str] | None = None) -> int:
     print(table(run, g))
     print(f"wrote {args.out / 'results.json'} and {args.out / 'rss.png'}")
     return 0 if g["flat"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

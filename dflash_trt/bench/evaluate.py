@@ -1,5 +1,4 @@
-#!/usr/bin/env python3
-"""Acceptance and speedup of DFlash on held-out prompts, against the target alone.
+"""`dflash-trt eval` (`make eval`): acceptance and speedup of DFlash on held-out prompts, against the target alone.
 
 For each prompt it runs the target alone and DFlash, in alternating order, checks the outputs are
 identical (greedy), and records tau (mean tokens per round, bonus included) and the time ratio.
@@ -23,22 +22,21 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash_trt.bench.prompts import held_out_code_prompts, held_out_function_prompts
 from dflash_trt.bench.quality import check_body
 from dflash_trt.bench.workloads import WORKLOADS
-from dflash_trt.decoding import GenerationConfig
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding.sampling import SamplingParams
-from dflash_trt.loading import load_decoder
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", type=Path, default=DEMO_TARGET)
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
+    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
     p.add_argument("--prompts", type=int, default=20, help="held-out prompts (default 20)")
     p.add_argument(
         "--prompt-set",
@@ -54,7 +52,7 @@ def main(argv=None) -> int:
         help="DFlash as `dflash-trt serve` runs it by default: adaptive block sizes from a cost model measured "
         "at start-up, the drafter's dtype auto (--block-size and --drafter-dtype then do not apply)",
     )
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's trained size")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument(
@@ -67,7 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--long-prompts", type=int, default=0, help="also N long held-out code prompts (default 0)")
     p.add_argument("--long-tokens", type=int, default=1000, help="tokens per long prompt (default 1000)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (outputs compared)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument(
         "--dtype",
         choices=("float32", "bfloat16", "float16"),
@@ -80,20 +78,29 @@ def main(argv=None) -> int:
         help="the drafter's dtype (default --dtype, as `dflash-trt generate`; auto: bfloat16 on a CPU with "
         "AMX next to a float32 target; see dflash_trt.loading.drafter_dtype)",
     )
-    p.add_argument("--out", type=Path, default=Path("results/acceptance.json"))
-    args = p.parse_args(argv)
+    p.add_argument(
+        "--out", type=Path, default=Path("results/acceptance.json"), help="the JSON written (default %(default)s)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 1 when a greedy output differs from the target alone's."""
+    from dflash_trt.loading import load_decoder
+
     if args.threads:
         torch.set_num_threads(args.threads)
 
     drafter_dtype = "auto" if args.server_defaults else args.drafter_dtype
     decoder = load_decoder(args.target, args.drafter, dtype=args.dtype, drafter_dtype_name=drafter_dtype)
+    # the PyTorch drafter engine load_decoder builds (its module's dtype is recorded below)
+    drafter: Any = decoder.drafter
     if args.server_defaults:
         from dflash_trt.server.context import ServerSettings, batch_decoder
 
         decoder, args.block_size = batch_decoder(decoder, ServerSettings()), None
     prompts = build_prompts(decoder, args)  # (kind, token ids, function head or None)
     greedy = args.temperature == 0
-    stops = ()
+    stops: tuple[int, ...] = ()
     if args.prompt_file is not None:
         from dflash_trt.train.regen import stop_token_ids
 
@@ -107,7 +114,8 @@ def main(argv=None) -> int:
     )
     decoder.generate([prompts[0][1]], cfg_spec)  # warm-up (allocations, kernels)
 
-    rows, mismatches = [], 0
+    rows: list[dict[str, Any]] = []
+    mismatches = 0
     for i, (kind, ids, head) in enumerate(prompts):
         order = [("base", cfg_base), ("dflash", cfg_spec)]
         if i % 2:
@@ -156,7 +164,7 @@ def main(argv=None) -> int:
     summary = {
         "prompts": len(rows),
         "max_new_tokens": args.max_new_tokens,
-        "block_size": "adaptive" if args.server_defaults else args.block_size or decoder.drafter.block_size,
+        "block_size": "adaptive" if args.server_defaults else args.block_size or drafter.block_size,
         "mean_tau": round(statistics.mean(taus), 3),
         "min_tau": min(taus),
         "max_tau": max(taus),
@@ -175,7 +183,7 @@ def main(argv=None) -> int:
         "threads": torch.get_num_threads(),
         "temperature": args.temperature,
         "dtype": args.dtype,
-        "drafter_dtype": str(decoder.drafter.drafter.fc.weight.dtype).removeprefix("torch."),
+        "drafter_dtype": str(drafter.drafter.fc.weight.dtype).removeprefix("torch."),
         "by_kind": {
             k: {
                 "prompts": len(rs),
@@ -208,7 +216,7 @@ def main(argv=None) -> int:
     return 0 if mismatches == 0 else 1
 
 
-def build_prompts(decoder, args) -> list[tuple[str, list[int], str | None]]:
+def build_prompts(decoder: BatchDecoder, args: argparse.Namespace) -> list[tuple[str, list[int], str | None]]:
     """(kind, token ids, the function head for prompts whose completion is checked as code)."""
     tok = decoder.tokenizer
     prompts: list[tuple[str, list[int], str | None]]
@@ -233,7 +241,3 @@ def build_prompts(decoder, args) -> list[tuple[str, list[int], str | None]]:
                 continue  # a file with very long tokens: not long enough
             prompts.append(("long", ids[: args.long_tokens], None))
     return prompts
-
-
-if __name__ == "__main__":
-    sys.exit(main())

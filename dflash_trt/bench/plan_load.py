@@ -1,16 +1,15 @@
-#!/usr/bin/env python3
-"""Does a plan made from a `plan check` scrape predict the server's tokens/s? (issue 56's done-when)
+"""`dflash-trt plan check-load`: does a plan made from a `plan check` scrape predict the server's tokens/s?
 
 1. measures the demo pair's CPU cost model in this process, as `make bench-load` and the server's adaptive policy
    do (`decoding.cost.measure_costs`): out/cost_model.json;
-2. runs a reduced `scripts/bench_load.py` (one concurrency, T=0, the dflash-b8 server only, no in-process part)
+2. runs a reduced `dflash-trt bench load` (one concurrency, T=0, the dflash-b8 server only, no in-process part)
    and, while aiperf loads that server, `dflash-trt plan check --engine dflash-trt --save out/scrape.json`;
 3. plans with `--from-metrics out/scrape.json --cost-model out/cost_model.json` at that concurrency (the cost
    model scaled to the steps the scrape saw served: `plan.inputs.served_step_cost`), on the
    prompts' mean token count and bench-load's output length, and compares the plan's tokens/s for the server's
    fixed block 8 (7 drafted tokens, the unit plan.json keys by) with aiperf's output tokens/s: out/summary.json, printed.
 
-    .venv/bin/python scripts/plan_check_load.py --concurrency 16 --out results/load/plan-check
+    dflash-trt plan check-load --concurrency 16 --out results/load/plan-check
 """
 
 from __future__ import annotations
@@ -23,8 +22,11 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from dflash_trt.settings import REPO_ROOT
+
+DFLASH_TRT = [sys.executable, "-m", "dflash_trt.cli"]  # this interpreter's `dflash-trt`
 
 
 def measure_cost_model(out: Path) -> Path:
@@ -43,7 +45,7 @@ def measure_cost_model(out: Path) -> Path:
     return path
 
 
-def scrape_when_busy(url: str, concurrency: int, window: float, save: Path, result: dict) -> None:
+def scrape_when_busy(url: str, concurrency: int, window: float, save: Path, result: dict[str, Any]) -> None:
     """Wait until the server runs at least 3/4 of `concurrency` rows, then plan check over `window` seconds."""
     import httpx
 
@@ -53,33 +55,34 @@ def scrape_when_busy(url: str, concurrency: int, window: float, save: Path, resu
         if m and float(m.group(1)) >= 0.75 * concurrency:
             break
         time.sleep(0.5)
-    cmd = [sys.executable, "-m", "dflash_trt.cli.main", "plan", "check", "--engine", "dflash-trt", "--url", url]
+    cmd = [*DFLASH_TRT, "plan", "check", "--engine", "dflash-trt", "--url", url]
     cmd += ["--plan", str(save.parent / "any-plan"), "--window", str(window), "--samples", "4", "--save", str(save)]
     done = subprocess.run(cmd, capture_output=True, text=True)
     result["check"] = done.stdout + done.stderr
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--concurrency", type=int, default=16)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--concurrency", type=int, default=16, help="the one concurrency loaded and planned (default 16)")
     ap.add_argument("--window", type=float, default=20.0, help="plan check's window, seconds (default 20)")
     ap.add_argument(
         "--min-requests", type=int, default=480, help="aiperf requests (default 480: a run that outlasts the window)"
     )
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "load" / "plan-check")
-    args = ap.parse_args()
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "load" / "plan-check", help="output folder")
+
+
+def run(args: argparse.Namespace) -> int:
     out, c = args.out, args.concurrency
     out.mkdir(parents=True, exist_ok=True)
     (out / "scrape.json").unlink(missing_ok=True)  # never plan from an earlier run's scrape
     cost = measure_cost_model(out)
-    plan = [sys.executable, "-m", "dflash_trt.cli.main", "plan", "--no-progress", "--concurrency", str(c)]
+    plan = [*DFLASH_TRT, "plan", "--no-progress", "--concurrency", str(c)]
     small = ["--prompt-len", "fixed:64", "--output-len", "fixed:64", "--min-requests", "8"]
     subprocess.run([*plan, "--out", str(out / "any-plan"), *small], check=True, capture_output=True)
-    bench = [sys.executable, str(REPO / "scripts" / "bench_load.py"), "--skip-in-process", "--concurrency", str(c)]
+    bench = [*DFLASH_TRT, "bench", "load", "--skip-in-process", "--concurrency", str(c)]
     bench += ["--temperatures", "0", "--modes", "dflash-b8", "--load-repeats", "1", "--out", str(out / "load")]
     bench += ["--min-requests", str(args.min_requests)]
     proc = subprocess.Popen(bench, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    result: dict = {}
+    result: dict[str, Any] = {}
     scraper = None
     log = []
     assert proc.stdout is not None
@@ -106,6 +109,7 @@ def main() -> int:
     from dflash_trt.settings import DEMO_TARGET
 
     tok = load_tokenizer(DEMO_TARGET)
+    assert tok is not None, "the demo target ships its tokenizer"
     texts = held_out_code_prompts(32)
     mean_prompt = round(sum(len(tok.encode(t, add_special_tokens=False)) for t in texts) / len(texts))
     flags = ["--from-metrics", str(out / "scrape.json"), "--cost-model", str(cost), "--block-size", "8"]
@@ -124,7 +128,3 @@ def main() -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps({k: v for k, v in summary.items() if k != "scrape"}, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
-"""NVIDIA's aiperf against `dflash-trt serve`: a short run on the OpenAI completions endpoint (and chat, for a
-target with a chat template: `--endpoints chat,completions`), streaming, as a new user would benchmark the
-server with a client nobody here wrote.
+"""`dflash-trt bench serve`: NVIDIA's aiperf against `dflash-trt serve`, a short run on the OpenAI completions
+endpoint (and chat, for a target with a chat template: `--endpoints chat,completions`), streaming, as a new user would
+benchmark the server with a client nobody here wrote.
 
 Starts `dflash-trt serve --port 0` on the demo models (or --target/--drafter), runs `aiperf profile`
 once per endpoint (synthetic prompts, fixed seed, greedy, ignore_eos so every request generates its
@@ -11,7 +10,7 @@ errors). aiperf lives in its own venv (`make bench-serve` makes it): it pins pro
 huggingface-hub below what this project's venv has.
 
     make bench-serve
-    .venv/bin/python scripts/bench_serve.py --aiperf .venv-aiperf/bin/aiperf --requests 32 --concurrency 8
+    dflash-trt bench serve --aiperf .venv-aiperf/bin/aiperf --requests 32 --concurrency 8
 """
 
 from __future__ import annotations
@@ -25,16 +24,11 @@ import httpx
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf
 from dflash_trt.server.process import start_serve
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
-
-REPO = Path(__file__).resolve().parents[1]
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET, REPO_ROOT
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--aiperf", default=str(REPO / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--aiperf", default=str(REPO_ROOT / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
     ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
     ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
     ap.add_argument(
@@ -47,9 +41,11 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="concurrent requests (default 4)")
     ap.add_argument("--isl", type=int, default=64, help="synthetic prompt tokens (default 64)")
     ap.add_argument("--osl", type=int, default=64, help="tokens to generate per request (default 64)")
-    ap.add_argument("--out", type=Path, default=REPO / "results/bench-serve", help="output folder")
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "results/bench-serve", help="output folder")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads of the server")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     serve = ["--target", str(args.target), "--drafter", str(args.drafter)]
@@ -96,7 +92,3 @@ def main(argv=None) -> int:
         )
     print(f"wrote {args.out / 'summary.json'}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Record the suffix proposer's rounds on the demo pair, for the simulator's replay (dflash_trt/sim/suffix.py).
+"""`dflash-trt bench suffix-trace`: record the suffix proposer's rounds on the demo pair, for the simulator's replay
+(dflash_trt/sim/suffix.py).
 
 Runs the `rewrite`, `long` and `bodies` workloads (`dflash_trt/bench/workloads.py`: text no model here was trained
 on; `bodies`, plain completions, is the control where little repeats)
@@ -8,7 +9,7 @@ simulator reads: [drafted, accepted] per round (drafted 0: the proposer offered 
 ids: the simulator makes its own tokens). Suffix alone is recorded, not the hybrid: every round then says whether a run was there to take,
 which a round the hybrid gave to DFlash would not.
 
-    PYTHONPATH=. .venv/bin/python scripts/sim/record_suffix_trace.py --out data/measured/suffix-trace.json
+    dflash-trt bench suffix-trace   # writes data/measured/suffix-trace.json
 """
 
 import argparse
@@ -16,32 +17,38 @@ import json
 import os
 import time
 from pathlib import Path
-
-import torch
+from typing import Any
 
 from dflash_trt.bench.workloads import WORKLOADS
 from dflash_trt.decoding import GenerationConfig
-from dflash_trt.loading import load_decoder
-from dflash_trt.server.context import ServerSettings, batch_decoder
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.sim.measured import SUFFIX_TRACE
 from dflash_trt.sim.suffix import rounds_of
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workloads",
         nargs="+",
         default=["rewrite:6", "long:3", "bodies:4"],
         help="NAME:PROMPTS items (default: %(default)s)",
     )
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--out", type=Path, default=Path("data/measured/suffix-trace.json"))
-    args = p.parse_args()
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument(
+        "--out", type=Path, default=SUFFIX_TRACE, help="the trace written (default: the one the simulator reads)"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from dflash_trt.loading import load_decoder
+    from dflash_trt.server.context import ServerSettings, batch_decoder
+
     torch.set_num_threads(args.threads)
     decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER, drafter_dtype_name="auto"), ServerSettings())
-    out: dict = {
-        "source": "scripts/sim/record_suffix_trace.py: the demo pair, proposer suffix, greedy, one request at a time",
+    out: dict[str, Any] = {
+        "source": "dflash-trt bench suffix-trace: the demo pair, proposer suffix, greedy, one request at a time",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "format": "per workload, per request: its rounds in order after the prefill's token, [drafted, accepted] each "
@@ -64,7 +71,4 @@ def main() -> None:
         out["workloads"][name] = {"max_new_tokens": w.max_new_tokens, "sources": w.sources, "requests": requests}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, separators=(",", ":")) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """Serving simulated from measured profiles: the real batched loop and block-size policies on simulated GPUs.
 
-    python -m dflash_trt.sim.bench [--out results/sim] [--full | --smoke] [--setups ...] [--concurrency ...]
+    dflash-trt bench sim [--out results/sim] [--full | --smoke] [--setups ...] [--concurrency ...]
 
 Two grids. The default, REDUCED (about 12 minutes with --jobs 2 on 2 CPUs, 2 seeds): A100 Llama-3-8B tp=1 on
 `paper` and `mixed`, H100 Llama-2-7B tp=1 on `paper`, H100 Llama-2-70B tp=4 on `mixed`, at concurrency
@@ -8,7 +8,7 @@ Two grids. The default, REDUCED (about 12 minutes with --jobs 2 on 2 CPUs, 2 see
 concurrency 1..256 x workloads ("paper": each request from one of the paper's Qwen3-8B T=0 benchmarks;
 "mixed": half the requests accept poorly, tau ~2 at block 16) x every setup x 3 seeds, at max(512, 16 x C)
 requests a cell, on Vidur's measured profiles: A100 Llama-3-8B tp=1 and Llama-3-70B tp=4, H100 Llama-2-7B
-tp=1 and Llama-2-70B tp=4 (dflash_trt/sim). Both run every policy, in two phases:
+tp=1 and Llama-2-70B tp=4 (dflash_trt/sim, the simulator this package drives). Both run every policy, in two phases:
 
   1. none, fixed-4/8/16, adaptive, trtllm-schedule (as DFlashDecodingConfig configures it: no acceptance
      threshold), trtllm-schedule-threshold (the threshold set: a named variant) and optimum (the exact

@@ -1,5 +1,5 @@
-#!/usr/bin/env python3
-"""Load benchmark of `dflash-trt serve` with NVIDIA's aiperf, against Hugging Face batched generate().
+"""`dflash-trt bench load`: load benchmark of `dflash-trt serve` with NVIDIA's aiperf, against Hugging Face batched
+generate().
 
 Held-out code prompts (never trained on), OpenAI completions endpoint, streaming, every request exactly
 --osl tokens (ignore_eos), at each concurrency C in --concurrency and temperature T in --temperatures:
@@ -33,7 +33,7 @@ Writes results/load/{results.json, README.md, load.png} and aiperf's exports und
 Run it on a quiet machine: other processes' CPU time shows up as noise in every ratio.
 
     make bench-load
-    .venv/bin/python scripts/bench_load.py --concurrency 1,16 --temperatures 0 --modes target,adaptive
+    dflash-trt bench load --concurrency 1,16 --temperatures 0 --modes target,adaptive
 """
 
 from __future__ import annotations
@@ -44,7 +44,9 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,9 +54,12 @@ from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value
 from dflash_trt.bench.load_report import load_markdown
 from dflash_trt.bench.methods import HFReference, hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET, REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+if TYPE_CHECKING:
+    from dflash_trt.decoding import BatchDecoder
+    from dflash_trt.decoding.cost import CostModel
+    from dflash_trt.runtime.base import DrafterEngine, TargetEngine
 
 MODES = {  # server flags per mode
     "target": ["--block-size", "1"],
@@ -68,9 +73,8 @@ MODES = {  # server flags per mode
 STEP_KEYS = ("prefill_s", "policy_s", "draft_s", "verify_s", "accept_s", "overhead_s", "total_s")
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--aiperf", default=str(REPO / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--aiperf", default=str(REPO_ROOT / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
     ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
     ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated concurrencies (default 1,4,16,32)")
@@ -120,8 +124,7 @@ def parse_args(argv=None):
         action="store_true",
         help="only the aiperf cells (no HF generate reference, no per-prompt runs, no step profile)",
     )
-    ap.add_argument("--out", type=Path, default=REPO / "results" / "load", help="output folder")
-    return ap.parse_args(argv)
+    ap.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "load", help="output folder")
 
 
 def resolved_drafter_dtype(name: str) -> str:
@@ -130,15 +133,16 @@ def resolved_drafter_dtype(name: str) -> str:
     return str(drafter_dtype(name, torch.float32, torch.device("cpu"))).removeprefix("torch.")
 
 
-def requests_for(c: int, args) -> int:
-    return max(args.min_requests, 4 * c)
+def requests_for(c: int, args: argparse.Namespace) -> int:
+    return max(int(args.min_requests), 4 * c)
 
 
 # ---- in process: per-prompt ratios, the step profile ----------------------
-def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
+def in_process(args: argparse.Namespace, code_texts: list[str], long_texts: list[str]) -> dict[str, Any]:
     from dflash_trt.config import validate_against_target
     from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, GenerationConfig, SamplingParams
     from dflash_trt.decoding.cost import measure_costs
+    from dflash_trt.decoding.request import GenerationResult
     from dflash_trt.loading import drafter_dtype
     from dflash_trt.models.drafter import DFlashDrafter
     from dflash_trt.models.target import load_target, load_tokenizer
@@ -146,6 +150,8 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
 
     model = load_target(args.target, torch.float32)
     tok = load_tokenizer(args.target)
+    if tok is None:
+        raise SystemExit(f"{args.target}: no tokenizer (the benchmark's prompts are text)")
     drafter = DFlashDrafter.from_pretrained(
         args.drafter, drafter_dtype(args.drafter_dtype, torch.float32, torch.device("cpu"))
     )
@@ -153,7 +159,7 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
     layers = drafter.spec.target_layer_ids
     code = [tok.encode(t, add_special_tokens=False) for t in code_texts]
     long = [tok.encode(t, add_special_tokens=False) for t in long_texts]
-    out: dict = {"per_prompt": [], "step_profile": {}, "repeats": args.repeats}
+    out: dict[str, Any] = {"per_prompt": [], "step_profile": {}, "repeats": args.repeats}
 
     # per prompt, one request at a time: target alone, DFlash at the trained block size, adaptive
     btarget = TorchTargetEngine(model, layers)
@@ -168,15 +174,18 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
     }
     adaptive = BatchDecoder(btarget, bdrafter, policy=AdaptiveBlocks(cost))
 
-    def timed(fn):  # best of --repeats: load from elsewhere only ever adds time
+    def timed(
+        fn: Callable[[], GenerationResult],
+    ) -> tuple[GenerationResult, float]:  # best of --repeats: load from elsewhere only ever adds time
         best, ids = float("inf"), None
-        for _ in range(args.repeats):
+        for _ in range(max(1, args.repeats)):
             t = time.perf_counter()
             ids = fn()
             best = min(best, time.perf_counter() - t)
+        assert ids is not None
         return ids, best
 
-    def run_adaptive(prompt, n):
+    def run_adaptive(prompt: list[int], n: int) -> GenerationResult:
         row = adaptive.add(prompt, GenerationConfig(max_new_tokens=n))
         adaptive.run()
         return row.result()
@@ -233,7 +242,7 @@ def in_process(args, code_texts: list[str], long_texts: list[str]) -> dict:
     return out
 
 
-def steady_state(decoder, stream: list[list[int]], c: int, n: int) -> int:
+def steady_state(decoder: BatchDecoder, stream: list[list[int]], c: int, n: int) -> int:
     """Run `stream` through `decoder` with `c` requests in flight, each finished row replaced at once (what a
     server with a client that never waits would do); returns the output tokens."""
     from dflash_trt.decoding import GenerationConfig
@@ -252,7 +261,16 @@ def steady_state(decoder, stream: list[list[int]], c: int, n: int) -> int:
     return tokens
 
 
-def engines_alone(model, code: list[list[int]], btarget, bdrafter, cost, args, pad: int = 0, c: int = 16) -> dict:
+def engines_alone(
+    model: Any,
+    code: list[list[int]],
+    btarget: TargetEngine,
+    bdrafter: DrafterEngine,
+    cost: CostModel,
+    args: argparse.Namespace,
+    pad: int = 0,
+    c: int = 16,
+) -> dict[str, Any]:
     """C=16, T=0 in this process, no HTTP server and no client: HF generate() (left-padded batches of C)
     against the batched decoder's steady state (target alone, adaptive) on the same request stream, in a
     rotating order, median of --load-repeats. What the engines can do here bounds what any server on the
@@ -317,11 +335,14 @@ def metric_sums(text: str) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in found.items()}
 
 
-def server_side(before: dict, after: dict) -> dict:
+def server_side(before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """What the server did during one run (aiperf's warm-up requests included): mean rows per verify pass
     (how full the batch was), mean block size, prefill passes and seconds of engine work."""
     d = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in after}
-    per = lambda k: round(d[k][0] / d[k][1], 2) if d[k][1] else None  # noqa: E731
+
+    def per(k: str) -> float | None:
+        return round(d[k][0] / d[k][1], 2) if d[k][1] else None
+
     return {
         "mean_verify_rows": per("verify_rows"),
         "mean_block": per("blocks"),
@@ -337,8 +358,13 @@ def rotation(members: list[str], rnd: int) -> list[str]:
 
 
 def server_cells(
-    args, code_texts: list[str], levels: list[int], temps: list[float], modes: list[str], hf: HFReference | None = None
-) -> tuple[list[dict], list[dict]]:
+    args: argparse.Namespace,
+    code_texts: list[str],
+    levels: list[int],
+    temps: list[float],
+    modes: list[str],
+    hf: HFReference | None = None,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every mode's server runs at once (idle ones cost nothing); each cell is measured --load-repeats times,
     the modes (and `hf`, the in-process reference, when given) back to back in a rotating order, so that the
     machine's drift (large over minutes, larger between spells: docs/benchmarks.md) falls on every mode and on the
@@ -350,8 +376,8 @@ def server_cells(
 
     dataset = args.out / "prompts.jsonl"
     dataset.write_text("".join(json.dumps({"text": t, "output_length": args.osl}) + "\n" for t in code_texts))
-    servers: dict[str, tuple] = {}
-    runs: dict[tuple, list[dict]] = {}
+    servers: dict[str, tuple[Any, ...]] = {}  # mode -> (process, url, model id)
+    runs: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     try:
         for mode in modes:
             serve = [
@@ -427,20 +453,20 @@ def server_cells(
     return [c for c in cells if c["mode"] in MODES], [c for c in cells if c["mode"] not in MODES]
 
 
-def median_cell(runs: list[dict]) -> dict:
+def median_cell(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """The run with the median tokens/s (the lower middle one of an even count), with every run's figure."""
     ranked = sorted(runs, key=lambda r: r["tokens_per_s"] or 0.0)
     return {**ranked[(len(ranked) - 1) // 2], "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 # ---- the report --------------------------------------------------------------------------------------
-def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None, str]]:
+def checks(cells: list[dict[str, Any]], proc: dict[str, Any] | None) -> list[tuple[str, bool | None, str]]:
     """The issue's done-figures, each (what, passed, figure)."""
     tps = {(c["mode"], c["concurrency"], c["temperature"]): c["tokens_per_s"] for c in cells}
     hf = {(r["concurrency"], r["temperature"]): r["tokens_per_s"] for r in (proc or {}).get("hf_generate", [])}
     found: list[tuple[str, bool | None, str]] = []
 
-    def ratio(a, b):
+    def ratio(a: float | None, b: float | None) -> float | None:
         return a / b if a and b else None
 
     r = ratio(tps.get(("adaptive", 16, 0.0)), hf.get((16, 0.0)))
@@ -459,16 +485,16 @@ def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None,
             "n/a" if r is None else f"{r:.2f}x",
         )
     )
-    worst = [(ratio(v, tps.get(("target", c, t))), c, t) for (m, c, t), v in tps.items() if m == "adaptive"]
-    worst = [w for w in worst if w[0] is not None]
+    worst = [
+        (x, c, t) for (m, c, t), v in tps.items() if m == "adaptive" and (x := ratio(v, tps.get(("target", c, t))))
+    ]
     if worst:
         w = min(worst)
         found.append(
             ("every cell: adaptive >= 0.95x batched target", w[0] >= 0.95, f"lowest {w[0]:.2f}x (c={w[1]}, T={w[2]:g})")
         )
     for mode in ("hybrid", "hybrid-own"):
-        low = [(ratio(v, tps.get(("adaptive", c, t))), c, t) for (m, c, t), v in tps.items() if m == mode]
-        low = [w for w in low if w[0] is not None]
+        low = [(x, c, t) for (m, c, t), v in tps.items() if m == mode and (x := ratio(v, tps.get(("adaptive", c, t))))]
         if low:
             w = min(low)
             found.append(
@@ -479,14 +505,14 @@ def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None,
                 )
             )
     if proc and proc.get("per_prompt"):
-        rows = proc["per_prompt"]
-        low = min(rows, key=lambda p: p["adaptive_vs_target"])
+        rows: list[dict[str, Any]] = proc["per_prompt"]
+        slowest = min(rows, key=lambda p: p["adaptive_vs_target"])
         found.append(
             (
                 "every prompt: adaptive >= 0.9x the target alone",
-                low["adaptive_vs_target"] >= 0.9,
-                f"lowest {low['adaptive_vs_target']:.2f}x ({low['set']} prompt {low['prompt']}, "
-                f"{low['prompt_tokens']} tokens, tau at B=8 {low['tau_single_b8']})",
+                slowest["adaptive_vs_target"] >= 0.9,
+                f"lowest {slowest['adaptive_vs_target']:.2f}x ({slowest['set']} prompt {slowest['prompt']}, "
+                f"{slowest['prompt_tokens']} tokens, tau at B=8 {slowest['tau_single_b8']})",
             )
         )
         code = [p for p in rows if p["set"] == "code"]
@@ -504,11 +530,16 @@ def checks(cells: list[dict], proc: dict | None) -> list[tuple[str, bool | None,
     return found
 
 
-def markdown(cells: list[dict], proc: dict | None, found, settings: dict) -> str:
+def markdown(
+    cells: list[dict[str, Any]],
+    proc: dict[str, Any] | None,
+    found: list[tuple[str, bool | None, str]],
+    settings: dict[str, Any],
+) -> str:
     return load_markdown(cells, proc, found, settings, list(MODES))
 
 
-def plot(cells: list[dict], proc: dict | None, path: Path) -> None:
+def plot(cells: list[dict[str, Any]], proc: dict[str, Any] | None, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -540,8 +571,7 @@ def plot(cells: list[dict], proc: dict | None, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -607,7 +637,3 @@ def main(argv=None) -> int:
         f"in {settings['minutes']} min"
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

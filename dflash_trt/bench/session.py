@@ -1,6 +1,5 @@
-#!/usr/bin/env python3
-"""A multi-turn session through the server (issue 55): each turn's prompt carries the earlier turns' prompts and
-answers, as an agentic or chat client resends what it received.
+"""`dflash-trt bench session`: a multi-turn session through the server; each turn's prompt carries the earlier turns'
+prompts and answers, as an agentic or chat client resends what it received.
 
 A session walks one installed package's file (`dflash_trt.bench.workloads.session_turns`: never the demo models'
 training data): turn 1 is the file's first lines and its first function's head; turn k adds turn k-1's answer and
@@ -26,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -44,16 +42,19 @@ DEFAULT_MODES = {  # the target alone, then the shared structure's gain: hybrid 
 }
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--modes", type=json.loads, default=DEFAULT_MODES, help="JSON, see above (first: the reference)")
     p.add_argument("--turns", type=int, default=4, help="turns per session (default 4)")
     p.add_argument("--sessions", type=int, default=2, help="sessions per mode, alternating (default 2)")
     p.add_argument("--max-tokens", type=int, default=96, help="tokens per answer (default 96)")
     p.add_argument("--serve-args", default="--threads 1", help="arguments every server gets (default --threads 1)")
     p.add_argument("--start-timeout", type=float, default=600.0, help="seconds a server may take to start")
-    p.add_argument("--out", type=Path, default=Path("results/proposers/session.json"))
-    return p.parse_args(argv)
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/proposers/session.json"),
+        help="the JSON written (default %(default)s)",
+    )
 
 
 def session(url: str, request: dict[str, Any], opening: str, heads: list[str], max_tokens: int) -> list[dict[str, Any]]:
@@ -100,8 +101,7 @@ def summary(runs: dict[str, list[list[dict[str, Any]]]]) -> dict[str, dict[str, 
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     names = list(args.modes)
     servers: dict[tuple[str, ...], Any] = {}  # modes with the same serve arguments share a server
     urls = {}
@@ -142,7 +142,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {name} | {cell['tokens_per_s']:.1f} | {cell['vs_first']:.2f}x | {turns} |")
     print(f"\nanswers equal to {names[0]}'s in every session: {'yes' if not differ else f'NO ({differ})'}")
     return 0 if not differ else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

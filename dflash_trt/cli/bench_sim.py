@@ -1,5 +1,6 @@
-"""`python -m dflash_trt.sim.bench` (scripts/bench_sim.py, `make bench-sim`): the command line and the run that
-writes results.json, README.md and sim.png. The package's docstring says what it simulates."""
+"""`dflash-trt bench sim` (`make bench-sim`): the command line and the run that writes results.json, README.md
+and sim.png. The package dflash_trt.bench.sim (grid, calibrations, checks, report) says in its docstring what it
+simulates; the simulator itself is dflash_trt.sim."""
 
 from __future__ import annotations
 
@@ -7,22 +8,14 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from ...cli.options import non_negative_int, stall_factor
-from ...decoding.chunking import BACKLOG_STEPS, STALL
-from ...decoding.proposers import PROPOSERS
-from ...settings import REPO_ROOT
-from ..measured import DEMO_LOAD
-from ..policies import FIXED, STEP_TOKENS_OF, TUNED
-from ..serving import host_step_s, workload
-from ..suffix import Proposing, SuffixTrace, recorded_workloads
-from .calibrate import calibrate_cpu, calibrate_gpu
-from .checks import criteria
-from .grid import (
+from ..bench import sim as sim_bench
+from ..bench.sim.calibrate import calibrate_cpu, calibrate_gpu
+from ..bench.sim.checks import criteria
+from ..bench.sim.grid import (
     CONCURRENCY,
     PHASE1,
     PREFILL_AT,
@@ -42,9 +35,17 @@ from .grid import (
     run_cell,
     tuned_tables,
 )
-from .report import plot, readme
+from ..bench.sim.report import plot, readme
+from ..decoding.chunking import BACKLOG_STEPS, STALL
+from ..decoding.proposers import PROPOSERS
+from ..settings import REPO_ROOT
+from ..sim.measured import DEMO_LOAD
+from ..sim.policies import FIXED, STEP_TOKENS_OF, TUNED
+from ..sim.serving import host_step_s, workload
+from ..sim.suffix import Proposing, SuffixTrace, recorded_workloads
+from .options import non_negative_int, stall_factor
 
-ABOUT = sys.modules[__name__.rpartition(".")[0]].__doc__ or ""  # the package's docstring: what the run is
+ABOUT = sim_bench.__doc__ or ""  # the package's docstring: what the run is
 
 
 def sweep(
@@ -115,7 +116,7 @@ def _proposer_options(ap: argparse.ArgumentParser) -> None:
         "--suffix-trace",
         default="rewrite",
         help=f"the recorded workload whose suffix rounds are replayed (data/measured/suffix-trace.json, recorded\n"
-        f"on the demo pair by scripts/sim/record_suffix_trace.py: {', '.join(recorded_workloads()) or 'missing'};\n"
+        f"on the demo pair by `dflash-trt bench suffix-trace`: {', '.join(recorded_workloads()) or 'missing'};\n"
         f"default: rewrite), or a file of `dflash-trt generate --json --trace --proposer suffix` outputs, one a line",
     )
 
@@ -131,8 +132,7 @@ def _proposing(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[st
     return {"proposer": args.proposer, **({"suffix_trace": args.suffix_trace} if trace is not None else {})}
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=ABOUT.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "sim", help="output folder")
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument(
@@ -177,7 +177,6 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--calibrations", nargs="*", default=["cpu", "gpu"], help="calibrations to run (default: cpu gpu; none: skip)"
     )
-    return ap
 
 
 def _grid(
@@ -219,14 +218,13 @@ def _set_by_hand(args: argparse.Namespace) -> list[str]:
     return custom + ([f"proposer {args.proposer}"] if args.proposer != "dflash" else [])
 
 
-def main() -> None:
-    ap = _parser()
-    args = ap.parse_args()
+def cmd_sim(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """The run; `ap` (the `sim` parser) reports a usage error as argparse does (exit 2)."""
     if set(TUNED) & set(args.policies) and not set(FIXED) <= set(args.policies):
         ap.error(f"--policies: {' and '.join(TUNED)} are tuned from the fixed runs; add {' '.join(FIXED)}")
     if args.readme_only:
         (args.out / "README.md").write_text(readme(json.loads((args.out / "results.json").read_text())))
-        return
+        return 0
     proposer_settings = _proposing(args, ap)
     rates = (4, 16) if args.rates is None else tuple(args.rates)
     args.rates, args.poisson_requests, args.gpu_osl, args.gpu_requests = rates, 256, 2048, 4
@@ -277,3 +275,4 @@ def main() -> None:
     for c in checks:
         print(("PASS " if c["passed"] else "FAIL ") + c["what"] + ": " + c["figure"], flush=True)
     print(f"wrote {args.out} in {res['settings']['minutes']} min", flush=True)
+    return 0

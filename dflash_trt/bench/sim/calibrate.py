@@ -7,11 +7,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from ..acceptance import AcceptanceProfile
-from ..cost import LinearPassCost, PassCost, ProfileCost
-from ..measured import read
-from ..serving import Workload, host_step_s, simulate, workload
-from ..suffix import Proposing
+from ...sim.acceptance import AcceptanceProfile
+from ...sim.cost import LinearPassCost, PassCost, ProfileCost
+from ...sim.measured import read
+from ...sim.serving import Workload, host_step_s, simulate, workload
+from ...sim.suffix import Proposing
 from .grid import SGLANG, _pacing
 
 
@@ -68,7 +68,7 @@ def calibrate_cpu(load_path: Path) -> dict[str, Any] | None:
 
 
 def simulate_stream(cost: PassCost, work: Workload, policy: str, reqs: list[Any], c: int, host: float) -> float:
-    """`steady_state` of scripts/bench_load.py on the simulated engines: c in flight, a finished row replaced at
+    """`steady_state` of `dflash-trt bench load` (dflash_trt/bench/load.py) on the simulated engines: c in flight, a finished row replaced at
     once, tokens over the whole run (the CPU cost grid is the demo pair's, trained block 8)."""
     from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, GenerationConfig, SamplingParams
     from dflash_trt.decoding.cost import measure_costs

@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("data/measured/suffix-trace.json"))
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER, drafter_dtype_name="auto"), ServerSettings())
+    decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER), ServerSettings())
     out: dict = {
         "source": "scripts/sim/record_suffix_trace.py: the demo pair, proposer suffix, greedy, one request at a time",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -23,6 +23,7 @@ DRAFTER_OUTPUTS = ("logits", "draft_tokens", "present_k", "present_v")
 GRAPH_FILE = "drafter.onnx"
 FP16_GRAPH_FILE = "drafter_fp16.onnx"
 GRAPH_FILES = {"fp32": GRAPH_FILE, "fp16": FP16_GRAPH_FILE}  # by precision
+PRECISION_DTYPES = {"fp32": "float32", "fp16": "float16"}  # a graph's or plan's precision -> its dtype, torch's name
 META_FILE = "drafter.json"
 
 # ---- the batched drafter round graph (builders/onnx_drafter_batch.py) ----------------------------

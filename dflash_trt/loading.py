@@ -12,6 +12,7 @@ from .models.drafter import DFlashDrafter
 from .models.target import DTYPES, load_target, load_tokenizer
 from .runtime.base import EngineOptions
 from .runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
+from .settings import DRAFTER_DTYPE
 
 __all__ = ["DTYPES", "drafter_dtype", "load_decoder", "load_decoder_from_engines", "resolve_device"]
 
@@ -44,12 +45,15 @@ def cpu_has_fast_bf16() -> bool:
 
 
 def drafter_dtype(name: str | None, target_dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """The PyTorch drafter's dtype: None = the target's; "auto" = bfloat16 next to a float32 target on a CPU
-    with bfloat16 matrix instructions (`cpu_has_fast_bf16`), else the target's; or a name of DTYPES.
+    """The PyTorch drafter's dtype, the one rule every entry point resolves `--drafter-dtype` with (its default:
+    settings.DRAFTER_DTYPE): None = the target's; "auto" = bfloat16 next to a float32 target on a CPU with
+    bfloat16 matrix instructions (`cpu_has_fast_bf16`), else the target's; or a name of DTYPES.
 
     Lossless whatever it is: the target verifies every drafted token in its own dtype, so the drafter's
-    precision only moves which tokens it proposes (and acceptance barely moves). On such a CPU bfloat16 makes
-    batched drafter passes of many rows faster (the measurements: docs/design.md#drafter-precision)."""
+    precision only moves which tokens it proposes (and acceptance barely moves). But seeded sampled text moves
+    with it: rejection sampling compares the target's probabilities with the drafter's, so the same seed keeps
+    other drafts in bfloat16 than in float32. Hence one default everywhere, and "auto" only where asked for. On
+    such a CPU bfloat16 makes batched drafter passes of many rows faster (the measurements: docs/design.md#drafter-precision)."""
     if name is None:
         return target_dtype
     if name == "auto":
@@ -65,12 +69,13 @@ def load_decoder(
     drafter_dir: str | Path | None = None,
     dtype: str = "float32",
     device: str = "cpu",
-    drafter_dtype_name: str | None = None,
+    drafter_dtype_name: str | None = DRAFTER_DTYPE,
 ) -> BatchDecoder:
     """Load target (+ tokenizer when present) and, unless drafter_dir is None, the DFlash drafter, on `device`.
 
     The drafter is validated against the target before anything runs. `drafter_dtype_name`: see
-    `drafter_dtype` (default: the target's dtype).
+    `drafter_dtype` (default settings.DRAFTER_DTYPE, as every command's: the target's dtype); the loaded drafter
+    engine says what it resolved to (`decoder.drafter.dtype`).
     """
     torch_dtype = DTYPES[dtype]
     dev = resolve_device(device)

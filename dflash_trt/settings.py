@@ -17,3 +17,12 @@ DEMO_MODELS_HINT = ".venv/bin/python scripts/make_demo_models.py"  # what builds
 # (docs/benchmarks.md#make-bench-proposers-proposers-side-by-side); the library's `GenerationConfig` keeps DFlash,
 # the method a caller asked for by loading a drafter.
 SERVER_PROPOSER = "hybrid"
+
+# The PyTorch drafter's dtype wherever none is named (load_decoder, generate, bench, serve; `--drafter-dtype`):
+# None = the target's dtype (float32 on a CPU by default). One default for every entry point, so that a seeded
+# request at a fixed block size gives the same text from the library, the CLI, the server and Triton (whose ONNX
+# drafter computes in float32), and on a CPU with or without bfloat16 instructions: the drafter's dtype moves the
+# draft probabilities that rejection sampling compares against. `auto` (bfloat16 next to a float32 target where
+# the CPU multiplies bfloat16 in hardware: faster batched drafter passes) is asked for by name, and then holds for
+# whichever entry point is given it (loading.drafter_dtype; docs/api.md, Drafter precision).
+DRAFTER_DTYPE: str | None = None

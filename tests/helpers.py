@@ -95,7 +95,7 @@ class _WrappedDrafter:
     session_class: type
 
     def __init__(self, engine):
-        self.engine, self.name = engine, engine.name
+        self.engine, self.name, self.dtype = engine, engine.name, engine.dtype
         self.block_size, self.feature_layer_ids = engine.block_size, engine.feature_layer_ids
         self.max_context = engine.max_context
 
@@ -170,6 +170,7 @@ class NoisyOracleDrafter:
 
     name = "noisy-oracle"
     max_context = None
+    dtype = "float32"  # no network: its drafts are the reference's tokens, corrupted at random
 
     def __init__(
         self,
@@ -310,7 +311,7 @@ class SequenceDrafterEngine:
     name = "drafter-sequence"
 
     def __init__(self, engine):
-        self.engine = engine
+        self.engine, self.dtype = engine, engine.dtype
         self.block_size, self.feature_layer_ids = engine.block_size, engine.feature_layer_ids
         self.max_context = engine.max_context
 

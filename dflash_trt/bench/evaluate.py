@@ -31,7 +31,7 @@ from dflash_trt.bench.quality import check_body
 from dflash_trt.bench.workloads import WORKLOADS
 from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding.sampling import SamplingParams
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
+from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET, DRAFTER_DTYPE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,7 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--server-defaults",
         action="store_true",
         help="DFlash as `dflash-trt serve` runs it by default: adaptive block sizes from a cost model measured "
-        "at start-up, the drafter's dtype auto (--block-size and --drafter-dtype then do not apply)",
+        "at start-up, the default drafter dtype (--block-size and --drafter-dtype then do not apply)",
     )
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per prompt (default 128)")
     p.add_argument("--block-size", type=int, default=None, help="default: the drafter's trained size")
@@ -75,8 +75,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter-dtype",
         default=None,
-        help="the drafter's dtype (default --dtype, as `dflash-trt generate`; auto: bfloat16 on a CPU with "
-        "AMX next to a float32 target; see dflash_trt.loading.drafter_dtype)",
+        help="the drafter's dtype (default --dtype, as every `dflash-trt` command; auto: bfloat16 on a CPU with "
+        "AMX or AVX512-BF16 next to a float32 target; see dflash_trt.loading.drafter_dtype)",
     )
     p.add_argument(
         "--out", type=Path, default=Path("results/acceptance.json"), help="the JSON written (default %(default)s)"
@@ -90,9 +90,9 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    drafter_dtype = "auto" if args.server_defaults else args.drafter_dtype
+    drafter_dtype = DRAFTER_DTYPE if args.server_defaults else args.drafter_dtype
     decoder = load_decoder(args.target, args.drafter, dtype=args.dtype, drafter_dtype_name=drafter_dtype)
-    # the PyTorch drafter engine load_decoder builds (its module's dtype is recorded below)
+    # the PyTorch drafter engine load_decoder builds
     drafter: Any = decoder.drafter
     if args.server_defaults:
         from dflash_trt.server.context import ServerSettings, batch_decoder
@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "temperature": args.temperature,
         "dtype": args.dtype,
-        "drafter_dtype": str(drafter.drafter.fc.weight.dtype).removeprefix("torch."),
+        "drafter_dtype": decoder.drafter.dtype,
         "by_kind": {
             k: {
                 "prompts": len(rs),

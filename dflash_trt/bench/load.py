@@ -100,8 +100,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--drafter-dtype",
-        default="auto",
-        help="the drafter's dtype, in the servers and in process (default auto, as `dflash-trt serve`)",
+        default=None,
+        help="the drafter's dtype, in the servers and in process (default: the target's, as every "
+        "`dflash-trt` command; auto: bfloat16 on a CPU with AMX or AVX512-BF16)",
     )
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads, here and in the servers")
     ap.add_argument(
@@ -127,10 +128,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", type=Path, default=REPO_ROOT / "results" / "load", help="output folder")
 
 
-def resolved_drafter_dtype(name: str) -> str:
+def resolved_drafter_dtype(name: str | None) -> str:
     from dflash_trt.loading import drafter_dtype
+    from dflash_trt.runtime.base import dtype_name
 
-    return str(drafter_dtype(name, torch.float32, torch.device("cpu"))).removeprefix("torch.")
+    return dtype_name(drafter_dtype(name, torch.float32, torch.device("cpu")))
 
 
 def requests_for(c: int, args: argparse.Namespace) -> int:
@@ -389,8 +391,7 @@ def server_cells(
                 str(max(levels)),
                 "--max-queue",
                 str(4 * max(levels)),
-                "--drafter-dtype",
-                args.drafter_dtype,
+                *(["--drafter-dtype", args.drafter_dtype] if args.drafter_dtype else []),
                 *MODES[mode],
             ]
             if args.threads:
@@ -608,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
         "temperatures": temps,
         "modes": modes,
         "client_nice": args.client_nice,
-        "drafter_dtype": f"{args.drafter_dtype} ({resolved_drafter_dtype(args.drafter_dtype)})",
+        "drafter_dtype": f"{args.drafter_dtype or 'default'} ({resolved_drafter_dtype(args.drafter_dtype)})",
         "threads": args.threads or torch.get_num_threads(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "minutes": round((time.monotonic() - t0) / 60, 1),

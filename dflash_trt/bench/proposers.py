@@ -199,11 +199,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace) -> tuple[BatchDecoder, dict[str, Callable[[list[int], int], dict[str, Any]]]]:
-    """The server's decoder (adaptive block sizes, drafter dtype auto) and the methods to compare on it."""
+    """The server's decoder (adaptive block sizes, the default drafter dtype) and the methods to compare on it."""
     from ..loading import load_decoder
     from ..server.context import ServerSettings, batch_decoder
 
-    decoder = batch_decoder(load_decoder(args.target, args.drafter, drafter_dtype_name="auto"), ServerSettings())
+    decoder = batch_decoder(load_decoder(args.target, args.drafter), ServerSettings())
     proposers = [p for p in args.proposers or supported_proposers() if p in supported_proposers()]
     methods = {"target": decoder_method(decoder, None)}
     methods |= {p: decoder_method(decoder, p) for p in proposers}

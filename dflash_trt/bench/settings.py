@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..settings import DRAFTER_DTYPE
 from .prompts import PROMPT_SETS
 
 if TYPE_CHECKING:
@@ -40,7 +41,7 @@ class BenchSettings:
     threads: int | None = None
     dtype: str = "float32"
     device: str = "cpu"
-    drafter_dtype: str | None = None  # see loading.drafter_dtype (None: the target's)
+    drafter_dtype: str | None = DRAFTER_DTYPE  # see loading.drafter_dtype (the default: the target's)
     onnx_drafter: Path | None = None  # an exported drafter folder; None: export into a scratch folder
     prompt_lookup_tokens: int = 10
     max_ngram: int = 2

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.server.context import ServerSettings, batch_decoder
 
     torch.set_num_threads(args.threads)
-    decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER, drafter_dtype_name="auto"), ServerSettings())
+    decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER), ServerSettings())
     out: dict[str, Any] = {
         "source": "dflash-trt bench suffix-trace: the demo pair, proposer suffix, greedy, one request at a time",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),

@@ -34,7 +34,9 @@ from ..formats import (
     GRAPH_FILE,
     META_FILE,
     PLAN_FILE,
+    PRECISION_DTYPES,
     DrafterGraphMeta,
+    read_plan_manifest,
     serving_sources,
 )
 from ..triton.config import Step, check_repository, model_config, tensor, write_config
@@ -45,6 +47,10 @@ ENSEMBLE, BLS, PRE, POST = "dflash", "dflash_bls", "preprocessing", "postprocess
 ENSEMBLE_SYNC, BLS_SYNC = "dflash_sync", "dflash_bls_sync"
 TARGET, DRAFTER = "dflash_target", "dflash_drafter"
 DRAFTER_BATCH = "dflash_drafter_batch"  # the batched round graph: one call drafts every row of a BLS step
+# The ONNX Runtime drafter runs the float32 graph: the drafter dtype every other entry point runs by default next to
+# the float32 target (settings.DRAFTER_DTYPE), so seeded text at a fixed block size is theirs (the export writes
+# float32 and float16 graphs, no bfloat16; the float16 one is TensorRT's source).
+ONNX_PRECISION = "fp32"
 
 
 @dataclass
@@ -213,12 +219,20 @@ def _drafter_model(repo: Path, src: Sources, opt: RepoOptions) -> DrafterGraphMe
             backend="python",
             inputs=inputs,
             outputs=outputs,
-            parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads)},
+            parameters={"onnx_dir": "drafter-onnx", "precision": ONNX_PRECISION, "threads": str(opt.threads)},
         )
     write_config(repo / DRAFTER, cfg)
-    if src.drafter_backend != "tensorrt" and (src.drafter_dir / BATCH_GRAPH_FILES["fp32"]).exists():
+    if src.drafter_backend != "tensorrt" and (src.drafter_dir / BATCH_GRAPH_FILES[ONNX_PRECISION]).exists():
         _drafter_batch_model(repo, src, opt, meta)
     return meta
+
+
+def drafter_dtype(src: Sources) -> str:
+    """What the repository's drafter computes in, by torch's name: the ONNX graph's precision, or the one the TensorRT
+    plan was built in (its manifest). The BLS model reports it (`drafter_dtype` in its config's parameters)."""
+    if src.drafter_backend == "tensorrt":
+        return PRECISION_DTYPES[read_plan_manifest(src.drafter_dir)["precision"]]
+    return PRECISION_DTYPES[ONNX_PRECISION]
 
 
 def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: DrafterGraphMeta) -> None:
@@ -248,7 +262,7 @@ def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: Draft
     version = repo / DRAFTER_BATCH / "1"
     folder = version / "drafter-onnx"
     folder.mkdir(parents=True)
-    batch_graph = BATCH_GRAPH_FILES["fp32"]
+    batch_graph = BATCH_GRAPH_FILES[ONNX_PRECISION]
     for name in (batch_graph, batch_graph + ".data", META_FILE):
         if (src.drafter_dir / name).exists():
             _copy(src.drafter_dir / name, folder / name, opt.symlink_weights)
@@ -260,7 +274,12 @@ def _drafter_batch_model(repo: Path, src: Sources, opt: RepoOptions, meta: Draft
             backend="python",
             inputs=inputs,
             outputs=outputs,
-            parameters={"onnx_dir": "drafter-onnx", "precision": "fp32", "threads": str(opt.threads), "graph": "batch"},
+            parameters={
+                "onnx_dir": "drafter-onnx",
+                "precision": ONNX_PRECISION,
+                "threads": str(opt.threads),
+                "graph": "batch",
+            },
         ),
     )
 
@@ -361,6 +380,7 @@ def _bls_model(
     vocab_size: int,
     max_context: int,
     stop_ids: Sequence[int],
+    dtype: str,
     name: str = BLS,
     decoupled: bool = True,
 ) -> None:
@@ -376,6 +396,7 @@ def _bls_model(
         "drafter_meta": json.loads(meta.to_json()),
         "stop_token_ids": list(stop_ids),
         "default_max_tokens": str(opt.default_max_tokens),
+        "drafter_dtype": dtype,
     }
     if (repo / DRAFTER_BATCH).exists():  # one drafter call per step for every drafting row
         params["drafter_batch_model"] = DRAFTER_BATCH
@@ -468,8 +489,9 @@ def write_repository(
         vocab, max_context = _target_meta(src)
         eos = getattr(tok, "eos_token_id", None)
         stop = [eos] if isinstance(eos, int) else []
-        _bls_model(out, options, meta, vocab, max_context, stop)
-        _bls_model(out, options, meta, vocab, max_context, stop, name=BLS_SYNC, decoupled=False)
+        dtype = drafter_dtype(src)
+        _bls_model(out, options, meta, vocab, max_context, stop, dtype)
+        _bls_model(out, options, meta, vocab, max_context, stop, dtype, name=BLS_SYNC, decoupled=False)
         _ensemble(out, options)
         _ensemble(out, options, name=ENSEMBLE_SYNC, bls=BLS_SYNC, stream=False)
     except BaseException:

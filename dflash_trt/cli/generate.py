@@ -70,7 +70,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter",
     )
-    g.add_argument("--json", action="store_true", help="print one JSON object: token_ids, text, finish_reason, stats")
+    g.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object: token_ids, text, finish_reason, stats, drafter_dtype (the dtype the drafter "
+        "computed in, null without one: seeded sampled text depends on it)",
+    )
     g.add_argument(
         "--trace",
         action="store_true",
@@ -118,6 +123,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             "text": result.text,
             "finish_reason": result.finish_reason,
             "stats": result.stats.to_dict(),
+            "drafter_dtype": None if decoder.drafter is None else decoder.drafter.dtype,
         }
         if args.trace:
             out["trace"] = result.stats.trace()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET
+from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET, DRAFTER_DTYPE
 
 if TYPE_CHECKING:
     from ..decoding import BatchDecoder
@@ -120,11 +120,12 @@ def add_device_args(p: argparse._ActionsContainer) -> None:  # a parser or an ar
     p.add_argument(
         "--drafter-dtype",
         choices=["auto", *DTYPE_CHOICES],
-        default=None,
-        help="dtype of the PyTorch drafter. auto: bfloat16 on a CPU with AMX or AVX512-BF16 next to a float32 target, "
-        "else --dtype. Default: auto for serve (there a batched pass of many rows runs faster in "
-        "bfloat16), --dtype for generate and bench (a single sequence's passes run slower in bfloat16). "
-        "Output is unchanged either way: the target verifies every drafted token in --dtype",
+        default=DRAFTER_DTYPE,
+        help="dtype of the PyTorch drafter (default: --dtype, for every command, so that a seeded request at a "
+        "fixed block size gives the same text from generate, bench, serve and Triton). auto: bfloat16 on a CPU "
+        "with AMX or AVX512-BF16 next to a float32 target (a serving batch's drafter passes run faster), else "
+        "--dtype; it changes seeded sampled text, as any other drafter dtype does. Greedy output is unchanged "
+        "either way: the target verifies every drafted token in --dtype. Responses name the dtype used",
     )
 
 

@@ -376,8 +376,6 @@ def _load_models(args: argparse.Namespace) -> tuple[BatchDecoder, str]:
     if args.engines is not None:
         return load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device), args.engines.resolve().name
     return (
-        load_or_fail(
-            args.target, None if args.no_draft else args.drafter, args.dtype, args.device, args.drafter_dtype or "auto"
-        ),  # batched: see --drafter-dtype
+        load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device, args.drafter_dtype),
         args.target.resolve().name,
     )

@@ -138,6 +138,10 @@ class DrafterEngine(Protocol):
     block_size: int  # the trained block size: the most a round may use
     feature_layer_ids: tuple[int, ...]  # the target layers whose features it reads (the target must expose them)
     max_context: int | None  # the longest context it can hold (a TensorRT plan's profile); None: no limit
+    # What it computes the draft distributions in, by torch's name (float32, bfloat16, float16; `dtype_name`):
+    # sampled text depends on it (rejection sampling compares the target's probabilities with these), so the
+    # entry points report it beside the text.
+    dtype: str
 
     def new_session(self) -> DrafterSession: ...
 
@@ -152,6 +156,11 @@ class EngineOptions:
     precision: str = "fp32"  # the ONNX drafter graph to run (fp32 or fp16)
     threads: int | None = None  # ONNX Runtime intra-op threads
     feature_layer_ids: tuple[int, ...] = ()  # target: the layers whose features the drafter reads
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """A torch dtype by its name without the module: torch.bfloat16 -> "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
 
 
 class EngineUnavailable(RuntimeError):

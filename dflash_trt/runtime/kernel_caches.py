@@ -1,9 +1,9 @@
 """Bound the CPU kernel caches that grow with every new tensor shape, so a server's memory stays flat.
 
-PyTorch's CPU path for bfloat16 (the serving drafter's dtype on a CPU with AVX512-BF16 or AMX) runs matmuls
-through oneDNN, and caches a compiled primitive per distinct shape twice: in ideep's computation cache (capacity
-from the LRU_CACHE_CAPACITY environment variable, default 1024; PyTorch's CPU performance notes name it) and in
-oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY, default 1024; oneDNN's "Primitive Cache" docs). A
+PyTorch's CPU path for bfloat16 (the drafter's dtype with `--drafter-dtype auto` on a CPU with AVX512-BF16 or AMX)
+runs matmuls through oneDNN, and caches a compiled primitive per distinct shape twice: in ideep's computation cache
+(capacity from the LRU_CACHE_CAPACITY environment variable, default 1024; PyTorch's CPU performance notes name it)
+and in oneDNN's primitive cache (ONEDNN_PRIMITIVE_CACHE_CAPACITY, default 1024; oneDNN's "Primitive Cache" docs). A
 serving batch has ragged shapes (prompt chunks, rows joining and leaving, new-context lengths), so both caches fill
 with entries of a few hundred KiB each: hundreds of MiB of RSS that grew over the first thousands of requests and
 looked like a leak (docs/design.md#the-cpu-runtime). A small capacity keeps the entries a steady batch reuses.

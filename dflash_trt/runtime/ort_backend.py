@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..formats import BATCH_GRAPH_FILES, GRAPH_FILES, DrafterGraphMeta
+from ..formats import BATCH_GRAPH_FILES, GRAPH_FILES, PRECISION_DTYPES, DrafterGraphMeta
 from ..models.selector import greedy_path
 from .base import Draft, DrafterSession, DraftRequest, EngineOptions, EngineUnavailable
 from .cpu_threads import ort_session_options
@@ -93,6 +93,7 @@ class OrtDrafterEngine:
             folder, files, precision, providers, threads, "export it with `dflash-trt export-drafter`"
         )
         self.folder, self.precision = folder, precision
+        self.dtype = PRECISION_DTYPES[precision]
         self.block_size = self.meta.block_size
         self.mask_token_id = self.meta.mask_token_id
         self.feature_layer_ids = tuple(self.meta.feature_layer_ids)

@@ -33,7 +33,7 @@ from ..models.attention import grouped_attention
 from ..models.drafter import DFlashDrafter
 from ..models.drafter_batch import packed_round
 from ..models.target import DTYPES, load_target
-from .base import Draft, DraftRequest, EngineOptions, PassArgmax, TargetOutput
+from .base import Draft, DraftRequest, EngineOptions, PassArgmax, TargetOutput, dtype_name
 from .hybrid import HfRowsSession, layered_refusal
 from .rows import SlotCacheRows
 
@@ -402,6 +402,7 @@ class TorchDrafterEngine:
         self.mask_token_id = drafter.spec.mask_token_id
         self.feature_layer_ids = tuple(drafter.spec.target_layer_ids)
         self.max_context: int | None = None  # the cache grows with the context (RoPE positions have no cap)
+        self.dtype = dtype_name(drafter.fc.weight.dtype)
 
     @classmethod
     def for_target(cls, drafter: DFlashDrafter, target: TorchTargetEngine) -> TorchDrafterEngine:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..formats import DrafterGraphMeta, plan_max_context, read_plan_manifest
+from ..formats import PRECISION_DTYPES, DrafterGraphMeta, plan_max_context, read_plan_manifest
 from ..models.selector import greedy_path
 from .base import Draft, DrafterSession, EngineOptions, EngineUnavailable
 from .rows import PerRowDrafter
@@ -74,6 +74,7 @@ class TrtDrafterEngine:
         self.feature_layer_ids = self.meta.feature_layer_ids
         # The plan's profile caps the cache length T; the loop refuses longer requests up front.
         self.max_context: int | None = plan_max_context(manifest)
+        self.dtype = PRECISION_DTYPES[manifest["precision"]]  # what builders/trt_drafter.py built it in
 
     @classmethod
     def from_artifact(cls, folder: Path, options: EngineOptions) -> TrtDrafterEngine:

@@ -145,6 +145,12 @@ class Server:
         self.metrics = ServerMetrics(settings.model_name, max(0, self.limits.max_block_size - 1))
         self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)
         self.started = False
+        # What the drafter computes in (None: no drafter). Seeded sampled text depends on it (rejection sampling
+        # compares the target's probabilities with the drafter's), so every generation response says it:
+        # `spec.drafter_dtype`, and on the OpenAI routes `system_fingerprint`, OpenAI's field for the backend
+        # configuration a seed's determinism depends on (it names the dtype, or `target-alone`).
+        self.drafter_dtype = None if self.decoder.drafter is None else self.decoder.drafter.dtype
+        self.system_fingerprint = "target-alone" if self.drafter_dtype is None else f"drafter-{self.drafter_dtype}"
 
 
 def get_server(request: Request) -> Server:

@@ -185,9 +185,12 @@ def usage(result: GenerationResult) -> dict[str, int]:
     }
 
 
-def spec(job: Job) -> dict[str, Any]:
+def spec(job: Job, drafter_dtype: str | None) -> dict[str, Any]:
+    """The request's speculative statistics, whether its drafter failed (the rest on the target alone), and the
+    dtype the drafter computed in (null: no drafter; seeded sampled text depends on it)."""
     d = job.row.stats.to_dict()
     d["drafter_fallback"] = job.row.drafter_error is not None
+    d["drafter_dtype"] = drafter_dtype
     return d
 
 

@@ -9,6 +9,11 @@ from pydantic import BaseModel, Field
 from .schemas import ErrorBody
 
 FinishReason = Literal["stop", "length"]
+FINGERPRINT = (
+    "the backend configuration seeded text depends on: `drafter-<dtype>` (the dtype the drafter computes in, also "
+    "`spec.drafter_dtype`) or `target-alone`; a seeded request with a fixed block_size gives the same text where "
+    "it is the same"
+)
 
 
 class Usage(BaseModel):
@@ -23,7 +28,8 @@ class GenerateResponse(BaseModel):
     token_ids: list[int]
     finish_reason: FinishReason
     usage: Usage
-    spec: dict[str, Any]  # speculative decoding statistics: rounds, tau, draft / verify time
+    # speculative decoding statistics: rounds, tau, draft / verify time, drafter_dtype (what the drafter computed in)
+    spec: dict[str, Any]
 
 
 class SpeculativeDecodingMetrics(BaseModel):
@@ -87,6 +93,7 @@ class Completion(BaseModel):
     object: Literal["text_completion"]
     created: int
     model: str
+    system_fingerprint: str = Field(description=FINGERPRINT)
     choices: list[CompletionChoice]
     usage: Usage | None = None
     spec: dict[str, Any] | None = None
@@ -112,6 +119,7 @@ class ChatCompletion(BaseModel):
     object: Literal["chat.completion"]
     created: int
     model: str
+    system_fingerprint: str = Field(description=FINGERPRINT)
     choices: list[ChatChoice]
     usage: Usage
     spec: dict[str, Any]

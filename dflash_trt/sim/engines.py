@@ -292,6 +292,7 @@ class SimDrafterEngine:
         self.vocab_size, self.block_size = vocab_size, block_size
         self.feature_layer_ids = tuple(feature_layer_ids)
         self.max_context: int | None = None  # the drafter has no context bound of its own (the protocol allows None)
+        self.dtype = "float32"  # nothing is computed: its drafts come from the acceptance profiles
         self.passes = 0
 
     def new_session(self) -> SimDrafterSession:

@@ -184,9 +184,11 @@ class RemoteDrafterEngine:
 
     name = "triton"
 
-    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any], batched: bool = False):
-        """meta: the exported graph's drafter.json (dflash_trt.formats.DrafterGraphMeta as a dict)."""
-        self.infer, self.model, self.batched = infer, model, batched
+    def __init__(self, infer: InferFn, model: str, meta: dict[str, Any], batched: bool = False, dtype: str = "float32"):
+        """meta: the exported graph's drafter.json (dflash_trt.formats.DrafterGraphMeta as a dict); dtype: what the
+        drafter model computes in (the BLS model's `drafter_dtype` parameter: the fp32 ONNX graph's, or the
+        TensorRT plan's precision)."""
+        self.infer, self.model, self.batched, self.dtype = infer, model, batched, dtype
         self.meta = DrafterGraphMeta.from_dict(meta)
         self.block_size, self.mask_token_id = self.meta.block_size, self.meta.mask_token_id
         self.feature_layer_ids = tuple(self.meta.feature_layer_ids)

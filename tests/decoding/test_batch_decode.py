@@ -54,7 +54,7 @@ class OracleBatch:
     def __init__(self, oracles):
         self.oracles = list(oracles)
         self.block_size, self.feature_layer_ids, self.name = 16, (0,), "oracle-batch"
-        self.max_context = None
+        self.max_context, self.dtype = None, "float32"
 
     def new_session(self):
         oracles = iter(self.oracles)
@@ -301,7 +301,7 @@ class FailingBatchDrafter:
     """Test double: a batched drafter whose calls raise (a broken engine)."""
 
     def __init__(self, inner):
-        self.inner, self.name = inner, "failing"
+        self.inner, self.name, self.dtype = inner, "failing", inner.dtype
         self.block_size, self.feature_layer_ids = inner.block_size, inner.feature_layer_ids
 
     def new_session(self):

@@ -40,7 +40,7 @@ def run(code: str, *argv: str) -> str:
 
 @pytest.fixture(scope="module")
 def server():
-    decoder = load_decoder(DEMO_TARGET, DEMO_DRAFTER, drafter_dtype_name="auto")  # as `dflash-trt serve`
+    decoder = load_decoder(DEMO_TARGET, DEMO_DRAFTER)  # as `dflash-trt serve`: the default drafter dtype
     with running_server(decoder) as (url, _):  # the server's default settings: adaptive block sizes
         yield url.removeprefix("http://")
 

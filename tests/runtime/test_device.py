@@ -1,6 +1,7 @@
 """`--device` / `--dtype` for the PyTorch engines (generate, serve, bench). This machine has no GPU: the tests
 cover the plumbing and the refusals; `make gpu-smoke` runs the same commands on CUDA (scripts/gpu_smoke.py)."""
 
+import inspect
 import json
 
 import pytest
@@ -11,6 +12,7 @@ from dflash_trt.cli import main
 from dflash_trt.cli.main import build_parser
 from dflash_trt.cli.options import serve_worker_rank
 from dflash_trt.loading import DTYPES, load_decoder, resolve_device
+from dflash_trt.settings import DRAFTER_DTYPE
 
 NO_CUDA = not torch.cuda.is_available()
 
@@ -100,10 +102,33 @@ def test_non_leader_rank_serves_the_engine_only():
     assert not serve_worker_rank(leader) and not leader.target.served
 
 
-@pytest.mark.parametrize("command", [["generate", "--input-ids", "1"], ["serve"], ["bench"]])
+PYTORCH_COMMANDS = [["generate", "--input-ids", "1"], ["serve"], ["bench"]]
+
+
+@pytest.mark.parametrize("command", PYTORCH_COMMANDS)
 def test_every_pytorch_command_takes_a_drafter_dtype(command):
-    assert build_parser().parse_args(command).drafter_dtype is None  # the command's default (serve: auto)
+    assert build_parser().parse_args(command).drafter_dtype == DRAFTER_DTYPE  # one default: settings.py's
     assert build_parser().parse_args([*command, "--drafter-dtype", "bf16"]).drafter_dtype == "bf16"
+
+
+def test_every_entry_point_resolves_one_drafter_dtype_on_a_cpu_with_bfloat16(monkeypatch):
+    """Seeded sampled text depends on the drafter's dtype, so the library, every command and the Triton
+    repository's drafter resolve the same one, also where `auto` would pick bfloat16 (the capability injected):
+    the target's float32, which is the dtype of the ONNX graph the Triton BLS drafts with."""
+    from dflash_trt.bench.settings import BenchSettings
+    from dflash_trt.builders.triton_repo import ONNX_PRECISION
+    from dflash_trt.formats import PRECISION_DTYPES
+    from dflash_trt.loading import drafter_dtype
+    from dflash_trt.runtime.base import dtype_name
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    cpu = torch.device("cpu")
+    assert drafter_dtype("auto", torch.float32, cpu) is torch.bfloat16  # the capability is there for `auto`
+    library = inspect.signature(load_decoder).parameters["drafter_dtype_name"].default
+    commands = [build_parser().parse_args(c).drafter_dtype for c in PYTORCH_COMMANDS]
+    assert {library, BenchSettings.drafter_dtype, *commands} == {DRAFTER_DTYPE}
+    resolved = dtype_name(drafter_dtype(DRAFTER_DTYPE, DTYPES["float32"], cpu))
+    assert resolved == PRECISION_DTYPES[ONNX_PRECISION] == "float32"
 
 
 def test_drafter_dtype_resolution(monkeypatch):
@@ -132,6 +157,7 @@ def test_drafter_in_its_own_dtype_shares_nothing_it_cannot(pair):
     assert same.drafter.embed_weight is same.target.embed_weight  # shared, not copied
     mixed = load_decoder(*pair, drafter_dtype_name="bfloat16")
     d = mixed.drafter
+    assert (same.drafter.dtype, d.dtype) == ("float32", "bfloat16")  # what the responses report
     assert d.drafter.fc.weight.dtype is torch.bfloat16
     assert d.embed_weight.dtype is torch.bfloat16 and d.lm_head_weight.dtype is torch.bfloat16
     assert torch.equal(d.embed_weight, mixed.target.embed_weight.to(torch.bfloat16))

@@ -113,18 +113,22 @@ def test_openai_client_completions_and_chat(server, reference, decoder):
     c = client.completions.create(model="dflash-trt", prompt="def fibonacci(n):", max_tokens=12, temperature=0)
     assert c.choices[0].text == want.text and c.choices[0].finish_reason == want.finish_reason
     assert c.usage.completion_tokens == len(want.token_ids)
+    # the configuration a seed's text depends on, in OpenAI's field: the drafter's dtype
+    assert c.system_fingerprint == f"drafter-{decoder.drafter.dtype}" == "drafter-float32"
     chunks = list(
         client.completions.create(
             model="dflash-trt", prompt="def fibonacci(n):", max_tokens=12, temperature=0, stream=True
         )
     )
     assert "".join(ch.choices[0].text for ch in chunks) == want.text
+    assert {ch.system_fingerprint for ch in chunks} == {c.system_fingerprint}
     assert chunks[-1].choices[0].finish_reason == want.finish_reason
 
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "print("}]
     want = reference(chat_prompt_ids(decoder, messages), 10)
     r = client.chat.completions.create(model="dflash-trt", messages=messages, max_tokens=10, temperature=0)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
+    assert r.system_fingerprint == c.system_fingerprint and r.model_extra["spec"]["drafter_dtype"] == "float32"
     assert r.usage.prompt_tokens == len(chat_prompt_ids(decoder, messages))
     stream = client.chat.completions.create(
         model="dflash-trt",
@@ -497,6 +501,7 @@ def test_cli_generate_and_the_server_return_the_same_tokens(models, server, refe
     cli = json.loads(proc.stdout)
     http = httpx.post(server + "/generate", json={"prompt": prompt, "max_tokens": n, **sampling}, timeout=60).json()
     assert cli["token_ids"] == http["token_ids"] and cli["text"] == http["text"]
+    assert cli["drafter_dtype"] == http["spec"]["drafter_dtype"] == "float32"  # what made the text, said alike
     assert cli["finish_reason"] == http["finish_reason"]
     if not sampling:
         assert cli["token_ids"] == reference(prompt, n).token_ids  # both equal the target alone

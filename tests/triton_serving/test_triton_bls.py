@@ -71,6 +71,7 @@ def test_remote_engines_equal_the_local_ones(parts):
     alone = generate_one(load_decoder(target_dir, None), ids, config)
     assert remote.token_ids == alone.token_ids == local.token_ids
     assert remote.stats.acceptance_lengths == local.stats.acceptance_lengths
+    assert decoder.drafter.dtype == ort_drafter.dtype == "float32"  # the fp32 graph's
     assert "dflash_drafter" in decoder.calls
     assert len(sessions) == 0  # the loop released the finished row's session (what the BLS relies on)
 

@@ -55,6 +55,9 @@ def test_repository_is_complete_and_valid(repo):
     batch = parse_config(repo / "dflash_drafter_batch" / "config.pbtxt")
     assert [t.name for t in batch.input][:2] == ["block_ids", "block_lengths"]
     assert bls.parameters["drafter_batch_model"].string_value == "dflash_drafter_batch"
+    # the dtype the drafter computes in (the fp32 graph's), for the BLS to report beside seeded text
+    for name in ("dflash_bls", "dflash_bls_sync"):
+        assert parse_config(repo / name / "config.pbtxt").parameters["drafter_dtype"].string_value == "float32"
 
 
 def test_broken_ensemble_map_is_caught(broken):
@@ -133,6 +136,8 @@ def test_engines_manifest_with_tensorrt_plan_gives_a_tensorrt_plan_drafter(repo,
     engines = tmp_path / "engines"
     (engines / "drafter-tensorrt").mkdir(parents=True)
     (engines / "drafter-tensorrt" / "drafter.plan").write_bytes(b"placeholder, not a TensorRT plan")
+    # the precision builders/trt_drafter.py records in the plan's manifest (the rest of it is not read here)
+    (engines / "drafter-tensorrt" / "drafter.plan.json").write_text(json.dumps({"precision": "fp16"}))
     shutil.copy(repo / "dflash_drafter" / "1" / "drafter-onnx" / "drafter.json", engines / "drafter-tensorrt")
     target = repo / "dflash_target" / "1" / "target"
     (engines / "manifest.json").write_text(
@@ -153,5 +158,7 @@ def test_engines_manifest_with_tensorrt_plan_gives_a_tensorrt_plan_drafter(repo,
     assert (out / "dflash_drafter" / "1" / "model.plan").read_bytes().startswith(b"placeholder")
     assert [t.name for t in drafter.input] == ["block_ids", "features", "past_k", "past_v"]
     assert not (out / "dflash_drafter_batch").exists()  # no batched plan served: the BLS loops per row
-    assert "drafter_batch_model" not in parse_config(out / "dflash_bls" / "config.pbtxt").parameters
+    bls = parse_config(out / "dflash_bls" / "config.pbtxt").parameters
+    assert "drafter_batch_model" not in bls
+    assert bls["drafter_dtype"].string_value == "float16"  # what the plan computes in, for the BLS to report
     assert validate_repository(out) == []

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...decoding import GenerationResult
-from ..context import ServerDep
+from ..context import Server, ServerDep
 from ..errors import error_response
 from ..jobs import JobStream, generation_config, spec, start_job, stream, usage, wait_result
 from ..orchestrator import Job, RoundEvent
@@ -98,7 +98,7 @@ async def generate(body: GenerateRequest, request: Request, server: ServerDep) -
         prompt_param="prompt" if body.prompt is not None else "input_ids",
     )
     if not body.stream:
-        return _final(job, await wait_result(request, job))
+        return _final(server, job, await wait_result(request, job))
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         rnd = event.round
@@ -111,17 +111,17 @@ async def generate(body: GenerateRequest, request: Request, server: ServerDep) -
             "prefill": rnd.prefill,
         }
         if event.result is not None:
-            yield {"type": "final", **_final(job, event.result)}
+            yield {"type": "final", **_final(server, job, event.result)}
 
     return stream(job, on_round, lambda err: {"type": "error", **err.body}, done_marker=False)
 
 
-def _final(job: Job, result: GenerationResult) -> dict[str, Any]:
+def _final(server: Server, job: Job, result: GenerationResult) -> dict[str, Any]:
     return {
         "id": job.id,
         "text": result.text,
         "token_ids": result.token_ids,
         "finish_reason": result.finish_reason,
         "usage": usage(result),
-        "spec": spec(job),
+        "spec": spec(job, server.drafter_dtype),
     }

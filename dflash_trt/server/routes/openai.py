@@ -92,7 +92,7 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
     if not body.stream:
         result = await wait_result(request, job)
         finished = _finished(server, job, body, cid, choice(result.text, result.finish_reason, result.token_ids))
-        return envelope(usage=usage(result), spec=spec(job), **finished)
+        return envelope(usage=usage(result), spec=spec(job, server.drafter_dtype), **finished)
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         result = event.result
@@ -135,7 +135,9 @@ async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep)
         result = await wait_result(request, job)
         message = {"role": "assistant", "content": result.text}
         choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
-        return envelope(usage=usage(result), spec=spec(job), **_finished(server, job, body, cid, choice))
+        return envelope(
+            usage=usage(result), spec=spec(job, server.drafter_dtype), **_finished(server, job, body, cid, choice)
+        )
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         delta = {"content": event.round.text or ""}
@@ -151,11 +153,20 @@ async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep)
 
 
 def _envelope(server: Server, cid: str, obj: str) -> Envelope:
-    """The body every response and chunk of one request shares around its choices."""
-    created, model = int(time.time()), server.settings.model_name
+    """The body every response and chunk of one request shares around its choices; `system_fingerprint` in each,
+    as OpenAI sends it: the backend configuration a seed's text depends on (Server.system_fingerprint)."""
+    created, model, fingerprint = int(time.time()), server.settings.model_name, server.system_fingerprint
 
     def envelope(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {"id": cid, "object": obj, "created": created, "model": model, "choices": choices, **extra}
+        return {
+            "id": cid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": choices,
+            **extra,
+        }
 
     return envelope
 

@@ -75,10 +75,15 @@ class TritonPythonModel:
         )
         meta = json.loads(params["drafter_meta"])
         self.drafter: DrafterEngine
+        dtype = params.get("drafter_dtype", "float32")  # what the drafter model computes in (triton-repo writes it)
         if params.get("drafter_batch_model"):  # the batched graph: one drafter call per step
-            self.drafter = RemoteDrafterEngine(bls_infer, params["drafter_batch_model"], meta, batched=True)
+            self.drafter = RemoteDrafterEngine(
+                bls_infer, params["drafter_batch_model"], meta, batched=True, dtype=dtype
+            )
         else:  # the single-sequence graph: one call per drafting row
-            self.drafter = RemoteDrafterEngine(bls_infer, params.get("drafter_model", "dflash_drafter"), meta)
+            self.drafter = RemoteDrafterEngine(
+                bls_infer, params.get("drafter_model", "dflash_drafter"), meta, dtype=dtype
+            )
         self.stop_ids = tuple(json.loads(params.get("stop_token_ids", "[]")))
         self.default_max_tokens = int(params.get("default_max_tokens", "64"))
         self.proposer = params.get("proposer", "dflash")

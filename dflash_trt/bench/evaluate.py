@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         "threads": torch.get_num_threads(),
         "temperature": args.temperature,
         "dtype": args.dtype,
-        "drafter_dtype": decoder.drafter.dtype,
+        "drafter_dtype": drafter.dtype,
         "by_kind": {
             k: {
                 "prompts": len(rs),

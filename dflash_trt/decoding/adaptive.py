@@ -51,6 +51,7 @@ from ..runtime.base import DrafterEngine, TargetEngine, cuda_devices
 from .cost import CostModel, LinearCost, curve_arrays, measure_costs, price, token_sweep
 from .estimates import GPU_PROBE_ROWS, AcceptancePrior, AcceptanceTracker, ProbeSchedule
 from .policy import own_or_max
+from .proposers import drafter_drafted
 from .step import StepResult, StepRows
 
 if TYPE_CHECKING:
@@ -168,7 +169,9 @@ class AdaptiveBlocks:
         probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
         for row, rnd in verified:
             state = self._state(row)
-            if rnd.proposer != "dflash":  # a suffix run or no draft: the drafter's estimate learns nothing
+            if not drafter_drafted(
+                rnd.proposer
+            ):  # another proposer's draft or none: the drafter's estimate learns nothing
                 state.tracker.update(0, 0)
                 continue
             state.tracker.update(rnd.drafted, rnd.accepted)

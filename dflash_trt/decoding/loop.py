@@ -55,7 +55,7 @@ from .chunking import BACKLOG_STEPS, STALL, STEP_TOKENS, Chunk, ChunkPacer, cut
 from .cost import CostModel
 from .healing import PromptHealer
 from .policy import BlockPolicy, FixedBlocks
-from .proposers import NO_PICK, PROPOSERS, Pick, Prices, Proposer, proposer_for
+from .proposers import REGISTRY, Pick, Prices, Proposer
 from .request import GenerationConfig, GenerationResult, InputError, Round, RoundTimings, validate_request
 from .row import BatchRow
 from .sampling import next_token
@@ -114,7 +114,6 @@ class BatchDecoder:
         self.joining: list[BatchRow] = []
         self.running: list[BatchRow] = []
         self._ids = itertools.count()
-        self._proposers = {name: proposer_for(name) for name in PROPOSERS}  # they keep no per-row state
         # the finished suffix / hybrid requests' outputs, for the suffix runs of those that follow (0: none)
         self.shared_suffixes = SharedSuffixes(shared_suffix_tokens) if shared_suffix_tokens else None
 
@@ -184,10 +183,10 @@ class BatchDecoder:
         return row
 
     def proposer(self, name: str) -> Proposer:
-        """The decoder's proposer called `name` (`proposers.PROPOSERS`)."""
-        if name not in self._proposers:
-            raise InputError(f"proposer must be one of {tuple(self._proposers)}, got {name!r}")
-        return self._proposers[name]
+        """The proposer called `name` (`proposers.PROPOSERS`)."""
+        if name not in REGISTRY:
+            raise InputError(f"proposer must be one of {tuple(REGISTRY)}, got {name!r}")
+        return REGISTRY[name]
 
     def join(self, row: BatchRow) -> BatchRow:
         """Add a row made by `new_row`; its prefill begins with the next step."""
@@ -324,8 +323,9 @@ class BatchDecoder:
             timings = RoundTimings(
                 draft_s=t2 - t1, verify_s=t3 - t2 + own, target_s=t3 - t2, accept_s=own, total_s=t3 - t0 + own
             )
-            name = pick.proposer if drafted else "none"
-            rounds.append((row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings, proposer=name)))
+            rounds.append(
+                (row, row.commit(new, drafted=drafted, accepted=accepted, timings=timings, used=pick.proposer))
+            )
         rounds += self._take_chunks(chunks, outs[len(rows) :])
         t4 = self.clock()
         prof.policy_s, prof.draft_s, prof.verify_s, prof.accept_s = t1 - t0, t2 - t1, t3 - t2, t4 - t3
@@ -352,9 +352,7 @@ class BatchDecoder:
 
     def _pick(self, rows: list[BatchRow], blocks: list[int]) -> list[Pick]:
         """Each row's proposal, from its proposer given the DFlash block the policy chose for it."""
-        if all(r.proposer.name == "dflash" for r in rows):  # no prices to read: the policy's blocks as they are
-            return [Pick("dflash", b) if b >= 2 else NO_PICK for b in blocks]
-        prices = self._prices(len(rows))
+        prices = self._prices(len(rows)) if any(r.proposer.weighs_cost for r in rows) else Prices()
         return [r.proposer.pick(r, b, prices) for r, b in zip(rows, blocks)]
 
     def _prices(self, n: int) -> Prices:
@@ -362,28 +360,14 @@ class BatchDecoder:
         (`AdaptiveBlocks.cost`), else from the step seconds the chunk pacer measured (no drafter price: fixed
         blocks never weigh it), else unpriced (every option costs one row's step)."""
         cost = getattr(self.policy, "cost", None)
-        if isinstance(cost, CostModel):
-            t, d = cost.current()
-            one, two, three = t(n, n), t(n, 2 * n), t(n, 3 * n)
-            if one > 0:
-                drafted, token = d(n, 2 * n), max(0.0, three - two) / n
-                return Prices(
-                    one / n,
-                    token,
-                    drafted / n,
-                    max(0.0, d(n, 4 * n) - drafted) / (2 * n),
-                    draft_s=max(0.0, (two - one) / n - token),
-                )
-        line = self.pacer.line()
-        if line is not None and line[0] > 0:
-            return Prices(line[0] / n, line[1])
-        return Prices()
+        prices = Prices.from_cost(cost, n) if isinstance(cost, CostModel) else None
+        return prices or Prices.from_line(self.pacer.line(), n) or Prices()
 
     @staticmethod
     def _proposal(row: BatchRow, pick: Pick, draft: Draft | None) -> Proposal:
         """The tokens the target verifies for a row: a suffix run as picked (deterministic: no distribution, so
         its acceptance is the one-hot rule, acceptance.py), a DFlash draft through the row's acceptance rule."""
-        if pick.proposer == "suffix":
+        if pick.proposer is not None and pick.proposer.deterministic:
             return Proposal(torch.tensor(pick.drafts, dtype=torch.long))
         return NO_DRAFT if draft is None else row.rule.propose(draft)
 
@@ -464,7 +448,11 @@ class BatchDecoder:
         todo = [
             i
             for i, (r, p) in enumerate(zip(rows, picks))
-            if p.proposer == "dflash" and p.block >= 2 and r.drafter_row is not None and r.pending
+            if p.proposer is not None
+            and p.proposer.uses_drafter
+            and p.block >= 2
+            and r.drafter_row is not None
+            and r.pending
         ]
         if not todo or self.drafter_session is None:
             return drafts

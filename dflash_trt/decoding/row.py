@@ -13,7 +13,7 @@ import torch
 from .acceptance import acceptance_rule
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing
-from .proposers import DFlashProposer, Proposer, RowDrafts
+from .proposers import DFLASH, NO_DRAFT_NAME, Proposer, RowDrafts
 from .request import GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens
 from .stopping import StopChecker, truncate_at_stop
 from .suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
@@ -44,11 +44,11 @@ class BatchRow:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip=skip) if tokenizer is not None else None
         self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.can_draft = can_draft  # may hold a drafter row (a DFlash proposer, a drafter loaded, block > 1)
-        self.proposer: Proposer = proposer or DFlashProposer()
+        self.proposer: Proposer = proposer or DFLASH
         # a block size the request or the decoder fixed (None: the policy's choice): it bounds a suffix run as it
         # bounds a DFlash block, so block size 1 is the target alone whatever the proposer
         self.fixed_block = fixed_block
-        uses = self.proposer.uses_suffix
+        uses = self.proposer.keeps_suffix
         self.drafts = RowDrafts(
             SuffixAutomaton() if uses else None, SharedWalk(shared) if uses and shared is not None else None
         )
@@ -95,16 +95,17 @@ class BatchRow:
         accepted: int,
         prefill: bool = False,
         timings: RoundTimings | None = None,
-        proposer: str = "none",
+        used: Proposer | None = None,
     ) -> Round:
         """Commit a round's `new` tokens; `drafted`: the draft tokens it verified (`accepted` of them kept),
-        proposed by `proposer`. The proposers' structures and estimates learn from it."""
-        new = commit_tokens(self, new, drafted, accepted, prefill, proposer)
+        proposed by `used` (None: nothing drafted). The proposers' structures and estimates learn from it."""
+        name = used.name if used is not None and drafted else NO_DRAFT_NAME
+        new = commit_tokens(self, new, drafted, accepted, prefill, name)
         self.drafts.add(new)
         if not prefill:
-            self.drafts.observe(proposer, len(drafted), accepted)
+            self.proposer.learn(self.drafts, used if drafted else None, len(drafted), accepted)
         self.stats.suffix_states = self.drafts.suffix_states
-        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), proposer)
+        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), name)
 
     def _new_text(self) -> str | None:
         """The text added since the last round that can be shown: the detokenizer holds back a partial

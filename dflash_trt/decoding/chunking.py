@@ -26,9 +26,11 @@ the queue's (`verify_room`): a block policy may keep its drafts within it (the a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from .step import StepProfile
+from .step import StepProfile, StepRows
 
 if TYPE_CHECKING:
     from .row import BatchRow
@@ -67,6 +69,35 @@ def cut(chunks: list[Chunk], room: int) -> list[Chunk]:
         kept.append(c._replace(size=size))
         room -= size
     return kept
+
+
+def rest_of_prompts(joining: Sequence[BatchRow]) -> list[Chunk]:
+    """Every joining row's prompt from where its prefill stands to its end, in order of arrival."""
+    return [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in joining]
+
+
+def plan_chunks(
+    pacer: ChunkPacer,
+    joining: Sequence[BatchRow],
+    reserved: int,
+    step: StepRows,
+    choose: Callable[[StepRows], int],
+) -> list[Chunk]:
+    """A step's prompt chunks around its block policy (`choose`: it sets the rows' blocks and returns their
+    verify tokens). The chunks are planned first, from what the budget leaves after `reserved` verify tokens
+    (the rows' blocks of the step before: a request's own size, 1 for a row that has not verified), so that the
+    policy prices the pass they share (`step` gets them, and the verify room a queue leaves); then they are cut
+    to what the chosen blocks leave. Reserving every row's largest block instead would starve the prompts
+    whenever the policy drafts little (at a large batch, where it matters most); reserving nothing would have
+    the policy price chunks the pass cannot hold. `joining`: the rows whose prompts enter in chunks (none with
+    separate prefill)."""
+    waiting = sum(len(r.prompt_ids) - r.prefilled for r in joining[1:])  # queued behind the one entering
+    chunks = cut(rest_of_prompts(joining), pacer.room(reserved, waiting))
+    if chunks:
+        size = sum(c.size for c in chunks)
+        step = replace(step, chunk_rows=len(chunks), chunk_tokens=size, verify_room=pacer.verify_room(size, waiting))
+    verify_tokens = choose(step)
+    return cut(chunks, pacer.room(verify_tokens, waiting)) if chunks else chunks
 
 
 class ChunkPacer:

@@ -12,12 +12,12 @@ import statistics
 import time
 
 from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
-from dflash_trt.decoding.cost import CostModel, LinearCost
+from dflash_trt.decoding.cost import CostModel, EngineCost
 from dflash_trt.decoding.estimates import expected_tokens
 
 COSTS = {
-    "memory-bound": CostModel(LinearCost(10e-3, 0.1e-3, 0.01e-3), LinearCost(2e-3, 0.05e-3, 0.005e-3)),
-    "compute-bound": CostModel(LinearCost(2e-3, 0.2e-3, 1.0e-3), LinearCost(1e-3, 0.1e-3, 0.1e-3)),
+    "memory-bound": CostModel(EngineCost(10e-3, 0.1e-3, 0.01e-3), EngineCost(2e-3, 0.05e-3, 0.005e-3)),
+    "compute-bound": CostModel(EngineCost(2e-3, 0.2e-3, 1.0e-3), EngineCost(1e-3, 0.1e-3, 0.1e-3)),
 }
 
 

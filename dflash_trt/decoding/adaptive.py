@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import numpy as np
 
 from ..runtime.base import DrafterEngine, TargetEngine, cuda_devices
-from .cost import CostModel, LinearCost, curve_arrays, measure_costs, price, token_sweep
+from .cost import CostModel, EngineCost, curve_arrays, measure_costs, price, token_sweep
 from .estimates import GPU_PROBE_ROWS, AcceptancePrior, AcceptanceTracker, ProbeSchedule
 from .policy import own_or_max
 from .proposers import drafter_drafted
@@ -252,7 +252,7 @@ def choose_blocks(
 ) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step: the module's rules in order.
     riding: (rows, tokens) the target pass holds besides the verify rows (prompt chunks): every choice is
-    priced on top of them (`cost.LinearCost`: their own seconds are not the rows'). most_tokens: rule 8's bound
+    priced on top of them (`cost.EngineCost`: their own seconds are not the rows'). most_tokens: rule 8's bound
     on the step's verify tokens (0 = none). O(rows x sizes) numpy work plus a sort or two."""
     table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
     n = len(table)
@@ -300,8 +300,8 @@ class _Step(NamedTuple):
     """One choice's inputs: the rows' arrays ([rows]) and the engines' current costs."""
 
     n: int
-    target: LinearCost
-    drafter: LinearCost
+    target: EngineCost
+    drafter: EngineCost
     alpha: np.ndarray  # [rows] acceptance estimates
     new_context: np.ndarray  # [rows] feature rows the drafter takes in for a row that drafts
     forced: np.ndarray  # [rows] a size the row must use (0: free)
@@ -460,7 +460,7 @@ def _with_margin(best: np.ndarray, best_rate: float, s: _Step, base: _Base, min_
 
 
 def _worth_keeping(
-    g: _Grid, base_rate: float, target: LinearCost, drafter: LinearCost
+    g: _Grid, base_rate: float, target: EngineCost, drafter: EngineCost
 ) -> tuple[np.ndarray, np.ndarray]:
     """Which increments a best choice may hold: per free row whether it may draft at all ([free] bool), and
     per size b whether its b-th token may be taken after the row's start ([free, top] bool).
@@ -485,7 +485,7 @@ def _worth_keeping(
     return drafts, g.one_more >= base_rate * (target_slope + drafter_slope)
 
 
-def _least_slope(cost: LinearCost) -> float:
+def _least_slope(cost: EngineCost) -> float:
     """The smallest seconds per token of `cost`'s token term anywhere (>= 0)."""
     if cost.curve:
         return curve_arrays(cost.curve).least_slope
@@ -506,7 +506,7 @@ def _within(sizes: np.ndarray, forced: np.ndarray, most: int) -> list[int]:
 
 
 def _best_alone(
-    alpha: float, max_block: int, new_context: float, target: LinearCost, drafter: LinearCost, min_gain: float
+    alpha: float, max_block: int, new_context: float, target: EngineCost, drafter: EngineCost, min_gain: float
 ) -> int:
     """`choose_blocks` for one free row alone in its step: the size of the best expected tokens per second,
     drafting only when it beats block 1 by `min_gain`."""

@@ -73,7 +73,7 @@ class Prices(NamedTuple):
     drafts costs row_s + draft_s + k x token_s (`Prices.verify_s`), plus the drafter's part for a DFlash block.
 
     draft_s is apart from token_s because a pass of one token is not on the line of the larger ones (on a CPU a
-    one-token pass multiplies vectors, a larger one matrices: `cost.LinearCost`): the first draft pays that step
+    one-token pass multiplies vectors, a larger one matrices: `cost.EngineCost`): the first draft pays that step
     once, each further one only the line's slope. Folded into a per-token price, the step would be paid again
     by every drafted token, and a 16-token run would look several times dearer than the pass it makes."""
 

@@ -123,16 +123,16 @@ def test_a_suffix_run_is_priced_by_its_match_and_the_rows_own_rounds():
 
 
 def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
-    """A CPU's shape (`cost.LinearCost`): a one-token pass 10 ms, any larger one 20 ms + 0.5 ms a token. A run of
+    """A CPU's shape (`cost.EngineCost`): a one-token pass 10 ms, any larger one 20 ms + 0.5 ms a token. A run of
     k drafts costs 20.5 + 0.5 k ms, so a long run of a sound match pays; priced per token at the 1 -> 2 step
     (10.5 ms a token) no run longer than a few tokens would."""
-    from dflash_trt.decoding.cost import CostModel, LinearCost
+    from dflash_trt.decoding.cost import CostModel, EngineCost
     from dflash_trt.decoding.policy import FixedBlocks
 
-    line = LinearCost(fixed=0.02, per_token=0.0005, one_token=0.01)
+    line = EngineCost(fixed=0.02, per_token=0.0005, one_token=0.01)
     decoder = BatchDecoder.__new__(BatchDecoder)
     decoder.policy = FixedBlocks()
-    decoder.policy.cost = CostModel(line, LinearCost(fixed=0.002))  # type: ignore[attr-defined]
+    decoder.policy.cost = CostModel(line, EngineCost(fixed=0.002))  # type: ignore[attr-defined]
     prices = decoder._prices(1)
     assert prices.verify_s(0) == pytest.approx(0.01)
     assert prices.verify_s(1) == pytest.approx(0.021) and prices.verify_s(16) == pytest.approx(0.0285)

@@ -28,8 +28,7 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
  8. Where prompts queue behind the one entering and their chunks fill what the token budget leaves, the step
     holds at most the verify tokens the chunks leave room for (`StepRows.verify_room`): each draft token beyond
     would take a queued prompt's token, and while prompts queue the requests' throughput is set by how fast they
-    get in, not by how fast the rows already in finish; the step's rate prices neither (docs/benchmarks.md,
-    "Drafts yield to queued prompts"). Forced sizes are kept, probes included (a probe's measurement is what
+    get in, not by how fast the rows already in finish; the step's rate prices neither. Forced sizes are kept, probes included (a probe's measurement is what
     keeps the estimates from feeding on themselves; a few rows a step). The bound is met at the sweeps'
     granularity (a row's first increment is its whole jump to b*), and a polish that ends past it is not taken.
 
@@ -546,8 +545,7 @@ def _rate_of(sizes: np.ndarray, s: _Step) -> float:
 POLISH_MOVES = 3  # single-row changes after the sweep, under a bent token cost (see `_polish`)
 # ... for steps of at most this many rows: each move is O(rows x sizes) work, and the sweep's overshoot is one
 # row's jump, which matters among a few rows and is a rounding among dozens, where the moves and the second
-# sweep would be a large share of the host's time per step (docs/benchmarks.md, "The policy solve is cheap",
-# and the host-work table of `make bench-parts`)
+# sweep would be a large share of the host's time per step (`make bench-parts` measures the host's work)
 POLISH_MAX_ROWS = 32
 
 

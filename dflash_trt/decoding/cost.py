@@ -30,14 +30,14 @@ class EngineCost:
 
     Why the exception: on a CPU a one-token pass multiplies vectors (GEMV), any larger pass matrices, and
     the step between them is no part of a line; priced by the line, drafting for a lone request looks
-    cheaper than it is (docs/benchmarks.md, "Measurements behind design choices").
+    cheaper than it is.
 
     `knee` (tokens; 0 = none): tokens up to the knee cost `below_knee` each, tokens beyond it `per_token`
     each (a line that bends once). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
-    tokens (docs/benchmarks.md: Vidur's A100 profile), so one line either prices a small batch's drafted
+    tokens, so one line either prices a small batch's drafted
     tokens as if they were compute bound (fitted through the large passes) or a large batch's as free; and
     pricing the tokens under the knee as free (a flat start) fills every step up to the knee with drafts of
-    rows that seldom hit (docs/benchmarks.md, "On a GPU, tokens are priced by a measured curve"). `fit`
+    rows that seldom hit: on a GPU tokens are priced by a measured curve (`curve`). `fit`
     takes a knee only where it cuts the squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a
     line (a CPU's) keeps none."""
 
@@ -54,7 +54,7 @@ class EngineCost:
     # part of the pass from the chunks' tokens on, so a bent cost's slope beyond them counts), never as a
     # one-token pass, and without the chunks' own seconds: those are spent whatever the rows draft, and in a
     # step's rate they would lower the bar a draft must clear, so a step with a chunk would draft what plain
-    # steps find not worth it (docs/benchmarks.md, "Chunked prefill and the policy").
+    # steps find not worth it.
     riding_rows: int = 0
     riding_tokens: int = 0
 
@@ -226,7 +226,7 @@ class CostModel:
     (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at a
     short context cannot see cost more because each row reads a longer KV cache, once whatever its block,
     and a factor on the whole shape would make every drafted token dearer by as much, keeping rows from
-    drafting where drafting pays (docs/benchmarks.md#design-decisions)."""
+    drafting where drafting pays."""
 
     target: EngineCost
     drafter: EngineCost

@@ -60,12 +60,14 @@ def position_map(rounds: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]
 
 def rounds_of(trace: Sequence[Mapping[str, Any]]) -> list[list[int]]:
     """A request's `--trace` rounds (`GenerationStats.trace`: `dflash-trt generate --json --trace`) as replayable
-    rounds: a suffix round's [drafted, accepted]; any other round, one [0, 0] per token it committed (a hybrid's
-    DFlash round does not say whether a suffix run was there: counted as none, so a hybrid's trace understates)."""
+    rounds: a suffix round's (drafted by a proposer that keeps a suffix structure) [drafted, accepted]; any other
+    round, one [0, 0] per token it committed (a hybrid's DFlash round does not say whether a suffix run was there:
+    counted as none, so a hybrid's trace understates)."""
     out: list[list[int]] = []
     for r in trace:
         drafted, accepted = len(r["drafted"]), int(r["accepted"])
-        out += [[drafted, accepted]] if r.get("proposer") == "suffix" else [[0, 0]] * (accepted + 1)
+        by = REGISTRY.get(str(r.get("proposer")))
+        out += [[drafted, accepted]] if by is not None and by.keeps_suffix else [[0, 0]] * (accepted + 1)
     return out
 
 

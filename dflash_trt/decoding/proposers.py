@@ -278,6 +278,48 @@ class HybridProposer(Proposer):
 DFLASH, SUFFIX = REGISTRY["dflash"], REGISTRY["suffix"]
 
 
+class NgramProposer(Proposer):
+    """Prompt lookup, as Hugging Face's `PromptLookupCandidateGenerator.get_candidates` does it
+    (transformers, src/transformers/generation/candidate_generator.py at 00a11b6a): the row's last n tokens, n
+    from `max_ngram_size` down to 1, are looked up in its tokens so far (prompt and output); the first
+    occurrence, left to right, that has tokens after it proposes up to `num_output_tokens` of them (within what
+    the row may draft). No drafter and nothing priced: a deterministic draft wherever the n-gram recurs. Unlike
+    Hugging Face's it does not cut the run at an end-of-text token: the loop's stop rules cut what is committed,
+    so a draft past one costs only its verify tokens."""
+
+    name = "ngram"
+    summary = "prompt lookup: the tokens that followed the last n-gram's first earlier occurrence"
+    deterministic = True
+
+    def __init__(self, max_ngram_size: int = 2, num_output_tokens: int = 10):  # Hugging Face's defaults
+        if max_ngram_size < 1 or num_output_tokens < 1:
+            raise ValueError(
+                f"max_ngram_size and num_output_tokens must be >= 1, got {max_ngram_size}, {num_output_tokens}"
+            )
+        self.max_ngram_size, self.num_output_tokens = max_ngram_size, num_output_tokens
+
+    def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
+        run = self.lookup(row.prompt_ids + row.generated, min(self.num_output_tokens, row.max_drafts))
+        return Pick(self, len(run) + 1, run) if run else NO_PICK
+
+    def lookup(self, tokens: list[int], most: int) -> tuple[int, ...]:
+        """Up to `most` tokens that followed the first earlier occurrence of the longest matching tail n-gram."""
+        count = len(tokens)
+        if most < 1:
+            return ()
+        for n in range(min(self.max_ngram_size, count - 1), 0, -1):
+            tail, at = tokens[-n:], 0
+            while True:
+                try:
+                    at = tokens.index(tail[0], at)
+                except ValueError:
+                    break
+                if at + n < count and tokens[at : at + n] == tail:  # the tail itself has nothing after it
+                    return tuple(tokens[at + n : min(at + n + most, count)])
+                at += 1
+        return ()
+
+
 # ---- the registry's names: every proposer class above is in them ----------------------------------------------
 PROPOSERS = tuple(REGISTRY)
 DEFAULT_PROPOSER = DFLASH.name  # what a request that names none drafts with (the library's; a server sets its own)

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..decoding.proposers import DEFAULT_PROPOSER, DFLASH, PROPOSERS
 from .methods import ForwardTimer, hf_method, target_model
 from .workloads import WORKLOADS, Workload
 
@@ -38,7 +39,6 @@ if TYPE_CHECKING:
 
     from ..decoding import BatchDecoder
 
-PROPOSERS = ("dflash", "suffix", "hybrid")
 TIE = 1e-3  # a logit gap at or under this at the first difference: two code paths breaking a tie apart
 # the issue's bars: (method, against, workloads, at least this ratio of tokens/s)
 BARS = (
@@ -52,7 +52,7 @@ def supported_proposers() -> tuple[str, ...]:
     """The proposers a request can name in this library (DFlash alone before `GenerationConfig.proposer`)."""
     from ..decoding import GenerationConfig
 
-    return PROPOSERS if "proposer" in {f.name for f in dataclasses.fields(GenerationConfig)} else ("dflash",)
+    return PROPOSERS if "proposer" in {f.name for f in dataclasses.fields(GenerationConfig)} else (DEFAULT_PROPOSER,)
 
 
 def decoder_method(decoder: BatchDecoder, proposer: str | None) -> Callable[[list[int], int], dict[str, Any]]:
@@ -144,8 +144,8 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, fl
             c["tau"] = round(c.pop("taus") / prompts[w], 3)
         for c in cells.values():
             c["vs_target"] = round(c["tokens_per_s"] / cells["target"]["tokens_per_s"], 3)
-            if "dflash" in cells:
-                c["vs_dflash"] = round(c["tokens_per_s"] / cells["dflash"]["tokens_per_s"], 3)
+            if DFLASH.name in cells:
+                c["vs_dflash"] = round(c["tokens_per_s"] / cells[DFLASH.name]["tokens_per_s"], 3)
     return out
 
 

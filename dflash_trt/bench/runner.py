@@ -163,6 +163,7 @@ def build_methods(
     assistant_timer: ForwardTimer | None,
 ) -> list[Method]:
     from ..decoding import BatchDecoder
+    from ..decoding.proposers import DEFAULT_PROPOSER
 
     model = target_model(decoder)
     pad = decoder.tokenizer.pad_token_id if decoder.tokenizer.pad_token_id is not None else 0
@@ -174,7 +175,7 @@ def build_methods(
         dec = BatchDecoder(decoder.target, drafter, decoder.tokenizer)
         for p in s.proposers:
             for b in usable_block_sizes(s, drafter):
-                name = f"{family}-b{b}" if p == "dflash" else f"{family}-{p}-b{b}"
+                name = f"{family}-b{b}" if p == DEFAULT_PROPOSER else f"{family}-{p}-b{b}"  # the default: no suffix
                 methods.append(dflash_method(name, family, dec, b, backend, proposer=p))
     if assistant is not None:
         methods.append(

@@ -243,12 +243,12 @@ def _solve_alpha(tau: float, block: int) -> float:
 
 
 def read_cost_table(path: str | Path, context: int | None = None) -> tuple[Any, Any, int]:
-    """(target LinearCost, drafter LinearCost, context) from a cost-grid JSON (scripts/gpu_bare.py writes one).
+    """(target EngineCost, drafter EngineCost, context) from a cost-grid JSON (scripts/gpu_bare.py writes one).
 
     Format: {"target": [{"rows", "tokens_per_row", "context", "seconds"}...], "drafter": [...same...]}; the
     entries at the context nearest `context` (default: the largest measured) are fitted, tokens = rows x
     tokens_per_row."""
-    from ..decoding.cost import LinearCost
+    from ..decoding.cost import EngineCost
 
     raw = json.loads(Path(path).read_text())
     try:
@@ -261,7 +261,7 @@ def read_cost_table(path: str | Path, context: int | None = None) -> tuple[Any, 
                 for e in raw[kind]
                 if int(e["context"]) == chosen
             ]
-            fits.append(LinearCost.fit(samples))
+            fits.append(EngineCost.fit(samples))
     except (KeyError, TypeError, ValueError) as e:
         raise ServeConfigError(f"{path} is not a cost grid ({type(e).__name__}: {e})") from None
     return fits[0], fits[1], chosen

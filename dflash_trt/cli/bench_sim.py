@@ -37,7 +37,7 @@ from ..bench.sim.grid import (
 )
 from ..bench.sim.report import plot, readme
 from ..decoding.chunking import BACKLOG_STEPS, STALL
-from ..decoding.proposers import PROPOSERS
+from ..decoding.proposers import DEFAULT_PROPOSER, PROPOSERS, proposer_for, proposers_help
 from ..settings import REPO_ROOT
 from ..sim.measured import DEMO_LOAD
 from ..sim.policies import FIXED, STEP_TOKENS_OF, TUNED
@@ -108,9 +108,9 @@ def _proposer_options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--proposer",
         choices=PROPOSERS,
-        default="dflash",
-        help="what every request drafts with (the server's --proposer): dflash blocks, suffix runs, or the hybrid's\n"
-        "choice per row and round; suffix matches are replayed from --suffix-trace (default: dflash)",
+        default=DEFAULT_PROPOSER,
+        help=f"what every request drafts with (the server's --proposer): {proposers_help()};\n"
+        f"a proposer's suffix matches are replayed from --suffix-trace (default: {DEFAULT_PROPOSER})",
     )
     ap.add_argument(
         "--suffix-trace",
@@ -125,7 +125,7 @@ def _proposing(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[st
     """Set `args.proposing` (what `grid._pacing` hands every cell) from --proposer and --suffix-trace; the
     settings that record them."""
     try:
-        trace = SuffixTrace.resolve(args.suffix_trace) if args.proposer != "dflash" else None
+        trace = SuffixTrace.resolve(args.suffix_trace) if proposer_for(args.proposer).keeps_suffix else None
     except (ValueError, FileNotFoundError) as e:
         ap.error(f"--suffix-trace: {e}")
     args.proposing = Proposing(args.proposer, trace)
@@ -215,7 +215,7 @@ def _set_by_hand(args: argparse.Namespace) -> list[str]:
     custom += ["policies"] if set(args.policies) != set(SHOWN) else []
     custom += ["prefill-stall"] if args.prefill_stall != STALL else []
     custom += ["prefill-backlog-steps"] if args.prefill_backlog_steps != BACKLOG_STEPS else []
-    return custom + ([f"proposer {args.proposer}"] if args.proposer != "dflash" else [])
+    return custom + ([f"proposer {args.proposer}"] if args.proposer != DEFAULT_PROPOSER else [])
 
 
 def cmd_sim(ap: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -80,7 +80,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--trace",
         action="store_true",
         help='with --json, add "trace": one object per verify round, {"block_size": B, "drafted": [the B-1 '
-        'drafted token ids], "accepted": n, "proposer": "dflash"|"suffix"|"none"}, to see where the target rejects the drafts '
+        'drafted token ids], "accepted": n, "proposer": the proposer that drafted, or "none"}, to see where the target rejects the drafts '
         "(B = 1: the target alone)",
     )
     g.set_defaults(func=cmd_generate)

@@ -13,23 +13,20 @@ if TYPE_CHECKING:
     from ..decoding import BatchDecoder
 
 
-# `decoding.proposers.PROPOSERS`, spelled here so that --help never imports the decoding package (torch); a test
-# holds the two equal
-PROPOSER_CHOICES = ("dflash", "suffix", "hybrid")
-
-
 def add_proposer_arg(
-    p: argparse._ActionsContainer, many: bool = False, extra: str = "", default: str = "dflash"
+    p: argparse._ActionsContainer, many: bool = False, extra: str = "", default: str | None = None
 ) -> None:
-    """`--proposer` (one name; `many`: one or more), the same choices and words on every command."""
+    """`--proposer` (one name; `many`: one or more), the same choices and words on every command: the names and
+    their summaries from the registry (`decoding.proposers`); `default`: the library's (DFlash) unless given."""
+    from ..decoding.proposers import DEFAULT_PROPOSER, PROPOSERS, proposers_help
+
+    default = default or DEFAULT_PROPOSER
     p.add_argument(
         "--proposer",
         nargs="+" if many else None,
-        choices=PROPOSER_CHOICES,
+        choices=PROPOSERS,
         default=[default] if many else default,
-        help="where the drafts come from: dflash (the drafter), suffix (runs of the request's own earlier tokens "
-        "after the longest repeated suffix: no drafter pass) or hybrid (per row and round whichever earns more "
-        f"tokens per second); all lossless (default {default})" + extra,
+        help=f"where the drafts come from: {proposers_help()}; all lossless (default {default})" + extra,
     )
 
 

@@ -17,12 +17,10 @@ Terminology
     probe         a forced full block for a row that has not drafted lately, so that its acceptance
                   estimate is measured again (`estimates.ProbeSchedule`).
     proposer      where a round's drafts come from (`proposers.Proposer`, chosen per request by
-                  `GenerationConfig.proposer`): "dflash" (the drafter's block, sized by the block policy),
-                  "suffix" (a suffix run: the tokens that followed the longest suffix of the request that
-                  occurred before in it, from the request's `suffix.SuffixAutomaton`; no drafter pass) or
-                  "hybrid" (per row and round whichever, or none, has the most expected tokens per second).
-                  Asked per row after the block policy (`Proposer.pick` -> `Pick`: proposer, block, run);
-                  a new method is a class and a line in `proposers.PROPOSER_TYPES`.
+                  `GenerationConfig.proposer`): the drafter's block (sized by the block policy), runs read
+                  out of the request's own tokens, or a per-round choice between them; the registry
+                  (`proposers.PROPOSERS`) lists them. Asked per row after the block policy (`Proposer.pick`
+                  -> `Pick`: proposer, block, run); a new method is one subclass of `proposers.Proposer`.
     max_block     the largest DFlash block a row may use this step (`StepRows.max_block`: the decoder's
                   block size, the drafter's trained block, the tokens the row has left).
     block         the tokens a row verifies in a round (`Pick.block`, `BatchRow.block`: its last step's).

@@ -7,31 +7,30 @@ yields accepted + 1 tokens. All three are lossless: output matches the target al
 (greedy) or in distribution (sampling).
 
 A round uses one AcceptanceRule, chosen once per generation by `acceptance_rule`: it says both how
-the drafter's output becomes draft tokens (`propose`) and how the target judges them (`accept`).
+the drafter's output becomes draft tokens (`propose`) and how the target judges them (`accept`), a round
+without drafts included (the target's own next token). The loop has no other path: the greedy rule reads
+the pass's argmax, computed once for the batch, where the request's logits are the pass's own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from functools import cached_property
+from typing import NamedTuple, Protocol
 
 import torch
 
 from ..runtime.base import Draft
-from .sampling import SamplingParams, probabilities, sample
+from .sampling import SamplingParams, next_token, probabilities, sample
 
 ACCEPTANCE_RULES = ("rejection", "exact-match")
 
 
-def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Longest prefix where the draft equals the target's argmax; the argmax after it is the bonus."""
-    return greedy_prefix(draft.tolist(), target_logits.argmax(-1).tolist())
-
-
 def greedy_prefix(draft: list[int], posterior: list[int]) -> tuple[int, int]:
-    """`accept_greedy` on token ids: the draft d[0..k-1] against the target's argmax after each of the block's
-    k + 1 positions. Plain Python: it runs once per row per step, and a handful of tiny tensor ops per row is
-    what the host pays at hundreds of rows."""
+    """The longest prefix where the draft d[0..k-1] equals the target's argmax after each of the block's k + 1
+    positions (`posterior`); the argmax after it is the bonus. Plain Python on token ids: it runs once per row
+    per step, and a handful of tiny tensor ops per row is what the host pays at hundreds of rows."""
     accepted = 0
     for proposed, chosen in zip(draft, posterior):
         if proposed != chosen:
@@ -65,7 +64,7 @@ def accept_deterministic(
     position emits x with probability p_i(x_i) [x = x_i] + (1 - p_i(x_i)) p_i(x) [x != x_i] / (1 - p_i(x_i)) =
     p_i(x): the target's distribution, whatever the run. Where p_i(x_i) = 1 the rejection branch has probability
     0. After all k drafts are accepted the bonus is drawn from p_k, as in every rule here. Greedy rows need none of
-    this: the longest prefix equal to the target's argmax (`accept_greedy`) keeps the target's own tokens."""
+    this: the longest prefix equal to the target's argmax (`greedy_prefix`) keeps the target's own tokens."""
     return accept_exact_match(draft, target_probs, generator)
 
 
@@ -126,17 +125,42 @@ def sample_path(draft: Draft, temperature: float, generator: torch.Generator) ->
 
 @dataclass(frozen=True)
 class Proposal:
+    """The tokens one row's round verifies, and for drafts drawn from a distribution, that distribution."""
+
     tokens: torch.Tensor  # [k] the draft tokens, on the CPU
     probs: torch.Tensor | None = None  # [k, vocab] the distribution they were drawn from (rejection sampling),
-    # on the drafter's device
+    # on the drafter's device; None for deterministic drafts (one-hot)
+
+    @cached_property
+    def ids(self) -> list[int]:
+        """The draft tokens as ids, read once (the verify pass, acceptance and the commit use them)."""
+        return self.tokens.tolist()
+
+
+NO_DRAFT = Proposal(torch.empty(0, dtype=torch.long))
+
+
+class Scores(NamedTuple):
+    """The target's scores of one row's block of k + 1 positions (its last committed token, then k drafts)."""
+
+    logits: torch.Tensor  # [k + 1, vocab] as the request sees them (its adjustments applied), engine's device
+    argmax: Callable[[], list[int]]  # [k + 1] the greedy token after each position, computed on demand
+
+    @classmethod
+    def of(cls, logits: torch.Tensor, pass_logits: torch.Tensor, pass_argmax: Callable[[], list[int]]) -> Scores:
+        """`logits` as the request sees them; where they are the pass's own (`pass_logits`: nothing adjusted them),
+        their argmax is the pass's (`pass_argmax`, one for the batch: a handful of tensor ops per row is what the
+        host pays at hundreds of rows)."""
+        return cls(logits, pass_argmax if logits is pass_logits else lambda: logits.argmax(-1).tolist())
 
 
 class AcceptanceRule(Protocol):
     def propose(self, draft: Draft) -> Proposal:
         """The drafter's output -> the tokens the target verifies."""
 
-    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
-        """(accepted, next token) from the target's logits [k+1, vocab] for the block."""
+    def accept(self, proposal: Proposal, scores: Scores) -> tuple[int, int]:
+        """(accepted, next token) from the target's scores of the block; with no drafts, the target's own next
+        token."""
 
 
 class GreedyRule:
@@ -145,28 +169,39 @@ class GreedyRule:
     def propose(self, draft: Draft) -> Proposal:
         return Proposal(draft.tokens.cpu())
 
-    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
-        return accept_greedy(proposal.tokens, target_logits)
+    def accept(self, proposal: Proposal, scores: Scores) -> tuple[int, int]:
+        return greedy_prefix(proposal.ids, scores.argmax())
 
 
-class ExactMatchRule:
-    """T > 0, the reference's rule: the drafter's argmax; accepted while the target's samples equal it."""
+class SampledRule:
+    """T > 0: a round without drafts samples the target's own next token; one with drafts is judged by the
+    subclass's rule (`judge`)."""
 
     def __init__(self, params: SamplingParams, generator: torch.Generator):
         self.params, self.generator = params, generator
+
+    def accept(self, proposal: Proposal, scores: Scores) -> tuple[int, int]:
+        if not proposal.ids:
+            return 0, next_token(scores.logits[0], self.params, self.generator)
+        return self.judge(proposal, scores.logits)
+
+    def judge(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+        """(accepted, next token) for k >= 1 drafts from the target's logits [k + 1, vocab]."""
+        raise NotImplementedError
+
+
+class ExactMatchRule(SampledRule):
+    """T > 0, the reference's rule: the drafter's argmax; accepted while the target's samples equal it."""
 
     def propose(self, draft: Draft) -> Proposal:
         return Proposal(draft.tokens.cpu())
 
-    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+    def judge(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
         return accept_exact_match(proposal.tokens, probabilities(target_logits, self.params), self.generator)
 
 
-class RejectionRule:
+class RejectionRule(SampledRule):
     """T > 0, speculative sampling: drafts drawn from the drafter's distribution q, judged against p."""
-
-    def __init__(self, params: SamplingParams, generator: torch.Generator):
-        self.params, self.generator = params, generator
 
     def propose(self, draft: Draft) -> Proposal:
         if draft.candidates is not None:  # DFlash 2: the selector's own proposal (accept_rejection: exact)
@@ -175,7 +210,7 @@ class RejectionRule:
         q = probabilities(draft.logits, self.params)  # on the drafter's device; only the tokens come back
         return Proposal(sample(q, self.generator).cpu(), q)
 
-    def accept(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
+    def judge(self, proposal: Proposal, target_logits: torch.Tensor) -> tuple[int, int]:
         p = probabilities(target_logits, self.params)
         if proposal.probs is None:  # a deterministic draft (a suffix run): its q is one-hot
             return accept_deterministic(proposal.tokens, p, self.generator)

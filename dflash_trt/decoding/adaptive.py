@@ -28,8 +28,7 @@ Model of one batched step (verify rows r = 1..R, row r with block size B_r; B_r 
  8. Where prompts queue behind the one entering and their chunks fill what the token budget leaves, the step
     holds at most the verify tokens the chunks leave room for (`StepRows.verify_room`): each draft token beyond
     would take a queued prompt's token, and while prompts queue the requests' throughput is set by how fast they
-    get in, not by how fast the rows already in finish; the step's rate prices neither (docs/benchmarks.md,
-    "Drafts yield to queued prompts"). Forced sizes are kept, probes included (a probe's measurement is what
+    get in, not by how fast the rows already in finish; the step's rate prices neither. Forced sizes are kept, probes included (a probe's measurement is what
     keeps the estimates from feeding on themselves; a few rows a step). The bound is met at the sweeps'
     granularity (a row's first increment is its whole jump to b*), and a polish that ends past it is not taken.
 
@@ -48,9 +47,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, cast
 import numpy as np
 
 from ..runtime.base import DrafterEngine, TargetEngine, cuda_devices
-from .cost import CostModel, LinearCost, curve_arrays, measure_costs, price, token_sweep
+from .cost import CostModel, EngineCost, curve_arrays, measure_costs, price, token_sweep
 from .estimates import GPU_PROBE_ROWS, AcceptancePrior, AcceptanceTracker, ProbeSchedule
 from .policy import own_or_max
+from .proposers import drafter_drafted
 from .step import StepResult, StepRows
 
 if TYPE_CHECKING:
@@ -168,7 +168,9 @@ class AdaptiveBlocks:
         probed: dict[bool, tuple[int, int]] = {}  # per regime: this step's probes' accepted and drafted tokens
         for row, rnd in verified:
             state = self._state(row)
-            if rnd.proposer != "dflash":  # a suffix run or no draft: the drafter's estimate learns nothing
+            if not drafter_drafted(
+                rnd.proposer
+            ):  # another proposer's draft or none: the drafter's estimate learns nothing
                 state.tracker.update(0, 0)
                 continue
             state.tracker.update(rnd.drafted, rnd.accepted)
@@ -249,21 +251,21 @@ def choose_blocks(
 ) -> list[int]:
     """Per-row block sizes maximising expected tokens per second of the step: the module's rules in order.
     riding: (rows, tokens) the target pass holds besides the verify rows (prompt chunks): every choice is
-    priced on top of them (`cost.LinearCost`: their own seconds are not the rows'). most_tokens: rule 8's bound
+    priced on top of them (`cost.EngineCost`: their own seconds are not the rows'). most_tokens: rule 8's bound
     on the step's verify tokens (0 = none). O(rows x sizes) numpy work plus a sort or two."""
     table = rows if isinstance(rows, RowChoices) else RowChoices.of(rows)
     n = len(table)
     if not n:
         return []
-    t, d = cost.current()
+    target, drafter = cost.current()
     if riding != (0, 0):
-        t = replace(t, riding_rows=riding[0], riding_tokens=riding[1])
+        target = replace(target, riding_rows=riding[0], riding_tokens=riding[1])
     forced, max_blocks = _forced_sizes(table)  # rule 1
     top = int(max_blocks.max())
     base = np.where(forced > 0, forced, 1)
     # the target's passes this needs, priced in one call: n tokens (no row drafts), every row at its largest
     # size, and the base choice
-    t_none, t_all, t_base = price(t, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
+    t_none, t_all, t_base = price(target, n, np.array([n, n * top, int(base.sum())], dtype=np.float64))
     if t_none <= 0:  # rule 2
         return _within(max_blocks, forced, most_tokens)
     free = np.flatnonzero((forced == 0) & (max_blocks >= 2))  # the rows whose size is chosen here
@@ -274,11 +276,11 @@ def choose_blocks(
             min(int(max_blocks[0]), most_tokens) if most_tokens else int(max_blocks[0])
         )  # rule 8: rate only sizes that fit
         return [
-            _best_alone(float(table.alpha[0]), max_block, float(table.new_context[0]), t, d, min_gain)
+            _best_alone(float(table.alpha[0]), max_block, float(table.new_context[0]), target, drafter, min_gain)
             if max_block > 1
             else 1
         ]
-    step = _Step(n, t, d, table.alpha, table.new_context, forced, max_blocks, base, free, top, most_tokens)
+    step = _Step(n, target, drafter, table.alpha, table.new_context, forced, max_blocks, base, free, top, most_tokens)
     start = _base_of(step, float(t_base))
     grid = _increments(step, float(t_none), float(t_all))
     best, best_rate = _sweep(step, start, grid)  # rules 4-6
@@ -297,24 +299,32 @@ class _Step(NamedTuple):
     """One choice's inputs: the rows' arrays ([rows]) and the engines' current costs."""
 
     n: int
-    t: LinearCost
-    d: LinearCost
-    alpha: np.ndarray
-    ctx: np.ndarray
-    forced: np.ndarray
-    max_blocks: np.ndarray
+    target: EngineCost
+    drafter: EngineCost
+    alpha: np.ndarray  # [rows] acceptance estimates
+    new_context: np.ndarray  # [rows] feature rows the drafter takes in for a row that drafts
+    forced: np.ndarray  # [rows] a size the row must use (0: free)
+    max_blocks: np.ndarray  # [rows] its largest size
     base: np.ndarray  # the choice in which no free row drafts
     free: np.ndarray  # indices of the rows whose size is chosen
     top: int
     most: int = 0  # rule 8: the most verify tokens (0 = any)
 
 
-class _Base(NamedTuple):
-    """The base choice (no free row drafts): its sums and its expected tokens per second."""
+class _Totals(NamedTuple):
+    """What a choice holds in all, or what increments add ([k] arrays, one per increment)."""
 
-    sums: np.ndarray  # [4, 1]: expected tokens, verify tokens, drafting rows, drafter tokens
+    gain: Any  # expected tokens
+    verify_tokens: Any
+    drafting_rows: Any
+    drafter_tokens: Any
+
+
+class _Base(NamedTuple):
+    """The base choice (no free row drafts): its totals and its expected tokens per second."""
+
+    totals: _Totals
     rate: float
-    drafting_rows: int
 
 
 def _base_of(s: _Step, t_base: float) -> _Base:
@@ -322,9 +332,9 @@ def _base_of(s: _Step, t_base: float) -> _Base:
     d_rows = int(drafting.sum())
     # E(1) = 1: only the rows that must draft need the sum
     gain = float(s.n - d_rows) + float(_expected(s.alpha[drafting], s.base[drafting]).sum())
-    d_tokens = float((s.base + s.ctx)[drafting].sum())
-    rate = gain / (t_base + s.d(d_rows, int(d_tokens)))
-    return _Base(np.array([[gain], [int(s.base.sum())], [d_rows], [d_tokens]]), rate, d_rows)
+    d_tokens = float((s.base + s.new_context)[drafting].sum())
+    rate = gain / (t_base + s.drafter(d_rows, int(d_tokens)))
+    return _Base(_Totals(gain, float(int(s.base.sum())), float(d_rows), d_tokens), rate)
 
 
 class _Grid(NamedTuple):
@@ -337,7 +347,7 @@ class _Grid(NamedTuple):
     ratio: np.ndarray  # gain per second of the jump from block 1 to b
     jump: np.ndarray  # [free] b*: the size whose jump gains most per second
     token_price: float  # a drafted token's seconds at the mean price
-    ctx: np.ndarray  # [free] new context rows
+    new_context: np.ndarray  # [free] new context rows
 
 
 def _increments(s: _Step, t_none: float, t_all: float) -> _Grid:
@@ -347,38 +357,40 @@ def _increments(s: _Step, t_none: float, t_all: float) -> _Grid:
     gain = _expected_grid(s.alpha[s.free], s.top) - 1.0
     one_more = np.zeros_like(gain)
     one_more[:, 1:] = gain[:, 1:] - gain[:, :-1]
-    token_price = max(0.0, (t_all - t_none) / (s.n * s.top - s.n)) + s.d.per_token
-    ctx = s.ctx[s.free]
-    start = s.d.per_row + s.d.per_token * (1.0 + ctx[:, None])  # the drafter's share of a row that drafts
+    token_price = max(0.0, (t_all - t_none) / (s.n * s.top - s.n)) + s.drafter.per_token
+    context = s.new_context[s.free]
+    start = s.drafter.per_row + s.drafter.per_token * (1.0 + context[:, None])  # the drafter's share of a row
     seconds = token_price * (sizes - 1.0) + start  # [free, top]: from block 1 to block b
     valid = (sizes >= 2) & (sizes <= s.max_blocks[s.free, None])
     ratio = np.where(valid, gain / np.maximum(seconds, 1e-30), -np.inf)
-    return _Grid(sizes, gain, one_more, valid, ratio, ratio.argmax(axis=1) + 1, token_price, ctx)
+    return _Grid(sizes, gain, one_more, valid, ratio, ratio.argmax(axis=1) + 1, token_price, context)
 
 
 def _sweep(s: _Step, base: _Base, g: _Grid) -> tuple[np.ndarray, float]:
     """Rules 4-6: the best choice in which some free row drafts, and its expected tokens per second (-inf when
     no increment is left)."""
     many = s.n > POLISH_MAX_ROWS
-    bent = s.t.bent or s.d.bent
+    bent = s.target.bent or s.drafter.bent
     keep, beyond = g.valid, g.sizes > g.jump[:, None]
     if many:  # rule 5
-        drafts, one_pays = _worth_keeping(g.gain, g.one_more, g.valid, g.ctx, base.rate, s.t, s.d)
+        drafts, one_pays = _worth_keeping(g, base.rate, s.target, s.drafter)
         keep, beyond = g.valid & drafts[:, None], beyond & one_pays
     sweeps = [_envelope_sweep(g, keep, beyond, s.top)]
     if bent and not many:  # rule 6
         sweeps.append(_token_order_sweep(g, keep, s.top))
     best, best_rate = _best_prefix(s, base, sweeps)
     if best_rate > -np.inf and bent and not many:  # rule 6
-        polished = _polish(best, s.forced, s.max_blocks, s.alpha, s.ctx, s.t, s.d, POLISH_MOVES)
+        polished = _polish(best, s, POLISH_MOVES)
         if not s.most or polished.sum() <= s.most:  # rule 8: a move may not take the step past its bound
-            best, best_rate = polished, _rate_of(polished, s.alpha, s.ctx, s.t, s.d)
+            best, best_rate = polished, _rate_of(polished, s)
     return best, best_rate
 
 
-# A sweep: per increment in its order, the free row it grows ([k]) and what it adds ([4, k]: expected tokens,
-# verify tokens, drafting rows, drafter tokens).
-_Sweep = tuple[np.ndarray, np.ndarray]
+class _Sweep(NamedTuple):
+    """Increments in the order a sweep takes them: the free row each grows ([k]) and what each adds."""
+
+    rows: np.ndarray
+    adds: _Totals
 
 
 def _envelope_sweep(g: _Grid, keep: np.ndarray, beyond: np.ndarray, top: int) -> _Sweep:
@@ -390,34 +402,42 @@ def _envelope_sweep(g: _Grid, keep: np.ndarray, beyond: np.ndarray, top: int) ->
     jumps = at_jump.ravel()[cells]
     b = cells % top + 1
     rows = cells // top
-    adds = np.empty((4, len(cells)))
-    adds[0] = np.where(jumps, g.gain.ravel()[cells], g.one_more.ravel()[cells])
-    adds[1] = np.where(jumps, b - 1, 1)
-    adds[2] = jumps
-    adds[3] = np.where(jumps, b + g.ctx[rows], 1)
-    return rows, adds
+    adds = _Totals(
+        gain=np.where(jumps, g.gain.ravel()[cells], g.one_more.ravel()[cells]).astype(np.float64),
+        verify_tokens=np.where(jumps, b - 1, 1).astype(np.float64),
+        drafting_rows=jumps.astype(np.float64),
+        drafter_tokens=np.where(jumps, b + g.new_context[rows], 1).astype(np.float64),
+    )
+    return _Sweep(rows, adds)
 
 
 def _token_order_sweep(g: _Grid, keep: np.ndarray, top: int) -> _Sweep:
     """Rule 6: single-token increments in order of gain (for each token budget the most expected tokens); ties
     go to the row of least backlog and keep one row's increments together, so the drafter's share of a row is
     paid by as few rows as possible."""
-    by_ctx = np.argsort(g.ctx, kind="stable")
-    cells = (by_ctx[:, None] * top + np.arange(top)).ravel()[keep[by_ctx].ravel()]
+    by_context = np.argsort(g.new_context, kind="stable")
+    cells = (by_context[:, None] * top + np.arange(top)).ravel()[keep[by_context].ravel()]
     cells = cells[np.argsort(-g.one_more.ravel()[cells], kind="stable")]
     rows, first = cells // top, cells % top == 1  # first: the row's block 2, where it starts drafting
-    adds = np.empty((4, len(cells)))
-    adds[0], adds[1], adds[2], adds[3] = g.one_more.ravel()[cells], 1, first, np.where(first, 2 + g.ctx[rows], 1)
-    return rows, adds
+    adds = _Totals(
+        gain=g.one_more.ravel()[cells].astype(np.float64),
+        verify_tokens=np.ones(len(cells)),
+        drafting_rows=first.astype(np.float64),
+        drafter_tokens=np.where(first, 2 + g.new_context[rows], 1).astype(np.float64),
+    )
+    return _Sweep(rows, adds)
 
 
 def _best_prefix(s: _Step, base: _Base, sweeps: list[_Sweep]) -> tuple[np.ndarray, float]:
     """Every prefix of every sweep rated at the true step time (one pricing call per engine); the best."""
-    cum = [base.sums + np.cumsum(a, axis=1) for _, a in sweeps]
-    cum_gain, cum_tokens, cum_d_rows, cum_d_tokens = cum[0] if len(cum) == 1 else np.concatenate(cum, axis=1)
-    rates = cum_gain / (price(s.t, s.n, cum_tokens) + price(s.d, cum_d_rows, cum_d_tokens))
+
+    def running(field: int) -> np.ndarray:  # the totals after each prefix, every sweep's in turn
+        return np.concatenate([base.totals[field] + np.cumsum(sweep.adds[field]) for sweep in sweeps])
+
+    gain, tokens, drafting_rows, drafter_tokens = (running(i) for i in range(len(_Totals._fields)))
+    rates = gain / (price(s.target, s.n, tokens) + price(s.drafter, drafting_rows, drafter_tokens))
     if s.most:  # rule 8
-        rates = np.where(cum_tokens > s.most, -np.inf, rates)
+        rates = np.where(tokens > s.most, -np.inf, rates)
     best, best_rate = s.base, -np.inf
     start_at = 0
     for rows, adds in sweeps:
@@ -425,7 +445,7 @@ def _best_prefix(s: _Step, base: _Base, sweeps: list[_Sweep]) -> tuple[np.ndarra
             k = int(rates[start_at : start_at + len(rows)].argmax())
             if rates[start_at + k] > best_rate:
                 best = s.base.copy()  # a free row's size: 1 + the tokens its taken increments add
-                grow = np.bincount(rows[: k + 1], weights=adds[1, : k + 1], minlength=len(s.free))
+                grow = np.bincount(rows[: k + 1], weights=adds.verify_tokens[: k + 1], minlength=len(s.free))
                 best[s.free] += grow.astype(np.int64)
                 best_rate = float(rates[start_at + k])
         start_at += len(rows)
@@ -434,18 +454,12 @@ def _best_prefix(s: _Step, base: _Base, sweeps: list[_Sweep]) -> tuple[np.ndarra
 
 def _with_margin(best: np.ndarray, best_rate: float, s: _Step, base: _Base, min_gain: float) -> list[int]:
     """Rule 7: when no row has to draft, the drafting choice must beat not drafting by `min_gain`."""
-    bar = base.rate * (1.0 + min_gain) if base.drafting_rows == 0 else base.rate
+    bar = base.rate * (1.0 + min_gain) if base.totals.drafting_rows == 0 else base.rate
     return cast(list[int], (best if best_rate > bar else s.base).tolist())
 
 
 def _worth_keeping(
-    gain: np.ndarray,
-    one_more: np.ndarray,
-    valid: np.ndarray,
-    ctx: np.ndarray,
-    base_rate: float,
-    t: LinearCost,
-    d: LinearCost,
+    g: _Grid, base_rate: float, target: EngineCost, drafter: EngineCost
 ) -> tuple[np.ndarray, np.ndarray]:
     """Which increments a best choice may hold: per free row whether it may draft at all ([free] bool), and
     per size b whether its b-th token may be taken after the row's start ([free, top] bool).
@@ -462,14 +476,15 @@ def _worth_keeping(
         what is kept of a row is a run of sizes from its start).
     At hundreds of rows most increments fall out (a verify pass of many tokens is dear), and the sorts and
     prefix sums run on the rest."""
-    pt, pd = _least_slope(t), _least_slope(d)
-    sizes = np.arange(1, gain.shape[1] + 1, dtype=np.float64)[None, :]
-    least = d.per_row + pd * (sizes + ctx[:, None]) + pt * (sizes - 1.0)  # [free, top]: a row drafting b tokens
-    drafts = (valid & (gain >= base_rate * least)).any(axis=1)
-    return drafts, one_more >= base_rate * (pt + pd)
+    target_slope, drafter_slope = _least_slope(target), _least_slope(drafter)
+    sizes = np.arange(1, g.gain.shape[1] + 1, dtype=np.float64)[None, :]
+    # [free, top]: the least seconds of a row drafting b tokens
+    least = drafter.per_row + drafter_slope * (sizes + g.new_context[:, None]) + target_slope * (sizes - 1.0)
+    drafts = (g.valid & (g.gain >= base_rate * least)).any(axis=1)
+    return drafts, g.one_more >= base_rate * (target_slope + drafter_slope)
 
 
-def _least_slope(cost: LinearCost) -> float:
+def _least_slope(cost: EngineCost) -> float:
     """The smallest seconds per token of `cost`'s token term anywhere (>= 0)."""
     if cost.curve:
         return curve_arrays(cost.curve).least_slope
@@ -489,12 +504,14 @@ def _within(sizes: np.ndarray, forced: np.ndarray, most: int) -> list[int]:
     return cast(list[int], sizes.tolist())
 
 
-def _best_alone(alpha: float, max_block: int, ctx: float, t: LinearCost, d: LinearCost, min_gain: float) -> int:
+def _best_alone(
+    alpha: float, max_block: int, new_context: float, target: EngineCost, drafter: EngineCost, min_gain: float
+) -> int:
     """`choose_blocks` for one free row alone in its step: the size of the best expected tokens per second,
     drafting only when it beats block 1 by `min_gain`."""
     sizes = np.arange(1, max_block + 1, dtype=np.float64)
     ones = np.ones_like(sizes)
-    step_s = price(t, ones, sizes) + np.where(sizes > 1, price(d, ones, sizes + ctx), 0.0)
+    step_s = price(target, ones, sizes) + np.where(sizes > 1, price(drafter, ones, sizes + new_context), 0.0)
     rate = _expected(np.float64(alpha), sizes) / step_s
     b = int(rate[1:].argmax()) + 2
     return b if rate[b - 1] > rate[0] * (1.0 + min_gain) else 1
@@ -517,57 +534,49 @@ def _expected_grid(alpha: np.ndarray, top: int) -> np.ndarray:
     return np.ascontiguousarray(powers.T)
 
 
-def _rate_of(sizes: np.ndarray, alpha: np.ndarray, ctx: np.ndarray, t: LinearCost, d: LinearCost) -> float:
+def _rate_of(sizes: np.ndarray, s: _Step) -> float:
     """Expected tokens per second of a step with these block sizes."""
     drafting = sizes > 1
-    tokens = float(_expected(alpha, sizes).sum())
-    return tokens / (t(len(sizes), int(sizes.sum())) + d(int(drafting.sum()), int((sizes + ctx)[drafting].sum())))
+    tokens = float(_expected(s.alpha, sizes).sum())
+    drafter_s = s.drafter(int(drafting.sum()), int((sizes + s.new_context)[drafting].sum()))
+    return tokens / (s.target(len(sizes), int(sizes.sum())) + drafter_s)
 
 
 POLISH_MOVES = 3  # single-row changes after the sweep, under a bent token cost (see `_polish`)
 # ... for steps of at most this many rows: each move is O(rows x sizes) work, and the sweep's overshoot is one
 # row's jump, which matters among a few rows and is a rounding among dozens, where the moves and the second
-# sweep would be a large share of the host's time per step (docs/benchmarks.md, "The policy solve is cheap",
-# and the host-work table of `make bench-parts`)
+# sweep would be a large share of the host's time per step (`make bench-parts` measures the host's work)
 POLISH_MAX_ROWS = 32
 
 
-def _polish(
-    out: np.ndarray,
-    forced: np.ndarray,
-    max_blocks: np.ndarray,
-    alpha: np.ndarray,
-    ctx: np.ndarray,
-    t: LinearCost,
-    d: LinearCost,
-    moves: int,
-) -> np.ndarray:
+def _polish(out: np.ndarray, s: _Step, moves: int) -> np.ndarray:
     """Up to `moves` single-row changes of a drafting choice, each the one that raises the step's rate (at
     the true cost) the most, while one does and some row still drafts. Under a bent cost the sweep's order
     (at the mean token price) can overshoot the end of a tile: a row accepting nearly everything jumps
     straight to its largest block; the moves close that gap."""
+    forced, max_blocks, context, target, drafter = s.forced, s.max_blocks, s.new_context, s.target, s.drafter
     n, top = len(out), int(max_blocks.max())
     sizes = np.arange(1, top + 1)[None, :]
-    gain = _expected_grid(alpha, top)  # [rows, top]: E per cell
+    gain = _expected_grid(s.alpha, top)  # [rows, top]: E per cell
     allowed = np.where(forced[:, None] > 0, sizes == forced[:, None], sizes <= max_blocks[:, None])
     index = np.arange(n)
     out = out.copy()
     for _ in range(moves):
         drafting = out > 1
         tokens, n_draft = int(out.sum()), int(drafting.sum())
-        d_tokens = float((out + ctx)[drafting].sum())
-        g = float(gain[index, out - 1].sum())
-        current = g / (t(n, tokens) + d(n_draft, int(d_tokens)))
+        d_tokens = float((out + context)[drafting].sum())
+        total = float(gain[index, out - 1].sum())
+        current = total / (target(n, tokens) + drafter(n_draft, int(d_tokens)))
         new_tokens = tokens - out[:, None] + sizes  # every cell as a change of its row alone
         new_draft = n_draft - drafting[:, None] + (sizes > 1)
         new_d_tokens = (
-            d_tokens - np.where(drafting, out + ctx, 0)[:, None] + np.where(sizes > 1, sizes + ctx[:, None], 0)
+            d_tokens - np.where(drafting, out + context, 0)[:, None] + np.where(sizes > 1, sizes + context[:, None], 0)
         )
-        new_gain = g - gain[index, out - 1][:, None] + gain
-        step_s = price(t, np.full_like(new_tokens, n), new_tokens) + price(d, new_draft, new_d_tokens)
+        new_gain = total - gain[index, out - 1][:, None] + gain
+        step_s = price(target, np.full_like(new_tokens, n), new_tokens) + price(drafter, new_draft, new_d_tokens)
         rate = np.where(allowed & (new_draft > 0), new_gain / step_s, -np.inf)
-        i, s = np.unravel_index(int(rate.argmax()), rate.shape)
-        if rate[i, s] <= current * (1 + 1e-12):
+        row, size = np.unravel_index(int(rate.argmax()), rate.shape)
+        if rate[row, size] <= current * (1 + 1e-12):
             break
-        out[i] = s + 1
+        out[row] = size + 1
     return out

@@ -9,14 +9,13 @@ A joining row's prompt enters in chunks inside the running rows' verify pass (lo
   TensorRT-LLM's schedulers put decode tokens (drafts included) before prefill chunks;
 - at most what keeps the step within `stall` times the rows' own step: a token budget bounds a chunk's tokens,
   not the seconds it adds, and where the rows' steps are short (little drafted, a small batch, a CPU whose pass
-  costs what its tokens cost) a chunk of the budget is many of their steps (measured on the CPU server:
-  docs/benchmarks.md, "Chunked prefill"). The seconds come from the steps this decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
+  costs what its tokens cost) a chunk of the budget is many of their steps. The seconds come from the steps this
+  decoder ran (`ChunkPacer.line`), so the bound needs no model of the engine;
 - at least the prompt tokens queued behind the one entering, over `backlog_steps` (default `BACKLOG_STEPS`;
   within the budget's room, above), whatever the time bound. The bound is for one prompt entering among
   streaming rows; where prompts arrive faster than it lets them in, the queue behind grows without end and every
   prompt waits many steps to spare each row part of one. With the floor a steady stream of prompts keeps about
-  `backlog_steps` steps' worth of arrivals queued, and a prompt waits about that many steps to enter (simulated
-  at a GPU's high load: docs/benchmarks.md, "The backlog floor"). 0 turns the floor off: the bound then holds
+  `backlog_steps` steps' worth of arrivals queued, and a prompt waits about that many steps to enter. 0 turns the floor off: the bound then holds
   under any load, and an operator who would rather have prompts wait than the streams slow chooses it;
 - at least `MIN_CHUNK` tokens (or the budget, if smaller), so a prompt always progresses.
 
@@ -26,9 +25,11 @@ the queue's (`verify_room`): a block policy may keep its drafts within it (the a
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, NamedTuple
 
-from .step import StepProfile
+from .step import StepProfile, StepRows
 
 if TYPE_CHECKING:
     from .row import BatchRow
@@ -38,7 +39,7 @@ if TYPE_CHECKING:
 STEP_TOKENS = 128
 # A step with prompt chunks takes at most about this many times the rows' own step: a streaming row's longest
 # wait while a long prompt enters, in units of its usual one. Below the 3x a streaming client should tolerate,
-# with room for the machine's own step-to-step noise (docs/benchmarks.md, "Chunked prefill").
+# with room for the machine's own step-to-step noise.
 STALL = 2.0
 MIN_CHUNK = 8
 # prompts queued behind the one entering get at least 1 / BACKLOG_STEPS of their tokens into each step
@@ -69,6 +70,35 @@ def cut(chunks: list[Chunk], room: int) -> list[Chunk]:
     return kept
 
 
+def rest_of_prompts(joining: Sequence[BatchRow]) -> list[Chunk]:
+    """Every joining row's prompt from where its prefill stands to its end, in order of arrival."""
+    return [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in joining]
+
+
+def plan_chunks(
+    pacer: ChunkPacer,
+    joining: Sequence[BatchRow],
+    reserved: int,
+    step: StepRows,
+    choose: Callable[[StepRows], int],
+) -> list[Chunk]:
+    """A step's prompt chunks around its block policy (`choose`: it sets the rows' blocks and returns their
+    verify tokens). The chunks are planned first, from what the budget leaves after `reserved` verify tokens
+    (the rows' blocks of the step before: a request's own size, 1 for a row that has not verified), so that the
+    policy prices the pass they share (`step` gets them, and the verify room a queue leaves); then they are cut
+    to what the chosen blocks leave. Reserving every row's largest block instead would starve the prompts
+    whenever the policy drafts little (at a large batch, where it matters most); reserving nothing would have
+    the policy price chunks the pass cannot hold. `joining`: the rows whose prompts enter in chunks (none with
+    separate prefill)."""
+    waiting = sum(len(r.prompt_ids) - r.prefilled for r in joining[1:])  # queued behind the one entering
+    chunks = cut(rest_of_prompts(joining), pacer.room(reserved, waiting))
+    if chunks:
+        size = sum(c.size for c in chunks)
+        step = replace(step, chunk_rows=len(chunks), chunk_tokens=size, verify_room=pacer.verify_room(size, waiting))
+    verify_tokens = choose(step)
+    return cut(chunks, pacer.room(verify_tokens, waiting)) if chunks else chunks
+
+
 class ChunkPacer:
     """The prompt tokens a step takes (`room`), from the budget and the seconds of the steps it observed.
 
@@ -82,16 +112,14 @@ class ChunkPacer:
     1 / WEIGHT, however many chunk steps came between) and `per_token` the slope through it. Left to the line, a
     long prompt entering in chunks of about one size (every step carrying one, so that the steps stop spanning
     sizes) whose cost grows with the context it has entered (attention over it; on the CPU engine the verify
-    rows' queries padded to a chunk of SHORT_QUERIES or fewer tokens) read as a growing `gap`: the bound stayed
-    where it was while the steps it should have cut grew to 3-6x the rows' own (docs/benchmarks.md, "A long
-    prompt among streams, issue 55"). A stale `gap` (the batch grew while every step carried chunks) errs low:
+    rows' queries padded to a chunk of SHORT_QUERIES or fewer tokens) would read as a growing `gap`, and the
+    bound would stay where it was while the steps it should cut grow to several times the rows' own. A stale `gap` (the batch grew while every step carried chunks) errs low:
     smaller chunks, the streams kept safe, the backlog floor still moving a queue.
 
     Where the cost bends (a GPU's: flat while a pass is bound by reading the weights, steep beyond) the line
     through small and large chunks is shallow at the large ones, and a chunk step runs somewhat over `stall`; an
-    average over the chunk steps alone, tried in its place, followed the bend but was so noisy on the CPU server,
-    where the cost is a line, that it both stalled the rows more and let prompts in slower (docs/benchmarks.md,
-    "Chunked prefill", runs G and H)."""
+    average over the chunk steps alone would follow the bend but is noisy where the cost is a line (a CPU's): it
+    stalls the rows more and lets prompts in slower."""
 
     def __init__(self, step_tokens: int = STEP_TOKENS, stall: float = STALL, backlog_steps: int = BACKLOG_STEPS):
         if step_tokens < 1:

@@ -1,9 +1,9 @@
 """The engines' cost model: seconds of a target or drafter pass from its shape, fitted from timed passes.
 
 A pass over `rows` rows holding `tokens` tokens in all costs `fixed + per_row x rows + token term(tokens)`
-(`LinearCost`). The token term is a line (a CPU's), a line that bends once at a knee, or, on a GPU, a curve
+(`EngineCost`). The token term is a line (a CPU's), a line that bends once at a knee, or, on a GPU, a curve
 measured over a sweep of token counts: its matrices run in tiles, so a pass's time is a staircase in its
-tokens. The target's one-token pass, a request alone not drafting, is priced apart (see `LinearCost`).
+tokens. The target's one-token pass, a request alone not drafting, is priced apart (see `EngineCost`).
 `measure_costs` times a grid of shapes at start-up and fits both engines; `CostModel` then corrects each fit
 by the passes the decoder really runs (`observe`), or refits from them (`refit`).
 """
@@ -22,20 +22,22 @@ from ..runtime.base import DrafterEngine, DraftRequest, TargetEngine
 
 
 @dataclass
-class LinearCost:
-    """seconds = fixed + per_row * rows + per_token * tokens (0 for 0 rows); a pass of one token (one row,
-    no drafting: one request alone) costs `one_token` instead when it was measured.
+class EngineCost:
+    """One engine's seconds for a pass of `rows` rows holding `tokens` tokens: fixed + per_row * rows + a token
+    term (0 for 0 rows), the token term a line (`per_token`), a line that bends once (`knee`) or a measured
+    curve (`curve`); a pass of one token (one row, no drafting: one request alone) costs `one_token` instead
+    when it was measured.
 
     Why the exception: on a CPU a one-token pass multiplies vectors (GEMV), any larger pass matrices, and
     the step between them is no part of a line; priced by the line, drafting for a lone request looks
-    cheaper than it is (docs/benchmarks.md, "Measurements behind design choices").
+    cheaper than it is.
 
     `knee` (tokens; 0 = none): tokens up to the knee cost `below_knee` each, tokens beyond it `per_token`
     each (a line that bends once). A GPU's matrices are weight-bandwidth bound until a pass has a few hundred
-    tokens (docs/benchmarks.md: Vidur's A100 profile), so one line either prices a small batch's drafted
+    tokens, so one line either prices a small batch's drafted
     tokens as if they were compute bound (fitted through the large passes) or a large batch's as free; and
     pricing the tokens under the knee as free (a flat start) fills every step up to the knee with drafts of
-    rows that seldom hit (docs/benchmarks.md, "On a GPU, tokens are priced by a measured curve"). `fit`
+    rows that seldom hit: on a GPU tokens are priced by a measured curve (`curve`). `fit`
     takes a knee only where it cuts the squared error of the line by `KNEE_MIN_GAIN`x, so a cost that is a
     line (a CPU's) keeps none."""
 
@@ -52,7 +54,7 @@ class LinearCost:
     # part of the pass from the chunks' tokens on, so a bent cost's slope beyond them counts), never as a
     # one-token pass, and without the chunks' own seconds: those are spent whatever the rows draft, and in a
     # step's rate they would lower the bar a draft must clear, so a step with a chunk would draft what plain
-    # steps find not worth it (docs/benchmarks.md, "Chunked prefill and the policy").
+    # steps find not worth it.
     riding_rows: int = 0
     riding_tokens: int = 0
 
@@ -78,10 +80,10 @@ class LinearCost:
         """The token term is not one line (a knee or a measured curve): a GPU's shape."""
         return self.knee > 0 or bool(self.curve)
 
-    def scaled(self, k: float, k_one_token: float | None = None) -> LinearCost:
+    def scaled(self, k: float, k_one_token: float | None = None) -> EngineCost:
         """The line times k; the one-token pass times k_one_token (k when None)."""
         k1 = k if k_one_token is None else k_one_token
-        return LinearCost(
+        return EngineCost(
             self.fixed * k,
             self.per_row * k,
             self.per_token * k,
@@ -92,7 +94,7 @@ class LinearCost:
         )
 
     @classmethod
-    def fit(cls, samples: Sequence[tuple[int, int, float]], knee: bool = True) -> LinearCost:
+    def fit(cls, samples: Sequence[tuple[int, int, float]], knee: bool = True) -> EngineCost:
         """Least squares over (rows, tokens, seconds); coefficients clamped at >= 0 (costs never shrink).
         One-token passes, when the other samples span enough shapes (3) for the line, are not on it:
         `one_token` is their mean. With `knee`, a knee (see the class) is tried at each sampled token count
@@ -106,7 +108,7 @@ class LinearCost:
         return cls._fit_knee(samples, knee=knee)
 
     @classmethod
-    def with_curve(cls, samples: Sequence[tuple[int, int, float]], curve: Sequence[tuple[int, float]]) -> LinearCost:
+    def with_curve(cls, samples: Sequence[tuple[int, int, float]], curve: Sequence[tuple[int, float]]) -> EngineCost:
         """The token term from a measured curve of one-row passes ((tokens, seconds), `measure_costs`), the
         fixed and per-row terms fitted to the grid's samples (rows, tokens, seconds) around it; the one-token
         pass apart, as in `fit`."""
@@ -125,11 +127,11 @@ class LinearCost:
     @classmethod
     def _fit_knee(
         cls, samples: Sequence[tuple[int, int, float]], one_token: float | None = None, knee: bool = True
-    ) -> LinearCost:
-        def fitted(coef: list[float], knee: float) -> LinearCost:
+    ) -> EngineCost:
+        def fitted(coef: list[float], knee: float) -> EngineCost:
             return cls(coef[0], coef[1], coef[2], one_token, knee, coef[3] if knee else 0.0)
 
-        def sse(cost: LinearCost) -> float:
+        def sse(cost: EngineCost) -> float:
             return sum((cost(r, t) - s) ** 2 for r, t, s in samples)
 
         line = fitted(cls._line(samples), 0.0)
@@ -160,7 +162,7 @@ class LinearCost:
 
 
 class _Curve(NamedTuple):
-    """A measured curve as `LinearCost.token_seconds` reads it."""
+    """A measured curve as `EngineCost.token_seconds` reads it."""
 
     xs: np.ndarray  # [points] tokens
     ys: np.ndarray  # [points] seconds
@@ -216,18 +218,18 @@ class CostModel:
     follows what the grid cannot see: longer contexts (the drafter attends over all of it), other load on the
     machine, or a start-up grid timed during a burst.
 
-    The target's one-token pass (`LinearCost.one_token`) has a correction of its own (`target_one_token`):
+    The target's one-token pass (`EngineCost.one_token`) has a correction of its own (`target_one_token`):
     the two drift apart with the context (a one-token pass attends over it with one query, a drafted block
     with several under a mask).
 
-    A shape with a knee (a GPU's: `LinearCost.knee`) is corrected by adding seconds per row instead
+    A shape with a knee (a GPU's: `EngineCost.knee`) is corrected by adding seconds per row instead
     (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at a
     short context cannot see cost more because each row reads a longer KV cache, once whatever its block,
     and a factor on the whole shape would make every drafted token dearer by as much, keeping rows from
-    drafting where drafting pays (docs/benchmarks.md#design-decisions)."""
+    drafting where drafting pays."""
 
-    target: LinearCost
-    drafter: LinearCost
+    target: EngineCost
+    drafter: EngineCost
     window: int = 256  # observations kept for refits
     scale_weight: float = 0.1  # per observed pass: the correction follows the last ~10 passes
     scale: dict[str, float] = field(default_factory=lambda: {"target": 1.0, "target_one_token": 1.0, "drafter": 1.0})
@@ -235,18 +237,18 @@ class CostModel:
     row_offset: dict[str, float] = field(default_factory=lambda: {"target": 0.0, "drafter": 0.0})
     _seen: dict[str, list[tuple[int, int, float]]] = field(default_factory=lambda: {"target": [], "drafter": []})
 
-    def current(self) -> tuple[LinearCost, LinearCost]:
+    def current(self) -> tuple[EngineCost, EngineCost]:
         """The target's and the drafter's costs as the policy should price them now (shape x correction; a
         shape with a knee: shape + a per-row correction, see `observe`)."""
         return self._corrected("target", self.scale["target_one_token"]), self._corrected("drafter", None)
 
-    def _corrected(self, kind: str, k_one_token: float | None) -> LinearCost:
-        shape: LinearCost = getattr(self, kind)
+    def _corrected(self, kind: str, k_one_token: float | None) -> EngineCost:
+        shape: EngineCost = getattr(self, kind)
         if not shape.bent:
             return shape.scaled(self.scale[kind], k_one_token)
         one = None if shape.one_token is None else shape.one_token * (k_one_token or 1.0)
         per_row = max(0.0, shape.per_row + self.row_offset[kind])
-        return LinearCost(shape.fixed, per_row, shape.per_token, one, shape.knee, shape.below_knee, shape.curve)
+        return EngineCost(shape.fixed, per_row, shape.per_token, one, shape.knee, shape.below_knee, shape.curve)
 
     def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
         target, drafter = self.current()
@@ -280,7 +282,7 @@ class CostModel:
         for kind in ("target", "drafter"):
             seen = self._seen[kind]
             if len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3:
-                setattr(self, kind, LinearCost.fit(seen))
+                setattr(self, kind, EngineCost.fit(seen))
                 self.scale[kind] = 1.0
                 self.row_offset[kind] = 0.0
                 if kind == "target":
@@ -295,9 +297,9 @@ def token_sweep(max_tokens: int) -> list[int]:
     return out
 
 
-def price(cost: LinearCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
+def price(cost: EngineCost, rows: np.ndarray | int, tokens: np.ndarray) -> np.ndarray:
     """`cost(rows, tokens)` over arrays (0 for 0 rows; the one-token pass at its own price; priced on top of the
-    riding rows and tokens, see `LinearCost`). `rows` may be
+    riding rows and tokens, see `EngineCost`). `rows` may be
     one count for every pass (a verify pass always holds the whole batch), which skips both exceptions'
     array work where they cannot apply."""
     one_count = np.ndim(rows) == 0
@@ -327,10 +329,10 @@ def measure_costs(
     """Time the target (and drafter) on a grid of (rows, block) at a fixed context; fit both costs.
 
     token_curve: also time one-row passes of these token counts and price the target's tokens by that
-    measured curve (`LinearCost.with_curve`) instead of a line: on a GPU a pass's matrices run in tiles, so
+    measured curve (`EngineCost.with_curve`) instead of a line: on a GPU a pass's matrices run in tiles, so
     its time is a staircase in its tokens (`token_sweep`), which no line or knee follows.
 
-    knees: let the fits bend once (`LinearCost.fit`), for GPU-shaped costs. Off for a CPU, whose costs are
+    knees: let the fits bend once (`EngineCost.fit`), for GPU-shaped costs. Off for a CPU, whose costs are
     lines: a knee fitted to a CPU grid follows its noise, and a bent shape is corrected per row instead of by
     a factor.
 
@@ -344,10 +346,10 @@ def measure_costs(
     t_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "target"]
     d_samples = [(r, t, s) for (kind, r, t), s in best.items() if kind == "drafter"]
     if curve:
-        target_cost = LinearCost.with_curve(t_samples, sorted(curve.items()))
+        target_cost = EngineCost.with_curve(t_samples, sorted(curve.items()))
     else:
-        target_cost = LinearCost.fit(t_samples, knee=knees)
-    drafter_cost = LinearCost.fit(d_samples, knee=knees) if len(d_samples) >= 3 else LinearCost()
+        target_cost = EngineCost.fit(t_samples, knee=knees)
+    drafter_cost = EngineCost.fit(d_samples, knee=knees) if len(d_samples) >= 3 else EngineCost()
     model = CostModel(target_cost, drafter_cost)
     for kind, samples in (("target", t_samples), ("drafter", d_samples)):
         for r, t, sec in samples:  # online refits start from the start-up grid

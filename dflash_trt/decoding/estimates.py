@@ -169,7 +169,7 @@ class ProbeSchedule:
         drafter take in every row's backlog and the target verify a whole block per row in one step; a few rows
         tell whether the regime hits, a hit row drafts on, and the prior new rows start from learns from it.
         More rows cost mixed traffic where drafting barely pays, fewer find too few of the rows worth drafting
-        (`GPU_PROBE_ROWS`; the trade's figures: docs/benchmarks.md#design-decisions)."""
+        (`GPU_PROBE_ROWS`)."""
         sampled = np.asarray(sampled, dtype=bool)
         due = np.zeros(len(sampled), dtype=bool)
         if self.every <= 0:

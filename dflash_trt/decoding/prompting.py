@@ -1,4 +1,5 @@
-"""Chat messages -> prompt token ids, one way for every front end (HTTP server, Triton preprocessing)."""
+"""Prompts -> token ids, one way for every front end (CLI, HTTP server, Triton preprocessing): text, and chat
+messages through the tokenizer's chat template."""
 
 from __future__ import annotations
 
@@ -51,3 +52,21 @@ def chat_prompt_ids(
             raise
         raise TemplateVariablesError(f"the chat template failed with these chat_template_kwargs: {e}") from None
     return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """A text prompt's token ids, without special tokens (InputError without a tokenizer, or for text that is not
+    valid Unicode)."""
+    if tokenizer is None:
+        raise InputError("this target has no tokenizer: pass token ids instead of text")
+    try:
+        text.encode("utf-8")  # a lone surrogate (from JSON "\\ud800") makes tokenizers raise TypeError
+    except UnicodeEncodeError as e:
+        raise InputError(f"the text is not valid Unicode: lone surrogate at character {e.start}") from None
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def default_stop_ids(tokenizer: Any) -> tuple[int, ...]:
+    """The tokens a request stops at unless it says otherwise: the tokenizer's end of text, if it has one."""
+    eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    return (eos,) if isinstance(eos, int) else ()

@@ -1,38 +1,45 @@
 """Proposers: where a row's draft comes from each round, beside the block policy (how long a DFlash block may be)
 and the acceptance rule (how the target judges a draft).
 
-    dflash   the DFlash drafter's block, of the size the block policy chose (`policy.BlockPolicy`); the drafts come
-             from the step's one batched drafter call
-    suffix   a run read out of the request's own tokens after the longest suffix that occurred before
-             (`suffix.SuffixAutomaton`); costs no drafter pass, only the verify tokens
-    hybrid   per row and round whichever of the two (or none) earns the most expected tokens per second
+This module is the registry of proposers: every subclass of `Proposer` with a `name` is one (`PROPOSERS`,
+`proposer_for`), and the command lines' choices, the request schema, the benchmarks and the simulator take their
+names from it. What a proposer can do is on its class, and the loop asks the class, never the name:
+
+    uses_drafter    its rows hold a drafter row and the target hands them features
+    keeps_suffix    its rows keep a suffix automaton (and a walk through the shared one of earlier outputs)
+    deterministic   its drafts are tokens chosen without sampling: their proposal distribution is one-hot
+                    (`acceptance.accept_deterministic`), so no drafter distribution is judged
+    weighs_cost     its choice reads the round's prices (`Prices`); a proposer that does not is never priced
+    reproducible    a seed and a fixed block size give the same text: its choice reads no timing and no other
+                    request's output
+    learn(...)      what the row's proposer learns from a round (its acceptance estimates)
+    pick(...)       the row's proposal this round
 
 A proposer is asked once per row and step (`Proposer.pick`, after the block policy chose the row's DFlash block)
-and returns a `Pick`: which proposer the round uses, the row's block (its last token + the drafts) and, for a
-deterministic run, its tokens. What a proposer keeps per request lives in the row (`RowDrafts`): the suffix
-automaton and the two acceptance estimates, each corrected by the rounds that proposer ran. A new draft method is
-a class with `name`, `uses_drafter`, `uses_suffix` and `pick`, and a line in `PROPOSER_TYPES`.
+and returns a `Pick`: the proposer whose drafts the round verifies (None: the target alone), the row's block (its
+last token + the drafts) and, for deterministic drafts, their tokens. A hybrid's pick names the proposer it chose,
+so a round's record (`request.Round.proposer`) says which one drafted. Proposers keep no per-row state: what a
+request keeps lives in its row (`RowDrafts`). A step where no row picks a drafter's block makes no drafter call;
+the rows' context features wait in their backlog for their next DFlash draft. A row without a drafter (none
+loaded, or it failed under `drafter_fallback`) is offered only the drafter-free proposals.
 
-A step where no row picks a DFlash block makes no drafter call; the rows' context features wait in their backlog
-for their next DFlash draft, as a paused row's do. A row without a drafter (none loaded, or it failed under
-`drafter_fallback`) is offered only suffix runs.
-
-The choice (`best_run`, `HybridProposer.pick`) rates each option by expected committed tokens over the seconds the
-row's round costs: `Prices.row_s` (its share of a one-token step) plus what the option adds: the step to a pass of
-drafts (`draft_s`, once) and a verify token per draft (`token_s`), and for a DFlash block the row's drafter share
-and its tokens. Expected tokens of b - 1 drafts at
-per-position acceptance alpha: `estimates.expected_tokens(alpha, b)`.
+The rates (`best_run`, `HybridProposer.pick`) are expected committed tokens over the seconds the row's round costs:
+`Prices.row_s` (its share of a one-token step) plus what the option adds: the step to a pass of drafts (`draft_s`,
+once) and a verify token per draft (`token_s`), and for a DFlash block the row's drafter share and its tokens.
+Expected tokens of b - 1 drafts at per-position acceptance alpha: `estimates.expected_tokens(alpha, b)`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
 from .estimates import AcceptanceTracker, expected_tokens
 from .suffix import SharedWalk, SuffixAutomaton, SuffixMatch
 
-PROPOSERS = ("dflash", "suffix", "hybrid")
+if TYPE_CHECKING:
+    from .cost import CostModel
+
 # The longest suffix run verified in one round: a run long enough for a rewrite's unchanged stretches, short enough
 # that a miss wastes few verify tokens (the choice prices each run length, this only bounds the search).
 SUFFIX_MAX_RUN = 16
@@ -41,17 +48,24 @@ SUFFIX_MAX_RUN = 16
 # that recurred more often predicts its continuation better; the row's own suffix rounds then correct the estimate.
 PRIOR_HALF = 4.0
 MAX_PRIOR = 0.95
+# the name of a proposer as the round record writes it when nothing was drafted (the target alone)
+NO_DRAFT_NAME = "none"
 
 
 class Pick(NamedTuple):
     """One row's proposal for one round."""
 
-    proposer: str  # "dflash", "suffix" or "none" (the target alone this round)
+    proposer: Proposer | None  # whose drafts the round verifies (None: the target alone this round)
     block: int  # tokens the row verifies: its last committed token + the drafts (1: none)
-    drafts: tuple[int, ...] = ()  # a suffix run's tokens (a DFlash block's come from the drafter call)
+    drafts: tuple[int, ...] = ()  # a deterministic proposer's tokens (a DFlash block's come from the drafter call)
+
+    @property
+    def name(self) -> str:
+        """The proposer's name as a round's record writes it (`NO_DRAFT_NAME` for the target alone)."""
+        return self.proposer.name if self.proposer is not None else NO_DRAFT_NAME
 
 
-NO_PICK = Pick("none", 1)
+NO_PICK = Pick(None, 1)
 
 
 class Prices(NamedTuple):
@@ -59,7 +73,7 @@ class Prices(NamedTuple):
     drafts costs row_s + draft_s + k x token_s (`Prices.verify_s`), plus the drafter's part for a DFlash block.
 
     draft_s is apart from token_s because a pass of one token is not on the line of the larger ones (on a CPU a
-    one-token pass multiplies vectors, a larger one matrices: `cost.LinearCost`): the first draft pays that step
+    one-token pass multiplies vectors, a larger one matrices: `cost.EngineCost`): the first draft pays that step
     once, each further one only the line's slope. Folded into a per-token price, the step would be paid again
     by every drafted token, and a 16-token run would look several times dearer than the pass it makes."""
 
@@ -73,6 +87,32 @@ class Prices(NamedTuple):
         """The row's seconds of a round that verifies `drafts` drafted tokens (0: its last token alone)."""
         return self.row_s + (self.draft_s + self.token_s * drafts if drafts > 0 else 0.0)
 
+    @classmethod
+    def from_cost(cls, cost: CostModel, rows: int) -> Prices | None:
+        """A row's prices in a step of `rows` rows from the engines' cost model, by finite differences of the
+        target's pass at 1, 2 and 3 tokens a row (the step to drafts, then the slope) and of the drafter's at 2
+        and 4; None where the model prices a step at 0 s (unfitted)."""
+        target, drafter = cost.current()
+        one, two, three = target(rows, rows), target(rows, 2 * rows), target(rows, 3 * rows)
+        if one <= 0:
+            return None
+        drafted, token_s = drafter(rows, 2 * rows), max(0.0, three - two) / rows
+        return cls(
+            row_s=one / rows,
+            token_s=token_s,
+            drafter_row_s=drafted / rows,
+            drafter_token_s=max(0.0, drafter(rows, 4 * rows) - drafted) / (2 * rows),
+            draft_s=max(0.0, (two - one) / rows - token_s),
+        )
+
+    @classmethod
+    def from_line(cls, line: tuple[float, float] | None, rows: int) -> Prices | None:
+        """A row's prices from a measured line of step seconds (`chunking.ChunkPacer.line`: the step of the rows
+        alone, and what a token adds); no drafter price (a policy without a cost model never weighs it)."""
+        if line is None or line[0] <= 0:
+            return None
+        return cls(row_s=line[0] / rows, token_s=line[1])
+
 
 def suffix_prior(match: SuffixMatch) -> float:
     """The prior per-position acceptance of a suffix run, from its match length and recurrences (PRIOR_HALF)."""
@@ -81,9 +121,9 @@ def suffix_prior(match: SuffixMatch) -> float:
 
 @dataclass
 class RowDrafts:
-    """What the proposers keep for one request: its suffix automaton (None unless a suffix proposer serves it), its
+    """What the proposers keep for one request: its suffix automaton (None unless its proposer keeps one), its
     walk through the decoder's shared automaton of earlier outputs (None without one) and the acceptance estimate
-    of each proposer's drafts, updated by that proposer's rounds only."""
+    of each proposer's drafts, which the row's proposer updates (`Proposer.learn`)."""
 
     suffix: SuffixAutomaton | None = None
     shared: SharedWalk | None = None
@@ -105,13 +145,6 @@ class RowDrafts:
             return other
         return own
 
-    def observe(self, proposer: str, drafted: int, accepted: int) -> None:
-        """A round's outcome: its proposer's estimate learns from it; the other one's drifts back to its prior."""
-        if self.suffix is None:  # a DFlash row: nothing here reads the estimates
-            return
-        for name, tracker in (("suffix", self.suffix_estimate), ("dflash", self.dflash_estimate)):
-            tracker.update(drafted if name == proposer else 0, accepted if name == proposer else 0)
-
     def suffix_alpha(self, match: SuffixMatch) -> float:
         """A run's per-position acceptance: the match's prior, corrected by the row's own suffix rounds."""
         self.suffix_estimate.prior_alpha = suffix_prior(match)
@@ -120,6 +153,12 @@ class RowDrafts:
     @property
     def suffix_states(self) -> int:
         return self.suffix.size if self.suffix is not None else 0
+
+
+def learn_own(tracker: AcceptanceTracker, own: bool, drafted: int, accepted: int) -> None:
+    """A proposer's estimate after a round: its outcome where the proposer drafted it (`own`); else it drifts back
+    to its prior (a round of nothing drafted)."""
+    tracker.update(drafted if own else 0, accepted if own else 0)
 
 
 def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]:
@@ -134,7 +173,7 @@ def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]
     for k in range(1, len(match.continuation) + 1):
         rate = expected_tokens(alpha, k + 1) / prices.verify_s(k)
         if rate > best_rate:
-            best, best_rate = Pick("suffix", k + 1, match.continuation[:k]), rate
+            best, best_rate = Pick(SUFFIX, k + 1, match.continuation[:k]), rate
     return best, best_rate
 
 
@@ -147,64 +186,159 @@ def dflash_rate(drafts: RowDrafts, block: int, prices: Prices) -> float:
 
 
 class ProposingRow(Protocol):
-    """What a proposer reads of a row (`row.BatchRow`): its proposers' state and the most tokens a draft may hold
-    (what it has left, within a fixed block size)."""
+    """What a proposer reads of a row (`row.BatchRow`): its tokens so far, its proposers' state and the most
+    tokens a draft may hold (what it has left, within a fixed block size)."""
 
+    prompt_ids: list[int]
+    generated: list[int]
     drafts: RowDrafts
 
     @property
     def max_drafts(self) -> int: ...
 
 
-class Proposer(Protocol):
-    name: str
-    uses_drafter: bool  # its rows hold a drafter row (and the target hands them features)
-    uses_suffix: bool  # its rows keep a suffix automaton
+REGISTRY: dict[str, Proposer] = {}  # name -> the proposer (they keep no per-row state: one instance serves all)
+
+
+class Proposer:
+    """A draft method: its capabilities (the module's table) and `pick`. A subclass with a `name` registers
+    itself; the base class is no proposer."""
+
+    name: ClassVar[str] = ""
+    summary: ClassVar[str] = ""  # one line for --help and the request schema: where its drafts come from
+    uses_drafter: ClassVar[bool] = False
+    keeps_suffix: ClassVar[bool] = False
+    deterministic: ClassVar[bool] = False
+    weighs_cost: ClassVar[bool] = False
+    reproducible: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name:
+            if cls.name in REGISTRY or cls.name == NO_DRAFT_NAME:
+                raise ValueError(f"a proposer is already called {cls.name!r}")
+            REGISTRY[cls.name] = cls()
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
         """The row's proposal this round; `block`: the DFlash block the policy chose for it (1: none)."""
+        raise NotImplementedError
+
+    def learn(self, drafts: RowDrafts, used: Proposer | None, drafted: int, accepted: int) -> None:
+        """What this row's proposer learns from a round whose drafts `used` proposed (None: nothing drafted),
+        `accepted` of `drafted` kept: nothing unless its choice reads an estimate."""
+
+    def __repr__(self) -> str:
+        return f"<proposer {self.name}>"
 
 
-class DFlashProposer:
-    """The DFlash drafter's block, as the block policy sized it (the loop's behaviour before proposers)."""
+class DFlashProposer(Proposer):
+    """The DFlash drafter's block, as the block policy sized it (its acceptance estimate is the policy's)."""
 
-    name, uses_drafter, uses_suffix = "dflash", True, False
+    name, summary = "dflash", "the drafter's block"
+    uses_drafter = True
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
-        return Pick("dflash", block) if block >= 2 else NO_PICK
+        return Pick(self, block) if block >= 2 else NO_PICK
 
 
-class SuffixProposer:
+class SuffixProposer(Proposer):
     """Suffix runs alone: no drafter; the run of the best expected tokens per second, or none."""
 
-    name, uses_drafter, uses_suffix = "suffix", False, True
+    name = "suffix"
+    summary = "runs of the request's own earlier tokens after the longest repeated suffix: no drafter pass"
+    keeps_suffix = deterministic = weighs_cost = True
+    reproducible = False  # the run length weighs timed prices; the shared structure holds other requests' outputs
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
         return best_run(row.drafts, row.max_drafts, prices)[0]
 
+    def learn(self, drafts: RowDrafts, used: Proposer | None, drafted: int, accepted: int) -> None:
+        learn_own(drafts.suffix_estimate, used is self, drafted, accepted)
 
-class HybridProposer:
+
+class HybridProposer(Proposer):
     """Per row and round, the DFlash block or the suffix run of the higher expected tokens per second (`best_run`,
     `dflash_rate`); none when neither beats verifying one token. A row that cannot draft gets suffix runs."""
 
-    name, uses_drafter, uses_suffix = "hybrid", True, True
+    name, summary = "hybrid", "per row and round whichever of dflash and suffix earns more tokens per second"
+    uses_drafter = keeps_suffix = weighs_cost = True
+    reproducible = False
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
         run, run_rate = best_run(row.drafts, row.max_drafts, prices)
         if block >= 2 and dflash_rate(row.drafts, block, prices) >= run_rate:
-            return Pick("dflash", block)
+            return Pick(DFLASH, block)
         return run
 
+    def learn(self, drafts: RowDrafts, used: Proposer | None, drafted: int, accepted: int) -> None:
+        learn_own(drafts.suffix_estimate, used is SUFFIX, drafted, accepted)
+        learn_own(drafts.dflash_estimate, used is DFLASH, drafted, accepted)
 
-PROPOSER_TYPES: dict[str, type[DFlashProposer] | type[SuffixProposer] | type[HybridProposer]] = {
-    "dflash": DFlashProposer,
-    "suffix": SuffixProposer,
-    "hybrid": HybridProposer,
-}
+
+DFLASH, SUFFIX = REGISTRY["dflash"], REGISTRY["suffix"]
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup, as Hugging Face's `PromptLookupCandidateGenerator.get_candidates` does it
+    (transformers, src/transformers/generation/candidate_generator.py at 00a11b6a): the row's last n tokens, n
+    from `max_ngram_size` down to 1, are looked up in its tokens so far (prompt and output); the first
+    occurrence, left to right, that has tokens after it proposes up to `num_output_tokens` of them (within what
+    the row may draft). No drafter and nothing priced: a deterministic draft wherever the n-gram recurs. Unlike
+    Hugging Face's it does not cut the run at an end-of-text token: the loop's stop rules cut what is committed,
+    so a draft past one costs only its verify tokens."""
+
+    name = "ngram"
+    summary = "prompt lookup: the tokens that followed the last n-gram's first earlier occurrence"
+    deterministic = True
+
+    def __init__(self, max_ngram_size: int = 2, num_output_tokens: int = 10):  # Hugging Face's defaults
+        if max_ngram_size < 1 or num_output_tokens < 1:
+            raise ValueError(
+                f"max_ngram_size and num_output_tokens must be >= 1, got {max_ngram_size}, {num_output_tokens}"
+            )
+        self.max_ngram_size, self.num_output_tokens = max_ngram_size, num_output_tokens
+
+    def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
+        run = self.lookup(row.prompt_ids + row.generated, min(self.num_output_tokens, row.max_drafts))
+        return Pick(self, len(run) + 1, run) if run else NO_PICK
+
+    def lookup(self, tokens: list[int], most: int) -> tuple[int, ...]:
+        """Up to `most` tokens that followed the first earlier occurrence of the longest matching tail n-gram."""
+        count = len(tokens)
+        if most < 1:
+            return ()
+        for n in range(min(self.max_ngram_size, count - 1), 0, -1):
+            tail, at = tokens[-n:], 0
+            while True:
+                try:
+                    at = tokens.index(tail[0], at)
+                except ValueError:
+                    break
+                if at + n < count and tokens[at : at + n] == tail:  # the tail itself has nothing after it
+                    return tuple(tokens[at + n : min(at + n + most, count)])
+                at += 1
+        return ()
+
+
+# ---- the registry's names: every proposer class above is in them ----------------------------------------------
+PROPOSERS = tuple(REGISTRY)
+DEFAULT_PROPOSER = DFLASH.name  # what a request that names none drafts with (the library's; a server sets its own)
 
 
 def proposer_for(name: str) -> Proposer:
     """The proposer called `name` (PROPOSERS)."""
-    if name not in PROPOSER_TYPES:
+    if name not in REGISTRY:
         raise ValueError(f"proposer must be one of {PROPOSERS}, got {name!r}")
-    return PROPOSER_TYPES[name]()
+    return REGISTRY[name]
+
+
+def drafter_drafted(name: str) -> bool:
+    """Whether a round recorded as drafted by `name` (`request.Round.proposer`; `NO_DRAFT_NAME`: nothing drafted)
+    verified the drafter's tokens."""
+    proposer = REGISTRY.get(name)
+    return proposer is not None and proposer.uses_drafter
+
+
+def proposers_help() -> str:
+    """The proposers and where each one's drafts come from, for --help and the request schema."""
+    return ", ".join(f"{p.name} ({p.summary})" for p in REGISTRY.values())

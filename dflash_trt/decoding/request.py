@@ -9,7 +9,7 @@ from typing import Any, Protocol
 from .acceptance import ACCEPTANCE_RULES
 from .detokenizer import IncrementalDetokenizer
 from .processors import LogitsAdjustment
-from .proposers import PROPOSERS
+from .proposers import DEFAULT_PROPOSER, NO_DRAFT_NAME, PROPOSERS
 from .sampling import SamplingParams
 from .stopping import StopChecker
 
@@ -37,9 +37,8 @@ class GenerationConfig:
     # back up the prompt's last token when the tokenizer would have merged it with what follows (healing.py);
     # for prompts encoded from text, never for token ids the client chose
     heal_prompt: bool = False
-    # where the drafts come from (proposers.py): "dflash" (the drafter), "suffix" (runs out of the request's own
-    # tokens, no drafter), "hybrid" (per round whichever earns more)
-    proposer: str = "dflash"
+    # where the drafts come from: a name of `proposers.PROPOSERS`
+    proposer: str = DEFAULT_PROPOSER
 
 
 @dataclass(slots=True)
@@ -65,7 +64,7 @@ class Round:
     # the text this round adds that can be shown now (None without a tokenizer): a partial character, and an
     # end that may still begin a stop string, wait for a later round; the last round carries the rest
     text: str | None = None
-    proposer: str = "none"  # where its drafts came from: "dflash", "suffix", or "none" (no draft; a prefill)
+    proposer: str = NO_DRAFT_NAME  # the proposer whose drafts it verified (`NO_DRAFT_NAME`: none; a prefill)
 
 
 @dataclass
@@ -80,8 +79,8 @@ class GenerationStats:
     drafted_tokens: int = 0
     accepted_draft_tokens: int = 0
     block_size: int = 1
-    proposer: str = "dflash"  # the request's proposer (a hybrid's rounds say which one each used)
-    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per proposer ("dflash", "suffix")
+    proposer: str = DEFAULT_PROPOSER  # the request's proposer (a hybrid's rounds say which one each used)
+    drafted_by: dict[str, int] = field(default_factory=dict)  # draft tokens per proposer that drafted
     accepted_by: dict[str, int] = field(default_factory=dict)  # of which the target accepted
     suffix_states: int = 0  # states of the request's suffix automaton (its memory measure; 0 without one)
     prefill_time_s: float = 0.0
@@ -157,7 +156,12 @@ class CommitState(Protocol):
 
 
 def commit_tokens(
-    state: CommitState, new: list[int], drafted: list[int], accepted: int, prefill: bool = False, proposer: str = "none"
+    state: CommitState,
+    new: list[int],
+    drafted: list[int],
+    accepted: int,
+    prefill: bool = False,
+    proposer: str = NO_DRAFT_NAME,
 ) -> list[int]:
     """Append one round's tokens to a sequence and return those kept. The order: the token budget, stop
     tokens, then stop strings (cutting the text back to the stop), then the budget as a finish reason;

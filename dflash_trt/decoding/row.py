@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
+from ..runtime.base import DraftRequest
 from .acceptance import acceptance_rule
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing
-from .proposers import DFlashProposer, Proposer, RowDrafts
+from .proposers import DFLASH, NO_DRAFT_NAME, Pick, Proposer, RowDrafts
 from .request import GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens
 from .stopping import StopChecker, truncate_at_stop
 from .suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
@@ -24,7 +25,8 @@ class BatchRow:
 
     def __init__(
         self,
-        rid: int,
+        *,
+        row_id: int,
         prompt_ids: list[int],
         config: GenerationConfig,
         tokenizer: Any,
@@ -35,7 +37,7 @@ class BatchRow:
         shared: SharedSuffixes | None = None,
         fixed_block: int | None = None,
     ):
-        self.id, self.prompt_ids, self.config, self.healing = rid, prompt_ids, config, healing
+        self.id, self.prompt_ids, self.config, self.healing = row_id, prompt_ids, config, healing
         self.params = config.sampling
         self.sampled = not self.params.greedy  # the row's sampling regime (greedy and sampled rows accept differently)
         self.generator = self.params.generator()
@@ -44,11 +46,11 @@ class BatchRow:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip=skip) if tokenizer is not None else None
         self.stop = StopChecker(frozenset(config.stop_token_ids), tuple(config.stop_strings), self.detokenizer)
         self.can_draft = can_draft  # may hold a drafter row (a DFlash proposer, a drafter loaded, block > 1)
-        self.proposer: Proposer = proposer or DFlashProposer()
+        self.proposer: Proposer = proposer or DFLASH
         # a block size the request or the decoder fixed (None: the policy's choice): it bounds a suffix run as it
         # bounds a DFlash block, so block size 1 is the target alone whatever the proposer
         self.fixed_block = fixed_block
-        uses = self.proposer.uses_suffix
+        uses = self.proposer.keeps_suffix
         self.drafts = RowDrafts(
             SuffixAutomaton() if uses else None, SharedWalk(shared) if uses and shared is not None else None
         )
@@ -82,6 +84,41 @@ class BatchRow:
         return self.config.max_new_tokens - len(self.generated)
 
     @property
+    def target_row_id(self) -> int:
+        """Its row in the target's session (set by its prompt's first chunk)."""
+        assert self.target_row is not None
+        return self.target_row
+
+    def drafts_with(self, pick: Pick) -> bool:
+        """Whether this round's pick takes a draft from the row's drafter row: a drafter's block, and the row has
+        a drafter row and context features it has not yet shown it."""
+        uses = pick.proposer is not None and pick.proposer.uses_drafter
+        return uses and pick.block >= 2 and self.drafter_row is not None and bool(self.pending)
+
+    def draft_request(self, block: int) -> DraftRequest:
+        """The row's part of the drafter call: its backlog of features, its last token, a block of `block`."""
+        assert self.drafter_row is not None
+        features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
+        return DraftRequest(self.drafter_row, features, self.generated[-1], block)
+
+    def drafter_failed(self, error: Exception) -> bool:
+        """The drafter raised on this row: without `drafter_fallback` the row fails; with it, still lossless, the
+        target alone picks its tokens from here on (its drafter cache may be half-written, so it leaves the
+        drafter for good). Whether it falls back (the caller removes its drafter row)."""
+        if not self.config.drafter_fallback:
+            self.error, self.finish_reason = error, "error"
+            return False
+        self.drafter_error, self.can_draft = error, False
+        return True
+
+    def leave_suffixes(self, shared: SharedSuffixes | None) -> None:
+        """The row leaves the loop: a finished output joins the shared suffix structure (for later requests'
+        runs) where the row kept one; its own suffix structures go with it."""
+        if self.drafts.suffix is not None and shared is not None and self.finish_reason in ("stop", "length"):
+            shared.add(self.generated)
+        self.drafts.suffix = self.drafts.shared = None
+
+    @property
     def max_drafts(self) -> int:
         """The most tokens a draft may hold this round: the tokens left after the one the target adds, within a
         fixed block size."""
@@ -95,16 +132,17 @@ class BatchRow:
         accepted: int,
         prefill: bool = False,
         timings: RoundTimings | None = None,
-        proposer: str = "none",
+        used: Proposer | None = None,
     ) -> Round:
         """Commit a round's `new` tokens; `drafted`: the draft tokens it verified (`accepted` of them kept),
-        proposed by `proposer`. The proposers' structures and estimates learn from it."""
-        new = commit_tokens(self, new, drafted, accepted, prefill, proposer)
+        proposed by `used` (None: nothing drafted). The proposers' structures and estimates learn from it."""
+        name = used.name if used is not None and drafted else NO_DRAFT_NAME
+        new = commit_tokens(self, new, drafted, accepted, prefill, name)
         self.drafts.add(new)
         if not prefill:
-            self.drafts.observe(proposer, len(drafted), accepted)
+            self.proposer.learn(self.drafts, used if drafted else None, len(drafted), accepted)
         self.stats.suffix_states = self.drafts.suffix_states
-        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), proposer)
+        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), name)
 
     def _new_text(self) -> str | None:
         """The text added since the last round that can be shown: the detokenizer holds back a partial

@@ -63,7 +63,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
 
     One uniform draw per row against the cumulative sum: the first token whose cumulative mass exceeds it
     (a zero-probability token owns an empty interval, so it is never drawn). torch.multinomial gives the
-    same distribution at many times the cost per row (docs/benchmarks.md)."""
+    same distribution at many times the cost per row."""
     flat = probs.reshape(-1, probs.shape[-1]).double()
     cdf = flat.cumsum(-1)
     # drawn where the generator lives (the same stream whatever device the probabilities are on), a few bytes

@@ -43,6 +43,28 @@ class StepRows:
     def __len__(self) -> int:
         return len(self.rows)
 
+    @classmethod
+    def of(cls, rows: Sequence[BatchRow], block_size: int, trained_block: int, batch: int) -> StepRows:
+        """The rows' facts in one pass: each row's block at most the decoder's `block_size`, the drafter's
+        `trained_block` (1 without a drafter row) and what the row has left; a request's own `block_size`
+        (capped the same way) is kept. `batch`: the rows running this step."""
+        n = len(rows)
+        # per row: tokens left, own block size (0: none), has a drafter row, sampled, backlog
+        state = np.array(
+            [(r.remaining, r.config.block_size or 0, r.drafter_row is not None, r.sampled, r.backlog) for r in rows],
+            dtype=np.float64,
+        ).reshape(n, 5)
+        bound = np.minimum(np.where(state[:, 2] > 0, trained_block, 1), state[:, 0]).astype(np.int64)
+        own = state[:, 1].astype(np.int64)
+        return cls(
+            rows=rows,
+            max_block=np.minimum(block_size, bound),
+            fixed=np.where(own > 0, np.minimum(own, bound), 0),
+            sampled=state[:, 3] > 0,
+            backlog=state[:, 4],
+            batch=batch,
+        )
+
 
 @dataclass
 class StepProfile:

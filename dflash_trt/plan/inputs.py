@@ -30,7 +30,7 @@ from ..sim.cost import LinearPassCost, PassCost, ProfileCost
 from ..sim.measured import DEMO_LOAD, read
 
 if TYPE_CHECKING:
-    from ..decoding.cost import LinearCost
+    from ..decoding.cost import EngineCost
     from .metrics import Observed
 
 MAX_POSITIONS = 15  # the simulated drafter's positions (sim_engines' block 16): profiles are padded to them
@@ -291,8 +291,8 @@ class GridPassCost:
     context each pass sees is the grid's one context length, the drafter's new context is not priced, and
     prefills are priced by the fit beyond its largest measured pass (all three assumed)."""
 
-    target_fit: LinearCost
-    drafter_fit: LinearCost
+    target_fit: EngineCost
+    drafter_fit: EngineCost
 
     def target(self, new: Sequence[int], past: Sequence[int], logits: int) -> float:
         return float(self.target_fit(len(new), sum(new))) if new else 0.0

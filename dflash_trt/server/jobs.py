@@ -16,6 +16,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..decoding import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
 from ..decoding.processors import LogitsAdjustment
+from ..decoding.proposers import DEFAULT_PROPOSER, proposer_for
 from .errors import ApiError, job_error
 from .orchestrator import ErrorEvent, Job, RoundEvent
 from .schemas import RequestBody, stop_tuple
@@ -56,12 +57,12 @@ def generation_config(
 
 def request_proposer(asked: str | None, block_size: int | None, default: str) -> str:
     """The request's proposer: its own, else the server's; but a request that fixes its block size and names none
-    gets DFlash where the server's default is the hybrid. A fixed block size is how a client asks for reproducible
-    seeded text (docs/api.md, Seeds), and the hybrid's choice is not reproducible: it weighs timed costs and
-    matches other requests' outputs (the shared suffix structure)."""
+    gets the library's default (DFlash) where the server's is not reproducible (`Proposer.reproducible`: the
+    hybrid's and the suffix runs' choices weigh timed costs and match other requests' outputs). A fixed block size
+    is how a client asks for reproducible seeded text (docs/api.md, Seeds)."""
     if asked is not None:
         return asked
-    return "dflash" if block_size is not None and default == "hybrid" else default
+    return DEFAULT_PROPOSER if block_size is not None and not proposer_for(default).reproducible else default
 
 
 def _or(value: T | None, default: T) -> T:

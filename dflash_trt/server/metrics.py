@@ -221,7 +221,7 @@ class ServerMetrics:
         self.suffix_shared_states.set(shared)
         self.suffix_bytes.set((total + shared) * BYTES_PER_STATE)
 
-    def observe_round(self, drafted: int, accepted: int, proposer: str = "dflash") -> None:
+    def observe_round(self, drafted: int, accepted: int, proposer: str) -> None:
         """One verify round: `drafted` tokens proposed by `proposer`, the first `accepted` of them kept by the
         target."""
         if drafted <= 0:  # block size 1: no draft (vLLM counts only rounds where the proposer ran)

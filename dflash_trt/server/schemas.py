@@ -14,7 +14,7 @@ a file path: a request can only carry text, token ids and numbers.
 """
 
 import json
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -28,6 +28,13 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+from ..decoding.proposers import PROPOSERS, proposers_help
+
+if TYPE_CHECKING:
+    ProposerName = str
+else:  # the registry's names as one Literal: the JSON schema lists them, validation refuses any other
+    ProposerName = Literal[PROPOSERS]
 
 MAX_SEED = 2**53 - 1  # JSON numbers are doubles to many clients and validators: exact up to 2**53
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (clipped to the context left)
@@ -142,15 +149,12 @@ class OutputFields(BaseModel):
             "a seeded sampled request returns the same text only with a fixed size"
         ),
     )
-    proposer: Literal["dflash", "suffix", "hybrid"] | None = Field(
+    proposer: ProposerName | None = Field(
         None,
         description=(
-            "where the drafts come from: dflash (the drafter), suffix (runs of the request's own earlier tokens "
-            "after the longest repeated suffix; no drafter pass), hybrid (per round whichever earns more tokens "
-            "per second); null = the server's --proposer (dflash where the request fixes block_size and the "
-            "server's is hybrid, so that seeded text is reproducible). Output is the same whatever the proposer "
-            "(greedy) or "
-            "has the same distribution (sampled)"
+            f"where the drafts come from: {proposers_help()}; null = the server's --proposer (dflash where the "
+            "request fixes block_size and the server's is not reproducible, so that seeded text is). Output is "
+            "the same whatever the proposer (greedy) or has the same distribution (sampled)"
         ),
     )
 

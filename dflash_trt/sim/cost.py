@@ -44,7 +44,7 @@ and bf16 peak): times divided by the bandwidth ratio (weight-bound passes), the 
 ratio of the two GPUs' FLOPs per byte (where the matrices turn compute bound). Not a measurement: its name
 says what-if.
 
-CPU passes (`LinearPassCost`): the server's own fitted grid (`adaptive.LinearCost` coefficients, e.g. the
+CPU passes (`LinearPassCost`): the server's own fitted grid (`adaptive.EngineCost` coefficients, e.g. the
 `cost_model` that `make bench-load` records), target (rows, tokens) and drafter (rows, block + new context
 tokens) exactly as the policy prices them, so that the simulator can be held against the measured loop.
 """

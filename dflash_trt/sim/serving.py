@@ -25,6 +25,7 @@ from typing import cast
 from ..decoding import GenerationConfig, Round, SamplingParams
 from ..decoding.chunking import BACKLOG_STEPS, STALL
 from ..decoding.loop import BatchDecoder
+from ..decoding.proposers import DEFAULT_PROPOSER
 from ..decoding.row import BatchRow
 from ..server.orchestrator import BatchLoop
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
@@ -186,8 +187,8 @@ class RunResult:
     simulated_steady_step_s: float = float("nan")
     prefill: str = "separate"  # how prompts entered: "separate" (a pass of their own) or "chunked"
     optimum_gap: float | None = None  # "optimum" only: mean certified bound over its chosen rate, minus 1
-    proposer: str = "dflash"  # what the requests named (sim/suffix.py: suffix runs replayed from a trace)
-    # per proposer of the verify rounds ("dflash", "suffix", "none"): rounds, drafted tokens, accepted drafts
+    proposer: str = DEFAULT_PROPOSER  # what the requests named (sim/suffix.py: suffix runs replayed from a trace)
+    # per proposer of the verify rounds (`request.Round.proposer`): rounds, drafted tokens, accepted drafts
     proposers: dict[str, dict[str, int]] = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..decoding import GenerationConfig, SamplingParams
-from ..decoding.proposers import PRIOR_HALF, PROPOSERS
+from ..decoding.proposers import DEFAULT_PROPOSER, PRIOR_HALF, REGISTRY, proposer_for
 from ..decoding.suffix import SuffixAutomaton, SuffixMatch
 from .engines import SEED_TOKENS, prompt_seed, truth_many
 from .measured import SUFFIX_TRACE, read
@@ -60,12 +60,14 @@ def position_map(rounds: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]
 
 def rounds_of(trace: Sequence[Mapping[str, Any]]) -> list[list[int]]:
     """A request's `--trace` rounds (`GenerationStats.trace`: `dflash-trt generate --json --trace`) as replayable
-    rounds: a suffix round's [drafted, accepted]; any other round, one [0, 0] per token it committed (a hybrid's
-    DFlash round does not say whether a suffix run was there: counted as none, so a hybrid's trace understates)."""
+    rounds: a suffix round's (drafted by a proposer that keeps a suffix structure) [drafted, accepted]; any other
+    round, one [0, 0] per token it committed (a hybrid's DFlash round does not say whether a suffix run was there:
+    counted as none, so a hybrid's trace understates)."""
     out: list[list[int]] = []
     for r in trace:
         drafted, accepted = len(r["drafted"]), int(r["accepted"])
-        out += [[drafted, accepted]] if r.get("proposer") == "suffix" else [[0, 0]] * (accepted + 1)
+        by = REGISTRY.get(str(r.get("proposer")))
+        out += [[drafted, accepted]] if by is not None and by.keeps_suffix else [[0, 0]] * (accepted + 1)
     return out
 
 
@@ -153,16 +155,16 @@ class ReplayedMatches(SuffixAutomaton):
 
 
 class Proposing(NamedTuple):
-    """How a simulated run's requests draft: the proposer they name and, for "suffix" / "hybrid", the trace their
-    suffix matches are replayed from."""
+    """How a simulated run's requests draft: the proposer they name and, for one that keeps a suffix structure
+    (`Proposer.keeps_suffix`), the trace its suffix matches are replayed from."""
 
-    proposer: str = "dflash"
+    proposer: str = DEFAULT_PROPOSER
     trace: SuffixTrace | None = None
 
     def check(self) -> None:
-        if self.proposer not in PROPOSERS:
-            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
-        if self.proposer != "dflash" and self.trace is None:
+        if self.proposer not in REGISTRY:
+            raise ValueError(f"proposer must be one of {tuple(REGISTRY)}, got {self.proposer!r}")
+        if proposer_for(self.proposer).keeps_suffix and self.trace is None:
             raise ValueError(f"proposer {self.proposer!r} in the simulator needs a suffix trace to replay")
 
     def new_row(self, dec: BatchDecoder, prompt: list[int], max_new: int) -> BatchRow:

@@ -24,7 +24,7 @@ from dflash_trt.builders.trtllm_serve import (
     to_yaml,
 )
 from dflash_trt.costgrid import TRTLLM_ENGINE, grid_identity, read_target_config
-from dflash_trt.decoding.cost import LinearCost
+from dflash_trt.decoding.cost import EngineCost
 from dflash_trt.settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
 
 yaml = pytest.importorskip("yaml")
@@ -191,8 +191,8 @@ def test_compute_bound_target_drafts_less_as_the_batch_grows(tmp_path):
 
 
 def test_schedule_picks_the_best_rate_per_batch_size():
-    target = LinearCost(fixed=0.010, per_token=2e-4)
-    drafter = LinearCost(fixed=0.002, per_token=1e-6)
+    target = EngineCost(fixed=0.010, per_token=2e-4)
+    drafter = EngineCost(fixed=0.002, per_token=1e-6)
     best = schedule_from_costs(target, drafter, alpha=0.8, block_size=8, batch_sizes=[1, 64, 512])
     assert best[1] == 7 and best[512] == 0 and best[1] >= best[64] >= best[512]
     assert speculation_limits({1: 5, 4: 3, 16: 3, 64: 0}) == {"max_draft_len": 5, "draft_len_schedule": {1: 5, 16: 3}}

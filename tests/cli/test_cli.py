@@ -181,18 +181,16 @@ def test_help_explains_every_flag():
 
 def test_proposer_flag_and_its_trace(models, capsys):
     """`--proposer`: each proposer's greedy tokens are the target's own; the trace says each round's proposer."""
-    from dflash_trt.cli.options import PROPOSER_CHOICES
-    from dflash_trt.decoding.proposers import PROPOSERS
+    from dflash_trt.decoding.proposers import PROPOSERS, proposer_for
 
-    assert PROPOSER_CHOICES == PROPOSERS  # the CLI's spelling (no torch at --help) is the package's
     target, drafter, _ = models
     args = ("--target", target, "--drafter", drafter, "--input-ids", "5,6,7,8,5,6,7,8,5,6", "--max-new-tokens", 12)
     base = generate_json(capsys, *args, "--no-draft")["token_ids"]
-    for proposer in PROPOSER_CHOICES:
+    for proposer in PROPOSERS:
         out = generate_json(capsys, *args, "--proposer", proposer, "--trace")
         assert out["token_ids"] == base and out["stats"]["proposer"] == proposer
-        assert {r["proposer"] for r in out["trace"]} <= {"dflash", "suffix", "none"}
-        if proposer == "suffix":
+        assert {r["proposer"] for r in out["trace"]} <= {*PROPOSERS, "none"}
+        if not proposer_for(proposer).uses_drafter:
             assert "dflash" not in {r["proposer"] for r in out["trace"]}
 
 

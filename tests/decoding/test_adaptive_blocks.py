@@ -10,13 +10,13 @@ import pytest
 
 from dflash_trt.decoding import adaptive
 from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
-from dflash_trt.decoding.cost import CostModel, LinearCost, token_sweep
+from dflash_trt.decoding.cost import CostModel, EngineCost, token_sweep
 from dflash_trt.decoding.estimates import AcceptanceTracker, ProbeSchedule, expected_tokens
 
 # GPU-like: a pass costs about the same for 1 or 100 tokens (memory-bound)
-MEMORY_BOUND = CostModel(LinearCost(10e-3, 0.1e-3, 0.01e-3), LinearCost(2e-3, 0.05e-3, 0.005e-3))
+MEMORY_BOUND = CostModel(EngineCost(10e-3, 0.1e-3, 0.01e-3), EngineCost(2e-3, 0.05e-3, 0.005e-3))
 # CPU-like at a large batch: every token costs (compute-bound)
-COMPUTE_BOUND = CostModel(LinearCost(2e-3, 0.2e-3, 1.0e-3), LinearCost(1e-3, 0.1e-3, 0.1e-3))
+COMPUTE_BOUND = CostModel(EngineCost(2e-3, 0.2e-3, 1.0e-3), EngineCost(1e-3, 0.1e-3, 0.1e-3))
 
 
 def test_expected_tokens():
@@ -47,7 +47,7 @@ def test_compute_bound_batch_drafts_shorter_blocks():
 
 def test_nobody_drafts_when_drafting_never_pays():
     rows = [RowChoice(alpha=0.3, max_block=8) for _ in range(8)]
-    costly_drafter = CostModel(LinearCost(2e-3, 0.2e-3, 1e-3), LinearCost(50e-3, 1e-3, 1e-3))
+    costly_drafter = CostModel(EngineCost(2e-3, 0.2e-3, 1e-3), EngineCost(50e-3, 1e-3, 1e-3))
     assert choose_blocks(rows, costly_drafter) == [1] * 8
 
 
@@ -124,13 +124,13 @@ def _exhaustive(rows, cost, min_gain=0.0):
 
 def _random_instance(rng, n_rows):
     cost = CostModel(
-        LinearCost(
+        EngineCost(
             rng.uniform(1e-3, 20e-3),
             rng.uniform(0, 1e-3),
             rng.choice([1e-5, 1e-4, 1e-3, 3e-3]),
             one_token=rng.choice([None, rng.uniform(1e-3, 20e-3)]),
         ),
-        LinearCost(rng.uniform(0, 20e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)),
+        EngineCost(rng.uniform(0, 20e-3), rng.uniform(0, 1e-3), rng.uniform(0, 1e-3)),
     )
     rows = []
     for _ in range(n_rows):
@@ -166,11 +166,11 @@ def _bent(rng, cost, kind):
     t = cost.target
     if kind == "knee":
         knee = rng.choice([4.0, 8.0, 16.0])
-        target = LinearCost(t.fixed, t.per_row, t.per_token, t.one_token, knee, t.per_token * rng.choice([0, 0.1, 0.5]))
+        target = EngineCost(t.fixed, t.per_row, t.per_token, t.one_token, knee, t.per_token * rng.choice([0, 0.1, 0.5]))
     else:
         tile, jump = rng.choice([4, 8, 12]), t.per_token * rng.choice([2, 8, 20])
         curve = tuple((float(x), (x // tile) * jump + 0.1 * t.per_token * x) for x in range(1, 40))
-        target = LinearCost(t.fixed, t.per_row, 0.0, t.one_token, curve=curve)
+        target = EngineCost(t.fixed, t.per_row, 0.0, t.one_token, curve=curve)
     return CostModel(target, cost.drafter)
 
 
@@ -244,10 +244,10 @@ def test_a_step_ends_at_the_end_of_a_tile():
     """A GPU-like staircase: 128 tokens cost what 8 do, the 129th a third more. 16 rows that accept well
     fill exactly one tile (8 tokens each), where a line through the same points drafts past it."""
     tiles = tuple((float(x), 0.010 * (1 + x // 129) + 1e-6 * x) for x in (1, 64, 128, 129, 256, 257, 512))
-    cost = CostModel(LinearCost(1e-3, 1e-5, 0.0, curve=tiles), LinearCost(1e-3, 1e-5, 1e-6))
+    cost = CostModel(EngineCost(1e-3, 1e-5, 0.0, curve=tiles), EngineCost(1e-3, 1e-5, 1e-6))
     rows = [RowChoice(alpha=0.85, max_block=16) for _ in range(16)]
     assert sum(choose_blocks(rows, cost)) == 128
-    line = CostModel(LinearCost(0.011, 1e-5, 0.010 / 256), LinearCost(1e-3, 1e-5, 1e-6))  # through the same ends
+    line = CostModel(EngineCost(0.011, 1e-5, 0.010 / 256), EngineCost(1e-3, 1e-5, 1e-6))  # through the same ends
     assert sum(choose_blocks(rows, line)) > 128
 
 
@@ -256,9 +256,9 @@ def test_a_cost_with_a_measured_token_curve():
     through its upper half), the fixed and per-row terms fitted to the grid; `token_sweep` steps finely where
     tiles do."""
     curve = [(1, 0.010), (128, 0.012), (136, 0.016), (256, 0.018)]
-    truth = LinearCost(2e-3, 1e-4, 0.0, curve=tuple((float(x), y - 0.010) for x, y in curve))
+    truth = EngineCost(2e-3, 1e-4, 0.0, curve=tuple((float(x), y - 0.010) for x, y in curve))
     grid = [(r, r * b, truth(r, r * b)) for r in (1, 16, 32) for b in (1, 4, 8)]
-    fit = LinearCost.with_curve(grid, curve)
+    fit = EngineCost.with_curve(grid, curve)
     assert fit.bent and fit(16, 128) == pytest.approx(truth(16, 128)) and fit(32, 256) == pytest.approx(truth(32, 256))
     assert fit(1, 132) == pytest.approx((truth(1, 128) + truth(1, 136)) / 2)
     upper_line = np.polyfit([128, 136, 256], [0.012, 0.016, 0.018], 1)[0]  # the points at >= 256 / 2 tokens
@@ -278,7 +278,7 @@ def test_past_its_end_a_curve_is_priced_along_its_upper_half_not_its_last_two_me
     times[-2] *= 0.97  # two medians a few percent off, in opposite directions
     times[-1] *= 1.02
     curve = tuple(zip(sweep.tolist(), (times - times[0]).tolist()))
-    cost = LinearCost(curve=curve)
+    cost = EngineCost(curve=curve)
     assert (times[-1] - times[-2]) / 128 > 1.5 * 2e-5  # what the last two points alone would say
     assert (cost(1, 8192) - cost(1, 4096)) / 4096 == pytest.approx(2e-5, rel=0.05)
     assert cost(1, 3072) == pytest.approx(2e-5 * (3072 - 1))  # within: as measured
@@ -319,7 +319,7 @@ def test_choice_edge_cases():
     assert choose_blocks([RowChoice(1.0, 8)], MEMORY_BOUND) == [8]
     assert choose_blocks([RowChoice(0.0, 8)], MEMORY_BOUND) == [1]
     # an unfitted (all-zero) cost model: time is free, so every free row drafts its most
-    assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(LinearCost(), LinearCost())) == [
+    assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(EngineCost(), EngineCost())) == [
         5,
         2,
     ]
@@ -327,7 +327,7 @@ def test_choice_edge_cases():
 
 def test_a_gain_below_the_margin_is_not_taken():
     # the demo pair's fitted costs at 32 rows: block 4 is expected to gain 8 % over block 1 at alpha 0.75
-    cost = CostModel(LinearCost(7.5e-3, 2e-4, 1.58e-4), LinearCost(3e-3, 1.2e-4, 4.3e-5))
+    cost = CostModel(EngineCost(7.5e-3, 2e-4, 1.58e-4), EngineCost(3e-3, 1.2e-4, 4.3e-5))
     rows = [RowChoice(alpha=0.75, max_block=8) for _ in range(32)]
     assert choose_blocks(rows, cost) == [4] * 32
     assert choose_blocks(rows, cost, min_gain=0.1) == [1] * 32
@@ -336,7 +336,7 @@ def test_a_gain_below_the_margin_is_not_taken():
 
 def test_a_probe_row_drafts_its_whole_block_even_when_drafting_does_not_pay():
     rows = [RowChoice(alpha=0.3, max_block=8) for _ in range(8)]
-    costly_drafter = CostModel(LinearCost(2e-3, 0.2e-3, 1e-3), LinearCost(50e-3, 1e-3, 1e-3))
+    costly_drafter = CostModel(EngineCost(2e-3, 0.2e-3, 1e-3), EngineCost(50e-3, 1e-3, 1e-3))
     probed = rows[:3] + [RowChoice(alpha=0.3, max_block=8, probe=True), RowChoice(0.9, 1, probe=True)] + rows[5:]
     blocks = choose_blocks(probed, costly_drafter)
     assert blocks[3] == 8 and blocks[4] == 1  # a row that cannot draft is not forced to
@@ -345,40 +345,40 @@ def test_a_probe_row_drafts_its_whole_block_even_when_drafting_does_not_pay():
 
 
 def test_linear_cost_fit_recovers_coefficients_and_refits_online():
-    truth = LinearCost(3e-3, 0.5e-3, 0.2e-3)
+    truth = EngineCost(3e-3, 0.5e-3, 0.2e-3)
     samples = [(r, r * b, truth(r, r * b)) for r in (1, 4, 16) for b in (1, 4, 8)]
-    fit = LinearCost.fit(samples)
+    fit = EngineCost.fit(samples)
     for got, want in ((fit.fixed, truth.fixed), (fit.per_row, truth.per_row), (fit.per_token, truth.per_token)):
         assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12)
     with pytest.raises(ValueError, match=">= 3 samples"):
-        LinearCost.fit(samples[:2])
-    model = CostModel(LinearCost(), LinearCost())
+        EngineCost.fit(samples[:2])
+    model = CostModel(EngineCost(), EngineCost())
     for r, t, s in samples * 2:
         model.observe("target", r, t, s)
     model.refit()
     assert math.isclose(model.target.per_token, truth.per_token, rel_tol=1e-6)
-    assert model.drafter == LinearCost()  # no drafter observations: unchanged
+    assert model.drafter == EngineCost()  # no drafter observations: unchanged
 
 
 def test_a_one_token_pass_is_priced_apart_from_the_line():
     """On a CPU the one-token pass (a request alone, not drafting) is cheaper than the line through larger
     passes says (vector, not matrix, products); priced by the line, a lone row drafts where it loses."""
-    line = LinearCost(10e-3, 0.0, 0.5e-3)
+    line = EngineCost(10e-3, 0.0, 0.5e-3)
     samples = [(r, r * b, line(r, r * b)) for r in (1, 4, 16) for b in (1, 4, 8) if (r, b) != (1, 1)]
-    fit = LinearCost.fit(samples + [(1, 1, 5e-3), (1, 1, 6e-3)])
+    fit = EngineCost.fit(samples + [(1, 1, 5e-3), (1, 1, 6e-3)])
     assert math.isclose(fit.per_token, line.per_token, rel_tol=1e-6) and math.isclose(
         fit.fixed, line.fixed, rel_tol=1e-6
     )
     assert fit.one_token == pytest.approx(5.5e-3) and fit(1, 1) == pytest.approx(5.5e-3)
     assert fit(2, 2) == pytest.approx(line(2, 2)) and fit(1, 4) == pytest.approx(line(1, 4))
     assert (
-        LinearCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None
+        EngineCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None
     )  # too few shapes without it
-    scaled = CostModel(fit, LinearCost(2e-3), scale={"target": 2.0, "target_one_token": 1.0, "drafter": 1.0}).current()[
+    scaled = CostModel(fit, EngineCost(2e-3), scale={"target": 2.0, "target_one_token": 1.0, "drafter": 1.0}).current()[
         0
     ]
     assert scaled(1, 1) == pytest.approx(5.5e-3)  # with a running correction of its own ...
-    model = CostModel(fit, LinearCost(2e-3))
+    model = CostModel(fit, EngineCost(2e-3))
     for _ in range(60):  # ... which one-token passes move, and only they
         model.observe("target", 1, 1, 0.5 * fit(1, 1))
         model.observe("target", 1, 8, 1.5 * fit(1, 8))
@@ -391,13 +391,13 @@ def test_a_one_token_pass_is_priced_apart_from_the_line():
     )
 
     row = [RowChoice(alpha=0.6, max_block=8)]
-    drafter = LinearCost(2e-3, 0.0, 0.0)
+    drafter = EngineCost(2e-3, 0.0, 0.0)
     assert choose_blocks(row, CostModel(line, drafter)) != [1]  # by the line, drafting pays ...
-    assert choose_blocks(row, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == [
+    assert choose_blocks(row, CostModel(EngineCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == [
         1
     ]  # ... it does not
     two = [RowChoice(alpha=0.6, max_block=8)] * 2  # the exception is one row's one token only
-    assert choose_blocks(two, CostModel(LinearCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == choose_blocks(
+    assert choose_blocks(two, CostModel(EngineCost(10e-3, 0.0, 0.5e-3, one_token=5e-3), drafter)) == choose_blocks(
         two, CostModel(line, drafter)
     )
 
@@ -405,7 +405,7 @@ def test_a_one_token_pass_is_priced_apart_from_the_line():
 def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():
     """The start-up grid said a target step is dear and drafting cheap; the real passes say the opposite
     (a grid timed during a burst, a longer context for the drafter): the policy follows the passes."""
-    grid = CostModel(LinearCost(10e-3, 0.1e-3, 0.2e-3), LinearCost(3e-3, 0.05e-3, 0.05e-3))
+    grid = CostModel(EngineCost(10e-3, 0.1e-3, 0.2e-3), EngineCost(3e-3, 0.05e-3, 0.05e-3))
     row = [RowChoice(alpha=0.45, max_block=8)]
     assert choose_blocks(row, grid, min_gain=0.1)[0] > 1  # priced by the grid, drafting looks > 10 % ahead
     for _ in range(60):
@@ -422,10 +422,10 @@ def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():
     assert grid.scale["target"] <= before + grid.scale_weight * (4.0 - before) + 1e-12
     grid.observe("target", 1, 1, 0.0)  # a pass too short to time: ignored
     # start-up samples are recorded without correcting; a refit starts the correction over
-    fresh = CostModel(LinearCost(1e-3, 0.0, 1e-4), LinearCost())
+    fresh = CostModel(EngineCost(1e-3, 0.0, 1e-4), EngineCost())
     fresh.observe("target", 4, 4, 1.0, correct=False)
     assert fresh.scale["target"] == 1.0 and fresh._seen["target"] == [(4, 4, 1.0)]
-    moved = CostModel(LinearCost(1e-3, 0.0, 1e-4), LinearCost())
+    moved = CostModel(EngineCost(1e-3, 0.0, 1e-4), EngineCost())
     for r, t in [(1, 1), (4, 8), (16, 64)] * 6:
         moved.observe("target", r, t, 2e-3 + 1e-4 * t)
     assert moved.scale["target"] > 1.0
@@ -459,7 +459,7 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
 
     _, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7))
+    cost = CostModel(EngineCost(1e-2, 0.0, 1e-6), EngineCost(1e-3, 0.0, 1e-7))
     dec = BatchDecoder(
         target,
         TorchDrafterEngine.for_target(drafter, target),
@@ -468,7 +468,7 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
     dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
     seen = cost._seen["target"]
     assert len(seen) >= 16 and all(s > 0 for _, _, s in seen)
-    assert cost.target != LinearCost(1e-2, 0.0, 1e-6)  # refitted from what ran
+    assert cost.target != EngineCost(1e-2, 0.0, 1e-6)  # refitted from what ran
 
 
 def test_new_rows_start_from_what_finished_rows_of_their_regime_measured():

@@ -10,7 +10,7 @@ from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, FixedBlocks, GenerationConfig, SamplingParams
 from dflash_trt.decoding import acceptance as acceptance_module
-from dflash_trt.decoding.cost import CostModel, LinearCost
+from dflash_trt.decoding.cost import CostModel, EngineCost
 from dflash_trt.runtime.rows import PerRowDrafter
 from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
@@ -74,7 +74,7 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
         for i, (r, p, pc) in enumerate(zip(refs, prompts, p_correct))
     ]
     target = TorchTargetEngine(model, (0,))
-    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-5), LinearCost(5e-4, 1e-4, 1e-5)) if adaptive else None
+    cost = CostModel(EngineCost(1e-3, 1e-4, 2e-5), EngineCost(5e-4, 1e-4, 1e-5)) if adaptive else None
     dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())
     rows = [
         dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
@@ -156,7 +156,7 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
     prompt, n = [3, 1, 4, 1, 5], 40
     ref = reference(model, prompt, n)
     target = TorchTargetEngine(model, (0,))
-    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
+    cost = CostModel(EngineCost(1e-3, 1e-4, 2e-4), EngineCost(2e-3, 1e-4, 1e-5))
     oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=i, feature_layer_ids=(0,)) for i in range(4)]
     dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost, probe_every=probe_every))
     dec.policy.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
@@ -180,7 +180,7 @@ def test_probes_back_off_while_they_miss(tiny_pair):
     prompt, n = [3, 1, 4, 1, 5], 100
     ref = reference(model, prompt, n)
     target = TorchTargetEngine(model, (0,))
-    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
+    cost = CostModel(EngineCost(1e-3, 1e-4, 2e-4), EngineCost(2e-3, 1e-4, 1e-5))
     dec = BatchDecoder(
         target,
         OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0, feature_layer_ids=(0,))]),
@@ -208,7 +208,7 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     prompt, n, requests = [3, 1, 4, 1, 5], 12, 24
     ref = reference(model, prompt, n)
     target = TorchTargetEngine(model, (0,))
-    cost = CostModel(LinearCost(1e-3, 1e-4, 2e-4), LinearCost(2e-3, 1e-4, 1e-5))
+    cost = CostModel(EngineCost(1e-3, 1e-4, 2e-4), EngineCost(2e-3, 1e-4, 1e-5))
     oracles = [
         NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)
     ]
@@ -236,7 +236,7 @@ def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     """N_SAMPLES seeded rows, 400 per batch, next to rows of other lengths and settings."""
     target, drafter_engine = torch_engines(model, drafter)
     # a memory-bound target (tokens nearly free) so the policy drafts; sizes then follow each row's history
-    cost = CostModel(LinearCost(1e-2, 0.0, 1e-6), LinearCost(1e-3, 0.0, 1e-7)) if adaptive else None
+    cost = CostModel(EngineCost(1e-2, 0.0, 1e-6), EngineCost(1e-3, 0.0, 1e-7)) if adaptive else None
     counts, accepted = {}, 0
     for start in range(0, N_SAMPLES, 400):
         dec = BatchDecoder(target, drafter_engine, policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())

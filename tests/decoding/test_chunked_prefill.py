@@ -15,7 +15,7 @@ from test_batch_decode import random_prompts, reference, torch_engines
 from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
 from dflash_trt.decoding.chunking import MIN_CHUNK
-from dflash_trt.decoding.cost import CostModel, LinearCost, price
+from dflash_trt.decoding.cost import CostModel, EngineCost, price
 
 
 class _SpySession(_WrappedDrafterSession):
@@ -151,19 +151,19 @@ def test_riding_chunks_price_the_rows_on_top_of_them():
     pass) and without its own seconds, so under a linear cost it does not move the choice (a chunk step that
     lowered the bar drafted what plain steps do not: measured: docs/design.md, "Chunked prefill"); under a bent cost, tokens
     beyond the chunk are priced at the slope they meet there."""
-    t = LinearCost(fixed=1e-3, per_row=1e-4, per_token=1e-4, one_token=5e-4)
-    riding = LinearCost(fixed=1e-3, per_row=1e-4, per_token=1e-4, one_token=5e-4, riding_rows=1, riding_tokens=200)
+    t = EngineCost(fixed=1e-3, per_row=1e-4, per_token=1e-4, one_token=5e-4)
+    riding = EngineCost(fixed=1e-3, per_row=1e-4, per_token=1e-4, one_token=5e-4, riding_rows=1, riding_tokens=200)
     assert price(t, 1, np.array([1.0]))[0] == pytest.approx(5e-4)
     assert price(riding, 1, np.array([1.0]))[0] == pytest.approx(1e-3 + 1e-4 + 1e-4)
-    cost = CostModel(t, LinearCost(fixed=2e-3, per_row=1e-4, per_token=1e-4))
+    cost = CostModel(t, EngineCost(fixed=2e-3, per_row=1e-4, per_token=1e-4))
     rows = [RowChoice(alpha=a, max_block=8) for a in (0.45, 0.45, 0.7, 0.8)]
     for chunk in (40, 200, 2000):
         assert choose_blocks(rows, cost, riding=(1, chunk)) == choose_blocks(
             rows, CostModel(replace(t, one_token=None), cost.drafter)
         )
     # a knee at 256 tokens: cheap tokens below, 20x dearer beyond; a 250-token chunk leaves the drafts the dear part
-    bent = LinearCost(fixed=1e-3, per_row=1e-5, per_token=2e-4, knee=256, below_knee=1e-5)
-    bent_cost = CostModel(bent, LinearCost(fixed=2e-4, per_row=1e-5, per_token=1e-5))
+    bent = EngineCost(fixed=1e-3, per_row=1e-5, per_token=2e-4, knee=256, below_knee=1e-5)
+    bent_cost = CostModel(bent, EngineCost(fixed=2e-4, per_row=1e-5, per_token=1e-5))
     alone = sum(choose_blocks(rows, bent_cost))
     beside = sum(choose_blocks(rows, bent_cost, riding=(1, 250)))
     assert beside < alone
@@ -174,7 +174,7 @@ def test_where_prompts_queue_the_drafts_stay_within_the_room_the_chunks_leave():
     (a queued prompt's chunk would lose every token beyond); sizes a request fixed are kept, and a lone row and an
     unfitted cost model (rules 3 and 2) are held to it too."""
     cost = CostModel(
-        LinearCost(fixed=1e-3, per_row=1e-5, per_token=1e-5), LinearCost(fixed=2e-4, per_row=1e-5, per_token=1e-5)
+        EngineCost(fixed=1e-3, per_row=1e-5, per_token=1e-5), EngineCost(fixed=2e-4, per_row=1e-5, per_token=1e-5)
     )
     rows = [RowChoice(alpha=0.9, max_block=8) for _ in range(6)]
     free = choose_blocks(rows, cost, riding=(1, 400))
@@ -185,11 +185,11 @@ def test_where_prompts_queue_the_drafts_stay_within_the_room_the_chunks_leave():
     assert choose_blocks(fixed, cost, riding=(1, 400), most_tokens=12) == [8, 8, 1, 1, 1, 1]
     assert choose_blocks(rows[:1], cost, riding=(1, 400)) == [8]
     assert choose_blocks(rows[:1], cost, riding=(1, 400), most_tokens=3) == [3]
-    dear = CostModel(cost.target, LinearCost(fixed=2e-3, per_row=1e-5, per_token=1e-5))  # a drafter pass's price
+    dear = CostModel(cost.target, EngineCost(fixed=2e-3, per_row=1e-5, per_token=1e-5))  # a drafter pass's price
     assert choose_blocks(rows[:1], dear, riding=(1, 400)) == [8]
     assert choose_blocks(rows[:1], dear, riding=(1, 400), most_tokens=2) == [1]  # block 2 does not pay for a pass
     assert choose_blocks(rows[:1], cost, riding=(1, 400), most_tokens=1) == [1]
-    unfitted = CostModel(LinearCost(), LinearCost())
+    unfitted = CostModel(EngineCost(), EngineCost())
     assert choose_blocks(rows, unfitted, most_tokens=20) == [3] * 6
     assert choose_blocks(fixed, unfitted, most_tokens=20) == [8, 8, 1, 1, 1, 1]
     assert choose_blocks(rows, cost, riding=(1, 400), most_tokens=0) == free  # 0: no bound

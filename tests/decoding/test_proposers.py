@@ -12,8 +12,9 @@ from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, exact_joint, sh
 from dflash_trt.decoding import BatchDecoder, GenerationConfig, InputError
 from dflash_trt.decoding import acceptance as acceptance_module
 from dflash_trt.decoding.proposers import (
-    PROPOSER_TYPES,
     PROPOSERS,
+    REGISTRY,
+    SUFFIX,
     Prices,
     RowDrafts,
     best_run,
@@ -110,28 +111,28 @@ def test_a_suffix_run_is_priced_by_its_match_and_the_rows_own_rounds():
     drafts = RowDrafts(SuffixAutomaton())
     drafts.add([1, 2, 3, 4, 5, 6, 1, 2, 3])
     run, rate = best_run(drafts, 10, Prices(row_s=1.0, token_s=0.0))
-    assert run.proposer == "suffix" and run.drafts == (4, 5, 6, 1, 2, 3, 4, 5, 6, 1)  # free tokens: all it may
+    assert run.proposer is SUFFIX and run.drafts == (4, 5, 6, 1, 2, 3, 4, 5, 6, 1)  # free tokens: all it may
     assert rate > 1.0
     dear = best_run(drafts, 10, Prices(row_s=1.0, token_s=1.0))[0]  # a token costs a whole step: never worth it
-    assert dear.proposer == "none"
+    assert dear.proposer is None and dear.name == "none"
     prior = suffix_prior(SuffixMatch(3, 1, (4,)))
     assert 0.0 < prior < suffix_prior(SuffixMatch(8, 1, (4,))) < 1.0  # a longer match is trusted more
     for _ in range(20):  # the row's suffix runs keep failing: its estimate falls below the match's prior
-        drafts.observe("suffix", 4, 0)
+        SUFFIX.learn(drafts, SUFFIX, 4, 0)
     assert drafts.suffix_alpha(SuffixMatch(3, 1, (4,))) < prior / 2
 
 
 def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
-    """A CPU's shape (`cost.LinearCost`): a one-token pass 10 ms, any larger one 20 ms + 0.5 ms a token. A run of
+    """A CPU's shape (`cost.EngineCost`): a one-token pass 10 ms, any larger one 20 ms + 0.5 ms a token. A run of
     k drafts costs 20.5 + 0.5 k ms, so a long run of a sound match pays; priced per token at the 1 -> 2 step
     (10.5 ms a token) no run longer than a few tokens would."""
-    from dflash_trt.decoding.cost import CostModel, LinearCost
+    from dflash_trt.decoding.cost import CostModel, EngineCost
     from dflash_trt.decoding.policy import FixedBlocks
 
-    line = LinearCost(fixed=0.02, per_token=0.0005, one_token=0.01)
+    line = EngineCost(fixed=0.02, per_token=0.0005, one_token=0.01)
     decoder = BatchDecoder.__new__(BatchDecoder)
     decoder.policy = FixedBlocks()
-    decoder.policy.cost = CostModel(line, LinearCost(fixed=0.002))  # type: ignore[attr-defined]
+    decoder.policy.cost = CostModel(line, EngineCost(fixed=0.002))  # type: ignore[attr-defined]
     prices = decoder._prices(1)
     assert prices.verify_s(0) == pytest.approx(0.01)
     assert prices.verify_s(1) == pytest.approx(0.021) and prices.verify_s(16) == pytest.approx(0.0285)
@@ -139,15 +140,15 @@ def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
     text = list(range(40))
     drafts.add(text + text[:12])  # a 12-token match, 28 tokens on
     for _ in range(8):
-        drafts.observe("suffix", 16, 16)  # the row's runs have held
+        SUFFIX.learn(drafts, SUFFIX, 16, 16)  # the row's runs have held
     run = best_run(drafts, 16, prices)[0]
-    assert run.proposer == "suffix" and len(run.drafts) == 16
+    assert run.proposer is SUFFIX and len(run.drafts) == 16
     folded = Prices(prices.row_s, prices.draft_s + prices.token_s)  # the step paid by every token
     assert len(best_run(drafts, 16, folded)[0].drafts) < 16
 
 
-def test_a_new_proposer_is_a_class_and_a_line_in_the_factory():
-    assert set(PROPOSER_TYPES) == set(PROPOSERS)
+def test_a_new_proposer_is_a_class_and_the_registry_holds_it():
+    assert set(REGISTRY) == set(PROPOSERS)
     assert [proposer_for(n).name for n in PROPOSERS] == list(PROPOSERS)
     with pytest.raises(ValueError, match="proposer must be one of"):
         proposer_for("eagle")
@@ -176,11 +177,11 @@ def test_greedy_equals_target_alone_with_every_proposer(tiny_pair, proposer):
         assert got.token_ids == expected, (family, proposer, trial)
         for name, count in got.stats.drafted_by.items():
             by[name] = by.get(name, 0) + count
-        assert {r["proposer"] for r in got.stats.trace()} <= {"dflash", "suffix", "none"}
+        assert {r["proposer"] for r in got.stats.trace()} <= {*PROPOSERS, "none"}
         assert got.stats.proposer == proposer
-    if proposer in ("suffix", "hybrid"):
+    if proposer_for(proposer).keeps_suffix:
         assert by.get("suffix", 0) > 0, "suffix runs must be verified for the test to mean anything"
-    if proposer == "suffix":
+    if not proposer_for(proposer).uses_drafter:
         assert "dflash" not in by
 
 
@@ -191,7 +192,7 @@ def test_batched_rows_of_different_proposers_each_equal_the_target_alone(tiny_pa
     base = BatchDecoder(TorchTargetEngine(model))
     rng = torch.Generator().manual_seed(9)
     prompts = [_repetitive(rng) for _ in range(6)]
-    configs = [GenerationConfig(max_new_tokens=30, proposer=PROPOSERS[i % 3]) for i in range(6)]
+    configs = [GenerationConfig(max_new_tokens=30, proposer=PROPOSERS[i % len(PROPOSERS)]) for i in range(6)]
     got = spec.generate(prompts, configs)
     for prompt, result in zip(prompts, got):
         assert result.token_ids == generate_one(base, prompt, GenerationConfig(max_new_tokens=30)).token_ids

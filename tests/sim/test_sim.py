@@ -184,7 +184,7 @@ def test_decoder_tau_matches_fitted_rates():
 def test_start_up_grid_on_the_virtual_clock_fits_a_knee():
     """The server's grid (rows 1/128/256, blocks 1/4/8) timed on the simulated A100: the fitted target shape
     has a knee (flat, weight-bound, then per token) and prices both ends within 10 %; a line's grid fits none."""
-    from dflash_trt.decoding.cost import LinearCost, measure_costs
+    from dflash_trt.decoding.cost import EngineCost, measure_costs
 
     target, drafter, clock = sim_engines(ProfileCost(), list(paper_profiles().values()))
     cost = measure_costs(target, drafter, rows=(1, 128, 256), context=128, repeats=1, clock=clock, knees=True)
@@ -193,7 +193,7 @@ def test_start_up_grid_on_the_virtual_clock_fits_a_knee():
         true = ProfileCost().target([tokens // rows] * rows, [128] * rows, tokens)
         assert cost.target(rows, tokens) == pytest.approx(true, rel=0.2)
     line = [(r, t, 1e-3 + 1e-4 * r + 2e-5 * t) for r in (1, 4, 16) for t in (r, 4 * r, 8 * r)]
-    assert LinearCost.fit(line).knee == 0.0
+    assert EngineCost.fit(line).knee == 0.0
 
 
 def test_start_up_token_curve_on_the_virtual_clock_follows_the_tiles():

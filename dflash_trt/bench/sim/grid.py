@@ -11,6 +11,7 @@ import statistics
 import time
 from typing import Any
 
+from ...decoding.proposers import DEFAULT_PROPOSER
 from ...sim.cost import ProfileCost
 from ...sim.policies import FIXED, TUNED
 from ...sim.serving import simulate, workload
@@ -77,7 +78,9 @@ def run_cell(cell: tuple[Any, ...]) -> dict[str, Any]:
         "steps": r.steps,
         "wall_s": round(time.perf_counter() - t0, 2),
     }
-    if r.proposer != "dflash":  # the rounds per proposer: how often the hybrid took the suffix run, and its yield
+    if (
+        r.proposer != DEFAULT_PROPOSER
+    ):  # the rounds per proposer: how often the hybrid took the suffix run, and its yield
         item["proposer"], item["proposers"] = r.proposer, r.proposers
     if r.optimum_gap is not None:
         item["optimum_gap"] = round(r.optimum_gap, 5)

@@ -2,8 +2,9 @@
 and dflash_drafter.
 
 Inputs per row: input_ids [N, L] + input_length [N, 1] from preprocessing; optional max_tokens
-INT32, temperature FP32, seed UINT64, stream BOOL, proposer STRING ("dflash", "suffix" or "hybrid": where the
-row's drafts come from, decoding/proposers.py; default: the model's `proposer` parameter, else "dflash") ([N, 1]). Batches: every row of every request in
+INT32, temperature FP32, seed UINT64, stream BOOL, proposer STRING (a name of
+decoding/proposers.PROPOSERS: where the row's drafts come from; default: the model's `proposer` parameter, else
+"dflash") ([N, 1]). Batches: every row of every request in
 one execute() call is a row of ONE BatchDecoder, so a step is one dflash_target call that verifies every
 row (several sessions per call) and one dflash_drafter_batch call for every drafting row (the batched
 graph; with only the single-sequence dflash_drafter, one call per drafting row); each row keeps its own

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -61,7 +62,8 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 STANDINS = Path(__file__).resolve().parent / "pods_image"
 KUBECTL = ROOT / ".venv-deploy" / "bin" / "kubectl"
-VENVS = (Path("/work/main/.venv"), Path("/work/main/.venv-triton"))  # where the images' Python environments live
+# the images' Python environments: the project's (dflash-trt, torch) and the Triton server's, where they really are
+VENVS = ((ROOT / ".venv").resolve(), (ROOT / ".venv-triton").resolve())
 IMAGE_UID = 10001  # Dockerfile: useradd --uid 10001, USER 10001, chown -R 10001:10001 /app
 WORKDIR = "/app"
 # containerd's default capabilities for a container (pkg/oci/spec.go populateDefaultUnixSpec)
@@ -106,6 +108,18 @@ def _triton_layout(rootfs: Path, work: Path) -> None:
         'exec /opt/tritonserver/bin/tritonserver --backend-directory=/opt/tritonserver/backends "$@"\n'
     )
     wrapper.chmod(0o755)
+
+
+def _editable_roots() -> list[Path]:
+    """Where the environments' editable installs say dflash_trt lives (setuptools' __editable__ finder MAPPING): the
+    image's /app copy is bound there, as the image's own editable install of /app resolves to it."""
+    out = []
+    for venv in VENVS:
+        for finder in venv.glob("lib/python3*/site-packages/__editable___dflash_trt_*_finder.py"):
+            m = re.search(r"'dflash_trt': '([^']+)'", finder.read_text())
+            if m and Path(m.group(1)) not in out:
+                out.append(Path(m.group(1)))
+    return out
 
 
 def _interpreters() -> list[Path]:
@@ -176,7 +190,8 @@ class Image:
             (r / str(prefix).lstrip("/")).mkdir(parents=True, exist_ok=True)
             if prefix.is_relative_to("/root"):
                 os.chmod(r / "root", 0o711)  # traversable to reach it, as /usr is in NVIDIA's image
-        (r / "work/main/dflash_trt").mkdir(parents=True, exist_ok=True)
+        for package in _editable_roots():
+            (r / str(package).lstrip("/")).mkdir(parents=True, exist_ok=True)
         _triton_layout(r, work)
         path = f"/opt/trtllm-standin/bin:{VENVS[0]}/bin:/opt/tritonserver-env/bin:/usr/local/sbin:/usr/local/bin"
         path += ":/usr/sbin:/usr/bin:/sbin:/bin"
@@ -184,7 +199,7 @@ class Image:
 
     def binds(self) -> list[str]:
         """The image's read-only content that lives outside the copied root: /usr, the environments, the package
-        (the editable installs name /work/main/dflash_trt: the image's /app copy is bound there), the demo models,
+        (the image's /app copy, bound where the editable installs point), the demo models,
         the TensorRT-LLM / GPU stand-ins (importable through a .pth, as site-packages holds them in NVIDIA's image)."""
         out = ["--ro-bind", "/usr", "/usr"]
         for prefix in _interpreters():
@@ -197,7 +212,8 @@ class Image:
                 (site / "distutils-precedence.pth").read_text().rstrip("\n") + "\n/opt/trtllm-standin/site\n"
             )
             out += ["--ro-bind", str(pth), str(site / "distutils-precedence.pth")]
-        out += ["--ro-bind", str(self.rootfs / "app/dflash_trt"), "/work/main/dflash_trt"]
+        for package in _editable_roots():
+            out += ["--ro-bind", str(self.rootfs / "app/dflash_trt"), str(package)]
         out += ["--ro-bind", str(ROOT / "models"), "/app/models"]
         triton = self.rootfs.parent / "triton"
         if (triton / "dist").exists():  # NVIDIA's Triton images: /opt/tritonserver, its backends beside the binary

@@ -22,22 +22,29 @@ import pytest
 from pods import ROOT, Cluster, Image, Pod, PodFailed, SlurmJob, config_maps, new_work, pod_templates, render
 
 K8S = ROOT / "deploy" / "k8s"
-pytestmark = [
-    pytest.mark.timeout(900),
-    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="needs root and bwrap: make test-pods"),
-]
+pytestmark = pytest.mark.timeout(900)
 
 
 def _tiny_checkpoints(root: Path) -> None:
     from dflash_trt.models.tiny import make_tiny_drafter, make_tiny_target
 
-    # 8 query and 8 KV heads: the multi-node overlay's tp 8 splits them
-    target = make_tiny_target(root / "target", layers=4, vocab_size=96, num_attention_heads=8, num_key_value_heads=8)
+    # 8 query and 8 KV heads: the multi-node overlay's tp 8 splits them. The demo target's tokenizer (its vocabulary
+    # size): the Triton repository works on text
+    demo = ROOT / "models" / "target"
+    vocab = json.loads((demo / "config.json").read_text())["vocab_size"]
+    target = make_tiny_target(root / "target", layers=4, vocab_size=vocab, num_attention_heads=8, num_key_value_heads=8)
     make_tiny_drafter(target.config, root / "drafter", layers=1, block_size=4)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy2(demo / name, root / "target" / name)
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Cluster:
+    missing = [
+        t for t in ("bwrap", "setpriv", "nsenter", "ip", "sshd") if not shutil.which(t, path="/usr/sbin:/usr/bin")
+    ]
+    if os.geteuid() != 0 or missing:
+        pytest.fail(f"the pod runner needs root and {missing or 'its tools'}: run `make test-pods` as root")
     work = new_work()
     image = Image.build(work)
     checkpoints = work / "pv" / "checkpoints"
@@ -56,7 +63,8 @@ def cluster() -> Cluster:
     }
     c = Cluster(work, image, {}, secrets, {"dflash-checkpoints": checkpoints, "dflash-engines": engines})
     yield c
-    if not os.environ.get("PODS_KEEP"):  # a failed run's pods and logs, to read
+    mounted = str(work) in Path("/proc/self/mountinfo").read_text()  # never delete through a mount point
+    if not os.environ.get("PODS_KEEP") and not mounted:  # PODS_KEEP: a failed run's pods and logs, to read
         shutil.rmtree(work, ignore_errors=True)
 
 
@@ -98,10 +106,30 @@ def test_the_groups_leader_builds_and_the_worker_serves_sshd_and_drains(cluster)
         assert _serves_and_drains(worker) == {"worker": 0}
 
 
+def _no_gpu_for_tritonserver(repo: Path) -> list[str]:
+    """STAND-IN for the GPU, on tritonserver's side: a KIND_GPU instance group needs a GPU tritonserver can see
+    (model_lifecycle: "specifies invalid or unsupported gpu id"), which this machine has not; the groups the init
+    step wrote become KIND_CPU, their `gpus` dropped, and nothing else changes. Returns the models changed."""
+    from dflash_trt.triton.config import parse_config, pb2, write_config
+
+    changed = []
+    for path in sorted(repo.glob("*/config.pbtxt")):
+        cfg = parse_config(path)
+        gpu_groups = [g for g in cfg.instance_group if g.kind == pb2().ModelInstanceGroup.KIND_GPU]
+        for group in gpu_groups:
+            group.kind = pb2().ModelInstanceGroup.KIND_CPU
+            del group.gpus[:]
+        if gpu_groups:
+            write_config(path.parent, cfg)
+            changed.append(cfg.name)
+    return changed
+
+
 def test_the_triton_pod_loads_the_repository_and_drains(cluster):
     spec = _with_render(cluster, "triton")["triton"]
     with Pod(cluster, "dflash-triton-0", spec) as pod:
         pod.init()
+        assert "dflash_target" in _no_gpu_for_tritonserver(cluster.work / "pods" / pod.name / "volumes" / "repo")
         codes = _serves_and_drains(pod)
         assert codes == {"tritonserver": 0}, pod.procs["tritonserver"].tail()
 

@@ -309,7 +309,10 @@ class Proc:
             os.kill(self.pid, sig)
 
     def tail(self, n: int = 40) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        """The log's errors (a server's table of failed models scrolls away), then its last `n` lines."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        errors = [line for line in lines[:-n] if any(k in line for k in ("Error", "error:", "UNAVAILABLE"))]
+        return "\n".join([*errors[-20:], *(["..."] if errors else []), *lines[-n:]])
 
 
 # ---- volumes, as the kubelet lays them out ---------------------------------------------------------------------

@@ -266,8 +266,10 @@ class Sandbox:
     def argv(self, command: list[str], info_fd: int | None = None) -> list[str]:
         out = ["ip", "netns", "exec", self.netns] if self.netns else []
         out += ["bwrap", "--die-with-parent", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--as-pid-1"]
-        out += ["--hostname", self.hostname, "--bind", str(self.image.rootfs), "/", *self.image.binds()]
-        out += ["--proc", "/proc", "--dev", "/dev", *self.mounts]
+        out += ["--hostname", self.hostname, "--bind", str(self.image.rootfs), "/"]
+        # the volumes, then the image's content that lives outside the copied root (where this machine keeps it:
+        # a tmpfs volume at /tmp, as enroot mounts, must not hide an environment kept under /tmp)
+        out += ["--proc", "/proc", "--dev", "/dev", *self.mounts, *self.image.binds()]
         if self.read_only_root:
             out += ["--remount-ro", "/"]
         if info_fd is not None:

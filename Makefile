@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-pods test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -100,11 +100,22 @@ sshd-env:
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server openssh-client \
 		dnsmasq-base; }
 
+# deploy/'s pods and Slurm job executed (tests/deploy/test_pods.py, runner tests/pods.py): every overlay's init
+# containers, containers, probes, preStop hooks and drain, and the sbatch's steps, in Linux namespaces built as the
+# kubelet, containerd and pyxis/enroot build them. Root, as CI runs: bubblewrap (the sandboxes), iproute2 (`ip netns`,
+# a pod's network), util-linux (setpriv, nsenter) from apt-get; the real sshd (sshd-env) and tritonserver (triton-env).
+PODS_TOOLS := /usr/bin/bwrap /usr/bin/setpriv /usr/bin/nsenter /usr/sbin/ip
+test-pods: venv triton-env deploy-env sshd-env
+	for t in $(PODS_TOOLS); do test -x $$t || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+		apt-get install -y -q --no-install-recommends bubblewrap iproute2 util-linux; break; }; done
+	$(BIN)/python -m pytest -q tests/deploy/test_pods.py
+
 test: venv triton-env deploy-env mpi-env sshd-env
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q tests --ignore=tests/deploy/test_pods.py
+	$(MAKE) test-pods
 	$(MAKE) test-tf457
 
 # One generation on the demo models (models/), printed as JSON with its statistics.

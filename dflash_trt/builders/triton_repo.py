@@ -323,11 +323,15 @@ def _target_model(repo: Path, src: Sources, opt: RepoOptions, feature_layer_ids:
     params = {
         "backend": src.target_backend,
         "engine_dir": "target",
-        "device": opt.device,
         "feature_layer_ids": list(feature_layer_ids),
         "threads": str(opt.threads),
         "session_ttl_s": "600",
     }
+    # The PyTorch target runs where --device says. The TensorRT-LLM target gets no device: its output layer (every
+    # round's verification matmul) belongs on the GPU its executor rank runs on (trtllm_backend.rank_device), which
+    # a written `device` would override.
+    if src.target_backend != "tensorrt_llm":
+        params["device"] = opt.device
     # One instance: the sequences' KV caches live in it (see dflash_trt.triton.remote). A call may carry several
     # sessions: one session_id / cache_length / rollback_to / length per session, token_ids split by token_lengths.
     # On a GPU it is pinned to GPU 0: a KIND_GPU group without `gpus` gets one instance per visible GPU, and a
@@ -460,6 +464,14 @@ def _ensemble(repo: Path, opt: RepoOptions, name: str = ENSEMBLE, bls: str = BLS
     )
 
 
+def _empty(folder: Path) -> None:
+    for child in folder.iterdir():
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child, ignore_errors=True)
+        else:
+            child.unlink(missing_ok=True)
+
+
 def write_repository(
     out: str | Path,
     *,
@@ -470,11 +482,14 @@ def write_repository(
     overwrite: bool = False,
 ) -> Path:
     out = Path(out)
-    if out.exists():
+    # The folder itself is kept and only its contents replaced: it may be a mount point (the Triton pod's `repo`
+    # emptyDir, deploy/k8s/triton), which no process can remove; an empty one is written into as it is.
+    created = not out.exists()
+    if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists (pass --force to replace it)")
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+        _empty(out)
+    out.mkdir(parents=True, exist_ok=True)
     try:
         if engines is not None:
             src = sources_from_engines(Path(engines))
@@ -494,8 +509,11 @@ def write_repository(
         _bls_model(out, options, meta, vocab, max_context, stop, dtype, name=BLS_SYNC, decoupled=False)
         _ensemble(out, options)
         _ensemble(out, options, name=ENSEMBLE_SYNC, bls=BLS_SYNC, stream=False)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
+    except BaseException:  # nothing half-written stays: a folder made here goes, a given one is emptied
+        if created:
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            _empty(out)
         raise
     finally:
         shutil.rmtree(out / ".drafter-onnx", ignore_errors=True)

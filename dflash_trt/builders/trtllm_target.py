@@ -102,6 +102,7 @@ WORKING_ROUTES = (
     "pytorch --config cfg.yaml`) or with this project's PyTorch engines (`dflash-trt serve --target T --drafter D`)"
 )
 FEATURES_MODEL_FILE = Path(__file__).with_name("trtllm_features.py")
+TIMING_CACHE_FILE = "model.cache"  # trtllm-build's timing cache, written into the converted checkpoint's folder
 TP_SIZES = (1, 2, 4, 8)
 # Engine dtypes whose context phase runs TensorRT-LLM's fused (paged) context FMHA, the only path on which KV
 # block reuse is correct (module docstring): attentionOp.cpp accepts kHALF and kBF16.
@@ -293,6 +294,12 @@ def build_command(spec: TargetBuildSpec) -> list[str]:
         str(spec.checkpoint_dir),
         "--output_dir",
         str(spec.engine_dir),
+        # the timing cache into the build's own scratch folder (removed with the converted checkpoint): by default
+        # trtllm-build writes `model.cache` into the working directory (tensorrt_llm/commands/build.py
+        # --output_timing_cache, BuildConfig.output_timing_cache in builder.py at 008b2b8d), which a pod's image
+        # WORKDIR or a read-only container root does not let it write, after the whole build
+        "--output_timing_cache",
+        str(spec.checkpoint_dir / TIMING_CACHE_FILE),
         # our subclass marks the feature layers and the final hidden state as outputs
         "--model_cls_file",
         str(FEATURES_MODEL_FILE),

@@ -53,7 +53,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
-        help="device of the PyTorch target (default cpu; cuda is written for but never run in this project: no GPU here)",
+        help="device of the PyTorch target (default cpu; cuda is written for but never run in this project: no GPU "
+        "here); a TensorRT-LLM target (--engines) runs its output layer on its executor's GPU whatever this says",
     )
     p.add_argument(
         "--symlink-weights",

@@ -4,6 +4,7 @@ The FAKE trtllm-build check (tests/fake_tensorrt.py) models the refusals of tens
 import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from fake_tensorrt import trtllm_build_refusals
@@ -254,3 +255,12 @@ def test_help_gives_the_tensor_parallel_launch_line(command, capsys):
     with pytest.raises(SystemExit):
         main([command, "--help"])
     assert "mpirun -n N --allow-run-as-root dflash-trt serve --engines engines" in capsys.readouterr().out
+
+
+def test_the_timing_cache_goes_into_the_builds_scratch_folder_never_the_working_directory():
+    """trtllm-build writes its timing cache to --output_timing_cache, default 'model.cache' relative to the working
+    directory (tensorrt_llm/commands/build.py, builder.py BuildConfig at 008b2b8d): a pod's image WORKDIR or a
+    read-only container root fails the build there, after the engines are made (tests/deploy/test_pods.py runs it)."""
+    plan = plan_target_build(spec(1))
+    cache = Path(flag(plan.commands[1], "--output_timing_cache"))
+    assert cache.is_absolute() and cache.parent == plan.spec.checkpoint_dir  # removed with it after the build

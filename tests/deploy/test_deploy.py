@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -612,11 +613,121 @@ def test_network_policies_cover_every_pod_and_open_only_the_serving_ports(render
                 else:
                     assert all(
                         "podSelector" in f
-                        and f["podSelector"]["matchLabels"]["app.kubernetes.io/name"].startswith("dflash-")
+                        and (
+                            f["podSelector"]["matchLabels"].get("app.kubernetes.io/name", "").startswith("dflash-")
+                            or f["podSelector"]["matchLabels"].get(LWS_NAME_LABEL) == "dflash-trt-group"
+                        )
                         or f.get("namespaceSelector", {}).get("matchLabels")
                         == {"kubernetes.io/metadata.name": "monitoring"}
                         for f in rule["from"]
                     ), (overlay, role, rule)
+
+
+# the labels the LWS controller gives the pods it creates (lws 060ab4d, api/leaderworkerset/v1 labels; its
+# hpaPodSelector selects the leaders by name + worker-index 0)
+LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+LWS_WORKER_INDEX_LABEL = "leaderworkerset.sigs.k8s.io/worker-index"
+
+
+def _admits(policy: dict, labels: dict, port: str) -> bool:
+    """Whether `policy` lets a pod with `labels` (in the same namespace) reach `port` of the pods it selects."""
+    for rule in policy["spec"]["ingress"]:
+        if "ports" in rule and port not in {p["port"] for p in rule["ports"]}:
+            continue
+        if "from" not in rule:
+            return True
+        for peer in rule["from"]:
+            if "podSelector" in peer and peer["podSelector"].get("matchLabels", {}).items() <= labels.items():
+                return True
+    return False
+
+
+def test_the_workers_sshd_admits_the_leaderworkersets_own_pods_only(rendered):
+    """Any pod of the namespace can be created with app.kubernetes.io/name=dflash-trt: the workers' sshd and the
+    ranks' ports admit only what the LWS controller labels its own pods with (issue 60)."""
+    workers = next(
+        p for p in kinds(rendered["multi-node"], "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-workers"
+    )
+    lws = one(rendered["multi-node"], "LeaderWorkerSet")["metadata"]["name"]
+    leader = {
+        "app.kubernetes.io/name": "dflash-trt",
+        "app.kubernetes.io/component": "server",
+        LWS_NAME_LABEL: lws,
+        LWS_WORKER_INDEX_LABEL: "0",
+    }
+    worker = leader | {"app.kubernetes.io/component": "worker", LWS_WORKER_INDEX_LABEL: "1"}
+    anyone = {"app.kubernetes.io/name": "dflash-trt", "app.kubernetes.io/component": "server"}
+    assert _admits(workers, leader, "ssh") and _admits(workers, worker, "29500")  # the launcher, the ranks
+    assert not _admits(workers, anyone, "ssh") and not _admits(workers, anyone, "29500")
+    servers = next(
+        p for p in kinds(rendered["multi-node"], "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-servers"
+    )
+    assert _admits(servers, worker, "29500") and not _admits(servers, anyone, "29500")
+
+
+def _render_with_settings(tmp_path, **settings) -> dict[str, list[dict]]:
+    """Every overlay rendered from a copy of deploy/k8s whose components/settings/settings.env sets `settings`."""
+    k8s = tmp_path / "k8s"
+    shutil.copytree(K8S, k8s)
+    env = k8s / "components" / "settings" / "settings.env"
+    lines = env.read_text().splitlines()
+    for key, value in settings.items():
+        lines = [f"{key}={value}" if line.startswith(f"{key}=") else line for line in lines]
+    env.write_text("\n".join(lines) + "\n")
+    out = {}
+    for overlay in OVERLAYS:
+        r = subprocess.run([str(tool("kubectl")), "kustomize", str(k8s / overlay)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        out[overlay] = [d for d in yaml.safe_load_all(r.stdout) if d]
+    return out
+
+
+def test_cluster_settings_set_the_storage_class_and_the_prometheus_namespace(rendered, tmp_path):
+    """The engines claim's storageClassName and the Prometheus namespace (the autoscalers' serverAddress, the Triton
+    metrics policy) come from one settings file, and nothing else in a render names `monitoring` (issue 60)."""
+    for overlay, docs in rendered.items():
+        claim = next(d for d in kinds(docs, "PersistentVolumeClaim") if d["metadata"]["name"] == "dflash-engines")
+        assert claim["spec"]["storageClassName"] == "dflash-rwx", overlay
+        assert not [d for d in docs if d["metadata"]["name"] == "dflash-settings"]  # local to the build
+    changed = _render_with_settings(tmp_path, **{"engines-storage-class": "efs-sc", "prometheus-namespace": "obs"})
+    for overlay, docs in changed.items():
+        claim = next(d for d in kinds(docs, "PersistentVolumeClaim") if d["metadata"]["name"] == "dflash-engines")
+        assert claim["spec"]["storageClassName"] == "efs-sc", overlay
+        for so in kinds(docs, "ScaledObject"):
+            assert {t["metadata"]["serverAddress"] for t in so["spec"]["triggers"]} == {
+                "http://prometheus-operated.obs.svc:9090"
+            }, overlay
+        # no namespace named `monitoring` left (the API group monitoring.coreos.com is not one)
+        assert not re.search(r"(?<![\w.])monitoring(?![\w.])", yaml.safe_dump_all(docs)), overlay
+    policy = one(changed["triton"], "NetworkPolicy")
+    assert {"kubernetes.io/metadata.name": "obs"} in [
+        f["namespaceSelector"]["matchLabels"] for r in policy["spec"]["ingress"] for f in r.get("from", [])
+    ]
+
+
+def test_the_batch_alert_is_the_batch_the_pods_can_run(rendered):
+    """DFlashBatchAbovePlan's threshold is the plan's largest concurrency for these pods: the server's --max-active
+    (serve.sh passes none unless DFLASH_SERVE_ARGS does), which the engine's max_batch_size also bounds. One above it
+    could never fire (issue 60: it was 64 with --max-active 8)."""
+    from dflash_trt.cli.main import build_parser
+
+    for overlay in ("single-node", "multi-node"):
+        docs = rendered[overlay]
+        rule = next(
+            r
+            for g in one(docs, "PrometheusRule")["spec"]["groups"]
+            for r in g["rules"]
+            if r.get("alert") == "DFlashBatchAbovePlan"
+        )
+        threshold = int(re.search(r">\s*(\d+)\s*$", rule["expr"].strip()).group(1))
+        for _, spec in pod_specs(docs):
+            for c in spec["containers"]:
+                env = _env(c)
+                if env.get("DFLASH_ROLE") == "worker":
+                    continue
+                argv = ["serve", *env.get("DFLASH_SERVE_ARGS", "").split()]
+                max_active = build_parser().parse_args(argv).max_active
+                assert threshold == max_active <= int(_engines_config(docs)["max_batch_size"]), (overlay, threshold)
 
 
 def _start_prestop(tmp_path, **env) -> subprocess.Popen:

@@ -76,6 +76,8 @@ def test_tp1_target_is_one_instance_pinned_to_gpu0_on_an_8_gpu_node(checkpoints,
     out = write_repository(tmp_path / "repo", engines=trtllm_engines(root, target, onnx_repo, tp=1))
     cfg = parse_config(out / "dflash_target" / "config.pbtxt")
     assert cfg.parameters["backend"].string_value == "tensorrt_llm"
+    # no `device`: the output layer runs on the executor rank's GPU (trtllm_backend.rank_device), never the CPU
+    assert "device" not in cfg.parameters
     assert triton_instances(cfg, visible_gpus=8) == ["gpu:0"]  # every call of a session meets its KV cache
     drafter = parse_config(out / "dflash_drafter" / "config.pbtxt")
     assert triton_instances(drafter, visible_gpus=8) == ["gpu:0"]  # beside the target's features

@@ -201,10 +201,11 @@ def test_leaving_out_increments_that_cannot_pay_never_lowers_the_choice(kind, mo
     pruned = 0
     real = adaptive._worth_keeping
 
-    def counting(gain, one_more, valid, *args):
+    def counting(g, *args):
         nonlocal pruned
-        drafts, one_pays = real(gain, one_more, valid, *args)
-        pruned += int((valid & ~(drafts[:, None] & (one_pays | (np.arange(gain.shape[1]) == 1))))[:, 1:].sum())
+        drafts, one_pays = real(g, *args)
+        kept = drafts[:, None] & (one_pays | (np.arange(g.gain.shape[1]) == 1))
+        pruned += int((g.valid & ~kept)[:, 1:].sum())
         return drafts, one_pays
 
     for _ in range(40):
@@ -217,7 +218,7 @@ def test_leaving_out_increments_that_cannot_pay_never_lowers_the_choice(kind, mo
             m.setattr(adaptive, "_worth_keeping", counting)
             got = choose_blocks(rows, cost, min_gain=gain)
         with monkeypatch.context() as m:  # every increment kept
-            m.setattr(adaptive, "_worth_keeping", lambda gain, one_more, valid, *a: (valid.any(axis=1), one_more >= 0))
+            m.setattr(adaptive, "_worth_keeping", lambda g, *a: (g.valid.any(axis=1), g.one_more >= 0))
             every = choose_blocks(rows, cost, min_gain=gain)
         assert _rate(rows, cost, got) >= _rate(rows, cost, every) * (1 - 1e-12)
     assert pruned > 0

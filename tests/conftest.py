@@ -1,4 +1,7 @@
+import inspect
+import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,82 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+from clocks import AdversarialClock  # noqa: E402
 from helpers import make_tiny_pair  # noqa: E402
+
+# The clock every decoder and cost grid a test builds without a clock of its own reads (tests/clocks.py):
+# "adversarial" (the default; "adversarial:SEED" draws other sequences): seeded random seconds between reads,
+# spanning 100x, so that a test whose outcome depends on timings fails on a quiet machine too, not only on a
+# busy one, and no other test's outcome can depend on the machine's load; "wall": the package's own default
+# (perf_counter). A test that means to read the wall clock says so: @pytest.mark.wall_clock.
+CLOCK = os.environ.get("DFLASH_TEST_CLOCK", "adversarial")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "wall_clock: the decoders and cost grids this test builds without a clock read the wall clock"
+    )
+    mode = CLOCK.partition(":")[0]
+    if mode not in ("adversarial", "wall"):
+        raise pytest.UsageError(f"DFLASH_TEST_CLOCK must be 'adversarial', 'adversarial:SEED' or 'wall', got {CLOCK!r}")
+
+
+def pytest_report_header(config):
+    return f"default clock of the decoders under test: {CLOCK} (DFLASH_TEST_CLOCK)"
+
+
+def _clock_defaults():
+    """The functions whose `clock` parameter defaults to the wall clock: the decoding loop (and through its
+    timings the chunk pacer, the proposers' prices and the adaptive policy's corrections; the server's decoder
+    takes the loaded decoder's clock) and the adaptive policy's start-up cost grid."""
+    from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder
+    from dflash_trt.decoding.cost import measure_costs
+
+    return [BatchDecoder.__init__, AdaptiveBlocks.measured.__func__, measure_costs]
+
+
+def _swap_default(monkeypatch, func, name, value):
+    """Make `value` the default of `func`'s parameter `name` for this test (restored after it)."""
+    param = inspect.signature(func).parameters.get(name)
+    if param is None or not (param.default is time.perf_counter or isinstance(param.default, AdversarialClock)):
+        raise RuntimeError(
+            f"{func.__qualname__} has no parameter {name!r} defaulting to time.perf_counter any more: "
+            "update tests/conftest.py's _clock_defaults to the functions that default to the wall clock now"
+        )
+    if param.kind is inspect.Parameter.KEYWORD_ONLY:
+        monkeypatch.setitem(func.__kwdefaults__, name, value)
+        return
+    positional = [p for p in inspect.signature(func).parameters.values() if p.kind is not p.KEYWORD_ONLY]
+    with_default = [p.name for p in positional if p.default is not p.empty]
+    defaults = list(func.__defaults__)
+    defaults[with_default.index(name)] = value
+    monkeypatch.setattr(func, "__defaults__", tuple(defaults))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _adversarial_default_clock_of_the_session():
+    """Under DFLASH_TEST_CLOCK=adversarial (the default), the decoders that fixtures of a wider scope than a test
+    build (a module's server) read an `AdversarialClock` of the session."""
+    mode, _, seed = CLOCK.partition(":")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        if mode == "adversarial":
+            clock = AdversarialClock.for_test("session", int(seed or 0))
+            for func in _clock_defaults():
+                _swap_default(monkeypatch, func, "clock", clock)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _adversarial_default_clock(request, monkeypatch):
+    """Under DFLASH_TEST_CLOCK=adversarial (the default), each test's decoders and cost grids built without a
+    clock read one `AdversarialClock` seeded by the test's id; under a test marked `wall_clock`, the wall clock."""
+    mode, _, seed = CLOCK.partition(":")
+    if mode == "adversarial":
+        wall = request.node.get_closest_marker("wall_clock") is not None
+        clock = time.perf_counter if wall else AdversarialClock.for_test(request.node.nodeid, int(seed or 0))
+        for func in _clock_defaults():
+            _swap_default(monkeypatch, func, "clock", clock)
+    yield
 
 
 @pytest.fixture(scope="session", params=["qwen3", "llama"])

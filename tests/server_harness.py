@@ -11,6 +11,7 @@ import time
 import httpx
 import pytest
 import uvicorn
+from clocks import priced_decoder
 from helpers import make_text_models
 
 from dflash_trt.loading import load_decoder
@@ -43,11 +44,12 @@ def running_server(decoder, **settings):
             raise RuntimeError("test server still running 15 s after it was told to exit")
 
 
-def server_fixtures(name: str, serve=None):
+def server_fixtures(name: str, serve=None, priced: bool = False):
     """A server test file's module-scoped fixtures: `models` (the tiny text pair, saved in a temp folder
-    named after `name`), `decoder` (loaded from them) and `server` (the base url of serve(decoder), a
-    context manager yielding (url, _); running_server by default). Bind them at module level:
-    `models, decoder, server = server_fixtures("server")`."""
+    named after `name`), `decoder` (loaded from them; with `priced`, its engines priced on a virtual clock,
+    `clocks.priced_decoder`, for tests whose outcome depends on the server's priced choices) and `server` (the
+    base url of serve(decoder), a context manager yielding (url, _); running_server by default). Bind them at
+    module level: `models, decoder, server = server_fixtures("server")`."""
 
     @pytest.fixture(scope="module")
     def models(tmp_path_factory):
@@ -55,7 +57,8 @@ def server_fixtures(name: str, serve=None):
 
     @pytest.fixture(scope="module")
     def decoder(models):
-        return load_decoder(*models)
+        loaded = load_decoder(*models)
+        return priced_decoder(loaded) if priced else loaded
 
     @pytest.fixture(scope="module")
     def server(decoder):

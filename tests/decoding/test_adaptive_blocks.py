@@ -453,19 +453,19 @@ def test_acceptance_tracker_falls_and_recovers():
 
 
 def test_decoder_refits_its_cost_model_online(tiny_pair):
-    """With refit_every, the batched step feeds its observed passes back into the cost model."""
+    """With refit_every, the batched step feeds its observed passes back into the cost model. The passes take what
+    a simulated CPU charges for them (`priced_engines`), on a virtual clock: the seconds observed are the same on
+    any machine."""
+    from clocks import priced_engines
 
     from dflash_trt.decoding import AdaptiveBlocks, BatchDecoder, GenerationConfig
     from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngine
 
     _, _, _, model, drafter = tiny_pair
-    target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    real = TorchTargetEngine(model, drafter.spec.target_layer_ids)
+    target, drafter_engine, clock = priced_engines(real, TorchDrafterEngine.for_target(drafter, real))
     cost = CostModel(EngineCost(1e-2, 0.0, 1e-6), EngineCost(1e-3, 0.0, 1e-7))
-    dec = BatchDecoder(
-        target,
-        TorchDrafterEngine.for_target(drafter, target),
-        policy=AdaptiveBlocks(cost, refit_every=4),
-    )
+    dec = BatchDecoder(target, drafter_engine, policy=AdaptiveBlocks(cost, refit_every=4), clock=clock)
     dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
     seen = cost._seen["target"]
     assert len(seen) >= 16 and all(s > 0 for _, _, s in seen)

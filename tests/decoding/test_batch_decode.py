@@ -4,6 +4,7 @@ tokens alone or in a batch, and the sampling distribution stays exact (chi-squar
 
 import pytest
 import torch
+from clocks import StoppedClock
 from helpers import NoisyOracleDrafter, generate_one, sequence_engines
 from test_spec import SETTINGS, V, chi_square_pvalue, exact_joint
 from tiny_models import make_tiny_drafter, make_tiny_target
@@ -75,7 +76,9 @@ def test_greedy_with_long_acceptances_and_rows_joining_and_leaving(tiny_pair, ad
     ]
     target = TorchTargetEngine(model, (0,))
     cost = CostModel(EngineCost(1e-3, 1e-4, 2e-5), EngineCost(5e-4, 1e-4, 1e-5)) if adaptive else None
-    dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())
+    # no time passes (`StoppedClock`): the policy chooses by the cost model as given, no timing corrects it
+    policy = AdaptiveBlocks(cost) if adaptive else FixedBlocks()
+    dec = BatchDecoder(target, OracleBatch(oracles), policy=policy, clock=StoppedClock())
     rows = [
         dec.add(prompts[0], GenerationConfig(max_new_tokens=n)),
         dec.add(prompts[1], GenerationConfig(max_new_tokens=n, block_size=4)),
@@ -158,7 +161,9 @@ def test_probes_keep_a_pessimistic_estimate_from_freezing(tiny_pair, probe_every
     target = TorchTargetEngine(model, (0,))
     cost = CostModel(EngineCost(1e-3, 1e-4, 2e-4), EngineCost(2e-3, 1e-4, 1e-5))
     oracles = [NoisyOracleDrafter(ref, len(prompt), 96, 16, 1.0, seed=i, feature_layer_ids=(0,)) for i in range(4)]
-    dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost, probe_every=probe_every))
+    dec = BatchDecoder(
+        target, OracleBatch(oracles), policy=AdaptiveBlocks(cost, probe_every=probe_every), clock=StoppedClock()
+    )
     dec.policy.prior = AcceptancePrior(start=0.02)  # as if earlier requests had measured a useless drafter
     results = [dec.generate([prompt], GenerationConfig(max_new_tokens=n))[0] for _ in oracles]  # one after another
     assert all(r.token_ids == ref for r in results)
@@ -185,6 +190,7 @@ def test_probes_back_off_while_they_miss(tiny_pair):
         target,
         OracleBatch([NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=0, feature_layer_ids=(0,))]),
         policy=AdaptiveBlocks(cost, probe_every=4),
+        clock=StoppedClock(),  # the cost model as given: drafting never pays
     )
     dec.policy.prior = AcceptancePrior(start=0.02)
     row = dec.add(prompt, GenerationConfig(max_new_tokens=n))
@@ -212,7 +218,8 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
     oracles = [
         NoisyOracleDrafter(ref, len(prompt), 96, 16, 0.0, seed=i, feature_layer_ids=(0,)) for i in range(requests)
     ]
-    dec = BatchDecoder(target, OracleBatch(oracles), policy=AdaptiveBlocks(cost, probe_every=4, max_probe_backoff=3))
+    policy = AdaptiveBlocks(cost, probe_every=4, max_probe_backoff=3)
+    dec = BatchDecoder(target, OracleBatch(oracles), policy=policy, clock=StoppedClock())  # the cost as given
     dec.policy.prior = AcceptancePrior(start=0.02)
     drafted_at, probed_requests = [], 0
     for _ in range(requests):
@@ -235,11 +242,13 @@ def test_a_regime_whose_probes_miss_is_probed_less_across_requests_but_never_sto
 def batched_counts(model, drafter, prompt, setting, acceptance, adaptive=False):
     """N_SAMPLES seeded rows, 400 per batch, next to rows of other lengths and settings."""
     target, drafter_engine = torch_engines(model, drafter)
-    # a memory-bound target (tokens nearly free) so the policy drafts; sizes then follow each row's history
+    # a memory-bound target (tokens nearly free) so the policy drafts; sizes then follow each row's history (no time
+    # passes, `StoppedClock`: no timing of this machine corrects the cost model)
     cost = CostModel(EngineCost(1e-2, 0.0, 1e-6), EngineCost(1e-3, 0.0, 1e-7)) if adaptive else None
     counts, accepted = {}, 0
     for start in range(0, N_SAMPLES, 400):
-        dec = BatchDecoder(target, drafter_engine, policy=AdaptiveBlocks(cost) if adaptive else FixedBlocks())
+        policy = AdaptiveBlocks(cost) if adaptive else FixedBlocks()
+        dec = BatchDecoder(target, drafter_engine, policy=policy, clock=StoppedClock())
         rows = []
         for seed in range(start, start + 400):
             rows.append(

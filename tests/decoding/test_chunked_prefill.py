@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+from clocks import StoppedClock
 from helpers import _WrappedDrafter, _WrappedDrafterSession
 from test_batch_decode import random_prompts, reference, torch_engines
 
@@ -78,7 +79,9 @@ def test_greedy_rows_joining_mid_stream_equal_the_target_alone(tiny_pair, prefil
 
 def test_a_row_mid_prompt_is_not_drafted_for_and_the_drafter_gets_every_prompt_feature(tiny_pair):
     """The drafter's first draft for a chunked row takes the features of the whole prompt, equal to what one
-    whole-prompt pass gives (up to float rounding), and no draft comes before the prompt is all in."""
+    whole-prompt pass gives (up to float rounding), and no draft comes before the prompt is all in. No time passes
+    (`StoppedClock`): the pacer has no seconds to bound a step by, so the budget alone cuts the prompt (on the wall
+    clock a prefill that a busy machine slowed made the pacer cut it further, into one step more)."""
     family, _, _, model, drafter = tiny_pair
     rng = torch.Generator().manual_seed(6)
     streaming = random_prompts(rng, 2)
@@ -87,7 +90,7 @@ def test_a_row_mid_prompt_is_not_drafted_for_and_the_drafter_gets_every_prompt_f
     for prefill in ("separate", "chunked"):
         target, real = torch_engines(model, drafter)
         spy = SpyDrafter(real)
-        dec = BatchDecoder(target, spy, prefill=prefill, step_tokens=20)
+        dec = BatchDecoder(target, spy, prefill=prefill, step_tokens=20, clock=StoppedClock())
         cfg = GenerationConfig(max_new_tokens=12, block_size=4)
         others = [dec.add(p, cfg) for p in streaming]
         dec.step()

@@ -6,6 +6,7 @@ import random
 
 import pytest
 import torch
+from clocks import StoppedClock
 from helpers import generate_one
 from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, exact_joint, sharp_pair  # noqa: F401
 
@@ -165,7 +166,8 @@ def _repetitive(rng: torch.Generator) -> list[int]:
 def test_greedy_equals_target_alone_with_every_proposer(tiny_pair, proposer):
     family, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    # unpriced (no time passes, `StoppedClock`): a row drafts whenever a suffix matches, whatever the machine's load
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target), clock=StoppedClock())
     base = BatchDecoder(TorchTargetEngine(model))
     rng = torch.Generator().manual_seed(5)
     by: dict[str, int] = {}
@@ -200,7 +202,7 @@ def test_batched_rows_of_different_proposers_each_equal_the_target_alone(tiny_pa
 
 def test_a_target_without_a_drafter_gets_suffix_runs(tiny_pair):
     _, _, _, model, _ = tiny_pair
-    alone = BatchDecoder(TorchTargetEngine(model))
+    alone = BatchDecoder(TorchTargetEngine(model), clock=StoppedClock())  # unpriced: a match is drafted
     prompt = [5, 6, 7, 8, 9, 10] * 3
     expected = generate_one(alone, prompt, GenerationConfig(max_new_tokens=30)).token_ids
     for proposer in ("suffix", "hybrid"):
@@ -215,7 +217,7 @@ def test_a_step_where_no_row_takes_a_dflash_block_makes_no_drafter_call(tiny_pai
     _, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     counting = CountingDrafter(TorchDrafterEngine.for_target(drafter, target))
-    dec = BatchDecoder(target, counting)
+    dec = BatchDecoder(target, counting, clock=StoppedClock())  # unpriced: a match is drafted
     generate_one(dec, [3, 4, 5] * 4, GenerationConfig(max_new_tokens=20, proposer="suffix"))
     assert counting.tokens_handed == []  # a suffix row holds no drafter row
     got = generate_one(dec, [3, 4, 5, 6] * 6, GenerationConfig(max_new_tokens=40, proposer="hybrid"))
@@ -226,14 +228,15 @@ def test_a_step_where_no_row_takes_a_dflash_block_makes_no_drafter_call(tiny_pai
 
 def test_a_later_request_drafts_from_an_earlier_ones_output(tiny_pair):
     _, _, _, model, _ = tiny_pair
-    alone = BatchDecoder(TorchTargetEngine(model))
+    # unpriced (no time passes): a row drafts whenever a suffix matches, so what it accepts is the matches' doing
+    alone = BatchDecoder(TorchTargetEngine(model), clock=StoppedClock())
     prompt = list(range(10, 40))  # no repeat inside: only the shared automaton can propose
     config = GenerationConfig(max_new_tokens=40, proposer="suffix")
     expected = generate_one(alone, prompt, GenerationConfig(max_new_tokens=40)).token_ids
     first, again = generate_one(alone, prompt, config), generate_one(alone, prompt, config)
     assert first.token_ids == again.token_ids == expected
     assert again.stats.accepted_by.get("suffix", 0) > first.stats.accepted_by.get("suffix", 0)
-    no_shared = BatchDecoder(TorchTargetEngine(model), shared_suffix_tokens=0)
+    no_shared = BatchDecoder(TorchTargetEngine(model), shared_suffix_tokens=0, clock=StoppedClock())
     generate_one(no_shared, prompt, config)
     alone_again = generate_one(no_shared, prompt, config)  # per request only: the first output is not seen
     assert alone_again.stats.accepted_by.get("suffix", 0) < again.stats.accepted_by.get("suffix", 0)
@@ -321,10 +324,11 @@ def test_a_benchmark_run_never_reads_an_earlier_runs_output_of_the_same_prompt(t
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
 def test_a_fixed_block_size_bounds_suffix_runs_too(tiny_pair, proposer):
     """block_size 1 is the target alone whatever the proposer (`serve --block-size 1`, the benchmarks' baseline);
-    a fixed block of 3 verifies at most 2 suffix drafts a round; the output stays the target's."""
+    a fixed block of 3 verifies at most 2 suffix drafts a round; the output stays the target's. Unpriced (no time
+    passes): a row drafts whenever a suffix matches, so the block is what bounds its runs."""
     _, _, _, model, drafter = tiny_pair
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
-    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
+    spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target), clock=StoppedClock())
     base = BatchDecoder(TorchTargetEngine(model))
     prompt = [5, 6, 7, 8, 9, 10, 11] * 4
     expected = generate_one(base, prompt, GenerationConfig(max_new_tokens=30)).token_ids

@@ -9,7 +9,9 @@ from server_harness import metric, running_server, scrape, server_fixtures
 from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding.proposers import PROPOSERS
 
-models, decoder, server = server_fixtures("server-proposers")
+# whether a request's suffix runs are verified is a priced choice (the server's start-up cost grid, its steps'
+# seconds): the engines are priced on a virtual clock, so the choice is the same on a busy machine
+models, decoder, server = server_fixtures("server-proposers", priced=True)
 PROMPT = [5, 6, 7, 8, 9, 10, 11] * 3  # repeats: suffix runs fire from the first round
 
 

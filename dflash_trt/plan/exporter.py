@@ -24,7 +24,9 @@ so vllm:spec_decode_num_accepted_tokens_per_pos is absent, as on an engine witho
 Polling: every `poll_s` seconds in the background and once more at each scrape, so totals are current when read
 and the engine's queue (the last max_stats_len iterations, 1000 by default) is drained well before it overflows;
 a poll that returns that many iterations may have lost older ones, counted in dflash_trtllm_full_polls_total.
-A scrape whose poll fails (trtllm-serve down) answers 500, so Prometheus' `up` turns 0 rather than the series
+An engine that ran no iteration for IDLE_S seconds runs nothing: its running and waiting gauges read 0 then, as
+vLLM's do when idle (trtllm-serve publishes no iteration while idle, so the last one's counts would otherwise stay
+and keep the autoscaler and the batch alert busy). A scrape whose poll fails (trtllm-serve down) answers 503, so Prometheus' `up` turns 0 rather than the series
 going flat. The totals live in this process: a restarted sidecar starts from 0, which Prometheus' rate() reads
 as a counter reset.
 """
@@ -56,14 +58,18 @@ VLLM_COUNTERS = {
 }
 VLLM_RUNNING, VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
 FULL_POLLS = "dflash_trtllm_full_polls"
+IDLE_S = 5.0  # an iteration takes milliseconds to about a second: none for this long is an idle engine
 
 
 class TrtllmTotals(Collector):
     """Running totals of trtllm-serve's iteration statistics, exposed as the vLLM series above."""
 
-    def __init__(self, url: str, get: Callable[[str], str] = metrics.fetch):
+    def __init__(
+        self, url: str, get: Callable[[str], str] = metrics.fetch, clock: Callable[[], float] = time.monotonic
+    ):
         self.url = metrics.metrics_url(url)
-        self.get = get
+        self.get, self.clock = get, clock
+        self.last_iteration_at = clock()
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
         self.running: float | None = None
@@ -75,7 +81,8 @@ class TrtllmTotals(Collector):
         """Drain trtllm-serve's queue once and add what it held; returns the iterations read (MetricsError on an
         unreachable engine or a body that is not the JSON list)."""
         with self.lock:
-            sample = metrics.read_trtllm(self.get(self.url), time.monotonic())
+            now = self.clock()
+            sample = metrics.read_trtllm(self.get(self.url), now)
             for it in sample.iterations:
                 spec = it.get(metrics.TRTLLM_SPEC) or {}
                 gen = (it.get("inflightBatchingStats") or {}).get("numGenRequests", 0)
@@ -87,6 +94,9 @@ class TrtllmTotals(Collector):
                 newest = max(sample.iterations, key=lambda i: i.get("iter", 0))
                 self.running = float(newest.get(metrics.TRTLLM_ACTIVE, 0))
                 self.waiting = float(newest.get("numQueuedRequests", 0))
+                self.last_iteration_at = now
+            elif self.running is not None and now - self.last_iteration_at >= IDLE_S:
+                self.running = self.waiting = 0.0
             self.iterations += len(sample.iterations)
             if len(sample.iterations) >= metrics.TRTLLM_STATS_KEPT:
                 self.full_polls += 1
@@ -169,14 +179,16 @@ def serve(
     api_key: str | None,
     ready: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> None:
-    """Serve until `stop` is set (or forever): polls every poll_s seconds in the background (0: at scrapes only)."""
+    """Serve until `stop` is set (or forever): polls every poll_s seconds in the background (0: at scrapes only);
+    `clock` times the idle rule (IDLE_S)."""
     from socketserver import ThreadingMixIn
 
     class Server(ThreadingMixIn, _Threading):
         pass
 
-    totals = TrtllmTotals(url)
+    totals = TrtllmTotals(url, clock=clock)
     stop = stop or threading.Event()
     httpd = make_server(host, port, app(totals, api_key), server_class=Server, handler_class=_Quiet)
 

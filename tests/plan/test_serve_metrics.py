@@ -54,13 +54,14 @@ def engine(bodies):
 
 @contextmanager
 def sidecar(url, api_key=None):
-    """The exporter on a real port (polling only at scrapes: the test decides when iterations are read)."""
+    """The exporter on a real port (polling only at scrapes: the test decides when iterations are read; its idle
+    rule on a stopped clock, so no pause of a busy machine reads as an idle engine)."""
     stop, port = threading.Event(), []
     ready = threading.Event()
     thread = threading.Thread(
         target=exporter.serve,
         args=(url, "127.0.0.1", 0, 0.0, api_key),
-        kwargs={"ready": lambda p: (port.append(p), ready.set()), "stop": stop},
+        kwargs={"ready": lambda p: (port.append(p), ready.set()), "stop": stop, "clock": lambda: 0.0},
         daemon=True,
     )
     thread.start()
@@ -125,6 +126,23 @@ def test_series_equal_the_json_stats_over_a_scripted_run():
     assert [s["vllm:num_requests_running"] for s in seen] == [4, 4, 12, 2]
     assert [s["vllm:num_requests_waiting"] for s in seen] == [0, 0, 0, 5]
     assert all(s["dflash_trtllm_full_polls_total"] == 0 for s in seen)
+
+
+def test_an_engine_idle_for_idle_s_reads_nothing_running():
+    """trtllm-serve publishes no iteration while idle: empty polls keep the newest counts until IDLE_S has passed
+    on the exporter's clock without an iteration, then the gauges read 0 (the counters keep their totals)."""
+    bodies = iter([json.dumps(trtllm_iterations(3.0, 7, 4, 2)), "[]", "[]", "[]"])
+    now = [0.0]
+    totals = exporter.TrtllmTotals("http://engine:8000", get=lambda url: next(bodies), clock=lambda: now[0])
+    totals.poll()
+    running = totals.running
+    assert running is not None and running > 0
+    now[0] = exporter.IDLE_S / 2
+    totals.poll()
+    assert totals.running == running
+    now[0] = exporter.IDLE_S
+    totals.poll()
+    assert totals.running == 0.0 and totals.waiting == 0.0 and totals.totals["drafts"] > 0
 
 
 def test_no_gauge_before_any_iteration_and_a_full_poll_is_counted():

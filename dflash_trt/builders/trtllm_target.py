@@ -24,8 +24,8 @@ Why this design (each point read in the TensorRT-LLM 1.2 sources; see also docs/
     Executor then switches reuse off itself (cpp/tensorrt_llm/batch_manager/trtGptModelInflightBatching.cpp
     fixExecutorConfig at b35ac1b64368513d215c57d2ed01d62d910df8da: "KV cache reuse disabled because model was not
     built with paged context FMHA support"); every round then re-runs the whole sequence, exact but slower.
-    trtllm-build keeps the flag as given for fp32 (tensorrt_llm/commands/build.py at
-    65f1d1536e18aea3380e6e270e00895a709333eb turns it off only for FP8 KV caches), so the builder must choose.
+    trtllm-build keeps the flag as given for fp32 (tensorrt_llm/builder.py build() adjusts it only for FP8 and
+    int8 KV caches, and forces it on for EAGLE), so the builder must choose.
   * `--max_num_tokens >= --max_seq_len`: without chunked context the runtime accepts prompts of at most
     min(max_seq_len - 1, max_num_tokens) tokens (`cpp/tensorrt_llm/batch_manager/trtGptModel.h`); the engine
     advertises exactly that as its `max_context`.

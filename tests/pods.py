@@ -9,6 +9,8 @@ What it applies, and where each rule comes from:
   image's USER 10001 and ENV (DFLASH_TRT_MODELS, PATH); HOME from /etc/passwd for the process's uid (runc);
   the project's Python environments at their paths, dflash_trt resolving to the image's /app copy; the labelled
   STAND-INS of tests/pods_image/ where NVIDIA's image has TensorRT-LLM and a GPU;
+- the NGC TensorRT-LLM image's `trtllm-serve`: the STAND-IN tests/pods_image/bin/trtllm-serve, which runs
+  tests/fake_trtllm_serve.py with the container's arguments (the YAML checked against llm_args.py's record);
 - a pod: its own network namespace (`ip netns`), shared by its containers; the hostname; /etc/hosts as the
   kubelet writes it (a group's peers added: cluster DNS here is a hosts file, tests/deploy/test_netns_launch.py runs a
   real resolver); the pod's runAsUser / runAsGroup / fsGroup / supplementalGroups (the kubelet adds fsGroup to the
@@ -169,6 +171,7 @@ class Image:
         # the stand-ins where NVIDIA's image has TensorRT-LLM (tests/pods_image/README.md)
         shutil.copytree(STANDINS, r / "opt/trtllm-standin", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(ROOT / "tests/fake_tensorrt.py", r / "opt/trtllm-standin/site/fake_tensorrt.py")
+        shutil.copy2(ROOT / "tests/fake_trtllm_serve.py", r / "opt/trtllm-standin/fake_trtllm_serve.py")
         mpirun = shutil.which("mpirun")
         if mpirun:  # dirname "$(dirname "$(readlink -f "$(command -v mpirun)")")" > /etc/dflash-mpi-prefix
             (r / "etc/dflash-mpi-prefix").write_text(str(Path(os.path.realpath(mpirun)).parent.parent) + "\n")
@@ -192,6 +195,9 @@ class Image:
                 os.chmod(r / "root", 0o711)  # traversable to reach it, as /usr is in NVIDIA's image
         for package in _editable_roots():
             (r / str(package).lstrip("/")).mkdir(parents=True, exist_ok=True)
+            # the stand-in trtllm-serve's record of llm_args.py, where dflash_trt (REPO_ROOT/data/upstream) reads it
+            dst = r / str(package.parent / "data/upstream").lstrip("/")
+            shutil.copytree(ROOT / "data/upstream", dst, dirs_exist_ok=True)
         _triton_layout(r, work)
         path = f"/opt/trtllm-standin/bin:{VENVS[0]}/bin:/opt/tritonserver-env/bin:/usr/local/sbin:/usr/local/bin"
         path += ":/usr/sbin:/usr/bin:/sbin:/bin"

@@ -136,7 +136,15 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
         key = exporter.read_key(args.api_key_file)
     except (OSError, ValueError) as e:
         raise CliError(f"--api-key-file: {e}") from None
-    exporter.serve(args.url, args.host, args.serve_metrics, args.poll, key)
+    # SIGTERM (the kubelet's stop, scancel's) ends the server and exits 0. A handler is required, not a nicety: as a
+    # container's first process (PID 1 of its PID namespace) the default action of SIGTERM is to ignore it, and the
+    # pod would wait out its whole grace period for the SIGKILL.
+    import signal
+    import threading
+
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    exporter.serve(args.url, args.host, args.serve_metrics, args.poll, key, stop=stop)
     return 0
 
 

@@ -1,7 +1,8 @@
 """deploy/'s pods and Slurm job, executed (`make test-pods`; tests/pods.py is the runner and says what it applies):
 every overlay renders with kubectl kustomize, and each pod's init containers, containers, probes, preStop hooks and
 drain run in a sandbox built as the kubelet and containerd build one; the sbatch script runs with pyxis' and enroot's
-defaults. TensorRT-LLM, trtllm-build and the GPU are the labelled stand-ins of tests/pods_image/.
+defaults; the trtllm-serve overlays are filled from a plan first (`dflash-trt plan overlay`). TensorRT-LLM,
+trtllm-build, trtllm-serve and the GPU are the labelled stand-ins of tests/pods_image/.
 
 One "namespace" (Cluster) holds the operator's objects: the checkpoints claim (a tiny random pair whose heads split
 at tp 8), the engines share (owned by uid/gid 10001, mode 0755, as deploy/README.md tells operators to make it), the
@@ -11,6 +12,7 @@ API key and the launcher's ssh keys. Needs root, bubblewrap, `ip netns`, sshd (`
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -19,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from pods import ROOT, Cluster, Image, Pod, PodFailed, SlurmJob, config_maps, new_work, pod_templates, render
 
 K8S = ROOT / "deploy" / "k8s"
@@ -158,3 +161,108 @@ def test_the_slurm_job_builds_serves_and_drains(cluster):
         assert [s["rc"] for s in job.steps] == [[0], [0]], job.log.read_text()
     finally:
         job.close()
+
+
+def _filled_trtllm_serve(work: Path) -> Path:
+    """deploy/k8s copied without its generated files, the trtllm-serve overlay filled as an operator fills it:
+    `dflash-trt plan` (a small plan of the demo pair, as tests/deploy/test_trtllm_overlay.py makes one), then
+    `dflash-trt plan overlay`. Returns the copy's k8s folder."""
+    from dflash_trt.cli.main import main
+    from dflash_trt.settings import DEMO_DRAFTER
+
+    k8s = work / "k8s"
+    shutil.copytree(K8S, k8s, ignore=shutil.ignore_patterns("trtllm-serve.yaml", "plan-alerts.env"))
+    plan = work / "plan"
+    args = ["plan", "--out", str(plan), "--no-progress", "--drafter", str(DEMO_DRAFTER), "--concurrency", "1,8"]
+    assert main([*args, "--min-requests", "8", "--prompt-len", "fixed:64", "--output-len", "fixed:48"]) == 0
+    assert main(["plan", "overlay", "--plan", str(plan), "--out", str(k8s / "trtllm-serve")]) == 0
+    return k8s
+
+
+# what the pod's network runs against the two containers: completions on trtllm-serve's port, then the exporter's
+# /metrics without the key (its status) and with it, until the exporter has polled every round the completions made
+_CLIENT = """
+import json, sys, time, urllib.error, urllib.request
+http, metrics, key, n, tokens, rounds = sys.argv[1:]
+for _ in range(int(n)):
+    body = json.dumps({"prompt": "a", "max_tokens": int(tokens)}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{http}/v1/completions", body, {"Content-Type": "application/json"})
+    urllib.request.urlopen(req, timeout=30).read()
+try:
+    urllib.request.urlopen(f"http://127.0.0.1:{metrics}/metrics", timeout=10)
+    anonymous = 200
+except urllib.error.HTTPError as e:
+    anonymous = e.code
+end = time.monotonic() + 30
+while True:
+    req = urllib.request.Request(f"http://127.0.0.1:{metrics}/metrics", headers={"Authorization": f"Bearer {key}"})
+    text = urllib.request.urlopen(req, timeout=10).read().decode()
+    done = f"vllm:spec_decode_num_drafts_total {float(rounds)}" in text
+    if done or time.monotonic() > end:
+        break
+    time.sleep(0.5)
+print(json.dumps({"anonymous": anonymous, "metrics": text}))
+"""
+
+
+@pytest.fixture(scope="module")
+def trtllm_serve(cluster) -> tuple[Path, Path]:
+    """The filled deploy/k8s copy (_filled_trtllm_serve), and a checkpoints claim holding the pair its plan was made
+    for (the demo pair; the cluster's tiny pair is the engine builds')."""
+    k8s = _filled_trtllm_serve(cluster.work / "trtllm-serve")
+    demo = cluster.work / "pv" / "demo-checkpoints"
+    for name in ("target", "drafter"):
+        shutil.copytree(ROOT / "models" / name, demo / name)
+    subprocess.run(["chmod", "-R", "a+rX", str(demo)], check=True)
+    return k8s, demo
+
+
+def test_the_trtllm_serve_pod_serves_with_the_stand_in_its_exporter_scrapes_and_it_drains(cluster, trtllm_serve):
+    """The trtllm-serve overlay's pod, filled from a plan and rendered: trtllm-serve (the stand-in, on the demo pair
+    in the checkpoints claim, the YAML from the ConfigMap) and the serve-metrics sidecar as written, to ready on
+    their probes; completions served; the sidecar's /metrics refused without the API key and, with it, the series
+    the stand-in's iteration statistics make; then preStop and SIGTERM, both exiting 0 within the grace period."""
+    k8s, demo = trtllm_serve
+    docs = render(k8s / "trtllm-serve")
+    spec = pod_templates(docs)["single"]
+    (config,) = [v["configMap"]["name"] for v in spec["volumes"] if v["name"] == "config"]  # its hashed name
+    served_yaml = yaml.safe_load(config_maps(docs)[config]["trtllm-serve.yaml"])
+    assert served_yaml["speculative_config"]["speculative_model"] == "/checkpoints/drafter"
+    claims = {"dflash-checkpoints": demo}
+    served = Cluster(cluster.work, cluster.image, config_maps(docs), cluster.secrets, claims)
+    key = cluster.secrets["dflash-api-key"]["key"].decode().strip()
+    # the stand-in drafts max_draft_len a round and accepts half of them (FAKE_TRTLLM_ACCEPT's default), one round
+    # of 1 + accepted tokens; requests one at a time (batch 1, below every scheduled size)
+    k = int(served_yaml["speculative_config"]["max_draft_len"])
+    accepted, requests, tokens = k // 2, 4, 32
+    rounds = requests * math.ceil(tokens / (1 + accepted))
+    with Pod(served, "dflash-trt-serve-0", spec) as pod:
+        pod.start()
+        took = pod.wait_ready()
+        assert set(took) == {"trtllm-serve", "serve-metrics"}
+        argv = [str(requests), str(tokens), str(rounds)]
+        client = ["ip", "netns", "exec", pod.netns, "/usr/bin/python3", "-c", _CLIENT, "8000", "9400", key, *argv]
+        r = subprocess.run(client, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr + pod.procs["trtllm-serve"].tail() + pod.procs["serve-metrics"].tail()
+        seen = json.loads(r.stdout)
+        codes = pod.stop()
+    assert codes == {"trtllm-serve": 0, "serve-metrics": 0}, pod.log.read_text()
+    assert seen["anonymous"] == 401
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {s.name: s.value for f in text_string_to_metric_families(seen["metrics"]) for s in f.samples}
+    assert got["vllm:spec_decode_num_drafts_total"] == rounds
+    assert got["vllm:spec_decode_num_draft_tokens_total"] == rounds * k
+    assert got["vllm:spec_decode_num_accepted_tokens_total"] == rounds * accepted
+    assert got["vllm:generation_tokens_total"] == requests * tokens
+
+
+def test_the_trtllm_serve_groups_worker_serves_sshd_and_drains(cluster, trtllm_serve):
+    """The multi-node trtllm-serve overlay's worker pod (over the filled one-node overlay): trtllm-group.sh as a
+    worker, root for sshd only, to live on its ssh port's probe, then SIGTERM ends sshd with 0 in the grace period.
+    The leader's launch (ssh, mpirun, trtllm-serve across the group) is not run here."""
+    k8s, demo = trtllm_serve
+    docs = render(k8s / "trtllm-serve-multi-node")
+    served = Cluster(cluster.work, cluster.image, config_maps(docs), cluster.secrets, {"dflash-checkpoints": demo})
+    with Pod(served, "dflash-trt-serve-group-0-1", pod_templates(docs)["worker"]) as worker:
+        assert _serves_and_drains(worker) == {"worker": 0}, worker.procs["worker"].tail()

@@ -15,6 +15,7 @@ exporter sidecar, each with the command line the rendered Deployment gives it.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import socket
 import subprocess
@@ -439,6 +440,38 @@ def test_the_multi_node_variant_renders_validates_and_keeps_the_rules(multi, fil
     leader = {c["name"]: c for c in lwt["leaderTemplate"]["spec"]["containers"]}["leader"]
     env = {e["name"]: e.get("value") for e in leader["env"]}
     assert int(env["DFLASH_GPUS_PER_POD"]) == int(leader["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def _exporter_namespaces(docs) -> list[dict]:
+    (policy,) = [p for p in kinds(docs, "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-exporter"]
+    return [f["namespaceSelector"]["matchLabels"] for r in policy["spec"]["ingress"] for f in r.get("from", [])]
+
+
+def test_the_prometheus_namespace_is_the_cluster_settings(filled, multi, k8s_copy, tmp_path):
+    """Both trtllm-serve overlays take the Prometheus namespace (the autoscaler's serverAddress, the exporter port's
+    NetworkPolicy) from components/settings/settings.env, as every other overlay does, and no render names
+    `monitoring` once that file names another namespace (issue 60's rule)."""
+    for docs in (filled[1], multi):
+        assert _exporter_namespaces(docs) == [{"kubernetes.io/metadata.name": "monitoring"}]  # the default
+        assert not [d for d in docs if d["metadata"]["name"] == "dflash-settings"]  # local to the build
+    k8s = tmp_path / "k8s"
+    shutil.copytree(k8s_copy, k8s)  # filled: its trtllm-serve.yaml and plan-alerts.env come along
+    env = k8s / "components" / "settings" / "settings.env"
+    lines = env.read_text().splitlines()
+    env.write_text(
+        "\n".join("prometheus-namespace=obs" if ln.startswith("prometheus-namespace=") else ln for ln in lines)
+    )
+    for overlay in (OVERLAY, MULTI):
+        r = render(k8s, overlay)
+        assert r.returncode == 0, r.stderr
+        docs = [d for d in yaml.safe_load_all(r.stdout) if d]
+        assert _exporter_namespaces(docs) == [{"kubernetes.io/metadata.name": "obs"}], overlay
+        (so,) = kinds(docs, "ScaledObject")
+        assert {t["metadata"]["serverAddress"] for t in so["spec"]["triggers"]} == {
+            "http://prometheus-operated.obs.svc:9090"
+        }, overlay
+        # no namespace named `monitoring` left (the API group monitoring.coreos.com is not one)
+        assert not re.search(r"(?<![\w.])monitoring(?![\w.])", r.stdout), overlay
 
 
 def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes(tmp_path):

@@ -23,8 +23,9 @@ What it applies, and where each rule comes from:
   atomic writer lays it out (`..data` symlinks, defaultMode or an item's mode, group fsGroup), an emptyDir (0777; with
   fsGroup: group fsGroup, setgid), a PersistentVolumeClaim as a folder of this "cluster" (the engines share owned as
   deploy/README.md tells operators to make it: uid/gid 10001, 0755), readOnly mounts read-only;
-- env and args from the rendered YAML (LWS's variables for its pods, lws pkg/utils/pod/pod_utils.go
-  AddLWSVariables); init containers in order, each to exit 0; then the containers, their startup, liveness and
+- env and args from the rendered YAML (not LWS's own variables, lws pkg/utils/pod/pod_utils.go AddLWSVariables:
+  no pod run here reads them, since the leader's serving path, which does, is not run; tests/deploy/
+  test_netns_launch.py runs that launch); init containers in order, each to exit 0; then the containers, their startup, liveness and
   readiness probes at their paths and ports, from inside the pod's network, within periodSeconds x
   failureThreshold; then, to stop: the preStop hook (exec, in the container's namespaces, as its user), SIGTERM to
   the container's first process, SIGKILL at terminationGracePeriodSeconds (counted from the preStop's start);

@@ -75,6 +75,11 @@ def rest_of_prompts(joining: Sequence[BatchRow]) -> list[Chunk]:
     return [Chunk(r, r.prefilled, len(r.prompt_ids) - r.prefilled) for r in joining]
 
 
+def queued_tokens(joining: Sequence[BatchRow]) -> int:
+    """The prompt tokens queued behind the prompt entering (the backlog floor's `waiting`)."""
+    return sum(len(r.prompt_ids) - r.prefilled for r in joining[1:])
+
+
 def plan_chunks(
     pacer: ChunkPacer,
     joining: Sequence[BatchRow],
@@ -90,7 +95,7 @@ def plan_chunks(
     whenever the policy drafts little (at a large batch, where it matters most); reserving nothing would have
     the policy price chunks the pass cannot hold. `joining`: the rows whose prompts enter in chunks (none with
     separate prefill)."""
-    waiting = sum(len(r.prompt_ids) - r.prefilled for r in joining[1:])  # queued behind the one entering
+    waiting = queued_tokens(joining)
     chunks = cut(rest_of_prompts(joining), pacer.room(reserved, waiting))
     if chunks:
         size = sum(c.size for c in chunks)

@@ -127,7 +127,7 @@ def _while_joining(dec: BatchDecoder, longs: list) -> tuple[list, list]:
     before each step."""
     profiles, waiting = [], []
     while any(r in dec.joining for r in longs):
-        waiting.append(dec._waiting())
+        waiting.append(sum(len(r.prompt_ids) - r.prefilled for r in dec.joining[1:]))  # behind the one entering
         profiles.append(dec.step().profile)
     return profiles, waiting
 

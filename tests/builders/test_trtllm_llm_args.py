@@ -101,7 +101,7 @@ def test_the_record_is_the_scripts_output_on_the_named_copy(record, tmp_path):
 )
 @pytest.mark.parametrize("with_drafter", [True, False])
 def test_every_key_the_plan_writes_is_accepted(record, tmp_path, best, with_drafter):
-    from cli.test_plan import _plan, _written
+    from plan.test_plan import _plan, _written
 
     from dflash_trt.settings import DEMO_DRAFTER
 
@@ -114,7 +114,7 @@ def test_every_key_the_plan_writes_is_accepted(record, tmp_path, best, with_draf
 def test_the_target_alone_yaml_and_trtllm_serve_configs_attention_backend_are_accepted(record, tmp_path):
     import dataclasses
 
-    from cli.test_plan import _plan, _written
+    from plan.test_plan import _plan, _written
 
     from dflash_trt.builders.trtllm_serve import ATTENTION_BACKENDS, serve_config, speculation_limits
     from dflash_trt.settings import DEMO_DRAFTER

@@ -46,6 +46,10 @@ def trtllm_engines(root, target, onnx_repo, tp: int):
     shutil.rmtree(engines, ignore_errors=True)
     (engines / "drafter-tensorrt").mkdir(parents=True)
     (engines / "drafter-tensorrt" / "drafter.plan").write_bytes(b"placeholder, not a TensorRT plan")
+    # the plan's manifest as builders/trt_drafter.py writes it, as far as the repository reads it (its precision)
+    (engines / "drafter-tensorrt" / "drafter.plan.json").write_text(
+        json.dumps({"plan": "drafter.plan", "precision": "fp16"})
+    )
     shutil.copy(onnx_repo / "dflash_drafter" / "1" / "drafter-onnx" / "drafter.json", engines / "drafter-tensorrt")
     folder = engines / "target-tensorrt_llm"
     (folder / "engine").mkdir(parents=True)

@@ -30,8 +30,9 @@ proposal; ONE drafter call for the rows that picked a DFlash block (none if no r
 wait in their backlog); ONE target pass verifies every row's block; the row's acceptance rule judges it (a
 suffix run is deterministic: `acceptance.accept_deterministic`).
 
-Pieces: `request` (settings, validation, results), `row` (one request in the loop), `loop` (the step), `step`
-(what a step hands around), `acceptance` (greedy match and rejection sampling), `proposers` / `suffix` (where
+Pieces: `request` (settings, validation, results), `row` (one request in the loop), `loop` (the step), `sessions`
+(the batch's rows in the engines' sessions, and the engine calls), `driving` (running requests to the end),
+`step` (what a step hands around), `acceptance` (greedy match and rejection sampling), `proposers` / `suffix` (where
 drafts come from), `sampling`, `processors` (logits adjustments), `stopping`, `detokenizer`, `policy` /
 `adaptive` / `cost` / `estimates` (the block-size policies). No module here imports the loop but this one.
 """

@@ -190,12 +190,12 @@ class AdaptiveBlocks:
         # linear model (timed at a short context) does not price, and the correction would carry that cost into
         # the plain verify steps that follow.
         if not prof.chunk_rows:
-            self.cost.observe("target", prof.verify_rows, prof.verify_tokens, prof.verify_s)
+            self.cost.observe_target(prof.verify_rows, prof.verify_tokens, prof.verify_s)
         if prof.draft_rows:
-            self.cost.observe("drafter", prof.draft_rows, prof.draft_tokens, prof.draft_s)
+            self.cost.observe_drafter(prof.draft_rows, prof.draft_tokens, prof.draft_s)
         if self.refit_every and self.steps % self.refit_every == 0:
             self.cost.refit()  # online: the passes this worker really ran, at its real contexts
-        result.cost_correction = dict(self.cost.scale)
+        result.cost_correction = self.cost.corrections()
 
     def forget(self, row: BatchRow) -> None:
         """A finished row's measured acceptance feeds its regime's prior."""

@@ -5,7 +5,7 @@ A pass over `rows` rows holding `tokens` tokens in all costs `fixed + per_row x 
 measured over a sweep of token counts: its matrices run in tiles, so a pass's time is a staircase in its
 tokens. The target's one-token pass, a request alone not drafting, is priced apart (see `EngineCost`).
 `measure_costs` times a grid of shapes at start-up and fits both engines; `CostModel` then corrects each fit
-by the passes the decoder really runs (`observe`), or refits from them (`refit`).
+by the passes the decoder really runs (`observe_target`, `observe_drafter`), or refits from them (`refit`).
 """
 
 from __future__ import annotations
@@ -208,85 +208,108 @@ KNEE_MIN_GAIN = 4.0
 
 
 @dataclass
+class Correction:
+    """One engine's running correction of its fitted shape (see `CostModel`), and the passes it observed."""
+
+    scale: float = 1.0  # the factor on the whole shape (a shape without a knee)
+    one_token: float = 1.0  # the factor on the shape's one-token pass (the target's, where it has one)
+    row_offset: float = 0.0  # a shape with a knee: seconds per row its passes took beyond it
+    seen: list[tuple[int, int, float]] = field(default_factory=list)  # (rows, tokens, seconds), for refits
+
+
+@dataclass
 class CostModel:
-    """The two engines' costs: the fitted shapes (`target`, `drafter`) times a running correction each (`scale`).
+    """The two engines' costs: the fitted shapes (`target`, `drafter`) times a running correction each
+    (`target_correction`, `drafter_correction`).
 
     The shapes come from a start-up grid at one context length, on a machine whose speed moves; what the
     policy uses (`current`) is each shape times the recent ratio of observed to predicted seconds of that
-    engine's passes (`observe`). One number per engine stays identifiable from whatever shapes the policy
-    picks (a full online refit does not: the policy's own choices make its samples collinear), and it
-    follows what the grid cannot see: longer contexts (the drafter attends over all of it), other load on the
-    machine, or a start-up grid timed during a burst.
+    engine's passes (`observe_target`, `observe_drafter`). One number per engine stays identifiable from
+    whatever shapes the policy picks (a full online refit does not: the policy's own choices make its samples
+    collinear), and it follows what the grid cannot see: longer contexts (the drafter attends over all of it),
+    other load on the machine, or a start-up grid timed during a burst.
 
-    The target's one-token pass (`EngineCost.one_token`) has a correction of its own (`target_one_token`):
+    The target's one-token pass (`EngineCost.one_token`) has a correction of its own (`Correction.one_token`):
     the two drift apart with the context (a one-token pass attends over it with one query, a drafted block
     with several under a mask).
 
     A shape with a knee (a GPU's: `EngineCost.knee`) is corrected by adding seconds per row instead
-    (`row_offset`, the same moving average of observed - predicted, per row): there the passes a grid at a
-    short context cannot see cost more because each row reads a longer KV cache, once whatever its block,
-    and a factor on the whole shape would make every drafted token dearer by as much, keeping rows from
+    (`Correction.row_offset`, the same moving average of observed - predicted, per row): there the passes a
+    grid at a short context cannot see cost more because each row reads a longer KV cache, once whatever its
+    block, and a factor on the whole shape would make every drafted token dearer by as much, keeping rows from
     drafting where drafting pays."""
 
     target: EngineCost
     drafter: EngineCost
     window: int = 256  # observations kept for refits
     scale_weight: float = 0.1  # per observed pass: the correction follows the last ~10 passes
-    scale: dict[str, float] = field(default_factory=lambda: {"target": 1.0, "target_one_token": 1.0, "drafter": 1.0})
-    # per engine whose shape has a knee: seconds per row the passes took beyond the shape (see the class)
-    row_offset: dict[str, float] = field(default_factory=lambda: {"target": 0.0, "drafter": 0.0})
-    _seen: dict[str, list[tuple[int, int, float]]] = field(default_factory=lambda: {"target": [], "drafter": []})
+    target_correction: Correction = field(default_factory=Correction)
+    drafter_correction: Correction = field(default_factory=Correction)
 
     def current(self) -> tuple[EngineCost, EngineCost]:
         """The target's and the drafter's costs as the policy should price them now (shape x correction; a
-        shape with a knee: shape + a per-row correction, see `observe`)."""
-        return self._corrected("target", self.scale["target_one_token"]), self._corrected("drafter", None)
+        shape with a knee: shape + a per-row correction, see `observe_target`)."""
+        target = _corrected(self.target, self.target_correction, self.target_correction.one_token)
+        return target, _corrected(self.drafter, self.drafter_correction, None)
 
-    def _corrected(self, kind: str, k_one_token: float | None) -> EngineCost:
-        shape: EngineCost = getattr(self, kind)
-        if not shape.bent:
-            return shape.scaled(self.scale[kind], k_one_token)
-        one = None if shape.one_token is None else shape.one_token * (k_one_token or 1.0)
-        per_row = max(0.0, shape.per_row + self.row_offset[kind])
-        return EngineCost(shape.fixed, per_row, shape.per_token, one, shape.knee, shape.below_knee, shape.curve)
+    def corrections(self) -> dict[str, float]:
+        """The running factors by what they correct (the server's metric labels them so)."""
+        t, d = self.target_correction, self.drafter_correction
+        return {"target": t.scale, "target_one_token": t.one_token, "drafter": d.scale}
 
     def step_time(self, blocks: Sequence[int], new_context: Sequence[int]) -> float:
         target, drafter = self.current()
         drafting = [(b, n) for b, n in zip(blocks, new_context) if b > 1]
         return target(len(blocks), sum(blocks)) + drafter(len(drafting), sum(b + n for b, n in drafting))
 
-    def observe(self, kind: str, rows: int, tokens: int, seconds: float, correct: bool = True) -> None:
-        """Record a pass that ran; with `correct`, move the engine's correction towards observed / predicted
-        (each ratio clamped to [1/4, 4], so one pass stalled by another process moves it a little only)."""
-        seen = self._seen[kind]
-        seen.append((rows, tokens, seconds))
-        del seen[: -self.window]
-        shape = getattr(self, kind)
+    def observe_target(self, rows: int, tokens: int, seconds: float, correct: bool = True) -> None:
+        """Record a target pass that ran; with `correct`, move the target's correction towards observed /
+        predicted (each ratio clamped to [1/4, 4], so one pass stalled by another process moves it a little
+        only). A one-token pass moves the one-token factor where the shape prices that pass apart."""
+        one_token = (rows, tokens) == (1, 1) and self.target.one_token is not None
+        self._observe(self.target, self.target_correction, rows, tokens, seconds, correct, one_token)
+
+    def observe_drafter(self, rows: int, tokens: int, seconds: float, correct: bool = True) -> None:
+        """Record a drafter pass that ran; with `correct`, move the drafter's correction (as `observe_target`)."""
+        self._observe(self.drafter, self.drafter_correction, rows, tokens, seconds, correct, False)
+
+    def _observe(
+        self, shape: EngineCost, fix: Correction, rows: int, tokens: int, seconds: float, correct: bool, one: bool
+    ) -> None:
+        fix.seen.append((rows, tokens, seconds))
+        del fix.seen[: -self.window]
         predicted = shape(rows, tokens)
-        key = (
-            "target_one_token"
-            if kind == "target" and (rows, tokens) == (1, 1) and shape.one_token is not None
-            else kind
-        )
         if correct and predicted > 0 and seconds > 0:
             ratio = min(4.0, max(0.25, seconds / predicted))
-            if shape.bent and key == kind:  # what the grid missed is per row (see the class), not x all
+            if one:
+                fix.one_token += self.scale_weight * (ratio - fix.one_token)
+            elif shape.bent:  # what the grid missed is per row (see the class), not x all
                 residual = (ratio - 1.0) * predicted / rows
-                self.row_offset[kind] += self.scale_weight * (residual - self.row_offset[kind])
+                fix.row_offset += self.scale_weight * (residual - fix.row_offset)
             else:
-                self.scale[key] += self.scale_weight * (ratio - self.scale[key])
+                fix.scale += self.scale_weight * (ratio - fix.scale)
 
     def refit(self, min_samples: int = 16) -> None:
         """Refit the shapes from observed passes when they span enough distinct shapes (online adaptation);
         a refitted shape starts with no correction."""
-        for kind in ("target", "drafter"):
-            seen = self._seen[kind]
-            if len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3:
-                setattr(self, kind, EngineCost.fit(seen))
-                self.scale[kind] = 1.0
-                self.row_offset[kind] = 0.0
-                if kind == "target":
-                    self.scale["target_one_token"] = 1.0
+        if _refittable(self.target_correction.seen, min_samples):
+            self.target = EngineCost.fit(self.target_correction.seen)
+            self.target_correction = Correction(seen=self.target_correction.seen)
+        if _refittable(self.drafter_correction.seen, min_samples):
+            self.drafter = EngineCost.fit(self.drafter_correction.seen)
+            self.drafter_correction = Correction(seen=self.drafter_correction.seen)
+
+
+def _corrected(shape: EngineCost, fix: Correction, k_one_token: float | None) -> EngineCost:
+    if not shape.bent:
+        return shape.scaled(fix.scale, k_one_token)
+    one = None if shape.one_token is None else shape.one_token * (k_one_token or 1.0)
+    per_row = max(0.0, shape.per_row + fix.row_offset)
+    return EngineCost(shape.fixed, per_row, shape.per_token, one, shape.knee, shape.below_knee, shape.curve)
+
+
+def _refittable(seen: list[tuple[int, int, float]], min_samples: int) -> bool:
+    return len(seen) >= min_samples and len({(r, t) for r, t, _ in seen}) >= 3
 
 
 def token_sweep(max_tokens: int) -> list[int]:
@@ -351,9 +374,10 @@ def measure_costs(
         target_cost = EngineCost.fit(t_samples, knee=knees)
     drafter_cost = EngineCost.fit(d_samples, knee=knees) if len(d_samples) >= 3 else EngineCost()
     model = CostModel(target_cost, drafter_cost)
-    for kind, samples in (("target", t_samples), ("drafter", d_samples)):
-        for r, t, sec in samples:  # online refits start from the start-up grid
-            model.observe(kind, r, t, sec, correct=False)
+    for r, t, sec in t_samples:  # online refits start from the start-up grid
+        model.observe_target(r, t, sec, correct=False)
+    for r, t, sec in d_samples:
+        model.observe_drafter(r, t, sec, correct=False)
     return model
 
 

@@ -51,6 +51,18 @@ class RoundTimings:
     accept_s: float = 0.0  # of which the acceptance rule
     total_s: float = 0.0  # the whole step, bookkeeping (stop check, text) included
 
+    @classmethod
+    def of_round(cls, started: float, planned: float, drafted: float, verified: float, own: float) -> RoundTimings:
+        """A verified round's timings from its step's clock readings (the step began, its plan, drafter and target
+        passes ended: shared by the step's rows) and the seconds of the row's own acceptance and rollback."""
+        return cls(
+            draft_s=drafted - planned,
+            verify_s=verified - drafted + own,
+            target_s=verified - drafted,
+            accept_s=own,
+            total_s=verified - started + own,
+        )
+
 
 @dataclass(slots=True)
 class Round:
@@ -200,6 +212,19 @@ def commit_tokens(
             s.accepted_by[proposer] = s.accepted_by.get(proposer, 0) + accepted
     s.total_time_s = state.clock() - state.started
     return new
+
+
+def check_engines(target: Any, drafter: Any, block_size: int | None) -> int:
+    """The drafter's trained block size (1 without a drafter), once the drafter reads the features the target
+    exposes and `block_size` (None: the trained one) is within it; ValueError otherwise."""
+    if drafter is not None and tuple(drafter.feature_layer_ids) != tuple(target.feature_layer_ids):
+        raise ValueError(
+            f"target exposes features of layers {target.feature_layer_ids}, drafter needs {drafter.feature_layer_ids}"
+        )
+    trained: int = drafter.block_size if drafter is not None else 1
+    if block_size is not None and not 1 <= block_size <= trained:
+        raise ValueError(f"block_size must be in 1..{trained} for this drafter, got {block_size}")
+    return trained
 
 
 def validate_request(prompt_ids: Sequence[int], cfg: GenerationConfig, target: Any, drafter: Any) -> None:

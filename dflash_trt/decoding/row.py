@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from ..runtime.base import DraftRequest
-from .acceptance import acceptance_rule
+from ..runtime.base import Draft, DraftRequest
+from .acceptance import NO_DRAFT, Proposal, acceptance_rule
 from .detokenizer import IncrementalDetokenizer, held_back
 from .healing import Healing
 from .proposers import DFLASH, NO_DRAFT_NAME, Pick, Proposer, RowDrafts
@@ -100,6 +100,13 @@ class BatchRow:
         assert self.drafter_row is not None
         features = self.pending[0] if len(self.pending) == 1 else torch.cat(self.pending)
         return DraftRequest(self.drafter_row, features, self.generated[-1], block)
+
+    def proposal(self, pick: Pick, draft: Draft | None) -> Proposal:
+        """The tokens the target verifies for the row this round: a deterministic proposer's tokens as picked (no
+        distribution: its acceptance is the one-hot rule), a drafter's draft through the row's acceptance rule."""
+        if pick.proposer is not None and pick.proposer.deterministic:
+            return Proposal(torch.tensor(pick.drafts, dtype=torch.long))
+        return NO_DRAFT if draft is None else self.rule.propose(draft)
 
     def drafter_failed(self, error: Exception) -> bool:
         """The drafter raised on this row: without `drafter_fallback` the row fails; with it, still lossless, the

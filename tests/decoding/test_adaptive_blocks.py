@@ -10,7 +10,7 @@ import pytest
 
 from dflash_trt.decoding import adaptive
 from dflash_trt.decoding.adaptive import RowChoice, choose_blocks
-from dflash_trt.decoding.cost import CostModel, EngineCost, token_sweep
+from dflash_trt.decoding.cost import Correction, CostModel, EngineCost, token_sweep
 from dflash_trt.decoding.estimates import AcceptanceTracker, ProbeSchedule, expected_tokens
 
 # GPU-like: a pass costs about the same for 1 or 100 tokens (memory-bound)
@@ -355,7 +355,7 @@ def test_linear_cost_fit_recovers_coefficients_and_refits_online():
         EngineCost.fit(samples[:2])
     model = CostModel(EngineCost(), EngineCost())
     for r, t, s in samples * 2:
-        model.observe("target", r, t, s)
+        model.observe_target(r, t, s)
     model.refit()
     assert math.isclose(model.target.per_token, truth.per_token, rel_tol=1e-6)
     assert model.drafter == EngineCost()  # no drafter observations: unchanged
@@ -375,17 +375,15 @@ def test_a_one_token_pass_is_priced_apart_from_the_line():
     assert (
         EngineCost.fit([(1, 1, 5e-3), (4, 4, 7e-3), (4, 16, 9e-3)] * 2).one_token is None
     )  # too few shapes without it
-    scaled = CostModel(fit, EngineCost(2e-3), scale={"target": 2.0, "target_one_token": 1.0, "drafter": 1.0}).current()[
-        0
-    ]
+    scaled = CostModel(fit, EngineCost(2e-3), target_correction=Correction(scale=2.0)).current()[0]
     assert scaled(1, 1) == pytest.approx(5.5e-3)  # with a running correction of its own ...
     model = CostModel(fit, EngineCost(2e-3))
     for _ in range(60):  # ... which one-token passes move, and only they
-        model.observe("target", 1, 1, 0.5 * fit(1, 1))
-        model.observe("target", 1, 8, 1.5 * fit(1, 8))
-    assert model.scale["target_one_token"] == pytest.approx(0.5, rel=0.01) and model.scale["target"] == pytest.approx(
-        1.5, rel=0.01
-    )
+        model.observe_target(1, 1, 0.5 * fit(1, 1))
+        model.observe_target(1, 8, 1.5 * fit(1, 8))
+    assert model.target_correction.one_token == pytest.approx(
+        0.5, rel=0.01
+    ) and model.target_correction.scale == pytest.approx(1.5, rel=0.01)
     now = model.current()[0]
     assert now(1, 1) == pytest.approx(0.5 * fit(1, 1), rel=0.01) and now(1, 8) == pytest.approx(
         1.5 * fit(1, 8), rel=0.01
@@ -410,28 +408,28 @@ def test_cost_corrections_follow_the_passes_that_ran_and_change_the_choice():
     row = [RowChoice(alpha=0.45, max_block=8)]
     assert choose_blocks(row, grid, min_gain=0.1)[0] > 1  # priced by the grid, drafting looks > 10 % ahead
     for _ in range(60):
-        grid.observe("target", 1, 1, 0.5 * grid.target(1, 1))
-        grid.observe("drafter", 1, 5, 2.0 * grid.drafter(1, 5))
-    assert grid.scale == pytest.approx({"target": 0.5, "target_one_token": 1.0, "drafter": 2.0}, rel=0.01)
+        grid.observe_target(1, 1, 0.5 * grid.target(1, 1))
+        grid.observe_drafter(1, 5, 2.0 * grid.drafter(1, 5))
+    assert grid.corrections() == pytest.approx({"target": 0.5, "target_one_token": 1.0, "drafter": 2.0}, rel=0.01)
     target, drafter = grid.current()
     assert target.fixed == pytest.approx(5e-3, rel=0.01) and drafter.per_token == pytest.approx(0.1e-3, rel=0.01)
     assert grid.target.fixed == 10e-3  # the shape itself is kept
     assert choose_blocks(row, grid, min_gain=0.1) == [1]
     # one pass stalled by another process moves the correction by at most its weight x the clamp
-    before = grid.scale["target"]
-    grid.observe("target", 1, 1, 100.0)
-    assert grid.scale["target"] <= before + grid.scale_weight * (4.0 - before) + 1e-12
-    grid.observe("target", 1, 1, 0.0)  # a pass too short to time: ignored
+    before = grid.target_correction.scale
+    grid.observe_target(1, 1, 100.0)
+    assert grid.target_correction.scale <= before + grid.scale_weight * (4.0 - before) + 1e-12
+    grid.observe_target(1, 1, 0.0)  # a pass too short to time: ignored
     # start-up samples are recorded without correcting; a refit starts the correction over
     fresh = CostModel(EngineCost(1e-3, 0.0, 1e-4), EngineCost())
-    fresh.observe("target", 4, 4, 1.0, correct=False)
-    assert fresh.scale["target"] == 1.0 and fresh._seen["target"] == [(4, 4, 1.0)]
+    fresh.observe_target(4, 4, 1.0, correct=False)
+    assert fresh.target_correction.scale == 1.0 and fresh.target_correction.seen == [(4, 4, 1.0)]
     moved = CostModel(EngineCost(1e-3, 0.0, 1e-4), EngineCost())
     for r, t in [(1, 1), (4, 8), (16, 64)] * 6:
-        moved.observe("target", r, t, 2e-3 + 1e-4 * t)
-    assert moved.scale["target"] > 1.0
+        moved.observe_target(r, t, 2e-3 + 1e-4 * t)
+    assert moved.target_correction.scale > 1.0
     moved.refit()
-    assert moved.scale["target"] == 1.0 and moved.target.per_token == pytest.approx(1e-4, rel=1e-6)
+    assert moved.target_correction.scale == 1.0 and moved.target.per_token == pytest.approx(1e-4, rel=1e-6)
 
 
 def test_acceptance_tracker_falls_and_recovers():
@@ -467,7 +465,7 @@ def test_decoder_refits_its_cost_model_online(tiny_pair):
     cost = CostModel(EngineCost(1e-2, 0.0, 1e-6), EngineCost(1e-3, 0.0, 1e-7))
     dec = BatchDecoder(target, drafter_engine, policy=AdaptiveBlocks(cost, refit_every=4), clock=clock)
     dec.generate([[1, 2, 3], [4, 5, 6, 7, 8], [9]], GenerationConfig(max_new_tokens=24))
-    seen = cost._seen["target"]
+    seen = cost.target_correction.seen
     assert len(seen) >= 16 and all(s > 0 for _, _, s in seen)
     assert cost.target != EngineCost(1e-2, 0.0, 1e-6)  # refitted from what ran
 

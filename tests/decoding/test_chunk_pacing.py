@@ -8,7 +8,7 @@ import statistics
 import pytest
 
 from dflash_trt.decoding import BatchDecoder, GenerationConfig
-from dflash_trt.decoding.chunking import BACKLOG_STEPS, MIN_CHUNK, ChunkPacer, queued_tokens
+from dflash_trt.decoding.chunking import BACKLOG_STEPS, MIN_CHUNK, ChunkPacer
 from dflash_trt.decoding.policy import FixedBlocks
 from dflash_trt.decoding.step import StepProfile
 from dflash_trt.sim.acceptance import paper_profiles
@@ -127,7 +127,7 @@ def _while_joining(dec: BatchDecoder, longs: list) -> tuple[list, list]:
     before each step."""
     profiles, waiting = [], []
     while any(r in dec.joining for r in longs):
-        waiting.append(queued_tokens(dec.joining))
+        waiting.append(sum(len(r.prompt_ids) - r.prefilled for r in dec.joining[1:]))  # behind the one entering
         profiles.append(dec.step().profile)
     return profiles, waiting
 

@@ -179,7 +179,7 @@ def test_block_size_settings_reach_the_decoder(decoder):
         )
         assert total > 0
         # the running correction of the start-up costs is exported, and it has moved (real passes were timed)
-        scale = app.state.server.decoder.policy.cost.scale
+        scale = app.state.server.decoder.policy.cost.corrections()
         assert {e: metric(m, "dflash_cost_correction", engine=e) for e in scale} == pytest.approx(scale)
         assert scale["target"] != 1.0
     for a, b, c in zip(fixed, trained_runs, adaptive):  # lossless whatever the sizes

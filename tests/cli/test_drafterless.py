@@ -67,3 +67,17 @@ def test_a_proposer_that_needs_the_drafter_is_refused_without_one(capsys, propos
 def test_the_demo_target_still_gets_the_demo_drafter_by_default(capsys):
     got, _ = _generate(capsys, DEMO_TARGET)
     assert got["drafter_dtype"] is not None and got["stats"]["proposer"] == "dflash"
+
+
+@pytest.mark.parametrize(
+    ("command", "said"),
+    [
+        (["plan"], "the plan chooses DFlash draft lengths"),
+        (["triton-repo"], "BLS loop drafts with the DFlash drafter"),
+        (["bench"], "leave dflash-torch and dflash-ort out of --methods"),
+    ],
+)
+def test_commands_that_need_a_drafter_refuse_none_and_say_what_to_use(capsys, tmp_path, command, said):
+    assert main([*command, "--drafter", "none", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err

@@ -143,3 +143,25 @@ def test_sharing_by_key_without_keys_is_refused():
 def test_a_sharing_scope_is_one_of_the_documented_ones(bad):
     with pytest.raises(ValueError, match="expected off|header name"):
         SuffixSharing.parse(bad)
+
+
+def test_serve_reads_one_key_a_line_and_refuses_sharing_by_key_without_keys(tmp_path, monkeypatch):
+    """`serve --api-key-file` with several keys (blank lines and comments skipped): each key a tenant; sharing by
+    key with no key at all is refused before serving, as `all` must be asked for by name."""
+    from dflash_trt.cli.main import build_parser
+    from dflash_trt.cli.options import CliError
+    from dflash_trt.cli.serve import API_KEY_ENV, API_KEY_FILE_ENV, _api_keys
+
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    monkeypatch.delenv(API_KEY_FILE_ENV, raising=False)
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nfirst-key\n\n  second-key  \n")
+    args = build_parser().parse_args(["serve", "--api-key-file", str(keys), "--suffix-sharing", "key"])
+    decoder = BatchDecoder.__new__(BatchDecoder)  # nothing loaded: _api_keys closes the engines only on an error
+    assert _api_keys(args, decoder) == ("first-key", "second-key")
+    bare = build_parser().parse_args(["serve", "--suffix-sharing", "key"])
+    monkeypatch.setattr("dflash_trt.cli.options.close_engines", lambda d: None)
+    with pytest.raises(CliError, match="--suffix-sharing key: suffix sharing by key needs API keys"):
+        _api_keys(bare, decoder)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--suffix-sharing", "everyone"])

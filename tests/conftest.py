@@ -11,7 +11,9 @@ import torch
 # Its subfolders follow the package's layout; none may be named after an importable package (a folder
 # `triton` here would pass for OpenAI's Triton in libraries that probe for it with find_spec).
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread: the tests' models are tiny, a second thread buys them nothing, and on a busy machine each
+# parallel region waits for both threads to be scheduled, which a loaded machine makes many times slower (README).
+torch.set_num_threads(1)
 
 from clocks import AdversarialClock  # noqa: E402
 from helpers import make_tiny_pair  # noqa: E402

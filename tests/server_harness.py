@@ -19,9 +19,10 @@ from dflash_trt.server.app import ServerSettings, create_app
 
 
 @contextlib.contextmanager
-def running_server(decoder, **settings):
-    """uvicorn.Server in a thread, listening on a free port of 127.0.0.1; yields (base url, app)."""
-    app = create_app(decoder, ServerSettings(**settings))
+def running_server(decoder, clock=time.monotonic, **settings):
+    """uvicorn.Server in a thread, listening on a free port of 127.0.0.1; yields (base url, app). `clock`: the
+    server's request clock (create_app)."""
+    app = create_app(decoder, ServerSettings(**settings), clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

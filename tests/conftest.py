@@ -91,6 +91,35 @@ def _adversarial_default_clock(request, monkeypatch):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _startup_grid_measured_once_per_shape():
+    """A server's adaptive policy measures a start-up cost grid on its engines (`AdaptiveBlocks.measured`: about
+    60 passes, most of a server's start on a CPU). On an `AdversarialClock` that grid's seconds are the clock's
+    noise, not the engines' (no test's outcome may depend on them), so a grid of the same shape measured on the
+    same kind of engines earlier in the session is as good as a new one: each shape is measured once, on the real
+    engines, and every later server starts from a copy. A grid on any other clock (a test's virtual clock, the
+    wall clock of DFLASH_TEST_CLOCK=wall or a `wall_clock` test) is measured every time; tests of
+    `measure_costs` itself call it directly and are not affected."""
+    import copy
+
+    from dflash_trt.decoding import adaptive
+
+    measure, grids = adaptive.measure_costs, {}
+
+    def measured_once(target, drafter=None, *args, clock=time.perf_counter, **kw):
+        if not isinstance(clock, AdversarialClock):
+            return measure(target, drafter, *args, clock=clock, **kw)
+        shape = (type(target), type(drafter), int(target.vocab_size), int(target.max_context))
+        key = (*shape, getattr(drafter, "block_size", None), args, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in grids:
+            grids[key] = measure(target, drafter, *args, clock=clock, **kw)
+        return copy.deepcopy(grids[key])
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(adaptive, "measure_costs", measured_once)
+        yield
+
+
 @pytest.fixture(scope="session", params=["qwen3", "llama"])
 def tiny_pair(request, tmp_path_factory):
     """(family, target dir, drafter dir, target model, drafter) for a tiny random pair, saved to disk."""

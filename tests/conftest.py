@@ -11,7 +11,13 @@ import torch
 # Its subfolders follow the package's layout; none may be named after an importable package (a folder
 # `triton` here would pass for OpenAI's Triton in libraries that probe for it with find_spec).
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread in the test process. The tests' models are tiny (a pass is well under a millisecond of work),
+# so a second thread buys nothing, and it costs dearly whenever the cores are shared: a parallel kernel waits at a
+# barrier for its other OpenMP thread, and while that thread is off the CPU (a server subprocess, the server's own
+# threads, a busy machine) every kernel waits a scheduler slice, and a test's time grows with the machine's load
+# rather than with its work. Subprocesses (servers, tritonserver, mpirun ranks) keep their own thread settings:
+# those are what the tests of them check.
+torch.set_num_threads(1)
 
 from clocks import AdversarialClock  # noqa: E402
 from helpers import make_tiny_pair  # noqa: E402

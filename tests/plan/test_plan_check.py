@@ -14,7 +14,6 @@ missing or renamed metric, which must exit 1 naming what the check looked for.
 import functools
 import json
 import threading
-import time
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -509,32 +508,11 @@ def load(url, concurrency, block=8, max_tokens=48):
             t.join(120)
 
 
-def steps_later(url, steps, hang_s=600.0):
-    """A `sleep` for `metrics.scrape` that waits for served steps instead of seconds: it returns once the server at
-    `url` has run `steps` more verify passes (its dflash_batch_rows count, which the check reads as the window's
-    steps). A window then holds the same amount of serving on a busy machine as on a quiet one, so what the test
-    checks (enough steps, tau within a tolerance between two windows) cannot depend on the machine's speed.
-    `hang_s` only bounds a server that stopped serving."""
-    from server_harness import metric, scrape
-
-    def served(_seconds: float) -> None:
-        def verify_passes() -> float:
-            return metric(scrape(url), "dflash_batch_rows_count", **{"pass": "verify"})
-
-        until, hang = verify_passes() + steps, threading.Event()
-        deadline = time.monotonic() + hang_s
-        while verify_passes() < until:
-            assert time.monotonic() < deadline, f"the server ran fewer than {steps} steps in {hang_s} s"
-            hang.wait(0.05)
-
-    return served
-
-
 def test_this_projects_server_under_load(tmp_path, capsys, monkeypatch):
     """The real server (demo pair, 4 clients): the check reads its vLLM-named counters and its own batch rows;
     a plan made --from-metrics from that scrape holds on the next window of the same traffic. Each window is
-    3 x 12 served steps (`steps_later`), whatever seconds they take."""
-    from server_harness import running_server
+    3 x 12 served steps (verify passes: the steps the check reads), whatever seconds they take."""
+    from server_harness import after_served, running_server
 
     from dflash_trt.loading import load_decoder
     from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
@@ -542,7 +520,8 @@ def test_this_projects_server_under_load(tmp_path, capsys, monkeypatch):
     first, second = tmp_path / "first.json", tmp_path / "second.json"
     plan, any_plan = tmp_path / "plan", plan_dir_for(tmp_path)
     with running_server(load_decoder(DEMO_TARGET, DEMO_DRAFTER)) as (url, _), load(url, 4) as answers:
-        monkeypatch.setattr(metrics, "scrape", functools.partial(metrics.scrape, sleep=steps_later(url, 12)))
+        served = after_served(url, "dflash_batch_rows_count", 12, **{"pass": "verify"})
+        monkeypatch.setattr(metrics, "scrape", functools.partial(metrics.scrape, sleep=served))
         while len(answers) < 4:  # every client has had an answer: the batch is full
             threading.Event().wait(0.2)
         args = ["plan", "check", "--engine", "dflash-trt", "--url", url, "--window", "6", "--samples", "4"]

@@ -18,6 +18,7 @@ pytest.importorskip("tritonclient.grpc", reason="tritonclient is part of the dev
 import tritonclient.grpc as grpcclient  # noqa: E402
 import tritonclient.http as httpclient  # noqa: E402
 from helpers import generate_one, make_text_models  # noqa: E402
+from server_harness import HANG_S  # noqa: E402
 from triton_fixtures import CHAT_PRE, add_chat_preprocessing  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
@@ -29,8 +30,6 @@ from dflash_trt.triton.server import TritonServer, TritonUnavailable, server_env
 
 PROMPTS = ["def fibonacci(n):", "for i in range(10):", "class Point:", "import os"]
 MAX_TOKENS = 14
-
-pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +51,7 @@ def server(models):
     server = TritonServer(repo, log_path=root / "tritonserver.log")
     server.chat_tokenizer = chat_tokenizer  # the chat preprocessing model's tokenizer folder
     try:
-        server.start(timeout_s=240)
+        server.start(timeout_s=HANG_S)
         yield server
     finally:
         server.stop()

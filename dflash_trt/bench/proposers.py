@@ -179,10 +179,6 @@ def tables(summary: dict[str, dict[str, dict[str, float]]], found: list[dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`dflash-trt bench proposers`'s flags."""
-    from ..settings import DEMO_DRAFTER, DEMO_TARGET
-
-    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
     p.add_argument(
         "--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS), help="the workloads (default: all)"
     )

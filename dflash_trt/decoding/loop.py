@@ -259,17 +259,21 @@ class BatchDecoder(RunsToEnd):
         return [row.proposer.pick(row, block, p) for row, block, p in zip(rows, blocks, prices)]
 
     def _prices(self, rows: list[BatchRow], blocks: list[int]) -> list[Prices]:
-        """Each row's round's seconds in this step, its blocks as the policy chose them: from the policy's cost
-        model where it has one, else the target's own (`target_cost`), else from the step seconds the chunk
-        pacer measured, else unpriced (every option costs one row's step)."""
-        cost = getattr(self.policy, "cost", None)
-        if not isinstance(cost, CostModel):
-            cost = self.target_cost
+        """Each row's round's seconds in this step, its blocks as the policy chose them: from `run_cost`; where
+        that prices a step at 0 s, from the step seconds the chunk pacer measured, else unpriced (every option
+        costs one row's step)."""
         most = max(SUFFIX_MAX_RUN, max((row.max_drafts for row in rows), default=0))
-        priced = Prices.from_cost(cost, blocks, most) if cost is not None else None
+        priced = Prices.from_cost(self.run_cost, blocks, most)
         if priced is not None:
             return priced
         return [Prices.from_line(self.pacer.line(), len(rows)) or Prices()] * len(rows)
+
+    @property
+    def run_cost(self) -> CostModel:
+        """The cost model the rows' runs are priced by: the policy's where it keeps one, else the target's own
+        (`target_cost`, timed on first reading)."""
+        cost = getattr(self.policy, "cost", None)
+        return cost if isinstance(cost, CostModel) else self.target_cost
 
     @cached_property
     def target_cost(self) -> CostModel:

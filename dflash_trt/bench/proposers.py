@@ -204,12 +204,13 @@ def tables(summary: dict[str, dict[str, dict[str, float]]], found: list[dict[str
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`dflash-trt bench proposers`'s flags."""
+    from ..cli.options import drafter_path
     from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
     p.add_argument(
         "--drafter",
-        type=lambda v: None if v == "none" else Path(v),
+        type=drafter_path,
         default=DEMO_DRAFTER,
         help=f"DFlash drafter (default {DEMO_DRAFTER}); none: the target alone, its proposers needing no drafter",
     )
@@ -235,9 +236,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> tuple[BatchDecoder, dict[str, Callable[[list[int], int], dict[str, Any]]]]:
     """The server's decoder (adaptive block sizes, the default drafter dtype) and the methods to compare on it."""
+    from ..cli.options import NO_DRAFTER
     from ..loading import load_decoder
     from ..server.context import ServerSettings, batch_decoder
 
+    if args.drafter == NO_DRAFTER:
+        args.drafter = None
     decoder = batch_decoder(load_decoder(args.target, args.drafter), ServerSettings())
     proposers = [p for p in args.proposers or supported_proposers() if p in supported_proposers()]
     if decoder.drafter is None:  # a row of a drafter's proposer would be the suffix runs alone

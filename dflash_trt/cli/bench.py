@@ -106,7 +106,7 @@ def _register_actions(bench: argparse.ArgumentParser) -> None:
             name, help=help_line, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
         )
         if module in measure_a_pair:
-            add_model_args(a, dtype=False)
+            add_model_args(a, dtype=False, none_for=getattr(module, "NO_DRAFTER_MEANS", ""))
         module.add_arguments(a)
         a.set_defaults(func=_own_arguments(a, module.run))
     m = actions.add_parser(

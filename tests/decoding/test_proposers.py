@@ -138,7 +138,7 @@ def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
     decoder = BatchDecoder.__new__(BatchDecoder)
     decoder.policy = FixedBlocks()
     decoder.policy.cost = CostModel(line, EngineCost(fixed=0.002))  # type: ignore[attr-defined]
-    prices = decoder._prices(1)
+    [prices] = Prices.from_cost(decoder.policy.cost, [1], 16)
     assert prices.verify_s(0) == pytest.approx(0.01)
     assert prices.verify_s(1) == pytest.approx(0.021) and prices.verify_s(16) == pytest.approx(0.0285)
     drafts = RowDrafts(SuffixAutomaton())
@@ -148,7 +148,7 @@ def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
         SUFFIX.learn(drafts, SUFFIX, 16, 16)  # the row's runs have held
     run = best_run(drafts, 16, prices)[0]
     assert run.proposer is SUFFIX and len(run.drafts) == 16
-    folded = Prices(prices.row_s, prices.draft_s + prices.token_s)  # the step paid by every token
+    folded = Prices(prices.row_s, prices.verify_s(1) - prices.row_s)  # the step paid by every token
     assert len(best_run(drafts, 16, folded)[0].drafts) < 16
 
 
@@ -287,7 +287,7 @@ def _sampled_decoder(model, drafter) -> BatchDecoder:
     verified is then no matter of the machine's timings, and losslessness must hold for any choice of runs."""
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
-    spec._prices = lambda n: Prices()  # type: ignore[method-assign]
+    spec._prices = lambda rows, blocks: [Prices()] * len(rows)  # type: ignore[method-assign]
     return spec
 
 

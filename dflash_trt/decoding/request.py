@@ -39,6 +39,9 @@ class GenerationConfig:
     heal_prompt: bool = False
     # where the drafts come from: a name of `proposers.PROPOSERS`
     proposer: str = DEFAULT_PROPOSER
+    # whose finished outputs the request's suffix runs also match and its own output joins (sharing.py): a tenant
+    # that may read its requests' outputs; None: nothing shared, the request matches its own tokens only
+    tenant: str | None = None
 
 
 @dataclass(slots=True)

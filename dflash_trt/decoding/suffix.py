@@ -301,8 +301,8 @@ class SharedSuffixes:
         if output:
             self._queue.append(output)
 
-    def settle(self, budget: int | None = SETTLE_TOKENS) -> None:
-        """Take in up to `budget` queued tokens (None: all), in the loop's thread."""
+    def settle(self, budget: int | None = SETTLE_TOKENS) -> int:
+        """Take in up to `budget` queued tokens (None: all), in the loop's thread; how many it took in."""
         done = 0
         while self._queue and (budget is None or done < budget):
             output = self._queue[0]
@@ -322,6 +322,12 @@ class SharedSuffixes:
                 self._taken = 0
                 if self._spare is None and len(self.sam.tokens) >= self.max_tokens // 2:
                     self._spare = Automaton()
+        return done
+
+    @property
+    def waiting(self) -> bool:
+        """Whether outputs wait to be taken in (`settle`)."""
+        return bool(self._queue)
 
     def _start(self, output: list[int]) -> None:
         """Where the next output goes: a hand-over first if it would not fit in the current automaton."""

@@ -8,6 +8,7 @@ import tracemalloc
 
 from dflash_trt.decoding import suffix as suffix_module
 from dflash_trt.decoding.proposers import RowDrafts
+from dflash_trt.decoding.sharing import TenantSuffixes
 from dflash_trt.decoding.suffix import (
     SETTLE_TOKENS,
     Automaton,
@@ -164,3 +165,27 @@ def test_the_shared_automaton_evicts_by_request_without_rebuilding(monkeypatch):
         steps += 1
         assert len(extended) - before <= SETTLE_TOKENS
     assert steps == -(-5001 // SETTLE_TOKENS)
+
+
+def test_the_tenants_outputs_enter_a_bounded_part_a_step_in_all():
+    """Finished outputs of many tenants wait together: one step's `settle` takes in at most SETTLE_TOKENS of them
+    across all tenants (the step's suffix work does not grow with the tenants), every tenant's turn comes, and
+    `nbytes` (the gauge) is the sum of the tenants' structures."""
+    tenants = TenantSuffixes(max_tokens=100_000, max_tenants=8)
+    structures = [tenants.of(f"t{k}") for k in range(8)]
+    for k, shared in enumerate(structures):
+        assert shared is not None
+        shared.add(list(range(k * 1000, k * 1000 + SETTLE_TOKENS)))
+    steps = 0
+    while any(shared is not None and shared.waiting for shared in structures):
+        assert tenants.settle() <= SETTLE_TOKENS
+        steps += 1
+    assert steps == 8 + 1  # 8 outputs of SETTLE_TOKENS tokens and a separator each: one step more than 8
+    for k, shared in enumerate(structures):
+        assert shared is not None
+        walk = SharedWalk(shared)
+        walk.add([k * 1000 + 5, k * 1000 + 6])
+        found = walk.match(2)
+        assert found is not None and found.continuation == (k * 1000 + 7, k * 1000 + 8)
+    assert tenants.nbytes == sum(shared.nbytes for shared in structures if shared is not None)
+    assert tenants.settle() == 0

@@ -1,17 +1,22 @@
 """`dflash-trt bench suffix-prior`: how well the suffix proposer's probabilities predict what a target accepts,
 held out; and the time a step's suffix work takes.
 
-1. Outputs: a target (default SmolLM2-135M-Instruct, `make models`) continues code (`rewrite` and `in-file`
-   prompts, dflash_trt/bench/workloads.py) and prose (paragraphs of the project's docs/, which no model here was
-   trained on), greedy, with Hugging Face `generate` (the target alone). Greedy, a drafted token is accepted
-   exactly when it is the target's next token, so the output says what every run would have kept.
+1. Outputs: a target (default SmolLM2-135M-Instruct, `make models`) answers chat requests (its chat template)
+   about code (`rewrite` and `in-file` prompts, dflash_trt/bench/workloads.py: "complete the last function") and
+   prose (paragraphs of the project's docs/, which no model here was trained on: "say it in plainer words"),
+   greedy, with Hugging Face `generate` (the target alone). A chat request, not a bare continuation: a small
+   instruct model continuing a bare paragraph loops on its own sentences, which measures the loop, not the
+   proposer. Greedy, a drafted token is accepted exactly when it is the target's next token, so the output says
+   what every run would have kept.
 2. Replay: at every output position, the request's suffix structure over the prompt and the output so far
    proposes its run (no MIN_TOKEN_PROB cut, no length cap: every token the run offers, up to SUFFIX_MAX_RUN);
    each token reached (those before it right) is a record: its context's length and counts, its old prior
    (1 - PRIOR_HALF / (PRIOR_HALF + length + hits - 1), the rule before the counts) and whether it was right.
-3. Held out: each kind's texts are split in two; PRIOR_HALF and PRIOR_WEIGHT are fitted (log loss, on a grid)
-   on the first half only, and the table compares predicted with observed acceptance by bucket of predicted
-   probability on the second half, beside the old prior's buckets on the same tokens.
+3. Held out: each kind's texts are split in two. PRIOR_HALF, PRIOR_WEIGHT and MAX_PRIOR are fitted (log loss,
+   on a grid) on the first halves of both kinds together: what proposers.py codes is meant to be that fit. The
+   table compares predicted with observed acceptance by bucket of predicted probability on the second halves,
+   for the constants as coded, beside the old prior's buckets on the same tokens; the fit and its held-out log
+   loss are printed beside, so a coded constant that drifted from the fit shows.
 4. Step time: ROWS rows decode the recorded outputs (each round: the proposer's run, the true tokens committed,
    finished rows' outputs into the shared structure, a request of LONG_PROMPT tokens joining), and the suffix
    work of each step (every row's pick and commit, the shared structure's settle) is timed: p50 / p99 / max.
@@ -37,8 +42,16 @@ from dflash_trt.decoding.proposers import SUFFIX_MAX_RUN, Prices, RowDrafts, bes
 from dflash_trt.decoding.suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
 from dflash_trt.settings import REPO_ROOT
 
-HALVES = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0)
+# a run token reached in the replay: (context length, seen, agreed, the match's hits, right, its place in the run)
+Record = tuple[int, int, int, int, int, int]
+HALVES = (0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
 WEIGHTS = (0.5, 1.0, 2.0, 4.0, 8.0, 16.0)
+CAPS = (0.9, 0.95, 0.98, 0.99, 0.995)
+# what each kind's request asks of the text (a chat request to an instruct model)
+ASK = {
+    "code": "Complete the last function of this code. Answer with the code only.\n\n{text}",
+    "prose": "Say this paragraph again in plainer words.\n\n{text}",
+}
 EDGES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0001)
 
 
@@ -76,8 +89,9 @@ def code_texts(n: int) -> list[str]:
     return WORKLOADS["rewrite"](half).prompts + WORKLOADS["in-file"](n - half).prompts
 
 
-def generate(target: Path, texts: Sequence[str], max_new: int) -> list[dict[str, list[int]]]:
-    """Each text's prompt ids and the target's greedy output ids (Hugging Face generate, the target alone)."""
+def generate(target: Path, texts: Sequence[str], ask: str, max_new: int) -> list[dict[str, list[int]]]:
+    """Each text's prompt ids (the request `ask` holding the text, through the target's chat template) and the
+    target's greedy output ids (Hugging Face generate, the target alone)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -85,7 +99,9 @@ def generate(target: Path, texts: Sequence[str], max_new: int) -> list[dict[str,
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)  # in eval mode as loaded
     out = []
     for text in texts:
-        ids = tok(text, return_tensors="pt").input_ids
+        messages = [{"role": "user", "content": ask.format(text=text)}]
+        prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
         with torch.no_grad():
             gen = model.generate(ids, max_new_tokens=max_new, do_sample=False, pad_token_id=tok.eos_token_id)
         out.append({"prompt": ids[0].tolist(), "output": gen[0, ids.shape[1] :].tolist()})
@@ -93,8 +109,8 @@ def generate(target: Path, texts: Sequence[str], max_new: int) -> list[dict[str,
 
 
 # ---- 2. replay ----------------------------------------------------------------------------------------------------
-def records(sample: dict[str, list[int]]) -> list[tuple[int, int, int, int, int]]:
-    """(context length, seen, agreed, hits, right) of every run token reached, at every output position."""
+def records(sample: dict[str, list[int]]) -> list[Record]:
+    """The `Record` of every run token reached, at every output position."""
     drafts = RowDrafts(SuffixAutomaton())
     drafts.add(sample["prompt"])
     out, found = sample["output"], []
@@ -106,21 +122,24 @@ def records(sample: dict[str, list[int]]) -> list[tuple[int, int, int, int, int]
             for j, token in enumerate(match.continuation[: len(out) - i]):
                 seen, agreed = match.counts[j] if j < len(match.counts) else (0, 0)
                 right = int(token == out[i + j])
-                found.append((match.length + j, seen, agreed, match.hits, right))
+                found.append((match.length + j, seen, agreed, match.hits, right, j))
                 if not right:
                     break
         drafts.add([out[i]])
     return found
 
 
-def predicted(rec: tuple[int, int, int, int, int], half: float, weight: float) -> float:
-    length, seen, agreed, _, _ = rec
-    return P.continuation_prob(seen, agreed, length, half, weight)
+def predicted(rec: Record, half: float, weight: float, cap: float) -> float:
+    length, seen, agreed = rec[:3]
+    return P.continuation_prob(seen, agreed, length, half, weight, cap)
 
 
-def old_prior(rec: tuple[int, int, int, int, int]) -> float:
+CODED = (P.PRIOR_HALF, P.PRIOR_WEIGHT, P.MAX_PRIOR)
+
+
+def old_prior(rec: Record) -> float:
     """The rule before the counts: one alpha for the run from its match length and recurrences (PRIOR_HALF 4)."""
-    length, _, _, hits, _ = rec
+    length, hits = rec[0], rec[3]
     return min(0.95, 1.0 - 4.0 / (4.0 + length + hits - 1))
 
 
@@ -129,11 +148,10 @@ def log_loss(pairs: Sequence[tuple[float, int]]) -> float:
     return -sum(math.log(max(eps, p if y else 1 - p)) for p, y in pairs) / max(1, len(pairs))
 
 
-def fit(recs: Sequence[tuple[int, int, int, int, int]]) -> tuple[float, float]:
-    """The (PRIOR_HALF, PRIOR_WEIGHT) of least log loss on `recs`, on the grid."""
-    return min(
-        ((h, w) for h in HALVES for w in WEIGHTS), key=lambda hw: log_loss([(predicted(r, *hw), r[4]) for r in recs])
-    )
+def fit(recs: Sequence[Record]) -> tuple[float, float, float]:
+    """The (PRIOR_HALF, PRIOR_WEIGHT, MAX_PRIOR) of least log loss on `recs`, on the grid."""
+    grid = [(h, w, c) for h in HALVES for w in WEIGHTS for c in CAPS]
+    return min(grid, key=lambda hwc: log_loss([(predicted(r, *hwc), r[4]) for r in recs]))
 
 
 def buckets(pairs: Sequence[tuple[float, int]]) -> list[dict[str, Any]]:
@@ -152,7 +170,26 @@ def buckets(pairs: Sequence[tuple[float, int]]) -> list[dict[str, Any]]:
     return rows
 
 
-def short_frequent(recs: Sequence[tuple[int, int, int, int, int]], half: float, weight: float) -> dict[str, Any]:
+def by_match_length(recs: Sequence[Record]) -> list[dict[str, Any]]:
+    """A run's first token by its match's length (what MIN_MATCH cuts): tokens and the share right, for every
+    match and for matches whose context recurred 20 times or more (the review's frequent short contexts)."""
+    rows = []
+    for lo, hi in ((1, 1), (2, 2), (3, 3), (4, 7), (8, 10**9)):
+        first = [r for r in recs if r[5] == 0 and lo <= r[0] <= hi]
+        frequent = [r for r in first if r[3] >= 20]
+        rows.append(
+            {
+                "match_length": str(lo) if lo == hi else f"{lo}+" if hi > 1000 else f"{lo}-{hi}",
+                "tokens": len(first),
+                "observed": round(statistics.fmean(r[4] for r in first), 3) if first else None,
+                "frequent_tokens": len(frequent),
+                "frequent_observed": round(statistics.fmean(r[4] for r in frequent), 3) if frequent else None,
+            }
+        )
+    return rows
+
+
+def short_frequent(recs: Sequence[Record], *coded: float) -> dict[str, Any]:
     """The review's case: contexts of <= 2 tokens that recurred 20 times or more."""
     chosen = [r for r in recs if r[0] <= 2 and r[3] >= 20]
     if not chosen:
@@ -160,7 +197,7 @@ def short_frequent(recs: Sequence[tuple[int, int, int, int, int]], half: float, 
     return {
         "tokens": len(chosen),
         "old_prior": round(statistics.fmean(old_prior(r) for r in chosen), 3),
-        "predicted": round(statistics.fmean(predicted(r, half, weight) for r in chosen), 3),
+        "predicted": round(statistics.fmean(predicted(r, *coded) for r in chosen), 3),
         "observed": round(statistics.fmean(r[4] for r in chosen), 3),
     }
 
@@ -225,8 +262,8 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
         outputs = {
-            "code": generate(args.target, code_texts(args.texts), args.max_new_tokens),
-            "prose": generate(args.target, prose_texts(args.texts), args.max_new_tokens),
+            "code": generate(args.target, code_texts(args.texts), ASK["code"], args.max_new_tokens),
+            "prose": generate(args.target, prose_texts(args.texts), ASK["prose"], args.max_new_tokens),
         }
     result: dict[str, Any] = {
         "source": "dflash-trt bench suffix-prior",
@@ -237,44 +274,49 @@ def run(args: argparse.Namespace) -> int:
         "outputs": outputs,
     }
     lines = []
+    fitting = {kind: [r for s in samples[: len(samples) // 2] for r in records(s)] for kind, samples in outputs.items()}
+    held = {kind: [r for s in samples[len(samples) // 2 :] for r in records(s)] for kind, samples in outputs.items()}
+    fitted = fit([r for recs in fitting.values() for r in recs])
+    result["fit"] = dict(zip(("prior_half", "prior_weight", "max_prior"), fitted))
+    result["coded"] = dict(zip(("prior_half", "prior_weight", "max_prior"), CODED))
+    lines.append(
+        f"fit on the first halves ({sum(map(len, fitting.values()))} run tokens): PRIOR_HALF={fitted[0]:g} "
+        f"PRIOR_WEIGHT={fitted[1]:g} MAX_PRIOR={fitted[2]:g}; coded: PRIOR_HALF={CODED[0]:g} "
+        f"PRIOR_WEIGHT={CODED[1]:g} MAX_PRIOR={CODED[2]:g}"
+    )
     for kind, samples in outputs.items():
-        half_n = len(samples) // 2
-        fitting = [r for s in samples[:half_n] for r in records(s)]
-        held = [r for s in samples[half_n:] for r in records(s)]
-        h, w = fit(fitting)
-        new = [(predicted(r, h, w), r[4]) for r in held]
-        old = [(old_prior(r), r[4]) for r in held]
-        coded = [(predicted(r, P.PRIOR_HALF, P.PRIOR_WEIGHT), r[4]) for r in held]
+        recs = held[kind]
+        coded = [(predicted(r, *CODED), r[4]) for r in recs]
+        old = [(old_prior(r), r[4]) for r in recs]
         kind_result: dict[str, Any] = {
-            "fitting_texts": half_n,
-            "held_out_texts": len(samples) - half_n,
-            "fitting_tokens": len(fitting),
-            "held_out_tokens": len(held),
-            "fit": {"prior_half": h, "prior_weight": w},
+            "fitting_texts": len(samples) // 2,
+            "held_out_texts": len(samples) - len(samples) // 2,
+            "fitting_tokens": len(fitting[kind]),
+            "held_out_tokens": len(recs),
+            "observed": round(statistics.fmean(r[4] for r in recs), 3) if recs else None,
             "log_loss": {
-                "counts_fitted": log_loss(new),
-                "counts_as_coded": log_loss(coded),
-                "old_prior": log_loss(old),
+                "counts_as_coded": round(log_loss(coded), 4),
+                "counts_fitted": round(log_loss([(predicted(r, *fitted), r[4]) for r in recs]), 4),
+                "old_prior": round(log_loss(old), 4),
             },
-            "counts_fitted": buckets(new),
+            "counts_as_coded": buckets(coded),
             "old_prior": buckets(old),
-            "short_frequent": short_frequent(held, h, w),
+            "short_frequent": short_frequent(recs, *CODED),
+            "by_match_length": by_match_length(recs),
         }
         result["kinds"][kind] = kind_result
+        loss = kind_result["log_loss"]
         lines.append(
-            f"\n{kind}: fitted on {half_n} texts ({len(fitting)} run tokens), held out {len(samples) - half_n} "
-            f"({len(held)} run tokens); fit PRIOR_HALF={h:g} PRIOR_WEIGHT={w:g}"
+            f"\n{kind}, held out: {kind_result['held_out_texts']} texts, {len(recs)} run tokens reached, "
+            f"{kind_result['observed']} of them right; log loss: counts as coded {loss['counts_as_coded']:.3f} "
+            f"(as fitted {loss['counts_fitted']:.3f}), old prior {loss['old_prior']:.3f}"
         )
         lines.append(
-            f"log loss held out: counts {log_loss(new):.3f} (as coded {log_loss(coded):.3f}), old prior "
-            f"{log_loss(old):.3f}"
-        )
-        lines.append(
-            "| predicted bucket | tokens | counts: predicted | observed || old prior: tokens | predicted | observed |"
+            "| predicted bucket | counts: tokens | predicted | observed || old prior: tokens | predicted | observed |"
         )
         lines.append("|---|---|---|---||---|---|---|")
         old_rows = {b["bucket"]: b for b in kind_result["old_prior"]}
-        new_rows = {b["bucket"]: b for b in kind_result["counts_fitted"]}
+        new_rows = {b["bucket"]: b for b in kind_result["counts_as_coded"]}
         for lo, hi in zip(EDGES, EDGES[1:]):
             name = f"{lo:.1f}-{min(hi, 1.0):.1f}"
             n, o = new_rows.get(name), old_rows.get(name)
@@ -287,6 +329,14 @@ def run(args: argparse.Namespace) -> int:
                 f"contexts <= 2 tokens recurring >= 20 times: {sf['tokens']} tokens, old prior {sf['old_prior']:.3f}, "
                 f"counts {sf['predicted']:.3f}, observed {sf['observed']:.3f}"
             )
+        lines.append(
+            "a run's first token by match length: "
+            + ", ".join(
+                f"{b['match_length']}: {b['observed']} of {b['tokens']} (recurring >= 20: {b['frequent_observed']} of "
+                f"{b['frequent_tokens']})"
+                for b in kind_result["by_match_length"]
+            )
+        )
     samples = [s for kind in outputs.values() for s in kind]
     timing = {}
     for rows in args.rows:

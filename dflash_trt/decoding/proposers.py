@@ -132,17 +132,22 @@ class Prices(NamedTuple):
         return cls(row_s=line[0] / rows, token_s=line[1])
 
 
-def suffix_prior(length: int, half: float = PRIOR_HALF) -> float:
+def suffix_prior(length: int, half: float = PRIOR_HALF, cap: float = MAX_PRIOR) -> float:
     """What a context of `length` tokens predicts before it has counts (PRIOR_HALF)."""
-    return min(MAX_PRIOR, 1.0 - half / (half + length))
+    return min(cap, 1.0 - half / (half + length))
 
 
 def continuation_prob(
-    seen: int, agreed: int, length: int, half: float = PRIOR_HALF, weight: float = PRIOR_WEIGHT
+    seen: int,
+    agreed: int,
+    length: int,
+    half: float = PRIOR_HALF,
+    weight: float = PRIOR_WEIGHT,
+    cap: float = MAX_PRIOR,
 ) -> float:
     """The probability a run token is right, given the ones before it were: its context's counts over the prior
     of its context's length (the module's table)."""
-    return min(MAX_PRIOR, (agreed + weight * suffix_prior(length, half)) / (seen + weight))
+    return min(cap, (agreed + weight * suffix_prior(length, half, cap)) / (seen + weight))
 
 
 def continuation_probs(match: SuffixMatch) -> list[float]:

@@ -209,6 +209,8 @@ class BatchDecoder(RunsToEnd):
         for row, _ in result.rounds:
             if row.done:
                 self._release(row)
+        if self.shared_suffixes is not None:  # finished outputs enter it a bounded part a step
+            self.shared_suffixes.settle()
         return result
 
     def _round(self, rows: list[BatchRow], result: StepResult) -> list[tuple[BatchRow, Round]]:

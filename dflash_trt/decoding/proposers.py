@@ -49,11 +49,29 @@ if TYPE_CHECKING:
 # The longest suffix run verified in one round: a run long enough for a rewrite's unchanged stretches, short enough
 # that a miss wastes few verify tokens (the choice prices each run length, this only bounds the search).
 SUFFIX_MAX_RUN = 16
-# A suffix match's prior per-position acceptance is 1 - PRIOR_HALF / (PRIOR_HALF + m + h - 1) for match length m and
-# h recurrences of the context: 0.2 for a one-token match seen once, 0.5 at 4 tokens, 0.8 at 16. A longer context
-# that recurred more often predicts its continuation better; the row's own suffix rounds then correct the estimate.
+# A suffix run's per-token probabilities, as SuffixDecoding makes them (Arctic Inference's `SuffixTree::speculate`,
+# csrc/suffix_decoding/suffix_tree.cc at 0a11e6ad; vLLM's suffix method passes the same knobs,
+# vllm/config/speculative.py `suffix_decoding_min_token_prob` / `suffix_decoding_max_spec_factor`): from counts.
+# Token j of a run is right, given the ones before were, with probability (agreed + W x p0) / (seen + W): `seen` and
+# `agreed` count how often its context (the match extended by the run's first j tokens) was the match and the next
+# token then came, and how often it was the token the run predicted (suffix.py); p0 = 1 - PRIOR_HALF /
+# (PRIOR_HALF + context length) is what a context of that length predicts before it has counts. A frequent short
+# context with many continuations thus falls to its counts' low rate instead of rising with its recurrences.
+# PRIOR_HALF and PRIOR_WEIGHT are fitted by `dflash-trt bench suffix-prior` on its fitting texts (results/ holds
+# the fit and its held-out check).
 PRIOR_HALF = 4.0
-MAX_PRIOR = 0.95
+PRIOR_WEIGHT = 2.0
+MAX_PRIOR = 0.95  # no run is certain: the target may always choose otherwise
+# A run stops where its cumulative probability (the chance all its tokens so far are right) falls below this
+# (Arctic's and vLLM's `min_token_prob`, same default).
+MIN_TOKEN_PROB = 0.1
+# A run holds at most this factor times its match's length in tokens (Arctic's and vLLM's `max_spec_factor`): a
+# short match is weak evidence of a long repeat.
+MAX_SPEC_FACTOR = 2.0
+# A match shorter than this proposes nothing (TensorRT-LLM's suffix-automaton enhancer drafts from a match of at
+# least `threshold` tokens, `SAEnhancerConfig.threshold`, default 4; tensorrt_llm/_torch/speculative/
+# suffix_automaton.py at aba25256): one or two tokens of context mostly recur by chance.
+MIN_MATCH = 2
 # What a suffix run must earn over verifying one token, as a fraction (the adaptive policy's `min_gain` for a
 # DFlash block): a margin for what the prices leave out (the run's acceptance work, a prior that overrates a match)
 # that a run of a sound match clears many times over, and a run that barely looks worth it does not.
@@ -143,9 +161,47 @@ class Prices(NamedTuple):
         return cls(row_s=line[0] / rows, token_s=line[1])
 
 
-def suffix_prior(match: SuffixMatch) -> float:
-    """The prior per-position acceptance of a suffix run, from its match length and recurrences (PRIOR_HALF)."""
-    return min(MAX_PRIOR, 1.0 - PRIOR_HALF / (PRIOR_HALF + match.length + match.hits - 1))
+def suffix_prior(length: int, half: float = PRIOR_HALF, cap: float = MAX_PRIOR) -> float:
+    """What a context of `length` tokens predicts before it has counts (PRIOR_HALF)."""
+    return min(cap, 1.0 - half / (half + length))
+
+
+def continuation_prob(
+    seen: int,
+    agreed: int,
+    length: int,
+    half: float = PRIOR_HALF,
+    weight: float = PRIOR_WEIGHT,
+    cap: float = MAX_PRIOR,
+) -> float:
+    """The probability a run token is right, given the ones before it were: its context's counts over the prior
+    of its context's length (the module's table)."""
+    return min(cap, (agreed + weight * suffix_prior(length, half, cap)) / (seen + weight))
+
+
+def continuation_probs(match: SuffixMatch) -> list[float]:
+    """`continuation_prob` of each run token; a token past the counts the match carries has its context's length
+    prior alone."""
+    counts = match.counts
+    return [
+        continuation_prob(*(counts[j] if j < len(counts) else (0, 0)), match.length + j)
+        for j in range(len(match.continuation))
+    ]
+
+
+def run_reach(match: SuffixMatch) -> list[float]:
+    """The run's usable prefix and, per token, the chance it and every token before it are right (its cumulative
+    probability): nothing for a match shorter than MIN_MATCH, at most MAX_SPEC_FACTOR x the match's length of
+    tokens, cut where the cumulative probability falls below MIN_TOKEN_PROB."""
+    if match.length < MIN_MATCH:
+        return []
+    reach, chance = [], 1.0
+    for p in continuation_probs(match)[: int(MAX_SPEC_FACTOR * match.length)]:
+        chance *= p
+        if chance < MIN_TOKEN_PROB:
+            break
+        reach.append(chance)
+    return reach
 
 
 @dataclass
@@ -178,21 +234,22 @@ class RowDrafts:
             self.shared.add(tokens)
 
     def match(self, most: int) -> SuffixMatch | None:
-        """The longer of the request's own match and its match in the earlier outputs (own on a tie)."""
+        """The longer of the request's own match and its match in the earlier outputs (own on a tie). In the
+        loop's thread: the request's automaton takes in its waiting tokens here."""
         own = self.suffix.match(most) if self.suffix is not None else None
         other = self.shared.match(most) if self.shared is not None else None
         if other is not None and (own is None or other.length > own.length):
             return other
         return own
 
-    def suffix_alpha(self, match: SuffixMatch) -> float:
-        """A run's per-position acceptance: the match's prior, corrected by the row's own suffix rounds."""
-        self.suffix_estimate.prior_alpha = suffix_prior(match)
-        return self.suffix_estimate.alpha
-
     @property
     def suffix_states(self) -> int:
         return self.suffix.size if self.suffix is not None else 0
+
+    @property
+    def suffix_bytes(self) -> int:
+        """The request's suffix structure's memory, in real bytes (`SuffixAutomaton.nbytes`)."""
+        return self.suffix.nbytes if self.suffix is not None else 0
 
 
 def learn_own(tracker: AcceptanceTracker, own: bool, drafted: int, accepted: int) -> None:
@@ -203,16 +260,17 @@ def learn_own(tracker: AcceptanceTracker, own: bool, drafted: int, accepted: int
 
 def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]:
     """The suffix run of the best expected tokens per second for a row that may verify `most` drafts, and that
-    rate; NO_PICK and the rate of verifying one token where no suffix repeats or no run beats that rate by
-    RUN_MIN_GAIN."""
+    rate (NO_PICK and the rate of verifying one token where no usable run repeats or no run beats that rate by
+    RUN_MIN_GAIN). A run of k tokens is expected to commit 1 + the sum of its first k cumulative probabilities
+    (`run_reach`)."""
     none_rate = 1.0 / prices.row_s
     match = drafts.match(min(most, SUFFIX_MAX_RUN)) if most > 0 else None
     if match is None:
         return NO_PICK, none_rate
-    alpha = drafts.suffix_alpha(match)
-    best, best_rate = NO_PICK, none_rate * (1.0 + RUN_MIN_GAIN)
-    for k in range(1, len(match.continuation) + 1):
-        rate = expected_tokens(alpha, k + 1) / prices.verify_s(k)
+    best, best_rate, expected = NO_PICK, none_rate * (1.0 + RUN_MIN_GAIN), 1.0
+    for k, chance in enumerate(run_reach(match), start=1):
+        expected += chance
+        rate = expected / prices.verify_s(k)
         if rate > best_rate:
             best, best_rate = Pick(SUFFIX, k + 1, match.continuation[:k]), rate
     return best, best_rate if best.proposer is not None else none_rate

@@ -11,14 +11,15 @@ one value of a header its gateway sets). A request without a tenant (`Generation
 matches its own tokens only and leaves nothing behind.
 
 Bounded: each tenant's structure holds at most `max_tokens` tokens, and at most `max_tenants` tenants keep one (the
-least recently used is dropped past that: its later requests start from nothing, as a new tenant's do)."""
+least recently used is dropped past that: its later requests start from nothing, as a new tenant's do). Work: the
+finished outputs of all tenants together enter their structures at most SETTLE_TOKENS tokens a step (`settle`)."""
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
 
-from .suffix import SharedSuffixes
+from .suffix import SETTLE_TOKENS, SharedSuffixes
 
 # Tenants whose finished outputs are kept at once (each up to the decoder's shared-token bound): enough for the API
 # keys of a small deployment; past it the least recently served tenant's outputs are dropped.
@@ -36,6 +37,7 @@ class TenantSuffixes:
         self.max_tokens, self.max_tenants = max_tokens, max_tenants
         self._by_tenant: OrderedDict[str, SharedSuffixes] = OrderedDict()
         self._lock = threading.Lock()
+        self._turn = 0  # the tenant whose queue `settle` serves first: turns go round, so none waits on another
 
     def of(self, tenant: str | None) -> SharedSuffixes | None:
         """The tenant's structure (made on its first request; the most recently used); None: no tenant, nothing
@@ -60,3 +62,26 @@ class TenantSuffixes:
         """States held by every tenant's structure (the memory measure)."""
         with self._lock:
             return sum(s.size for s in self._by_tenant.values())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by every tenant's structure, in real bytes (`SharedSuffixes.nbytes`)."""
+        with self._lock:
+            structures = list(self._by_tenant.values())
+        return sum(s.nbytes for s in structures)
+
+    def settle(self, budget: int | None = SETTLE_TOKENS) -> int:
+        """Take in up to `budget` queued tokens (None: all) across the tenants' structures, in the loop's thread: one
+        step's suffix work stays bounded however many tenants' requests finished. The tenants take turns starting
+        first, so a tenant with a long queue delays the others by one step's budget at most. How many it took in."""
+        with self._lock:
+            waiting = [s for s in self._by_tenant.values() if s.waiting]
+        if not waiting:
+            return 0
+        self._turn = (self._turn + 1) % len(waiting)
+        done = 0
+        for shared in waiting[self._turn :] + waiting[: self._turn]:
+            if budget is not None and done >= budget:
+                break
+            done += shared.settle(None if budget is None else budget - done)
+        return done

@@ -12,93 +12,146 @@ Per state it keeps, besides the automaton's own fields:
   end      an end position of an occurrence of the state's strings other than the newest one: the first one when
            the state was made, then the previous occurrence each time the state is matched, so a run is read after
            the most recent earlier occurrence (what repeats in an agent's loop or a rewrite is the latest version);
-  hits     how often the state was the match (its context recurred): the frequency statistic a proposal carries.
+  seen     how often the state was the match and the next token then came (a prediction resolved);
+  agreed   how often that next token was the one the run read after the earlier occurrence predicted.
+`seen` and `agreed` are the counts a continuation probability is made of (`proposers.continuation_probs`), as
+SuffixDecoding's tree makes one from its nodes' counts: a short context seen often with many different
+continuations has a low `agreed / seen`, however often it recurred.
 
-Memory is bounded: at most 2n states and 3n transitions for n tokens, and an automaton stops growing at
-`max_tokens` (its matches then cover the first `max_tokens` tokens only). `SuffixAutomaton.size` says what it
-holds; the loop reports it per request and in all (`GenerationStats.suffix_states`, the server's metrics).
+Memory: at most 2n states and 3n transitions for n tokens, in flat arrays and a transition dict per state
+(`Automaton.nbytes` counts them in real bytes). A request's structure (`SuffixAutomaton`) is a window past its
+bound: it keeps the automaton of its last `max_tokens` tokens at most, a second one starting halfway so that it
+hands over without a rebuild. Work: a request's tokens wait in a backlog until the loop's thread asks for a match,
+and at most `SETTLE_TOKENS` of them enter a step (a long prompt's automaton is built over its first steps, in the
+loop's thread, not in the thread that received the request).
 """
 
 from __future__ import annotations
 
+import sys
+from array import array
 from typing import NamedTuple
 
-# A request's automaton stops growing past this many tokens: prompt + output of the longest context served here
-# fits (the CPU demo targets' context), and a client's runaway request cannot take more memory than that.
+# A request's automaton covers at most its last this many tokens: the longest context served here fits, and a
+# client's runaway request cannot take more memory than that (the window then slides: `SuffixAutomaton`).
 MAX_TOKENS = 65536
-# Rough bytes per state of the Python structure (its list entries and transition dict), for the metrics: a
-# measure of scale, not an accounting of the allocator.
-BYTES_PER_STATE = 200
+# Tokens a structure takes in per call of the loop's thread: bounds the suffix work a step does (a long prompt is
+# taken in over several steps; a row's committed tokens, at most a block a step, never wait).
+SETTLE_TOKENS = 256
+_INT_BYTES = sys.getsizeof(1 << 20)  # an int object past the small cached ones (a state id, a token id)
 
 
 class SuffixMatch(NamedTuple):
     """The longest suffix of the text so far that occurred earlier, and what followed it there."""
 
     length: int  # tokens of the matched suffix
-    hits: int  # times this context has recurred in the request so far (1: the first repeat)
+    hits: int  # times this context has recurred so far (1: the first repeat)
     continuation: tuple[int, ...]  # the tokens that followed its earlier occurrence (at most the asked length)
+    # per continuation token, (seen, agreed) of its context: the match, then the match extended by the run's
+    # tokens before it (fewer entries than tokens: the rest have no counts, only their context's length)
+    counts: tuple[tuple[int, int], ...] = ()
 
 
-class SuffixAutomaton:
-    """The suffix automaton of a token sequence, extended one token at a time (`extend`)."""
+def _counts_along(sam: Automaton, state: int, run: list[int]) -> tuple[tuple[int, int], ...]:
+    """(seen, agreed) of the contexts along `run` from `state`: the state, then the state its context extended by
+    each run token reaches (until the run leaves what the automaton holds)."""
+    out = []
+    for t in run:
+        out.append((sam.seen[state], sam.agreed[state]))
+        state = sam.next[state].get(t, -1)
+        if state < 0:
+            break
+    return tuple(out)
 
-    __slots__ = ("tokens", "next", "link", "length", "end", "hits", "last", "max_tokens", "_state_of_match", "_after")
 
-    def __init__(self, max_tokens: int = MAX_TOKENS):
-        self.tokens: list[int] = []
-        self.next: list[dict[int, int]] = [{}]
-        self.link, self.length, self.end, self.hits = [-1], [0], [-1], [0]
+class Automaton:
+    """The suffix automaton of a token sequence, extended one token at a time (`extend`), unbounded."""
+
+    __slots__ = (
+        "tokens",
+        "next",
+        "link",
+        "length",
+        "end",
+        "seen",
+        "agreed",
+        "last",
+        "_state_of_match",
+        "_after",
+        "_measured",
+    )
+
+    def __init__(self) -> None:
+        self.tokens = array("q")
+        self.next: list[dict[int, int]] = [{}]  # per state: token -> state
+        self.link, self.length, self.end = array("q", [-1]), array("q", [0]), array("q", [-1])
+        self.seen, self.agreed = array("q", [0]), array("q", [0])
         self.last = 0
-        self.max_tokens = max_tokens
         self._state_of_match, self._after = 0, -1  # the match state and where its earlier occurrence ended
+        self._measured = (0, 0)  # (states, bytes) of the transition dicts when last measured
 
     @property
     def size(self) -> int:
-        """States held (the memory measure)."""
+        """States held."""
         return len(self.link)
 
     @property
-    def full(self) -> bool:
-        return len(self.tokens) >= self.max_tokens
+    def nbytes(self) -> int:
+        """Bytes held, in real bytes: the arrays' buffers, the list of transition dicts and their tables, and the
+        int objects they hold (a state id per state, a token id per token taken in, at most). The dicts are
+        measured whole once the states grew by an eighth since the last measure (amortised O(1) a state), and
+        scaled by the states in between."""
+        arrays = (self.tokens, self.link, self.length, self.end, self.seen, self.agreed)
+        objects = _INT_BYTES * (len(self.link) + len(self.tokens))
+        states, dicts = self._measured
+        if len(self.next) > states + states // 8:
+            states, dicts = len(self.next), sum(map(sys.getsizeof, self.next))
+            self._measured = (states, dicts)
+        dicts = dicts * len(self.next) // states
+        return sum(sys.getsizeof(a) for a in arrays) + sys.getsizeof(self.next) + dicts + objects
 
     def extend_all(self, tokens: list[int]) -> None:
         for t in tokens:
             self.extend(t)
 
     def extend(self, token: int) -> None:
-        """Append one token: the standard online construction (a new state for the whole text; a clone where an
-        existing state's strings split); then the match state records this occurrence (`_matched`)."""
-        if self.full:
-            return
-        pos = len(self.tokens)
+        """Append one token: the last match's prediction is resolved (`seen`, `agreed`); then the standard
+        online construction (a new state for the whole text; a clone where an existing state's strings split);
+        then the match state records this occurrence (`_matched`)."""
+        s, pos = self._state_of_match, len(self.tokens)
+        if s > 0 and self._after >= 0:
+            self.seen[s] += 1
+            self.agreed[s] += self.tokens[self._after + 1] == token
         self.tokens.append(token)
-        cur = self._state(self.length[self.last] + 1, pos, {})
+        nxt, link, length = self.next, self.link, self.length
+        cur = self._state(length[self.last] + 1, pos, {})
         p = self.last
-        while p != -1 and token not in self.next[p]:
-            self.next[p][token] = cur
-            p = self.link[p]
+        while p != -1 and token not in nxt[p]:
+            nxt[p][token] = cur
+            p = link[p]
         if p == -1:
-            self.link[cur] = 0
+            link[cur] = 0
         else:
-            q = self.next[p][token]
-            if self.length[p] + 1 == self.length[q]:
-                self.link[cur] = q
+            q = nxt[p][token]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
             else:
-                clone = self._state(self.length[p] + 1, self.end[q], dict(self.next[q]), self.hits[q])
-                self.link[clone] = self.link[q]
-                while p != -1 and self.next[p].get(token) == q:
-                    self.next[p][token] = clone
-                    p = self.link[p]
-                self.link[q] = self.link[cur] = clone
+                clone = self._state(length[p] + 1, self.end[q], dict(nxt[q]), self.seen[q], self.agreed[q])
+                link[clone] = link[q]
+                while p != -1 and nxt[p].get(token) == q:
+                    nxt[p][token] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
         self.last = cur
         self._matched(pos)
 
-    def _state(self, length: int, end: int, nxt: dict[int, int], hits: int = 0) -> int:
+    def _state(self, length: int, end: int, nxt: dict[int, int], seen: int = 0, agreed: int = 0) -> int:
         self.next.append(nxt)
         self.link.append(-1)
         self.length.append(length)
         self.end.append(end)
-        self.hits.append(hits)
+        self.seen.append(seen)
+        self.agreed.append(agreed)
         return len(self.link) - 1
 
     def _matched(self, pos: int) -> None:
@@ -109,7 +162,6 @@ class SuffixAutomaton:
         s = self.link[self.last]
         self._state_of_match, self._after = s, -1
         if s > 0:
-            self.hits[s] += 1
             self._after, self.end[s] = self.end[s], pos
 
     def match(self, most: int) -> SuffixMatch | None:
@@ -122,104 +174,213 @@ class SuffixAutomaton:
         loop of period d (a generation cycling through its own lines) the run is the loop continued, where a
         run cut at the text's end would offer d - 1 tokens a round however long the loop held."""
         s = self._state_of_match
-        if s <= 0 or self._after < 0 or most < 1 or self.full:
+        if s <= 0 or self._after < 0 or most < 1:
             return None
         start = self._after + 1
-        run = self.tokens[start : start + most]
+        run = list(self.tokens[start : start + most])
         distance = len(run)
         for j in range(distance, most if distance else 0):
             run.append(run[j - distance])
-        return SuffixMatch(self.length[s], self.hits[s], tuple(run)) if run else None
+        if not run:
+            return None
+        return SuffixMatch(self.length[s], self.seen[s] + 1, tuple(run), _counts_along(self, s, run))
 
 
-# The shared automaton's default bound, in tokens: about 2 states per token at `BYTES_PER_STATE`, some 25 MB.
+class SuffixAutomaton:
+    """A request's suffix structure: the automaton of its last `max_tokens` tokens at most (a window), taken in
+    through a backlog.
+
+    The window: tokens enter the current automaton; once it holds half the bound they also enter a second one, and
+    when the current one is full the second (the last half-bound of tokens) takes its place. Each token is
+    extended at most twice, nothing is rebuilt, and a request past the bound keeps drafting from its recent text.
+    The backlog: `extend` / `extend_all` only record (any thread: a row is made where its request arrived);
+    `match`, in the loop's thread, first takes in up to SETTLE_TOKENS of them, and proposes nothing while some
+    still wait (the automaton's text must end where the request's does)."""
+
+    __slots__ = ("max_tokens", "current", "spare", "backlog")
+
+    def __init__(self, max_tokens: int = MAX_TOKENS):
+        self.max_tokens = max_tokens
+        self.current = Automaton()
+        self.spare: Automaton | None = None  # the next window's automaton, once the current one is half full
+        self.backlog: list[int] = []
+
+    @property
+    def tokens(self) -> array[int]:
+        """The window's tokens (those taken in)."""
+        return self.current.tokens
+
+    @property
+    def size(self) -> int:
+        """States held (both automata)."""
+        return self.current.size + (self.spare.size if self.spare is not None else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, in real bytes (both automata and the backlog)."""
+        spare = self.spare.nbytes if self.spare is not None else 0
+        return self.current.nbytes + spare + sys.getsizeof(self.backlog)
+
+    def extend(self, token: int) -> None:
+        self.backlog.append(token)
+
+    def extend_all(self, tokens: list[int]) -> None:
+        self.backlog += tokens
+
+    def settle(self, budget: int | None = SETTLE_TOKENS) -> bool:
+        """Take in up to `budget` waiting tokens (None: all); whether none waits now."""
+        if self.max_tokens < 1:
+            self.backlog.clear()
+            return True
+        todo = self.backlog if budget is None else self.backlog[:budget]
+        half = max(1, self.max_tokens // 2)
+        for t in todo:
+            if self.spare is None and len(self.current.tokens) >= self.max_tokens - half:
+                self.spare = Automaton()  # it holds the last half-bound of tokens when the current one is full
+            self.current.extend(t)
+            if self.spare is not None:
+                self.spare.extend(t)
+            if len(self.current.tokens) >= self.max_tokens:
+                self.current, self.spare = self.spare or Automaton(), None
+        del self.backlog[: len(todo)]
+        return not self.backlog
+
+    def match(self, most: int) -> SuffixMatch | None:
+        """The window's longest repeated suffix and its run (`Automaton.match`); None while tokens still wait."""
+        if not self.settle():
+            return None
+        return self.current.match(most)
+
+
+# The shared automaton's default bound, in tokens.
 SHARED_TOKENS = 65536
 
 
 class SharedSuffixes:
-    """One automaton over the outputs of a worker's finished requests, for the requests that follow (an agent's
-    next turn, a client that asks again): a request's own automaton cannot propose what it has not seen.
+    """Automata over the outputs of a worker's finished requests, for the requests that follow (an agent's next
+    turn, a client that asks again): a request's own automaton cannot propose what it has not seen.
 
-    Each output is followed by a separator no other holds (a negative id), so no match spans two outputs. Bounded:
-    an output that would take it past `max_tokens` first rebuilds it from the newest outputs that fill half of it
-    (the oldest are evicted; the rebuild costs what it keeps, so each token is paid for a bounded number of
-    times). A row reads it through its own `SharedWalk`, which a rebuild resets. One thread: the loop's."""
+    Each output is followed by a separator no other holds (a negative id), so no match spans two outputs. Bounded,
+    and evicted by request, never rebuilt: outputs enter the current automaton (`sam`) and, once it holds half
+    the bound, a second one too; an output that would take the current one past the bound makes the second one
+    current (it holds the newest outputs, about half the bound) and starts none: the oldest outputs go with the
+    old one. An output is extended at most twice. `add` only queues an output; `settle`, once a step in the loop's
+    thread, takes in up to SETTLE_TOKENS queued tokens, so a long output finishing costs no step more than that.
+    A row reads it through its own `SharedWalk`. One thread: the loop's."""
 
     def __init__(self, max_tokens: int = SHARED_TOKENS):
         if max_tokens < 2:
             raise ValueError(f"the shared suffix structure needs at least 2 tokens, got {max_tokens}")
         self.max_tokens = max_tokens
-        self.outputs: list[list[int]] = []
-        self.generation = 0  # rebuilds so far: a walk made before the last one starts again
-        self.sam = SuffixAutomaton(max_tokens + 1)
+        self.outputs: list[list[int]] = []  # the outputs the current automaton holds, oldest first
+        self.sam = Automaton()
+        self.generation = 0  # hand-overs so far: a walk made before the last one starts again
+        self.version = 0  # changes whenever the current automaton does: a walk behind it walks again
+        self._spare: Automaton | None = None
+        self._spare_outputs: list[list[int]] = []
+        self._queue: list[list[int]] = []  # outputs added, not yet (wholly) taken in
+        self._taken = 0  # tokens of the queue's first output taken in (its separator is its last)
+        self._into: list[Automaton] = []  # the automata the first queued output goes into
         self._separators = 0
 
     @property
     def size(self) -> int:
-        return self.sam.size
+        return self.sam.size + (self._spare.size if self._spare is not None else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held, in real bytes (both automata; the outputs' lists share their tokens' int objects)."""
+        spare = self._spare.nbytes if self._spare is not None else 0
+        kept = sum(sys.getsizeof(o) for o in self.outputs) + sum(sys.getsizeof(o) for o in self._spare_outputs)
+        return self.sam.nbytes + spare + kept
 
     def add(self, output: list[int]) -> None:
-        """A finished request's output (at most half the bound of it, its end: what a next turn most resembles)."""
-        output = output[-(self.max_tokens // 2) :]
-        if not output:
-            return
+        """A finished request's output (at most half the bound of it, its end: what a next turn most resembles),
+        queued for `settle`."""
+        output = list(output[-(self.max_tokens // 2) :])
+        if output:
+            self._queue.append(output)
+
+    def settle(self, budget: int | None = SETTLE_TOKENS) -> int:
+        """Take in up to `budget` queued tokens (None: all), in the loop's thread; how many it took in."""
+        done = 0
+        while self._queue and (budget is None or done < budget):
+            output = self._queue[0]
+            if self._taken == 0:
+                self._start(output)
+            todo = len(output) + 1 - self._taken
+            n = todo if budget is None else min(todo, budget - done)
+            for i in range(self._taken, self._taken + n):
+                t = output[i] if i < len(output) else -self._separators
+                for sam in self._into:
+                    sam.extend(t)
+            self._taken += n
+            done += n
+            self.version += 1
+            if self._taken == len(output) + 1:
+                self._queue.pop(0)
+                self._taken = 0
+                if self._spare is None and len(self.sam.tokens) >= self.max_tokens // 2:
+                    self._spare = Automaton()
+        return done
+
+    @property
+    def waiting(self) -> bool:
+        """Whether outputs wait to be taken in (`settle`)."""
+        return bool(self._queue)
+
+    def _start(self, output: list[int]) -> None:
+        """Where the next output goes: a hand-over first if it would not fit in the current automaton."""
         if len(self.sam.tokens) + len(output) + 1 > self.max_tokens:
-            self._rebuild(self.max_tokens // 2 - len(output) - 1)
-        self._append(output)
-        self.outputs.append(output)
-
-    def _append(self, output: list[int]) -> None:
+            self.sam, self.outputs = self._spare or Automaton(), self._spare_outputs
+            self._spare, self._spare_outputs = None, []
+            self.generation += 1
         self._separators += 1
-        self.sam.extend_all(output)
-        self.sam.extend(-self._separators)
-
-    def _rebuild(self, room: int) -> None:
-        kept: list[list[int]] = []
-        for out in reversed(self.outputs):
-            room -= len(out) + 1
-            if room < 0:
-                break
-            kept.append(out)
-        self.outputs, self.sam, self.generation = kept[::-1], SuffixAutomaton(self.max_tokens + 1), self.generation + 1
-        for out in self.outputs:
-            self._append(out)
+        self.outputs.append(output)
+        self._into = [self.sam]
+        if self._spare is not None:
+            self._spare_outputs.append(output)
+            self._into.append(self._spare)
 
 
 class SharedWalk:
     """Where one request's text stands in the shared automaton: the state of the longest suffix of the request
     that occurs in it (matching statistics: each token costs amortised O(1), following suffix links on a miss).
 
-    Made unsynced (a row is made in any thread, the shared automaton changes in the loop's): `add` only records
-    the request's last tokens until `match`, in the loop's thread, walks them; a rebuild unsyncs every walk."""
+    The automaton changes under a walk (outputs taken in, a hand-over): a state the walk stood in may have been
+    split by a clone, and a longer suffix of the request may now occur. So a walk is only trusted against the
+    version it walked: behind it, `match` walks the request's last SUFFIX_WALK_AGAIN tokens again. Made unsynced
+    (a row is made in any thread): `add` only records the request's last tokens until the walk is in sync."""
 
-    __slots__ = ("shared", "state", "length", "generation", "recent")
+    __slots__ = ("shared", "state", "length", "version", "recent")
 
     def __init__(self, shared: SharedSuffixes):
         self.shared = shared
-        self.state, self.length, self.generation = 0, 0, -1
-        self.recent: list[int] = []  # the request's last tokens, to walk again after a rebuild
+        self.state, self.length, self.version = 0, 0, -1
+        self.recent: list[int] = []  # the request's last tokens, to walk again
 
     def add(self, tokens: list[int]) -> None:
         self.recent = (self.recent + tokens)[-SUFFIX_WALK_AGAIN:]
-        if self.generation == self.shared.generation:
+        if self.version == self.shared.version:
             self._walk(tokens)
 
     def _walk(self, tokens: list[int]) -> None:
         sam = self.shared.sam
+        nxt, link, length = sam.next, sam.link, sam.length
+        state, matched = self.state, self.length
         for t in tokens:
-            while self.state and t not in sam.next[self.state]:
-                self.state = sam.link[self.state]
-                self.length = sam.length[self.state]
-            if t in sam.next[self.state]:
-                self.state, self.length = sam.next[self.state][t], self.length + 1
-            else:
-                self.state, self.length = 0, 0
+            while state and t not in nxt[state]:
+                state = link[state]
+                matched = length[state]
+            to = nxt[state].get(t, -1)
+            state, matched = (to, matched + 1) if to >= 0 else (0, 0)
+        self.state, self.length = state, matched
 
     def match(self, most: int) -> SuffixMatch | None:
         """The longest suffix of the request found in the shared outputs and up to `most` tokens that followed
         it there (up to the end of that output)."""
-        if self.generation != self.shared.generation:  # new, or rebuilt since: walk the last tokens again
-            self.state, self.length, self.generation = 0, 0, self.shared.generation
+        if self.version != self.shared.version:  # new, or the automaton changed since: walk the last tokens again
+            self.state, self.length, self.version = 0, 0, self.shared.version
             self._walk(self.recent)
         if self.state <= 0 or most < 1:
             return None
@@ -230,8 +391,11 @@ class SharedWalk:
             if t < 0:  # the output ended there
                 break
             run.append(t)
-        return SuffixMatch(self.length, sam.hits[self.state] + 1, tuple(run)) if run else None
+        if not run:
+            return None
+        return SuffixMatch(self.length, sam.seen[self.state] + 1, tuple(run), _counts_along(sam, self.state, run))
 
 
-# after a rebuild a walk starts again from this many of the request's last tokens (a longer match is rare)
+# a walk behind the shared automaton walks again from this many of the request's last tokens (a longer match is
+# rare; it then reads as this long)
 SUFFIX_WALK_AGAIN = 64

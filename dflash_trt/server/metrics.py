@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from ..decoding.suffix import BYTES_PER_STATE
-
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
@@ -181,7 +179,7 @@ class ServerMetrics:
         )
         self.suffix_bytes = Gauge(
             "dflash_suffix_bytes",
-            "the suffix automata's memory, the requests' and the shared one, estimated (states x bytes per state)",
+            "the suffix automata's memory in bytes, the requests' and the shared one (their arrays, dicts and ints)",
             registry=r,
         )
 
@@ -212,14 +210,14 @@ class ServerMetrics:
             "vllm:num_requests_waiting", "Number of requests waiting to be processed.", VLLM_LABELS, registry=r
         ).labels(*lv)
 
-    def observe_suffix_states(self, states: list[int], shared: int = 0) -> None:
+    def observe_suffix_states(self, states: list[int], shared: int = 0, nbytes: int = 0) -> None:
         """The suffix automata after a step: the live requests' states in all and the largest, the shared
-        automaton's, and their bytes."""
+        automaton's, and their bytes in all (`SuffixAutomaton.nbytes`, `SharedSuffixes.nbytes`)."""
         total = sum(states)
         self.suffix_states.set(total)
         self.suffix_states_max.set(max(states, default=0))
         self.suffix_shared_states.set(shared)
-        self.suffix_bytes.set((total + shared) * BYTES_PER_STATE)
+        self.suffix_bytes.set(nbytes)
 
     def observe_round(self, drafted: int, accepted: int, proposer: str) -> None:
         """One verify round: `drafted` tokens proposed by `proposer`, the first `accepted` of them kept by the

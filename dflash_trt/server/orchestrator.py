@@ -342,8 +342,10 @@ class Orchestrator:
         m = self.metrics
         if self.decoder is not None:
             shared = self.decoder.shared_suffixes
-            states = [row.drafts.suffix_states for row in self.decoder.active]
-            m.observe_suffix_states(states, shared.size if shared is not None else 0)
+            live = self.decoder.active
+            states = [row.drafts.suffix_states for row in live]
+            nbytes = sum(row.drafts.suffix_bytes for row in live) + (shared.nbytes if shared is not None else 0)
+            m.observe_suffix_states(states, shared.size if shared is not None else 0, nbytes)
         for size in prof.blocks:
             m.block_size.observe(size)
         for kind, rows, tokens in (

@@ -40,6 +40,8 @@ from ..runtime.base import Draft, DrafterEngine, DrafterSession, TargetEngine, T
 from .chunking import BACKLOG_STEPS, STALL, STEP_TOKENS, Chunk, ChunkPacer, plan_chunks
 from .cost import CostModel
 from .driving import RunsToEnd
+from .errors import InputError
+from .grammar import compile_grammar
 from .healing import PromptHealer
 from .policy import BlockPolicy, FixedBlocks
 from .prompting import default_stop_ids, encode_text
@@ -134,6 +136,9 @@ class BatchDecoder(RunsToEnd):
         healing = None
         if config.heal_prompt and self.tokenizer is not None:
             prompt, healing = self.healer.heal(prompt)
+        if config.grammar is not None:
+            compile_grammar(config.grammar, self.tokenizer, int(self.target.vocab_size))  # GrammarError: a 400
+            raise InputError("grammar: structured output is not served by the decoding loop yet")
         size = config.block_size or self.block_size
         proposer = REGISTRY[config.proposer]  # a name validate_request knows
         can_draft = self.drafter is not None and size != 1 and proposer.uses_drafter

@@ -71,7 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposers", nargs="+", default=["dflash", "suffix"], help="(default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="(default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    p.add_argument("--out", type=Path, default=Path("results/structured/forced.json"), help="JSON written (default %(default)s)")
+    p.add_argument(
+        "--out", type=Path, default=Path("results/structured/forced.json"), help="JSON written (default %(default)s)"
+    )
 
 
 def prompt_ids(decoder: Any, text: str, schema: dict[str, Any]) -> list[int]:

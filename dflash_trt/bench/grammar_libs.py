@@ -102,7 +102,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--repeats", type=int, default=3, help="compiles per schema; the median is reported (default 3)")
     p.add_argument(
-        "--out", type=Path, default=Path("results/structured/grammar-libs.json"), help="JSON written (default %(default)s)"
+        "--out",
+        type=Path,
+        default=Path("results/structured/grammar-libs.json"),
+        help="JSON written (default %(default)s)",
     )
 
 

@@ -62,7 +62,19 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _register_actions(bench: argparse.ArgumentParser) -> None:
     """The benchmarks that are not the method comparison, as optional actions: `dflash-trt bench` alone stays the
     comparison, `dflash-trt bench ACTION` runs the action (whose own flags follow its name)."""
-    from ..bench import load, parts, prefill, proposers, serve, session, soak, structured, suffix_trace
+    from ..bench import (
+        forced,
+        grammar_libs,
+        load,
+        parts,
+        prefill,
+        proposers,
+        serve,
+        session,
+        soak,
+        structured,
+        suffix_trace,
+    )
     from . import bench_sim
 
     modules: dict[str, tuple[ActionModule, str]] = {  # action -> (its module, its --help line)
@@ -84,6 +96,8 @@ def _register_actions(bench: argparse.ArgumentParser) -> None:
         "session": (session, "a multi-turn session through servers of several proposers, outputs compared"),
         "suffix-trace": (suffix_trace, "record the suffix proposer's rounds on the demo pair, for the simulator"),
         "structured": (structured, "JSON-schema-constrained requests through the server, each output validated"),
+        "forced": (forced, "structured outputs with and without drafting the tokens their grammar forces"),
+        "grammar-libs": (grammar_libs, "llguidance and xgrammar: install size, schema compile and mask times"),
     }
     actions = bench.add_subparsers(
         dest="bench_action",

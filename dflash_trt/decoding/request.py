@@ -48,6 +48,9 @@ class GenerationConfig:
     proposer: str = DEFAULT_PROPOSER
     # what the output must follow (grammar.py: a JSON schema, a regex, choices, an EBNF); None: free text
     grammar: GrammarSpec | None = None
+    # draft the tokens the grammar forces (where the proposer takes them: `Proposer.takes_forced`); off, a guided
+    # row drafts only what its proposer proposes (the comparison `dflash-trt bench forced` makes)
+    forced_drafts: bool = True
     # None: no logprobs; 0: each generated token's own (`TokenLogprob`); k: and the top k (k <= MAX_TOP_LOGPROBS)
     logprobs: int | None = None
 

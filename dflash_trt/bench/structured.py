@@ -7,7 +7,7 @@ token budget, so an invalid one is the server's fault, not truncation's), every 
 and tool calls, named and "required") and temperatures 0 and 1 (seeded). /v1/completions where the target has no
 chat template (the demo target), /v1/chat/completions where it has one (SmolLM2-135M-Instruct).
 
-Writes OUT/results.json: per way of asking, requests, valid, finish reasons, and the first invalid outputs;
+Writes OUT/results.json (default results/structured/http-<target>/; the server's log beside it): per way of asking, requests, valid, finish reasons, and the first invalid outputs;
 tokens/s and tau (tokens per verify round) over the run. Exits 1 when any output fails its schema.
 """
 
@@ -98,7 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=int, default=300, help="requests to send (default 300)")
     p.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each (default 160)")
     p.add_argument("--threads", type=int, default=1, help="the server's --threads (default 1)")
-    p.add_argument("--out", type=Path, default=Path("results/structured"), help="where results.json goes")
+    p.add_argument(
+        "--out", type=Path, default=None, help="where results.json goes (default results/structured/http-<target>)"
+    )
 
 
 def _case(i: int, chat: bool) -> tuple[str, dict[str, Any], dict[str, Any]]:
@@ -145,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
     serve += ["--drafter", str(args.drafter)] if args.drafter else ["--no-draft"]
     if args.proposer:
         serve += ["--proposer", args.proposer]
+    args.out = args.out or Path("results/structured") / f"http-{args.target.resolve().name}"
     args.out.mkdir(parents=True, exist_ok=True)
     proc, url = start_serve(serve, args.out / "serve.log", timeout_s=300)
     per_way: dict[str, dict[str, Any]] = {}

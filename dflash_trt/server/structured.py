@@ -212,7 +212,7 @@ def _calls_in(block: str, names: set[str]) -> list[ToolCallOut] | None:
         if not isinstance(item, dict) or item.get("name") not in names:
             return None
         args = item.get("arguments", item.get("parameters", {}))
-        calls.append(ToolCallOut(item["name"], args if isinstance(args, str) else json.dumps(args)))
+        calls.append(ToolCallOut(item["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
     return calls
 
 
@@ -259,7 +259,7 @@ class ToolPlan:
         if self.mode == "required":
             try:
                 items = json.loads(text)
-                return None, [ToolCallOut(i["name"], json.dumps(i["parameters"])) for i in items]
+                return None, [ToolCallOut(i["name"], json.dumps(i["parameters"], ensure_ascii=False)) for i in items]
             except (ValueError, TypeError, KeyError):
                 return text, []
         if self.mode == "auto" and self.format is not None:
@@ -322,8 +322,8 @@ def _parameters(tool: Tool) -> dict[str, Any]:
 
 
 def _required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
-    """vLLM's schema for tool_choice "required": an array of at least one {"name", "parameters"} object, each
-    one of the functions; the functions' `$defs` lifted to the top, where their `$ref`s point (two functions
+    """vLLM's schema for tool_choice "required": an array of at least one {"name", "parameters"} object (and no
+    other key, which vLLM's allows), each one of the functions; the functions' `$defs` lifted to the top, where their `$ref`s point (two functions
     defining one name differently is a 400). parallel_tool_calls false: at most one call."""
     defs: dict[str, Any] = {}
     variants = []
@@ -338,6 +338,7 @@ def _required_schema(tools: Sequence[Tool], parallel: bool) -> dict[str, Any]:
             {
                 "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": params},
                 "required": ["name", "parameters"],
+                "additionalProperties": False,  # vLLM's leaves it open: a model could wander off in an extra key
             }
         )
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": variants}}
@@ -383,7 +384,8 @@ def chat_logprobs(tokenizer: Any, entries: Sequence[Any]) -> dict[str, Any]:
 
 def completion_logprobs(tokenizer: Any, entries: Sequence[Any], offset: int = 0) -> dict[str, Any]:
     """OpenAI's legacy completions `logprobs`: tokens, token_logprobs, top_logprobs (text -> logprob, the chosen
-    token included, as vLLM sends it) and text_offset (each token's start in the text, from `offset`)."""
+    token included, as vLLM sends it; keyed by text, so tokens that decode alike share one entry) and text_offset
+    (each token's start in the text, from `offset`)."""
     tokens = [token_text(tokenizer, e.token_id) for e in entries]
     offsets = []
     for t in tokens:
@@ -392,7 +394,7 @@ def completion_logprobs(tokenizer: Any, entries: Sequence[Any], offset: int = 0)
     tops = []
     for tok, e in zip(tokens, entries):
         top = {token_text(tokenizer, t): lp for t, lp in _top(e)}
-        top.setdefault(tok, e.logprob)
+        top[tok] = e.logprob  # the chosen token's own, where another token has the same text (a partial character)
         tops.append(top)
     return {
         "tokens": tokens,

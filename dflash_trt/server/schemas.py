@@ -143,17 +143,16 @@ class StructuredOutputs(BaseModel):
     )
 
     # not Optional: absent, never null (exactly one is sent); hence None defaults on non-null types
-    json_: JsonSchemaValue | GrammarText = Field(  # type: ignore[assignment]
-        None, alias="json", description="a JSON Schema (an object, true / false, or its JSON text)"
-    )
-    regex: GrammarText = Field(None, description="the output matches this regular expression")  # type: ignore[assignment]
-    choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=1024)] = Field(  # type: ignore[assignment]
-        None, description="the output is exactly one of these"
-    )
-    grammar: GrammarText = Field(  # type: ignore[assignment]
-        None, description="a context-free grammar: Lark, or GBNF (`root ::= ...`)"
-    )
-    json_object: Literal[True] = Field(None, description="true: any JSON object")  # type: ignore[assignment]
+    json_: Annotated[
+        JsonSchemaValue | GrammarText,
+        Field(alias="json", description="a JSON Schema (an object, true / false, or its JSON text)"),
+    ] = None  # type: ignore[assignment]
+    regex: Annotated[GrammarText, Field(description="the output matches this regular expression")] = None  # type: ignore[assignment]
+    choice: Annotated[
+        list[NonEmptyText], Field(min_length=1, max_length=1024, description="the output is exactly one of these")
+    ] = None  # type: ignore[assignment]
+    grammar: Annotated[GrammarText, Field(description="a context-free grammar: Lark, or GBNF (`root ::= ...`)")] = None  # type: ignore[assignment]
+    json_object: Annotated[Literal[True], Field(description="true: any JSON object")] = None  # type: ignore[assignment]
 
     @model_validator(mode="after")
     def _exactly_one(self) -> "StructuredOutputs":

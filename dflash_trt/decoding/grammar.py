@@ -213,14 +213,16 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int) -> Any:
             return known[vocab_size]
     import llguidance.hf
 
-    made = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    try:
+        made = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    except ValueError as e:  # a slow tokenizer, or a decoder llguidance cannot read bytes through
+        raise GrammarError(f"grammars are not available for this model's tokenizer: {e}") from None
     with _lock:
         return known.setdefault(vocab_size, made)
 
 
-def _compile(spec: GrammarSpec, tokenizer: Any, vocab_size: int) -> CompiledGrammar:
+def _compile(spec: GrammarSpec, lltok: Any, vocab_size: int) -> CompiledGrammar:
     llg = _llguidance()
-    lltok = _ll_tokenizer(tokenizer, vocab_size)
     text = _grammar_text(spec)
     limits = llg.LLParserLimits(**_LIMITS)
     failed, messages = llg.LLMatcher.validate_grammar_with_warnings(text, lltok, limits=limits)
@@ -249,7 +251,8 @@ def compile_grammar(
 ) -> CompiledGrammar:
     """`spec` compiled against a Hugging Face fast `tokenizer` with masks of `vocab_size` tokens (default: the
     tokenizer's length; a model's vocabulary may be larger). Cached per tokenizer and spec (`GRAMMAR_CACHE_SIZE`
-    per tokenizer). GrammarError when it does not compile, admits no string, or takes longer than `timeout_s`."""
+    per tokenizer). GrammarError when it does not compile, admits no string, or takes longer than `timeout_s` (the
+    tokenizer's first reading, once per tokenizer and vocabulary size, is not counted)."""
     if tokenizer is None:
         raise GrammarError("a grammar needs the model's tokenizer; this model has none (token ids only)")
     size = int(vocab_size if vocab_size is not None else len(tokenizer))
@@ -259,7 +262,10 @@ def compile_grammar(
         if key in cache:
             cache.move_to_end(key)
             return cache[key]
-    future = _workers.submit(_compile, spec, tokenizer, size)
+    # the tokenizer's side (seconds for a large vocabulary, once per tokenizer) is outside the bound: no request's
+    # grammar makes it longer
+    lltok = _ll_tokenizer(tokenizer, size)
+    future = _workers.submit(_compile, spec, lltok, size)
     try:
         compiled = future.result(timeout=timeout_s)
     except FutureTimeout:

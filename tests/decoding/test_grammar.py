@@ -4,12 +4,14 @@ tokens and rollback, and the compile cache. On the demo target's tokenizer (4,09
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_trt.decoding import GenerationConfig, GrammarError, GrammarSpec, InputError, compile_grammar
+from dflash_trt.decoding import grammar as grammar_module
 from dflash_trt.decoding.grammar import MAX_GRAMMAR_CHARS
 from dflash_trt.decoding.request import MAX_TOP_LOGPROBS, validate_request
 
@@ -74,9 +76,19 @@ def test_no_tokenizer_no_grammar():
         compile_grammar(GrammarSpec("regex", "a"), None)
 
 
-def test_compile_time_bound(tok):
-    with pytest.raises(GrammarError, match="longer than"):
-        compile_grammar(GrammarSpec("regex", "x{1,3}y{2}z[0-9]{4}"), tok, 4096, timeout_s=0.0)
+def test_compile_time_bound(tok, monkeypatch):
+    """A compilation still running at the bound is a GrammarError (a compile that waits on an event: no timing)."""
+    release = threading.Event()
+    real = grammar_module._compile
+    monkeypatch.setattr(grammar_module, "_compile", lambda *a: (release.wait(), real(*a))[1])
+    spec = GrammarSpec("regex", "x{1,3}y{2}z[0-9]{4}")
+    try:
+        with pytest.raises(GrammarError, match="longer than 0.01 s"):
+            compile_grammar(spec, tok, 4096, timeout_s=0.01)
+    finally:
+        release.set()
+    monkeypatch.undo()
+    assert compile_grammar(spec, tok, 4096).matcher().accept(tok.encode("x")[0])  # nothing cached by the overrun
 
 
 def test_json_schema_masks_forced_tokens_and_rollback(tok):

@@ -1,8 +1,9 @@
 """Structured outputs through `dflash-trt serve`: a few hundred requests, each constrained by a JSON schema, every
 output validated against its schema with a JSON Schema validator (jsonschema_rs, which schemathesis brings).
 
-The requests cycle through bounded schemas (strings with a maxLength, arrays with maxItems: every output fits the
-token budget, so an invalid one is the server's fault, not truncation's), every way the API asks for a schema
+The requests cycle through bounded schemas (strings with a maxLength, arrays with maxItems, objects closed with
+additionalProperties false: every output fits the token budget, so an invalid one is the server's fault, not
+truncation's; an open object lets a model add keys until max_tokens, as the demo model did), every way the API asks for a schema
 (`response_format` json_schema strict and not, `structured_outputs.json`, `guided_json`; on chat also json_object
 and tool calls, named and "required") and temperatures 0 and 1 (seeded). /v1/completions where the target has no
 chat template (the demo target), /v1/chat/completions where it has one (SmolLM2-135M-Instruct).
@@ -64,7 +65,12 @@ SCHEMAS: list[dict[str, Any]] = [
         "required": ["point", "label"],
         "additionalProperties": False,
     },
-    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "unknown"]}}, "required": ["answer"]},
+    {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes", "no", "unknown"]}},
+        "required": ["answer"],
+        "additionalProperties": False,
+    },
     {
         "type": "array",
         "items": {

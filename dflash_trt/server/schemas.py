@@ -193,8 +193,9 @@ class JsonSchemaFormat(BaseModel):
     schema_: JsonSchemaObject | None = Field(None, alias="schema", description="null: any JSON object")
     strict: bool | None = Field(
         None,
-        description="true: the output matches the schema exactly (additionalProperties false where the schema "
-        "leaves it open); false or null: the schema as written",
+        description="true: every keyword of the schema is enforced (a schema using one the grammar cannot enforce "
+        "is a 400); false or null: such keywords are ignored, the rest enforced. Objects stay as open as the schema "
+        "writes them: close them with additionalProperties false",
     )
 
 

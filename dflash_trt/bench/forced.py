@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-drafter", action="store_true", help="the target alone: drafter-free proposers only")
     p.add_argument("--proposers", nargs="+", default=["dflash", "suffix"], help="(default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="(default %(default)s)")
+    p.add_argument("--prompts", type=int, default=len(PROMPTS), help="prompts per schema (default %(default)s)")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     p.add_argument(
         "--out", type=Path, default=Path("results/structured/forced.json"), help="JSON written (default %(default)s)"
@@ -110,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
                 on: {"tokens": 0, "round_tokens": 0, "rounds": 0, "seconds": 0.0, "valid": 0, "finished": 0}
                 for on in (1, 0)
             }
-            for text in PROMPTS:
+            for text in PROMPTS[: args.prompts]:
                 ids = prompt_ids(decoder, text, schema)
                 outputs = {}
                 for on in (1, 0):
@@ -143,7 +144,7 @@ def run(args: argparse.Namespace) -> int:
                     "proposer": proposer,
                     "schema": schema_name,
                     "forced_drafts": bool(on),
-                    "requests": len(PROMPTS),
+                    "requests": len(PROMPTS[: args.prompts]),
                     "tokens": t["tokens"],
                     "tau": round(t["round_tokens"] / max(1, t["rounds"]), 3),
                     "tokens_per_s": round(t["tokens"] / t["seconds"], 1),

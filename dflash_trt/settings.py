@@ -17,6 +17,9 @@ DEMO_MODELS_HINT = ".venv/bin/python scripts/make_demo_models.py"  # what builds
 # (docs/benchmarks.md#make-bench-proposers-proposers-side-by-side); the library's `GenerationConfig` keeps DFlash,
 # the method a caller asked for by loading a drafter.
 SERVER_PROPOSER = "hybrid"
+# The proposer wherever no drafter is loaded (`--drafter none`, or a target with no drafter of its own) and none is
+# named: suffix runs need no model, and a proposer that uses the drafter cannot draft at all.
+DRAFTERLESS_PROPOSER = "suffix"
 
 # The PyTorch drafter's dtype wherever none is named (load_decoder, generate, bench, serve; `--drafter-dtype`):
 # None = the target's dtype (float32 on a CPU by default). One default for every entry point, so that a seeded

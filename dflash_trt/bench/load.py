@@ -13,9 +13,10 @@ Held-out code prompts (never trained on), OpenAI completions endpoint, streaming
     adaptive       the server's adaptive policy with DFlash drafts (--proposer dflash): block size chosen per
                    step and per request
     hybrid         the same with --proposer hybrid: per row and round a DFlash block or a suffix run
-                   (decoding/proposers.py), whichever is expected to earn more
-    hybrid-own     the hybrid without the structure shared across requests (--suffix-shared-tokens 0): each
-                   request matches its own tokens only. The cells repeat the same prompts, so the shipped
+                   (decoding/proposers.py), whichever is expected to earn more; the benchmark is one client, so
+                   its requests share finished outputs (--suffix-sharing all)
+    hybrid-own     the hybrid without the structure shared across requests (the server's default, sharing off):
+                   each request matches its own tokens only. The cells repeat the same prompts, so the shared
                    hybrid's later runs draft from the earlier runs' answers; this mode shows the gain without that
 
 Each cell is run --load-repeats times, every mode (HF generate included) back to back in a rotating order,
@@ -65,10 +66,10 @@ MODES = {  # server flags per mode
     "target": ["--block-size", "1"],
     "dflash-b8": ["--block-size", "8", "--proposer", "dflash"],
     "adaptive": ["--proposer", "dflash"],
-    "hybrid": ["--proposer", "hybrid"],
-    # without the shared structure of finished outputs: the benchmark sends the same prompts in every run, and
-    # the hybrid as shipped drafts a repeated greedy request from the earlier answer
-    "hybrid-own": ["--proposer", "hybrid", "--suffix-shared-tokens", "0"],
+    # the benchmark is one client: its requests may share finished outputs (--suffix-sharing all); it sends the
+    # same prompts in every run, so the shared hybrid drafts a repeated greedy request from the earlier answer
+    "hybrid": ["--proposer", "hybrid", "--suffix-sharing", "all"],
+    "hybrid-own": ["--proposer", "hybrid"],  # the server's default: no sharing
 }
 STEP_KEYS = ("prefill_s", "policy_s", "draft_s", "verify_s", "accept_s", "overhead_s", "total_s")
 

@@ -15,8 +15,8 @@ hybrid without the shared structure of earlier outputs. Written out:
 
     --modes '{"target": {"serve": ["--block-size", "1"]},
               "dflash": {"serve": ["--proposer", "dflash"]},
-              "hybrid": {"serve": ["--proposer", "hybrid"]},
-              "hybrid-per-request": {"serve": ["--proposer", "hybrid", "--suffix-shared-tokens", "0"]}}'
+              "hybrid": {"serve": ["--proposer", "hybrid", "--suffix-sharing", "all"]},
+              "hybrid-per-request": {"serve": ["--proposer", "hybrid"]}}'
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ from dflash_trt.server.process import start_serve
 DEFAULT_MODES = {  # the target alone, then the shared structure's gain: hybrid with and without it
     "target": {"serve": ["--block-size", "1"]},
     "dflash": {"serve": ["--proposer", "dflash"]},
-    "hybrid": {"serve": ["--proposer", "hybrid"]},
-    "hybrid-per-request": {"serve": ["--proposer", "hybrid", "--suffix-shared-tokens", "0"]},
+    # one client: its sessions may share (--suffix-sharing all); the per-request mode is the server's default
+    "hybrid": {"serve": ["--proposer", "hybrid", "--suffix-sharing", "all"]},
+    "hybrid-per-request": {"serve": ["--proposer", "hybrid"]},
 }
 
 

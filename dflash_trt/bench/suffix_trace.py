@@ -21,6 +21,7 @@ from typing import Any
 
 from dflash_trt.bench.workloads import WORKLOADS
 from dflash_trt.decoding import GenerationConfig
+from dflash_trt.decoding.proposers import NO_DRAFT_NAME, SuffixProposer
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 from dflash_trt.sim.measured import SUFFIX_TRACE
 from dflash_trt.sim.suffix import rounds_of
@@ -62,9 +63,13 @@ def run(args: argparse.Namespace) -> int:
         for text, label in zip(w.prompts, w.labels):
             decoder.forget_finished_outputs()
             ids = decoder.encode(text)
-            [res] = decoder.generate([ids], GenerationConfig(max_new_tokens=w.max_new_tokens, proposer="suffix"))
+            [res] = decoder.generate(
+                [ids], GenerationConfig(max_new_tokens=w.max_new_tokens, proposer=SuffixProposer.name)
+            )
             trace = res.stats.trace()
-            assert all(r["proposer"] in ("suffix", "none") for r in trace), "a suffix-only run's rounds"
+            assert all(r["proposer"] in (SuffixProposer.name, NO_DRAFT_NAME) for r in trace), (
+                "a suffix-only run's rounds"
+            )
             rounds = rounds_of(trace)
             requests.append({"source": label, "prompt_tokens": len(ids), "rounds": rounds})
             print(name, label, len(res.token_ids), "tokens,", sum(d > 0 for d, _ in rounds), "suffix rounds")

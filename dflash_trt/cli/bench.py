@@ -171,7 +171,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
 
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
+    from .options import drafter_path
+
+    p.add_argument(
+        "--drafter",
+        type=drafter_path,
+        default=DEMO_DRAFTER,
+        help=f"DFlash drafter (default {DEMO_DRAFTER}); none: no drafter, for --methods without dflash-*",
+    )
     p.add_argument(
         "--ar-draft",
         type=Path,
@@ -334,7 +341,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.runner import BenchError, BenchSettings, run_benchmark
     from ..config import ConfigError
     from ..settings import DEMO_MODELS_HINT
-    from .options import CliError
+    from .options import NO_DRAFTER, CliError
 
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -349,7 +356,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             f"`{DEMO_MODELS_HINT}`; or pass --target/--drafter/--ar-draft)"
         )
     wants_drafter = args.profile or {"dflash-torch", "dflash-ort"} & set(args.methods)
-    if wants_drafter and not args.drafter.is_dir():
+    if args.drafter == NO_DRAFTER:
+        if wants_drafter:
+            raise CliError("--drafter none: leave dflash-torch and dflash-ort out of --methods (and no --profile)")
+        args.drafter = None
+    elif wants_drafter and not args.drafter.is_dir():
         raise CliError(f"drafter directory not found: {args.drafter} (leave dflash-* out of --methods to skip DFlash)")
     if not args.profile and "hf-assisted" in args.methods and not (args.ar_draft / "config.json").is_file():
         raise CliError(

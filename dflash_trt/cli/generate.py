@@ -17,6 +17,8 @@ from .options import (
     load_or_fail,
     non_negative_int,
     positive_int,
+    resolve_drafter,
+    resolve_proposer,
     serve_worker_rank,
     token_ids,
 )
@@ -29,7 +31,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description="Generate a continuation of a prompt. Greedy output is token-for-token the target's own; "
         "sampled output has the target's distribution.",
     )
-    add_model_args(g)
+    add_model_args(g, drafterless=True)
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (needs a tokenizer in the target directory)")
     src.add_argument("--input-ids", type=token_ids, help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -51,11 +53,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="sampling acceptance rule: speculative rejection sampling with draft probabilities "
         "(default) or the reference's exact match with greedy drafts; both are lossless",
     )
-    add_proposer_arg(g)
+    add_proposer_arg(g, by_drafter=True)
     g.add_argument(
         "--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable); the text ends before it"
     )
-    g.add_argument("--no-draft", action="store_true", help="run the target alone (autoregressive baseline)")
+    g.add_argument(
+        "--no-draft",
+        action="store_true",
+        help="run the target alone, no drafts from any proposer (the autoregressive baseline)",
+    )
     g.add_argument(
         "--no-heal-prompt",
         action="store_true",
@@ -88,26 +94,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from ..decoding import GenerationConfig, InputError, SamplingParams
+    from ..decoding.proposers import DEFAULT_PROPOSER
 
     if args.trace and not args.json:
         raise CliError("--trace adds the rounds to the JSON output: pass --json too")
     if args.engines is not None:
         decoder = load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device)
     else:
-        decoder = load_or_fail(
-            args.target, None if args.no_draft else args.drafter, args.dtype, args.device, args.drafter_dtype
-        )
+        drafter = None if args.no_draft else resolve_drafter(args.target, args.drafter)
+        decoder = load_or_fail(args.target, drafter, args.dtype, args.device, args.drafter_dtype)
     if serve_worker_rank(decoder):
         return 0
+    try:
+        proposer = resolve_proposer(args.proposer, decoder.drafter is not None or args.no_draft, DEFAULT_PROPOSER)
+    except CliError:
+        close_engines(decoder)
+        raise
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
         prompt = decoder.encode(args.prompt) if args.prompt is not None else args.input_ids
         config = GenerationConfig(
             max_new_tokens=args.max_new_tokens,
             sampling=sampling,
-            block_size=None if args.no_draft else args.block_size,
+            block_size=1 if args.no_draft else args.block_size,  # block 1: no proposer drafts
             acceptance=args.acceptance,
-            proposer=args.proposer,
+            proposer=proposer,
             stop_token_ids=decoder.default_stop_ids(),
             stop_strings=tuple(args.stop),
             heal_prompt=args.prompt is not None and not args.no_heal_prompt,

@@ -7,27 +7,92 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET, DRAFTER_DTYPE
+from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET, DRAFTER_DTYPE, DRAFTERLESS_PROPOSER
 
 if TYPE_CHECKING:
     from ..decoding import BatchDecoder
 
 
 def add_proposer_arg(
-    p: argparse._ActionsContainer, many: bool = False, extra: str = "", default: str | None = None
+    p: argparse._ActionsContainer,
+    many: bool = False,
+    extra: str = "",
+    default: str | None = None,
+    by_drafter: bool = False,
 ) -> None:
     """`--proposer` (one name; `many`: one or more), the same choices and words on every command: the names and
-    their summaries from the registry (`decoding.proposers`); `default`: the library's (DFlash) unless given."""
+    their summaries from the registry (`decoding.proposers`); `default`: the library's (DFlash) unless given.
+    `by_drafter`: the default is left None, for `resolve_proposer` to choose once it is known whether a drafter
+    loaded (`default` with one, `DRAFTERLESS_PROPOSER` without)."""
     from ..decoding.proposers import DEFAULT_PROPOSER, PROPOSERS, proposers_help
 
     default = default or DEFAULT_PROPOSER
+    said = f"{default} with a drafter, {DRAFTERLESS_PROPOSER} without" if by_drafter else default
     p.add_argument(
         "--proposer",
         nargs="+" if many else None,
         choices=PROPOSERS,
-        default=[default] if many else default,
-        help=f"where the drafts come from: {proposers_help()}; all lossless (default {default})" + extra,
+        default=None if by_drafter else [default] if many else default,
+        help=f"where the drafts come from: {proposers_help()}; all lossless (default {said})" + extra,
     )
+
+
+NO_DRAFTER = "none"  # `--drafter none`: load no drafter
+
+
+def drafter_path(text: str) -> Path | str:
+    """`--drafter`'s value: a folder, or `none` (a folder of that name is ./none)."""
+    return NO_DRAFTER if text == NO_DRAFTER else Path(text)
+
+
+def add_drafter_arg(p: argparse._ActionsContainer) -> None:
+    p.add_argument(
+        "--drafter",
+        type=drafter_path,
+        default=None,
+        metavar="{DIR,none}",
+        help=f"DFlash drafter checkpoint directory, published format; none: no drafter, drafts from the suffix and "
+        f"ngram proposers only (no model needed). Default: the demo drafter {DEMO_DRAFTER} with the demo target, "
+        f"none with any other target (the demo drafter fits the demo target only)",
+    )
+
+
+def resolve_drafter(target: Path, drafter: Path | str | None) -> Path | None:
+    """The drafter folder to load (None: none). Not given: the demo drafter next to the demo target, else none, said
+    on stderr: a drafter is trained for one target, and the demo drafter next to another target either fails on
+    its hidden size or drafts for a model it never saw."""
+    import sys
+
+    if drafter == NO_DRAFTER:
+        return None
+    if isinstance(drafter, Path):
+        return drafter
+    if target.resolve() == DEMO_TARGET.resolve():
+        return DEMO_DRAFTER
+    if not target.is_dir():
+        return None  # loading says the target is missing, in one line: a note on the drafter would only hide it
+    print(
+        f"no --drafter for target {target}: drafts from the {DRAFTERLESS_PROPOSER} / ngram proposers only "
+        "(--drafter DIR loads a DFlash drafter; --drafter none says this without the note)",
+        file=sys.stderr,
+    )
+    return None
+
+
+def resolve_proposer(asked: str | None, has_drafter: bool, default: str) -> str:
+    """`--proposer` once the engines are loaded: as asked, else `default` with a drafter and
+    `DRAFTERLESS_PROPOSER` without; a proposer that uses the drafter, asked for with none loaded, is an error."""
+    from ..decoding.proposers import PROPOSERS, proposer_for
+
+    if asked is None:
+        return default if has_drafter else DRAFTERLESS_PROPOSER
+    if not has_drafter and proposer_for(asked).uses_drafter:
+        free = [name for name in PROPOSERS if not proposer_for(name).uses_drafter]
+        raise CliError(
+            f"--proposer {asked} drafts with a DFlash drafter and none is loaded: use --proposer "
+            f"{' or '.join(free)}, or --drafter DIR"
+        )
+    return asked
 
 
 class CliError(Exception):
@@ -80,19 +145,24 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def add_model_args(p: argparse.ArgumentParser, dtype: bool = True) -> None:
+def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, drafterless: bool = False) -> None:
+    """--target, --drafter (`drafterless`: which may be none, and is by default for a target other than the
+    demo's: `add_drafter_arg`) and, with `dtype`, the device flags."""
     p.add_argument(
         "--target",
         type=Path,
         default=DEMO_TARGET,
         help=f"Hugging Face target checkpoint directory (default: demo model {DEMO_TARGET})",
     )
-    p.add_argument(
-        "--drafter",
-        type=Path,
-        default=DEMO_DRAFTER,
-        help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})",
-    )
+    if drafterless:
+        add_drafter_arg(p)
+    else:
+        p.add_argument(
+            "--drafter",
+            type=Path,
+            default=DEMO_DRAFTER,
+            help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})",
+        )
     if dtype:  # commands that build engines choose their own precision
         add_device_args(p)
 
@@ -136,7 +206,10 @@ def load_or_fail(
         hint = f" (the demo models are made by `{DEMO_MODELS_HINT}`)" if target == DEMO_TARGET else ""
         raise CliError(f"target directory not found: {target}{hint}")
     if drafter is not None and not drafter.is_dir():
-        raise CliError(f"drafter directory not found: {drafter} (use --no-draft to run the target alone)")
+        raise CliError(
+            f"drafter directory not found: {drafter} (--drafter none: suffix / ngram drafts without a drafter; "
+            "--no-draft: the target alone)"
+        )
     try:
         return load_decoder(target, drafter, dtype, device, drafter_dtype)
     except (ConfigError, FileNotFoundError, ValueError, OSError) as e:

@@ -57,7 +57,7 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .options import positive_int
+    from .options import drafter_path, positive_int
 
     p = sub.add_parser(
         "plan",
@@ -81,7 +81,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="acceptance an engine served with: a `dflash-trt plan check --save FILE` scrape",
     )
     p.add_argument(
-        "--drafter", type=Path, default=None, help="drafter folder written into the configs (demo: models/drafter)"
+        "--drafter",
+        type=drafter_path,
+        default=None,
+        help="drafter folder written into the configs (demo: models/drafter). The plan chooses DFlash draft "
+        "lengths: `none` is refused (a target without a drafter has none to plan; `dflash-trt serve --drafter none` "
+        "serves it with suffix and ngram drafts)",
     )
     p.add_argument(
         "--block-size",
@@ -178,7 +183,14 @@ def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, in
     """(acceptance, cost, drafter folder, largest block to plan) from the flags."""
     from ..plan import inputs
     from ..settings import DEMO_DRAFTER
+    from .options import NO_DRAFTER, CliError
 
+    if args.drafter == NO_DRAFTER:
+        raise CliError(
+            "--drafter none: the plan chooses DFlash draft lengths per batch size, and a target without a drafter "
+            "has none to choose; serve it with `dflash-trt serve --target DIR --drafter none` (suffix and ngram "
+            "drafts, priced per round by the server itself)"
+        )
     drafter = args.drafter
     if drafter is None and args.trace is None and args.from_metrics is None and args.profile == "demo":
         drafter = DEMO_DRAFTER

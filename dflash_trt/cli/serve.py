@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..decoding import BatchDecoder
+    from ..server.tenancy import SuffixSharing
 
 API_KEY_ENV = "DFLASH_TRT_API_KEY"
 API_KEY_FILE_ENV = "DFLASH_TRT_API_KEY_FILE"
@@ -79,7 +80,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """The models group (the device flags join it later)."""
-    from ..settings import DEMO_DRAFTER, DEMO_TARGET
+    from ..settings import DEMO_TARGET
 
     src = p.add_argument_group("models (default: the demo models)")
     src.add_argument(
@@ -88,19 +89,20 @@ def _model_args(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         default=DEMO_TARGET,
         help=f"Hugging Face target checkpoint directory (default: {DEMO_TARGET})",
     )
-    src.add_argument(
-        "--drafter",
-        type=Path,
-        default=DEMO_DRAFTER,
-        help=f"DFlash drafter checkpoint directory (default: {DEMO_DRAFTER})",
-    )
+    from .options import add_drafter_arg
+
+    add_drafter_arg(src)
     src.add_argument(
         "--engines",
         type=Path,
         default=None,
         help="load the engines `make engines` built (DIR/manifest.json) instead of --target/--drafter",
     )
-    src.add_argument("--no-draft", action="store_true", help="serve the target alone (the baseline)")
+    src.add_argument(
+        "--no-draft",
+        action="store_true",
+        help="serve the target alone, no drafts from any proposer (the baseline: block size 1 for every request)",
+    )
     return src
 
 
@@ -125,19 +127,54 @@ def _block_args(p: argparse.ArgumentParser) -> None:
         "(adaptive: the sizes that maximise expected tokens per second, from each request's "
         "acceptance so far and the cost of a batched pass, measured at start-up)",
     )
-    add_proposer_arg(blk, extra="; a request's own `proposer` wins", default=SERVER_PROPOSER)
+    add_proposer_arg(
+        blk,
+        extra="; a request's own `proposer` wins (without a drafter, one that needs none)",
+        default=SERVER_PROPOSER,
+        by_drafter=True,
+    )
+    from ..decoding.sharing import MAX_TENANTS
     from ..decoding.suffix import SHARED_TOKENS
     from .options import non_negative_int
 
+    blk.add_argument(
+        "--suffix-sharing",
+        type=_sharing,
+        default="off",
+        metavar="{off,key,header:NAME,all}",
+        help="whose finished outputs a request's suffix and hybrid drafts may also match (a client's next turn "
+        "resends what it received). A PRIVACY BOUNDARY: a client that shares can read the others' outputs back, "
+        "a guessed token at a time, from how many tokens are drafted for it or how fast they come (docs/api.md, "
+        "Suffix sharing). off (default): nobody shares, each request matches its own prompt and output; key: the "
+        "clients of one API key share (several keys, one a line in --api-key-file: one tenant each); "
+        "header:NAME: one tenant per value of header NAME, which your gateway must set and overwrite; all: every "
+        "client is one tenant (one party's server only, e.g. a local agent)",
+    )
     blk.add_argument(
         "--suffix-shared-tokens",
         type=non_negative_int,
         default=SHARED_TOKENS,
         metavar="N",
-        help="tokens of finished requests' outputs that suffix and hybrid drafts also match (a client's next "
-        f"turn resends what it received); the oldest are evicted past N (default {SHARED_TOKENS}); 0: each "
-        "request matches its own tokens only",
+        help="with --suffix-sharing: tokens of finished outputs kept per tenant; the oldest are evicted past N "
+        f"(default {SHARED_TOKENS}); 0: none kept",
     )
+    blk.add_argument(
+        "--suffix-tenants",
+        type=positive_int,
+        default=MAX_TENANTS,
+        metavar="N",
+        help="with --suffix-sharing: tenants whose outputs are kept at once, each up to --suffix-shared-tokens; "
+        f"past N the least recently served tenant's are dropped (default {MAX_TENANTS})",
+    )
+
+
+def _sharing(text: str) -> SuffixSharing:
+    from ..server.tenancy import SuffixSharing
+
+    try:
+        return SuffixSharing.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _prefill_args(p: argparse.ArgumentParser) -> None:
@@ -202,14 +239,15 @@ def _network_args(p: argparse.ArgumentParser) -> None:
         "--api-key",
         default=None,
         help=f"require 'Authorization: Bearer KEY' on every endpoint but the probes' /health and /ready "
-        f"(default: ${API_KEY_ENV} if set, else the key in --api-key-file, else no auth)",
+        f"(default: ${API_KEY_ENV} if set, else the keys in --api-key-file, else no auth)",
     )
     net.add_argument(
         "--api-key-file",
         type=Path,
         default=None,
-        help=f"read the API key from this file (a mounted Secret: the key stays out of the environment that "
-        f"mpirun hands to every rank); an empty or unreadable file is an error, never 'no auth' "
+        help=f"read the API keys from this file, one a line (a mounted Secret: the keys stay out of the "
+        f"environment that mpirun hands to every rank; blank lines and lines starting with # are skipped); each "
+        f"key is a tenant for --suffix-sharing key. An empty or unreadable file is an error, never 'no auth' "
         f"(default: ${API_KEY_FILE_ENV} if set)",
     )
     net.add_argument(
@@ -286,6 +324,7 @@ def _limit_args(p: argparse.ArgumentParser) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from ..runtime.kernel_caches import bound_kernel_caches
     from ..server.serving import serve_app, setup_logging
+    from .options import CliError
 
     bound_kernel_caches()  # before any kernel runs: the caches read their capacity once
     setup_logging()
@@ -299,9 +338,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if serve_worker_rank(decoder):  # tp > 1: only the leader rank serves HTTP
         return 0
     from ..server.app import ServerSettings, create_app
+    from ..settings import SERVER_PROPOSER
+    from .options import resolve_proposer
 
+    try:  # --no-draft serves block 1 whatever the proposer: no proposer is refused there
+        proposer = resolve_proposer(args.proposer, decoder.drafter is not None or args.no_draft, SERVER_PROPOSER)
+    except CliError:
+        close_engines(decoder)
+        raise
     settings = ServerSettings(
-        api_key=_api_key(args, decoder),
+        api_keys=_api_keys(args, decoder),
         model_name=args.model_name or name,
         max_active=args.max_active,
         max_queue=args.max_queue,
@@ -310,18 +356,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         default_max_tokens=args.default_max_tokens,
         drain_timeout_s=args.drain_timeout,
         health_stall_s=args.health_stall_seconds,
-        block_size=args.block_size,
-        proposer=args.proposer,
+        block_size=1 if args.no_draft else args.block_size,
+        proposer=proposer,
         adaptive=not args.no_adaptive,
         prefill=args.prefill,
         step_tokens=args.step_tokens,
         prefill_stall=args.prefill_stall,
         prefill_backlog_steps=args.prefill_backlog_steps,
         cache_reserve_bytes=int(args.cache_reserve_gib * 2**30),
+        suffix_sharing=args.suffix_sharing,
         shared_suffix_tokens=args.suffix_shared_tokens,
+        suffix_tenants=args.suffix_tenants,
     )
-    from .options import CliError
-
     limit = decoder.drafter.block_size if decoder.drafter is not None else 1
     if args.block_size is not None and args.block_size > limit:
         close_engines(decoder)
@@ -347,27 +393,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _api_key(args: argparse.Namespace, decoder: BatchDecoder) -> str | None:
-    """The key: --api-key, else $DFLASH_TRT_API_KEY, else the file (--api-key-file, else
-    $DFLASH_TRT_API_KEY_FILE), else None (no auth). A file that was named must hold a key: a missing or empty
-    Secret then stops the server (engines closed) instead of silently serving without authentication."""
+def _api_keys(args: argparse.Namespace, decoder: BatchDecoder) -> tuple[str, ...]:
+    """The keys: --api-key, else $DFLASH_TRT_API_KEY, else the file's (--api-key-file, else
+    $DFLASH_TRT_API_KEY_FILE; one a line), else none (no auth). A file that was named must hold a key: a missing
+    or empty Secret then stops the server (engines closed) instead of silently serving without authentication;
+    so does --suffix-sharing key without keys."""
     from .options import CliError, close_engines
 
     key = args.api_key or os.environ.get(API_KEY_ENV)
-    if key:
-        return str(key)
+    keys: tuple[str, ...] = (str(key),) if key else ()
     path = args.api_key_file or (Path(os.environ[API_KEY_FILE_ENV]) if os.environ.get(API_KEY_FILE_ENV) else None)
-    if path is None:
-        return None
-    try:
-        key = path.read_text().strip()
-        problem = "" if key else "is empty: put the key in it, or name no key file to serve without one"
-    except OSError as e:
-        problem = f"cannot be read ({e.strerror})"
+    problem = ""
+    if not keys and path is not None:
+        try:
+            lines = (line.strip() for line in path.read_text().splitlines())
+            keys = tuple(line for line in lines if line and not line.startswith("#"))
+            problem = "" if keys else "is empty: put the key in it, or name no key file to serve without one"
+        except OSError as e:
+            problem = f"cannot be read ({e.strerror})"
     if problem:
         close_engines(decoder)
         raise CliError(f"--api-key-file {path} {problem}")
-    return key
+    try:
+        args.suffix_sharing.check(len(keys))
+    except ValueError as e:
+        close_engines(decoder)
+        raise CliError(f"--suffix-sharing {args.suffix_sharing}: {e}") from None
+    return keys
 
 
 def _load_models(args: argparse.Namespace) -> tuple[BatchDecoder, str]:
@@ -375,7 +427,7 @@ def _load_models(args: argparse.Namespace) -> tuple[BatchDecoder, str]:
 
     if args.engines is not None:
         return load_engines_or_fail(args.engines, args.dtype, args.no_draft, args.device), args.engines.resolve().name
-    return (
-        load_or_fail(args.target, None if args.no_draft else args.drafter, args.dtype, args.device, args.drafter_dtype),
-        args.target.resolve().name,
-    )
+    from .options import resolve_drafter
+
+    drafter = None if args.no_draft else resolve_drafter(args.target, args.drafter)
+    return load_or_fail(args.target, drafter, args.dtype, args.device, args.drafter_dtype), args.target.resolve().name

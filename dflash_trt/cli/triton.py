@@ -13,6 +13,8 @@ from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from .options import drafter_path
+
     p = sub.add_parser(
         "triton-repo",
         help="write a Triton model repository (ensemble + BLS draft-and-verify)",
@@ -35,9 +37,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     src.add_argument(
         "--drafter",
-        type=Path,
+        type=drafter_path,
         metavar="DIR",
-        help=f"DFlash drafter checkpoint, exported to ONNX here (default: {DEMO_DRAFTER})",
+        help=f"DFlash drafter checkpoint, exported to ONNX here (default: {DEMO_DRAFTER}). The repository's BLS "
+        "loop drafts with it: `none` is refused (a target without a drafter is served by `dflash-trt serve "
+        "--drafter none`, with suffix and ngram drafts)",
     )
     p.add_argument("--out", type=Path, required=True, metavar="REPO", help="folder to write the repository into")
     p.add_argument("--force", action="store_true", help="replace REPO if it exists")
@@ -109,10 +113,16 @@ def cmd_repo(args: argparse.Namespace) -> int:
     from .. import settings
     from ..builders.triton_repo import RepoOptions, write_repository
     from ..triton.config import ConfigError
-    from .options import CliError
+    from .options import NO_DRAFTER, CliError
 
     if args.engines is not None and (args.target or args.drafter):
         raise CliError("--engines replaces --target/--drafter: give one or the other")
+    if args.drafter == NO_DRAFTER:
+        raise CliError(
+            "--drafter none: the Triton repository's BLS loop drafts with the DFlash drafter it exports and has no "
+            "drafterless form; serve a target without a drafter with `dflash-trt serve --target DIR --drafter none` "
+            "(suffix and ngram drafts)"
+        )
     if args.engines is None:  # checkpoints, the demo models by default (as every other command)
         args.target = args.target or settings.DEMO_TARGET
         args.drafter = args.drafter or settings.DEMO_DRAFTER

@@ -49,6 +49,7 @@ from .proposers import REGISTRY, Pick, Prices
 from .request import GenerationConfig, Round, RoundTimings, check_engines, validate_request
 from .row import BatchRow
 from .sessions import RowBook
+from .sharing import MAX_TENANTS, TenantSuffixes
 from .step import StepResult, StepRows
 from .suffix import SHARED_TOKENS, SharedSuffixes
 
@@ -66,7 +67,8 @@ class BatchDecoder(RunsToEnd):
     simulation passes its own). prefill: "chunked" (prompts enter in chunks inside the verify pass, paced by
     `step_tokens`, `stall` and `backlog_steps`: chunking.py) or "separate" (each joining prompt whole, in a
     pass of its own before the verify pass, stalling every running row for it). shared_suffix_tokens: the
-    finished outputs kept for later requests' suffix runs (0: none).
+    tokens of finished outputs kept per tenant for the suffix runs of its later requests (0: none), for at most
+    `shared_tenants` tenants; a request shares only with its own tenant (`GenerationConfig.tenant`, sharing.py).
 
     Threads: `new_row` only validates and builds a row (any thread, e.g. an HTTP handler); `join`, `cancel` and
     `step` belong to the one thread that runs the engines."""
@@ -85,6 +87,7 @@ class BatchDecoder(RunsToEnd):
         stall: float = STALL,
         backlog_steps: int = BACKLOG_STEPS,
         shared_suffix_tokens: int = SHARED_TOKENS,
+        shared_tenants: int = MAX_TENANTS,
     ):
         if prefill not in PREFILL_MODES:
             raise ValueError(f"prefill must be one of {PREFILL_MODES}, got {prefill!r}")
@@ -96,14 +99,20 @@ class BatchDecoder(RunsToEnd):
         self.block_size = block_size or self.trained_block
         self.fixed_block = block_size  # None: the policy's choice; else it bounds every row's drafts
         self._ids = itertools.count()
-        # the finished outputs of the rows that keep a suffix structure, for the suffix runs of those that follow
-        self.shared_suffixes = SharedSuffixes(shared_suffix_tokens) if shared_suffix_tokens else None
+        # the finished outputs of the rows that keep a suffix structure, per tenant, for the suffix runs of the
+        # same tenant's requests that follow
+        self.shared_suffixes = TenantSuffixes(shared_suffix_tokens, shared_tenants) if shared_suffix_tokens else None
 
     def forget_finished_outputs(self) -> None:
-        """Empty the shared suffix structure (same bound): a benchmark running one prompt under several methods
-        calls it before each run, so that no run's suffix drafts read an earlier run's output of its prompt."""
+        """Empty every tenant's shared suffix structure (same bounds): a benchmark running one prompt under several
+        methods calls it before each run, so that no run's suffix drafts read an earlier run's output of its
+        prompt."""
         if self.shared_suffixes is not None:
-            self.shared_suffixes = SharedSuffixes(self.shared_suffixes.max_tokens)
+            self.shared_suffixes = TenantSuffixes(self.shared_suffixes.max_tokens, self.shared_suffixes.max_tenants)
+
+    def _shared_of(self, config: GenerationConfig) -> SharedSuffixes | None:
+        """The shared structure a request with this config reads and feeds: its tenant's (None: no tenant)."""
+        return self.shared_suffixes.of(config.tenant) if self.shared_suffixes is not None else None
 
     @property
     def target_session(self) -> TargetSession:
@@ -153,7 +162,7 @@ class BatchDecoder(RunsToEnd):
             clock=self.clock,
             healing=healing,
             proposer=proposer,
-            shared=self.shared_suffixes,
+            shared=self._shared_of(config),
             fixed_block=config.block_size or self.fixed_block,
             grammar=grammar,
         )
@@ -185,7 +194,7 @@ class BatchDecoder(RunsToEnd):
     def _release(self, row: BatchRow) -> None:
         self.policy.forget(row)
         self.book.leave(row)
-        row.leave_suffixes(self.shared_suffixes)
+        row.leave_suffixes(self._shared_of(row.config))
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> StepResult:

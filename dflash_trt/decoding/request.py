@@ -53,6 +53,9 @@ class GenerationConfig:
     forced_drafts: bool = True
     # None: no logprobs; 0: each generated token's own (`TokenLogprob`); k: and the top k (k <= MAX_TOP_LOGPROBS)
     logprobs: int | None = None
+    # whose finished outputs the request's suffix runs also match and its own output joins (sharing.py): a tenant
+    # that may read its requests' outputs; None: nothing shared, the request matches its own tokens only
+    tenant: str | None = None
 
 
 @dataclass(slots=True)

@@ -60,7 +60,7 @@ def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) ->
     app.state.server = server
     # The key is checked on every router but the probes' (/health, /ready); without a key there is no dependency, so
     # /openapi.json declares a security scheme exactly when the server has one.
-    auth = [Depends(require_api_key)] if server.settings.api_key else []
+    auth = [Depends(require_api_key)] if server.settings.api_keys else []
     app.include_router(native.open_router)
     app.include_router(native.router, dependencies=auth)
     app.include_router(openai.router, dependencies=auth)

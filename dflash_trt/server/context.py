@@ -6,7 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass
 from typing import Annotated, Any, cast
 
 from fastapi import Depends, Request
@@ -14,6 +14,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from ..decoding import AdaptiveBlocks, BatchDecoder, BlockPolicy, FixedBlocks
 from ..decoding.chunking import BACKLOG_STEPS, STALL, STEP_TOKENS
+from ..decoding.sharing import MAX_TENANTS
 from ..decoding.suffix import SHARED_TOKENS
 from ..runtime.base import cuda_devices, pass_clock
 from ..settings import SERVER_PROPOSER
@@ -21,12 +22,15 @@ from .errors import ApiError
 from .limits import Limits
 from .metrics import ServerMetrics
 from .orchestrator import Orchestrator
+from .tenancy import SuffixSharing
 from .tokenizer import SerializedTokenizer
 
 
 @dataclass
 class ServerSettings:
-    api_key: str | None = None
+    # the keys a request may send (`Authorization: Bearer KEY`); none: no auth. `api_key`: one key, added to them
+    api_keys: tuple[str, ...] = ()
+    api_key: InitVar[str | None] = None
     model_name: str = "dflash-trt"
     max_active: int = 8  # the most requests in one batched step (rows of the batch)
     max_queue: int = 64  # waiting requests beyond max_active; more get 429
@@ -57,8 +61,16 @@ class ServerSettings:
     # bytes of K/V cache sized at start-up for max_active rows (`reserve_caches`): up to the target's whole
     # context, fewer positions (a power of two) where that would take more; 0: grow on demand
     cache_reserve_bytes: int = 1 << 30
-    # tokens of finished outputs that suffix drafts also match (decoding/suffix.py SharedSuffixes); 0: none
+    # who shares finished outputs for suffix drafts (tenancy.py; off: nobody, each request matches its own tokens),
+    # the tokens of them kept per tenant (decoding/sharing.py; 0: none) and the most tenants kept at once
+    suffix_sharing: SuffixSharing = SuffixSharing()
     shared_suffix_tokens: int = SHARED_TOKENS
+    suffix_tenants: int = MAX_TENANTS
+
+    def __post_init__(self, api_key: str | None) -> None:
+        if api_key:
+            self.api_keys = (api_key, *self.api_keys)
+        self.suffix_sharing.check(len(self.api_keys))
 
 
 log = logging.getLogger("dflash_trt.server")
@@ -104,7 +116,9 @@ def batch_decoder(decoder: BatchDecoder, settings: ServerSettings, tokenizer: An
         step_tokens=settings.step_tokens,
         stall=settings.prefill_stall,
         backlog_steps=settings.prefill_backlog_steps,
-        shared_suffix_tokens=settings.shared_suffix_tokens,
+        # nothing kept where nobody shares: a request of no tenant neither reads nor feeds the structure
+        shared_suffix_tokens=settings.shared_suffix_tokens if settings.suffix_sharing.scope != "off" else 0,
+        shared_tenants=settings.suffix_tenants,
     )
 
 
@@ -160,15 +174,21 @@ def get_server(request: Request) -> Server:
 ServerDep = Annotated[Server, Depends(get_server)]
 
 
-_bearer = HTTPBearer(auto_error=False, description="the server's API key (--api-key)")
+_bearer = HTTPBearer(auto_error=False, description="one of the server's API keys (--api-key, --api-key-file)")
 
 
 def require_api_key(
-    server: ServerDep, credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+    request: Request,
+    server: ServerDep,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> None:
-    """401 unless the request carries `Authorization: Bearer <the server's key>` (compared in constant time)."""
-    key = server.settings.api_key
-    if key and (credentials is None or not hmac.compare_digest(credentials.credentials.encode(), key.encode())):
+    """401 unless the request carries `Authorization: Bearer <one of the server's keys>` (each compared in
+    constant time, every key tried); the matched key's place in the list is the request's `api_key_index`, its
+    tenant under `--suffix-sharing key` (tenancy.py)."""
+    keys = server.settings.api_keys
+    sent = credentials.credentials.encode() if credentials is not None else None
+    matched = [i for i, key in enumerate(keys) if sent is not None and hmac.compare_digest(sent, key.encode())]
+    if keys and not matched:
         raise ApiError(
             401,
             "missing or wrong API key: send 'Authorization: Bearer <key>'",
@@ -176,3 +196,5 @@ def require_api_key(
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    if matched:
+        request.state.api_key_index = matched[0]

@@ -5,6 +5,7 @@ one JSON result, or server-sent events, one per verified round. Shared by the na
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -17,7 +18,8 @@ from starlette.concurrency import run_in_threadpool
 from ..decoding import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
 from ..decoding.grammar import GrammarError, GrammarSpec
 from ..decoding.processors import LogitsAdjustment
-from ..decoding.proposers import DEFAULT_PROPOSER, proposer_for
+from ..decoding.proposers import DEFAULT_PROPOSER, PROPOSERS, proposer_for
+from ..settings import DRAFTERLESS_PROPOSER
 from .errors import ApiError, job_error
 from .orchestrator import ErrorEvent, Job, RoundEvent
 from .schemas import RequestBody, stop_tuple
@@ -49,7 +51,7 @@ def generation_config(
         max_new_tokens=max_tokens,
         sampling=SamplingParams(temperature, _or(body.top_p, 1.0), _or(body.top_k, 0), body.seed),
         block_size=body.block_size,
-        proposer=request_proposer(body.proposer, body.block_size, server.settings.proposer),
+        proposer=request_proposer(body.proposer, body.block_size, server),
         stop_token_ids=() if body.ignore_eos else eos,
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,
@@ -68,14 +70,31 @@ def generation_config(
     )
 
 
-def request_proposer(asked: str | None, block_size: int | None, default: str) -> str:
+def request_proposer(asked: str | None, block_size: int | None, server: Server) -> str:
     """The request's proposer: its own, else the server's; but a request that fixes its block size and names none
     gets the library's default (DFlash) where the server's is not reproducible (`Proposer.reproducible`: the
     hybrid's and the suffix runs' choices weigh timed costs and match other requests' outputs). A fixed block size
-    is how a client asks for reproducible seeded text (docs/api.md, Seeds)."""
+    is how a client asks for reproducible seeded text (docs/api.md, Seeds).
+
+    A server without a drafter drafts only with proposers that need none: one that uses the drafter, named by a
+    request that may draft (block size above 1), is a 400; unnamed, the server's default is replaced by
+    `DRAFTERLESS_PROPOSER` where it would use the drafter."""
+    has_drafter, default = server.decoder.drafter is not None, server.settings.proposer
+    if not has_drafter and proposer_for(default).uses_drafter:
+        default = DRAFTERLESS_PROPOSER
     if asked is not None:
+        drafts = (block_size or server.settings.block_size or 0) != 1
+        if not has_drafter and drafts and proposer_for(asked).uses_drafter:
+            free = [name for name in PROPOSERS if not proposer_for(name).uses_drafter]
+            raise ApiError(
+                400,
+                f"proposer {asked!r} drafts with a DFlash drafter and this server has none: use one of {free}",
+                param="proposer",
+            )
         return asked
-    return DEFAULT_PROPOSER if block_size is not None and not proposer_for(default).reproducible else default
+    if block_size is not None and not proposer_for(default).reproducible:
+        return DEFAULT_PROPOSER if has_drafter else default
+    return default
 
 
 def _or(value: T | None, default: T) -> T:
@@ -99,10 +118,11 @@ async def start_job(
     server.limits.check(body)
     orch = server.orchestrator
     orch.check_admission()
+    tenant = server.settings.suffix_sharing.tenant(request)  # whose finished outputs it shares (tenancy.py)
 
     def prepare() -> BatchRow:
         ids = make_prompt()
-        return server.decoder.new_row(ids, make_config(len(ids)))
+        return server.decoder.new_row(ids, dataclasses.replace(make_config(len(ids)), tenant=tenant))
 
     try:
         row = await run_in_threadpool(prepare)

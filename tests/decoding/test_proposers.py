@@ -3,6 +3,7 @@ proposer is lossless: greedy output equals the target alone token for token, sam
 distribution (with a negative control that breaks the deterministic rule and must fail)."""
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -226,20 +227,36 @@ def test_a_step_where_no_row_takes_a_dflash_block_makes_no_drafter_call(tiny_pai
     assert len(counting.tokens_handed) == rounds.count("dflash")  # one drafted row per DFlash round, no more
 
 
-def test_a_later_request_drafts_from_an_earlier_ones_output(tiny_pair):
+def test_a_later_request_drafts_from_an_earlier_ones_output_of_its_own_tenant_only(tiny_pair):
     _, _, _, model, _ = tiny_pair
     # unpriced (no time passes): a row drafts whenever a suffix matches, so what it accepts is the matches' doing
     alone = BatchDecoder(TorchTargetEngine(model), clock=StoppedClock())
     prompt = list(range(10, 40))  # no repeat inside: only the shared automaton can propose
-    config = GenerationConfig(max_new_tokens=40, proposer="suffix")
+    config = GenerationConfig(max_new_tokens=40, proposer="suffix", tenant="a")
     expected = generate_one(alone, prompt, GenerationConfig(max_new_tokens=40)).token_ids
     first, again = generate_one(alone, prompt, config), generate_one(alone, prompt, config)
     assert first.token_ids == again.token_ids == expected
     assert again.stats.accepted_by.get("suffix", 0) > first.stats.accepted_by.get("suffix", 0)
+    # another tenant's request, and a request of no tenant (the default), read nothing of tenant a's outputs
+    for other in (replace(config, tenant="b"), replace(config, tenant=None)):
+        assert generate_one(alone, prompt, other).stats.accepted_by == first.stats.accepted_by
     no_shared = BatchDecoder(TorchTargetEngine(model), shared_suffix_tokens=0, clock=StoppedClock())
     generate_one(no_shared, prompt, config)
     alone_again = generate_one(no_shared, prompt, config)  # per request only: the first output is not seen
     assert alone_again.stats.accepted_by.get("suffix", 0) < again.stats.accepted_by.get("suffix", 0)
+
+
+def test_the_least_recently_served_tenant_is_dropped_past_the_bound():
+    from dflash_trt.decoding.sharing import TenantSuffixes
+
+    pool = TenantSuffixes(64, max_tenants=2)
+    a = pool.of("a")
+    assert pool.of(None) is None and pool.of("a") is a
+    pool.of("b")
+    pool.of("a")  # a served again: b is now the least recent
+    pool.of("c")
+    assert pool.tenants == 2 and pool.of("a") is a
+    assert pool.of("b") is not None and pool.tenants == 2  # b starts again from nothing (c was dropped)
 
 
 def test_an_unknown_proposer_is_an_input_error(tiny_pair):
@@ -255,14 +272,15 @@ SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # every token of V repeats: suf
 def _sample_counts(model, drafter, proposer: str) -> tuple[dict, int]:
     """Every seed's tokens. Unpriced (`Prices()`: a verify token costs nothing), so a row drafts whenever a suffix
     matches: which runs are verified is then no matter of the machine's timings, and losslessness must hold for any
-    choice of runs."""
+    choice of runs. One tenant for every seed: each request's suffix runs also match the earlier seeds' outputs (a
+    request without a tenant matches its own few tokens only, too few drafts to test their acceptance)."""
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
     spec._prices = lambda n: Prices()  # type: ignore[method-assign]
     counts: dict = {}
     accepted = 0
     for seed in range(N_SAMPLES):
-        config = GenerationConfig(max_new_tokens=4, sampling=SETTINGS["T1"](seed), proposer=proposer)
+        config = GenerationConfig(max_new_tokens=4, sampling=SETTINGS["T1"](seed), proposer=proposer, tenant="seeds")
         r = generate_one(spec, SAMPLED_PROMPT, config)
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
         accepted += r.stats.accepted_by.get("suffix", 0)
@@ -307,10 +325,10 @@ def test_a_benchmark_run_never_reads_an_earlier_runs_output_of_the_same_prompt(t
     seen: list[int] = []  # earlier outputs in the shared structure when each run starts
     generate = decoder.generate
 
-    def counting(*args, **kwargs):
+    def counting(prompts, config, *args, **kwargs):
         assert decoder.shared_suffixes is not None
-        seen.append(len(decoder.shared_suffixes.outputs))
-        return generate(*args, **kwargs)
+        seen.append(len(decoder.shared_suffixes.of("bench").outputs))
+        return generate(prompts, replace(config, tenant="bench"), *args, **kwargs)
 
     monkeypatch.setattr(decoder, "generate", counting)
     method = dflash_method("suffix", "dflash", decoder, 1, proposer="suffix")
@@ -318,7 +336,7 @@ def test_a_benchmark_run_never_reads_an_earlier_runs_output_of_the_same_prompt(t
     first, again = method.run(prompt, 40, 0.0, 0), method.run(prompt, 40, 0.0, 0)
     assert first.token_ids == again.token_ids
     assert seen == [0, 0]
-    assert decoder.shared_suffixes is not None and decoder.shared_suffixes.outputs  # still on: the server's default
+    assert decoder.shared_suffixes is not None and decoder.shared_suffixes.of("bench").outputs  # kept till the next
 
 
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])

@@ -64,21 +64,25 @@ def test_the_servers_default_proposer_serves_requests_without_one(decoder, refer
         assert "dflash_suffix_states " in scrape(url)
 
 
-def test_suffix_shared_tokens_zero_serves_without_the_shared_structure(decoder, reference):
-    """`serve --suffix-shared-tokens 0` (ServerSettings.shared_suffix_tokens): a request matches its own tokens only,
-    so a second identical request drafts from its own prompt, not from the first one's output."""
+def test_finished_outputs_are_kept_only_where_the_operator_shares_them(decoder, reference):
+    """`serve --suffix-sharing` (ServerSettings.suffix_sharing): off by default, so a request matches its own
+    tokens only and no finished output is kept; `all` keeps them for the next requests; `--suffix-shared-tokens 0`
+    keeps none even then. (Who may share with whom: test_suffix_privacy.py.)"""
     from dflash_trt.cli.main import build_parser
+    from dflash_trt.server.tenancy import SuffixSharing
 
-    args = build_parser().parse_args(["serve", "--suffix-shared-tokens", "0"])
-    assert args.suffix_shared_tokens == 0
-    with running_server(decoder, proposer="suffix", shared_suffix_tokens=0) as (url, app):
-        for _ in range(2):
-            got = httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60).json()
-            assert got["token_ids"] == reference
-        assert app.state.server.decoder.shared_suffixes is None
-    with running_server(decoder, proposer="suffix") as (url, app):
-        httpx.post(url + "/generate", json={"input_ids": PROMPT, "max_tokens": 24}, timeout=60)
-        assert app.state.server.decoder.shared_suffixes.size > 1  # the default keeps finished outputs
+    args = build_parser().parse_args(["serve", "--suffix-shared-tokens", "0", "--suffix-sharing", "all"])
+    assert args.suffix_shared_tokens == 0 and args.suffix_sharing == SuffixSharing("all")
+    assert build_parser().parse_args(["serve"]).suffix_sharing == SuffixSharing("off")
+    body = {"input_ids": PROMPT, "max_tokens": 24}
+    for settings in ({}, {"suffix_sharing": SuffixSharing("all"), "shared_suffix_tokens": 0}):
+        with running_server(decoder, proposer="suffix", **settings) as (url, app):
+            for _ in range(2):
+                assert httpx.post(url + "/generate", json=body, timeout=60).json()["token_ids"] == reference
+            assert app.state.server.decoder.shared_suffixes is None, settings
+    with running_server(decoder, proposer="suffix", suffix_sharing=SuffixSharing("all")) as (url, app):
+        httpx.post(url + "/generate", json=body, timeout=60)
+        assert app.state.server.decoder.shared_suffixes.size > 1  # shared: finished outputs kept
 
 
 def test_a_request_fixing_its_block_size_gets_dflash_from_a_hybrid_server(decoder, reference):

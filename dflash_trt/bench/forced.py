@@ -9,7 +9,7 @@ raw text (`/v1/completions`); a model with a chat template (SmolLM2-135M-Instruc
 chat message.
 
     dflash-trt bench forced                                     # the demo pair: dflash and suffix
-    dflash-trt bench forced --target .cache/models/smollm2-135m-instruct --no-drafter --proposers suffix ngram
+    dflash-trt bench forced --target .cache/models/smollm2-135m-instruct --drafter none --proposers suffix ngram
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cli.options import NO_DRAFTER, CliError, drafter_path
 from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
 SCHEMAS: dict[str, dict[str, Any]] = {
@@ -66,8 +67,13 @@ PROMPTS = [
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default %(default)s)")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="DFlash drafter (default %(default)s)")
-    p.add_argument("--no-drafter", action="store_true", help="the target alone: drafter-free proposers only")
+    p.add_argument(
+        "--drafter",
+        type=drafter_path,
+        default=DEMO_DRAFTER,
+        metavar="{DIR,none}",
+        help="DFlash drafter (default %(default)s); none: no drafter, for --proposers that need none",
+    )
     p.add_argument("--proposers", nargs="+", default=["dflash", "suffix"], help="(default: %(default)s)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="(default %(default)s)")
     p.add_argument("--prompts", type=int, default=len(PROMPTS), help="prompts per schema (default %(default)s)")
@@ -91,16 +97,21 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..decoding import GenerationConfig, GrammarSpec
+    from ..decoding.proposers import PROPOSERS, proposer_for
     from ..loading import load_decoder
 
+    drafter = None if args.drafter == NO_DRAFTER else args.drafter
+    if drafter is None and any(proposer_for(name).uses_drafter for name in args.proposers):
+        free = [name for name in PROPOSERS if not proposer_for(name).uses_drafter]
+        raise CliError(f"--drafter none: name only --proposers that need no drafter ({', '.join(free)})")
     torch.set_num_threads(args.threads)
-    decoder = load_decoder(args.target, None if args.no_drafter else args.drafter)
+    decoder = load_decoder(args.target, drafter)
     report: dict[str, Any] = {
         "source": "dflash-trt bench forced",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "target": str(args.target),
-        "drafter": None if args.no_drafter else str(args.drafter),
+        "drafter": None if drafter is None else str(drafter),
         "max_new_tokens": args.max_new_tokens,
         "rows": [],
     }

@@ -4,8 +4,10 @@ output validated against its schema with a JSON Schema validator (jsonschema_rs,
 The requests cycle through bounded schemas (strings with a maxLength, arrays with maxItems, objects closed with
 additionalProperties false: every output fits the token budget, so an invalid one is the server's fault, not
 truncation's; an open object lets a model add keys until max_tokens, as the demo model did), every way the API asks for a schema
-(`response_format` json_schema strict and not, `structured_outputs.json`, `guided_json`; on chat also json_object
-and tool calls, named and "required") and temperatures 0 and 1 (seeded). /v1/completions where the target has no
+(`response_format` json_schema strict and not, `structured_outputs.json`, `guided_json`; on chat also tool calls,
+named and "required", whose arguments object is closed the same way) and temperatures 0 and 1 (seeded). Not
+json_object: "any JSON object" bounds nothing, so a small model's object may run to max_tokens (tests/server
+test that it is decoded under its grammar). /v1/completions where the target has no
 chat template (the demo target), /v1/chat/completions where it has one (SmolLM2-135M-Instruct).
 
 Writes OUT/results.json (default results/structured/http-<target>/; the server's log beside it): per way of asking, requests, valid, finish reasons, and the first invalid outputs;
@@ -21,6 +23,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from ..cli.options import NO_DRAFTER, drafter_path
 from ..server.process import start_serve
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
@@ -56,7 +59,11 @@ SCHEMAS: list[dict[str, Any]] = [
         "properties": {
             "point": {
                 "type": "object",
-                "properties": {"x": {"type": "integer", "minimum": -99, "maximum": 99}, "y": {"type": "number"}},
+                # a number bounded in digits too (multipleOf): a bare number's fraction may run to max_tokens
+                "properties": {
+                    "x": {"type": "integer", "minimum": -99, "maximum": 99},
+                    "y": {"type": "number", "multipleOf": 0.25, "minimum": -99, "maximum": 99},
+                },
                 "required": ["x", "y"],
                 "additionalProperties": False,
             },
@@ -94,12 +101,19 @@ PROMPTS = [
     "The result is",
 ]
 COMPLETION_WAYS = ("response_format", "response_format_strict", "structured_outputs", "guided_json")
-CHAT_WAYS = (*COMPLETION_WAYS, "json_object", "tool_named", "tool_required")
+CHAT_WAYS = (*COMPLETION_WAYS, "tool_named", "tool_required")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", type=Path, required=True, help="the target checkpoint directory")
-    p.add_argument("--drafter", type=Path, default=None, help="its DFlash drafter (default: none, --proposer)")
+    p.add_argument(
+        "--drafter",
+        type=drafter_path,
+        default=NO_DRAFTER,
+        metavar="{DIR,none}",
+        help="its DFlash drafter (default none: the server drafts with its drafterless proposer and the grammar's "
+        "forced tokens)",
+    )
     p.add_argument("--proposer", default=None, help="the server's --proposer (default: its own)")
     p.add_argument("--requests", type=int, default=300, help="requests to send (default 300)")
     p.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each (default 160)")
@@ -120,9 +134,14 @@ def _case(i: int, chat: bool) -> tuple[str, dict[str, Any], dict[str, Any]]:
         return way, {"structured_outputs": {"json": schema}}, schema
     if way == "guided_json":
         return way, {"guided_json": schema}, schema
-    if way == "json_object":
-        return way, {"response_format": {"type": "json_object"}}, {"type": "object"}
-    params = schema if schema.get("type") == "object" else {"type": "object", "properties": {"items": schema}}
+    params = schema
+    if schema.get("type") != "object":  # a tool's parameters are an object: the array becomes its one member
+        params = {
+            "type": "object",
+            "properties": {"items": schema},
+            "required": ["items"],
+            "additionalProperties": False,
+        }
     tool = {
         "type": "function",
         "function": {"name": "record", "description": "record the answer", "parameters": params},
@@ -150,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
 
     chat = bool(getattr(AutoTokenizer.from_pretrained(args.target), "chat_template", None))
     serve = ["--target", str(args.target), "--threads", str(args.threads), "--model-name", "m"]
-    serve += ["--drafter", str(args.drafter)] if args.drafter else ["--no-draft"]
+    serve += ["--drafter", str(args.drafter)]
     if args.proposer:
         serve += ["--proposer", args.proposer]
     args.out = args.out or Path("results/structured") / f"http-{args.target.resolve().name}"
@@ -197,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     valid = sum(r["valid"] for r in per_way.values())
     results = {
         "target": str(args.target),
-        "drafter": str(args.drafter) if args.drafter else None,
+        "drafter": None if args.drafter == NO_DRAFTER else str(args.drafter),
         "proposer": args.proposer,
         "endpoint": "/v1/chat/completions" if chat else "/v1/completions",
         "requests": total,

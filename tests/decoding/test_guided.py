@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 import torch
 from helpers import generate_one
-from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, sharp_pair  # noqa: F401
+from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, exact_joint, sharp_pair  # noqa: F401
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
@@ -155,6 +155,7 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 # positions where two or three tokens are admitted, one where "c" is forced, and an end of text that may come early
 SAMPLED_GRAMMAR = GrammarSpec("regex", "(a|b|ab)c(a|b|c)(ab|a)?")
 SAMPLED_PROMPT = [1, 2, 4, 1]
+FREE_TOKENS = 3  # the free rows beside them: exactly this many tokens (no stop token), as test_spec's exact_joint
 
 
 def exact_guided(model, tokenizer, prompt, params, spec, n: int) -> dict[tuple, float]:
@@ -183,37 +184,47 @@ def exact_guided(model, tokenizer, prompt, params, spec, n: int) -> dict[tuple, 
     return out
 
 
-def guided_counts(model, drafter, tokenizer, proposer: str) -> tuple[dict, int]:
+def guided_counts(model, drafter, tokenizer, proposer: str) -> tuple[dict, int, dict]:
+    """Sampled runs of SAMPLED_GRAMMAR's rows, each batch mixed with as many free rows (FREE_TOKENS each, no stop):
+    (the structured rows' counts, their accepted drafts, the free rows' counts)."""
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     decoder = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
     decoder._prices = lambda n: Prices()  # type: ignore[method-assign]  # unpriced: drafts whatever the machine
     counts: dict = {}
+    free: dict = {}
     accepted = 0
     # each seed a row of its own generator: rows in one batch are independent draws (the loop's docstring), and a
-    # batch of 250 costs the engines a few passes where one request at a time costs 2,000 x its rounds
+    # batch of 250 costs the engines a few passes where one request at a time costs 2,000 x its rounds; a free row
+    # beside each structured one: masks apply per row, so neither kind may bend the other's distribution
     for start in range(0, N_SAMPLES, 250):
-        configs = [
-            GenerationConfig(
-                max_new_tokens=4, sampling=SETTINGS["T1"](seed), grammar=SAMPLED_GRAMMAR, proposer=proposer
+        configs = []
+        for seed in range(start, min(start + 250, N_SAMPLES)):
+            sampling = SETTINGS["T1"](seed)
+            configs.append(
+                GenerationConfig(max_new_tokens=4, sampling=sampling, grammar=SAMPLED_GRAMMAR, proposer=proposer)
             )
-            for seed in range(start, min(start + 250, N_SAMPLES))
-        ]
-        for r in decoder.generate([SAMPLED_PROMPT] * len(configs), configs):
-            counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-            accepted += r.stats.accepted_draft_tokens
-    return counts, accepted
+            other = replace(sampling, seed=N_SAMPLES + seed)
+            configs.append(GenerationConfig(max_new_tokens=FREE_TOKENS, sampling=other, proposer=proposer))
+        for r, config in zip(decoder.generate([SAMPLED_PROMPT] * len(configs), configs), configs):
+            kind = counts if config.grammar is not None else free
+            kind[tuple(r.token_ids)] = kind.get(tuple(r.token_ids), 0) + 1
+            accepted += r.stats.accepted_draft_tokens if config.grammar is not None else 0
+    return counts, accepted, free
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("proposer", ["dflash", "suffix"])
 def test_sampled_guided_output_has_the_masked_targets_distribution(sharp_pair, proposer):  # noqa: F811
+    """Structured and free rows in the same batches: each kind distributed as the target alone (masked or not)."""
     model, drafter = sharp_pair
     tok = tiny_tokenizer()
     expected = exact_guided(model, tok, SAMPLED_PROMPT, SETTINGS["T1"](0), SAMPLED_GRAMMAR, 4)
-    counts, accepted = guided_counts(model, drafter, tok, proposer)
+    counts, accepted, free = guided_counts(model, drafter, tok, proposer)
     assert accepted > N_SAMPLES * 0.5, "drafts (forced ones at least) must be accepted often enough to test them"
     p = chi_square_pvalue(counts, expected, N_SAMPLES)
     assert p > 1e-3, f"guided {proposer} samples deviate from the masked target (p={p:.2e})"
+    p = chi_square_pvalue(free, exact_joint(model, SAMPLED_PROMPT, SETTINGS["T1"](0), FREE_TOKENS), N_SAMPLES)
+    assert p > 1e-3, f"free rows beside guided ones deviate from the target alone (p={p:.2e})"
 
 
 @pytest.mark.slow
@@ -224,5 +235,5 @@ def test_statistical_test_catches_drafts_that_ignore_the_grammar(sharp_pair, mon
     tok = tiny_tokenizer()
     monkeypatch.setattr(guided_module, "restrict", lambda q, mask: q)
     expected = exact_guided(model, tok, SAMPLED_PROMPT, SETTINGS["T1"](0), SAMPLED_GRAMMAR, 4)
-    counts, _ = guided_counts(model, drafter, tok, "dflash")
+    counts, _, _ = guided_counts(model, drafter, tok, "dflash")
     assert chi_square_pvalue(counts, expected, N_SAMPLES) < 1e-6

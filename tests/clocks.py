@@ -12,6 +12,8 @@ clock of its own or does not depend on them:
 - `priced_engines`: the real engines, each pass advancing a virtual clock by what a simulated CPU charges
   for it (the simulator's `VirtualClock` and `LinearPassCost`, sim/): timings with the shape of real ones
   (a pass costs its rows and tokens) that no other process can stretch.
+- `TickingClock`: each read a fixed step later: a deadline passes after a known number of reads (the server's
+  request timeout, `running_server(clock=)`), not after however long the machine takes.
 - `AdversarialClock`: seconds that pass at a seeded random rate, changing every few reads, over six orders of
   magnitude.
   tests/conftest.py makes it the default clock of every decoder and cost grid a test builds without one
@@ -22,6 +24,7 @@ clock of its own or does not depend on them:
 from __future__ import annotations
 
 import random
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -49,6 +52,19 @@ class StoppedClock:
 
     def __call__(self) -> float:
         return 0.0
+
+
+class TickingClock:
+    """A clock that advances `tick` seconds at every read, whoever reads it: a deadline of `n` ticks passes after
+    `n` reads, however fast or slow the machine runs the work between them."""
+
+    def __init__(self, tick: float):
+        self.tick, self.now, self._lock = tick, 0.0, threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.now += self.tick
+            return self.now
 
 
 class AdversarialClock:

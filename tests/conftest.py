@@ -11,7 +11,13 @@ import torch
 # Its subfolders follow the package's layout; none may be named after an importable package (a folder
 # `triton` here would pass for OpenAI's Triton in libraries that probe for it with find_spec).
 sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# One intra-op thread in the test process. The tests' models are tiny (a pass is well under a millisecond of work),
+# so a second thread buys nothing, and it costs dearly whenever the cores are shared: a parallel kernel waits at a
+# barrier for its other OpenMP thread, and while that thread is off the CPU (a server subprocess, the server's own
+# threads, a busy machine) every kernel waits a scheduler slice, and a test's time grows with the machine's load
+# rather than with its work. Subprocesses (servers, tritonserver, mpirun ranks) keep their own thread settings:
+# those are what the tests of them check.
+torch.set_num_threads(1)
 
 from clocks import AdversarialClock  # noqa: E402
 from helpers import make_tiny_pair  # noqa: E402
@@ -89,6 +95,36 @@ def _adversarial_default_clock(request, monkeypatch):
         for func in _clock_defaults():
             _swap_default(monkeypatch, func, "clock", clock)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _startup_grid_measured_once_per_shape():
+    """A server's adaptive policy measures a start-up cost grid on its engines (`AdaptiveBlocks.measured`: about
+    60 passes, most of a server's start on a CPU). On an `AdversarialClock` that grid's seconds are the clock's
+    noise, not the engines' (no test's outcome may depend on them), so a grid of the same shape measured on the
+    same kind of engines earlier in the session is as good as a new one: each shape is measured once, on the real
+    engines, and every later server starts from a copy. For the same reason that one measurement times each cell
+    once after the warm-up pass (`repeats=1`): the fastest of five readings of noise is still noise. A grid on any other clock (a test's virtual clock, the
+    wall clock of DFLASH_TEST_CLOCK=wall or a `wall_clock` test) is measured every time; tests of
+    `measure_costs` itself call it directly and are not affected."""
+    import copy
+
+    from dflash_trt.decoding import adaptive
+
+    measure, grids = adaptive.measure_costs, {}
+
+    def measured_once(target, drafter=None, *args, clock=time.perf_counter, **kw):
+        if not isinstance(clock, AdversarialClock):
+            return measure(target, drafter, *args, clock=clock, **kw)
+        shape = (type(target), type(drafter), int(target.vocab_size), int(target.max_context))
+        key = (*shape, getattr(drafter, "block_size", None), args, tuple(sorted((k, repr(v)) for k, v in kw.items())))
+        if key not in grids:
+            grids[key] = measure(target, drafter, *args, clock=clock, **{**kw, "repeats": 1})
+        return copy.deepcopy(grids[key])
+
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(adaptive, "measure_costs", measured_once)
+        yield
 
 
 @pytest.fixture(scope="session", params=["qwen3", "llama"])

@@ -17,11 +17,14 @@ from helpers import make_text_models
 from dflash_trt.loading import load_decoder
 from dflash_trt.server.app import ServerSettings, create_app
 
+HANG_S = 600.0  # how long a wait on a server's own progress may last before it counts as hung (a busy machine's)
+
 
 @contextlib.contextmanager
-def running_server(decoder, **settings):
-    """uvicorn.Server in a thread, listening on a free port of 127.0.0.1; yields (base url, app)."""
-    app = create_app(decoder, ServerSettings(**settings))
+def running_server(decoder, clock=time.monotonic, **settings):
+    """uvicorn.Server in a thread, listening on a free port of 127.0.0.1; yields (base url, app). `clock`: the
+    server's request clock (create_app)."""
+    app = create_app(decoder, ServerSettings(**settings), clock)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -29,7 +32,10 @@ def running_server(decoder, **settings):
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=2))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
+    # Start-up measures the adaptive policy's cost grid (CPU-seconds of passes, the first server of each shape in a
+    # session): on a loaded machine that is minutes of wall clock. A thread that dies is a failed start at once; the
+    # deadline only bounds a start that hangs, and so does the one on the exit.
+    deadline = time.monotonic() + HANG_S
     while not server.started:
         if time.monotonic() > deadline or not thread.is_alive():
             raise RuntimeError("test server did not start")
@@ -38,10 +44,28 @@ def running_server(decoder, **settings):
         yield f"http://127.0.0.1:{port}", app
     finally:
         server.should_exit = True
-        thread.join(15)
+        thread.join(HANG_S)
         sock.close()
         if thread.is_alive():  # a test ends the servers it starts: none may outlive it
-            raise RuntimeError("test server still running 15 s after it was told to exit")
+            raise RuntimeError(f"test server still running {HANG_S} s after it was told to exit")
+
+
+def after_served(url: str, name: str, more: float, headers: dict | None = None, **labels):
+    """A `sleep` for `plan.metrics.scrape` (its `sleep=`) that waits for served work instead of seconds: it returns
+    once the counter `name` (with `labels`) on url's /metrics has grown by `more` since it was called. A window of
+    scrapes then holds the same work on a busy machine as on a quiet one, so a test of what the window saw cannot
+    depend on the machine's speed. Only a server that stopped serving (HANG_S) fails it."""
+
+    def served(_seconds: float) -> None:
+        def now() -> float:
+            return metric(scrape(url, **(headers or {})), name, **labels)
+
+        until, deadline, pause = now() + more, time.monotonic() + HANG_S, threading.Event()
+        while now() < until:
+            assert time.monotonic() < deadline, f"{name} grew by less than {more} in {HANG_S} s"
+            pause.wait(0.05)
+
+    return served
 
 
 def server_fixtures(name: str, serve=None, priced: bool = False):

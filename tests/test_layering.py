@@ -222,14 +222,13 @@ def test_no_import_runs_up_the_layers() -> None:
 
 
 def test_the_package_runs_as_one_command_line() -> None:
-    """`dflash-trt` is the only command line: no module of the package is a program of its own, but for two that
-    run where `dflash-trt` is not the entry point: the TensorRT-LLM checkpoint converter (run under mpirun by the
-    target build, builders/trtllm_target.py) and the pretrained-model fetch `make models` runs before the venv's
-    command line is of use to it."""
+    """`dflash-trt` is the only command line: no module of the package is a program of its own, but for the one that
+    runs where `dflash-trt` is not the entry point: the TensorRT-LLM checkpoint converter (run under mpirun by the
+    target build, builders/trtllm_target.py)."""
     programs = sorted(
         m for m, path in module_names().items() if 'if __name__ == "__main__"' in path.read_text(encoding="utf-8")
     )
-    assert programs == ["dflash_trt.builders.trtllm_convert", "dflash_trt.cli.main", "dflash_trt.models.pretrained"]
+    assert programs == ["dflash_trt.builders.trtllm_convert", "dflash_trt.cli.main"]
 
 
 def test_scripts_are_run_by_a_build_step_or_a_bare_host() -> None:

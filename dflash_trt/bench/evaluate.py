@@ -31,12 +31,10 @@ from dflash_trt.bench.quality import check_body
 from dflash_trt.bench.workloads import WORKLOADS
 from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding.sampling import SamplingParams
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET, DRAFTER_DTYPE
+from dflash_trt.settings import DRAFTER_DTYPE
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
     p.add_argument("--prompts", type=int, default=20, help="held-out prompts (default 20)")
     p.add_argument(
         "--prompt-set",

@@ -55,7 +55,7 @@ from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf, value
 from dflash_trt.bench.load_report import load_markdown
 from dflash_trt.bench.methods import HFReference, hf_generate_batch
 from dflash_trt.bench.prompts import held_out_code_prompts
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET, REPO_ROOT
+from dflash_trt.settings import REPO_ROOT
 
 if TYPE_CHECKING:
     from dflash_trt.decoding import BatchDecoder
@@ -76,8 +76,6 @@ STEP_KEYS = ("prefill_s", "policy_s", "draft_s", "verify_s", "accept_s", "overhe
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--aiperf", default=str(REPO_ROOT / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
-    ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
-    ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
     ap.add_argument("--concurrency", default="1,4,16,32", help="comma-separated concurrencies (default 1,4,16,32)")
     ap.add_argument("--temperatures", default="0,1", help="comma-separated temperatures (default 0,1)")
     ap.add_argument("--modes", default=",".join(MODES), help=f"server modes (default {','.join(MODES)})")

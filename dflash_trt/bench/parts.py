@@ -363,8 +363,6 @@ def report(results: dict[str, Any]) -> str:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """`dflash-trt bench parts`'s flags."""
-    p.add_argument("--target", default="models/target", help="target checkpoint (default: the demo target)")
-    p.add_argument("--drafter", default="models/drafter", help="DFlash drafter checkpoint (default: the demo drafter)")
     p.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32], help="C values for the engine passes")
     p.add_argument("--sim-rows", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256], help="C values, host alone")
     p.add_argument("--block", type=int, default=8, help="block size of verify and draft (default 8)")

@@ -11,6 +11,12 @@ what a request that names it gets. Prints Markdown tables; writes JSON.
 
     dflash-trt bench proposers --out results/proposers/results.json
     dflash-trt bench proposers --workloads rewrite long --prompts 4
+    dflash-trt bench proposers --target .cache/models/smollm2-135m-instruct --drafter none \
+        --workloads chat-rewrite revise extract prose --prompts 3
+
+A target without a DFlash drafter (`--drafter none`: any model a user has) runs the proposers that need none
+(suffix, ngram) against the target alone and prompt lookup; the chat workloads (`workloads.CHAT_WORKLOADS`) are
+rendered with the target's chat template.
 
 Proposers other than DFlash run where the library has them (`GenerationConfig.proposer`); without it the table
 holds the target, DFlash and prompt lookup.
@@ -30,9 +36,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..decoding.proposers import DEFAULT_PROPOSER, DFLASH, PROPOSERS
+from ..decoding.proposers import DEFAULT_PROPOSER, DFLASH, PROPOSERS, proposer_for
+from ..sim.suffix import rounds_of
 from .methods import ForwardTimer, hf_method, target_model
-from .workloads import WORKLOADS, Workload
+from .workloads import CHAT_WORKLOADS, WORKLOADS, Workload
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -42,10 +49,14 @@ if TYPE_CHECKING:
 TIE = 1e-3  # a logit gap at or under this at the first difference: two code paths breaking a tie apart
 # the issue's bars: (method, against, workloads, at least this ratio of tokens/s)
 BARS = (
-    ("hybrid", "dflash", ("bodies",), 0.98),
+    ("hybrid", "dflash", ("random", "prose-text"), 0.98),
     ("hybrid", "dflash", ("rewrite", "long"), 1.3),
     ("hybrid", "prompt-lookup", tuple(WORKLOADS), 1.0),
+    ("suffix", "target", ("prose",), 0.98),
+    ("ngram", "target", ("prose",), 0.98),
+    ("suffix", "target", ("chat-rewrite", "revise", "extract"), 1.5),
 )
+ALL_WORKLOADS = {**WORKLOADS, **CHAT_WORKLOADS}
 
 
 def supported_proposers() -> tuple[str, ...]:
@@ -68,7 +79,10 @@ def decoder_method(decoder: BatchDecoder, proposer: str | None) -> Callable[[lis
         [result] = decoder.generate([ids], GenerationConfig(max_new_tokens=max_new, **extra))
         seconds = time.perf_counter() - t0
         s = result.stats
-        return {"tokens": result.token_ids, "seconds": seconds, "tau": s.mean_acceptance_length if s.rounds else 1.0}
+        out = {"tokens": result.token_ids, "seconds": seconds, "tau": s.mean_acceptance_length if s.rounds else 1.0}
+        if proposer is not None and proposer_for(proposer).keeps_suffix:  # what the simulator can replay
+            out["rounds"] = rounds_of(s.trace())
+        return out
 
     return run
 
@@ -104,7 +118,7 @@ def run_workload(
     """Every method on every prompt of `w`, rotated; one record per (prompt, method)."""
     names, records = list(methods), []
     for i, (text, label) in enumerate(zip(w.prompts, w.labels)):
-        ids = decoder.encode(text)
+        ids = prompt_ids(decoder, w, i)
         order = names[i % len(names) :] + names[: i % len(names)]
         runs = {name: methods[name](ids, w.max_new_tokens) for name in order}
         reference = runs["target"]["tokens"]
@@ -123,10 +137,21 @@ def run_workload(
                     "tau": round(r["tau"], 3),
                     "identical": same,
                     "tie": None if same else tie_gap(decoder, ids, reference, r["tokens"]) <= TIE,
+                    **({"rounds": r["rounds"]} if "rounds" in r else {}),
                 }
             )
         print(f"{w.name} {i}: " + ", ".join(f"{n} {runs[n]['seconds']:.2f}s" for n in names), file=sys.stderr)
     return records
+
+
+def prompt_ids(decoder: BatchDecoder, w: Workload, i: int) -> list[int]:
+    """Prompt i of `w` as token ids: a chat workload's conversation through the target's chat template."""
+    if not w.messages:
+        return decoder.encode(w.prompts[i])
+    if getattr(decoder.tokenizer, "chat_template", None) is None:
+        raise SystemExit(f"workload {w.name!r} is a chat: the target's tokenizer has no chat template")
+    text = decoder.tokenizer.apply_chat_template(w.messages[i], add_generation_prompt=True, tokenize=False)
+    return decoder.encode(str(text))
 
 
 def summarise(records: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
@@ -177,16 +202,21 @@ def tables(summary: dict[str, dict[str, dict[str, float]]], found: list[dict[str
     return "\n".join(lines)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """`dflash-trt bench proposers`'s flags."""
-    from ..settings import DEMO_DRAFTER, DEMO_TARGET
+# what `--drafter none` means here (cli/bench.py gives the command options.add_model_args with it)
+NO_DRAFTER_MEANS = "the target alone, its proposers needing no drafter"
 
-    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
-    p.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help=f"DFlash drafter (default {DEMO_DRAFTER})")
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`dflash-trt bench proposers`'s flags (--target / --drafter: options.add_model_args)."""
     p.add_argument(
-        "--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS), help="the workloads (default: all)"
+        "--workloads",
+        nargs="+",
+        choices=tuple(ALL_WORKLOADS),
+        default=["bodies", "in-file", "rewrite", "long"],
+        help="the workloads (default: %(default)s; chat ones need a chat template)",
     )
     p.add_argument("--prompts", type=int, default=6, help="prompts per workload (default 6; long: half, >= 2)")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens a request (default: the workload's)")
     p.add_argument("--proposers", nargs="+", choices=PROPOSERS, default=None, help="default: all the library has")
     p.add_argument("--no-prompt-lookup", action="store_true", help="leave Hugging Face's prompt lookup out")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -200,11 +230,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> tuple[BatchDecoder, dict[str, Callable[[list[int], int], dict[str, Any]]]]:
     """The server's decoder (adaptive block sizes, the default drafter dtype) and the methods to compare on it."""
+    from ..cli.options import NO_DRAFTER
     from ..loading import load_decoder
     from ..server.context import ServerSettings, batch_decoder
 
+    if args.drafter == NO_DRAFTER:
+        args.drafter = None
     decoder = batch_decoder(load_decoder(args.target, args.drafter), ServerSettings())
     proposers = [p for p in args.proposers or supported_proposers() if p in supported_proposers()]
+    if decoder.drafter is None:  # a row of a drafter's proposer would be the suffix runs alone
+        proposers = [p for p in proposers if not proposer_for(p).uses_drafter]
     methods = {"target": decoder_method(decoder, None)}
     methods |= {p: decoder_method(decoder, p) for p in proposers}
     if not args.no_prompt_lookup:
@@ -216,8 +251,10 @@ def run(args: argparse.Namespace) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     decoder, methods = build(args)
-    workloads = [WORKLOADS[w](max(2, args.prompts // 2) if w == "long" else args.prompts) for w in args.workloads]
-    first = decoder.encode(workloads[0].prompts[0])
+    workloads = [ALL_WORKLOADS[w](max(2, args.prompts // 2) if w == "long" else args.prompts) for w in args.workloads]
+    if args.max_new_tokens:
+        workloads = [dataclasses.replace(w, max_new_tokens=args.max_new_tokens) for w in workloads]
+    first = prompt_ids(decoder, workloads[0], 0)
     for run in methods.values():  # warm-up: allocations, kernels, the cost model's first steps
         run(first, 16)
     load_before, t0 = os.getloadavg(), time.time()
@@ -228,6 +265,10 @@ def run(args: argparse.Namespace) -> int:
     out = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "minutes": round((time.time() - t0) / 60, 1),
+        "command": "dflash-trt bench proposers "
+        + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "proposers"] else sys.argv[1:]),
+        "target": str(args.target),
+        "drafter": None if args.drafter is None else str(args.drafter),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "threads": torch.get_num_threads()},
         "load_average_1m_before_after": [round(load_before[0], 2), round(os.getloadavg()[0], 2)],
         "workloads": {

@@ -24,13 +24,11 @@ import httpx
 
 from dflash_trt.bench.aiperf import AiperfFailed, AiperfRun, run_aiperf
 from dflash_trt.server.process import start_serve
-from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET, REPO_ROOT
+from dflash_trt.settings import REPO_ROOT
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--aiperf", default=str(REPO_ROOT / ".venv-aiperf/bin/aiperf"), help="the aiperf executable")
-    ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
-    ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
     ap.add_argument(
         "--endpoints",
         default="completions",

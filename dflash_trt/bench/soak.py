@@ -171,13 +171,9 @@ def table(run: dict[str, Any], g: dict[str, Any]) -> str:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
-
     ap.add_argument("--requests", type=int, default=5040, help="requests in all (default 5040: 105 waves of 48)")
     ap.add_argument("--concurrency", type=int, default=48, help="requests per wave, sent at once (default 48)")
     ap.add_argument("--max-tokens", type=int, default=8, help="tokens per completion (default 8: the run is minutes)")
-    ap.add_argument("--target", type=Path, default=DEMO_TARGET, help="target checkpoint (default: the demo's)")
-    ap.add_argument("--drafter", type=Path, default=DEMO_DRAFTER, help="drafter checkpoint (default: the demo's)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads of the server")
     ap.add_argument("--url", default=None, help="drive this running server instead of starting one (needs --pid)")
     ap.add_argument("--pid", type=int, default=None, help="the process id of the --url server (its RSS is read)")

@@ -10,16 +10,21 @@ ids: the simulator makes its own tokens). Suffix alone is recorded, not the hybr
 which a round the hybrid gave to DFlash would not.
 
     dflash-trt bench suffix-trace   # writes data/measured/suffix-trace.json
+
+`--target` records another target's rounds (no drafter is loaded: suffix drafting needs none), its chat workloads
+(`workloads.CHAT_WORKLOADS`) through its chat template; `--half a|b` takes every other prompt of twice as many, so
+that two recordings hold disjoint prompts (one to fit the simulator's prior on, one to replay:
+`dflash-trt bench sim --suffix-prior-from`).
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import time
 from pathlib import Path
 from typing import Any
 
-from dflash_trt.bench.workloads import WORKLOADS
 from dflash_trt.decoding import GenerationConfig
 from dflash_trt.decoding.proposers import NO_DRAFT_NAME, SuffixProposer
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
@@ -35,6 +40,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="NAME:PROMPTS items (default: %(default)s)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--target", type=Path, default=None, help="target checkpoint (default: the demo pair's)")
+    p.add_argument("--half", choices=("a", "b"), default=None, help="every other prompt of twice as many")
+    p.add_argument("--max-new-tokens", type=int, default=None, help="tokens a request (default: the workload's)")
     p.add_argument(
         "--out", type=Path, default=SUFFIX_TRACE, help="the trace written (default: the one the simulator reads)"
     )
@@ -47,9 +55,13 @@ def run(args: argparse.Namespace) -> int:
     from dflash_trt.server.context import ServerSettings, batch_decoder
 
     torch.set_num_threads(args.threads)
-    decoder = batch_decoder(load_decoder(DEMO_TARGET, DEMO_DRAFTER), ServerSettings())
+    from dflash_trt.bench.proposers import ALL_WORKLOADS, prompt_ids
+
+    loaded = load_decoder(args.target, None) if args.target else load_decoder(DEMO_TARGET, DEMO_DRAFTER)
+    decoder = batch_decoder(loaded, ServerSettings())
     out: dict[str, Any] = {
-        "source": "dflash-trt bench suffix-trace: the demo pair, proposer suffix, greedy, one request at a time",
+        "source": f"dflash-trt bench suffix-trace: {args.target or 'the demo pair'}, proposer suffix, greedy, one "
+        "request at a time" + (f", prompts of half {args.half}" if args.half else ""),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "load_average_1m": round(os.getloadavg()[0], 2),
         "format": "per workload, per request: its rounds in order after the prefill's token, [drafted, accepted] each "
@@ -58,11 +70,16 @@ def run(args: argparse.Namespace) -> int:
     }
     for item in args.workloads:
         name, _, n = item.partition(":")
-        w = WORKLOADS[name](int(n or 4))
+        count = int(n or 4)
+        w = ALL_WORKLOADS[name](2 * count if args.half else count)
+        if args.max_new_tokens:
+            w = dataclasses.replace(w, max_new_tokens=args.max_new_tokens)
+        picked = range("ab".index(args.half), 2 * count, 2) if args.half else range(count)
         requests = []
-        for text, label in zip(w.prompts, w.labels):
+        for i in picked:
+            label = w.labels[i]
             decoder.forget_finished_outputs()
-            ids = decoder.encode(text)
+            ids = prompt_ids(decoder, w, i)
             [res] = decoder.generate(
                 [ids], GenerationConfig(max_new_tokens=w.max_new_tokens, proposer=SuffixProposer.name)
             )

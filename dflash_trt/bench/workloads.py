@@ -14,6 +14,19 @@ alone (models/README.md, `train.corpus.stdlib_files`); site-packages is never pa
 - `session`: turns of one file (`session_turns`): each turn's prompt is the previous prompt, the previous
   answer and the next function's head, as a multi-turn client resends what it received.
 
+Chat workloads, for an instruct target (rendered with its chat template; `Workload.messages`), where users repeat
+text and free prose where they do not:
+
+- `chat-rewrite`: a function whole and a request to rename one of its parameters (the answer is the function
+  again, one name changed);
+- `revise`: a turn that asks to revise the previous answer: the user asked for a function, the assistant answered
+  with a package's function, the user asks for it again with a comment before each `return`;
+- `extract`: a passage of a package's documentation and a request to quote the sentences that name a word;
+- `prose`: an essay on a topic (the control: nothing in the prompt to copy).
+
+For a target of no chat template, the non-repeating controls: `random` (random printable characters: random
+tokens) and `prose-text` (a passage of a package's documentation to continue).
+
 Deterministic: files are taken in sorted order and spread evenly; what a set holds depends only on the installed
 versions, which each workload reports (`sources`). Nothing is vendored: a package that is missing is skipped, and
 a set with too few prompts says so.
@@ -57,6 +70,8 @@ class Workload:
     max_new_tokens: int
     sources: dict[str, str] = field(default_factory=dict)  # folder under site-packages -> its version
     labels: list[str] = field(default_factory=list)  # where each prompt comes from (file:line)
+    # a chat workload's conversations (rendered with the target's chat template); `prompts` then holds their text
+    messages: list[list[dict[str, str]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -274,9 +289,156 @@ def session_turns(turns: int = 4, max_chars: int = 700, opening_chars: int = 600
     raise ValueError(f"no installed package file has {turns} top-level functions with docstrings")
 
 
+CHAT_TOKENS = 160
+ESSAY_TOPICS = (
+    "the history of lighthouses",
+    "why bread rises",
+    "how bees find flowers",
+    "the first winter in a new city",
+    "the life of a river from its source to the sea",
+    "a day at a street market",
+    "what makes a good teacher",
+    "the night sky without light pollution",
+)
+
+
+def _chat(name: str, conversations: list[tuple[str, list[dict[str, str]]]], versions: dict[str, str]) -> Workload:
+    prompts = [m[-1]["content"] for _, m in conversations]
+    return Workload(name, prompts, CHAT_TOKENS, versions, [s for s, _ in conversations], [m for _, m in conversations])
+
+
+def _small_functions(n: int, max_chars: int) -> tuple[list[tuple[str, str, str]], dict[str, str]]:
+    """n top-level functions (label, dedented source, a parameter name of 3+ letters that is not `self`) of at
+    most `max_chars`, spread over the installed packages."""
+    files, versions = package_files()
+    found = []
+    for path, root in files:
+        for f in functions(path, root, top_level=True):
+            source = textwrap.dedent(f.head + f.body).strip("\n")
+            try:
+                args = ast.parse(source).body[0].args  # type: ignore[attr-defined]
+            except (SyntaxError, IndexError, AttributeError):
+                continue
+            names = [a.arg for a in args.args + args.kwonlyargs if len(a.arg) >= 3 and a.arg != "self"]
+            if names and len(source) <= max_chars and source.count("\n") >= 5:
+                found.append((f"{root.name}/{f.rel}:{f.line}", source, names[0]))
+            break  # one a file
+    return spread(found, n, "small functions"), versions
+
+
+def chat_rewrite_prompts(n: int = 4, max_chars: int = 900) -> Workload:
+    """`chat-rewrite`: rename a parameter of the function given."""
+    chosen, versions = _small_functions(n, max_chars)
+    return _chat(
+        "chat-rewrite",
+        [
+            (
+                label,
+                [
+                    {
+                        "role": "user",
+                        "content": f"Rename the parameter `{name}` to `{name}_value` in this "
+                        f"function. Reply with the whole function only.\n\n```python\n{source}\n```",
+                    }
+                ],
+            )
+            for label, source, name in chosen
+        ],
+        versions,
+    )
+
+
+def revise_prompts(n: int = 4, max_chars: int = 900) -> Workload:
+    """`revise`: the previous answer again, revised."""
+    chosen, versions = _small_functions(n, max_chars)
+    conversations = []
+    for label, source, name in chosen:
+        what = source.split("(", 1)[0].replace("def ", "").replace("async ", "").strip()
+        conversations.append(
+            (
+                label,
+                [
+                    {"role": "user", "content": f"Write a Python function `{what}` that takes `{name}`."},
+                    {"role": "assistant", "content": f"```python\n{source}\n```"},
+                    {
+                        "role": "user",
+                        "content": "Give me the whole function again with a short comment before each "
+                        "`return` statement.",
+                    },
+                ],
+            )
+        )
+    return _chat("revise", conversations, versions)
+
+
+def _passages(n: int, min_chars: int = 400, max_chars: int = 1200) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """n docstrings of English prose (a module's, class's or function's of 4+ sentences; min_chars..max_chars, cut
+    at a sentence; the first of a file), spread over the installed packages."""
+    files, versions = package_files()
+    found = []
+    for path, root in files:
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            doc = ast.get_docstring(node)
+            if doc is None or len(doc) < min_chars or doc.count(". ") < 4 or ">>>" in doc or "::" in doc:
+                continue
+            cut = doc[:max_chars]
+            found.append((f"{root.name}/{path.relative_to(root).as_posix()}", cut[: cut.rfind(". ") + 1].strip()))
+            break
+    return spread(found, n, "docstrings of prose"), versions
+
+
+def extract_prompts(n: int = 4) -> Workload:
+    """`extract`: quote the sentences of a passage that name its most frequent long word."""
+    chosen, versions = _passages(n)
+    conversations = []
+    for label, text in chosen:
+        words = re.findall(r"[A-Za-z]{5,}", text.lower())
+        word = max(sorted(set(words)), key=words.count)
+        ask = f'Here is a passage:\n\n{text}\n\nQuote, word for word, every sentence of the passage that contains "{word}".'
+        conversations.append((label, [{"role": "user", "content": ask}]))
+    return _chat("extract", conversations, versions)
+
+
+def prose_prompts(n: int = 4) -> Workload:
+    """`prose`: an essay (the control)."""
+    topics = spread(list(ESSAY_TOPICS), n, "essay topics")
+    return _chat("prose", [(t, [{"role": "user", "content": f"Write a short essay about {t}."}]) for t in topics], {})
+
+
+def random_prompts(n: int = 4, chars: int = 300) -> Workload:
+    """`random`: random printable characters (seeded): random tokens, nothing a model can continue from memory."""
+    import random
+
+    rng = random.Random(0)
+    alphabet = [chr(c) for c in range(33, 127)]
+    prompts = ["".join(rng.choice(alphabet) for _ in range(chars)) for _ in range(n)]
+    return Workload("random", prompts, SHORT_TOKENS, {}, [f"seed 0, prompt {i}" for i in range(n)])
+
+
+def prose_text_prompts(n: int = 4) -> Workload:
+    """`prose-text`: a passage of a package's documentation, to continue."""
+    chosen, versions = _passages(n)
+    return Workload("prose-text", [t for _, t in chosen], SHORT_TOKENS, versions, [s for s, _ in chosen])
+
+
 WORKLOADS: dict[str, Callable[[int], Workload]] = {
     "bodies": body_prompts,
     "in-file": in_file_prompts,
     "rewrite": rewrite_prompts,
     "long": long_prompts,
+    "random": random_prompts,
+    "prose-text": prose_text_prompts,
+}
+# for an instruct target: rendered with its chat template
+CHAT_WORKLOADS: dict[str, Callable[[int], Workload]] = {
+    "chat-rewrite": chat_rewrite_prompts,
+    "revise": revise_prompts,
+    "extract": extract_prompts,
+    "prose": prose_prompts,
 }

@@ -76,7 +76,10 @@ def _register_actions(bench: argparse.ArgumentParser) -> None:
         suffix_trace,
     )
     from . import bench_sim
+    from .options import add_model_args
 
+    # the actions that measure a target and drafter take them as every command does (options.add_model_args)
+    measure_a_pair = (load, serve, soak, parts, proposers)
     modules: dict[str, tuple[ActionModule, str]] = {  # action -> (its module, its --help line)
         "load": (
             load,
@@ -117,6 +120,8 @@ def _register_actions(bench: argparse.ArgumentParser) -> None:
         a = actions.add_parser(
             name, help=help_line, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
         )
+        if module in measure_a_pair:
+            add_model_args(a, dtype=False, none_for=getattr(module, "NO_DRAFTER_MEANS", ""))
         module.add_arguments(a)
         a.set_defaults(func=_own_arguments(a, module.run))
     m = actions.add_parser(
@@ -168,17 +173,10 @@ def cmd_measured_inputs(args: argparse.Namespace) -> int:
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     """The target, the drafter and the peers' draft models."""
-    from ..settings import DEMO_DIR, DEMO_DRAFTER, DEMO_TARGET
+    from ..settings import DEMO_DIR
+    from .options import add_model_args
 
-    p.add_argument("--target", type=Path, default=DEMO_TARGET, help=f"target checkpoint (default {DEMO_TARGET})")
-    from .options import drafter_path
-
-    p.add_argument(
-        "--drafter",
-        type=drafter_path,
-        default=DEMO_DRAFTER,
-        help=f"DFlash drafter (default {DEMO_DRAFTER}); none: no drafter, for --methods without dflash-*",
-    )
+    add_model_args(p, dtype=False, none_for="for --methods without dflash-*")
     p.add_argument(
         "--ar-draft",
         type=Path,

@@ -119,6 +119,12 @@ def _proposer_options(ap: argparse.ArgumentParser) -> None:
         f"on the demo pair by `dflash-trt bench suffix-trace`: {', '.join(recorded_workloads()) or 'missing'};\n"
         f"default: rewrite), or a file of `dflash-trt generate --json --trace --proposer suffix` outputs, one a line",
     )
+    ap.add_argument(
+        "--suffix-prior-from",
+        default=None,
+        help="a trace recorded on other prompts (as --suffix-trace names one) whose pooled acceptance sets the\n"
+        "replayed matches' prior: the proposers' table out of sample (default: --suffix-trace's own)",
+    )
 
 
 def _proposing(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[str, str]:
@@ -126,10 +132,13 @@ def _proposing(args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict[st
     settings that record them."""
     try:
         trace = SuffixTrace.resolve(args.suffix_trace) if proposer_for(args.proposer).keeps_suffix else None
+        if trace is not None and args.suffix_prior_from:
+            trace = trace.prior_from(SuffixTrace.resolve(args.suffix_prior_from))
     except (ValueError, FileNotFoundError) as e:
-        ap.error(f"--suffix-trace: {e}")
+        ap.error(f"--suffix-trace / --suffix-prior-from: {e}")
     args.proposing = Proposing(args.proposer, trace)
-    return {"proposer": args.proposer, **({"suffix_trace": args.suffix_trace} if trace is not None else {})}
+    recorded = {"suffix_trace": args.suffix_trace, "suffix_prior_from": args.suffix_prior_from}
+    return {"proposer": args.proposer, **(recorded if trace is not None else {})}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

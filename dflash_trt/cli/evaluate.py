@@ -7,6 +7,7 @@ import argparse
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from ..bench import evaluate
+    from .options import add_model_args
 
     p = sub.add_parser(
         "eval",
@@ -15,5 +16,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         description=evaluate.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_model_args(p, dtype=False)
     evaluate.add_arguments(p)
     p.set_defaults(func=evaluate.run)

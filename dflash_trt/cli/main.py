@@ -23,6 +23,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "triton",
     "trtllm",
     "plan",
+    "models",
 )
 
 

@@ -145,9 +145,12 @@ def token_ids(text: str) -> list[int]:
     return ids
 
 
-def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, drafterless: bool = False) -> None:
+def add_model_args(
+    p: argparse.ArgumentParser, dtype: bool = True, drafterless: bool = False, none_for: str = ""
+) -> None:
     """--target, --drafter (`drafterless`: which may be none, and is by default for a target other than the
-    demo's: `add_drafter_arg`) and, with `dtype`, the device flags."""
+    demo's: `add_drafter_arg`; `none_for`: the demo drafter by default, `none` accepted for what it says, the
+    command checking that its work needs no drafter) and, with `dtype`, the device flags."""
     p.add_argument(
         "--target",
         type=Path,
@@ -159,9 +162,10 @@ def add_model_args(p: argparse.ArgumentParser, dtype: bool = True, drafterless: 
     else:
         p.add_argument(
             "--drafter",
-            type=Path,
+            type=drafter_path if none_for else Path,
             default=DEMO_DRAFTER,
-            help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})",
+            help=f"DFlash drafter checkpoint directory, published format (default: {DEMO_DRAFTER})"
+            + (f"; none: no drafter, {none_for}" if none_for else ""),
         )
     if dtype:  # commands that build engines choose their own precision
         add_device_args(p)

@@ -153,15 +153,22 @@ class AdaptiveBlocks:
         """A row's state; a row the policy has not seen join starts from the prior now."""
         state = self.rows.get(row.id)
         if state is None:
-            state = self.rows[row.id] = _RowState(self.tracker_for(row), self.steps)
+            state = self.rows[row.id] = self._new_state(row)
         return state
+
+    def _new_state(self, row: BatchRow) -> _RowState:
+        """A row's state from its regime's prior; the row's proposers read that same estimate of its DFlash
+        acceptance (`proposers.RowDrafts.follow_policy`), so a hybrid weighs the block on what sized it."""
+        tracker = self.tracker_for(row)
+        row.drafts.follow_policy(tracker)
+        return _RowState(tracker, self.steps)
 
     def observe(self, result: StepResult) -> None:
         """Joining rows get their estimate; verified rows update theirs; probes' outcomes per regime; the passes'
         costs correct the cost model. Counts a step only when rows were verified."""
         for row, rnd in result.rounds:
             if rnd.prefill:
-                self.rows[row.id] = _RowState(self.tracker_for(row), self.steps)
+                self.rows[row.id] = self._new_state(row)
         verified = result.verified
         if not verified:
             return

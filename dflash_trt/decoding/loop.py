@@ -39,13 +39,13 @@ from typing import Any
 
 from ..runtime.base import Draft, DrafterEngine, DrafterSession, TargetEngine, TargetSession
 from .chunking import BACKLOG_STEPS, STALL, STEP_TOKENS, Chunk, ChunkPacer, plan_chunks
-from .cost import CostModel
+from .cost import CostModel, measure_costs
 from .driving import RunsToEnd
 from .grammar import compile_grammar
 from .healing import PromptHealer
 from .policy import BlockPolicy, FixedBlocks
 from .prompting import default_stop_ids, encode_text
-from .proposers import REGISTRY, Pick, Prices
+from .proposers import REGISTRY, SUFFIX_MAX_RUN, Pick, Prices
 from .request import GenerationConfig, Round, RoundTimings, check_engines, validate_request
 from .row import BatchRow
 from .sessions import RowBook
@@ -56,6 +56,8 @@ from .suffix import SHARED_TOKENS, SharedSuffixes
 __all__ = ["PREFILL_MODES", "BatchDecoder"]
 
 PREFILL_MODES = ("chunked", "separate")
+# the larger batch `BatchDecoder.target_cost` times besides one row: the line between them prices the batches between
+TARGET_COST_ROWS = 4
 
 
 class BatchDecoder(RunsToEnd):
@@ -211,6 +213,7 @@ class BatchDecoder(RunsToEnd):
         result.profile.total_s = self.clock() - started
         self.policy.observe(result)
         self.pacer.observe(result.profile)
+        self._observe_cost(result)
         for row, _ in result.rounds:
             if row.done:
                 self._release(row)
@@ -267,15 +270,52 @@ class BatchDecoder(RunsToEnd):
     def _pick(self, rows: list[BatchRow], blocks: list[int]) -> list[Pick]:
         """Each row's proposal from its proposer, given the DFlash block the policy chose for it; priced only
         where some row's proposer weighs prices."""
-        prices = self._prices(len(rows)) if any(row.proposer.weighs_cost for row in rows) else Prices()
-        return [row.proposer.pick(row, block, prices) for row, block in zip(rows, blocks)]
+        if not any(row.proposer.weighs_cost for row in rows):
+            return [row.proposer.pick(row, block, Prices()) for row, block in zip(rows, blocks)]
+        prices = self._prices(rows, blocks)
+        return [row.proposer.pick(row, block, p) for row, block, p in zip(rows, blocks, prices)]
 
-    def _prices(self, rows: int) -> Prices:
-        """A row's round's seconds in a step of `rows` rows: from the policy's cost model where it has one, else
-        from the step seconds the chunk pacer measured, else unpriced (every option costs one row's step)."""
+    def _prices(self, rows: list[BatchRow], blocks: list[int]) -> list[Prices]:
+        """Each row's round's seconds in this step, its blocks as the policy chose them: from `run_cost`; where
+        that prices a step at 0 s, from the step seconds the chunk pacer measured, else unpriced (every option
+        costs one row's step)."""
+        most = max(SUFFIX_MAX_RUN, max((row.max_drafts for row in rows), default=0))
+        priced = Prices.from_cost(self.run_cost, blocks, most)
+        if priced is not None:
+            return priced
+        return [Prices.from_line(self.pacer.line(), len(rows)) or Prices()] * len(rows)
+
+    @property
+    def run_cost(self) -> CostModel:
+        """The cost model the rows' runs are priced by: the policy's where it keeps one, else the target's own
+        (`target_cost`, timed on first reading)."""
         cost = getattr(self.policy, "cost", None)
-        prices = Prices.from_cost(cost, rows) if isinstance(cost, CostModel) else None
-        return prices or Prices.from_line(self.pacer.line(), rows) or Prices()
+        return cost if isinstance(cost, CostModel) else self.target_cost
+
+    @cached_property
+    def target_cost(self) -> CostModel:
+        """The target's cost, for a decoder whose policy has no cost model (no drafter, fixed blocks) and whose
+        rows weigh prices: timed on first need (`cost.measure_costs`, the target alone, one row and
+        `TARGET_COST_ROWS`, blocks of 1, 2 and SUFFIX_MAX_RUN) in a session of its own, then corrected by every
+        verify pass the decoder runs (`_observe_cost`). Without it a run is priced by the pacer's line, which
+        leaves out the step from a one-token pass to a pass of drafts (`proposers.Prices`): on a CPU that step
+        is most of what a missed run costs, and suffix runs on text that does not repeat lose to the target
+        alone. Timing it delays that first step by the grid's passes (a second or so on a CPU)."""
+        return measure_costs(
+            self.target,
+            None,
+            rows=(1, TARGET_COST_ROWS),
+            blocks=(1, 2, SUFFIX_MAX_RUN),
+            context=min(128, self.target.max_context // 2),
+            repeats=3,
+            clock=self.clock,
+        )
+
+    def _observe_cost(self, result: StepResult) -> None:
+        """The decoder's own target cost (`target_cost`, where it was timed) follows the verify passes it runs."""
+        prof = result.profile
+        if "target_cost" in self.__dict__ and prof.verify_rows and not prof.chunk_rows:
+            self.target_cost.observe_target(prof.verify_rows, prof.verify_tokens, prof.verify_s)
 
     def _drop_failed(
         self, rows: list[BatchRow], drafts: list[Draft | None], picks: list[Pick], failed: list[BatchRow]

@@ -26,16 +26,22 @@ the rows' context features wait in their backlog for their next DFlash draft. A 
 loaded, or it failed under `drafter_fallback`) is offered only the drafter-free proposals.
 
 The rates (`best_run`, `HybridProposer.pick`) are expected committed tokens over the seconds the row's round costs:
-`Prices.row_s` (its share of a one-token step) plus what the option adds: the step to a pass of drafts (`draft_s`,
-once) and a verify token per draft (`token_s`), and for a DFlash block the row's drafter share and its tokens.
+`Prices.row_s` (its share of a one-token step) plus what the option adds to the step as the block policy planned it
+(`Prices.runs`: the target's pass at the other rows' blocks and the row's 1 + k tokens, less at its 1; from a
+measured line instead, the step to a pass of drafts once and a verify token per draft), and for a DFlash block the
+row's share of the drafter pass among the rows that draft with it, and its tokens.
 Expected tokens of b - 1 drafts at per-position acceptance alpha: `estimates.expected_tokens(alpha, b)`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, NamedTuple, Protocol
 
+import numpy as np
+
+from .cost import price
 from .estimates import AcceptanceTracker, expected_tokens
 from .suffix import SharedWalk, SuffixAutomaton, SuffixMatch
 
@@ -50,6 +56,10 @@ SUFFIX_MAX_RUN = 16
 # that recurred more often predicts its continuation better; the row's own suffix rounds then correct the estimate.
 PRIOR_HALF = 4.0
 MAX_PRIOR = 0.95
+# What a suffix run must earn over verifying one token, as a fraction (the adaptive policy's `min_gain` for a
+# DFlash block): a margin for what the prices leave out (the run's acceptance work, a prior that overrates a match)
+# that a run of a sound match clears many times over, and a run that barely looks worth it does not.
+RUN_MIN_GAIN = 0.1
 # the name of a proposer as the round record writes it when nothing was drafted (the target alone)
 NO_DRAFT_NAME = "none"
 
@@ -84,28 +94,47 @@ class Prices(NamedTuple):
     drafter_row_s: float = 0.0  # the row's share of the drafter pass (a DFlash block only)
     drafter_token_s: float = 0.0  # one more drafted token (a DFlash block only)
     draft_s: float = 0.0  # what any draft adds once: a pass of more tokens than rows over the line's slope
+    # what k = 1, 2, ... drafts add to the step, priced at the step's own tokens (`from_cost`); beyond it, the line
+    runs: tuple[float, ...] = ()
 
     def verify_s(self, drafts: int) -> float:
         """The row's seconds of a round that verifies `drafts` drafted tokens (0: its last token alone)."""
-        return self.row_s + (self.draft_s + self.token_s * drafts if drafts > 0 else 0.0)
+        if drafts <= 0:
+            return self.row_s
+        if drafts <= len(self.runs):
+            return self.row_s + self.runs[drafts - 1]
+        return self.row_s + self.draft_s + self.token_s * drafts
 
     @classmethod
-    def from_cost(cls, cost: CostModel, rows: int) -> Prices | None:
-        """A row's prices in a step of `rows` rows from the engines' cost model, by finite differences of the
-        target's pass at 1, 2 and 3 tokens a row (the step to drafts, then the slope) and of the drafter's at 2
-        and 4; None where the model prices a step at 0 s (unfitted)."""
+    def from_cost(cls, cost: CostModel, blocks: Sequence[int], most: int) -> list[Prices] | None:
+        """Each row's prices in a step whose rows verify `blocks` (the block policy's choice), from the engines'
+        cost model; None where the model prices a step at 0 s (unfitted).
+
+        A row's run of k <= `most` drafts is priced at the tokens the step really holds: the other rows' blocks,
+        then the row's 1 + k (`runs`), so a bent cost (a GPU's tiles) prices the run where the step sits on it,
+        not at a few tokens a row. The drafter's pass is shared among the rows that draft with it (those of a
+        block of 2 or more; at least the row pricing its own block), not among every row of the step."""
         target, drafter = cost.current()
-        one, two, three = target(rows, rows), target(rows, 2 * rows), target(rows, 3 * rows)
-        if one <= 0:
+        rows = len(blocks)
+        if not rows or target(rows, rows) <= 0:
             return None
-        drafted, token_s = drafter(rows, 2 * rows), max(0.0, three - two) / rows
-        return cls(
-            row_s=one / rows,
-            token_s=token_s,
-            drafter_row_s=drafted / rows,
-            drafter_token_s=max(0.0, drafter(rows, 4 * rows) - drafted) / (2 * rows),
-            draft_s=max(0.0, (two - one) / rows - token_s),
-        )
+        sizes = np.asarray(blocks, dtype=np.float64)
+        rest = sizes.sum() - sizes  # the other rows' tokens
+        grid = rest[:, None] + 1.0 + np.arange(most + 1, dtype=np.float64)[None, :]
+        step = price(target, rows, grid.ravel()).reshape(rows, most + 1)
+        drafting = max(1, int((sizes >= 2).sum()))
+        drafted = drafter(drafting, 2 * drafting)
+        row_s = target(rows, rows) / rows
+        extra = np.maximum(0.0, step[:, 1:] - step[:, :1])  # what k drafts add to the step, k = 1..most
+        return [
+            cls(
+                row_s=row_s,
+                drafter_row_s=drafted / drafting,
+                drafter_token_s=max(0.0, drafter(drafting, 4 * drafting) - drafted) / (2 * drafting),
+                runs=tuple(extra[r].tolist()),
+            )
+            for r in range(rows)
+        ]
 
     @classmethod
     def from_line(cls, line: tuple[float, float] | None, rows: int) -> Prices | None:
@@ -125,12 +154,23 @@ def suffix_prior(match: SuffixMatch) -> float:
 class RowDrafts:
     """What the proposers keep for one request: its suffix automaton (None unless its proposer keeps one), its
     walk through the decoder's shared automaton of earlier outputs (None without one) and the acceptance estimate
-    of each proposer's drafts, which the row's proposer updates (`Proposer.learn`)."""
+    of each proposer's drafts, which the row's proposer updates (`Proposer.learn`).
+
+    The DFlash estimate is the block policy's where the policy keeps one (`follow_policy`): the same tracker that
+    sized the row's block, seeded from what the row's sampling regime measured and learning from every DFlash
+    round. A second estimate of the same drafter, started from a guess and learning only from the rounds a
+    hybrid happened to give DFlash, would judge the policy's block on less than the policy knew."""
 
     suffix: SuffixAutomaton | None = None
     shared: SharedWalk | None = None
     suffix_estimate: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     dflash_estimate: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    policy_estimate: bool = False  # the block policy keeps (and learns) `dflash_estimate`
+
+    def follow_policy(self, tracker: AcceptanceTracker) -> None:
+        """The block policy's estimate of the row's DFlash acceptance becomes the one the proposers read; the
+        policy, not the proposer, learns it from then on."""
+        self.dflash_estimate, self.policy_estimate = tracker, True
 
     def add(self, tokens: list[int]) -> None:
         """Tokens committed (the prompt, then each round's): the suffix automaton grows by them."""
@@ -165,18 +205,19 @@ def learn_own(tracker: AcceptanceTracker, own: bool, drafted: int, accepted: int
 
 def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]:
     """The suffix run of the best expected tokens per second for a row that may verify `most` drafts, and that
-    rate (NO_PICK and the rate of verifying one token where no suffix repeats)."""
+    rate; NO_PICK and the rate of verifying one token where no suffix repeats or no run beats that rate by
+    RUN_MIN_GAIN."""
     none_rate = 1.0 / prices.row_s
     match = drafts.match(min(most, SUFFIX_MAX_RUN)) if most > 0 else None
     if match is None:
         return NO_PICK, none_rate
     alpha = drafts.suffix_alpha(match)
-    best, best_rate = NO_PICK, none_rate
+    best, best_rate = NO_PICK, none_rate * (1.0 + RUN_MIN_GAIN)
     for k in range(1, len(match.continuation) + 1):
         rate = expected_tokens(alpha, k + 1) / prices.verify_s(k)
         if rate > best_rate:
             best, best_rate = Pick(SUFFIX, k + 1, match.continuation[:k]), rate
-    return best, best_rate
+    return best, best_rate if best.proposer is not None else none_rate
 
 
 def dflash_rate(drafts: RowDrafts, block: int, prices: Prices) -> float:
@@ -261,7 +302,9 @@ class SuffixProposer(Proposer):
 
 class HybridProposer(Proposer):
     """Per row and round, the DFlash block or the suffix run of the higher expected tokens per second (`best_run`,
-    `dflash_rate`); none when neither beats verifying one token. A row that cannot draft gets suffix runs."""
+    `dflash_rate`). Where the block policy chose a DFlash block it weighed that block against no draft already:
+    the hybrid takes the block unless a suffix run earns more, and never falls back to no draft on a lower
+    estimate of its own. Without a block (1) the suffix run or none; a row that cannot draft gets suffix runs."""
 
     name, summary = "hybrid", "per row and round whichever of dflash and suffix earns more tokens per second"
     uses_drafter = keeps_suffix = weighs_cost = True
@@ -269,13 +312,16 @@ class HybridProposer(Proposer):
 
     def pick(self, row: ProposingRow, block: int, prices: Prices) -> Pick:
         run, run_rate = best_run(row.drafts, row.max_drafts, prices)
-        if block >= 2 and dflash_rate(row.drafts, block, prices) >= run_rate:
+        if block < 2:
+            return run
+        if run.proposer is None or dflash_rate(row.drafts, block, prices) >= run_rate:
             return Pick(DFLASH, block)
         return run
 
     def learn(self, drafts: RowDrafts, used: Proposer | None, drafted: int, accepted: int) -> None:
         learn_own(drafts.suffix_estimate, used is SUFFIX, drafted, accepted)
-        learn_own(drafts.dflash_estimate, used is DFLASH, drafted, accepted)
+        if not drafts.policy_estimate:  # else the policy learns it, from every DFlash round of the row
+            learn_own(drafts.dflash_estimate, used is DFLASH, drafted, accepted)
 
 
 DFLASH, SUFFIX = REGISTRY["dflash"], REGISTRY["suffix"]

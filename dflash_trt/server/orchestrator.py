@@ -64,12 +64,13 @@ class Job:
     id: str
     row: BatchRow  # validated by BatchDecoder.new_row in the request thread; the worker joins it to the batch
     loop: asyncio.AbstractEventLoop
-    deadline: float  # time.monotonic() after which the request is abandoned
+    deadline: float  # the orchestrator's clock() after which the request is abandoned
     events: asyncio.Queue[RoundEvent | ErrorEvent] = field(default_factory=asyncio.Queue)
-    submitted: float = field(default_factory=time.monotonic)
+    submitted: float = field(default_factory=time.monotonic)  # on the orchestrator's clock
     last_event: float | None = None
     cancelled: ErrorEvent | None = None  # why the worker should drop this job at its next turn
     outcome: str | None = None  # once finished: "ok" or an ErrorEvent kind
+    latency: float | None = None  # once finished: seconds from submitted to finished
     fallback_counted: bool = False
 
     @property
@@ -141,17 +142,26 @@ class BatchLoop(Generic[J]):
 
 
 class Orchestrator:
-    """decoder: the BatchDecoder that only the worker thread steps; max_active: the most rows in one step."""
+    """decoder: the BatchDecoder that only the worker thread steps; max_active: the most rows in one step;
+    clock: the monotonic seconds every request timing reads (deadlines, latencies, the stall): tests pass one
+    of their own, so that an outcome such as a timeout does not depend on how fast the machine steps."""
 
-    def __init__(self, decoder: BatchDecoder | None, metrics: ServerMetrics, max_active: int = 8, max_queue: int = 64):
-        self.metrics, self.max_queue = metrics, max_queue
+    def __init__(
+        self,
+        decoder: BatchDecoder | None,
+        metrics: ServerMetrics,
+        max_active: int = 8,
+        max_queue: int = 64,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.metrics, self.max_queue, self.clock = metrics, max_queue, clock
         self._loop: BatchLoop[Job] = BatchLoop(decoder, max_active)
         self._cv = threading.Condition()
         self._draining = False
         self._stopping = False
         self._thread: threading.Thread | None = None
         # when the worker last made progress: a step ended, or work arrived at an idle orchestrator
-        self._progress_at = time.monotonic()
+        self._progress_at = self.clock()
 
     @property
     def decoder(self) -> BatchDecoder | None:
@@ -200,7 +210,7 @@ class Orchestrator:
         with self._cv:
             if not self._pending and not self._active:
                 return 0.0
-            return time.monotonic() - self._progress_at
+            return self.clock() - self._progress_at
 
     def wait_idle(self, timeout: float) -> bool:
         """True when every submitted job finished within `timeout` seconds."""
@@ -251,7 +261,7 @@ class Orchestrator:
                 raise ShuttingDown("the server is shutting down")
             self._check_room_locked()
             if not self._pending and not self._active:  # idle until now: the stall clock starts here
-                self._progress_at = time.monotonic()
+                self._progress_at = self.clock()
             self._pending.append(job)
             self.metrics.set_queue(waiting=len(self._pending))
             self._cv.notify_all()
@@ -277,7 +287,7 @@ class Orchestrator:
             if jobs:
                 self._step(jobs)
             with self._cv:
-                self._progress_at = time.monotonic()
+                self._progress_at = self.clock()
                 self._loop.retire(lambda j: j.finished)
                 self.metrics.set_queue(running=len(self._active))
                 self._cv.notify_all()
@@ -292,7 +302,7 @@ class Orchestrator:
     def _step(self, jobs: list[Job]) -> None:
         """One batched step for every active job (only this thread touches the engines: no lock)."""
         assert self.decoder is not None
-        now = time.monotonic()
+        now = self.clock()
         for job in jobs:
             if job.cancelled is not None:
                 self._leave(job, job.cancelled)
@@ -358,7 +368,7 @@ class Orchestrator:
         row = job.row
         s = row.stats
         result = row.result() if row.done else None  # its text was decoded in the step (`Round.text`)
-        now = time.monotonic()
+        now = self.clock()
         m = self.metrics
         if row.drafter_error is not None and not job.fallback_counted:
             job.fallback_counted = True
@@ -384,6 +394,7 @@ class Orchestrator:
 
     def _finish(self, job: Job, error: ErrorEvent | None) -> None:
         job.outcome = "ok" if error is None else error.kind
-        self.metrics.latency.labels(job.outcome).observe(time.monotonic() - job.submitted)
+        job.latency = self.clock() - job.submitted
+        self.metrics.latency.labels(job.outcome).observe(job.latency)
         if error is not None:
             job._emit(error)

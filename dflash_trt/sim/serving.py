@@ -25,7 +25,7 @@ from typing import cast
 from ..decoding import GenerationConfig, Round, SamplingParams
 from ..decoding.chunking import BACKLOG_STEPS, STALL
 from ..decoding.loop import BatchDecoder
-from ..decoding.proposers import DEFAULT_PROPOSER
+from ..decoding.proposers import DEFAULT_PROPOSER, proposer_for
 from ..decoding.row import BatchRow
 from ..server.orchestrator import BatchLoop
 from .acceptance import POOR, AcceptanceProfile, paper_profiles
@@ -258,6 +258,8 @@ def simulate(
     )
     if warmup:  # a server that has served this traffic before: what its policy learns across requests, learnt
         _warm_up(dec, work, warmup, seed)
+    if proposer_for(proposing.proposer).weighs_cost:  # timed at start-up as the policy's grid, not in a served step
+        dec.run_cost  # noqa: B018
     clock.now = 0.0  # the start-up grid and the warm-up ran before serving
     cast(TimedPolicy, dec.policy).cpu_s = 0.0
     reqs = [_Req(p, n, c) for p, n, c in work.requests(requests, seed)]

@@ -21,6 +21,8 @@ What a trace does not hold, and what stands in for it: the continuation a match 
 proposer chose to verify (a replayed run is at most that long: the simulated proposer may take less, never more),
 and the match length behind the prior (`proposers.suffix_prior`): every replayed match carries the length whose
 prior is the trace's pooled per-position acceptance, and the row's own suffix rounds correct it as on a server.
+Out of sample (`SuffixTrace.prior_from`, `dflash-trt bench sim --suffix-prior-from`) that length comes from a trace
+recorded on other prompts, so no prior is fitted on the rounds being replayed.
 The shared structure of earlier requests' outputs is not replayed (the recording emptied it before each request).
 """
 
@@ -110,15 +112,24 @@ class SuffixTrace(NamedTuple):
 
     @classmethod
     def resolve(cls, spec: str, path: Path = SUFFIX_TRACE) -> SuffixTrace:
-        """`spec`: a workload of the recorded trace file, or a file of `dflash-trt generate --json --trace`
-        outputs (one JSON object a line, each a request: its "trace" replayed by `rounds_of`)."""
+        """`spec`: a workload of the recorded trace file, FILE:WORKLOAD (a workload of another file that
+        `dflash-trt bench suffix-trace --out` wrote), or a file of `dflash-trt generate --json --trace` outputs (one
+        JSON object a line, each a request: its "trace" replayed by `rounds_of`)."""
         given = Path(spec)
+        other, _, workload = spec.rpartition(":")
+        if not given.is_file() and other and Path(other).is_file():
+            return cls.load(workload, Path(other))
         if not given.is_file():
             return cls.load(spec, path)
         lines = [json.loads(line) for line in given.read_text().splitlines() if line.strip()]
         if not lines or not all(isinstance(x, dict) and "trace" in x for x in lines):
             raise ValueError(f"{given}: expected `dflash-trt generate --json --trace` outputs, one a line")
         return cls.from_rounds(given.stem, [rounds_of(x["trace"]) for x in lines])
+
+    def prior_from(self, other: SuffixTrace) -> SuffixTrace:
+        """This trace's matches replayed with the match length (the prior) of `other`, recorded on other prompts:
+        evaluated out of sample, no prior fitted on the rounds being replayed."""
+        return self._replace(match_length=other.match_length)
 
     def suffix_acceptance(self) -> tuple[float, float]:
         """(the share of rounds that verified a suffix run, accepted over drafted suffix tokens) as recorded."""

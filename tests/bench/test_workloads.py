@@ -15,7 +15,7 @@ from dflash_trt.bench.proposers import checks, summarise, tables
 
 @pytest.fixture(scope="module")
 def sets() -> dict[str, wl.Workload]:
-    return {name: build(4) for name, build in wl.WORKLOADS.items()}
+    return {name: build(4) for name, build in wl.WORKLOADS.items() if name != "random"}  # random: no source text
 
 
 def test_every_set_comes_from_installed_packages_never_the_standard_library(sets):
@@ -122,3 +122,27 @@ def test_the_tables_give_tokens_per_second_over_prompts_and_the_issue_bars():
     assert not {c["check"]: c for c in checks(slow)}["rewrite: hybrid >= 1.0x prompt-lookup"]["ok"]
     text = tables(s, checks(s))
     assert "| rewrite | hybrid | 200.0 | 4.00x | 2.00x | 4.00 |" in text and "| yes |" in text
+
+
+def test_the_chat_workloads_repeat_their_prompt_and_prose_does_not():
+    """`chat-rewrite` and `revise` carry the whole function the answer restates, `extract` the passage whose
+    sentences it quotes, `prose` nothing to copy; every conversation ends with the user's turn."""
+    built = {name: build(3) for name, build in wl.CHAT_WORKLOADS.items()}
+    for w in built.values():
+        assert len(w.messages) == len(w.prompts) == len(w.labels) == 3
+        assert all(m[-1]["role"] == "user" and m[-1]["content"] == p for m, p in zip(w.messages, w.prompts))
+    for m in built["chat-rewrite"].messages:
+        name = m[0]["content"].split("`")[1]
+        assert f"`{name}_value`" in m[0]["content"] and f"{name}" in m[0]["content"].split("```python")[1]
+    for m in built["revise"].messages:
+        assert m[1]["role"] == "assistant" and m[1]["content"].startswith("```python\n") and "def " in m[1]["content"]
+    for m in built["extract"].messages:
+        passage, word = m[0]["content"].split("\n\n", 1)[1].rsplit("\n\n", 1)
+        assert word.split('"')[1] in passage.lower()
+    assert all("```" not in p for p in built["prose"].prompts)
+
+
+def test_random_prompts_are_fixed_and_do_not_repeat():
+    a, b = wl.random_prompts(3), wl.random_prompts(3)
+    assert a.prompts == b.prompts and len(set(a.prompts)) == 3
+    assert all(len(p) == 300 and not any(p[i : i + 12] in p[i + 1 :] for i in range(0, 288, 12)) for p in a.prompts)

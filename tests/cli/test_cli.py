@@ -204,7 +204,7 @@ def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.Argument
 
 
 def test_one_command_line_runs_every_benchmark_and_each_explains_itself():
-    """The benchmarks, the evaluation and the plan's load check are `dflash-trt` commands (no other command line):
+    """The benchmarks, the evaluation, the plan's load check and the model fetch are `dflash-trt` commands (no other command line):
     each has a description and every flag a help line; `dflash-trt bench` without an action is the method
     comparison it always was."""
     from dflash_trt.cli.bench import cmd_bench
@@ -215,7 +215,13 @@ def test_one_command_line_runs_every_benchmark_and_each_explains_itself():
     bench, plan = _subcommands(top["bench"]), _subcommands(top["plan"])
     assert {"sim", "load", "serve", "soak", "parts", "proposers", "prefill", "session", "suffix-trace"} <= set(bench)
     assert "measured-inputs" in bench and "check-load" in plan and "eval" in top
-    for name, sub in [*bench.items(), ("plan check-load", plan["check-load"]), ("eval", top["eval"])]:
+    fetch = _subcommands(top["models"])["fetch"]
+    for name, sub in [
+        *bench.items(),
+        ("plan check-load", plan["check-load"]),
+        ("eval", top["eval"]),
+        ("models fetch", fetch),
+    ]:
         assert sub.description and len(sub.description) > 80, name
         undocumented = [a.dest for a in sub._actions if not a.help and a.dest != "help"]
         assert undocumented == [], f"{name}: flags without help: {undocumented}"

@@ -11,14 +11,17 @@ from clocks import StoppedClock
 from helpers import generate_one
 from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, exact_joint, sharp_pair  # noqa: F401
 
-from dflash_trt.decoding import BatchDecoder, GenerationConfig, InputError
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, InputError, SamplingParams
 from dflash_trt.decoding import acceptance as acceptance_module
+from dflash_trt.decoding.processors import LogitsAdjustment
 from dflash_trt.decoding.proposers import (
     PROPOSERS,
     REGISTRY,
     SUFFIX,
+    DFlashProposer,
     Prices,
     RowDrafts,
+    SuffixProposer,
     best_run,
     proposer_for,
     suffix_prior,
@@ -135,7 +138,7 @@ def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
     decoder = BatchDecoder.__new__(BatchDecoder)
     decoder.policy = FixedBlocks()
     decoder.policy.cost = CostModel(line, EngineCost(fixed=0.002))  # type: ignore[attr-defined]
-    prices = decoder._prices(1)
+    [prices] = Prices.from_cost(decoder.policy.cost, [1], 16)
     assert prices.verify_s(0) == pytest.approx(0.01)
     assert prices.verify_s(1) == pytest.approx(0.021) and prices.verify_s(16) == pytest.approx(0.0285)
     drafts = RowDrafts(SuffixAutomaton())
@@ -145,7 +148,7 @@ def test_the_step_to_a_pass_of_drafts_is_paid_once_per_run_not_per_token():
         SUFFIX.learn(drafts, SUFFIX, 16, 16)  # the row's runs have held
     run = best_run(drafts, 16, prices)[0]
     assert run.proposer is SUFFIX and len(run.drafts) == 16
-    folded = Prices(prices.row_s, prices.draft_s + prices.token_s)  # the step paid by every token
+    folded = Prices(prices.row_s, prices.verify_s(1) - prices.row_s)  # the step paid by every token
     assert len(best_run(drafts, 16, folded)[0].drafts) < 16
 
 
@@ -269,33 +272,85 @@ def test_an_unknown_proposer_is_an_input_error(tiny_pair):
 SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # every token of V repeats: suffix runs from the first round
 
 
-def _sample_counts(model, drafter, proposer: str) -> tuple[dict, int]:
-    """Every seed's tokens. Unpriced (`Prices()`: a verify token costs nothing), so a row drafts whenever a suffix
-    matches: which runs are verified is then no matter of the machine's timings, and losslessness must hold for any
-    choice of runs. One tenant for every seed: each request's suffix runs also match the earlier seeds' outputs (a
-    request without a tenant matches its own few tokens only, too few drafts to test their acceptance)."""
+# the sampled settings a suffix run is judged under: plain, warped (top-k / top-p at T<1), penalised (the target's
+# logits depend on the tokens generated so far, drafts included: processors.py)
+SAMPLED = {
+    "T1": (SETTINGS["T1"], None),
+    # T1.5: at T<1 the sharpened pair's four tokens after this prompt are one sequence, which tests nothing
+    "T1.5-topk3-topp0.9": (lambda seed: SamplingParams(temperature=1.5, top_k=3, top_p=0.9, seed=seed), None),
+    "T1-penalties": (SETTINGS["T1"], LogitsAdjustment.of(frequency_penalty=0.4, presence_penalty=0.3)),
+}
+
+
+def _sampled_decoder(model, drafter) -> BatchDecoder:
+    """Unpriced (`Prices()`: a verify token costs nothing), so a row drafts whenever a suffix matches: which runs are
+    verified is then no matter of the machine's timings, and losslessness must hold for any choice of runs."""
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
-    spec._prices = lambda n: Prices()  # type: ignore[method-assign]
+    spec._prices = lambda rows, blocks: [Prices()] * len(rows)  # type: ignore[method-assign]
+    return spec
+
+
+def _sample_counts(model, drafter, proposer: str, setting: str = "T1") -> tuple[dict, int]:
+    """Every seed's tokens. One tenant for every seed: each request's suffix runs also match the earlier seeds'
+    outputs (a request without a tenant matches its own few tokens only, too few drafts to test their acceptance)."""
+    spec = _sampled_decoder(model, drafter)
+    params, adjust = SAMPLED[setting]
     counts: dict = {}
     accepted = 0
     for seed in range(N_SAMPLES):
-        config = GenerationConfig(max_new_tokens=4, sampling=SETTINGS["T1"](seed), proposer=proposer, tenant="seeds")
+        config = GenerationConfig(
+            max_new_tokens=4, sampling=params(seed), adjust=adjust, proposer=proposer, tenant="seeds"
+        )
         r = generate_one(spec, SAMPLED_PROMPT, config)
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
-        accepted += r.stats.accepted_by.get("suffix", 0)
+        accepted += r.stats.accepted_by.get(SuffixProposer.name, 0)
     return counts, accepted
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("setting", list(SAMPLED))
 @pytest.mark.parametrize("proposer", ["suffix", "hybrid"])
-def test_sampled_suffix_and_hybrid_drafts_keep_the_targets_distribution(sharp_pair, proposer):  # noqa: F811
+def test_sampled_suffix_and_hybrid_drafts_keep_the_targets_distribution(sharp_pair, proposer, setting):  # noqa: F811
     model, drafter = sharp_pair
-    expected = exact_joint(model, SAMPLED_PROMPT, SETTINGS["T1"](0), 4)
-    counts, accepted = _sample_counts(model, drafter, proposer)
+    params, adjust = SAMPLED[setting]
+    expected = exact_joint(model, SAMPLED_PROMPT, params(0), 4, adjust)
+    counts, accepted = _sample_counts(model, drafter, proposer, setting)
     assert accepted > N_SAMPLES * 0.05, "suffix drafts must be accepted often enough to test their acceptance"
     p = chi_square_pvalue(counts, expected, N_SAMPLES)
-    assert p > 1e-3, f"{proposer} samples deviate from the target distribution (p={p:.2e})"
+    assert p > 1e-3, f"{proposer} samples under {setting} deviate from the target distribution (p={p:.2e})"
+
+
+@pytest.mark.slow
+def test_a_sampled_batch_of_dflash_and_suffix_rows_keeps_each_rows_distribution(sharp_pair):  # noqa: F811
+    """One DFlash row and one suffix row verified in the same steps (one target pass, two acceptance rules): each
+    row's tokens follow the target alone, whichever rule its neighbour's drafts went through."""
+    model, drafter = sharp_pair
+    spec = _sampled_decoder(model, drafter)
+    params = SETTINGS["T1"]
+    expected = exact_joint(model, SAMPLED_PROMPT, params(0), 4)
+    counts: dict[str, dict] = {DFlashProposer.name: {}, SuffixProposer.name: {}}
+    accepted = dict.fromkeys(counts, 0)
+    shared_steps = 0  # steps in which both rows drafted
+    for seed in range(N_SAMPLES):
+        configs = [
+            GenerationConfig(max_new_tokens=4, sampling=params(2 * seed + i), proposer=name, tenant="seeds")
+            for i, name in enumerate(counts)
+        ]
+        rows = [spec.add(SAMPLED_PROMPT, c) for c in configs]
+        while spec.active:
+            result = spec.step()
+            drafted = {id(row) for row, committed in result if committed.drafted}
+            shared_steps += all(id(row) in drafted for row in rows)
+        for name, row in zip(counts, rows):
+            r = row.result()
+            counts[name][tuple(r.token_ids)] = counts[name].get(tuple(r.token_ids), 0) + 1
+            accepted[name] += r.stats.accepted_by.get(name, 0)
+    assert shared_steps > N_SAMPLES * 0.5, "both rows must draft in the same steps often enough to test a mixed batch"
+    for name in counts:
+        assert accepted[name] > N_SAMPLES * 0.05, f"{name} drafts must be accepted often enough to test them"
+        p = chi_square_pvalue(counts[name], expected, N_SAMPLES)
+        assert p > 1e-3, f"the {name} row of a mixed batch deviates from the target distribution (p={p:.2e})"
 
 
 def _accept_every_draft(draft, target_probs, generator):

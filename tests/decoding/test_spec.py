@@ -84,8 +84,9 @@ def sharp_pair():
     return model, drafter
 
 
-def exact_joint(model, prompt, params: SamplingParams, n: int) -> dict[tuple, float]:
-    """P(t1..tn) under the target alone with the same temperature / top-p / top-k warping."""
+def exact_joint(model, prompt, params: SamplingParams, n: int, adjust=None) -> dict[tuple, float]:
+    """P(t1..tn) under the target alone with the same temperature / top-p / top-k warping, and the request's
+    penalties / logit_bias (`LogitsAdjustment`, after the tokens generated so far) when given."""
     from dflash_trt.decoding.sampling import probabilities
 
     probs = {(): 1.0}
@@ -94,6 +95,8 @@ def exact_joint(model, prompt, params: SamplingParams, n: int) -> dict[tuple, fl
         batch = torch.tensor([prompt + list(s) for s in seqs])
         with torch.no_grad():
             logits = model(batch).logits[:, -1]
+        if adjust is not None:
+            logits = torch.cat([adjust.apply(logits[i : i + 1], s) for i, s in enumerate(seqs)])
         p = probabilities(logits, params)
         probs = {s + (t,): probs[s] * float(p[i, t]) for i, s in enumerate(seqs) for t in range(V) if p[i, t] > 0}
     return probs
@@ -119,6 +122,8 @@ def chi_square_pvalue(counts: dict, expected_probs: dict, n: int) -> float:
     if rest_p * n >= 1:
         stat += (rest_c - rest_p * n) ** 2 / (rest_p * n)
         df += 1
+    if df < 2:
+        raise ValueError("the expected distribution is (nearly) one sequence: a chi-square test of it tests nothing")
     return float(chi2.sf(stat, df - 1))
 
 

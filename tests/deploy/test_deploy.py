@@ -730,14 +730,40 @@ def test_the_batch_alert_is_the_batch_the_pods_can_run(rendered):
                 assert threshold == max_active <= int(_engines_config(docs)["max_batch_size"]), (overlay, threshold)
 
 
+# The hook's `sleep`, on a clock the test holds: each call appends its seconds to sleeps.log and returns at once,
+# unless the file `hold` exists, in which case it waits until the test removes it. The tests then say in steps what
+# they said in seconds (the hook is inside its delay; it has looked for the ranks twice), so no reading depends on
+# how fast a busy machine runs the hook.
+HELD_SLEEP = """#!/bin/bash
+echo "$1" >> "$PRESTOP_CLOCK/sleeps.log"
+while [ -e "$PRESTOP_CLOCK/hold" ]; do /bin/sleep 0.02; done
+/bin/sleep 0.01
+"""
+
+
 def _start_prestop(tmp_path, **env) -> subprocess.Popen:
+    """prestop.sh with `HELD_SLEEP` first on its PATH (its clock folder: tmp_path / "clock")."""
+    clock = tmp_path / "clock"
+    clock.mkdir(exist_ok=True)
+    (clock / "sleep").write_text(HELD_SLEEP)
+    (clock / "sleep").chmod(0o755)
     return subprocess.Popen(
         ["bash", str(PRESTOP_SH)],
-        env={"PATH": "/usr/bin:/bin", **env},
+        env={"PATH": f"{clock}:/usr/bin:/bin", "PRESTOP_CLOCK": str(clock), **env},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
+
+
+def _sleeps(tmp_path, at_least: int, hook: subprocess.Popen) -> list[str]:
+    """The seconds of the hook's sleeps, once it has called sleep `at_least` times (the hook still running)."""
+    log, deadline = tmp_path / "clock" / "sleeps.log", time.monotonic() + 120  # bounds a hang only
+    while len(got := log.read_text().split() if log.exists() else []) < at_least:
+        assert hook.poll() is None, hook.communicate()[0]
+        assert time.monotonic() < deadline, f"the hook called sleep {len(got)} times, not {at_least}"
+        time.sleep(0.02)
+    return got
 
 
 def test_prestop_serves_through_the_delay_then_drains_rank_0(tmp_path):
@@ -749,12 +775,13 @@ def test_prestop_serves_through_the_delay_then_drains_rank_0(tmp_path):
     try:
         while not pid_file.exists() or not pid_file.read_text().strip():
             time.sleep(0.05)
-        t0 = time.monotonic()
+        (tmp_path / "clock").mkdir()
+        (tmp_path / "clock" / "hold").touch()
         hook = _start_prestop(tmp_path, DFLASH_PID_FILE=str(pid_file), PRESTOP_DELAY_S="2")
-        time.sleep(1)
+        assert _sleeps(tmp_path, 1, hook) == ["2"]  # inside the delay, held there
         assert parent.poll() is None and hook.poll() is None  # still serving inside the delay
+        (tmp_path / "clock" / "hold").unlink()  # the delay ends
         assert hook.wait(30) == 0 and parent.wait(5) == 128 + signal.SIGTERM  # rank 0 ended by the SIGTERM
-        assert time.monotonic() - t0 >= 2
     finally:
         parent.kill()
         parent.wait()
@@ -768,11 +795,11 @@ def test_prestop_on_a_worker_waits_for_its_ranks(tmp_path):
         (proc / pid).mkdir(parents=True)
         (proc / pid / "comm").write_text(comm + "\n")
     hook = _start_prestop(tmp_path, DFLASH_ROLE="worker", DFLASH_PROC=str(proc))
-    time.sleep(2.5)
+    _sleeps(tmp_path, 3, hook)  # it found orted three times and waits on
     assert hook.poll() is None  # orted still there
     (proc / "57" / "comm").unlink()
     (proc / "57").rmdir()
-    assert hook.wait(10) == 0
+    assert hook.wait(30) == 0
 
 
 def _free_port() -> int:

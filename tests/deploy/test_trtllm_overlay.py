@@ -14,6 +14,7 @@ exporter sidecar, each with the command line the rendered Deployment gives it.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -38,9 +39,11 @@ from deploy.test_deploy import test_least_privilege as least_privilege
 from deploy.test_deploy import test_network_policies_cover_every_pod_and_open_only_the_serving_ports as policies
 from deploy.test_deploy import test_references_resolve as references
 from deploy.test_deploy import test_scraping_reaches_the_http_pods_and_the_rules_select_its_job as scraping
+from server_harness import after_served
 
 from dflash_trt.builders.trtllm_llm_args import yaml_problems
 from dflash_trt.cli.main import main
+from dflash_trt.plan import metrics
 from dflash_trt.settings import DEMO_DRAFTER, DEMO_TARGET
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -217,7 +220,9 @@ def test_the_stand_in_refuses_what_llm_args_would(tmp_path, change, named):
     assert bad_flag.returncode == 2 and "max_num_seqs" in bad_flag.stderr  # click: no such option
 
 
-def test_the_pod_reaches_ready_with_the_stand_in_and_the_exporter_reads_it(filled, tmp_path, plan_dir, capsys):
+def test_the_pod_reaches_ready_with_the_stand_in_and_the_exporter_reads_it(
+    filled, tmp_path, plan_dir, capsys, monkeypatch
+):
     """The rendered pod's two commands, as a pod runner would start them: trtllm-serve's with the stand-in in its
     place (paths under /checkpoints and /config mapped to the demo pair and the ConfigMap's file), the sidecar's
     as written. Ready on /health, completions served, the sidecar's series what the stand-in drafted, and
@@ -292,6 +297,9 @@ def test_the_pod_reaches_ready_with_the_stand_in_and_the_exporter_reads_it(fille
         loader = threading.Thread(target=load, daemon=True)
         loader.start()
         side = f"http://127.0.0.1:{metrics_port}"
+        # the window is 8 drafts served, not its nominal second: one second of a loaded machine may hold none
+        served = after_served(side, "vllm:spec_decode_num_drafts_total", 8, headers=auth)
+        monkeypatch.setattr(metrics, "scrape", functools.partial(metrics.scrape, sleep=served))
         args = ["plan", "check", "--engine", "vllm", "--url", side, "--plan", str(plan_dir), "--window", "1"]
         try:
             assert main(args) == 1 and "Unauthorized" in capsys.readouterr().err  # the key is asked for

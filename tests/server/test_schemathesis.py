@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from helpers import CHAT_TEMPLATE, make_tokenizer
+from server_harness import HANG_S
 from tiny_models import make_tiny_drafter, make_tiny_target
 
 from dflash_trt.server.process import start_serve
@@ -45,6 +46,7 @@ def served(tmp_path_factory):
         ],
         root / "serve.log",
         env={"DFLASH_TRT_API_KEY": ""},
+        timeout_s=HANG_S,
     )
     try:
         yield url, root / "serve.log"

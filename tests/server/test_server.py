@@ -11,6 +11,7 @@ import time
 import httpx
 import openai
 import pytest
+from clocks import TickingClock
 from helpers import FaultyDrafter, generate_one, make_text_models
 from server_harness import FaultyTarget, GatedTarget, metric, running_server, scrape, server_fixtures, sse_events
 
@@ -352,7 +353,9 @@ def test_completions_default_max_tokens_is_openais_16_clipped_to_the_context(ser
 
 
 def test_request_timeout(decoder):
-    with running_server(decoder, request_timeout_s=0.3) as (url, _):
+    # the server's request clock ticks a quarter of the limit at every read: LONG (thousands of steps, each reading
+    # it) passes its deadline within a few steps, on a fast machine as on a loaded one
+    with running_server(decoder, clock=TickingClock(0.25), request_timeout_s=1.0) as (url, _):
         r = httpx.post(url + "/generate", json=LONG, timeout=60)
         assert r.status_code == 504 and r.json()["error"]["code"] == "timeout"
         events = _stream_generate(url, LONG)

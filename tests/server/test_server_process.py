@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 from helpers import make_tiny_pair
-from server_harness import metric, sse_events
+from server_harness import HANG_S, metric, sse_events
 
 from dflash_trt.cli import main
 from dflash_trt.server.process import listening_port, start_serve
@@ -32,6 +32,7 @@ def start(models, log, *extra):
         ["--target", str(models[0]), "--drafter", str(models[1]), "--threads", "1", *extra],
         log,
         env={"DFLASH_TRT_API_KEY": ""},
+        timeout_s=HANG_S,
     )
 
 

@@ -136,3 +136,17 @@ def test_a_generate_trace_file_is_replayed(tmp_path):
     assert trace.rounds[0] == tuple((len(r["drafted"]), r["accepted"]) for r in recorded["trace"])
     hybrid, dflash = _run(trace, "hybrid", 48, 8), _run(None, "dflash", 48, 8)
     assert hybrid.outputs == dflash.outputs and hybrid.proposers["suffix"]["accepted"] > 0
+
+
+def test_a_trace_is_replayed_out_of_sample_with_a_prior_from_other_prompts(tmp_path):
+    """`--suffix-prior-from`: the replayed matches carry the match length fitted on another recording (here one
+    whose runs all held), not the one fitted on the rounds being replayed; a trace file's workload is named
+    FILE:WORKLOAD."""
+    poor = SuffixTrace.from_rounds("poor", [[[4, 0], [0, 0], [4, 1]]])
+    sound = SuffixTrace.from_rounds("sound", [[[4, 4], [4, 3], [4, 4]]])
+    assert poor.match_length < sound.match_length
+    out = poor.prior_from(sound)
+    assert out.match_length == sound.match_length and out.positions == poor.positions and out.rounds == poor.rounds
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"workloads": {"sound": {"requests": [{"rounds": [[4, 4], [4, 3], [4, 4]]}]}}}))
+    assert SuffixTrace.resolve(f"{path}:sound") == sound

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import torch
 from helpers import generate_one, make_text_models
+from server_harness import HANG_S
 
 from dflash_trt.decoding import GenerationConfig, SamplingParams
 from dflash_trt.loading import load_decoder
@@ -31,8 +32,6 @@ PROMPT = "def fibonacci(n):"  # text: the Triton ensemble takes text; healing is
 MAX_TOKENS = 12
 TEMPERATURE = 0.8
 INJECT = "import torch\ntorch.cpu._is_avx512_bf16_supported = lambda: True  # the test's injected capability\n"
-
-pytestmark = pytest.mark.timeout(420)
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +119,7 @@ def test_library_cli_and_server_give_the_same_seeded_text_and_name_the_same_draf
         ["--target", str(case["target"]), "--drafter", str(case["drafter"]), "--threads", "1"],
         case["root"] / "serve.log",
         env=case["env"],
+        timeout_s=HANG_S,
     )
     try:
         request = {"temperature": TEMPERATURE, "seed": case["seed"], "block_size": case["block"], "heal_prompt": False}
@@ -159,7 +159,7 @@ def test_triton_gives_the_same_seeded_text_and_names_the_same_drafter_dtype(case
     repo = write_repository(case["root"] / "repo", target=case["target"], drafter=case["drafter"])
     server = TritonServer(repo, log_path=case["root"] / "tritonserver.log")
     try:
-        server.start(timeout_s=240)
+        server.start(timeout_s=HANG_S)
         config = httpclient.InferenceServerClient(server.http_url).get_model_config(BLS_SYNC)
         assert config["parameters"]["drafter_dtype"]["string_value"] == case["library_dtype"] == "float32"
         reply = generate(

@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from clocks import StoppedClock
 from helpers import generate_one
 from test_spec import N_SAMPLES, SETTINGS, V, chi_square_pvalue, exact_joint, sharp_pair  # noqa: F401
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -46,9 +47,11 @@ PROMPTS = [
 def demo():
     from dflash_trt.loading import load_decoder
 
-    decoder = load_decoder(DEMO_TARGET, DEMO_DRAFTER)
-    assert isinstance(decoder, BatchDecoder) and decoder.tokenizer is not None
-    return decoder
+    loaded = load_decoder(DEMO_TARGET, DEMO_DRAFTER)
+    assert isinstance(loaded, BatchDecoder) and loaded.tokenizer is not None
+    # unpriced (no time passes, `StoppedClock`): the suffix proposer drafts whenever a run matches, so two runs of
+    # one request draft alike whatever the machine's load (the forced-drafts test compares their draft counts)
+    return BatchDecoder(loaded.target, loaded.drafter, loaded.tokenizer, clock=StoppedClock())
 
 
 def structured_rows(decoder: BatchDecoder) -> list[tuple[list[int], GenerationConfig]]:
@@ -189,7 +192,7 @@ def guided_counts(model, drafter, tokenizer, proposer: str) -> tuple[dict, int, 
     (the structured rows' counts, their accepted drafts, the free rows' counts)."""
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     decoder = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target), tokenizer)
-    decoder._prices = lambda n: Prices()  # type: ignore[method-assign]  # unpriced: drafts whatever the machine
+    decoder._prices = lambda rows, blocks: [Prices()] * len(rows)  # type: ignore[method-assign]  # unpriced
     counts: dict = {}
     free: dict = {}
     accepted = 0

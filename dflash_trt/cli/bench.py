@@ -62,7 +62,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _register_actions(bench: argparse.ArgumentParser) -> None:
     """The benchmarks that are not the method comparison, as optional actions: `dflash-trt bench` alone stays the
     comparison, `dflash-trt bench ACTION` runs the action (whose own flags follow its name)."""
-    from ..bench import load, parts, prefill, proposers, serve, session, soak, suffix_prior, suffix_trace
+    from ..bench import (
+        forced,
+        grammar_libs,
+        load,
+        parts,
+        prefill,
+        proposers,
+        serve,
+        session,
+        soak,
+        structured,
+        suffix_prior,
+        suffix_trace,
+    )
     from . import bench_sim
     from .options import add_model_args
 
@@ -90,6 +103,9 @@ def _register_actions(bench: argparse.ArgumentParser) -> None:
             suffix_prior,
             "the suffix proposer's predicted against observed acceptance, held out; a step's suffix work timed",
         ),
+        "structured": (structured, "JSON-schema-constrained requests through the server, each output validated"),
+        "forced": (forced, "structured outputs with and without drafting the tokens their grammar forces"),
+        "grammar-libs": (grammar_libs, "llguidance and xgrammar: install size, schema compile and mask times"),
     }
     actions = bench.add_subparsers(
         dest="bench_action",

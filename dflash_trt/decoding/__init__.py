@@ -33,16 +33,18 @@ suffix run is deterministic: `acceptance.accept_deterministic`).
 Pieces: `request` (settings, validation, results), `row` (one request in the loop), `loop` (the step), `sessions`
 (the batch's rows in the engines' sessions, and the engine calls), `driving` (running requests to the end),
 `step` (what a step hands around), `acceptance` (greedy match and rejection sampling), `proposers` / `suffix` (where
-drafts come from), `sampling`, `processors` (logits adjustments), `stopping`, `detokenizer`, `policy` /
+drafts come from), `sampling`, `processors` (logits adjustments), `stopping`, `detokenizer`, `grammar` (structured outputs), `errors`, `policy` /
 `adaptive` / `cost` / `estimates` (the block-size policies). No module here imports the loop but this one.
 """
 
 from .adaptive import AdaptiveBlocks
+from .grammar import GrammarError, GrammarSpec, compile_grammar
 from .loop import BatchDecoder
 from .policy import BlockPolicy, FixedBlocks
 from .processors import LogitsAdjustment
 from .proposers import PROPOSERS, Pick, Proposer
 from .request import (
+    MAX_TOP_LOGPROBS,
     ContextLengthError,
     GenerationConfig,
     GenerationResult,
@@ -50,6 +52,7 @@ from .request import (
     InputError,
     Round,
     RoundTimings,
+    TokenLogprob,
 )
 from .row import BatchRow
 from .sampling import SamplingParams
@@ -62,11 +65,14 @@ __all__ = [
     "BlockPolicy",
     "ContextLengthError",
     "FixedBlocks",
+    "GrammarError",
+    "GrammarSpec",
     "GenerationConfig",
     "GenerationResult",
     "GenerationStats",
     "InputError",
     "LogitsAdjustment",
+    "MAX_TOP_LOGPROBS",
     "PROPOSERS",
     "Pick",
     "Proposer",
@@ -76,4 +82,6 @@ __all__ = [
     "StepProfile",
     "StepResult",
     "StepRows",
+    "TokenLogprob",
+    "compile_grammar",
 ]

@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from functools import cached_property
 from typing import Any
 
@@ -40,6 +41,7 @@ from ..runtime.base import Draft, DrafterEngine, DrafterSession, TargetEngine, T
 from .chunking import BACKLOG_STEPS, STALL, STEP_TOKENS, Chunk, ChunkPacer, plan_chunks
 from .cost import CostModel, measure_costs
 from .driving import RunsToEnd
+from .grammar import compile_grammar
 from .healing import PromptHealer
 from .policy import BlockPolicy, FixedBlocks
 from .prompting import default_stop_ids, encode_text
@@ -142,8 +144,13 @@ class BatchDecoder(RunsToEnd):
         Touches no engine and no shared state: safe from any thread."""
         prompt = [int(t) for t in prompt_ids]
         validate_request(prompt, config, self.target, self.drafter)
-        healing = None
-        if config.heal_prompt and self.tokenizer is not None:
+        healing, grammar = None, None
+        if config.grammar is not None:  # GrammarError (a 400) for a grammar that cannot be served
+            grammar = compile_grammar(config.grammar, self.tokenizer, int(self.target.vocab_size))
+            # the grammar's end of text ends the row; no healing: the grammar decides the output's first token
+            ends = tuple(t for t in grammar.end_ids if t not in config.stop_token_ids)
+            config = replace(config, stop_token_ids=config.stop_token_ids + ends)
+        elif config.heal_prompt and self.tokenizer is not None:
             prompt, healing = self.healer.heal(prompt)
         size = config.block_size or self.block_size
         proposer = REGISTRY[config.proposer]  # a name validate_request knows
@@ -159,6 +166,7 @@ class BatchDecoder(RunsToEnd):
             proposer=proposer,
             shared=self._shared_of(config),
             fixed_block=config.block_size or self.fixed_block,
+            grammar=grammar,
         )
         row.stats.block_size = size if can_draft else 1
         return row

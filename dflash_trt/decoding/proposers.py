@@ -12,6 +12,8 @@ names from it. What a proposer can do is on its class, and the loop asks the cla
     weighs_cost     its choice reads the round's prices (`Prices`); a proposer that does not is never priced
     reproducible    a seed and a fixed block size give the same text: its choice reads no timing and no other
                     request's output
+    takes_forced    a row's grammar may add the tokens it forces to its drafts, ahead of and between them
+                    (guided.py: deterministic drafts, verified like any other)
     learn(...)      what the row's proposer learns from a round (its acceptance estimates)
     pick(...)       the row's proposal this round
 
@@ -310,6 +312,7 @@ class Proposer:
     deterministic: ClassVar[bool] = False
     weighs_cost: ClassVar[bool] = False
     reproducible: ClassVar[bool] = True
+    takes_forced: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: object) -> None:
         super().__init_subclass__(**kwargs)

@@ -4,24 +4,31 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from .acceptance import ACCEPTANCE_RULES
 from .detokenizer import IncrementalDetokenizer
+from .errors import ContextLengthError as ContextLengthError  # re-exported: where a request's errors were
+from .errors import InputError as InputError
+from .grammar import GrammarSpec
 from .processors import LogitsAdjustment
 from .proposers import DEFAULT_PROPOSER, NO_DRAFT_NAME, PROPOSERS
 from .sampling import SamplingParams
 from .stopping import StopChecker
 
+# the most alternatives a token's logprobs list (`GenerationConfig.logprobs`): OpenAI's bound on top_logprobs
+MAX_TOP_LOGPROBS = 20
 
-class InputError(ValueError):
-    """A request the engines cannot serve as given (bad ids, lengths, settings)."""
 
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability under the target's distribution it was drawn from (after the
+    request's penalties and logit bias, its grammar's mask and its temperature, top-k and top-p; at temperature
+    0, of softmax(logits) under the same adjustments and mask): vLLM's "processed_logprobs". `top`: the k most
+    likely tokens of that distribution, most likely first (k = `GenerationConfig.logprobs`)."""
 
-class ContextLengthError(InputError):
-    def __init__(self, message: str, prompt_alone: bool = False):
-        super().__init__(message)
-        self.prompt_alone = prompt_alone  # the prompt leaves no room for even one new token
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,13 @@ class GenerationConfig:
     heal_prompt: bool = False
     # where the drafts come from: a name of `proposers.PROPOSERS`
     proposer: str = DEFAULT_PROPOSER
+    # what the output must follow (grammar.py: a JSON schema, a regex, choices, an EBNF); None: free text
+    grammar: GrammarSpec | None = None
+    # draft the tokens the grammar forces (where the proposer takes them: `Proposer.takes_forced`); off, a guided
+    # row drafts only what its proposer proposes (the comparison `dflash-trt bench forced` makes)
+    forced_drafts: bool = True
+    # None: no logprobs; 0: each generated token's own (`TokenLogprob`); k: and the top k (k <= MAX_TOP_LOGPROBS)
+    logprobs: int | None = None
     # whose finished outputs the request's suffix runs also match and its own output joins (sharing.py): a tenant
     # that may read its requests' outputs; None: nothing shared, the request matches its own tokens only
     tenant: str | None = None
@@ -80,6 +94,7 @@ class Round:
     # end that may still begin a stop string, wait for a later round; the last round carries the rest
     text: str | None = None
     proposer: str = NO_DRAFT_NAME  # the proposer whose drafts it verified (`NO_DRAFT_NAME`: none; a prefill)
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids` where the request asked for them
 
 
 @dataclass
@@ -154,6 +169,7 @@ class GenerationResult:
     text: str | None
     finish_reason: str  # "stop", "length", "cancelled" (client gone, deadline) or "error"
     stats: GenerationStats
+    logprobs: list[TokenLogprob] | None = None  # one per token of `token_ids`, in order, where the request asked
 
 
 class CommitState(Protocol):
@@ -258,5 +274,7 @@ def validate_request(prompt_ids: Sequence[int], cfg: GenerationConfig, target: A
             raise InputError(f"block_size must be in 1..{limit} for this drafter, got {cfg.block_size}")
     if cfg.proposer not in PROPOSERS:
         raise InputError(f"proposer must be one of {PROPOSERS}, got {cfg.proposer!r}")
+    if cfg.logprobs is not None and not 0 <= cfg.logprobs <= MAX_TOP_LOGPROBS:
+        raise InputError(f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {cfg.logprobs}")
     if cfg.acceptance not in ACCEPTANCE_RULES:
         raise InputError(f"acceptance must be one of {ACCEPTANCE_RULES}, got {cfg.acceptance!r}")

@@ -13,9 +13,20 @@ import torch
 from ..runtime.base import Draft, DraftRequest
 from .acceptance import NO_DRAFT, Proposal, acceptance_rule
 from .detokenizer import IncrementalDetokenizer, held_back
+from .grammar import CompiledGrammar
+from .guided import GuidedRow
 from .healing import Healing
+from .logprobs import token_logprobs
 from .proposers import DFLASH, NO_DRAFT_NAME, Pick, Proposer, RowDrafts
-from .request import GenerationConfig, GenerationResult, GenerationStats, Round, RoundTimings, commit_tokens
+from .request import (
+    GenerationConfig,
+    GenerationResult,
+    GenerationStats,
+    Round,
+    RoundTimings,
+    TokenLogprob,
+    commit_tokens,
+)
 from .stopping import StopChecker, truncate_at_stop
 from .suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
 
@@ -36,6 +47,7 @@ class BatchRow:
         proposer: Proposer | None = None,
         shared: SharedSuffixes | None = None,
         fixed_block: int | None = None,
+        grammar: CompiledGrammar | None = None,
     ):
         self.id, self.prompt_ids, self.config, self.healing = row_id, prompt_ids, config, healing
         self.params = config.sampling
@@ -55,6 +67,9 @@ class BatchRow:
             SuffixAutomaton() if uses else None, SharedWalk(shared) if uses and shared is not None else None
         )
         self.drafts.add(prompt_ids)
+        self.guide = GuidedRow(grammar) if grammar is not None else None  # its grammar's state (guided.py)
+        self.logprobs: list[TokenLogprob] | None = [] if config.logprobs is not None else None
+        self.round_logprobs: list[TokenLogprob] = []  # the next commit's tokens' (`note_logprobs`)
         self.target_row: int | None = None
         self.drafter_row: int | None = None
         self.prefilled = 0  # prompt tokens in the target's cache (chunked prefill takes a prompt in pieces)
@@ -105,8 +120,14 @@ class BatchRow:
         """The tokens the target verifies for the row this round: a deterministic proposer's tokens as picked (no
         distribution: its acceptance is the one-hot rule), a drafter's draft through the row's acceptance rule."""
         if pick.proposer is not None and pick.proposer.deterministic:
-            return Proposal(torch.tensor(pick.drafts, dtype=torch.long))
-        return NO_DRAFT if draft is None else self.rule.propose(draft)
+            proposal = Proposal(torch.tensor(pick.drafts, dtype=torch.long))
+        else:
+            proposal = NO_DRAFT if draft is None else self.rule.propose(draft)
+        if self.guide is None:
+            return proposal
+        forced = self.config.forced_drafts and self.proposer.takes_forced
+        most = self.max_drafts if forced else len(proposal.ids)
+        return self.guide.propose(proposal, most, forced, self.generator)
 
     def drafter_failed(self, error: Exception) -> bool:
         """The drafter raised on this row: without `drafter_fallback` the row fails; with it, still lossless, the
@@ -144,12 +165,27 @@ class BatchRow:
         """Commit a round's `new` tokens; `drafted`: the draft tokens it verified (`accepted` of them kept),
         proposed by `used` (None: nothing drafted). The proposers' structures and estimates learn from it."""
         name = used.name if used is not None and drafted else NO_DRAFT_NAME
+        if self.guide is not None:
+            self.guide.settle(accepted, new)
         new = commit_tokens(self, new, drafted, accepted, prefill, name)
+        logprobs = None
+        if self.logprobs is not None:
+            logprobs = self.round_logprobs[: len(new)]
+            self.logprobs.extend(logprobs)
+            del self.logprobs[len(self.generated) :]  # a stop string may cut tokens of earlier rounds
+            self.round_logprobs = []
         self.drafts.add(new)
         if not prefill:
             self.proposer.learn(self.drafts, used if drafted else None, len(drafted), accepted)
         self.stats.suffix_states = self.drafts.suffix_states
-        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), name)
+        return Round(new, len(drafted), accepted, prefill, timings or RoundTimings(), self._new_text(), name, logprobs)
+
+    def note_logprobs(self, logits: torch.Tensor, new: list[int]) -> None:
+        """Where the request asks for logprobs: those of the round's tokens `new`, token i drawn from row i of the
+        request's `logits` (`adjusted`), for the next `commit`."""
+        if self.logprobs is not None:
+            assert self.config.logprobs is not None
+            self.round_logprobs = token_logprobs(logits, new, self.params, self.config.logprobs)
 
     def _new_text(self) -> str | None:
         """The text added since the last round that can be shown: the detokenizer holds back a partial
@@ -170,16 +206,20 @@ class BatchRow:
     def adjusted(self, logits: torch.Tensor, draft: Sequence[int] = ()) -> torch.Tensor:
         """The target's logits as this request sees them (penalties, logit_bias, min_tokens): row i after the
         committed tokens + draft[:i] (exact, since row i only counts if draft[:i] is accepted). A healed
-        prompt's first token is constrained (healing.py)."""
+        prompt's first token is constrained (healing.py). A row with a grammar: each row i masked to what the
+        grammar admits there (guided.py), after the adjustments."""
         adjust = self.config.adjust
         out = logits if adjust is None else adjust.apply(logits, self.generated, draft)
-        return self.healing.constrain(out) if self.healing is not None and not self.generated else out
+        if self.healing is not None and not self.generated:
+            out = self.healing.constrain(out)
+        return out if self.guide is None else self.guide.constrain(out)
 
     def result(self) -> GenerationResult:
         if not self.done:
             raise RuntimeError("row still running")
         text = self._final_text() if self.detokenizer is not None else None
-        return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats)
+        logprobs = list(self.logprobs) if self.logprobs is not None else None
+        return GenerationResult(list(self.generated), text, self.finish_reason or "error", self.stats, logprobs)
 
     def _final_text(self) -> str:
         """The finished row's text, cut at its stop string (decoded once)."""

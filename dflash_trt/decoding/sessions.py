@@ -147,7 +147,9 @@ class RowBook:
         if row.drafter_row is not None and out.features is not None:
             row.pending.append(out.features[: accepted + 1])
             row.backlog += accepted + 1
-        return proposal.ids[:accepted] + [bonus], accepted
+        new = proposal.ids[:accepted] + [bonus]
+        row.note_logprobs(logits, new)
+        return new, accepted
 
     def take_chunks(self, chunks: list[Chunk], outs: Sequence[TargetOutput]) -> list[tuple[BatchRow, Round]]:
         """The chunks' outputs: their features join the row's drafter backlog; a prompt's last chunk gives the
@@ -161,7 +163,9 @@ class RowBook:
                 row.backlog += c.size
             if row.prefilled < len(row.prompt_ids):
                 continue
-            first = next_token(row.adjusted(out.logits[-1:])[-1], row.params, row.generator)
+            logits = row.adjusted(out.logits[-1:])
+            first = next_token(logits[-1], row.params, row.generator)
+            row.note_logprobs(logits, [first])
             assert row.prefill_started is not None
             row.stats.prefill_time_s = self.clock() - row.prefill_started
             timings = RoundTimings(target_s=row.stats.prefill_time_s, total_s=row.stats.prefill_time_s)

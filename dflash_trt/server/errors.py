@@ -90,6 +90,8 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     first = min(errors, key=_specificity) if errors else {}
     loc = _field_path(first.get("loc", ()))
     msg = first.get("msg", "invalid value").removeprefix("Value error, ")
+    if first.get("type") == "extra_forbidden":  # OpenAI's words for a field it does not know
+        msg = "Unrecognized request argument supplied"
     message = f"{'.'.join(loc) or 'body'}: {msg}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problems)"

@@ -15,12 +15,14 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..decoding import ContextLengthError, GenerationConfig, GenerationResult, InputError, SamplingParams
+from ..decoding.grammar import GrammarError, GrammarSpec
 from ..decoding.processors import LogitsAdjustment
 from ..decoding.proposers import DEFAULT_PROPOSER, PROPOSERS, proposer_for
 from ..settings import DRAFTERLESS_PROPOSER
 from .errors import ApiError, job_error
 from .orchestrator import ErrorEvent, Job, RoundEvent
 from .schemas import RequestBody, stop_tuple
+from .structured import INVALID_GRAMMAR
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -32,10 +34,17 @@ T = TypeVar("T")
 
 
 def generation_config(
-    server: Server, body: RequestBody, max_tokens: int, temperature: float, text_prompt: bool = False
+    server: Server,
+    body: RequestBody,
+    max_tokens: int,
+    temperature: float,
+    text_prompt: bool = False,
+    grammar: GrammarSpec | None = None,
+    logprobs: int | None = None,
 ) -> GenerationConfig:
     """The decoder's config for a request; nulls mean the defaults. A text prompt (`text_prompt`) is healed
-    unless the request says `heal_prompt: false`."""
+    unless the request says `heal_prompt: false`. `grammar`: what the output must match (structured.py reads it
+    from the request); `logprobs`: None, or the alternatives per token to return (0: the chosen token's alone)."""
     eos = server.decoder.default_stop_ids()
     return GenerationConfig(
         max_new_tokens=max_tokens,
@@ -45,7 +54,11 @@ def generation_config(
         stop_token_ids=() if body.ignore_eos else eos,
         stop_strings=stop_tuple(body.stop),
         drafter_fallback=True,
-        heal_prompt=text_prompt and getattr(body, "heal_prompt", None) is not False,
+        # under a grammar the output starts where the grammar does: a healed prompt's last token would have to be
+        # regenerated as the output's first, outside the grammar
+        heal_prompt=text_prompt and grammar is None and getattr(body, "heal_prompt", None) is not False,
+        grammar=grammar,
+        logprobs=logprobs,
         adjust=LogitsAdjustment.of(
             frequency_penalty=_or(body.frequency_penalty, 0.0),
             presence_penalty=_or(body.presence_penalty, 0.0),
@@ -124,6 +137,8 @@ async def start_job(
         raise ApiError(
             400, str(e), param=prompt_param if e.prompt_alone else "max_tokens", code="context_length_exceeded"
         ) from None
+    except GrammarError as e:  # compiled with the tokenizer, here: beyond its bounds, or admitting no string
+        raise ApiError(400, str(e), param=getattr(e, "param", None), code=INVALID_GRAMMAR) from None
     except (InputError, ValueError) as e:
         raise ApiError(400, str(e), param=getattr(e, "param", None)) from None
     request.state.job = job

@@ -9,6 +9,9 @@ from pydantic import BaseModel, Field
 from .schemas import ErrorBody
 
 FinishReason = Literal["stop", "length"]
+ChatFinishReason = Literal["stop", "length", "tool_calls"]
+LOGPROB = "the target's log-probability of the token, in the distribution it was drawn from: after the request's "
+LOGPROB += "penalties, logit bias and grammar mask, temperature, top-k and top-p (vLLM's processed_logprobs)"
 FINGERPRINT = (
     "the backend configuration seeded text depends on: `drafter-<dtype>` (the dtype the drafter computes in, also "
     "`spec.drafter_dtype`) or `target-alone`; a seeded request with a fixed block_size gives the same text where "
@@ -22,12 +25,24 @@ class Usage(BaseModel):
     total_tokens: int
 
 
+class TopTokenLogprob(BaseModel):
+    token_id: int
+    logprob: float
+
+
+class NativeTokenLogprob(BaseModel):
+    token_id: int
+    logprob: float = Field(description=LOGPROB)
+    top: list[TopTokenLogprob] = Field(description="the `logprobs` likeliest tokens there, likeliest first")
+
+
 class GenerateResponse(BaseModel):
     id: str
     text: str | None  # null when the target has no tokenizer
     token_ids: list[int]
     finish_reason: FinishReason
     usage: Usage
+    logprobs: list[NativeTokenLogprob] | None = Field(None, description="only when the request sent logprobs")
     # speculative decoding statistics: rounds, tau, draft / verify time, drafter_dtype (what the drafter computed in)
     spec: dict[str, Any]
 
@@ -79,10 +94,19 @@ class MetaInfo(BaseModel):
     spec_draft_token_num: int | None = Field(None, description="draft tokens proposed")
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy completions logprobs, one entry per generated token."""
+
+    tokens: list[str] = Field(description="each token's text (`token_id:<id>` without a tokenizer)")
+    token_logprobs: list[float] = Field(description=LOGPROB)
+    top_logprobs: list[dict[str, float]] = Field(description="token text -> logprob: the chosen and the likeliest")
+    text_offset: list[int] = Field(description="each token's start in the completion's text")
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: CompletionLogprobs | None
     finish_reason: FinishReason | None
     token_ids: list[int] | None = None  # only when the target has no tokenizer
     meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
@@ -101,16 +125,45 @@ class Completion(BaseModel):
     meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(description="the top_logprobs likeliest tokens there, likeliest first")
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of the arguments")
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallOut] | None = Field(
+        None, description="the calls the reply makes (tools with tool_choice auto, required or a named function)"
+    )
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None
-    finish_reason: FinishReason
+    logprobs: ChatLogprobs | None = Field(description="only when the request sent logprobs: true")
+    finish_reason: ChatFinishReason
     meta_info: MetaInfo | None = None  # only when the request sent return_meta_info: true
 
 

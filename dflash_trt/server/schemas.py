@@ -6,11 +6,12 @@ built and writes the same bounds into `/openapi.json`, so validation and the doc
 The decoder still checks what only a whole request can tell (prompt + max_tokens against the context).
 
 Both APIs take types strictly: "10" or true is not an integer, "yes" is not a boolean (a whole
-number written 4.0 is an integer, as JSON Schema reads it). Our own
-`/generate` also refuses unknown fields. The OpenAI-compatible endpoints accept explicit nulls
-(OpenAI's clients send them) and ignore fields they do not know; every field OpenAI defines that
-would change the output is either implemented or refused with a 400 that names it. No field names
-a file path: a request can only carry text, token ids and numbers.
+number written 4.0 is an integer, as JSON Schema reads it). Every endpoint refuses a field it does not know
+with a 400 naming it, as OpenAI answers (a client asking for structure must never silently get free text);
+the extensions it does know (vLLM's and SGLang's sampling and structured-output fields, ours) are declared
+here. The OpenAI-compatible endpoints accept explicit nulls (OpenAI's clients send them); every field OpenAI
+defines that would change the output is either implemented or refused with a 400 that names it. No field names
+a file path: a request can only carry text, token ids, numbers and the grammars they ask for.
 """
 
 import json
@@ -30,6 +31,7 @@ from pydantic import (
 )
 
 from ..decoding.proposers import PROPOSERS, proposers_help
+from ..decoding.request import MAX_TOP_LOGPROBS
 
 if TYPE_CHECKING:
     ProposerName = str
@@ -81,6 +83,7 @@ MaxTokens = Annotated[
 MinTokens = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
 BlockSize = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS), BeforeValidator(_whole)]
 HealPrompt = Annotated[
     bool | None,
     Field(
@@ -110,16 +113,161 @@ UNSUPPORTED: dict[str | tuple[str, str], tuple[tuple[object, ...], str]] = {
     "best_of": ((None, 1), "must be 1: one choice per request"),
     "echo": ((None, False), "not supported"),
     "suffix": ((None, ""), "not supported"),
-    "logprobs": ((None, 0), "not supported"),  # completions: an integer
-    ("ChatCompletionRequest", "logprobs"): ((None, False), "not supported"),  # chat: a boolean
-    "top_logprobs": ((None, 0), "not supported (no logprobs)"),
-    "tools": ((None, []), "not supported: this server generates text only"),
-    "functions": ((None, []), "not supported: this server generates text only"),
-    "tool_choice": ((None, "none", "auto"), "cannot require a tool: this server has none"),
-    "function_call": ((None, "none", "auto"), "cannot require a function: this server has none"),
-    "response_format": ((None, {"type": "text"}), "only plain text is supported"),
+    "functions": ((None, []), "not supported: send `tools` (OpenAI's deprecated name for them is not taken)"),
+    "function_call": ((None, "none", "auto"), "not supported: send `tool_choice`"),
     "modalities": ((None, ["text"]), "only text is supported"),
 }
+
+
+# ---- structured outputs: what a request may ask its output to match -------------------------------------
+GrammarText = Annotated[Text, Field(min_length=1, description="bounded by the grammar compiler's size limit")]
+JsonSchemaObject = Annotated[
+    dict[str, Any],
+    Field(description="a JSON Schema (the grammar compiler bounds its size and compile time; a 400 says which)"),
+]
+# vLLM's json fields take any JSON Schema: an object, or the boolean schemas true (anything) and false (nothing)
+JsonSchemaValue = JsonSchemaObject | bool
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` object (StructuredOutputsParams, docs/features/structured_outputs.md of vLLM
+    v0.12+, where it replaced the `guided_*` fields): exactly one of these, never null. Its other members
+    (structural_tag, whitespace_pattern, ...) are refused by name."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        populate_by_name=True,
+        title="StructuredOutputs",
+        json_schema_extra={"minProperties": 1, "maxProperties": 1},
+    )
+
+    # not Optional: absent, never null (exactly one is sent); hence None defaults on non-null types
+    json_: Annotated[
+        JsonSchemaValue | GrammarText,
+        Field(alias="json", description="a JSON Schema (an object, true / false, or its JSON text)"),
+    ] = None  # type: ignore[assignment]
+    regex: Annotated[GrammarText, Field(description="the output matches this regular expression")] = None  # type: ignore[assignment]
+    choice: Annotated[
+        list[NonEmptyText], Field(min_length=1, max_length=1024, description="the output is exactly one of these")
+    ] = None  # type: ignore[assignment]
+    grammar: Annotated[GrammarText, Field(description="a context-free grammar: Lark, or GBNF (`root ::= ...`)")] = None  # type: ignore[assignment]
+    json_object: Annotated[Literal[True], Field(description="true: any JSON object")] = None  # type: ignore[assignment]
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "StructuredOutputs":
+        given = [f.alias or k for k, f in type(self).model_fields.items() if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ValueError(f"give exactly one of json, regex, choice, grammar, json_object (got {given or 'none'})")
+        return self
+
+
+class StructuredFields(BaseModel):
+    """The structured-output request fields vLLM takes on every endpoint: `structured_outputs` (current) and
+    the older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar` (vLLM up to v0.11; removed in
+    v0.12.0). At most one way per request; the server decodes under the grammar they name, losslessly under
+    speculation."""
+
+    structured_outputs: StructuredOutputs | None = Field(
+        None, description="extension (vLLM's): the output matches this; exactly one member"
+    )
+    guided_json: JsonSchemaValue | GrammarText | None = Field(
+        None, description="extension (vLLM's, older): structured_outputs.json"
+    )
+    guided_regex: GrammarText | None = Field(None, description="extension (vLLM's, older): structured_outputs.regex")
+    guided_choice: Annotated[list[NonEmptyText], Field(min_length=1, max_length=1024)] | None = Field(
+        None, description="extension (vLLM's, older): structured_outputs.choice"
+    )
+    guided_grammar: GrammarText | None = Field(
+        None, description="extension (vLLM's, older): structured_outputs.grammar"
+    )
+
+
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=True)
+
+    name: Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: Text | None = None
+    schema_: JsonSchemaObject | None = Field(None, alias="schema", description="null: any JSON object")
+    strict: bool | None = Field(
+        None,
+        description="true: every keyword of the schema is enforced (a schema using one the grammar cannot enforce "
+        "is a 400); false or null: such keywords are ignored, the rest enforced. Objects stay as open as the schema "
+        "writes them: close them with additionalProperties false",
+    )
+
+
+class TextFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_object"] = Field(description="any JSON object")
+
+
+class JsonSchemaResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaFormat
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaResponseFormat, Field(discriminator="type")]
+FunctionName = Annotated[StrictStr, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: FunctionName
+    description: Text | None = None
+    parameters: JsonSchemaObject | None = Field(None, description="a JSON Schema of the arguments; null: none")
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    name: FunctionName
+
+
+class NamedToolChoice(BaseModel):
+    """Call this function: its arguments are generated under its parameters' schema."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    type: Literal["function"]
+    function: FunctionChoice
+
+
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: FunctionName
+    arguments: Text
+
+
+class ToolCall(BaseModel):
+    """A tool call of an earlier assistant message (sent back in the conversation)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    id: StrictStr
+    type: Literal["function"]
+    function: FunctionCall
 
 
 def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
@@ -128,7 +276,7 @@ def stop_tuple(stop: str | list[str] | None) -> tuple[str, ...]:
     return (stop,) if isinstance(stop, str) else tuple(stop)
 
 
-class OutputFields(BaseModel):
+class OutputFields(StructuredFields):
     """What changes the output, shared by the three endpoints (applied to the target's logits at every
     verified position, so speculative decoding stays lossless), and the block size of its rounds."""
 
@@ -181,6 +329,11 @@ class GenerateRequest(OutputFields):
     stop: StopField = None
     stream: bool = False
     heal_prompt: HealPrompt = None
+    logprobs: TopLogprobs | None = Field(
+        None,
+        description="return each generated token's logprob (the target's, after penalties and the grammar mask), "
+        "and with k > 0 the k likeliest tokens' too; null: none",
+    )
 
     @model_validator(mode="after")
     def _one_prompt(self) -> "GenerateRequest":
@@ -198,7 +351,7 @@ class StreamOptions(BaseModel):
 class OpenAIFields(OutputFields):
     """Fields both OpenAI endpoints share. null means "the default", as OpenAI reads it."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     model: StrictStr | None = Field(None, description="the only model, or null; another is a 404")
     temperature: Temperature | None = Field(
@@ -244,7 +397,7 @@ class OpenAIFields(OutputFields):
 class CompletionRequest(OpenAIFields):
     """POST /v1/completions (OpenAI). `prompt` is text, a list of one text, or token ids."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="CompletionRequest")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="CompletionRequest")
 
     prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)] | TokenIds
     heal_prompt: HealPrompt = None
@@ -253,19 +406,20 @@ class CompletionRequest(OpenAIFields):
     )
     echo: Literal[False] | None = Field(None, description="not supported: false or null")
     best_of: Literal[1] | None = None
-    logprobs: Literal[0] | None = Field(None, description="not supported: null or 0")
+    logprobs: TopLogprobs | None = Field(
+        None,
+        description="the generated tokens' logprobs (the target's, after penalties and the grammar mask) and the "
+        "this many likeliest tokens' at each position (0: only the chosen one's); null: none",
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="extension (vLLM's): json_object or json_schema constrains the completion as in chat"
+    )
     suffix: Literal[""] | None = Field(None, description="not supported: null or empty")
 
     @field_validator("prompt")
     @classmethod
     def _one_text(cls, v: str | list[str] | list[int]) -> str | list[str] | list[int]:
         return v[0] if isinstance(v, list) and v and isinstance(v[0], str) else v
-
-
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    type: Literal["text"] = Field(description="json_object and json_schema are not supported")
 
 
 class TextPart(BaseModel):
@@ -280,6 +434,11 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Text | list[TextPart] | None = None
+    name: Text | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=128)] | None = Field(
+        None, description="assistant: the tool calls it made"
+    )
+    tool_call_id: StrictStr | None = Field(None, description="tool: the call this message answers")
 
     @field_validator("content")
     @classmethod
@@ -289,23 +448,35 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(OpenAIFields):
-    """POST /v1/chat/completions (OpenAI): text messages only, no tools."""
+    """POST /v1/chat/completions (OpenAI): text messages, tools, structured outputs."""
 
-    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False, title="ChatCompletionRequest")
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, title="ChatCompletionRequest")
 
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=1024)]
     max_tokens: MaxTokens | None = Field(None, description="default: the server's --default-max-tokens")
     max_completion_tokens: MaxTokens | None = None
-    logprobs: Literal[False] | None = Field(None, description="not supported: false or null")
-    top_logprobs: Literal[0] | None = Field(None, description="not supported: null or 0")
-    response_format: TextFormat | None = Field(None, description="only {'type': 'text'}")
-    tools: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
-        None, description="not supported: no tools (null or [])"
+    logprobs: bool | None = Field(
+        None,
+        description="true: each generated token's logprob (the target's, after penalties and the grammar mask)",
     )
-    tool_choice: Literal["none", "auto"] | None = Field(None, description="without tools: none or auto")
-    parallel_tool_calls: bool | None = None
+    top_logprobs: TopLogprobs | None = Field(
+        None, description="with logprobs: the this many likeliest tokens at each position too"
+    )
+    response_format: ResponseFormat | None = Field(
+        None, description="json_object: any JSON object; json_schema: JSON matching the schema (strict honoured)"
+    )
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = Field(
+        None,
+        description="functions the model may call. tool_choice required or a named function: the call is "
+        "generated under a JSON schema of it (any chat model); auto: the model decides, in its chat "
+        "template's tool format, which the server must know (a 400 says when it does not)",
+    )
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        None, description="null: auto with tools, none without"
+    )
+    parallel_tool_calls: bool | None = Field(None, description="false: at most one call; null or true: any number")
     functions: Annotated[list[dict[str, Any]], Field(max_length=0)] | None = Field(
-        None, description="not supported: null or []"
+        None, description="not supported (OpenAI's deprecated name for tools): null or []"
     )
     function_call: Literal["none", "auto"] | None = None
     modalities: Annotated[list[Literal["text"]], Field(min_length=1, max_length=1)] | None = None

@@ -19,6 +19,12 @@ class SerializedTokenizer:
     def __init__(self, tokenizer: Any):  # a Hugging Face tokenizer
         self._tokenizer, self._lock = tokenizer, threading.Lock()
 
+    @property  # type: ignore[misc]  # a proxy's class: what isinstance reads after type()
+    def __class__(self) -> type:
+        """The wrapped tokenizer's class, so that libraries which check it (llguidance takes only a
+        PreTrainedTokenizerFast, to copy its Rust tokenizer) take the wrapper too."""
+        return type(self._tokenizer)
+
     def __getattr__(self, name: str) -> Any:
         value = getattr(self._tokenizer, name)
         if name not in SERIALIZED:

@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from ...decoding import GenerationResult
+from .. import structured
 from ..context import Server, ServerDep
 from ..errors import error_response
 from ..jobs import JobStream, generation_config, spec, start_job, stream, usage, wait_result
@@ -89,20 +90,23 @@ async def metrics(server: ServerDep) -> Response:
 )
 async def generate(body: GenerateRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
     decoder = server.decoder
+    grammar = structured.request_grammar(body)
     job = await start_job(
         request,
         server,
         body,
         lambda: decoder.encode(body.prompt) if body.prompt is not None else list(body.input_ids),
-        lambda n: generation_config(server, body, body.max_tokens, body.temperature, body.prompt is not None),
+        lambda n: generation_config(
+            server, body, body.max_tokens, body.temperature, body.prompt is not None, grammar, body.logprobs
+        ),
         prompt_param="prompt" if body.prompt is not None else "input_ids",
     )
     if not body.stream:
-        return _final(server, job, await wait_result(request, job))
+        return _final(server, job, await wait_result(request, job), body.logprobs is not None)
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
         rnd = event.round
-        yield {
+        out: dict[str, Any] = {
             "type": "round",
             "token_ids": rnd.token_ids,
             "text": event.round.text,
@@ -110,14 +114,17 @@ async def generate(body: GenerateRequest, request: Request, server: ServerDep) -
             "drafted": rnd.drafted,
             "prefill": rnd.prefill,
         }
+        if body.logprobs is not None:
+            out["logprobs"] = structured.native_logprobs(rnd.logprobs or [])
+        yield out
         if event.result is not None:
-            yield {"type": "final", **_final(server, job, event.result)}
+            yield {"type": "final", **_final(server, job, event.result, body.logprobs is not None)}
 
     return stream(job, on_round, lambda err: {"type": "error", **err.body}, done_marker=False)
 
 
-def _final(server: Server, job: Job, result: GenerationResult) -> dict[str, Any]:
-    return {
+def _final(server: Server, job: Job, result: GenerationResult, logprobs: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
         "id": job.id,
         "text": result.text,
         "token_ids": result.token_ids,
@@ -125,3 +132,6 @@ def _final(server: Server, job: Job, result: GenerationResult) -> dict[str, Any]
         "usage": usage(result),
         "spec": spec(job, server.drafter_dtype),
     }
+    if logprobs:
+        out["logprobs"] = structured.native_logprobs(result.logprobs or [])
+    return out

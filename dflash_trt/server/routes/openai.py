@@ -15,6 +15,8 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from ...decoding import BatchDecoder, GenerationResult, InputError, prompting
+from ...decoding.request import TokenLogprob
+from .. import structured
 from ..context import Server, ServerDep
 from ..errors import ApiError
 from ..jobs import (
@@ -67,6 +69,7 @@ async def retrieve_model(model: str, server: ServerDep) -> dict[str, Any]:
 async def completions(body: CompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
     _check_model(server, body.model)
     decoder, prompt = server.decoder, body.prompt
+    grammar = structured.request_grammar(body)
     job = await start_job(
         request,
         server,
@@ -78,25 +81,37 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
             _max_tokens(server, body.max_tokens, COMPLETIONS_DEFAULT_MAX_TOKENS, n),
             _temperature(body),
             text_prompt=isinstance(prompt, str),
+            grammar=grammar,
+            logprobs=body.logprobs,
         ),
         prompt_param="prompt",
     )
     cid = f"cmpl-{job.id}"
     envelope = _envelope(server, cid, "text_completion")
-    ids_out = decoder.tokenizer is None  # no tokenizer: the token ids are the only output
+    tok = decoder.tokenizer
+    ids_out = tok is None  # no tokenizer: the token ids are the only output
+    offset = 0  # text_offset of the next round's first token
 
-    def choice(text: str | None, finish_reason: str | None, token_ids: list[int]) -> dict[str, Any]:
-        c: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+    def choice(
+        text: str | None, finish_reason: str | None, token_ids: list[int], logprobs: list[TokenLogprob] | None
+    ) -> dict[str, Any]:
+        nonlocal offset
+        lp = None
+        if body.logprobs is not None:
+            lp = structured.completion_logprobs(tok, logprobs or [], offset)
+            offset += sum(len(t) for t in lp["tokens"])
+        c: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
         return {**c, "token_ids": token_ids} if ids_out else c
 
     if not body.stream:
         result = await wait_result(request, job)
-        finished = _finished(server, job, body, cid, choice(result.text, result.finish_reason, result.token_ids))
+        this = choice(result.text, result.finish_reason, result.token_ids, result.logprobs)
+        finished = _finished(server, job, body, cid, this)
         return envelope(usage=usage(result), spec=spec(job, server.drafter_dtype), **finished)
 
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
-        result = event.result
-        this = choice(event.round.text, result.finish_reason if result else None, event.round.token_ids)
+        result, rnd = event.result, event.round
+        this = choice(rnd.text, result.finish_reason if result else None, rnd.token_ids, rnd.logprobs)
         yield envelope(**_finished(server, job, body, cid, this)) if result is not None else envelope([this])
         yield from _usage_chunk(envelope, body, result)
 
@@ -105,7 +120,8 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
 
 @router.post(
     "/chat/completions",
-    summary="chat completion (OpenAI), text messages only; a 400 for a model without a chat template",
+    summary="chat completion (OpenAI): text messages, tools, structured outputs, logprobs; a 400 for a model "
+    "without a chat template",
     response_model=ChatCompletion,
     response_model_exclude_unset=True,
     responses=streamed(
@@ -116,40 +132,111 @@ async def completions(body: CompletionRequest, request: Request, server: ServerD
 )
 async def chat(body: ChatCompletionRequest, request: Request, server: ServerDep) -> dict[str, Any] | JobStream:
     _check_model(server, body.model)
-    # content: text, its parts already joined (ChatMessage._join_parts)
-    messages = [{"role": m.role, "content": str(m.content or "")} for m in body.messages]
+    if body.top_logprobs and not body.logprobs:
+        raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs", code=structured.CONFLICT)
+    tok = server.decoder.tokenizer
+    plan = structured.tool_plan(body, tok)
+    grammar = structured.request_grammar(body, plan)
+    messages = structured.chat_messages(body.messages)
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if plan is None:
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    else:
+        messages = plan.messages(messages)
+        if plan.format is None and plan.mode != "none":  # a template that may write tools itself gets them
+            template_kwargs["tools"] = [t.model_dump(exclude_none=True) for t in plan.tools]
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
     asked = body.max_completion_tokens or body.max_tokens
     job = await start_job(
         request,
         server,
         body,
-        lambda: chat_prompt_ids(server.decoder, messages, body.chat_template_kwargs),
+        lambda: chat_prompt_ids(server.decoder, messages, template_kwargs or None),
         lambda n: generation_config(
-            server, body, _max_tokens(server, asked, server.settings.default_max_tokens, n), _temperature(body)
+            server,
+            body,
+            _max_tokens(server, asked, server.settings.default_max_tokens, n),
+            _temperature(body),
+            grammar=grammar,
+            logprobs=logprobs,
         ),
         prompt_param="messages",
     )
     cid = f"chatcmpl-{job.id}"
     envelope = _envelope(server, cid, "chat.completion.chunk" if body.stream else "chat.completion")
+
+    def chat_logprobs(entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        return None if logprobs is None else structured.chat_logprobs(tok, entries or [])
+
     if not body.stream:
         result = await wait_result(request, job)
-        message = {"role": "assistant", "content": result.text}
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": result.finish_reason}
+        message, finish_reason = _reply(plan, result.text or "", result.finish_reason)
+        choice = {
+            "index": 0,
+            "message": message,
+            "logprobs": chat_logprobs(result.logprobs),
+            "finish_reason": finish_reason,
+        }
         return envelope(
             usage=usage(result), spec=spec(job, server.drafter_dtype), **_finished(server, job, body, cid, choice)
         )
 
+    named = plan is not None and plan.mode == "named"
+    buffered = plan is not None and plan.mode in ("required", "auto")  # the calls are known at the end
+    text: list[str] = []
+    held: list[TokenLogprob] = []
+
     def on_round(event: RoundEvent) -> Iterator[dict[str, Any]]:
-        delta = {"content": event.round.text or ""}
-        if event.round.prefill:
-            delta["role"] = "assistant"
-        yield envelope([{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}])
-        if event.result is not None:
-            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": event.result.finish_reason}
+        rnd, result = event.round, event.result
+        piece = rnd.text or ""
+        delta: dict[str, Any] = {"role": "assistant"} if rnd.prefill else {}
+        entries = None if buffered else rnd.logprobs
+        if buffered:
+            text.append(piece)
+            held.extend(rnd.logprobs or ())
+            if result is not None:
+                message, _ = _reply(plan, "".join(text), result.finish_reason)
+                calls = message.pop("tool_calls", None)
+                delta.update({k: v for k, v in message.items() if k != "role" and v is not None})
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)]
+                entries = held
+            elif not rnd.prefill:
+                return
+        elif named:
+            assert plan is not None and plan.name is not None
+            if rnd.prefill:
+                call = structured.ToolCallOut(plan.name, piece).to_openai(index=0)
+                delta["tool_calls"] = [call]
+            else:
+                delta["tool_calls"] = [{"index": 0, "function": {"arguments": piece}}]
+        else:
+            delta["content"] = piece
+        chunk_lp = None if buffered and entries is None else chat_logprobs(entries)
+        yield envelope([{"index": 0, "delta": delta, "logprobs": chunk_lp, "finish_reason": None}])
+        if result is not None:
+            _, finish_reason = _reply(plan, "".join(text), result.finish_reason)
+            last = {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
             yield envelope(**_finished(server, job, body, cid, last))
-        yield from _usage_chunk(envelope, body, event.result)
+        yield from _usage_chunk(envelope, body, result)
 
     return stream(job, on_round, lambda err: err.body, done_marker=True)
+
+
+def _reply(plan: structured.ToolPlan | None, text: str, finish_reason: str) -> tuple[dict[str, Any], str]:
+    """The assistant message of a finished reply and its finish_reason: with tool calls, `tool_calls` (content
+    null unless the model also wrote text), finish_reason "tool_calls", but "stop" for a named function, as
+    OpenAI answers a forced call; "length" stays "length"."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, finish_reason
+    content, calls = plan.parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, finish_reason
+    message["tool_calls"] = [c.to_openai() for c in calls]
+    if finish_reason == "stop" and plan.mode != "named":
+        finish_reason = "tool_calls"
+    return message, finish_reason
 
 
 def _envelope(server: Server, cid: str, obj: str) -> Envelope:

@@ -14,6 +14,9 @@ with it off, one response at the end. A cancelled request leaves the batch at th
 step (a target call error) fails every request still running in this execute(), as they share the pass.
 Outputs: output_ids (all tokens so far, padded), output_length, new_tokens (added by this response),
 finish_reason ("" until done).
+No structured outputs: it takes no JSON schema or other grammar. A grammar is compiled against the tokenizer's
+vocabulary (decoding/grammar.py), and this model decodes token ids without the tokenizer, which only the
+preprocessing and postprocessing models load; `dflash-trt serve` takes them (docs/api.md).
 """
 
 from __future__ import annotations

@@ -15,14 +15,29 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from pods import ROOT, Cluster, Image, Pod, PodFailed, SlurmJob, config_maps, new_work, pod_templates, render
+from pods import (
+    ALL_CAPS,
+    DEFAULT_CAPS,
+    ROOT,
+    Cluster,
+    Image,
+    Pod,
+    PodFailed,
+    SlurmJob,
+    atomic_writer,
+    capabilities,
+    config_maps,
+    new_work,
+    pod_templates,
+    render,
+)
 
 K8S = ROOT / "deploy" / "k8s"
 pytestmark = pytest.mark.timeout(900)
@@ -69,6 +84,41 @@ def cluster() -> Cluster:
     mounted = str(work) in Path("/proc/self/mountinfo").read_text()  # never delete through a mount point
     if not os.environ.get("PODS_KEEP") and not mounted:  # PODS_KEEP: a failed run's pods and logs, to read
         shutil.rmtree(work, ignore_errors=True)
+
+
+def test_capabilities_follow_containerds_order():
+    """containerd's CRI WithCapabilities: add ALL, then drop ALL, then each add, then each drop (a name in both
+    lists is dropped; `add: [ALL]` is every capability, not a capability named ALL)."""
+    assert "NET_RAW" not in capabilities({"add": ["NET_RAW"], "drop": ["NET_RAW"]})
+    assert capabilities({"add": ["ALL"], "drop": ["CHOWN"]}) == sorted(set(ALL_CAPS) - {"CHOWN"})
+    assert "ALL" not in capabilities({"add": ["ALL"]}) and "SYS_ADMIN" in capabilities({"add": ["ALL"]})
+    assert capabilities({"add": ["ALL", "IPC_LOCK"], "drop": ["ALL"]}) == ["IPC_LOCK"]
+    assert capabilities({"drop": ["ALL"], "add": ["ipc_lock"]}) == ["IPC_LOCK"]
+    assert capabilities({}) == sorted(DEFAULT_CAPS)
+
+
+def test_a_secret_volume_with_fs_group_is_group_readable(tmp_path):
+    """The kubelet's SetVolumeOwnership over a read-only (Secret / ConfigMap) volume when the pod has an fsGroup:
+    group fsGroup and mode | 0440 on each file, setgid and 0550 more on each folder; without one, the mode as given."""
+    with_group = atomic_writer(tmp_path / "a", {"id": b"k"}, 0o400, 2000)
+    st = (with_group / "id").stat()  # through the ..data symlinks, as a process reads it
+    assert (st.st_mode & 0o7777, st.st_gid) == (0o440, 2000)
+    folder = with_group.stat()
+    assert folder.st_gid == 2000 and folder.st_mode & 0o2550 == 0o2550
+    without = atomic_writer(tmp_path / "b", {"id": b"k"}, 0o400, None)
+    assert ((without / "id").stat().st_mode & 0o7777, (without / "id").stat().st_gid) == (0o400, 0)
+
+
+def test_the_trtllm_build_stand_in_defaults_to_paged_context_fmha(tmp_path):
+    """trtllm-build without --use_paged_context_fmha builds with it on (PluginConfig's default), as upstream."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"mapping": {"world_size": 1}}))
+    (ckpt / "rank0.safetensors").write_bytes(b"weights")
+    build = [sys.executable, str(ROOT / "tests/pods_image/bin/trtllm-build"), "--checkpoint_dir", str(ckpt)]
+    subprocess.run([*build, "--output_dir", str(tmp_path / "out")], check=True, cwd=tmp_path, capture_output=True)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["build_config"]["plugin_config"]["use_paged_context_fmha"] is True
 
 
 def _with_render(cluster: Cluster, overlay: str) -> dict[str, dict]:
@@ -156,7 +206,7 @@ def test_the_slurm_job_builds_serves_and_drains(cluster):
                 raise PodFailed(f"the job exited {proc.returncode} before serving\n{job.log.read_text()}")
             assert time.monotonic() < end, job.log.read_text()
             time.sleep(1)
-        proc.send_signal(signal.SIGTERM)  # the time limit's --signal=B:TERM, or scancel --signal=TERM --batch
+        job.warn()  # the time limit's warning, as the script's #SBATCH --signal asks
         assert proc.wait(timeout=330) == 0, job.log.read_text()
         assert [s["rc"] for s in job.steps] == [[0], [0]], job.log.read_text()
     finally:
@@ -266,3 +316,66 @@ def test_the_trtllm_serve_groups_worker_serves_sshd_and_drains(cluster, trtllm_s
     served = Cluster(cluster.work, cluster.image, config_maps(docs), cluster.secrets, {"dflash-checkpoints": demo})
     with Pod(served, "dflash-trt-serve-group-0-1", pod_templates(docs)["worker"]) as worker:
         assert _serves_and_drains(worker) == {"worker": 0}, worker.procs["worker"].tail()
+
+
+def test_the_trtllm_serve_slurm_job_serves_and_drains(cluster, trtllm_serve):
+    """deploy/slurm/trtllm-serve.sbatch on one node with two tasks (tp 2): the shared folder filled as its header
+    says (`dflash-trt plan overlay --out DATA --drafter-path DATA/drafter`, the demo pair beside it), the stand-in
+    trtllm-llmapi-launch making rank 0 trtllm-serve (the stand-in) with the comm server and rank 1 a worker, the
+    exporter step beside rank 0 reaching trtllm-serve by the node's name; to /health, completions served and scraped
+    through the exporter with the key; then the time limit's warning as the script's #SBATCH --signal asks: the
+    server drains and exits 0, the launcher stops the world, the worker quits 0, the exporter exits 0, and the job
+    ends 0 with nothing left to kill."""
+    from dflash_trt.cli.main import main
+
+    data = cluster.work / "slurm-trtllm-data"
+    for name in ("target", "drafter"):
+        shutil.copytree(ROOT / "models" / name, data / name)
+    plan = cluster.work / "trtllm-serve" / "plan"  # the trtllm_serve fixture's plan
+    assert main(["plan", "overlay", "--plan", str(plan), "--out", str(data), "--drafter-path", f"{data}/drafter"]) == 0
+    key = cluster.secrets["dflash-api-key"]["key"].decode().strip()
+    (data / "api-key").write_text(key + "\n")
+    subprocess.run(["chown", "-R", "1000:1000", str(data)], check=True)
+    served = yaml.safe_load((data / "trtllm-serve.yaml").read_text())
+    k = int(served["speculative_config"]["max_draft_len"])
+    accepted, requests, tokens = k // 2, 4, 32
+    rounds = requests * math.ceil(tokens / (1 + accepted))
+    work = cluster.work / "slurm-trtllm-job"
+    work.mkdir()
+    job = SlurmJob(cluster.image, work)
+    env = {
+        "TRTLLM_IMAGE": "nvcr.io#nvidia/tensorrt-llm/release.sqsh",
+        "DFLASH_DATA": str(data),
+        "DFLASH_IMAGE": "dflash-trt.sqsh",
+        "DFLASH_TRT_API_KEY_FILE": str(data / "api-key"),
+    }
+    try:
+        proc = job.start(ROOT / "deploy/slurm/trtllm-serve.sbatch", env, ntasks=2)
+        end = time.monotonic() + 300
+        while not (job.ready(8000, "/health") and job.ready(9400, "/health")):
+            if proc.poll() is not None:
+                raise PodFailed(f"the job exited {proc.returncode} before serving\n{job.log.read_text()}")
+            assert time.monotonic() < end, job.log.read_text()
+            time.sleep(1)
+        client = ["ip", "netns", "exec", job.netns, "/usr/bin/python3", "-c", _CLIENT, "8000", "9400", key]
+        r = subprocess.run([*client, str(requests), str(tokens), str(rounds)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr + _step_logs(work)
+        seen = json.loads(r.stdout)
+        job.warn()  # the time limit's warning, as the script's #SBATCH --signal asks
+        rc = proc.wait(timeout=120)
+        assert rc == 0, job.log.read_text() + _step_logs(work)
+        job.end()  # the job's end: anything still running in a step would be signalled, then killed
+        # the two steps start together: the serving step (two tasks) and the exporter (one), in either order
+        assert sorted(s["rc"] for s in job.steps) == [[0], [0, 0]], job.log.read_text() + _step_logs(work)
+    finally:
+        job.close()
+    assert seen["anonymous"] == 401
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {s.name: s.value for f in text_string_to_metric_families(seen["metrics"]) for s in f.samples}
+    assert got["vllm:spec_decode_num_drafts_total"] == rounds
+    assert got["vllm:generation_tokens_total"] == requests * tokens
+
+
+def _step_logs(work: Path) -> str:
+    return "".join(f"\n--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in sorted(work.glob("step*.log")))

@@ -442,6 +442,21 @@ def test_the_multi_node_variant_renders_validates_and_keeps_the_rules(multi, fil
     assert int(env["DFLASH_GPUS_PER_POD"]) == int(leader["resources"]["limits"]["nvidia.com/gpu"])
 
 
+def test_the_groups_image_is_the_release_with_sshd(multi, filled):
+    """The workers run sshd (trtllm-group.sh) and NVIDIA's release image is not known to ship one: every
+    trtllm-serve container of the group runs the image ./Dockerfile builds, FROM the release tag the one-node
+    overlay runs, installing openssh-server and sshd's /run/sshd."""
+    release, tag = _containers(filled[1])[1]["trtllm-serve"]["image"].rsplit(":", 1)
+    dockerfile = (ROOT / "deploy/k8s" / MULTI / "Dockerfile").read_text()
+    assert re.search(rf"^ARG TRTLLM_RELEASE={re.escape(tag)}$", dockerfile, re.M)
+    assert re.search(rf"^FROM {re.escape(release)}:\$\{{TRTLLM_RELEASE\}}$", dockerfile, re.M)
+    assert "openssh-server" in dockerfile and "mkdir -p /run/sshd" in dockerfile
+    lwt = one(multi, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    group = [c for key in ("leaderTemplate", "workerTemplate") for c in lwt[key]["spec"]["containers"]]
+    images = {c["image"] for c in group if c["name"] != "serve-metrics"}
+    assert images == {f"dflash-trtllm-group:{tag}"}, images
+
+
 def _exporter_namespaces(docs) -> list[dict]:
     (policy,) = [p for p in kinds(docs, "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-exporter"]
     return [f["namespaceSelector"]["matchLabels"] for r in policy["spec"]["ingress"] for f in r.get("from", [])]

@@ -27,7 +27,16 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy.test_deploy import K8S, K8S_VERSION, deploy_tools, kinds, one, parsed_names, queries, tool
+from deploy.test_deploy import (
+    K8S,
+    K8S_VERSION,
+    deploy_tools,
+    kinds,
+    one,
+    parsed_names,
+    queries,
+    tool,
+)
 from deploy.test_deploy import test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas as empty_is_error
 from deploy.test_deploy import (
     test_autoscaled_workloads_leave_replicas_to_keda_and_monitoring_carries_the_release_label as keda_and_release,
@@ -516,11 +525,12 @@ def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes
     hosts = (tmp_path / "sshd" / "hostfile").read_text().split("\n")
     assert [h.split()[1] for h in hosts if h] == ["slots=4"] * 3
     rank = mpirun[mpirun.index("trtllm-llmapi-launch") + 1 :]
-    assert rank[0] == "trtllm-serve"
+    # rank 0's command: the script's `serve`, which records trtllm-serve's pid for the preStop and execs it
+    assert rank[:3] == ["bash", str(script), "serve"]
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_trtllm_serve import parser
 
-    parsed = parser().parse_args(rank[1:])
+    parsed = parser().parse_args(rank[3:])
     assert parsed.model == "/checkpoints/target" and parsed.tensor_parallel_size == 12
     assert parsed.extra_llm_api_options == "/config/trtllm-serve.yaml" and parsed.host == "0.0.0.0"
     bad = subprocess.run(["bash", str(script)], env={**env, "TRTLLM_ROLE": "x"}, capture_output=True, text=True)

@@ -30,6 +30,9 @@ import yaml
 from deploy.test_deploy import (
     K8S,
     K8S_VERSION,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    _admits,
     deploy_tools,
     kinds,
     one,
@@ -449,6 +452,26 @@ def test_the_multi_node_variant_renders_validates_and_keeps_the_rules(multi, fil
     leader = {c["name"]: c for c in lwt["leaderTemplate"]["spec"]["containers"]}["leader"]
     env = {e["name"]: e.get("value") for e in leader["env"]}
     assert int(env["DFLASH_GPUS_PER_POD"]) == int(leader["resources"]["limits"]["nvidia.com/gpu"])
+
+
+def test_the_groups_ports_admit_the_leaderworkersets_own_pods_only(multi):
+    """As deploy/k8s/multi-node's (issue 60): any pod of the namespace can be created with
+    app.kubernetes.io/name=dflash-trt, so the workers' sshd and the ranks' ports, and the leaders' ports beyond HTTP,
+    admit only what the LWS controller labels its own pods with."""
+    lws = one(multi, "LeaderWorkerSet")["metadata"]["name"]
+    leader = {
+        "app.kubernetes.io/name": "dflash-trt",
+        "app.kubernetes.io/component": "server",
+        LWS_NAME_LABEL: lws,
+        LWS_WORKER_INDEX_LABEL: "0",
+    }
+    worker = leader | {"app.kubernetes.io/component": "worker", LWS_WORKER_INDEX_LABEL: "1"}
+    anyone = {"app.kubernetes.io/name": "dflash-trt", "app.kubernetes.io/component": "server"}
+    policy = {p["metadata"]["name"]: p for p in kinds(multi, "NetworkPolicy")}
+    workers, servers = policy["dflash-trt-workers"], policy["dflash-trt-servers"]
+    assert _admits(workers, leader, "ssh") and _admits(workers, worker, "29500")  # the launcher, the ranks
+    assert not _admits(workers, anyone, "ssh") and not _admits(workers, anyone, "29500")
+    assert _admits(servers, worker, "29500") and not _admits(servers, anyone, "29500")
 
 
 def _exporter_namespaces(docs) -> list[dict]:

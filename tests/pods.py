@@ -437,6 +437,7 @@ class Pod:
         self.cluster, self.name, self.spec = cluster, name, spec
         self.extra_env = extra_env or {}
         self.lws_env = lws_env or {}  # LeaderWorkerSet's variables: ahead of (replacing) the container's own
+        self.t0 = time.monotonic()  # the pod's notes say when, from its creation
         self.dir = cluster.work / "pods" / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.netns = netns or f"pod{os.getpid() % 10000}{abs(hash(name)) % 1000}"
@@ -508,7 +509,7 @@ class Pod:
 
     def _note(self, text: str) -> None:
         with open(self.log, "a") as f:
-            f.write(f"[pods] {self.name}: {text}\n")
+            f.write(f"[pods] {self.name} +{time.monotonic() - self.t0:.1f}s: {text}\n")
 
     # -- the life cycle
     def init(self, timeout: float = 300) -> None:

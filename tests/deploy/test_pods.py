@@ -114,6 +114,29 @@ def test_single_node_pod_builds_serves_and_drains(cluster):
         assert _serves_and_drains(pod) == {"server": 0}
 
 
+def test_lws_variables_reach_every_container_ahead_of_the_yamls_own(tmp_path):
+    """What LwsGroup gives a group's pods before anything runs (no namespaces, no root): the names LWS gives them,
+    LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX in every container and init container, replacing a
+    container's own variable of the same name (addEnvVarsIfNotExists puts LWS's first and drops the duplicate), and
+    every pod's /etc/hosts naming the group's pods under the LWS's subdomain."""
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/bash\n")
+    own = [{"name": "LWS_GROUP_SIZE", "value": "99"}, {"name": "KEEP", "value": "1"}]
+    leader = {"initContainers": [{"name": "build", "env": own}], "containers": [{"name": "serve", "env": own}]}
+    worker = {"containers": [{"name": "worker"}]}
+    group = LwsGroup(Cluster(tmp_path, Image(root), {}, {}, {}), LwsTemplate("grp", 3, leader, worker), 2, "ns")
+    assert [p.name for p in group.pods] == ["grp-2", "grp-2-1", "grp-2-2"]
+    for i, pod in enumerate(group.pods):
+        for c in [*pod.spec.get("initContainers", []), *pod.spec["containers"]]:
+            env = pod.sandbox(c).env
+            lws = {k: v for k, v in env.items() if k.startswith("LWS_")}
+            assert lws == {"LWS_LEADER_ADDRESS": "grp-2.grp.ns", "LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": str(i)}
+            assert env.get("KEEP") == ("1" if i == 0 else None)
+        hosts = (pod.dir / "hosts").read_text()
+        assert all(f"{name}.grp.ns.svc.cluster.local" in hosts for name in ("grp-2", "grp-2-1", "grp-2-2")), hosts
+
+
 def _rank_events(log: str, name: str) -> list[dict]:
     """The JSON event lines the stand-in executor's ranks print (their stderr reaches mpirun's, the leader's log)."""
     out = []

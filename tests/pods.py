@@ -25,9 +25,17 @@ What it applies, and where each rule comes from:
   and folder, files | 0440, folders setgid: SetVolumeOwnership of a read-only volume), an emptyDir (0777; with
   fsGroup: group fsGroup, setgid), a PersistentVolumeClaim as a folder of this "cluster" (the engines share owned as
   deploy/README.md tells operators to make it: uid/gid 10001, 0755), readOnly mounts read-only;
-- env and args from the rendered YAML (not LWS's own variables, lws pkg/utils/pod/pod_utils.go AddLWSVariables:
-  no pod run here reads them, since the leader's serving path, which does, is not run; tests/deploy/
-  test_netns_launch.py runs that launch); init containers in order, each to exit 0; then the containers, their startup, liveness and
+- env and args from the rendered YAML; in a LeaderWorkerSet group (LwsGroup), LWS's own variables in every container
+  and init container ahead of the YAML's (kubernetes-sigs/lws pkg/utils/pod/pod_utils.go AddLWSVariables and
+  addEnvVarsIfNotExists, read at 1b17603c, the stored version nearest the 060ab4d the manifests cite: LWS_LEADER_ADDRESS
+  `<lws>-<group>.<subdomain>.<namespace>`, LWS_GROUP_SIZE the size annotation, LWS_WORKER_INDEX the worker-index
+  label; a container's own variable of the same name is dropped), the pods named `<lws>-<group>` (the leader) and
+  `<lws>-<group>-<index>` (api/leaderworkerset/v1/leaderworkerset_types.go), hostname the pod's name and subdomain
+  the LWS's name (its headless Service), each pod an interface `eth0` on one bridge with the group's names in
+  /etc/hosts; the leader's container runs: its mpirun reaches the workers' real sshd across the pods' network
+  namespaces and starts their ranks there (Open MPI relocated where NVIDIA's images keep it, /opt/hpcx/ompi, as
+  tests/deploy/relocate_ompi.sh lays it out: the ssh session finds orted only through --prefix);
+  init containers in order, each to exit 0; then the containers, their startup, liveness and
   readiness probes at their paths and ports, from inside the pod's network, within periodSeconds x
   failureThreshold; then, to stop: the preStop hook (exec, in the container's namespaces, as its user), SIGTERM to
   the container's first process, SIGKILL at terminationGracePeriodSeconds (counted from the preStop's start);
@@ -43,7 +51,8 @@ What it applies, and where each rule comes from:
   pyxis task joins the container with setns: SlurmJob.sandbox); Slurm's signals as slurmd, slurmstepd and srun
   deliver them (SlurmJob).
 
-Not modelled: the GPU, TensorRT and TensorRT-LLM (the stand-ins); an NFS server's root squash (the share is a local
+Not modelled: the GPU, TensorRT and TensorRT-LLM (the stand-ins); cluster DNS (a hosts file; tests/deploy/
+test_netns_launch.py runs a real resolver); an NFS server's root squash (the share is a local
 folder: its owner and mode are the operator's, root without CAP_DAC_OVERRIDE meets them); image layers, cgroups,
 seccomp.
 """
@@ -83,6 +92,10 @@ DEFAULT_CAPS = (
 ALL_CAPS = tuple(
     c.upper() for c in subprocess.run(["setpriv", "--list-caps"], capture_output=True, text=True).stdout.split()
 )
+# Open MPI where NVIDIA's images keep it (their ENV: OPAL_PREFIX, its lib on LD_LIBRARY_PATH): the Makefile's
+# relocated copy (MPI_TEST_PREFIX, tests/deploy/relocate_ompi.sh), bound there
+IMAGE_MPI_PREFIX = "/opt/hpcx/ompi"
+MPI_RELOCATED = Path("/opt/dflash-test-ompi")
 POLL_S = 0.5  # how often the runner probes; the budget is the YAML's periodSeconds x failureThreshold
 
 
@@ -182,8 +195,13 @@ class Image:
         shutil.copytree(STANDINS, r / "opt/trtllm-standin", ignore=shutil.ignore_patterns("__pycache__"))
         shutil.copy2(ROOT / "tests/fake_tensorrt.py", r / "opt/trtllm-standin/site/fake_tensorrt.py")
         shutil.copy2(ROOT / "tests/fake_trtllm_serve.py", r / "opt/trtllm-standin/fake_trtllm_serve.py")
-        mpirun = shutil.which("mpirun")
-        if mpirun:  # dirname "$(dirname "$(readlink -f "$(command -v mpirun)")")" > /etc/dflash-mpi-prefix
+        mpi_env = {}
+        if (MPI_RELOCATED / "bin/orted").exists():  # NVIDIA's images: Open MPI in /opt/hpcx/ompi, off the PATH
+            (r / IMAGE_MPI_PREFIX.lstrip("/")).mkdir(parents=True)
+            (r / "etc/dflash-mpi-prefix").write_text(IMAGE_MPI_PREFIX + "\n")
+            mpi_env = {"OPAL_PREFIX": IMAGE_MPI_PREFIX, "LD_LIBRARY_PATH": f"{IMAGE_MPI_PREFIX}/lib"}
+        elif mpirun := shutil.which("mpirun"):
+            # dirname "$(dirname "$(readlink -f "$(command -v mpirun)")")" > /etc/dflash-mpi-prefix
             (r / "etc/dflash-mpi-prefix").write_text(str(Path(os.path.realpath(mpirun)).parent.parent) + "\n")
         app = r / WORKDIR.lstrip("/")
         app.mkdir()
@@ -211,7 +229,8 @@ class Image:
         _triton_layout(r, work)
         path = f"/opt/trtllm-standin/bin:{VENVS[0]}/bin:/opt/tritonserver-env/bin:/usr/local/sbin:/usr/local/bin"
         path += ":/usr/sbin:/usr/bin:/sbin:/bin"
-        return cls(r, env={"PATH": path, "DFLASH_TRT_MODELS": "/app/models", "PYTHONDONTWRITEBYTECODE": "1"})
+        env = {"PATH": path, "DFLASH_TRT_MODELS": "/app/models", "PYTHONDONTWRITEBYTECODE": "1"} | mpi_env
+        return cls(r, env=env)
 
     def binds(self) -> list[str]:
         """The image's read-only content that lives outside the copied root: /usr, the environments, the package
@@ -231,6 +250,8 @@ class Image:
         for package in _editable_roots():
             out += ["--ro-bind", str(self.rootfs / "app/dflash_trt"), str(package)]
         out += ["--ro-bind", str(ROOT / "models"), "/app/models"]
+        if (self.rootfs / IMAGE_MPI_PREFIX.lstrip("/")).is_dir():
+            out += ["--ro-bind", str(MPI_RELOCATED), IMAGE_MPI_PREFIX]
         triton = self.rootfs.parent / "triton"
         if (triton / "dist").exists():  # NVIDIA's Triton images: /opt/tritonserver, its backends beside the binary
             out += ["--ro-bind", str((triton / "dist").resolve()), "/opt/tritonserver"]
@@ -455,9 +476,12 @@ class Pod:
         extra_env: dict[str, str] | None = None,
         hosts: dict[str, str] | None = None,
         netns: str | None = None,
+        lws_env: dict[str, str] | None = None,
     ):
         self.cluster, self.name, self.spec = cluster, name, spec
         self.extra_env = extra_env or {}
+        self.lws_env = lws_env or {}  # LeaderWorkerSet's variables: ahead of (replacing) the container's own
+        self.t0 = time.monotonic()  # the pod's notes say when, from its creation
         self.dir = cluster.work / "pods" / name
         self.dir.mkdir(parents=True, exist_ok=True)
         self.netns = netns or f"pod{os.getpid() % 10000}{abs(hash(name)) % 1000}"
@@ -514,6 +538,7 @@ class Pod:
             src = self.cluster.config_maps if "configMapRef" in ref else self.cluster.secrets
             name = (ref.get("configMapRef") or ref.get("secretRef"))["name"]
             env |= {k: v.decode() for k, v in src[name].items()}
+        env |= self.lws_env
         ro = bool((c.get("securityContext") or {}).get("readOnlyRootFilesystem"))
         cwd = c.get("workingDir", image.workdir)
         return Sandbox(image, mounts, who, env, cwd, self.name.split(".")[0], ro, self.netns)
@@ -525,7 +550,7 @@ class Pod:
 
     def _note(self, text: str) -> None:
         with open(self.log, "a") as f:
-            f.write(f"[pods] {self.name}: {text}\n")
+            f.write(f"[pods] {self.name} +{time.monotonic() - self.t0:.1f}s: {text}\n")
 
     # -- the life cycle
     def init(self, timeout: float = 300) -> None:
@@ -592,7 +617,10 @@ class Pod:
         codes = {}
         for c in self.spec["containers"]:
             proc = self.procs[c["name"]]
-            proc.signal(signal.SIGTERM)
+            try:
+                proc.signal(signal.SIGTERM)
+            except ProcessLookupError:  # its first process ended between the check and the signal
+                pass
             try:
                 codes[c["name"]] = proc.popen.wait(timeout=max(0.0, grace - (time.monotonic() - start)))
             except subprocess.TimeoutExpired:
@@ -841,6 +869,127 @@ class SlurmJob:
         self.end(kill_wait=0)
         self.server.close()
         subprocess.run(["ip", "netns", "del", self.netns], capture_output=True)
+
+
+# ---- a LeaderWorkerSet group ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class LwsTemplate:
+    """What a LeaderWorkerSet's controller reads to make a group: its name, leaderWorkerTemplate.size and the two
+    pod templates."""
+
+    name: str
+    size: int
+    leader: dict
+    worker: dict
+
+    @classmethod
+    def of(cls, docs: list[dict]) -> LwsTemplate:
+        (lws,) = [d for d in docs if d["kind"] == "LeaderWorkerSet"]
+        lwt = lws["spec"]["leaderWorkerTemplate"]
+        return cls(
+            lws["metadata"]["name"],
+            int(lwt.get("size", 1)),
+            lwt["leaderTemplate"]["spec"],
+            lwt["workerTemplate"]["spec"],
+        )
+
+
+def lws_env(lws: str, group: int, size: int, worker: int, namespace: str) -> dict[str, str]:
+    """The variables LWS puts in every container of a group's pods (AddLWSVariables; the default subdomain policy,
+    Shared: the subdomain is the LWS's name)."""
+    return {
+        "LWS_LEADER_ADDRESS": f"{lws}-{group}.{lws}.{namespace}",
+        "LWS_GROUP_SIZE": str(size),
+        "LWS_WORKER_INDEX": str(worker),
+    }
+
+
+class LwsGroup:
+    """Group `group` of a LeaderWorkerSet, as its controller, the kubelet and the cluster network make it (module
+    docstring): `pods[0]` the leader, `pods[i]` worker i, each in its own network namespace with an `eth0` on one
+    bridge (in a namespace of its own, as the node's network is to the pods), the group's names in each /etc/hosts."""
+
+    def __init__(self, cluster: Cluster, lws: LwsTemplate, group: int = 0, namespace: str = "default"):
+        self.tag = f"lws{os.getpid() % 10000}{abs(hash(lws.name)) % 100}"
+        self.bridge_ns = f"{self.tag}br"
+        self.netns = [f"{self.tag}p{i}" for i in range(lws.size)]
+        names = [f"{lws.name}-{group}", *(f"{lws.name}-{group}-{i}" for i in range(1, lws.size))]
+        self.addresses = [f"10.244.{group % 250}.{i + 2}" for i in range(lws.size)]
+        hosts = {}
+        for name, ip in zip(names, self.addresses):
+            fqdn = f"{name}.{lws.name}.{namespace}"  # <hostname>.<subdomain>.<namespace>[.svc.cluster.local]
+            hosts[f"{fqdn}.svc.cluster.local"] = ip
+            hosts[fqdn] = ip
+        self.pods = [
+            Pod(
+                cluster,
+                name,
+                lws.leader if i == 0 else lws.worker,
+                hosts=hosts,
+                netns=self.netns[i],
+                lws_env=lws_env(lws.name, group, lws.size, i, namespace),
+            )
+            for i, name in enumerate(names)
+        ]
+
+    def __enter__(self) -> LwsGroup:
+        _sh("ip", "netns", "add", self.bridge_ns)
+        _sh("ip", "-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", self.bridge_ns, "link", "set", "br0", "up")
+        for i, (ns, ip) in enumerate(zip(self.netns, self.addresses)):
+            _sh("ip", "netns", "add", ns)
+            peer = f"veth{i}"
+            _sh("ip", "link", "add", peer, "netns", self.bridge_ns, "type", "veth", "peer", "eth0", "netns", ns)
+            _sh("ip", "-n", self.bridge_ns, "link", "set", peer, "master", "br0", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{ip}/24", "dev", "eth0")
+            _sh("ip", "-n", ns, "link", "set", "eth0", "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for pod in self.pods:
+            pod.__exit__(*exc)
+        for ns in [*self.netns, self.bridge_ns]:  # every veth goes with its namespace
+            pids = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
+            for pid in map(int, pids):  # what the pods left (mpirun's remote daemons run in sessions of their own)
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+    def stop(self) -> list[dict[str, int]]:
+        """The group deleted: every pod's stop (preStop, SIGTERM, the grace period) at once, as the kubelets of its
+        nodes run them. Exit codes per pod, leader first."""
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(len(self.pods)) as pool:
+            return list(pool.map(Pod.stop, self.pods))
+
+    def http(self, port: int, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, str]:
+        """A request to the leader from inside the group's network (its own netns), as a client behind the
+        Service reaches it: (status, body)."""
+        code = (
+            "import json, sys, urllib.error, urllib.request\n"
+            "url, body, key = sys.argv[1:]\n"
+            "headers = {'Content-Type': 'application/json'} | ({'Authorization': f'Bearer {key}'} if key else {})\n"
+            "req = urllib.request.Request(url, body.encode() or None, headers)\n"
+            "try:\n"
+            "    r = urllib.request.urlopen(req, timeout=60); print(r.status); print(r.read().decode())\n"
+            "except urllib.error.HTTPError as e:\n"
+            "    print(e.code); print(e.read().decode())\n"
+        )
+        url = f"http://{self.addresses[0]}:{port}{path}"
+        cmd = ["ip", "netns", "exec", self.netns[0], "/usr/bin/python3", "-c", code, url]
+        r = subprocess.run(
+            [*cmd, json.dumps(body) if body is not None else "", key or ""], capture_output=True, text=True, timeout=120
+        )
+        if r.returncode != 0:
+            raise PodFailed(f"request to {url} failed: {r.stderr}")
+        status, _, text = r.stdout.partition("\n")
+        return int(status), text
 
 
 def pod_templates(docs: list[dict]) -> dict[str, dict]:

@@ -6,7 +6,9 @@ trtllm-build, trtllm-serve and the GPU are the labelled stand-ins of tests/pods_
 
 One "namespace" (Cluster) holds the operator's objects: the checkpoints claim (a tiny random pair whose heads split
 at tp 8), the engines share (owned by uid/gid 10001, mode 0755, as deploy/README.md tells operators to make it), the
-API key and the launcher's ssh keys. Needs root, bubblewrap, `ip netns`, sshd (`make test-pods` installs them).
+API key and the launcher's ssh keys. The LeaderWorkerSet groups run whole (tests/pods.py LwsGroup): the worker's
+real sshd, the leader's mpirun across the pods' network namespaces. Needs root, bubblewrap, `ip netns`, sshd and
+Open MPI with mpi4py (`make test-pods` installs them).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -28,6 +31,8 @@ from pods import (
     ROOT,
     Cluster,
     Image,
+    LwsGroup,
+    LwsTemplate,
     Pod,
     PodFailed,
     SlurmJob,
@@ -148,15 +153,74 @@ def test_single_node_pod_builds_serves_and_drains(cluster):
         assert _serves_and_drains(pod) == {"server": 0}
 
 
-def test_the_groups_leader_builds_and_the_worker_serves_sshd_and_drains(cluster):
-    specs = _with_render(cluster, "multi-node")
-    with Pod(cluster, "dflash-trt-group-0", specs["leader"]) as leader:
+def test_lws_variables_reach_every_container_ahead_of_the_yamls_own(tmp_path):
+    """What LwsGroup gives a group's pods before anything runs (no namespaces, no root): the names LWS gives them,
+    LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX in every container and init container, replacing a
+    container's own variable of the same name (addEnvVarsIfNotExists puts LWS's first and drops the duplicate), and
+    every pod's /etc/hosts naming the group's pods under the LWS's subdomain."""
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/bash\n")
+    own = [{"name": "LWS_GROUP_SIZE", "value": "99"}, {"name": "KEEP", "value": "1"}]
+    leader = {"initContainers": [{"name": "build", "env": own}], "containers": [{"name": "serve", "env": own}]}
+    worker = {"containers": [{"name": "worker"}]}
+    group = LwsGroup(Cluster(tmp_path, Image(root), {}, {}, {}), LwsTemplate("grp", 3, leader, worker), 2, "ns")
+    assert [p.name for p in group.pods] == ["grp-2", "grp-2-1", "grp-2-2"]
+    for i, pod in enumerate(group.pods):
+        for c in [*pod.spec.get("initContainers", []), *pod.spec["containers"]]:
+            env = pod.sandbox(c).env
+            lws = {k: v for k, v in env.items() if k.startswith("LWS_")}
+            assert lws == {"LWS_LEADER_ADDRESS": "grp-2.grp.ns", "LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": str(i)}
+            assert env.get("KEEP") == ("1" if i == 0 else None)
+        hosts = (pod.dir / "hosts").read_text()
+        assert all(f"{name}.grp.ns.svc.cluster.local" in hosts for name in ("grp-2", "grp-2-1", "grp-2-2")), hosts
+
+
+def _rank_events(log: str, name: str) -> list[dict]:
+    """The JSON event lines the stand-in executor's ranks print (their stderr reaches mpirun's, the leader's log)."""
+    out = []
+    for line in log.splitlines():
+        start = line.find("{")
+        if start >= 0 and f'"event": "{name}"' in line:
+            try:
+                out.append(json.loads(line[start:]))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def test_the_lws_group_builds_serves_across_its_pods_and_drains(cluster):
+    """The multi-node overlay's group as LWS makes it (tests/pods.py LwsGroup: its variables, names, one network):
+    the worker's sshd to live; the leader's init build (tp 8, on the share), then its serving container: serve.sh's
+    leader role waits for the worker's sshd, mpirun starts 4 ranks in each pod (the worker's through ssh), to ready
+    on the YAML's probes; a request with the API key is served; the group deleted: both pods' preStop and SIGTERM,
+    every container exiting 0 within its grace period, every rank having followed every iteration."""
+    docs = render(K8S / "multi-node")
+    cluster.config_maps |= config_maps(docs)
+    lws = LwsTemplate.of(docs)
+    with LwsGroup(cluster, lws) as group:
+        leader, worker = group.pods
+        worker.start()  # startupPolicy LeaderCreated: the workers start with the leader, its init build included
         leader.init()
         built = _built(cluster, leader)
         assert built["serve"]["target"] == "target_tensorrt_llm", built["skipped"]
         assert built["engines"]["target_tensorrt_llm"]["tp"] == 8
-    with Pod(cluster, "dflash-trt-group-0-1", specs["worker"]) as worker:
-        assert _serves_and_drains(worker) == {"worker": 0}
+        worker.wait_ready()
+        leader.start()
+        leader.wait_ready()
+        key = cluster.secrets["dflash-api-key"]["key"].decode().strip()
+        assert group.http(8000, "/generate", {"input_ids": [5, 6, 7], "max_tokens": 6})[0] == 401
+        status, text = group.http(8000, "/generate", {"input_ids": [5, 6, 7], "max_tokens": 6}, key)
+        assert status == 200 and len(json.loads(text)["token_ids"]) == 6, text + leader.procs["leader"].tail()
+        codes = group.stop()
+        log = leader.procs["leader"].log.read_text(errors="replace")
+    assert codes == [{"leader": 0}, {"worker": 0}], log[-4000:]
+    ranks = {e["rank"]: e["host"] for e in _rank_events(log, "standin_rank")}
+    assert ranks == {r: leader.name if r < 4 else worker.name for r in range(8)}, log[-4000:]
+    (shutdown,) = _rank_events(log, "fake_leader_shutdown")
+    workers = _rank_events(log, "fake_worker_shutdown")
+    assert sorted(e["rank"] for e in workers) == list(range(1, 8))
+    assert {e["iterations"] for e in workers} == {shutdown["iterations"]} and shutdown["iterations"] >= 1
 
 
 def _no_gpu_for_tritonserver(repo: Path) -> list[str]:
@@ -307,15 +371,31 @@ def test_the_trtllm_serve_pod_serves_with_the_stand_in_its_exporter_scrapes_and_
     assert got["vllm:generation_tokens_total"] == requests * tokens
 
 
-def test_the_trtllm_serve_groups_worker_serves_sshd_and_drains(cluster, trtllm_serve):
-    """The multi-node trtllm-serve overlay's worker pod (over the filled one-node overlay): trtllm-group.sh as a
-    worker, root for sshd only, to live on its ssh port's probe, then SIGTERM ends sshd with 0 in the grace period.
-    The leader's launch (ssh, mpirun, trtllm-serve across the group) is not run here."""
+def test_the_trtllm_serve_group_serves_across_its_pods_and_drains(cluster, trtllm_serve):
+    """The multi-node trtllm-serve overlay's group (over the filled one-node overlay) as LWS makes it: the worker's
+    sshd to live; the leader's trtllm-group.sh waits for it over ssh and starts the world with mpirun, 4 ranks a pod
+    (the worker's through ssh), each running trtllm-llmapi-launch (the stand-in): rank 0 trtllm-serve (the stand-in)
+    and the comm server, the others its workers; the leader's containers to ready on their probes, a completion
+    served; the group deleted: the leader's preStop ends trtllm-serve alone, so the launcher stops the world, while
+    the worker's keeps its ranks until then; every container exits 0 within its grace period."""
     k8s, demo = trtllm_serve
     docs = render(k8s / "trtllm-serve-multi-node")
-    served = Cluster(cluster.work, cluster.image, config_maps(docs), cluster.secrets, {"dflash-checkpoints": demo})
-    with Pod(served, "dflash-trt-serve-group-0-1", pod_templates(docs)["worker"]) as worker:
-        assert _serves_and_drains(worker) == {"worker": 0}, worker.procs["worker"].tail()
+    work = cluster.work / "trtllm-group"  # its pods' volumes apart from the other LWS test's (the same pod names)
+    served = Cluster(work, cluster.image, config_maps(docs), cluster.secrets, {"dflash-checkpoints": demo})
+    with LwsGroup(served, LwsTemplate.of(docs)) as group:
+        leader, worker = group.pods
+        worker.start()
+        worker.wait_ready()
+        leader.start()
+        assert set(leader.wait_ready()) == {"leader", "serve-metrics"}
+        status, text = group.http(8000, "/v1/completions", {"prompt": "a", "max_tokens": 8})
+        assert status == 200, text + leader.procs["leader"].tail()
+        codes = group.stop()
+        log = leader.procs["leader"].log.read_text(errors="replace")
+    assert codes == [{"leader": 0, "serve-metrics": 0}, {"worker": 0}], log[-4000:]
+    assert sorted(int(n) for n in re.findall(r"^mpi_rank: (\d+)$", log, re.M)) == list(range(8)), log[-4000:]
+    # the world stopped by the launcher once trtllm-serve drained (the preStop), not killed: every worker released
+    assert "MPI Comm Server (STAND-IN) stopped" in log and log.count("worker quit (STAND-IN)") == 7, log[-4000:]
 
 
 def test_the_trtllm_serve_slurm_job_serves_and_drains(cluster, trtllm_serve):

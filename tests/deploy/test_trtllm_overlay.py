@@ -27,7 +27,19 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy.test_deploy import K8S, K8S_VERSION, deploy_tools, kinds, one, parsed_names, queries, tool
+from deploy.test_deploy import (
+    K8S,
+    K8S_VERSION,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    _admits,
+    deploy_tools,
+    kinds,
+    one,
+    parsed_names,
+    queries,
+    tool,
+)
 from deploy.test_deploy import test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas as empty_is_error
 from deploy.test_deploy import (
     test_autoscaled_workloads_leave_replicas_to_keda_and_monitoring_carries_the_release_label as keda_and_release,
@@ -457,6 +469,26 @@ def test_the_groups_image_is_the_release_with_sshd(multi, filled):
     assert images == {f"dflash-trtllm-group:{tag}"}, images
 
 
+def test_the_groups_ports_admit_the_leaderworkersets_own_pods_only(multi):
+    """As deploy/k8s/multi-node's (issue 60): any pod of the namespace can be created with
+    app.kubernetes.io/name=dflash-trt, so the workers' sshd and the ranks' ports, and the leaders' ports beyond HTTP,
+    admit only what the LWS controller labels its own pods with."""
+    lws = one(multi, "LeaderWorkerSet")["metadata"]["name"]
+    leader = {
+        "app.kubernetes.io/name": "dflash-trt",
+        "app.kubernetes.io/component": "server",
+        LWS_NAME_LABEL: lws,
+        LWS_WORKER_INDEX_LABEL: "0",
+    }
+    worker = leader | {"app.kubernetes.io/component": "worker", LWS_WORKER_INDEX_LABEL: "1"}
+    anyone = {"app.kubernetes.io/name": "dflash-trt", "app.kubernetes.io/component": "server"}
+    policy = {p["metadata"]["name"]: p for p in kinds(multi, "NetworkPolicy")}
+    workers, servers = policy["dflash-trt-workers"], policy["dflash-trt-servers"]
+    assert _admits(workers, leader, "ssh") and _admits(workers, worker, "29500")  # the launcher, the ranks
+    assert not _admits(workers, anyone, "ssh") and not _admits(workers, anyone, "29500")
+    assert _admits(servers, worker, "29500") and not _admits(servers, anyone, "29500")
+
+
 def _exporter_namespaces(docs) -> list[dict]:
     (policy,) = [p for p in kinds(docs, "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-exporter"]
     return [f["namespaceSelector"]["matchLabels"] for r in policy["spec"]["ingress"] for f in r.get("from", [])]
@@ -531,11 +563,12 @@ def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes
     hosts = (tmp_path / "sshd" / "hostfile").read_text().split("\n")
     assert [h.split()[1] for h in hosts if h] == ["slots=4"] * 3
     rank = mpirun[mpirun.index("trtllm-llmapi-launch") + 1 :]
-    assert rank[0] == "trtllm-serve"
+    # rank 0's command: the script's `serve`, which records trtllm-serve's pid for the preStop and execs it
+    assert rank[:3] == ["bash", str(script), "serve"]
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_trtllm_serve import parser
 
-    parsed = parser().parse_args(rank[1:])
+    parsed = parser().parse_args(rank[3:])
     assert parsed.model == "/checkpoints/target" and parsed.tensor_parallel_size == 12
     assert parsed.extra_llm_api_options == "/config/trtllm-serve.yaml" and parsed.host == "0.0.0.0"
     bad = subprocess.run(["bash", str(script)], env={**env, "TRTLLM_ROLE": "x"}, capture_output=True, text=True)

@@ -8,6 +8,16 @@
 #   leader  wait for every worker's sshd (WORKER_WAIT_S), write the hostfile from LWS_LEADER_ADDRESS, then
 #           mpirun -n TP --hostfile ... trtllm-llmapi-launch trtllm-serve ...
 #   worker  sshd only (port 2222, key from the Secret, this pod's user only, nothing forwarded)
+# `trtllm-group.sh prestop` is each container's preStop (the kubelet runs it before it signals the first process,
+# within terminationGracePeriodSeconds), as deploy/k8s/base/scripts/prestop.sh is for this project's server:
+#   leader  keep serving PRESTOP_DELAY_S (endpoints drop the pod some seconds after deletion starts), then SIGTERM
+#           to trtllm-serve alone (rank 0's command, its pid in TRTLLM_PID_FILE) and wait while it drains: it exits
+#           0, trtllm-llmapi-launch then stops the MPI comm server (`mgmn_leader_node --action stop`), which
+#           releases every worker rank, and mpirun exits 0. SIGTERM to mpirun instead (the container's first
+#           process) would end every rank at once, in-flight requests with them.
+#   worker  sshd is the first process and the ranks (orted's children) end with it: wait until they have ended,
+#           which the leader's drain takes (deleting a group signals its pods at once; lws 060ab4d, pkg/controllers/
+#           pod_controller.go handleRestartPolicy deletes the leader when a worker goes).
 # The image needs sshd and Open MPI's mpirun (NVIDIA's images: /opt/hpcx/ompi); whether the NGC TensorRT-LLM release
 # image ships sshd was not checked here: if not, build FROM it adding openssh-server, as the Dockerfile's gpu stage.
 set -euo pipefail
@@ -16,6 +26,25 @@ SSH_PORT="${DFLASH_SSH_PORT:-2222}"
 SSH_SECRET="${DFLASH_SSH_SECRET:-/etc/dflash-ssh}"
 SSHD_DIR="${DFLASH_SSHD_DIR:-/run/dflash-sshd}"
 MPI_PREFIX="${DFLASH_MPI_PREFIX:-/opt/hpcx/ompi}"
+PID_FILE="${TRTLLM_PID_FILE:-$SSHD_DIR/trtllm-serve.pid}"
+
+if [ "${1:-}" = prestop ]; then
+  if [ "$ROLE" = worker ]; then   # an Open MPI daemon (orted: Open MPI 4; prted: Open MPI 5) still runs here
+    while grep -qsxE 'orted|prted' /proc/[0-9]*/comm; do sleep 1; done
+    exit 0
+  fi
+  [ -f "$PID_FILE" ] || exit 0
+  sleep "${PRESTOP_DELAY_S:-15}"
+  pid=$(cat "$PID_FILE")
+  kill -TERM "$pid" 2>/dev/null || exit 0
+  while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+  exit 0
+fi
+if [ "${1:-}" = serve ]; then   # rank 0's command under trtllm-llmapi-launch: trtllm-serve, its pid recorded
+  shift
+  echo $$ > "$PID_FILE"
+  exec trtllm-serve "$@"
+fi
 install -d -m 700 "$SSHD_DIR"
 
 case "$ROLE" in
@@ -47,7 +76,7 @@ case "$ROLE" in
     # aliases --config, --host defaults to localhost
     exec "${MPI[@]}" -n "$TP" --hostfile "$HOSTFILE" --map-by "ppr:$GPUS:node" \
       --mca plm_rsh_agent ssh --mca plm_rsh_args "$SSH_ARGS" --mca orte_keep_fqdn_hostnames 1 \
-      trtllm-llmapi-launch trtllm-serve /checkpoints/target --backend pytorch --host 0.0.0.0 --port "${PORT:-8000}" \
+      trtllm-llmapi-launch bash "$0" serve /checkpoints/target --backend pytorch --host 0.0.0.0 --port "${PORT:-8000}" \
         --tp_size "$TP" --extra_llm_api_options /config/trtllm-serve.yaml ;;
   worker)
     install -m 600 "$SSH_SECRET/authorized_keys" "$SSHD_DIR/authorized_keys"

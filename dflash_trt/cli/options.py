@@ -69,6 +69,8 @@ def resolve_drafter(target: Path, drafter: Path | str | None) -> Path | None:
         return drafter
     if target.resolve() == DEMO_TARGET.resolve():
         return DEMO_DRAFTER
+    if not target.is_dir():
+        return None  # loading says the target is missing, in one line: a note on the drafter would only hide it
     print(
         f"no --drafter for target {target}: drafts from the {DRAFTERLESS_PROPOSER} / ngram proposers only "
         "(--drafter DIR loads a DFlash drafter; --drafter none says this without the note)",

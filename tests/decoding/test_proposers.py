@@ -272,14 +272,15 @@ SAMPLED_PROMPT = [1, 2, 3, 4, 1, 2, 3, 4, 1, 2]  # every token of V repeats: suf
 def _sample_counts(model, drafter, proposer: str) -> tuple[dict, int]:
     """Every seed's tokens. Unpriced (`Prices()`: a verify token costs nothing), so a row drafts whenever a suffix
     matches: which runs are verified is then no matter of the machine's timings, and losslessness must hold for any
-    choice of runs."""
+    choice of runs. One tenant for every seed: each request's suffix runs also match the earlier seeds' outputs (a
+    request without a tenant matches its own few tokens only, too few drafts to test their acceptance)."""
     target = TorchTargetEngine(model, drafter.spec.target_layer_ids)
     spec = BatchDecoder(target, TorchDrafterEngine.for_target(drafter, target))
     spec._prices = lambda n: Prices()  # type: ignore[method-assign]
     counts: dict = {}
     accepted = 0
     for seed in range(N_SAMPLES):
-        config = GenerationConfig(max_new_tokens=4, sampling=SETTINGS["T1"](seed), proposer=proposer)
+        config = GenerationConfig(max_new_tokens=4, sampling=SETTINGS["T1"](seed), proposer=proposer, tenant="seeds")
         r = generate_one(spec, SAMPLED_PROMPT, config)
         counts[tuple(r.token_ids)] = counts.get(tuple(r.token_ids), 0) + 1
         accepted += r.stats.accepted_by.get("suffix", 0)

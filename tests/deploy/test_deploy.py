@@ -760,6 +760,32 @@ def test_prestop_serves_through_the_delay_then_drains_rank_0(tmp_path):
         parent.wait()
 
 
+def test_prestop_waits_for_the_launcher_after_rank_0(tmp_path):
+    """Where mpirun is the container's first process, the hook returns only once it has exited, not when rank 0
+    has: the kubelet's SIGTERM follows the hook, and Open MPI 4's mpirun aborts the job it is still ending on a
+    SIGTERM (exit 1 after a complete drain). Where the first process is anything else, rank 0's end is enough."""
+    for first, waits in (("mpirun", True), ("python3", False)):
+        proc = tmp_path / first / "proc"
+        (proc / "1").mkdir(parents=True)
+        (proc / "1" / "comm").write_text(first + "\n")
+        pid_file = tmp_path / first / "serve.pid"
+        parent = subprocess.Popen(["bash", "-c", f'sleep 300 & echo $! > "{pid_file}"; wait $!'])
+        try:
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                time.sleep(0.05)
+            hook = _start_prestop(tmp_path, DFLASH_PID_FILE=str(pid_file), DFLASH_PROC=str(proc))
+            assert parent.wait(10) == 128 + signal.SIGTERM  # rank 0 drained and gone
+            if waits:
+                time.sleep(2.5)
+                assert hook.poll() is None, hook.stdout.read()  # mpirun still ending the job
+                (proc / "1" / "comm").unlink()
+                (proc / "1").rmdir()
+            assert hook.wait(10) == 0
+        finally:
+            parent.kill()
+            parent.wait()
+
+
 def test_prestop_on_a_worker_waits_for_its_ranks(tmp_path):
     """A worker's hook returns only when no Open MPI daemon (orted / prted) runs in the container any more: the
     kubelet's SIGTERM to sshd, the first process, would take the ranks with it."""

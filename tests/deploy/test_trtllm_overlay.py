@@ -573,3 +573,36 @@ def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes
     assert parsed.extra_llm_api_options == "/config/trtllm-serve.yaml" and parsed.host == "0.0.0.0"
     bad = subprocess.run(["bash", str(script)], env={**env, "TRTLLM_ROLE": "x"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "leader or worker" in bad.stderr
+
+
+def test_the_leaders_prestop_returns_once_mpirun_has_ended_the_world(tmp_path):
+    """trtllm-group.sh prestop as the leader: SIGTERM to trtllm-serve alone (its recorded pid), then wait while it
+    drains and while mpirun, the container's first process, still ends the world: the kubelet's SIGTERM follows the
+    hook, and Open MPI 4's mpirun aborts a job it is still ending on one (exit 1 after a complete drain)."""
+    import signal
+
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    (proc / "1" / "comm").write_text("mpirun\n")
+    pid_file = tmp_path / "trtllm-serve.pid"
+    serve = subprocess.Popen(["bash", "-c", f'sleep 300 & echo $! > "{pid_file}"; wait $!'])
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "TRTLLM_ROLE": "leader",
+        "TRTLLM_PID_FILE": str(pid_file),
+        "PRESTOP_DELAY_S": "0",
+        "DFLASH_PROC": str(proc),
+    }
+    try:
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            time.sleep(0.05)
+        hook = subprocess.Popen(["bash", str(K8S / MULTI / "trtllm-group.sh"), "prestop"], env=env)
+        assert serve.wait(10) == 128 + signal.SIGTERM  # trtllm-serve drained and gone
+        time.sleep(2.5)
+        assert hook.poll() is None  # mpirun still ending the world
+        (proc / "1" / "comm").unlink()
+        (proc / "1").rmdir()
+        assert hook.wait(10) == 0
+    finally:
+        serve.kill()
+        serve.wait()

@@ -13,13 +13,15 @@
 #   leader  keep serving PRESTOP_DELAY_S (endpoints drop the pod some seconds after deletion starts), then SIGTERM
 #           to trtllm-serve alone (rank 0's command, its pid in TRTLLM_PID_FILE) and wait while it drains: it exits
 #           0, trtllm-llmapi-launch then stops the MPI comm server (`mgmn_leader_node --action stop`), which
-#           releases every worker rank, and mpirun exits 0. SIGTERM to mpirun instead (the container's first
-#           process) would end every rank at once, in-flight requests with them.
+#           releases every worker rank, and mpirun exits 0; then wait for mpirun as well (the container's first
+#           process: the hook ends with it). SIGTERM to mpirun instead would end every rank at once, in-flight
+#           requests with them, and the kubelet's SIGTERM, which follows the hook at once, reaching mpirun while it
+#           tears the job down makes Open MPI 4 abort it with exit 1 (see base/scripts/prestop.sh).
 #   worker  sshd is the first process and the ranks (orted's children) end with it: wait until they have ended,
 #           which the leader's drain takes (deleting a group signals its pods at once; lws 060ab4d, pkg/controllers/
 #           pod_controller.go handleRestartPolicy deletes the leader when a worker goes).
-# The image needs sshd and Open MPI's mpirun (NVIDIA's images: /opt/hpcx/ompi); whether the NGC TensorRT-LLM release
-# image ships sshd was not checked here: if not, build FROM it adding openssh-server, as the Dockerfile's gpu stage.
+# The image needs sshd and Open MPI's mpirun (NVIDIA's images: /opt/hpcx/ompi): ./Dockerfile builds it FROM the
+# release image adding openssh-server, since no public source says the release image ships sshd.
 set -euo pipefail
 ROLE="${TRTLLM_ROLE:?set TRTLLM_ROLE to leader or worker}"
 SSH_PORT="${DFLASH_SSH_PORT:-2222}"
@@ -27,10 +29,11 @@ SSH_SECRET="${DFLASH_SSH_SECRET:-/etc/dflash-ssh}"
 SSHD_DIR="${DFLASH_SSHD_DIR:-/run/dflash-sshd}"
 MPI_PREFIX="${DFLASH_MPI_PREFIX:-/opt/hpcx/ompi}"
 PID_FILE="${TRTLLM_PID_FILE:-$SSHD_DIR/trtllm-serve.pid}"
+PROC="${DFLASH_PROC:-/proc}"
 
 if [ "${1:-}" = prestop ]; then
   if [ "$ROLE" = worker ]; then   # an Open MPI daemon (orted: Open MPI 4; prted: Open MPI 5) still runs here
-    while grep -qsxE 'orted|prted' /proc/[0-9]*/comm; do sleep 1; done
+    while grep -qsxE 'orted|prted' "$PROC"/[0-9]*/comm; do sleep 1; done
     exit 0
   fi
   [ -f "$PID_FILE" ] || exit 0
@@ -38,6 +41,7 @@ if [ "${1:-}" = prestop ]; then
   pid=$(cat "$PID_FILE")
   kill -TERM "$pid" 2>/dev/null || exit 0
   while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+  while grep -qsxE 'mpirun|mpiexec|orterun|prterun' "$PROC/1/comm"; do sleep 1; done
   exit 0
 fi
 if [ "${1:-}" = serve ]; then   # rank 0's command under trtllm-llmapi-launch: trtllm-serve, its pid recorded

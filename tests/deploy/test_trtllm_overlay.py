@@ -560,6 +560,9 @@ def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes
     ]
     (mpirun,) = [c[1:] for c in got if c[0] == "mpirun"]
     assert mpirun[mpirun.index("-n") + 1] == "12" and "NCCL_SOCKET_IFNAME" in mpirun
+    # only what is set is passed on: `-x` of an unset name makes mpirun warn at every start
+    exported = {mpirun[i + 1] for i, a in enumerate(mpirun) if a == "-x"}
+    assert {"PATH", "NCCL_SOCKET_IFNAME"} <= exported and not exported & {"PYTHONPATH", "HF_HUB_OFFLINE"}
     hosts = (tmp_path / "sshd" / "hostfile").read_text().split("\n")
     assert [h.split()[1] for h in hosts if h] == ["slots=4"] * 3
     rank = mpirun[mpirun.index("trtllm-llmapi-launch") + 1 :]
@@ -571,6 +574,11 @@ def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes
     parsed = parser().parse_args(rank[3:])
     assert parsed.model == "/checkpoints/target" and parsed.tensor_parallel_size == 12
     assert parsed.extra_llm_api_options == "/config/trtllm-serve.yaml" and parsed.host == "0.0.0.0"
+    calls.unlink()
+    r = subprocess.run(["bash", str(script)], env=env | {"PYTHONPATH": "/opt/x"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (mpirun,) = [c[1:] for c in map(json.loads, calls.read_text().splitlines()) if c[0] == "mpirun"]
+    assert "PYTHONPATH" in {mpirun[i + 1] for i, a in enumerate(mpirun) if a == "-x"}
     bad = subprocess.run(["bash", str(script)], env={**env, "TRTLLM_ROLE": "x"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "leader or worker" in bad.stderr
 

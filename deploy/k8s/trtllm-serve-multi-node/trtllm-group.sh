@@ -73,9 +73,11 @@ case "$ROLE" in
         echo "waiting for worker $host" >&2; sleep 2
       done
     done
-    MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none
-         -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x HOME -x HF_HUB_OFFLINE)
-    for name in $(compgen -e); do case "$name" in NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac; done
+    MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none)
+    # what is set of these reaches every rank (`-x NAME` of an unset one only makes mpirun warn at every start)
+    for name in $(compgen -e); do
+      case "$name" in PATH|LD_LIBRARY_PATH|PYTHONPATH|HOME|HF_HUB_OFFLINE|NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac
+    done
     # tensorrt_llm/commands/serve.py (00209af1): --tp_size aliases --tensor_parallel_size, --extra_llm_api_options
     # aliases --config, --host defaults to localhost
     exec "${MPI[@]}" -n "$TP" --hostfile "$HOSTFILE" --map-by "ppr:$GPUS:node" \

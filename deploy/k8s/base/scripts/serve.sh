@@ -61,8 +61,9 @@ case "$ROLE" in
     if [ "$TP" -gt 1 ]; then exec "${MPI[@]}" "${MPI_EXTRA[@]}" -n "$TP" "${SERVE[@]}"; fi
     exec "${SERVE[@]}" ;;
   leader)
-    # LWS_LEADER_ADDRESS is <lws>-<group>.<lws>.<namespace> (the headless Service LWS names after itself:
-    # lws pkg/utils/pod/pod_utils.go AddLWSVariables); worker i is <lws>-<group>-<i>.<lws>.<namespace>
+    # LWS_LEADER_ADDRESS is <lws>-<group>.<subdomain>.<namespace> (lws pkg/utils/pod/pod_utils.go
+    # AddLWSVariables; the subdomain is the headless Service, <lws> under the default Shared subdomainPolicy);
+    # worker i is <lws>-<group>-<i>.<subdomain>.<namespace> (deploy/README.md, "Names")
     GPUS="${DFLASH_GPUS_PER_POD:?set DFLASH_GPUS_PER_POD}"
     SIZE="${LWS_GROUP_SIZE:?not in a LeaderWorkerSet}"
     if [ "$((GPUS * SIZE))" -ne "$TP" ]; then

@@ -47,6 +47,13 @@ fi
 if [ "${1:-}" = serve ]; then   # rank 0's command under trtllm-llmapi-launch: trtllm-serve, its pid recorded
   shift
   echo $$ > "$PID_FILE"
+  # SIGTERM ignored across the exec: uvicorn installs its own handler while it serves, drains on the preStop's
+  # SIGTERM, then restores the inherited disposition and raises the signal again (uvicorn >= 0.29,
+  # Server.capture_signals). At its default that would end trtllm-serve by SIGTERM (143) after a complete drain,
+  # and trtllm-llmapi-launch's `set -e` subshell would then never run `mgmn_leader_node --action stop`: the comm
+  # server, the worker ranks and mpirun would wait for the kubelet's SIGKILL. Ignored, the raise does nothing and
+  # trtllm-serve exits 0 (deploy/slurm/trtllm-serve.sbatch's task wrapper does the same for its ranks).
+  trap '' TERM
   exec trtllm-serve "$@"
 fi
 install -d -m 700 "$SSHD_DIR"

@@ -109,9 +109,10 @@ sshd-env:
 # deploy/'s pods and Slurm job executed (tests/deploy/test_pods.py, runner tests/pods.py): every overlay's init
 # containers, containers, probes, preStop hooks and drain, and the sbatch's steps, in Linux namespaces built as the
 # kubelet, containerd and pyxis/enroot build them. Root, as CI runs: bubblewrap (the sandboxes), iproute2 (`ip netns`,
-# a pod's network), util-linux (setpriv, nsenter) from apt-get; the real sshd (sshd-env) and tritonserver (triton-env).
+# a pod's network), util-linux (setpriv, nsenter) from apt-get; the real sshd (sshd-env), tritonserver (triton-env)
+# and Open MPI (mpi-env: a LeaderWorkerSet group's mpirun across its pods, from where NVIDIA's images keep it).
 PODS_TOOLS := /usr/bin/bwrap /usr/bin/setpriv /usr/bin/nsenter /usr/sbin/ip
-test-pods: venv triton-env deploy-env sshd-env
+test-pods: venv triton-env deploy-env mpi-env sshd-env
 	for t in $(PODS_TOOLS); do test -x $$t || { $(APT_GET) update -q && DEBIAN_FRONTEND=noninteractive \
 		$(APT_GET) install -y -q --no-install-recommends bubblewrap iproute2 util-linux; break; }; done
 	$(BIN)/python -m pytest -q tests/deploy/test_pods.py

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Install this checkout into a GPU container's own Python (NVIDIA's TensorRT-LLM / Triton images), keeping what the
 # container ships: the gpu image's Dockerfile runs it, and `dflash-trt engines` names it when the drafter export's
-# modules are missing (a plain NGC container: TensorRT-LLM's requirements hold onnx, neither onnxruntime nor
-# onnxscript). Run from the repository root, as the user that owns the container's Python (root in NVIDIA's images):
+# modules are missing (a plain NGC container: TensorRT-LLM's requirements.txt holds onnx, neither onnxruntime nor
+# onnxscript, as read at NVIDIA/TensorRT-LLM 000867d9 on the 1.2 line; the 1.3 line adds onnxscript). Run from the repository root, as the user that owns the container's Python (root in NVIDIA's images):
 #
 #   scripts/container_install.sh
 #

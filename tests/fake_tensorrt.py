@@ -427,3 +427,63 @@ def install_trtllm(monkeypatch, module: types.ModuleType) -> None:
     monkeypatch.setitem(sys.modules, "tensorrt_llm.bindings.executor", module)
     sys.modules["tensorrt_llm"].bindings = sys.modules["tensorrt_llm.bindings"]
     sys.modules["tensorrt_llm.bindings"].executor = module
+
+
+MPI_POLL_S = 0.005  # how often a waiting rank looks for a message (Open MPI's blocking recv spins a core)
+
+
+def wait_message(comm, source: int, timeout: float | None = None):
+    """comm.recv without spinning: poll, sleep, then receive. None after `timeout` seconds."""
+    import time
+
+    end = None if timeout is None else time.monotonic() + timeout
+    while not comm.iprobe(source=source):
+        if end is not None and time.monotonic() > end:
+            return None
+        time.sleep(MPI_POLL_S)
+    return comm.recv(source=source)
+
+
+def tensor_parallel(base: type, comm, rank: int, size: int, event, wait, answer_timeout: float = 30.0) -> type:
+    """The FAKE executor class `base` as one rank of a tensor-parallel world over real MPI (`comm`, mpi4py): each
+    executor iteration the leader (rank 0) runs is one step every other rank takes part in, as the tensor-parallel
+    collectives tie every rank to every iteration: the leader sends it to every rank and each rank answers (a rank
+    that does not answer within `answer_timeout` is lost, and the leader's iteration fails). A non-leader's
+    `shutdown()` (what dflash-trt's serve_worker() calls) returns when the leader shuts its executor down
+    (executorImpl.cpp, Executor::Impl::shutdown). `event(**fields)` reports life-cycle events; `wait(comm, source,
+    timeout)` receives one message (None after the timeout)."""
+
+    class Executor(base):  # type: ignore[misc,valid-type]
+        iterations = 0
+
+        def await_responses(self, ids=None):
+            ran = bool(self.pending)
+            out = super().await_responses(ids)
+            if ran and rank == 0:
+                Executor.iterations += 1
+                for peer in range(1, size):
+                    comm.send(("iteration", Executor.iterations), dest=peer)
+                for peer in range(1, size):
+                    if wait(comm, peer, answer_timeout) is None:
+                        event(event="fake_rank_lost", rank=peer)
+                        raise RuntimeError(f"tensor-parallel rank {peer} did not take part in the iteration")
+            return out
+
+        def shutdown(self):
+            if self.shutdown_called:
+                return
+            super().shutdown()
+            if rank == 0:
+                for peer in range(1, size):
+                    comm.send(("shutdown", 0), dest=peer)
+                event(event="fake_leader_shutdown", iterations=Executor.iterations)
+                return
+            while True:  # a worker: every leader iteration, then the leader's shutdown
+                kind, n = wait(comm, 0)
+                if kind == "shutdown":
+                    event(event="fake_worker_shutdown", rank=rank, iterations=Executor.iterations)
+                    return
+                Executor.iterations = n
+                comm.send(("done", n), dest=0)
+
+    return Executor

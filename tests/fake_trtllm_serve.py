@@ -21,7 +21,9 @@ What it does as the real one does (each with its source; nothing here computes a
 * GET /v1/models and POST /v1/completions (the OpenAI routes of `register_routes`), minimally: a completion of
   max_tokens FAKE tokens ("x"), decoded in rounds that each draft max_draft_len tokens (at most what the
   schedule gives at the batch size) and accept FAKE_TRTLLM_ACCEPT of them (default 0.5), each round queued as
-  one iteration's statistics. FAKE_TRTLLM_LOAD_S delays the listening port (the engine's load), default 0.
+  one iteration's statistics. FAKE_TRTLLM_LOAD_S delays the listening port (the engine's load), default 0;
+* SIGTERM: drains, then re-raises the signal as uvicorn does (`main`), so a caller that leaves SIGTERM at its default
+  sees the process end by it.
 """
 
 from __future__ import annotations
@@ -209,12 +211,25 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(float(os.environ.get("FAKE_TRTLLM_LOAD_S", "0")))
     server = ThreadingHTTPServer((args.host, args.port), handler(Engine(llm_args), args.model))
     server.daemon_threads = True
-    signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=server.shutdown).start())
+    # uvicorn's Server.capture_signals (uvicorn >= 0.29, PR 1600; read in 0.55.0 uvicorn/server.py): its own SIGTERM
+    # handler while serving, then the process's earlier handler back and the captured signal raised again. With
+    # SIGTERM at its default that ends the process by the signal (exit 143) after a complete drain; where the
+    # process inherited SIGTERM ignored, raising it again does nothing and it exits 0.
+    caught: list[int] = []
+
+    def drain(signum: int, _frame: Any) -> None:
+        caught.append(signum)
+        threading.Thread(target=server.shutdown).start()
+
+    earlier = signal.signal(signal.SIGTERM, drain)
     print(f"trtllm-serve (FAKE) listening on {args.host}:{server.server_address[1]}", flush=True)
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
         server.server_close()
+        signal.signal(signal.SIGTERM, earlier)
+    for signum in caught[:1]:
+        signal.raise_signal(signum)
     return 0
 
 

@@ -28,33 +28,21 @@ import json
 import os
 import socket
 import sys
-import time
 import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from fake_tensorrt import make_trtllm_executor  # noqa: E402
+from fake_tensorrt import make_trtllm_executor, tensor_parallel, wait_message  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from mpi_engines import NODE_GPUS_FILE, with_device_rule  # noqa: E402
 
-POLL_S = 0.005  # how often a waiting rank looks for the leader's message (Open MPI's blocking recv spins a core)
 ANSWER_TIMEOUT_S = 30.0  # a rank that does not answer an iteration within this is lost
 
 
 def event(**fields) -> None:
     print(json.dumps(fields), file=sys.stderr, flush=True)
-
-
-def wait_message(comm, source: int, timeout: float | None = None):
-    """comm.recv without spinning: poll, sleep, then receive. None after `timeout` seconds."""
-    end = None if timeout is None else time.monotonic() + timeout
-    while not comm.iprobe(source=source):
-        if end is not None and time.monotonic() > end:
-            return None
-        time.sleep(POLL_S)
-    return comm.recv(source=source)
 
 
 def hf_model_fn(target_dir: str, layers: list[int]):
@@ -81,44 +69,14 @@ def install(engines: Path, comm) -> None:
     node_gpus = int(node_gpus_file.read_text()) if node_gpus_file.is_file() else None
     base = with_device_rule(ex, rank, node_gpus, size).Executor
 
-    class Executor(base):
-        """The fake executor of one rank of a tensor-parallel world (see the module docstring)."""
+    parallel = tensor_parallel(base, comm, rank, size, event, wait_message, ANSWER_TIMEOUT_S)
 
-        iterations = 0
+    class Executor(parallel):
+        """The fake executor of one rank of a tensor-parallel world (see the module docstring)."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             event(event="fake_rank_device", rank=rank, host=socket.gethostname(), device=self.device)
-
-        def await_responses(self, ids=None):
-            ran = bool(self.pending)
-            out = super().await_responses(ids)
-            if ran and rank == 0:
-                Executor.iterations += 1
-                for peer in range(1, size):
-                    comm.send(("iteration", Executor.iterations), dest=peer)
-                for peer in range(1, size):
-                    if wait_message(comm, peer, ANSWER_TIMEOUT_S) is None:
-                        event(event="fake_rank_lost", rank=peer)
-                        raise RuntimeError(f"tensor-parallel rank {peer} did not take part in the iteration")
-            return out
-
-        def shutdown(self):
-            if self.shutdown_called:
-                return
-            super().shutdown()
-            if rank == 0:
-                for peer in range(1, size):
-                    comm.send(("shutdown", 0), dest=peer)
-                event(event="fake_leader_shutdown", iterations=Executor.iterations)
-                return
-            while True:  # a worker: every leader iteration, then the leader's shutdown
-                kind, n = wait_message(comm, 0)
-                if kind == "shutdown":
-                    event(event="fake_worker_shutdown", rank=rank, iterations=Executor.iterations)
-                    return
-                Executor.iterations = n
-                comm.send(("done", n), dest=0)
 
     ex.Executor = Executor
     for name in ("tensorrt_llm", "tensorrt_llm.bindings", "tensorrt_llm.bindings.executor"):

@@ -74,6 +74,15 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
         "--poll", type=float, default=2.0, help="exporter: seconds between polls of trtllm-serve (default 2)"
     )
     c.add_argument(
+        "--max-stats-len",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="--engine trtllm: the max_stats_len of trtllm-serve's YAML (TensorRT-LLM's default 1000): it keeps that "
+        "many iterations between two /metrics calls, so a scrape or exporter poll returning that many may have lost "
+        "older ones (counted and reported); -1 counts as 1, as the PyTorch executor keeps at least 1",
+    )
+    c.add_argument(
         "--api-key-file",
         type=Path,
         default=None,
@@ -144,7 +153,7 @@ def cmd_serve_metrics(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    exporter.serve(args.url, args.host, args.serve_metrics, args.poll, key, stop=stop)
+    exporter.serve(args.url, args.host, args.serve_metrics, args.poll, key, stop=stop, max_stats_len=args.max_stats_len)
     return 0
 
 
@@ -155,6 +164,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     from ..plan import check, exporter, metrics
     from .options import CliError
 
+    if args.max_stats_len < -1:
+        raise CliError("--max-stats-len: trtllm-serve's max_stats_len, -1 or more (llm_args.py: ge=-1)")
     if args.serve_metrics is not None:
         return cmd_serve_metrics(args)
     if args.plan is None:
@@ -177,7 +188,14 @@ def cmd_check(args: argparse.Namespace) -> int:
         if notice:  # a plan written before drafted tokens became plan.json's one unit still checks
             print(f"{path}: {notice}", file=sys.stderr)
         check.cells(doc), check.planned_rates(doc)  # a plan the check cannot read fails before the window
-        obs = metrics.scrape(args.engine, args.url, args.window, args.samples, get=lambda u: metrics.fetch(u, key=key))
+        obs = metrics.scrape(
+            args.engine,
+            args.url,
+            args.window,
+            args.samples,
+            get=lambda u: metrics.fetch(u, key=key),
+            max_stats_len=args.max_stats_len,
+        )
         report = check.check(doc, obs, args.tolerance)
     except (metrics.MetricsError, check.PlanDocError) as e:
         raise CliError(str(e)) from None

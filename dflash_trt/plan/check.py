@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..sim.acceptance import tau_of
-from .metrics import TRTLLM_STATS_KEPT, Observed
+from .metrics import Observed
 
 ABOVE = (
     "above it TensorRT-LLM's draft_len_schedule drafts nothing (1 under the open PR 16888's min_runtime_draft_len), "
@@ -224,9 +224,9 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
         )
     if obs.full_scrapes:
         rep.advice.append(
-            f"{obs.full_scrapes} scrapes returned {TRTLLM_STATS_KEPT} iterations or more: trtllm-serve keeps only "
+            f"{obs.full_scrapes} scrapes returned max_stats_len iterations or more: trtllm-serve keeps only "
             "the last max_stats_len (default 1000), so older iterations of the window may be lost; raise "
-            "max_stats_len in the YAML or scrape more often (--samples)"
+            "max_stats_len in the YAML (and pass it as --max-stats-len) or scrape more often (--samples)"
         )
     schedule_advice(rep, table, planned, seen)
     return rep

@@ -2,7 +2,8 @@
 
 trtllm-serve publishes drafts and acceptance only as JSON (GET /metrics, a list of the iteration statistics queued
 since the last call, drained by each call: tensorrt_llm/serve/openai_server.py get_iteration_stats,
-NVIDIA/TensorRT-LLM 00057725; its /prometheus/metrics has no speculative series, docs/gpu.md). This sidecar polls
+NVIDIA/TensorRT-LLM 00057725; its /prometheus/metrics, mounted only with return_perf_metrics, and /perf_metrics,
+per request, give no per-iteration drafts: docs/gpu.md). This sidecar polls
 that list and keeps running totals, so the ServiceMonitor, the PrometheusRule's plan alerts, the KEDA triggers
 and `plan check --engine vllm` read a trtllm-serve pod exactly as they read vLLM:
 
@@ -16,14 +17,15 @@ and `plan check --engine vllm` read a trtllm-serve pod exactly as they read vLLM
   vllm:num_requests_running                  numActiveRequests of the newest iteration polled
   vllm:num_requests_waiting                  numQueuedRequests of the newest iteration polled
 
-(vLLM's names: vllm/v1/spec_decode/metrics.py and vllm/v1/metrics/loggers.py at vllm-project/vllm 016a8587; the
+(vLLM's names: vllm/v1/spec_decode/metrics.py at vllm-project/vllm 016a8587, vllm/v1/metrics/loggers.py at 005a810b; the
 iteration fields: cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats, read through
 dflash_trt.plan.metrics, whose parser this reuses.) Per-position acceptance is not published by trtllm-serve,
 so vllm:spec_decode_num_accepted_tokens_per_pos is absent, as on an engine without it.
 
 Polling: every `poll_s` seconds in the background and once more at each scrape, so totals are current when read
-and the engine's queue (the last max_stats_len iterations, 1000 by default) is drained well before it overflows;
-a poll that returns that many iterations may have lost older ones, counted in dflash_trtllm_full_polls_total.
+and the engine's queue (the last max_stats_len iterations, 1000 by default: --max-stats-len says the YAML's) is
+drained well before it overflows; a poll that returns that many iterations may have lost older ones, counted in
+dflash_trtllm_full_polls_total.
 An engine that ran no iteration for IDLE_S seconds runs nothing: its running and waiting gauges read 0 then, as
 vLLM's do when idle (trtllm-serve publishes no iteration while idle, so the last one's counts would otherwise stay
 and keep the autoscaler and the batch alert busy). A scrape whose poll fails (trtllm-serve down) answers 503, so Prometheus' `up` turns 0 rather than the series
@@ -48,7 +50,7 @@ from prometheus_client.registry import Collector
 
 from . import metrics
 
-# vLLM's family names (vllm/v1/spec_decode/metrics.py, vllm/v1/metrics/loggers.py at 016a8587): the names
+# vLLM's family names (vllm/v1/spec_decode/metrics.py at 016a8587, vllm/v1/metrics/loggers.py at 005a810b): the names
 # dflash_trt.plan.metrics reads for engine "vllm", so one table serves both sides
 VLLM_COUNTERS = {
     "drafts": "vllm:spec_decode_num_drafts",
@@ -65,10 +67,15 @@ class TrtllmTotals(Collector):
     """Running totals of trtllm-serve's iteration statistics, exposed as the vLLM series above."""
 
     def __init__(
-        self, url: str, get: Callable[[str], str] = metrics.fetch, clock: Callable[[], float] = time.monotonic
+        self,
+        url: str,
+        get: Callable[[str], str] = metrics.fetch,
+        clock: Callable[[], float] = time.monotonic,
+        max_stats_len: int = metrics.TRTLLM_STATS_KEPT,
     ):
         self.url = metrics.metrics_url(url)
         self.get, self.clock = get, clock
+        self.full_at = metrics.trtllm_full_at(max_stats_len)  # a poll this long may have lost older iterations
         self.last_iteration_at = clock()
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
@@ -98,7 +105,7 @@ class TrtllmTotals(Collector):
             elif self.running is not None and now - self.last_iteration_at >= IDLE_S:
                 self.running = self.waiting = 0.0
             self.iterations += len(sample.iterations)
-            if len(sample.iterations) >= metrics.TRTLLM_STATS_KEPT:
+            if len(sample.iterations) >= self.full_at:
                 self.full_polls += 1
             return len(sample.iterations)
 
@@ -180,15 +187,16 @@ def serve(
     ready: Callable[[int], None] | None = None,
     stop: threading.Event | None = None,
     clock: Callable[[], float] = time.monotonic,
+    max_stats_len: int = metrics.TRTLLM_STATS_KEPT,
 ) -> None:
     """Serve until `stop` is set (or forever): polls every poll_s seconds in the background (0: at scrapes only);
-    `clock` times the idle rule (IDLE_S)."""
+    `clock` times the idle rule (IDLE_S); `max_stats_len` is trtllm-serve's (what a full poll is)."""
     from socketserver import ThreadingMixIn
 
     class Server(ThreadingMixIn, _Threading):
         pass
 
-    totals = TrtllmTotals(url, clock=clock)
+    totals = TrtllmTotals(url, clock=clock, max_stats_len=max_stats_len)
     stop = stop or threading.Event()
     httpd = make_server(host, port, app(totals, api_key), server_class=Server, handler_class=_Quiet)
 

@@ -6,7 +6,7 @@ are read at every scrape (what the batch looked like while it ran). Each engine'
 defines them:
 
 * vLLM (`vllm/v1/spec_decode/metrics.py`, SpecDecodingProm, vllm-project/vllm at 016a8587; labels model_name
-  and engine from `vllm/v1/metrics/loggers.py`): counters vllm:spec_decode_num_drafts,
+  and engine from `vllm/v1/metrics/loggers.py`, read at 005a810b): counters vllm:spec_decode_num_drafts,
   vllm:spec_decode_num_draft_tokens, vllm:spec_decode_num_accepted_tokens and
   vllm:spec_decode_num_accepted_tokens_per_pos (label `position`, from 0; a round that accepted n drafts
   counts positions 0..n-1 once each); gauge vllm:num_requests_running; counter vllm:generation_tokens.
@@ -31,7 +31,7 @@ defines them:
   enable_iter_perf_stats): per iteration numActiveRequests, inflightBatchingStats.numGenRequests and
   specDecodingStats {numDraftTokens, numAcceptedTokens, numRequestsWithDraftTokens}. The first scrape only
   drains the queue; the later ones hold the window's iterations. The engine keeps only the last max_stats_len
-  iterations (an LLM argument, 1000 by default): a scrape that returns that many may have lost older ones. Tokens per iteration are derived (each
+  iterations (an LLM argument, 1000 by default; `plan check --max-stats-len`): a scrape that returns that many may have lost older ones. Tokens per iteration are derived (each
   generation request commits one token plus its accepted drafts; context requests are not counted).
 * dflash-trt (this project's server, dflash_trt/server/metrics.py): the vLLM names above (it exports them
   from the same verify rounds), plus dflash_generated_tokens, dflash_inflight_requests and the target pass's
@@ -66,6 +66,14 @@ from typing import Any
 
 ENGINES = ("vllm", "sglang", "trtllm", "dflash-trt")
 TRTLLM_STATS_KEPT = 1000  # the LLM args' max_stats_len default: iterations trtllm-serve queues between scrapes
+
+
+def trtllm_full_at(max_stats_len: int = TRTLLM_STATS_KEPT) -> int:
+    """How many iterations a /metrics poll returns when trtllm-serve's queue may have dropped older ones, for the
+    LLM argument max_stats_len: the PyTorch executor keeps max(max_stats_len, 1) of them and drops the oldest past
+    that (tensorrt_llm/_torch/pyexecutor/py_executor.py PyExecutor: `self.max_stats_len = max(...max_stats_len,
+    1)`), so the -1 that llm_args.py documents as "keep all" keeps 1 there."""
+    return max(max_stats_len, 1)
 
 
 class MetricsError(ValueError):
@@ -112,7 +120,7 @@ class Observed:
     tokens_per_s: float | None  # generated tokens per second over the window
     idle_drafting: int | None = None  # TensorRT-LLM: iterations with generation requests and no draft
     source: str = ""
-    full_scrapes: int | None = None  # TensorRT-LLM: window scrapes returning >= TRTLLM_STATS_KEPT iterations
+    full_scrapes: int | None = None  # TensorRT-LLM: window scrapes returning trtllm_full_at() iterations or more
     # dflash-trt: the mean served step (`step_shape`): its wall seconds, its verify rows and tokens, the prompt
     # chunks riding in its pass, its drafting rows and their drafted tokens; `steps` is how many it averages
     steps: dict[str, float] | None = None
@@ -390,7 +398,7 @@ def step_shape(first: Sample, last: Sample, seconds: float) -> dict[str, float] 
 TRTLLM_SPEC, TRTLLM_ACTIVE = "specDecodingStats", "numActiveRequests"
 
 
-def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
+def window_trtllm(url: str, samples: Sequence[Sample], max_stats_len: int = TRTLLM_STATS_KEPT) -> Observed:
     iters = [i for s in samples[1:] for i in s.iterations]  # the first scrape drained what came before
     if not iters:
         raise MetricsError(
@@ -415,7 +423,7 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
     batch = [float(i.get(TRTLLM_ACTIVE, 0)) for i in iters]
     src = f"{len(iters)} iterations ({len(with_drafts)} drafting) of trtllm-serve /metrics over {seconds:.1f} s"
     tps = tokens / seconds if seconds > 0 else None
-    full = sum(1 for s in samples[1:] if len(s.iterations) >= TRTLLM_STATS_KEPT)
+    full = sum(1 for s in samples[1:] if len(s.iterations) >= trtllm_full_at(max_stats_len))
     return Observed(
         "trtllm",
         url,
@@ -433,10 +441,13 @@ def window_trtllm(url: str, samples: Sequence[Sample]) -> Observed:
     )
 
 
-def window(engine: str, url: str, samples: Sequence[Sample]) -> Observed:
+def window(engine: str, url: str, samples: Sequence[Sample], max_stats_len: int = TRTLLM_STATS_KEPT) -> Observed:
+    """The scrapes read as one window; `max_stats_len` is trtllm-serve's (the YAML's LLM argument)."""
     if len(samples) < 2:
         raise MetricsError("a window needs two scrapes at least")
-    return window_trtllm(url, samples) if engine == "trtllm" else window_prometheus(engine, url, samples)
+    if engine == "trtllm":
+        return window_trtllm(url, samples, max_stats_len)
+    return window_prometheus(engine, url, samples)
 
 
 # ---- scraping -----------------------------------------------------------------------------------------------
@@ -464,6 +475,7 @@ def scrape(
     samples: int = 2,
     get: Callable[[str], str] = fetch,
     sleep: Callable[[float], None] = time.sleep,
+    max_stats_len: int = TRTLLM_STATS_KEPT,
 ) -> Observed:
     """`samples` scrapes evenly over `seconds` (the first at once), read as one window."""
     target = metrics_url(url)
@@ -472,4 +484,4 @@ def scrape(
         if i:
             sleep(seconds / (samples - 1))
         got.append(read(engine, get(target), time.monotonic()))
-    return window(engine, target, got)
+    return window(engine, target, got, max_stats_len)

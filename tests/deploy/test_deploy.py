@@ -347,6 +347,42 @@ def test_the_engine_folder_reaches_the_serving_container(rendered):
                     assert {"name": "run", "mountPath": "/run/dflash"} in c["volumeMounts"], (overlay, c["name"])
 
 
+def test_mpirun_is_given_only_the_variables_that_are_set(tmp_path):
+    """serve.sh's mpirun line (a FAKE mpirun recording its argv, tp 2 on one pod): PATH, LD_LIBRARY_PATH, PYTHONPATH
+    and NCCL_* / UCX_* reach the ranks where set; an unset name is not passed (mpirun warns at every start for one);
+    the API key's variables never (rank 0 alone reads the key, from its file)."""
+    (tmp_path / "engines.toml").write_text("tp = 2\n")
+    argv = tmp_path / "argv.json"
+    mpirun = tmp_path / "mpi" / "bin" / "mpirun"
+    mpirun.parent.mkdir(parents=True)
+    mpirun.write_text(f"#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open({str(argv)!r}, 'w'))\n")
+    mpirun.chmod(0o755)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "ENGINES_CONFIG": str(tmp_path / "engines.toml"),
+        "DFLASH_ENGINES": str(tmp_path),
+        "DFLASH_RUN_DIR": str(tmp_path / "run"),
+        "DFLASH_MPI_PREFIX": str(tmp_path / "mpi"),
+        "NCCL_IB_HCA": "mlx5",
+        "DFLASH_TRT_API_KEY_FILE": str(tmp_path / "engines.toml"),  # any file with something in it
+        "DFLASH_TRT_API_KEY": "k",
+    }
+
+    def exported(extra: dict[str, str]) -> set[str]:
+        r = subprocess.run(["bash", str(SERVE_SH)], env=env | extra, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stderr
+        got = json.loads(argv.read_text())
+        return {got[i + 1] for i, a in enumerate(got) if a == "-x"}
+
+    assert exported({}) == {"PATH", "NCCL_IB_HCA"}
+    assert exported({"PYTHONPATH": "/opt/x", "LD_LIBRARY_PATH": "/opt/lib"}) == {
+        "PATH",
+        "NCCL_IB_HCA",
+        "PYTHONPATH",
+        "LD_LIBRARY_PATH",
+    }
+
+
 def test_the_leader_gives_up_on_an_absent_worker(tmp_path):
     """serve.sh's wait for the workers' sshd is bounded (WORKER_WAIT_S): a worker that never comes ends the
     leader with a message, and LWS restarts the group, instead of a leader waiting forever."""
@@ -470,8 +506,9 @@ def test_the_api_key_reaches_rank_0_only_as_a_required_secret_and_the_monitor_sc
         (endpoint,) = sm["spec"]["endpoints"]
         assert endpoint["path"] == "/metrics" and endpoint["authorization"].get("type", "Bearer") == "Bearer"
         assert endpoint["authorization"]["credentials"] == {"name": "dflash-api-key", "key": key}, overlay
-    mpi = re.search(r"^MPI=\((.*?)\)$", SERVE_SH.read_text(), re.S | re.M)
-    assert mpi and "-x PATH" in mpi.group(1) and "API_KEY" not in mpi.group(1)
+    # what mpirun hands every rank (test_mpirun_is_given_only_the_variables_that_are_set runs the line)
+    forwarded = re.search(r'^  case "\$name" in (\S+)\) MPI\+=\(-x "\$name"\)', SERVE_SH.read_text(), re.M)
+    assert forwarded and "PATH" in forwarded.group(1).split("|") and "API_KEY" not in forwarded.group(1)
 
 
 @pytest.mark.parametrize("content", [None, "", " \n"])
@@ -785,6 +822,32 @@ def test_prestop_serves_through_the_delay_then_drains_rank_0(tmp_path):
     finally:
         parent.kill()
         parent.wait()
+
+
+def test_prestop_waits_for_the_launcher_after_rank_0(tmp_path):
+    """Where mpirun is the container's first process, the hook returns only once it has exited, not when rank 0
+    has: the kubelet's SIGTERM follows the hook, and Open MPI 4's mpirun aborts the job it is still ending on a
+    SIGTERM (exit 1 after a complete drain). Where the first process is anything else, rank 0's end is enough."""
+    for first, waits in (("mpirun", True), ("python3", False)):
+        proc = tmp_path / first / "proc"
+        (proc / "1").mkdir(parents=True)
+        (proc / "1" / "comm").write_text(first + "\n")
+        pid_file = tmp_path / first / "serve.pid"
+        parent = subprocess.Popen(["bash", "-c", f'sleep 300 & echo $! > "{pid_file}"; wait $!'])
+        try:
+            while not pid_file.exists() or not pid_file.read_text().strip():
+                time.sleep(0.05)
+            hook = _start_prestop(tmp_path, DFLASH_PID_FILE=str(pid_file), DFLASH_PROC=str(proc))
+            assert parent.wait(10) == 128 + signal.SIGTERM  # rank 0 drained and gone
+            if waits:
+                time.sleep(2.5)
+                assert hook.poll() is None, hook.stdout.read()  # mpirun still ending the job
+                (proc / "1" / "comm").unlink()
+                (proc / "1").rmdir()
+            assert hook.wait(10) == 0
+        finally:
+            parent.kill()
+            parent.wait()
 
 
 def test_prestop_on_a_worker_waits_for_its_ranks(tmp_path):

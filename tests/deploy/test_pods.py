@@ -6,7 +6,9 @@ trtllm-build, trtllm-serve and the GPU are the labelled stand-ins of tests/pods_
 
 One "namespace" (Cluster) holds the operator's objects: the checkpoints claim (a tiny random pair whose heads split
 at tp 8), the engines share (owned by uid/gid 10001, mode 0755, as deploy/README.md tells operators to make it), the
-API key and the launcher's ssh keys. Needs root, bubblewrap, `ip netns`, sshd (`make test-pods` installs them).
+API key and the launcher's ssh keys. The LeaderWorkerSet groups run whole (tests/pods.py LwsGroup): the worker's
+real sshd, the leader's mpirun across the pods' network namespaces. Needs root, bubblewrap, `ip netns`, sshd and
+Open MPI with mpi4py (`make test-pods` installs them).
 """
 
 from __future__ import annotations
@@ -14,15 +16,33 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
-import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import yaml
-from pods import ROOT, Cluster, Image, Pod, PodFailed, SlurmJob, config_maps, new_work, pod_templates, render
+from pods import (
+    ALL_CAPS,
+    DEFAULT_CAPS,
+    ROOT,
+    Cluster,
+    Image,
+    LwsGroup,
+    LwsTemplate,
+    Pod,
+    PodFailed,
+    SlurmJob,
+    atomic_writer,
+    capabilities,
+    config_maps,
+    new_work,
+    pod_templates,
+    render,
+)
 
 K8S = ROOT / "deploy" / "k8s"
 pytestmark = pytest.mark.timeout(900)
@@ -71,6 +91,41 @@ def cluster() -> Cluster:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def test_capabilities_follow_containerds_order():
+    """containerd's CRI WithCapabilities: add ALL, then drop ALL, then each add, then each drop (a name in both
+    lists is dropped; `add: [ALL]` is every capability, not a capability named ALL)."""
+    assert "NET_RAW" not in capabilities({"add": ["NET_RAW"], "drop": ["NET_RAW"]})
+    assert capabilities({"add": ["ALL"], "drop": ["CHOWN"]}) == sorted(set(ALL_CAPS) - {"CHOWN"})
+    assert "ALL" not in capabilities({"add": ["ALL"]}) and "SYS_ADMIN" in capabilities({"add": ["ALL"]})
+    assert capabilities({"add": ["ALL", "IPC_LOCK"], "drop": ["ALL"]}) == ["IPC_LOCK"]
+    assert capabilities({"drop": ["ALL"], "add": ["ipc_lock"]}) == ["IPC_LOCK"]
+    assert capabilities({}) == sorted(DEFAULT_CAPS)
+
+
+def test_a_secret_volume_with_fs_group_is_group_readable(tmp_path):
+    """The kubelet's SetVolumeOwnership over a read-only (Secret / ConfigMap) volume when the pod has an fsGroup:
+    group fsGroup and mode | 0440 on each file, setgid and 0550 more on each folder; without one, the mode as given."""
+    with_group = atomic_writer(tmp_path / "a", {"id": b"k"}, 0o400, 2000)
+    st = (with_group / "id").stat()  # through the ..data symlinks, as a process reads it
+    assert (st.st_mode & 0o7777, st.st_gid) == (0o440, 2000)
+    folder = with_group.stat()
+    assert folder.st_gid == 2000 and folder.st_mode & 0o2550 == 0o2550
+    without = atomic_writer(tmp_path / "b", {"id": b"k"}, 0o400, None)
+    assert ((without / "id").stat().st_mode & 0o7777, (without / "id").stat().st_gid) == (0o400, 0)
+
+
+def test_the_trtllm_build_stand_in_defaults_to_paged_context_fmha(tmp_path):
+    """trtllm-build without --use_paged_context_fmha builds with it on (PluginConfig's default), as upstream."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text(json.dumps({"mapping": {"world_size": 1}}))
+    (ckpt / "rank0.safetensors").write_bytes(b"weights")
+    build = [sys.executable, str(ROOT / "tests/pods_image/bin/trtllm-build"), "--checkpoint_dir", str(ckpt)]
+    subprocess.run([*build, "--output_dir", str(tmp_path / "out")], check=True, cwd=tmp_path, capture_output=True)
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["build_config"]["plugin_config"]["use_paged_context_fmha"] is True
+
+
 def _with_render(cluster: Cluster, overlay: str) -> dict[str, dict]:
     docs = render(K8S / overlay)
     cluster.config_maps |= config_maps(docs)
@@ -98,15 +153,74 @@ def test_single_node_pod_builds_serves_and_drains(cluster):
         assert _serves_and_drains(pod) == {"server": 0}
 
 
-def test_the_groups_leader_builds_and_the_worker_serves_sshd_and_drains(cluster):
-    specs = _with_render(cluster, "multi-node")
-    with Pod(cluster, "dflash-trt-group-0", specs["leader"]) as leader:
+def test_lws_variables_reach_every_container_ahead_of_the_yamls_own(tmp_path):
+    """What LwsGroup gives a group's pods before anything runs (no namespaces, no root): the names LWS gives them,
+    LWS_LEADER_ADDRESS / LWS_GROUP_SIZE / LWS_WORKER_INDEX in every container and init container, replacing a
+    container's own variable of the same name (addEnvVarsIfNotExists puts LWS's first and drops the duplicate), and
+    every pod's /etc/hosts naming the group's pods under the LWS's subdomain."""
+    root = tmp_path / "rootfs"
+    (root / "etc").mkdir(parents=True)
+    (root / "etc/passwd").write_text("root:x:0:0::/root:/bin/bash\n")
+    own = [{"name": "LWS_GROUP_SIZE", "value": "99"}, {"name": "KEEP", "value": "1"}]
+    leader = {"initContainers": [{"name": "build", "env": own}], "containers": [{"name": "serve", "env": own}]}
+    worker = {"containers": [{"name": "worker"}]}
+    group = LwsGroup(Cluster(tmp_path, Image(root), {}, {}, {}), LwsTemplate("grp", 3, leader, worker), 2, "ns")
+    assert [p.name for p in group.pods] == ["grp-2", "grp-2-1", "grp-2-2"]
+    for i, pod in enumerate(group.pods):
+        for c in [*pod.spec.get("initContainers", []), *pod.spec["containers"]]:
+            env = pod.sandbox(c).env
+            lws = {k: v for k, v in env.items() if k.startswith("LWS_")}
+            assert lws == {"LWS_LEADER_ADDRESS": "grp-2.grp.ns", "LWS_GROUP_SIZE": "3", "LWS_WORKER_INDEX": str(i)}
+            assert env.get("KEEP") == ("1" if i == 0 else None)
+        hosts = (pod.dir / "hosts").read_text()
+        assert all(f"{name}.grp.ns.svc.cluster.local" in hosts for name in ("grp-2", "grp-2-1", "grp-2-2")), hosts
+
+
+def _rank_events(log: str, name: str) -> list[dict]:
+    """The JSON event lines the stand-in executor's ranks print (their stderr reaches mpirun's, the leader's log)."""
+    out = []
+    for line in log.splitlines():
+        start = line.find("{")
+        if start >= 0 and f'"event": "{name}"' in line:
+            try:
+                out.append(json.loads(line[start:]))
+            except json.JSONDecodeError:
+                pass
+    return out
+
+
+def test_the_lws_group_builds_serves_across_its_pods_and_drains(cluster):
+    """The multi-node overlay's group as LWS makes it (tests/pods.py LwsGroup: its variables, names, one network):
+    the worker's sshd to live; the leader's init build (tp 8, on the share), then its serving container: serve.sh's
+    leader role waits for the worker's sshd, mpirun starts 4 ranks in each pod (the worker's through ssh), to ready
+    on the YAML's probes; a request with the API key is served; the group deleted: both pods' preStop and SIGTERM,
+    every container exiting 0 within its grace period, every rank having followed every iteration."""
+    docs = render(K8S / "multi-node")
+    cluster.config_maps |= config_maps(docs)
+    lws = LwsTemplate.of(docs)
+    with LwsGroup(cluster, lws) as group:
+        leader, worker = group.pods
+        worker.start()  # startupPolicy LeaderCreated: the workers start with the leader, its init build included
         leader.init()
         built = _built(cluster, leader)
         assert built["serve"]["target"] == "target_tensorrt_llm", built["skipped"]
         assert built["engines"]["target_tensorrt_llm"]["tp"] == 8
-    with Pod(cluster, "dflash-trt-group-0-1", specs["worker"]) as worker:
-        assert _serves_and_drains(worker) == {"worker": 0}
+        worker.wait_ready()
+        leader.start()
+        leader.wait_ready()
+        key = cluster.secrets["dflash-api-key"]["key"].decode().strip()
+        assert group.http(8000, "/generate", {"input_ids": [5, 6, 7], "max_tokens": 6})[0] == 401
+        status, text = group.http(8000, "/generate", {"input_ids": [5, 6, 7], "max_tokens": 6}, key)
+        assert status == 200 and len(json.loads(text)["token_ids"]) == 6, text + leader.procs["leader"].tail()
+        codes = group.stop()
+        log = leader.procs["leader"].log.read_text(errors="replace")
+    assert codes == [{"leader": 0}, {"worker": 0}], log[-4000:]
+    ranks = {e["rank"]: e["host"] for e in _rank_events(log, "standin_rank")}
+    assert ranks == {r: leader.name if r < 4 else worker.name for r in range(8)}, log[-4000:]
+    (shutdown,) = _rank_events(log, "fake_leader_shutdown")
+    workers = _rank_events(log, "fake_worker_shutdown")
+    assert sorted(e["rank"] for e in workers) == list(range(1, 8))
+    assert {e["iterations"] for e in workers} == {shutdown["iterations"]} and shutdown["iterations"] >= 1
 
 
 def _no_gpu_for_tritonserver(repo: Path) -> list[str]:
@@ -156,7 +270,7 @@ def test_the_slurm_job_builds_serves_and_drains(cluster):
                 raise PodFailed(f"the job exited {proc.returncode} before serving\n{job.log.read_text()}")
             assert time.monotonic() < end, job.log.read_text()
             time.sleep(1)
-        proc.send_signal(signal.SIGTERM)  # the time limit's --signal=B:TERM, or scancel --signal=TERM --batch
+        job.warn()  # the time limit's warning, as the script's #SBATCH --signal asks
         assert proc.wait(timeout=330) == 0, job.log.read_text()
         assert [s["rc"] for s in job.steps] == [[0], [0]], job.log.read_text()
     finally:
@@ -257,12 +371,91 @@ def test_the_trtllm_serve_pod_serves_with_the_stand_in_its_exporter_scrapes_and_
     assert got["vllm:generation_tokens_total"] == requests * tokens
 
 
-def test_the_trtllm_serve_groups_worker_serves_sshd_and_drains(cluster, trtllm_serve):
-    """The multi-node trtllm-serve overlay's worker pod (over the filled one-node overlay): trtllm-group.sh as a
-    worker, root for sshd only, to live on its ssh port's probe, then SIGTERM ends sshd with 0 in the grace period.
-    The leader's launch (ssh, mpirun, trtllm-serve across the group) is not run here."""
+def test_the_trtllm_serve_group_serves_across_its_pods_and_drains(cluster, trtllm_serve):
+    """The multi-node trtllm-serve overlay's group (over the filled one-node overlay) as LWS makes it: the worker's
+    sshd to live; the leader's trtllm-group.sh waits for it over ssh and starts the world with mpirun, 4 ranks a pod
+    (the worker's through ssh), each running trtllm-llmapi-launch (the stand-in): rank 0 trtllm-serve (the stand-in)
+    and the comm server, the others its workers; the leader's containers to ready on their probes, a completion
+    served; the group deleted: the leader's preStop ends trtllm-serve alone, so the launcher stops the world, while
+    the worker's keeps its ranks until then; every container exits 0 within its grace period."""
     k8s, demo = trtllm_serve
     docs = render(k8s / "trtllm-serve-multi-node")
-    served = Cluster(cluster.work, cluster.image, config_maps(docs), cluster.secrets, {"dflash-checkpoints": demo})
-    with Pod(served, "dflash-trt-serve-group-0-1", pod_templates(docs)["worker"]) as worker:
-        assert _serves_and_drains(worker) == {"worker": 0}, worker.procs["worker"].tail()
+    work = cluster.work / "trtllm-group"  # its pods' volumes apart from the other LWS test's (the same pod names)
+    served = Cluster(work, cluster.image, config_maps(docs), cluster.secrets, {"dflash-checkpoints": demo})
+    with LwsGroup(served, LwsTemplate.of(docs)) as group:
+        leader, worker = group.pods
+        worker.start()
+        worker.wait_ready()
+        leader.start()
+        assert set(leader.wait_ready()) == {"leader", "serve-metrics"}
+        status, text = group.http(8000, "/v1/completions", {"prompt": "a", "max_tokens": 8})
+        assert status == 200, text + leader.procs["leader"].tail()
+        codes = group.stop()
+        log = leader.procs["leader"].log.read_text(errors="replace")
+    assert codes == [{"leader": 0, "serve-metrics": 0}, {"worker": 0}], log[-4000:]
+    assert sorted(int(n) for n in re.findall(r"^mpi_rank: (\d+)$", log, re.M)) == list(range(8)), log[-4000:]
+    # the world stopped by the launcher once trtllm-serve drained (the preStop), not killed: every worker released
+    assert "MPI Comm Server (STAND-IN) stopped" in log and log.count("worker quit (STAND-IN)") == 7, log[-4000:]
+
+
+def test_the_trtllm_serve_slurm_job_serves_and_drains(cluster, trtllm_serve):
+    """deploy/slurm/trtllm-serve.sbatch on one node with two tasks (tp 2): the shared folder filled as its header
+    says (`dflash-trt plan overlay --out DATA --drafter-path DATA/drafter`, the demo pair beside it), the stand-in
+    trtllm-llmapi-launch making rank 0 trtllm-serve (the stand-in) with the comm server and rank 1 a worker, the
+    exporter step beside rank 0 reaching trtllm-serve by the node's name; to /health, completions served and scraped
+    through the exporter with the key; then the time limit's warning as the script's #SBATCH --signal asks: the
+    server drains and exits 0, the launcher stops the world, the worker quits 0, the exporter exits 0, and the job
+    ends 0 with nothing left to kill."""
+    from dflash_trt.cli.main import main
+
+    data = cluster.work / "slurm-trtllm-data"
+    for name in ("target", "drafter"):
+        shutil.copytree(ROOT / "models" / name, data / name)
+    plan = cluster.work / "trtllm-serve" / "plan"  # the trtllm_serve fixture's plan
+    assert main(["plan", "overlay", "--plan", str(plan), "--out", str(data), "--drafter-path", f"{data}/drafter"]) == 0
+    key = cluster.secrets["dflash-api-key"]["key"].decode().strip()
+    (data / "api-key").write_text(key + "\n")
+    subprocess.run(["chown", "-R", "1000:1000", str(data)], check=True)
+    served = yaml.safe_load((data / "trtllm-serve.yaml").read_text())
+    k = int(served["speculative_config"]["max_draft_len"])
+    accepted, requests, tokens = k // 2, 4, 32
+    rounds = requests * math.ceil(tokens / (1 + accepted))
+    work = cluster.work / "slurm-trtllm-job"
+    work.mkdir()
+    job = SlurmJob(cluster.image, work)
+    env = {
+        "TRTLLM_IMAGE": "nvcr.io#nvidia/tensorrt-llm/release.sqsh",
+        "DFLASH_DATA": str(data),
+        "DFLASH_IMAGE": "dflash-trt.sqsh",
+        "DFLASH_TRT_API_KEY_FILE": str(data / "api-key"),
+    }
+    try:
+        proc = job.start(ROOT / "deploy/slurm/trtllm-serve.sbatch", env, ntasks=2)
+        end = time.monotonic() + 300
+        while not (job.ready(8000, "/health") and job.ready(9400, "/health")):
+            if proc.poll() is not None:
+                raise PodFailed(f"the job exited {proc.returncode} before serving\n{job.log.read_text()}")
+            assert time.monotonic() < end, job.log.read_text()
+            time.sleep(1)
+        client = ["ip", "netns", "exec", job.netns, "/usr/bin/python3", "-c", _CLIENT, "8000", "9400", key]
+        r = subprocess.run([*client, str(requests), str(tokens), str(rounds)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr + _step_logs(work)
+        seen = json.loads(r.stdout)
+        job.warn()  # the time limit's warning, as the script's #SBATCH --signal asks
+        rc = proc.wait(timeout=120)
+        assert rc == 0, job.log.read_text() + _step_logs(work)
+        job.end()  # the job's end: anything still running in a step would be signalled, then killed
+        # the two steps start together: the serving step (two tasks) and the exporter (one), in either order
+        assert sorted(s["rc"] for s in job.steps) == [[0], [0, 0]], job.log.read_text() + _step_logs(work)
+    finally:
+        job.close()
+    assert seen["anonymous"] == 401
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {s.name: s.value for f in text_string_to_metric_families(seen["metrics"]) for s in f.samples}
+    assert got["vllm:spec_decode_num_drafts_total"] == rounds
+    assert got["vllm:generation_tokens_total"] == requests * tokens
+
+
+def _step_logs(work: Path) -> str:
+    return "".join(f"\n--- {p.name}\n" + p.read_text(errors="replace")[-3000:] for p in sorted(work.glob("step*.log")))

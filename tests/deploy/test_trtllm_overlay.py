@@ -18,6 +18,7 @@ import functools
 import json
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,19 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from deploy.test_deploy import K8S, K8S_VERSION, deploy_tools, kinds, one, parsed_names, queries, tool
+from deploy.test_deploy import (
+    K8S,
+    K8S_VERSION,
+    LWS_NAME_LABEL,
+    LWS_WORKER_INDEX_LABEL,
+    _admits,
+    deploy_tools,
+    kinds,
+    one,
+    parsed_names,
+    queries,
+    tool,
+)
 from deploy.test_deploy import test_an_empty_query_is_an_error_and_the_fallback_holds_the_replicas as empty_is_error
 from deploy.test_deploy import (
     test_autoscaled_workloads_leave_replicas_to_keda_and_monitoring_carries_the_release_label as keda_and_release,
@@ -315,7 +328,8 @@ def test_the_pod_reaches_ready_with_the_stand_in_and_the_exporter_reads_it(
         for p in procs:
             p.terminate()
             p.wait(10)
-    assert procs[0].returncode == 0  # SIGTERM: the stand-in stops serving and exits 0
+    # SIGTERM: the stand-in drains, then raises the signal again at its default disposition, as uvicorn does
+    assert procs[0].returncode == -signal.SIGTERM
 
 
 def _families(text):
@@ -450,6 +464,41 @@ def test_the_multi_node_variant_renders_validates_and_keeps_the_rules(multi, fil
     assert int(env["DFLASH_GPUS_PER_POD"]) == int(leader["resources"]["limits"]["nvidia.com/gpu"])
 
 
+def test_the_groups_image_is_the_release_with_sshd(multi, filled):
+    """The workers run sshd (trtllm-group.sh) and NVIDIA's release image is not known to ship one: every
+    trtllm-serve container of the group runs the image ./Dockerfile builds, FROM the release tag the one-node
+    overlay runs, installing openssh-server and sshd's /run/sshd."""
+    release, tag = _containers(filled[1])[1]["trtllm-serve"]["image"].rsplit(":", 1)
+    dockerfile = (ROOT / "deploy/k8s" / MULTI / "Dockerfile").read_text()
+    assert re.search(rf"^ARG TRTLLM_RELEASE={re.escape(tag)}$", dockerfile, re.M)
+    assert re.search(rf"^FROM {re.escape(release)}:\$\{{TRTLLM_RELEASE\}}$", dockerfile, re.M)
+    assert "openssh-server" in dockerfile and "mkdir -p /run/sshd" in dockerfile
+    lwt = one(multi, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    group = [c for key in ("leaderTemplate", "workerTemplate") for c in lwt[key]["spec"]["containers"]]
+    images = {c["image"] for c in group if c["name"] != "serve-metrics"}
+    assert images == {f"dflash-trtllm-group:{tag}"}, images
+
+
+def test_the_groups_ports_admit_the_leaderworkersets_own_pods_only(multi):
+    """As deploy/k8s/multi-node's (issue 60): any pod of the namespace can be created with
+    app.kubernetes.io/name=dflash-trt, so the workers' sshd and the ranks' ports, and the leaders' ports beyond HTTP,
+    admit only what the LWS controller labels its own pods with."""
+    lws = one(multi, "LeaderWorkerSet")["metadata"]["name"]
+    leader = {
+        "app.kubernetes.io/name": "dflash-trt",
+        "app.kubernetes.io/component": "server",
+        LWS_NAME_LABEL: lws,
+        LWS_WORKER_INDEX_LABEL: "0",
+    }
+    worker = leader | {"app.kubernetes.io/component": "worker", LWS_WORKER_INDEX_LABEL: "1"}
+    anyone = {"app.kubernetes.io/name": "dflash-trt", "app.kubernetes.io/component": "server"}
+    policy = {p["metadata"]["name"]: p for p in kinds(multi, "NetworkPolicy")}
+    workers, servers = policy["dflash-trt-workers"], policy["dflash-trt-servers"]
+    assert _admits(workers, leader, "ssh") and _admits(workers, worker, "29500")  # the launcher, the ranks
+    assert not _admits(workers, anyone, "ssh") and not _admits(workers, anyone, "29500")
+    assert _admits(servers, worker, "29500") and not _admits(servers, anyone, "29500")
+
+
 def _exporter_namespaces(docs) -> list[dict]:
     (policy,) = [p for p in kinds(docs, "NetworkPolicy") if p["metadata"]["name"] == "dflash-trt-exporter"]
     return [f["namespaceSelector"]["matchLabels"] for r in policy["spec"]["ingress"] for f in r.get("from", [])]
@@ -521,15 +570,57 @@ def test_the_group_script_starts_one_world_whose_command_line_trtllm_serve_takes
     ]
     (mpirun,) = [c[1:] for c in got if c[0] == "mpirun"]
     assert mpirun[mpirun.index("-n") + 1] == "12" and "NCCL_SOCKET_IFNAME" in mpirun
+    # only what is set is passed on: `-x` of an unset name makes mpirun warn at every start
+    exported = {mpirun[i + 1] for i, a in enumerate(mpirun) if a == "-x"}
+    assert {"PATH", "NCCL_SOCKET_IFNAME"} <= exported and not exported & {"PYTHONPATH", "HF_HUB_OFFLINE"}
     hosts = (tmp_path / "sshd" / "hostfile").read_text().split("\n")
     assert [h.split()[1] for h in hosts if h] == ["slots=4"] * 3
     rank = mpirun[mpirun.index("trtllm-llmapi-launch") + 1 :]
-    assert rank[0] == "trtllm-serve"
+    # rank 0's command: the script's `serve`, which records trtllm-serve's pid for the preStop and execs it
+    assert rank[:3] == ["bash", str(script), "serve"]
     sys.path.insert(0, str(ROOT / "tests"))
     from fake_trtllm_serve import parser
 
-    parsed = parser().parse_args(rank[1:])
+    parsed = parser().parse_args(rank[3:])
     assert parsed.model == "/checkpoints/target" and parsed.tensor_parallel_size == 12
     assert parsed.extra_llm_api_options == "/config/trtllm-serve.yaml" and parsed.host == "0.0.0.0"
+    calls.unlink()
+    r = subprocess.run(["bash", str(script)], env=env | {"PYTHONPATH": "/opt/x"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    (mpirun,) = [c[1:] for c in map(json.loads, calls.read_text().splitlines()) if c[0] == "mpirun"]
+    assert "PYTHONPATH" in {mpirun[i + 1] for i, a in enumerate(mpirun) if a == "-x"}
     bad = subprocess.run(["bash", str(script)], env={**env, "TRTLLM_ROLE": "x"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "leader or worker" in bad.stderr
+
+
+def test_the_leaders_prestop_returns_once_mpirun_has_ended_the_world(tmp_path):
+    """trtllm-group.sh prestop as the leader: SIGTERM to trtllm-serve alone (its recorded pid), then wait while it
+    drains and while mpirun, the container's first process, still ends the world: the kubelet's SIGTERM follows the
+    hook, and Open MPI 4's mpirun aborts a job it is still ending on one (exit 1 after a complete drain)."""
+    import signal
+
+    proc = tmp_path / "proc"
+    (proc / "1").mkdir(parents=True)
+    (proc / "1" / "comm").write_text("mpirun\n")
+    pid_file = tmp_path / "trtllm-serve.pid"
+    serve = subprocess.Popen(["bash", "-c", f'sleep 300 & echo $! > "{pid_file}"; wait $!'])
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "TRTLLM_ROLE": "leader",
+        "TRTLLM_PID_FILE": str(pid_file),
+        "PRESTOP_DELAY_S": "0",
+        "DFLASH_PROC": str(proc),
+    }
+    try:
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            time.sleep(0.05)
+        hook = subprocess.Popen(["bash", str(K8S / MULTI / "trtllm-group.sh"), "prestop"], env=env)
+        assert serve.wait(10) == 128 + signal.SIGTERM  # trtllm-serve drained and gone
+        time.sleep(2.5)
+        assert hook.poll() is None  # mpirun still ending the world
+        (proc / "1" / "comm").unlink()
+        (proc / "1").rmdir()
+        assert hook.wait(10) == 0
+    finally:
+        serve.kill()
+        serve.wait()

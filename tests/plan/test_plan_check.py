@@ -359,6 +359,17 @@ def test_a_trtllm_scrape_at_max_stats_len_warns_of_lost_iterations(plan_dir):
         obs = metrics.window("trtllm", "u", [first, last])
         assert obs.full_scrapes == int(warned)
         assert ("raise max_stats_len" in check.check(doc, obs).text()) is warned
+    # a raised max_stats_len (the YAML's, given as --max-stats-len) moves the threshold; -1 keeps 1 on the PyTorch
+    # executor (max(max_stats_len, 1)), so every non-empty scrape is full there
+    for kept, n, warned in ((5000, 1000, False), (5000, 5000, True), (-1, 1, True)):
+        last = metrics.read("trtllm", json.dumps(trtllm_iterations(4.0, 7, 8, n)), 10.0)
+        assert metrics.window("trtllm", "u", [first, last], max_stats_len=kept).full_scrapes == int(warned)
+
+
+def test_plan_check_refuses_a_max_stats_len_trtllm_serve_would_refuse(plan_dir, capsys):
+    args = ["plan", "check", "--engine", "trtllm", "--url", "http://x", "--plan", str(plan_dir)]
+    assert main([*args, "--max-stats-len", "-2"]) != 0
+    assert "--max-stats-len" in capsys.readouterr().err
 
 
 def test_no_traffic_and_no_server_are_clear_errors(plan_dir, capsys):

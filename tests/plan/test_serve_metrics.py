@@ -128,6 +128,16 @@ def test_no_gauge_before_any_iteration_and_a_full_poll_is_counted():
         assert second["dflash_trtllm_full_polls_total"] == 1 and second["vllm:spec_decode_num_drafts_total"] == 4000
 
 
+def test_a_raised_max_stats_len_moves_the_full_poll_threshold():
+    """With the YAML's max_stats_len raised to 5000 (--max-stats-len 5000), a poll of 1000 iterations lost none."""
+    for kept, full in ((None, 1), (5000, 0)):
+        body = json.dumps(trtllm_iterations(3.0, 7, 4, 1000))
+        extra = {} if kept is None else {"max_stats_len": kept}
+        totals = exporter.TrtllmTotals("http://engine:8000", get=lambda url, body=body: body, **extra)
+        totals.poll()
+        assert totals.full_polls == full
+
+
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
 def test_plan_check_against_the_exporter_judges_as_against_the_engine(plan_dir, scenario, capsys, tmp_path):  # noqa: F811
     """The same scripted trtllm-serve read two ways: `plan check --engine trtllm` on its JSON, and `plan check

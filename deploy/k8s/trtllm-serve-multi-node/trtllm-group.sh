@@ -8,14 +8,54 @@
 #   leader  wait for every worker's sshd (WORKER_WAIT_S), write the hostfile from LWS_LEADER_ADDRESS, then
 #           mpirun -n TP --hostfile ... trtllm-llmapi-launch trtllm-serve ...
 #   worker  sshd only (port 2222, key from the Secret, this pod's user only, nothing forwarded)
-# The image needs sshd and Open MPI's mpirun (NVIDIA's images: /opt/hpcx/ompi); whether the NGC TensorRT-LLM release
-# image ships sshd was not checked here: if not, build FROM it adding openssh-server, as the Dockerfile's gpu stage.
+# `trtllm-group.sh prestop` is each container's preStop (the kubelet runs it before it signals the first process,
+# within terminationGracePeriodSeconds), as deploy/k8s/base/scripts/prestop.sh is for this project's server:
+#   leader  keep serving PRESTOP_DELAY_S (endpoints drop the pod some seconds after deletion starts), then SIGTERM
+#           to trtllm-serve alone (rank 0's command, its pid in TRTLLM_PID_FILE) and wait while it drains: it exits
+#           0, trtllm-llmapi-launch then stops the MPI comm server (`mgmn_leader_node --action stop`), which
+#           releases every worker rank, and mpirun exits 0; then wait for mpirun as well (the container's first
+#           process: the hook ends with it). SIGTERM to mpirun instead would end every rank at once, in-flight
+#           requests with them, and the kubelet's SIGTERM, which follows the hook at once, reaching mpirun while it
+#           tears the job down makes Open MPI 4 abort it with exit 1 (see base/scripts/prestop.sh).
+#   worker  sshd is the first process and the ranks (orted's children) end with it: wait until they have ended,
+#           which the leader's drain takes (deleting a group signals its pods at once; lws 060ab4d, pkg/controllers/
+#           pod_controller.go handleRestartPolicy deletes the leader when a worker goes).
+# The image needs sshd and Open MPI's mpirun (NVIDIA's images: /opt/hpcx/ompi): ./Dockerfile builds it FROM the
+# release image adding openssh-server, since no public source says the release image ships sshd.
 set -euo pipefail
 ROLE="${TRTLLM_ROLE:?set TRTLLM_ROLE to leader or worker}"
 SSH_PORT="${DFLASH_SSH_PORT:-2222}"
 SSH_SECRET="${DFLASH_SSH_SECRET:-/etc/dflash-ssh}"
 SSHD_DIR="${DFLASH_SSHD_DIR:-/run/dflash-sshd}"
 MPI_PREFIX="${DFLASH_MPI_PREFIX:-/opt/hpcx/ompi}"
+PID_FILE="${TRTLLM_PID_FILE:-$SSHD_DIR/trtllm-serve.pid}"
+PROC="${DFLASH_PROC:-/proc}"
+
+if [ "${1:-}" = prestop ]; then
+  if [ "$ROLE" = worker ]; then   # an Open MPI daemon (orted: Open MPI 4; prted: Open MPI 5) still runs here
+    while grep -qsxE 'orted|prted' "$PROC"/[0-9]*/comm; do sleep 1; done
+    exit 0
+  fi
+  [ -f "$PID_FILE" ] || exit 0
+  sleep "${PRESTOP_DELAY_S:-15}"
+  pid=$(cat "$PID_FILE")
+  kill -TERM "$pid" 2>/dev/null || exit 0
+  while kill -0 "$pid" 2>/dev/null; do sleep 1; done
+  while grep -qsxE 'mpirun|mpiexec|orterun|prterun' "$PROC/1/comm"; do sleep 1; done
+  exit 0
+fi
+if [ "${1:-}" = serve ]; then   # rank 0's command under trtllm-llmapi-launch: trtllm-serve, its pid recorded
+  shift
+  echo $$ > "$PID_FILE"
+  # SIGTERM ignored across the exec: uvicorn installs its own handler while it serves, drains on the preStop's
+  # SIGTERM, then restores the inherited disposition and raises the signal again (uvicorn >= 0.29,
+  # Server.capture_signals). At its default that would end trtllm-serve by SIGTERM (143) after a complete drain,
+  # and trtllm-llmapi-launch's `set -e` subshell would then never run `mgmn_leader_node --action stop`: the comm
+  # server, the worker ranks and mpirun would wait for the kubelet's SIGKILL. Ignored, the raise does nothing and
+  # trtllm-serve exits 0 (deploy/slurm/trtllm-serve.sbatch's task wrapper does the same for its ranks).
+  trap '' TERM
+  exec trtllm-serve "$@"
+fi
 install -d -m 700 "$SSHD_DIR"
 
 case "$ROLE" in
@@ -40,14 +80,16 @@ case "$ROLE" in
         echo "waiting for worker $host" >&2; sleep 2
       done
     done
-    MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none
-         -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH -x HOME -x HF_HUB_OFFLINE)
-    for name in $(compgen -e); do case "$name" in NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac; done
+    MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none)
+    # what is set of these reaches every rank (`-x NAME` of an unset one only makes mpirun warn at every start)
+    for name in $(compgen -e); do
+      case "$name" in PATH|LD_LIBRARY_PATH|PYTHONPATH|HOME|HF_HUB_OFFLINE|NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac
+    done
     # tensorrt_llm/commands/serve.py (00209af1): --tp_size aliases --tensor_parallel_size, --extra_llm_api_options
     # aliases --config, --host defaults to localhost
     exec "${MPI[@]}" -n "$TP" --hostfile "$HOSTFILE" --map-by "ppr:$GPUS:node" \
       --mca plm_rsh_agent ssh --mca plm_rsh_args "$SSH_ARGS" --mca orte_keep_fqdn_hostnames 1 \
-      trtllm-llmapi-launch trtllm-serve /checkpoints/target --backend pytorch --host 0.0.0.0 --port "${PORT:-8000}" \
+      trtllm-llmapi-launch bash "$0" serve /checkpoints/target --backend pytorch --host 0.0.0.0 --port "${PORT:-8000}" \
         --tp_size "$TP" --extra_llm_api_options /config/trtllm-serve.yaml ;;
   worker)
     install -m 600 "$SSH_SECRET/authorized_keys" "$SSHD_DIR/authorized_keys"

@@ -36,10 +36,11 @@ MPI_PREFIX="${DFLASH_MPI_PREFIX:-$(cat /etc/dflash-mpi-prefix 2>/dev/null || ech
 SSH_PORT="${DFLASH_SSH_PORT:-2222}"
 SSH_SECRET="${DFLASH_SSH_SECRET:-/etc/dflash-ssh}"   # the Secret's mount: id_ed25519, authorized_keys
 SSHD_DIR="${DFLASH_SSHD_DIR:-/run/dflash-sshd}"      # every parent root-owned, not group/world writable
-MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none
-     -x PATH -x LD_LIBRARY_PATH -x PYTHONPATH)
-for name in $(compgen -e); do   # NCCL's and UCX's settings (IB HCAs, socket interface) reach every rank
-  case "$name" in NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac
+MPI=("$MPI_PREFIX/bin/mpirun" --prefix "$MPI_PREFIX" --allow-run-as-root --bind-to none)
+# every rank gets this pod's PATH, LD_LIBRARY_PATH and PYTHONPATH where set (`-x NAME` of an unset one only makes
+# mpirun warn at every start), and NCCL's and UCX's settings (IB HCAs, socket interface)
+for name in $(compgen -e); do
+  case "$name" in PATH|LD_LIBRARY_PATH|PYTHONPATH|NCCL_*|UCX_*) MPI+=(-x "$name") ;; esac
 done
 read -r -a MPI_EXTRA <<< "${DFLASH_MPI_ARGS:-}"
 
@@ -60,8 +61,9 @@ case "$ROLE" in
     if [ "$TP" -gt 1 ]; then exec "${MPI[@]}" "${MPI_EXTRA[@]}" -n "$TP" "${SERVE[@]}"; fi
     exec "${SERVE[@]}" ;;
   leader)
-    # LWS_LEADER_ADDRESS is <lws>-<group>.<lws>.<namespace> (the headless Service LWS names after itself:
-    # lws pkg/utils/pod/pod_utils.go AddLWSVariables); worker i is <lws>-<group>-<i>.<lws>.<namespace>
+    # LWS_LEADER_ADDRESS is <lws>-<group>.<subdomain>.<namespace> (lws pkg/utils/pod/pod_utils.go
+    # AddLWSVariables; the subdomain is the headless Service, <lws> under the default Shared subdomainPolicy);
+    # worker i is <lws>-<group>-<i>.<subdomain>.<namespace> (deploy/README.md, "Names")
     GPUS="${DFLASH_GPUS_PER_POD:?set DFLASH_GPUS_PER_POD}"
     SIZE="${LWS_GROUP_SIZE:?not in a LeaderWorkerSet}"
     if [ "$((GPUS * SIZE))" -ne "$TP" ]; then

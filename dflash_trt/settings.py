@@ -29,3 +29,12 @@ DRAFTERLESS_PROPOSER = "suffix"
 # the CPU multiplies bfloat16 in hardware: faster batched drafter passes) is asked for by name, and then holds for
 # whichever entry point is given it (loading.drafter_dtype; docs/api.md, Drafter precision).
 DRAFTER_DTYPE: str | None = None
+
+
+NO_DRAFTER = "none"  # `--drafter none`: load no drafter
+
+
+def drafter_path(text: str) -> Path | str:
+    """`--drafter`'s value: a folder, or `none` (a folder of that name is ./none). Here, below the commands and
+    the benchmarks, since both parse it."""
+    return NO_DRAFTER if text == NO_DRAFTER else Path(text)

@@ -21,8 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..cli.options import NO_DRAFTER, CliError, drafter_path
-from ..settings import DEMO_DRAFTER, DEMO_TARGET
+from ..settings import DEMO_DRAFTER, DEMO_TARGET, NO_DRAFTER, drafter_path
 
 SCHEMAS: dict[str, dict[str, Any]] = {
     "record": {
@@ -103,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     drafter = None if args.drafter == NO_DRAFTER else args.drafter
     if drafter is None and any(proposer_for(name).uses_drafter for name in args.proposers):
         free = [name for name in PROPOSERS if not proposer_for(name).uses_drafter]
-        raise CliError(f"--drafter none: name only --proposers that need no drafter ({', '.join(free)})")
+        raise SystemExit(f"--drafter none: name only --proposers that need no drafter ({', '.join(free)})")
     torch.set_num_threads(args.threads)
     decoder = load_decoder(args.target, drafter)
     report: dict[str, Any] = {

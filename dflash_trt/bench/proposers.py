@@ -230,9 +230,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build(args: argparse.Namespace) -> tuple[BatchDecoder, dict[str, Callable[[list[int], int], dict[str, Any]]]]:
     """The server's decoder (adaptive block sizes, the default drafter dtype) and the methods to compare on it."""
-    from ..cli.options import NO_DRAFTER
     from ..loading import load_decoder
     from ..server.context import ServerSettings, batch_decoder
+    from ..settings import NO_DRAFTER
 
     if args.drafter == NO_DRAFTER:
         args.drafter = None

@@ -23,8 +23,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from ..cli.options import NO_DRAFTER, drafter_path
 from ..server.process import start_serve
+from ..settings import NO_DRAFTER, drafter_path
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
 SCHEMAS: list[dict[str, Any]] = [
@@ -119,7 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=160, help="max_tokens of each (default 160)")
     p.add_argument("--threads", type=int, default=1, help="the server's --threads (default 1)")
     p.add_argument(
-        "--out", type=Path, default=None, help="where results.json goes (default results/structured/http-<target>)"
+        "--out",
+        type=Path,
+        default=Path("results/structured"),
+        help="the run's folder http-<target folder's name> (results.json, the server's log) goes here "
+        "(default %(default)s)",
     )
 
 
@@ -174,9 +178,9 @@ def run(args: argparse.Namespace) -> int:
     serve += ["--drafter", str(args.drafter)]
     if args.proposer:
         serve += ["--proposer", args.proposer]
-    args.out = args.out or Path("results/structured") / f"http-{args.target.resolve().name}"
-    args.out.mkdir(parents=True, exist_ok=True)
-    proc, url = start_serve(serve, args.out / "serve.log", timeout_s=300)
+    out = args.out / f"http-{args.target.resolve().name}"
+    out.mkdir(parents=True, exist_ok=True)
+    proc, url = start_serve(serve, out / "serve.log", timeout_s=300)
     per_way: dict[str, dict[str, Any]] = {}
     tokens = rounds = 0
     started = time.monotonic()
@@ -230,9 +234,9 @@ def run(args: argparse.Namespace) -> int:
         "tokens_per_round": tokens / rounds if rounds else 0.0,
         "per_way": {k: {**v, "finish_reasons": dict(v["finish_reasons"])} for k, v in per_way.items()},
     }
-    (args.out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n")
     print(
         f"{valid}/{total} outputs valid; {results['tokens_per_second']:.1f} tokens/s, "
-        f"{results['tokens_per_round']:.2f} tokens per round -> {args.out / 'results.json'}"
+        f"{results['tokens_per_round']:.2f} tokens per round -> {out / 'results.json'}"
     )
     return 0 if valid == total else 1

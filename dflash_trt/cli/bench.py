@@ -343,8 +343,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.report import markdown, plot, write_json
     from ..bench.runner import BenchError, BenchSettings, run_benchmark
     from ..config import ConfigError
-    from ..settings import DEMO_MODELS_HINT
-    from .options import NO_DRAFTER, CliError
+    from ..settings import DEMO_MODELS_HINT, NO_DRAFTER
+    from .options import CliError
 
     for key, value in (SMOKE if args.smoke else DEFAULTS).items():
         if getattr(args, key) is None:

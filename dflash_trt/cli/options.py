@@ -7,7 +7,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, cast
 
-from ..settings import DEMO_DRAFTER, DEMO_MODELS_HINT, DEMO_TARGET, DRAFTER_DTYPE, DRAFTERLESS_PROPOSER
+from ..settings import (
+    DEMO_DRAFTER,
+    DEMO_MODELS_HINT,
+    DEMO_TARGET,
+    DRAFTER_DTYPE,
+    DRAFTERLESS_PROPOSER,
+    NO_DRAFTER,
+    drafter_path,
+)
 
 if TYPE_CHECKING:
     from ..decoding import BatchDecoder
@@ -35,14 +43,6 @@ def add_proposer_arg(
         default=None if by_drafter else [default] if many else default,
         help=f"where the drafts come from: {proposers_help()}; all lossless (default {said})" + extra,
     )
-
-
-NO_DRAFTER = "none"  # `--drafter none`: load no drafter
-
-
-def drafter_path(text: str) -> Path | str:
-    """`--drafter`'s value: a folder, or `none` (a folder of that name is ./none)."""
-    return NO_DRAFTER if text == NO_DRAFTER else Path(text)
 
 
 def add_drafter_arg(p: argparse._ActionsContainer) -> None:

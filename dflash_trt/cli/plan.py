@@ -57,7 +57,8 @@ def _ints(text: str) -> list[int]:
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .options import drafter_path, positive_int
+    from ..settings import drafter_path
+    from .options import positive_int
 
     p = sub.add_parser(
         "plan",
@@ -182,8 +183,8 @@ def _trained_block(drafter: Path) -> int:
 def _inputs(args: argparse.Namespace) -> tuple[Acceptance, Cost, Path | None, int]:
     """(acceptance, cost, drafter folder, largest block to plan) from the flags."""
     from ..plan import inputs
-    from ..settings import DEMO_DRAFTER
-    from .options import NO_DRAFTER, CliError
+    from ..settings import DEMO_DRAFTER, NO_DRAFTER
+    from .options import CliError
 
     if args.drafter == NO_DRAFTER:
         raise CliError(

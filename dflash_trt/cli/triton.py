@@ -13,7 +13,7 @@ from ..settings import DEMO_DRAFTER, DEMO_TARGET
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .options import drafter_path
+    from ..settings import drafter_path
 
     p = sub.add_parser(
         "triton-repo",
@@ -112,8 +112,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def cmd_repo(args: argparse.Namespace) -> int:
     from .. import settings
     from ..builders.triton_repo import RepoOptions, write_repository
+    from ..settings import NO_DRAFTER
     from ..triton.config import ConfigError
-    from .options import NO_DRAFTER, CliError
+    from .options import CliError
 
     if args.engines is not None and (args.target or args.drafter):
         raise CliError("--engines replaces --target/--drafter: give one or the other")

@@ -142,6 +142,6 @@ def test_structured_requests_all_validate(tmp_path):
         ["--target", str(SMOLLM2), "--requests", str(2 * len(bench.CHAT_WAYS)), "--out", str(tmp_path)]
     )
     assert bench.run(args) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((tmp_path / f"http-{SMOLLM2.resolve().name}" / "results.json").read_text())
     assert results["valid"] == results["requests"] == 2 * len(bench.CHAT_WAYS)
     assert set(results["per_way"]) == set(bench.CHAT_WAYS)

@@ -5,6 +5,7 @@ draft at all (block size 1: `serve --no-draft`)."""
 
 import httpx
 import pytest
+from clocks import priced_decoder
 from helpers import make_text_models
 from server_harness import running_server
 
@@ -27,7 +28,9 @@ def reference(target_only):
 
 
 def test_a_drafterless_server_drafts_without_a_drafter_and_refuses_the_drafters_proposers(target_only, reference):
-    with running_server(target_only) as (url, app):  # the server's default proposer: the hybrid
+    # priced on a virtual clock: whether a run is worth its verify tokens is a priced choice, which the machine's
+    # load (or the adversarial clock's draws) must not decide
+    with running_server(priced_decoder(target_only)) as (url, app):  # the server's default proposer: the hybrid
         assert app.state.server.decoder.drafter is None
         for proposer, want in ((None, "suffix"), ("suffix", "suffix"), ("ngram", "ngram")):
             body = {"input_ids": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -8,41 +8,13 @@ import httpx
 import jsonschema_rs
 import pytest
 from server_harness import server_fixtures, sse_events
+from test_structured_api import CHAT, SCHEMA, WEATHER, ok, post  # the requests both files send
 
 models, decoder, server = server_fixtures("structured-api")
-CHAT = [{"role": "user", "content": "def f(x):"}]
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer", "minimum": 0, "maximum": 99}},
-    "required": ["name", "n"],
-    "additionalProperties": False,
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
 TIME = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},
 }
-
-
-def post(url, path, body):
-    return httpx.post(url + path, json=body, timeout=120)
-
-
-def ok(url, path, body):
-    r = post(url, path, body)
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def refused(url, path, body, param, code=None):

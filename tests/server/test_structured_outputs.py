@@ -10,7 +10,7 @@ import pytest
 from server_harness import server_fixtures, sse_events
 from test_structured_api import CHAT, SCHEMA, WEATHER, ok, post  # the requests both files send
 
-models, decoder, server = server_fixtures("structured-api")
+models, decoder, server = server_fixtures("structured-api", priced=True)  # same request, same passes: equal logprobs
 TIME = {
     "type": "function",
     "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}},

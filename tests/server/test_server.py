@@ -146,8 +146,12 @@ def test_openai_client_completions_and_chat(server, reference, decoder):
 
 
 def test_raw_sse_ends_with_done(server):
+    # greedy: /v1/completions samples at OpenAI's temperature 1 by default, and a sampled run may end on end-of-text
     with httpx.stream(
-        "POST", server + "/v1/completions", json={"prompt": "import os", "max_tokens": 5, "stream": True}, timeout=60
+        "POST",
+        server + "/v1/completions",
+        json={"prompt": "import os", "max_tokens": 5, "temperature": 0, "stream": True},
+        timeout=60,
     ) as r:
         events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"

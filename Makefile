@@ -127,7 +127,7 @@ test: test-envs
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q tests --ignore=tests/deploy/test_pods.py
+	$(BIN)/python -m pytest -q --durations=20 tests --ignore=tests/deploy/test_pods.py
 	$(MAKE) test-pods
 	$(MAKE) test-tf457
 

@@ -28,6 +28,7 @@ held out; and the time a step's suffix work takes.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from typing import Any
 
 from dflash_trt.decoding import proposers as P
 from dflash_trt.decoding.proposers import SUFFIX_MAX_RUN, Prices, RowDrafts, best_run
-from dflash_trt.decoding.suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
+from dflash_trt.decoding.suffix import SharedSuffixes, SharedWalk, StepBudget, SuffixAutomaton
 from dflash_trt.settings import REPO_ROOT
 
 # a run token reached in the replay: (context length, seen, agreed, the match's hits, right, its place in the run)
@@ -207,25 +208,29 @@ def step_times(
     samples: Sequence[dict[str, list[int]]], rows: int, long_prompt: int, steps: int = 300
 ) -> tuple[list[float], list[float]]:
     """Seconds of suffix work per step for `rows` rows replaying `samples` (their true tokens committed after each
-    run), a request of `long_prompt` tokens joining at the 10th step, outputs into the shared structure: wall
+    run), a request of `long_prompt` tokens joining at the 10th step, outputs into the shared structure, the rows'
+    intake bounded per step as the loop bounds it (`StepBudget`): wall
     seconds, and the thread's CPU seconds (what the work costs on a machine other processes share)."""
-    shared = SharedSuffixes()
+    shared, budget = SharedSuffixes(), StepBudget()
     prices = Prices(row_s=1.0, token_s=0.02, draft_s=0.05)
     texts = [s["prompt"] + s["output"] for s in samples]
     long_ids = [t for _ in range(long_prompt // max(1, sum(map(len, texts))) + 1) for text in texts for t in text]
     queue = iter(range(10**9))
 
     def join(prompt: list[int], output: list[int]) -> dict[str, Any]:
-        drafts = RowDrafts(SuffixAutomaton(), SharedWalk(shared))
+        drafts = RowDrafts(SuffixAutomaton(), SharedWalk(shared), budget=budget)
         drafts.add(prompt)
         return {"drafts": drafts, "truth": output, "at": 0}
 
     live = [join(samples[k % len(samples)]["prompt"], samples[k % len(samples)]["output"]) for k in range(rows)]
     wall, cpu = [], []
+    gc.collect()
+    gc.freeze()  # as `serve` freezes its start-up heap (server.serving.freeze_heap), thawed below
     for step in range(steps):
         if step == 10:
             live[0] = join(long_ids[:long_prompt], samples[0]["output"])
         started, used = time.perf_counter(), time.thread_time()
+        budget.renew()  # as the loop does at the start of each step
         for r, row in enumerate(live):
             truth, at = row["truth"], row["at"]
             pick, _ = best_run(row["drafts"], min(SUFFIX_MAX_RUN, len(truth) - at - 1), prices)
@@ -242,6 +247,7 @@ def step_times(
         shared.settle()
         wall.append(time.perf_counter() - started)
         cpu.append(time.thread_time() - used)
+    gc.unfreeze()
     return wall, cpu
 
 

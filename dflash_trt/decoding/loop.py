@@ -45,13 +45,13 @@ from .grammar import compile_grammar
 from .healing import PromptHealer
 from .policy import BlockPolicy, FixedBlocks
 from .prompting import default_stop_ids, encode_text
-from .proposers import REGISTRY, SUFFIX_MAX_RUN, Pick, Prices
+from .proposers import REGISTRY, SUFFIX_MAX_RUN, Pick, Prices, RunPrior
 from .request import GenerationConfig, Round, RoundTimings, check_engines, validate_request
 from .row import BatchRow
 from .sessions import RowBook
 from .sharing import MAX_TENANTS, TenantSuffixes
 from .step import StepResult, StepRows
-from .suffix import SHARED_TOKENS, SharedSuffixes
+from .suffix import SHARED_TOKENS, SharedSuffixes, StepBudget
 
 __all__ = ["PREFILL_MODES", "BatchDecoder"]
 
@@ -104,11 +104,14 @@ class BatchDecoder(RunsToEnd):
         # the finished outputs of the rows that keep a suffix structure, per tenant, for the suffix runs of the
         # same tenant's requests that follow
         self.shared_suffixes = TenantSuffixes(shared_suffix_tokens, shared_tenants) if shared_suffix_tokens else None
+        self.suffix_budget = StepBudget()  # the waiting tokens all rows' suffix automata take in a step
+        self.run_prior = RunPrior()  # how the rows' suffix runs did against their counts: where a new row starts
 
     def forget_finished_outputs(self) -> None:
-        """Empty every tenant's shared suffix structure (same bounds): a benchmark running one prompt under several
-        methods calls it before each run, so that no run's suffix drafts read an earlier run's output of its
-        prompt."""
+        """Empty every tenant's shared suffix structure (same bounds) and start the runs' prior afresh: a benchmark
+        running one prompt under several methods calls it before each run, so that no run's suffix drafts read an
+        earlier run's output of its prompt or are trusted by how an earlier run's drafts did."""
+        self.run_prior = RunPrior()
         if self.shared_suffixes is not None:
             self.shared_suffixes = TenantSuffixes(self.shared_suffixes.max_tokens, self.shared_suffixes.max_tenants)
 
@@ -165,6 +168,8 @@ class BatchDecoder(RunsToEnd):
             healing=healing,
             proposer=proposer,
             shared=self._shared_of(config),
+            suffix_budget=self.suffix_budget,
+            run_prior=self.run_prior,
             fixed_block=config.block_size or self.fixed_block,
             grammar=grammar,
         )
@@ -204,6 +209,7 @@ class BatchDecoder(RunsToEnd):
         that finished are released, after the policy saw the step."""
         result = StepResult()
         started = self.clock()
+        self.suffix_budget.renew()
         verifying = list(self.running)
         if self.joining and (self.prefill == "separate" or not verifying):
             result.rounds += self.book.prefill(result.profile)

@@ -43,7 +43,7 @@ import numpy as np
 
 from .cost import price
 from .estimates import AcceptanceTracker, expected_tokens
-from .suffix import SharedWalk, SuffixAutomaton, SuffixMatch
+from .suffix import SharedWalk, StepBudget, SuffixAutomaton, SuffixMatch
 
 if TYPE_CHECKING:
     from .cost import CostModel
@@ -59,11 +59,12 @@ SUFFIX_MAX_RUN = 16
 # token then came, and how often it was the token the run predicted (suffix.py); p0 = 1 - PRIOR_HALF /
 # (PRIOR_HALF + context length) is what a context of that length predicts before it has counts. A frequent short
 # context with many continuations thus falls to its counts' low rate instead of rising with its recurrences.
-# PRIOR_HALF and PRIOR_WEIGHT are fitted by `dflash-trt bench suffix-prior` on its fitting texts (results/ holds
-# the fit and its held-out check).
-PRIOR_HALF = 4.0
-PRIOR_WEIGHT = 2.0
-MAX_PRIOR = 0.95  # no run is certain: the target may always choose otherwise
+# PRIOR_HALF, PRIOR_WEIGHT and MAX_PRIOR are the fit of `dflash-trt bench suffix-prior` on its fitting texts
+# (results/suffix-prior holds the fit and its held-out check); where a request's runs do worse than they predict,
+# its calibration tempers them (`RunCalibration`).
+PRIOR_HALF = 1.0
+PRIOR_WEIGHT = 1.0
+MAX_PRIOR = 0.99  # no run is certain: the target may always choose otherwise
 # A run stops where its cumulative probability (the chance all its tokens so far are right) falls below this
 # (Arctic's and vLLM's `min_token_prob`, same default).
 MIN_TOKEN_PROB = 0.1
@@ -78,6 +79,11 @@ MIN_MATCH = 2
 # DFlash block): a margin for what the prices leave out (the run's acceptance work, a prior that overrates a match)
 # that a run of a sound match clears many times over, and a run that barely looks worth it does not.
 RUN_MIN_GAIN = 0.1
+# Suffix runs temper what their counts predict by how runs did (`RunCalibration`): accepted draft tokens over the
+# expected ones, a row's own weighed against the decoder's recent runs (`RunPrior`) as this many expected tokens.
+CALIBRATION_WEIGHT = 4.0
+# The decoder's runs: each round's outcome first scales the earlier ones by this (about the last 200 runs count).
+RUN_PRIOR_DECAY = 0.995
 # the name of a proposer as the round record writes it when nothing was drafted (the target alone)
 NO_DRAFT_NAME = "none"
 
@@ -109,7 +115,7 @@ class Prices(NamedTuple):
 
     row_s: float = 1.0  # the row's share of a step where every row verifies one token
     token_s: float = 0.0  # one more verify token
-    drafter_row_s: float = 0.0  # the row's share of the drafter pass (a DFlash block only)
+    drafter_row_s: float = 0.0  # what the row adds to the drafter pass (a DFlash block only)
     drafter_token_s: float = 0.0  # one more drafted token (a DFlash block only)
     draft_s: float = 0.0  # what any draft adds once: a pass of more tokens than rows over the line's slope
     # what k = 1, 2, ... drafts add to the step, priced at the step's own tokens (`from_cost`); beyond it, the line
@@ -130,8 +136,11 @@ class Prices(NamedTuple):
 
         A row's run of k <= `most` drafts is priced at the tokens the step really holds: the other rows' blocks,
         then the row's 1 + k (`runs`), so a bent cost (a GPU's tiles) prices the run where the step sits on it,
-        not at a few tokens a row. The drafter's pass is shared among the rows that draft with it (those of a
-        block of 2 or more; at least the row pricing its own block), not among every row of the step."""
+        not at a few tokens a row. A row's part of the drafter's pass is what the pass costs more with it than
+        without it among the rows that draft (those of a block of 2 or more; at least the row pricing its own
+        block): the whole pass for a row that drafts alone, the pass's slope where many draft. What a row choosing
+        a suffix run saves is that much, not an average share of the pass's fixed cost, which the others pay
+        whether it leaves or not."""
         target, drafter = cost.current()
         rows = len(blocks)
         if not rows or target(rows, rows) <= 0:
@@ -142,12 +151,13 @@ class Prices(NamedTuple):
         step = price(target, rows, grid.ravel()).reshape(rows, most + 1)
         drafting = max(1, int((sizes >= 2).sum()))
         drafted = drafter(drafting, 2 * drafting)
+        without = drafter(drafting - 1, 2 * (drafting - 1)) if drafting > 1 else 0.0
         row_s = target(rows, rows) / rows
         extra = np.maximum(0.0, step[:, 1:] - step[:, :1])  # what k drafts add to the step, k = 1..most
         return [
             cls(
                 row_s=row_s,
-                drafter_row_s=drafted / drafting,
+                drafter_row_s=max(0.0, drafted - without),
                 drafter_token_s=max(0.0, drafter(drafting, 4 * drafting) - drafted) / (2 * drafting),
                 runs=tuple(extra[r].tolist()),
             )
@@ -207,10 +217,53 @@ def run_reach(match: SuffixMatch) -> list[float]:
 
 
 @dataclass
+class RunPrior:
+    """How the decoder's recent suffix runs did against what their counts predicted, all requests together: where a
+    new request's calibration starts. Like the block policy's acceptance prior it holds counts, no tokens: it tells
+    a request how far to trust a match, never what another request wrote."""
+
+    expected: float = 0.0  # draft tokens the runs were expected to have accepted (decayed)
+    accepted: float = 0.0  # draft tokens they did (decayed)
+
+    @property
+    def factor(self) -> float:
+        return min(1.0, (self.accepted + CALIBRATION_WEIGHT) / (self.expected + CALIBRATION_WEIGHT))
+
+    def update(self, expected: float, accepted: int) -> None:
+        self.expected = RUN_PRIOR_DECAY * self.expected + expected
+        self.accepted = RUN_PRIOR_DECAY * self.accepted + accepted
+
+
+@dataclass
+class RunCalibration:
+    """How one request's suffix runs did against what their counts predicted (counts gathered on text the request
+    may not resemble): a factor on a run's expected accepted tokens, its runs' accepted draft tokens over their
+    expected ones, starting from the decoder's (`RunPrior`, weighing CALIBRATION_WEIGHT expected tokens; without
+    one, from runs that all came). Never above 1: where runs do as predicted or better the counts stand; where they
+    keep failing the request gets fewer and shorter runs, and its DFlash blocks (or the target alone) the rounds."""
+
+    expected: float = 0.0  # draft tokens its runs were expected to have accepted
+    accepted: float = 0.0  # draft tokens they did
+    prior: RunPrior | None = None  # the decoder's, which each of the row's runs also updates
+
+    @property
+    def factor(self) -> float:
+        start = self.prior.factor if self.prior is not None else 1.0
+        return min(1.0, (self.accepted + CALIBRATION_WEIGHT * start) / (self.expected + CALIBRATION_WEIGHT))
+
+    def update(self, expected: float, accepted: int) -> None:
+        self.expected += expected
+        self.accepted += accepted
+        if self.prior is not None:
+            self.prior.update(expected, accepted)
+
+
+@dataclass
 class RowDrafts:
     """What the proposers keep for one request: its suffix automaton (None unless its proposer keeps one), its
-    walk through the decoder's shared automaton of earlier outputs (None without one) and the acceptance estimate
-    of each proposer's drafts, which the row's proposer updates (`Proposer.learn`).
+    walk through the decoder's shared automaton of earlier outputs (None without one), how its suffix runs did
+    against their prediction and the DFlash acceptance estimate, which the row's proposer updates
+    (`Proposer.learn`).
 
     The DFlash estimate is the block policy's where the policy keeps one (`follow_policy`): the same tracker that
     sized the row's block, seeded from what the row's sampling regime measured and learning from every DFlash
@@ -219,9 +272,11 @@ class RowDrafts:
 
     suffix: SuffixAutomaton | None = None
     shared: SharedWalk | None = None
-    suffix_estimate: AcceptanceTracker = field(default_factory=AcceptanceTracker)
+    calibration: RunCalibration = field(default_factory=RunCalibration)  # its suffix runs, predicted and kept
+    run_expected: float = 0.0  # the accepted draft tokens its last suffix pick expected (`best_run`)
     dflash_estimate: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     policy_estimate: bool = False  # the block policy keeps (and learns) `dflash_estimate`
+    budget: StepBudget | None = None  # the loop's per-step intake of waiting tokens (None: SETTLE_TOKENS a match)
 
     def follow_policy(self, tracker: AcceptanceTracker) -> None:
         """The block policy's estimate of the row's DFlash acceptance becomes the one the proposers read; the
@@ -238,7 +293,7 @@ class RowDrafts:
     def match(self, most: int) -> SuffixMatch | None:
         """The longer of the request's own match and its match in the earlier outputs (own on a tie). In the
         loop's thread: the request's automaton takes in its waiting tokens here."""
-        own = self.suffix.match(most) if self.suffix is not None else None
+        own = self.suffix.match(most, self.budget) if self.suffix is not None else None
         other = self.shared.match(most) if self.shared is not None else None
         if other is not None and (own is None or other.length > own.length):
             return other
@@ -254,27 +309,28 @@ class RowDrafts:
         return self.suffix.nbytes if self.suffix is not None else 0
 
 
-def learn_own(tracker: AcceptanceTracker, own: bool, drafted: int, accepted: int) -> None:
-    """A proposer's estimate after a round: its outcome where the proposer drafted it (`own`); else it drifts back
-    to its prior (a round of nothing drafted)."""
-    tracker.update(drafted if own else 0, accepted if own else 0)
+def learn_run(drafts: RowDrafts, used: Proposer | None, accepted: int) -> None:
+    """After a round the suffix proposer drafted (`used`), its run's outcome against what `best_run` expected."""
+    if used is SUFFIX:
+        drafts.calibration.update(drafts.run_expected, accepted)
 
 
 def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]:
     """The suffix run of the best expected tokens per second for a row that may verify `most` drafts, and that
     rate (NO_PICK and the rate of verifying one token where no usable run repeats or no run beats that rate by
     RUN_MIN_GAIN). A run of k tokens is expected to commit 1 + the sum of its first k cumulative probabilities
-    (`run_reach`)."""
+    (`run_reach`), that sum tempered by how the row's runs did (`RunCalibration`); the pick's expected accepted
+    drafts are kept for `learn_run`."""
     none_rate = 1.0 / prices.row_s
     match = drafts.match(min(most, SUFFIX_MAX_RUN)) if most > 0 else None
     if match is None:
         return NO_PICK, none_rate
-    best, best_rate, expected = NO_PICK, none_rate * (1.0 + RUN_MIN_GAIN), 1.0
+    best, best_rate, reach, factor = NO_PICK, none_rate * (1.0 + RUN_MIN_GAIN), 0.0, drafts.calibration.factor
     for k, chance in enumerate(run_reach(match), start=1):
-        expected += chance
-        rate = expected / prices.verify_s(k)
+        reach += chance * factor
+        rate = (1.0 + reach) / prices.verify_s(k)
         if rate > best_rate:
-            best, best_rate = Pick(SUFFIX, k + 1, match.continuation[:k]), rate
+            best, best_rate, drafts.run_expected = Pick(SUFFIX, k + 1, match.continuation[:k]), rate, reach
     return best, best_rate if best.proposer is not None else none_rate
 
 
@@ -355,7 +411,7 @@ class SuffixProposer(Proposer):
         return best_run(row.drafts, row.max_drafts, prices)[0]
 
     def learn(self, drafts: RowDrafts, used: Proposer | None, drafted: int, accepted: int) -> None:
-        learn_own(drafts.suffix_estimate, used is self, drafted, accepted)
+        learn_run(drafts, used, accepted)
 
 
 class HybridProposer(Proposer):
@@ -377,9 +433,11 @@ class HybridProposer(Proposer):
         return run
 
     def learn(self, drafts: RowDrafts, used: Proposer | None, drafted: int, accepted: int) -> None:
-        learn_own(drafts.suffix_estimate, used is SUFFIX, drafted, accepted)
+        learn_run(drafts, used, accepted)
         if not drafts.policy_estimate:  # else the policy learns it, from every DFlash round of the row
-            learn_own(drafts.dflash_estimate, used is DFLASH, drafted, accepted)
+            # its outcome where DFlash drafted; else it drifts back to its prior (a round of no DFlash draft)
+            own = used is DFLASH
+            drafts.dflash_estimate.update(drafted if own else 0, accepted if own else 0)
 
 
 DFLASH, SUFFIX = REGISTRY["dflash"], REGISTRY["suffix"]

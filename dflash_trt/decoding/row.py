@@ -17,7 +17,7 @@ from .grammar import CompiledGrammar
 from .guided import GuidedRow
 from .healing import Healing
 from .logprobs import token_logprobs
-from .proposers import DFLASH, NO_DRAFT_NAME, Pick, Proposer, RowDrafts
+from .proposers import DFLASH, NO_DRAFT_NAME, Pick, Proposer, RowDrafts, RunCalibration, RunPrior
 from .request import (
     GenerationConfig,
     GenerationResult,
@@ -28,7 +28,7 @@ from .request import (
     commit_tokens,
 )
 from .stopping import StopChecker, truncate_at_stop
-from .suffix import SharedSuffixes, SharedWalk, SuffixAutomaton
+from .suffix import SharedSuffixes, SharedWalk, StepBudget, SuffixAutomaton
 
 
 class BatchRow:
@@ -46,6 +46,8 @@ class BatchRow:
         healing: Healing | None = None,
         proposer: Proposer | None = None,
         shared: SharedSuffixes | None = None,
+        suffix_budget: StepBudget | None = None,
+        run_prior: RunPrior | None = None,
         fixed_block: int | None = None,
         grammar: CompiledGrammar | None = None,
     ):
@@ -64,7 +66,10 @@ class BatchRow:
         self.fixed_block = fixed_block
         uses = self.proposer.keeps_suffix
         self.drafts = RowDrafts(
-            SuffixAutomaton() if uses else None, SharedWalk(shared) if uses and shared is not None else None
+            SuffixAutomaton() if uses else None,
+            SharedWalk(shared) if uses and shared is not None else None,
+            budget=suffix_budget,
+            calibration=RunCalibration(prior=run_prior),
         )
         self.drafts.add(prompt_ids)
         self.guide = GuidedRow(grammar) if grammar is not None else None  # its grammar's state (guided.py)

@@ -22,8 +22,9 @@ Memory: at most 2n states and 3n transitions for n tokens, in flat arrays and a 
 (`Automaton.nbytes` counts them in real bytes). A request's structure (`SuffixAutomaton`) is a window past its
 bound: it keeps the automaton of its last `max_tokens` tokens at most, a second one starting halfway so that it
 hands over without a rebuild. Work: a request's tokens wait in a backlog until the loop's thread asks for a match,
-and at most `SETTLE_TOKENS` of them enter a step (a long prompt's automaton is built over its first steps, in the
-loop's thread, not in the thread that received the request).
+and at most `SETTLE_TOKENS` of all rows' waiting tokens enter a step (`StepBudget`: a long prompt's automaton, or
+the automata of many requests joining at once, are built over several steps, in the loop's thread, not in the
+thread that received the request).
 """
 
 from __future__ import annotations
@@ -35,9 +36,13 @@ from typing import NamedTuple
 # A request's automaton covers at most its last this many tokens: the longest context served here fits, and a
 # client's runaway request cannot take more memory than that (the window then slides: `SuffixAutomaton`).
 MAX_TOKENS = 65536
-# Tokens a structure takes in per call of the loop's thread: bounds the suffix work a step does (a long prompt is
-# taken in over several steps; a row's committed tokens, at most a block a step, never wait).
+# Waiting tokens taken in per step of the loop's thread, by all rows' automata together (`StepBudget`) and by the
+# shared structure: bounds the suffix work a step does, whatever the number of rows (a long prompt is taken in
+# over several steps).
 SETTLE_TOKENS = 256
+# A backlog this short enters whole outside the step's budget: a row's tokens committed since its last step (at
+# most a round's: a run of SUFFIX_MAX_RUN drafts and the bonus token) never wait.
+ROUND_TOKENS = 32
 _INT_BYTES = sys.getsizeof(1 << 20)  # an int object past the small cached ones (a state id, a token id)
 
 
@@ -186,6 +191,29 @@ class Automaton:
         return SuffixMatch(self.length[s], self.seen[s] + 1, tuple(run), _counts_along(self, s, run))
 
 
+class StepBudget:
+    """The waiting tokens the rows' automata may take in during one step, together: SETTLE_TOKENS, first come
+    first served in the order the loop asks its rows. A backlog of at most ROUND_TOKENS (a row's last round) enters
+    outside it. Without it, 64 rows joining at once would each take in SETTLE_TOKENS of their prompts in one step.
+    One per loop, in the loop's thread; `renew` at the start of each step."""
+
+    __slots__ = ("tokens", "left")
+
+    def __init__(self, tokens: int = SETTLE_TOKENS):
+        self.tokens = self.left = tokens
+
+    def renew(self) -> None:
+        self.left = self.tokens
+
+    def grant(self, waiting: int) -> int:
+        """How many of a backlog of `waiting` tokens may enter now (spending the step's budget)."""
+        if waiting <= ROUND_TOKENS:
+            return waiting
+        n = min(waiting, self.left)
+        self.left -= n
+        return n
+
+
 class SuffixAutomaton:
     """A request's suffix structure: the automaton of its last `max_tokens` tokens at most (a window), taken in
     through a backlog.
@@ -245,9 +273,10 @@ class SuffixAutomaton:
         del self.backlog[: len(todo)]
         return not self.backlog
 
-    def match(self, most: int) -> SuffixMatch | None:
-        """The window's longest repeated suffix and its run (`Automaton.match`); None while tokens still wait."""
-        if not self.settle():
+    def match(self, most: int, budget: StepBudget | None = None) -> SuffixMatch | None:
+        """The window's longest repeated suffix and its run (`Automaton.match`); None while tokens still wait. It
+        first takes in what the step's `budget` grants (None: up to SETTLE_TOKENS)."""
+        if not self.settle(SETTLE_TOKENS if budget is None else budget.grant(len(self.backlog))):
             return None
         return self.current.match(most)
 

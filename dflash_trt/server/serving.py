@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import sys
@@ -68,9 +69,21 @@ def _http_protocol() -> type[asyncio.Protocol]:
 
 
 def serve_app(app: FastAPI, host: str, port: int) -> None:
-    """Run uvicorn; the first SIGTERM/SIGINT drains (new requests 503), a second one exits at once."""
+    """Run uvicorn; the first SIGTERM/SIGINT drains (new requests 503), a second one exits at once. The process's
+    heap as it stands (the modules, the engines) is first frozen out of the garbage collector (`freeze_heap`)."""
     server, sock = make_server(app, host, port)
+    freeze_heap()
     server.run(sockets=[sock])
+
+
+def freeze_heap() -> None:
+    """Collect, then move every object alive into the collector's permanent generation (`gc.freeze`), as vLLM
+    does once its server has started (`freeze_gc_heap`, vllm/utils/gc_utils.py): a full collection otherwise
+    walks every object that torch, transformers and the engines made at start-up, a pause of tens of ms on the
+    loop's thread at an unforeseeable step. Objects made later are still collected. For a serving process only:
+    what it freezes is never freed."""
+    gc.collect()
+    gc.freeze()
 
 
 def make_server(app: FastAPI, host: str, port: int) -> tuple[uvicorn.Server, socket.socket]:

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..decoding import GenerationConfig, SamplingParams
 from ..decoding.proposers import DEFAULT_PROPOSER, PRIOR_HALF, REGISTRY, proposer_for
-from ..decoding.suffix import SuffixAutomaton, SuffixMatch
+from ..decoding.suffix import StepBudget, SuffixAutomaton, SuffixMatch
 from .engines import SEED_TOKENS, prompt_seed, truth_many
 from .measured import SUFFIX_TRACE, read
 
@@ -155,7 +155,8 @@ class ReplayedMatches(SuffixAutomaton):
     def extend_all(self, tokens: list[int]) -> None:
         self.next_index += len(tokens)
 
-    def match(self, most: int) -> SuffixMatch | None:
+    def match(self, most: int, budget: StepBudget | None = None) -> SuffixMatch | None:
+        """The recorded match at the row's position (no tokens wait here: `budget` is not spent)."""
         offered, right = self.positions[(self.next_index - self.start) % len(self.positions)]
         run = min(offered, most)
         if run < 1:

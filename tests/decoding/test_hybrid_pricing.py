@@ -59,6 +59,32 @@ def test_a_suffix_run_takes_the_round_only_where_it_earns_more_than_the_policys_
     assert pick(0.95).proposer is DFLASH  # what the policy knows of the row
 
 
+def test_a_row_whose_runs_keep_failing_stops_taking_them():
+    """Counts gathered on other text may overrate a request's runs: each failed run tempers what the row's next
+    runs are expected to earn (`RunCalibration`), so after a few the row's rounds go back to its DFlash block,
+    while a row whose runs come true keeps them."""
+    text = list(range(40))
+    prices = Prices(row_s=1.0, token_s=0.02, draft_s=0.1, drafter_row_s=0.3, drafter_token_s=0.01)
+    picks = {}
+    for outcome in ("kept", "failed"):
+        drafts = RowDrafts(SuffixAutomaton())
+        drafts.add(text + text[:6])
+        drafts.follow_policy(AcceptanceTracker(prior_alpha=0.6))
+        picks[outcome] = []
+        for _ in range(6):
+            pick = HYBRID.pick(_Row(drafts), 8, prices)
+            picks[outcome].append(pick.proposer)
+            if pick.proposer is not SUFFIX:
+                break
+            accepted = len(pick.drafts) if outcome == "kept" else 0
+            HYBRID.learn(drafts, SUFFIX, len(pick.drafts), accepted)
+            assert drafts.calibration.factor == (
+                1.0 if outcome == "kept" else pytest.approx(4.0 / (4.0 + drafts.calibration.expected))
+            )
+    assert picks["kept"] == [SUFFIX] * 6  # runs that come true are not tempered (the factor stays 1)
+    assert picks["failed"][0] is SUFFIX and picks["failed"][-1] is DFLASH and len(picks["failed"]) <= 4
+
+
 def test_the_adaptive_policys_estimate_is_the_one_the_hybrid_reads(tiny_pair):
     """A new row's DFlash estimate starts from what its regime's finished requests measured (the policy's prior),
     not from a fixed guess, and the policy, not the hybrid, learns it (one update a round, not two)."""
@@ -100,14 +126,17 @@ def test_a_run_is_priced_where_the_steps_tokens_put_it_on_the_curve():
     assert alone.verify_s(8) - alone.verify_s(0) < expected / 10
 
 
-def test_the_drafter_pass_is_shared_among_the_rows_that_draft_with_it():
-    """One row of 8 drafts a DFlash block: it pays the drafter's whole fixed cost, not an eighth of it."""
+def test_a_rows_drafter_price_is_what_the_pass_costs_more_with_it():
+    """One row of 8 drafts a DFlash block: it pays the drafter's whole pass, not an eighth of it. Where all 8 draft,
+    a row that left the pass would save only what it adds to it (the pass's slope), not an eighth of its fixed cost:
+    the other 7 still pay that."""
     cost = _gpu_like()
     _, drafter = cost.current()
     one = Prices.from_cost(cost, [8] + [1] * 7, 16)[0]
     assert one.drafter_row_s == pytest.approx(drafter(1, 2))
     every = Prices.from_cost(cost, [8] * 8, 16)[0]
-    assert every.drafter_row_s == pytest.approx(drafter(8, 16) / 8)
+    assert every.drafter_row_s == pytest.approx(drafter(8, 16) - drafter(7, 14))
+    assert every.drafter_row_s < drafter(8, 16) / 8 / 10
 
 
 # ---- finding 8: without a drafter, no draft where a run is not worth its verify tokens ------

@@ -1,21 +1,25 @@
 """The suffix structures' bounds (decoding/suffix.py): a walk through the shared automaton stays exact while it
 grows, the memory gauges count real bytes, a request past its bound keeps drafting from a window, a prompt's
-automaton is built in the loop's thread a bounded part a step, and the shared automaton evicts by request without
+automaton is built in the loop's thread a bounded part a step (of all rows' prompts together), and the shared automaton evicts by request without
 rebuilding. (The time a step's suffix work takes is measured by `dflash-trt bench suffix-prior`, not here.)"""
 
 import random
 import tracemalloc
 
+from dflash_trt.decoding import BatchDecoder, GenerationConfig
 from dflash_trt.decoding import suffix as suffix_module
 from dflash_trt.decoding.proposers import RowDrafts
 from dflash_trt.decoding.sharing import TenantSuffixes
 from dflash_trt.decoding.suffix import (
+    ROUND_TOKENS,
     SETTLE_TOKENS,
     Automaton,
     SharedSuffixes,
     SharedWalk,
+    StepBudget,
     SuffixAutomaton,
 )
+from dflash_trt.runtime.torch_backend import TorchTargetEngine
 
 
 def _longest_in(text: list[int], outputs: list[list[int]], most: int) -> int:
@@ -132,6 +136,54 @@ def test_a_prompt_is_taken_in_by_the_loop_a_bounded_part_a_step():
     found = drafts.match(8)
     assert found is not None and found.continuation == tuple(phrase[10:18])
     assert steps == -(-len(prompt) // SETTLE_TOKENS) - 1
+
+
+def test_many_rows_joining_take_in_a_bounded_part_a_step_in_all():
+    """Rows joining together share one step's budget: a step takes in at most SETTLE_TOKENS of their prompts in all
+    (not SETTLE_TOKENS each), first come first served, while a drafting row's last round (at most ROUND_TOKENS)
+    enters whether or not the budget is spent; every row drafts once its prompt is in."""
+    budget = StepBudget()
+    phrase = list(range(100, 120))
+    rows = []
+    for k in range(16):
+        drafts = RowDrafts(SuffixAutomaton(), budget=budget)
+        drafts.add([k] * (2 * SETTLE_TOKENS) + phrase + [1] + phrase[:4])
+        rows.append(drafts)
+    drafting = RowDrafts(SuffixAutomaton(), budget=budget)
+    drafting.add(phrase + [1] + phrase[:4])
+    assert drafting.match(4) is not None  # in, before the others join
+    waiting = sum(len(d.suffix.backlog) for d in rows if d.suffix is not None)
+    steps = 0
+    while any(d.suffix is not None and d.suffix.backlog for d in rows):
+        budget.renew()
+        before = sum(len(d.suffix.tokens) for d in rows if d.suffix is not None)
+        was_ready = sum(d.suffix is not None and not d.suffix.backlog for d in rows)
+        left = sum(len(d.suffix.backlog) for d in rows if d.suffix is not None)
+        found = [d.match(4) for d in rows]
+        taken = sum(len(d.suffix.tokens) for d in rows if d.suffix is not None) - before
+        ready = [f is not None for f in found]
+        assert ready == sorted(ready, reverse=True)  # first come, first served
+        # the budget, and each prompt's last ROUND_TOKENS or fewer, which enter as a round's would
+        assert taken <= SETTLE_TOKENS + ROUND_TOKENS * (sum(ready) - was_ready)
+        assert taken >= min(SETTLE_TOKENS, left)  # the budget is spent, not left idle
+        drafting.add(phrase[4 : 4 + ROUND_TOKENS // 2])  # its round's tokens: in at once, budget or not
+        assert drafting.suffix is not None and drafting.match(4) is not None and not drafting.suffix.backlog
+        steps += 1
+    assert steps <= -(-waiting // SETTLE_TOKENS)
+    assert all(d.match(4) is not None for d in rows)
+
+
+def test_the_loop_gives_its_rows_one_budget_renewed_each_step(tiny_pair, monkeypatch):
+    decoder = BatchDecoder(TorchTargetEngine(tiny_pair[3]))
+    rows = [decoder.add([3, 4, 5] * 40, GenerationConfig(max_new_tokens=6, proposer="suffix")) for _ in range(3)]
+    assert all(row.drafts.budget is decoder.suffix_budget for row in rows)
+    renewed = []
+    monkeypatch.setattr(StepBudget, "renew", lambda self: (renewed.append(self), setattr(self, "left", self.tokens)))
+    steps = 0
+    while not all(row.done for row in rows):
+        decoder.step()
+        steps += 1
+    assert renewed == [decoder.suffix_budget] * steps
 
 
 def test_the_shared_automaton_evicts_by_request_without_rebuilding(monkeypatch):

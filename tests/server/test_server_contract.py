@@ -208,3 +208,25 @@ def test_non_streaming_client_hanging_up_stops_its_generation(tmp_path):
         assert ended == {"ok": 0, "cancelled": 1}
         assert metric(m, "dflash_generated_tokens_total") < long["max_tokens"]
         assert metric(m, "dflash_inflight_requests") == 0
+
+
+def test_serve_freezes_its_start_up_heap_before_serving(monkeypatch):
+    """`serve_app` (what `dflash-trt serve` runs) moves the start-up heap out of the collector's reach before the
+    server runs, so a full collection during serving does not walk torch's and the engines' objects."""
+    import gc
+
+    from dflash_trt.server import serving as serving_module
+
+    frozen = []
+
+    class Recorder:  # uvicorn's Server.run, which would block: records what the collector holds back when it starts
+        def run(self, sockets):
+            frozen.append(gc.get_freeze_count())
+
+    monkeypatch.setattr(serving_module, "make_server", lambda app, host, port: (Recorder(), None))
+    assert gc.get_freeze_count() == 0
+    try:
+        serving_module.serve_app(None, "127.0.0.1", 0)
+    finally:
+        gc.unfreeze()
+    assert frozen and frozen[0] > 10_000  # torch and transformers alone hold far more than this

@@ -1,5 +1,5 @@
-"""`dflash-trt bench grammar-libs`: the grammar libraries side by side, as issue 64 chose between them: llguidance
-(the package's, decoding/grammar.py) and xgrammar, on the same tokenizers and JSON schemas.
+"""`dflash-trt bench grammar-libs`: llguidance (the package's, decoding/grammar.py) and xgrammar side by side on the
+same tokenizers and JSON schemas: the measurement that chose llguidance.
 
 Per library and tokenizer: the seconds to read the tokenizer (once per tokenizer, kept by both); per schema, the
 seconds from the schema's text to the first mask (a compile then, whatever each library does lazily: xgrammar

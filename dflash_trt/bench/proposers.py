@@ -1,4 +1,4 @@
-"""Proposers side by side (issue 55): the target alone, DFlash, suffix drafting, the hybrid of the two and Hugging
+"""Proposers side by side: the target alone, DFlash, suffix drafting, the hybrid of the two and Hugging
 Face's prompt lookup, on the workloads of `bench.workloads`, in one process and one run.
 
 For every prompt of every workload each method runs once, greedy, in an order rotated from one prompt to the next

@@ -1,4 +1,4 @@
-"""Workloads for comparing proposers (issue 55), cut at run time from text no model here was trained on: the
+"""Workloads for comparing proposers, cut at run time from text no model here was trained on: the
 source of installed Python packages. The demo models were trained on the running interpreter's standard library
 alone (models/README.md, `train.corpus.stdlib_files`); site-packages is never part of it.
 

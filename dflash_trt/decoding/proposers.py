@@ -59,12 +59,13 @@ SUFFIX_MAX_RUN = 16
 # token then came, and how often it was the token the run predicted (suffix.py); p0 = 1 - PRIOR_HALF /
 # (PRIOR_HALF + context length) is what a context of that length predicts before it has counts. A frequent short
 # context with many continuations thus falls to its counts' low rate instead of rising with its recurrences.
-# PRIOR_HALF, PRIOR_WEIGHT and MAX_PRIOR are the fit of `dflash-trt bench suffix-prior` on its fitting texts
-# (results/suffix-prior holds the fit and its held-out check); where a request's runs do worse than they predict,
-# its calibration tempers them (`RunCalibration`).
-PRIOR_HALF = 1.0
-PRIOR_WEIGHT = 1.0
-MAX_PRIOR = 0.99  # no run is certain: the target may always choose otherwise
+# `dflash-trt bench suffix-prior` fits PRIOR_HALF, PRIOR_WEIGHT and MAX_PRIOR on chat answers (results/suffix-prior
+# holds the fit and its held-out check). The fit (1, 1, 0.99) is not coded: it trusts a fresh context of 2-3 tokens
+# at 0.67-0.75, which answers repeating their prompt earn but text that does not repeat does not; there, with no
+# counts yet, suffix runs lost 18 % to the target alone (test_hybrid_pricing.py's text that never repeats).
+PRIOR_HALF = 4.0
+PRIOR_WEIGHT = 2.0
+MAX_PRIOR = 0.95  # no run is certain: the target may always choose otherwise
 # A run stops where its cumulative probability (the chance all its tokens so far are right) falls below this
 # (Arctic's and vLLM's `min_token_prob`, same default).
 MIN_TOKEN_PROB = 0.1
@@ -82,8 +83,11 @@ RUN_MIN_GAIN = 0.1
 # Suffix runs temper what their counts predict by how runs did (`RunCalibration`): accepted draft tokens over the
 # expected ones, a row's own weighed against the decoder's recent runs (`RunPrior`) as this many expected tokens.
 CALIBRATION_WEIGHT = 4.0
-# The decoder's runs: each round's outcome first scales the earlier ones by this (about the last 200 runs count).
+# The decoder's runs: each round's outcome first scales the earlier ones by this (about the last 200 runs count),
+# and they weigh against runs that all came as this many expected tokens (one short request's failed runs do not
+# make the next request distrust its matches; a traffic of them does).
 RUN_PRIOR_DECAY = 0.995
+RUN_PRIOR_WEIGHT = 4.0
 # the name of a proposer as the round record writes it when nothing was drafted (the target alone)
 NO_DRAFT_NAME = "none"
 
@@ -227,7 +231,7 @@ class RunPrior:
 
     @property
     def factor(self) -> float:
-        return min(1.0, (self.accepted + CALIBRATION_WEIGHT) / (self.expected + CALIBRATION_WEIGHT))
+        return min(1.0, (self.accepted + RUN_PRIOR_WEIGHT) / (self.expected + RUN_PRIOR_WEIGHT))
 
     def update(self, expected: float, accepted: int) -> None:
         self.expected = RUN_PRIOR_DECAY * self.expected + expected
@@ -273,7 +277,7 @@ class RowDrafts:
     suffix: SuffixAutomaton | None = None
     shared: SharedWalk | None = None
     calibration: RunCalibration = field(default_factory=RunCalibration)  # its suffix runs, predicted and kept
-    run_expected: float = 0.0  # the accepted draft tokens its last suffix pick expected (`best_run`)
+    run_expected: float = 0.0  # the accepted draft tokens its last suffix pick's counts predicted (`best_run`)
     dflash_estimate: AcceptanceTracker = field(default_factory=AcceptanceTracker)
     policy_estimate: bool = False  # the block policy keeps (and learns) `dflash_estimate`
     budget: StepBudget | None = None  # the loop's per-step intake of waiting tokens (None: SETTLE_TOKENS a match)
@@ -319,16 +323,16 @@ def best_run(drafts: RowDrafts, most: int, prices: Prices) -> tuple[Pick, float]
     """The suffix run of the best expected tokens per second for a row that may verify `most` drafts, and that
     rate (NO_PICK and the rate of verifying one token where no usable run repeats or no run beats that rate by
     RUN_MIN_GAIN). A run of k tokens is expected to commit 1 + the sum of its first k cumulative probabilities
-    (`run_reach`), that sum tempered by how the row's runs did (`RunCalibration`); the pick's expected accepted
-    drafts are kept for `learn_run`."""
+    (`run_reach`), that sum tempered by how the row's runs did (`RunCalibration`); the pick's sum as the counts
+    predict it (untempered: the calibration compares outcomes with the counts) is kept for `learn_run`."""
     none_rate = 1.0 / prices.row_s
     match = drafts.match(min(most, SUFFIX_MAX_RUN)) if most > 0 else None
     if match is None:
         return NO_PICK, none_rate
     best, best_rate, reach, factor = NO_PICK, none_rate * (1.0 + RUN_MIN_GAIN), 0.0, drafts.calibration.factor
     for k, chance in enumerate(run_reach(match), start=1):
-        reach += chance * factor
-        rate = (1.0 + reach) / prices.verify_s(k)
+        reach += chance
+        rate = (1.0 + factor * reach) / prices.verify_s(k)
         if rate > best_rate:
             best, best_rate, drafts.run_expected = Pick(SUFFIX, k + 1, match.continuation[:k]), rate, reach
     return best, best_rate if best.proposer is not None else none_rate

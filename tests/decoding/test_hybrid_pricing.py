@@ -82,7 +82,7 @@ def test_a_row_whose_runs_keep_failing_stops_taking_them():
                 1.0 if outcome == "kept" else pytest.approx(4.0 / (4.0 + drafts.calibration.expected))
             )
     assert picks["kept"] == [SUFFIX] * 6  # runs that come true are not tempered (the factor stays 1)
-    assert picks["failed"][0] is SUFFIX and picks["failed"][-1] is DFLASH and len(picks["failed"]) <= 4
+    assert picks["failed"][0] is SUFFIX and picks["failed"][-1] is DFLASH and len(picks["failed"]) <= 5
 
 
 def test_the_adaptive_policys_estimate_is_the_one_the_hybrid_reads(tiny_pair):

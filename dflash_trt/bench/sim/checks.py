@@ -1,4 +1,4 @@
-"""The checks of `make bench-sim` (issue 40's done-when: adaptive against the per-step optimum and the tuned
+"""The checks of `make bench-sim` (adaptive against the per-step optimum and the tuned
 table, chunked against separate prefill, the published GPU curve) and the sentences README.md says about the
 run, all computed from its runs (results.json's `runs`: one dict[str, Any] per closed-loop cell and seed)."""
 

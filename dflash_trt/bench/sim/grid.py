@@ -23,7 +23,7 @@ PHASE1 = (*FIXED, "adaptive", "trtllm-schedule", "trtllm-schedule-threshold", "o
 SHOWN = (*PHASE1[:-1], *TUNED, "optimum")  # the tables' column order
 SEEDS = 3
 
-# The default grid (the package's docstring): every check of issue 40 has a cell in it, within ~12 minutes on 2 CPUs
+# The default grid (the package's docstring): every check (checks.py) has a cell in it, within ~12 minutes on 2 CPUs
 REDUCED_GROUPS = (
     ("a100", "llama-3-8b", 1, "paper"),
     ("a100", "llama-3-8b", 1, "mixed"),

@@ -219,7 +219,7 @@ def readme(res: dict[str, Any]) -> str:
         "![tokens/s vs concurrency](sim.png)",
         "",
     ]
-    lines += criteria_table(res["checks"], "Checks (issue 40)")
+    lines += criteria_table(res["checks"], "Checks")
     lines += explanations(res["runs"])
     lines += tables(res["runs"], res["tuned_tables"])
     if res.get("poisson"):

@@ -123,11 +123,15 @@ ENV_JOBS ?= 4
 test-envs:
 	$(MAKE) -j$(ENV_JOBS) venv triton-env deploy-env mpi-env sshd-env tf457-env
 
+# The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a worker so that a file's module-scoped
+# fixtures (its models, its server) are made once: each test runs torch on one thread (tests/conftest.py), so two
+# workers keep both cores of a 2-core machine busy. The slowest 20 tests are printed: the suite's time is a budget.
+TEST_WORKERS ?= 2
 test: test-envs
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q --durations=20 tests --ignore=tests/deploy/test_pods.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests --ignore=tests/deploy/test_pods.py
 	$(MAKE) test-pods
 	$(MAKE) test-tf457
 

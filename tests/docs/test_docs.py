@@ -1,5 +1,6 @@
 """The README and docs/ pages: every relative link resolves (file and, for Markdown, heading anchor), every docs
-page is linked from the README exactly once, and the README stays a newcomer's page (at most 200 lines)."""
+page is linked from the README exactly once, the README stays a newcomer's page (at most 200 lines) and
+docs/benchmarks.md a page of current results (at most 400: earlier runs live in git history)."""
 
 import re
 from pathlib import Path
@@ -51,3 +52,7 @@ def test_readme_links_each_docs_page_once_and_stays_short():
     for rel in LINKED_ONCE:
         assert targets.count(rel) == 1, rel
     assert len(readme.read_text().splitlines()) <= 200
+
+
+def test_the_benchmarks_page_holds_current_results_only():
+    assert len((ROOT / "docs" / "benchmarks.md").read_text().splitlines()) <= 400

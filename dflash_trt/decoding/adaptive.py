@@ -405,7 +405,9 @@ def _envelope_sweep(g: _Grid, keep: np.ndarray, beyond: np.ndarray, top: int) ->
     increments, never rising in gain per second, stay in size order)."""
     at_jump = g.sizes == g.jump[:, None]
     cells = np.flatnonzero(keep & (at_jump | beyond))
-    cells = cells[np.argsort(-np.where(at_jump, g.ratio, g.one_more / g.token_price).ravel()[cells], kind="stable")]
+    # a token priced at 0 s (a cost model fitted flat) ranks by its gain, as the ratios above do (no 0 / 0)
+    per_second = g.one_more / max(g.token_price, 1e-30)
+    cells = cells[np.argsort(-np.where(at_jump, g.ratio, per_second).ravel()[cells], kind="stable")]
     jumps = at_jump.ravel()[cells]
     b = cells % top + 1
     rows = cells // top

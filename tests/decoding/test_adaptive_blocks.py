@@ -4,6 +4,7 @@ and the acceptance tracker. Pure arithmetic: no models, no timing."""
 import itertools
 import math
 import random
+import warnings
 
 import numpy as np
 import pytest
@@ -319,11 +320,13 @@ def test_choice_edge_cases():
     # a certain drafter drafts the most; a hopeless one not at all
     assert choose_blocks([RowChoice(1.0, 8)], MEMORY_BOUND) == [8]
     assert choose_blocks([RowChoice(0.0, 8)], MEMORY_BOUND) == [1]
-    # an unfitted (all-zero) cost model: time is free, so every free row drafts its most
-    assert choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(EngineCost(), EngineCost())) == [
-        5,
-        2,
-    ]
+    # an unfitted (all-zero) cost model: time is free, so every free row drafts its most (and nothing divides by 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        free = choose_blocks([RowChoice(0.1, 5), RowChoice(0.9, 3, fixed=2)], CostModel(EngineCost(), EngineCost()))
+        # a step whose tokens cost nothing beyond its fixed part (a flat fit): every row drafts its most too
+        flat = choose_blocks([RowChoice(a, 8) for a in (0.6, 0.9, 0.3)], CostModel(EngineCost(0.01), EngineCost(0.001)))
+    assert free == [5, 2] and flat == [8, 8, 8]
 
 
 def test_a_gain_below_the_margin_is_not_taken():

@@ -9,8 +9,8 @@
 # timeout), new ones get 503, /ready fails. Its exit shuts the TensorRT-LLM executor down, which releases the
 # other ranks, and mpirun exits 0. Where mpirun is the container's first process (tp > 1), the hook then waits for
 # it too: the kubelet's SIGTERM follows the hook at once, and an Open MPI 4 mpirun that takes a SIGTERM while it
-# tears the job down aborts it, exiting 1 without a word after a complete drain (open-mpi/ompi
-# orte/orted/orted_submit.c clean_abort: ORTE_ERROR_DEFAULT_EXIT_CODE, orte_execute_quiet). The hook ends with the
+# tears the job down aborts it, exiting 1 without a word after a complete drain (open-mpi/ompi v4.1.8
+# orte/mca/ess/hnp/ess_hnp_module.c: SIGTERM -> clean_abort, ORTE_ERROR_DEFAULT_EXIT_CODE). The hook ends with the
 # container when mpirun exits (the kubelet may log that as a failed hook; the container's exit code is mpirun's).
 #
 # worker (a LeaderWorkerSet group's other pods): sshd is the first process, and the ranks (orted and its

@@ -1,4 +1,4 @@
-"""STAND-IN for `python3 -m tensorrt_llm.llmapi.mgmn_leader_node` (NVIDIA/TensorRT-LLM 1033ea16: rank 0's MPI comm
+"""STAND-IN for `python3 -m tensorrt_llm.llmapi.mgmn_leader_node` (NVIDIA/TensorRT-LLM c40f1157: rank 0's MPI comm
 server, RemoteMpiCommSessionServer over the world's other ranks, serving until it is stopped); `--action stop`,
 as trtllm-llmapi-launch at 020c89e6 calls it once the served command exits, stops it. Here the world is the
 rendezvous of _world.py: the server holds it, stop releases every worker and ends the server with 0."""

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-envs test-pods test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv test test-envs test-pods pods-tools test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The environments `make test` needs are built side by side (test-envs); apt-get calls take turns on this lock, as
 # dpkg allows one at a time.
@@ -112,9 +112,10 @@ sshd-env:
 # a pod's network), util-linux (setpriv, nsenter) from apt-get; the real sshd (sshd-env), tritonserver (triton-env)
 # and Open MPI (mpi-env: a LeaderWorkerSet group's mpirun across its pods, from where NVIDIA's images keep it).
 PODS_TOOLS := /usr/bin/bwrap /usr/bin/setpriv /usr/bin/nsenter /usr/sbin/ip
-test-pods: venv triton-env deploy-env mpi-env sshd-env
+pods-tools:
 	for t in $(PODS_TOOLS); do test -x $$t || { $(APT_GET) update -q && DEBIAN_FRONTEND=noninteractive \
 		$(APT_GET) install -y -q --no-install-recommends bubblewrap iproute2 util-linux; break; }; done
+test-pods: venv triton-env deploy-env mpi-env sshd-env pods-tools
 	$(BIN)/python -m pytest -q tests/deploy/test_pods.py
 
 # Every environment the test legs need, built in parallel: they are independent venvs and apt-get installs, and
@@ -125,14 +126,14 @@ test-envs:
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a worker so that a file's module-scoped
 # fixtures (its models, its server) are made once: each test runs torch on one thread (tests/conftest.py), so two
-# workers keep both cores of a 2-core machine busy. The slowest 20 tests are printed: the suite's time is a budget.
+# workers keep both cores of a 2-core machine busy. The pods' file (test-pods) is one of them: it mostly waits on
+# its pods, while the other worker runs the rest. The slowest 20 tests are printed: the suite's time is a budget.
 TEST_WORKERS ?= 2
-test: test-envs
+test: test-envs pods-tools
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 	$(BIN)/python -m mypy
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests --ignore=tests/deploy/test_pods.py
-	$(MAKE) test-pods
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 	$(MAKE) test-tf457
 
 # One generation on the demo models (models/), printed as JSON with its statistics.

@@ -226,28 +226,30 @@ def step_times(
     wall, cpu = [], []
     gc.collect()
     gc.freeze()  # as `serve` freezes its start-up heap (server.serving.freeze_heap), thawed below
-    for step in range(steps):
-        if step == 10:
-            live[0] = join(long_ids[:long_prompt], samples[0]["output"])
-        started, used = time.perf_counter(), time.thread_time()
-        budget.renew()  # as the loop does at the start of each step
-        for r, row in enumerate(live):
-            truth, at = row["truth"], row["at"]
-            pick, _ = best_run(row["drafts"], min(SUFFIX_MAX_RUN, len(truth) - at - 1), prices)
-            kept = 0
-            while kept < len(pick.drafts) and pick.drafts[kept] == truth[at + kept]:
-                kept += 1
-            new = truth[at : at + kept + 1]
-            row["drafts"].add(new)
-            row["at"] = at + len(new)
-            if row["at"] >= len(truth):
-                shared.add(truth)
-                k = next(queue)
-                live[r] = join(samples[k % len(samples)]["prompt"], samples[k % len(samples)]["output"])
-        shared.settle()
-        wall.append(time.perf_counter() - started)
-        cpu.append(time.thread_time() - used)
-    gc.unfreeze()
+    try:
+        for step in range(steps):
+            if step == 10:
+                live[0] = join(long_ids[:long_prompt], samples[0]["output"])
+            started, used = time.perf_counter(), time.thread_time()
+            budget.renew()  # as the loop does at the start of each step
+            for r, row in enumerate(live):
+                truth, at = row["truth"], row["at"]
+                pick, _ = best_run(row["drafts"], min(SUFFIX_MAX_RUN, len(truth) - at - 1), prices)
+                kept = 0
+                while kept < len(pick.drafts) and pick.drafts[kept] == truth[at + kept]:
+                    kept += 1
+                new = truth[at : at + kept + 1]
+                row["drafts"].add(new)
+                row["at"] = at + len(new)
+                if row["at"] >= len(truth):
+                    shared.add(truth)
+                    k = next(queue)
+                    live[r] = join(samples[k % len(samples)]["prompt"], samples[k % len(samples)]["output"])
+            shared.settle()
+            wall.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - used)
+    finally:
+        gc.unfreeze()
     return wall, cpu
 
 

@@ -105,13 +105,15 @@ class BatchDecoder(RunsToEnd):
         # same tenant's requests that follow
         self.shared_suffixes = TenantSuffixes(shared_suffix_tokens, shared_tenants) if shared_suffix_tokens else None
         self.suffix_budget = StepBudget()  # the waiting tokens all rows' suffix automata take in a step
-        self.run_prior = RunPrior()  # how the rows' suffix runs did against their counts: where a new row starts
+        # how the rows' suffix runs did against their counts, per sampling regime (sampled or not): where a new row
+        # of that regime starts
+        self.run_priors = {False: RunPrior(), True: RunPrior()}
 
     def forget_finished_outputs(self) -> None:
         """Empty every tenant's shared suffix structure (same bounds) and start the runs' prior afresh: a benchmark
         running one prompt under several methods calls it before each run, so that no run's suffix drafts read an
         earlier run's output of its prompt or are trusted by how an earlier run's drafts did."""
-        self.run_prior = RunPrior()
+        self.run_priors = {False: RunPrior(), True: RunPrior()}
         if self.shared_suffixes is not None:
             self.shared_suffixes = TenantSuffixes(self.shared_suffixes.max_tokens, self.shared_suffixes.max_tenants)
 
@@ -169,7 +171,7 @@ class BatchDecoder(RunsToEnd):
             proposer=proposer,
             shared=self._shared_of(config),
             suffix_budget=self.suffix_budget,
-            run_prior=self.run_prior,
+            run_prior=self.run_priors[not config.sampling.greedy],
             fixed_block=config.block_size or self.fixed_block,
             grammar=grammar,
         )

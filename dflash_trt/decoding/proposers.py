@@ -83,9 +83,10 @@ RUN_MIN_GAIN = 0.1
 # Suffix runs temper what their counts predict by how runs did (`RunCalibration`): accepted draft tokens over the
 # expected ones, a row's own weighed against the decoder's recent runs (`RunPrior`) as this many expected tokens.
 CALIBRATION_WEIGHT = 4.0
-# The decoder's runs: each round's outcome first scales the earlier ones by this (about the last 200 runs count),
-# and they weigh against runs that all came as this many expected tokens (one short request's failed runs do not
-# make the next request distrust its matches; a traffic of them does).
+# The decoder's runs (one pool per sampling regime, as the block policy's acceptance prior): each run's outcome
+# first scales the earlier ones by this (about the last 200 runs count), and they weigh against runs that all came
+# as this many expected tokens. The pool only moves when runs are taken: after a spell of failed runs, new rows
+# take only strong matches' runs until those come true.
 RUN_PRIOR_DECAY = 0.995
 RUN_PRIOR_WEIGHT = 4.0
 # the name of a proposer as the round record writes it when nothing was drafted (the target alone)
@@ -144,7 +145,8 @@ class Prices(NamedTuple):
         without it among the rows that draft (those of a block of 2 or more; at least the row pricing its own
         block): the whole pass for a row that drafts alone, the pass's slope where many draft. What a row choosing
         a suffix run saves is that much, not an average share of the pass's fixed cost, which the others pay
-        whether it leaves or not."""
+        whether it leaves or not. (Each row is priced as if the others stay: the last few drafting rows leaving
+        together, which would save the whole pass, is not weighed.)"""
         target, drafter = cost.current()
         rows = len(blocks)
         if not rows or target(rows, rows) <= 0:
@@ -222,9 +224,10 @@ def run_reach(match: SuffixMatch) -> list[float]:
 
 @dataclass
 class RunPrior:
-    """How the decoder's recent suffix runs did against what their counts predicted, all requests together: where a
-    new request's calibration starts. Like the block policy's acceptance prior it holds counts, no tokens: it tells
-    a request how far to trust a match, never what another request wrote."""
+    """How the decoder's recent suffix runs did against what their counts predicted, the requests of one sampling
+    regime together: where a new request's calibration starts. Like the block policy's acceptance prior it pools
+    counts of accepted tokens, no tokens: it tells a request how far to trust a match, never what another request
+    wrote."""
 
     expected: float = 0.0  # draft tokens the runs were expected to have accepted (decayed)
     accepted: float = 0.0  # draft tokens they did (decayed)
@@ -249,6 +252,9 @@ class RunCalibration:
     expected: float = 0.0  # draft tokens its runs were expected to have accepted
     accepted: float = 0.0  # draft tokens they did
     prior: RunPrior | None = None  # the decoder's, which each of the row's runs also updates
+    # False for a row under a grammar: its drafts mix the tokens the grammar forces (accepted by construction) into
+    # the run and cut the run where the grammar forbids it, so a round's outcome is not the run's
+    learns: bool = True
 
     @property
     def factor(self) -> float:
@@ -256,6 +262,8 @@ class RunCalibration:
         return min(1.0, (self.accepted + CALIBRATION_WEIGHT * start) / (self.expected + CALIBRATION_WEIGHT))
 
     def update(self, expected: float, accepted: int) -> None:
+        if not self.learns:
+            return
         self.expected += expected
         self.accepted += accepted
         if self.prior is not None:

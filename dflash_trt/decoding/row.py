@@ -69,7 +69,7 @@ class BatchRow:
             SuffixAutomaton() if uses else None,
             SharedWalk(shared) if uses and shared is not None else None,
             budget=suffix_budget,
-            calibration=RunCalibration(prior=run_prior),
+            calibration=RunCalibration(prior=run_prior, learns=grammar is None),
         )
         self.drafts.add(prompt_ids)
         self.guide = GuidedRow(grammar) if grammar is not None else None  # its grammar's state (guided.py)

@@ -22,9 +22,9 @@ Memory: at most 2n states and 3n transitions for n tokens, in flat arrays and a 
 (`Automaton.nbytes` counts them in real bytes). A request's structure (`SuffixAutomaton`) is a window past its
 bound: it keeps the automaton of its last `max_tokens` tokens at most, a second one starting halfway so that it
 hands over without a rebuild. Work: a request's tokens wait in a backlog until the loop's thread asks for a match,
-and at most `SETTLE_TOKENS` of all rows' waiting tokens enter a step (`StepBudget`: a long prompt's automaton, or
+and at most `SETTLE_TOKENS` of all rows' waiting prompts enter a step (`StepBudget`: a long prompt's automaton, or
 the automata of many requests joining at once, are built over several steps, in the loop's thread, not in the
-thread that received the request).
+thread that received the request); a drafting row's last round enters whole.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ MAX_TOKENS = 65536
 # shared structure: bounds the suffix work a step does, whatever the number of rows (a long prompt is taken in
 # over several steps).
 SETTLE_TOKENS = 256
-# A backlog this short enters whole outside the step's budget: a row's tokens committed since its last step (at
-# most a round's: a run of SUFFIX_MAX_RUN drafts and the bonus token) never wait.
+# A backlog this short, of a row whose prompt is in, enters whole outside the step's budget: a row's tokens
+# committed since its last step (a round's: at most a block or a run of SUFFIX_MAX_RUN drafts, and the bonus token)
+# never wait.
 ROUND_TOKENS = 32
 _INT_BYTES = sys.getsizeof(1 << 20)  # an int object past the small cached ones (a state id, a token id)
 
@@ -193,9 +194,10 @@ class Automaton:
 
 class StepBudget:
     """The waiting tokens the rows' automata may take in during one step, together: SETTLE_TOKENS, first come
-    first served in the order the loop asks its rows. A backlog of at most ROUND_TOKENS (a row's last round) enters
-    outside it. Without it, 64 rows joining at once would each take in SETTLE_TOKENS of their prompts in one step.
-    One per loop, in the loop's thread; `renew` at the start of each step."""
+    first served in the order the loop asks its rows. A row whose prompt is in takes in a backlog of at most
+    ROUND_TOKENS (its last round) outside it, so a step takes in at most SETTLE_TOKENS + ROUND_TOKENS a drafting row
+    (and the shared structure its own SETTLE_TOKENS). Without it, 64 rows joining at once would each take in
+    SETTLE_TOKENS of their prompts in one step. One per loop, in the loop's thread; `renew` at each step's start."""
 
     __slots__ = ("tokens", "left")
 
@@ -205,9 +207,10 @@ class StepBudget:
     def renew(self) -> None:
         self.left = self.tokens
 
-    def grant(self, waiting: int) -> int:
-        """How many of a backlog of `waiting` tokens may enter now (spending the step's budget)."""
-        if waiting <= ROUND_TOKENS:
+    def grant(self, waiting: int, started: bool) -> int:
+        """How many of a backlog of `waiting` tokens may enter now (spending the step's budget); `started`: the
+        row's prompt is in (its backlog is its rounds' tokens)."""
+        if started and waiting <= ROUND_TOKENS:
             return waiting
         n = min(waiting, self.left)
         self.left -= n
@@ -276,7 +279,8 @@ class SuffixAutomaton:
     def match(self, most: int, budget: StepBudget | None = None) -> SuffixMatch | None:
         """The window's longest repeated suffix and its run (`Automaton.match`); None while tokens still wait. It
         first takes in what the step's `budget` grants (None: up to SETTLE_TOKENS)."""
-        if not self.settle(SETTLE_TOKENS if budget is None else budget.grant(len(self.backlog))):
+        started = len(self.current.tokens) > 0
+        if not self.settle(SETTLE_TOKENS if budget is None else budget.grant(len(self.backlog), started)):
             return None
         return self.current.match(most)
 

@@ -10,7 +10,7 @@ import torch
 from clocks import priced_engines
 from helpers import generate_one
 
-from dflash_trt.decoding import BatchDecoder, GenerationConfig
+from dflash_trt.decoding import BatchDecoder, GenerationConfig, SamplingParams
 from dflash_trt.decoding.adaptive import AdaptiveBlocks
 from dflash_trt.decoding.cost import CostModel, EngineCost
 from dflash_trt.decoding.estimates import AcceptanceTracker
@@ -20,6 +20,7 @@ from dflash_trt.runtime.torch_backend import TorchDrafterEngine, TorchTargetEngi
 from dflash_trt.sim.engines import SimTargetEngine, VirtualClock
 
 HYBRID = REGISTRY["hybrid"]
+SAMPLED = SamplingParams(temperature=1.0)
 
 
 class _Row:
@@ -83,6 +84,25 @@ def test_a_row_whose_runs_keep_failing_stops_taking_them():
             )
     assert picks["kept"] == [SUFFIX] * 6  # runs that come true are not tempered (the factor stays 1)
     assert picks["failed"][0] is SUFFIX and picks["failed"][-1] is DFLASH and len(picks["failed"]) <= 5
+
+
+def test_new_rows_start_from_how_their_regimes_runs_did(tiny_pair):
+    """A new row's calibration starts from the decoder's runs of its sampling regime (`RunPrior`), not from trust:
+    after failed greedy runs a new greedy row discounts its runs, a sampled one does not, a row under a grammar
+    teaches the pool nothing, and a benchmark's `forget_finished_outputs` starts the pools afresh."""
+    decoder = BatchDecoder(TorchTargetEngine(tiny_pair[3]))
+    greedy, sampled = GenerationConfig(proposer="suffix"), GenerationConfig(proposer="suffix", sampling=SAMPLED)
+    failed = decoder.new_row([1, 2, 3], greedy)
+    for _ in range(3):
+        failed.drafts.calibration.update(3.0, 0)  # three runs expected to keep 3 tokens each kept none
+    assert decoder.new_row([4, 5], greedy).drafts.calibration.factor == pytest.approx(4.0 / 13.0, rel=0.01)
+    assert decoder.new_row([4, 5], sampled).drafts.calibration.factor == 1.0
+    guided = decoder.new_row([1, 2, 3], greedy)
+    guided.drafts.calibration.learns = False  # as a row under a grammar is made (row.py)
+    guided.drafts.calibration.update(30.0, 0)
+    assert decoder.new_row([4, 5], greedy).drafts.calibration.factor == pytest.approx(4.0 / 13.0, rel=0.01)
+    decoder.forget_finished_outputs()
+    assert decoder.new_row([4, 5], greedy).drafts.calibration.factor == 1.0
 
 
 def test_the_adaptive_policys_estimate_is_the_one_the_hybrid_reads(tiny_pair):

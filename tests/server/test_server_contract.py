@@ -224,9 +224,9 @@ def test_serve_freezes_its_start_up_heap_before_serving(monkeypatch):
             frozen.append(gc.get_freeze_count())
 
     monkeypatch.setattr(serving_module, "make_server", lambda app, host, port: (Recorder(), None))
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()
     try:
         serving_module.serve_app(None, "127.0.0.1", 0)
     finally:
         gc.unfreeze()
-    assert frozen and frozen[0] > 10_000  # torch and transformers alone hold far more than this
+    assert frozen and frozen[0] - before > 10_000  # torch and transformers alone hold far more than this

@@ -39,29 +39,6 @@ def pytest_configure(config):
         raise pytest.UsageError(f"DFLASH_TEST_CLOCK must be 'adversarial', 'adversarial:SEED' or 'wall', got {CLOCK!r}")
 
 
-# The files whose tests take the longest (`make test` prints the slowest 20) run first. With two xdist workers a
-# file to a worker (the Makefile), a long file started last leaves the other worker idle while it finishes; started
-# first, the short files fill in beside it. Order only: each file's tests stay together and in their own order.
-LONGEST_FIRST = (
-    "deploy/test_pods.py",
-    "deploy/test_engines_build_script.py",
-    "train/test_training_scripts.py",
-    "builders/test_engines_build.py",
-    "deploy/test_netns_launch.py",
-    "triton_serving/test_triton_server.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    tests = Path(__file__).parent
-
-    def rank(item):
-        rel = Path(str(item.fspath)).relative_to(tests).as_posix() if tests in Path(str(item.fspath)).parents else ""
-        return LONGEST_FIRST.index(rel) if rel in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the rest keep their collection order
-
-
 def pytest_report_header(config):
     return f"default clock of the decoders under test: {CLOCK} (DFLASH_TEST_CLOCK)"
 

@@ -60,6 +60,11 @@ PREFILL_MODES = ("chunked", "separate")
 TARGET_COST_ROWS = 4
 
 
+def _run_priors() -> dict[bool, RunPrior]:
+    """A fresh pool of suffix-run outcomes per sampling regime (keyed by `not SamplingParams.greedy`)."""
+    return {False: RunPrior(), True: RunPrior()}
+
+
 class BatchDecoder(RunsToEnd):
     """All active requests of one worker; `step()` advances every one of them.
 
@@ -107,13 +112,13 @@ class BatchDecoder(RunsToEnd):
         self.suffix_budget = StepBudget()  # the waiting tokens all rows' suffix automata take in a step
         # how the rows' suffix runs did against their counts, per sampling regime (sampled or not): where a new row
         # of that regime starts
-        self.run_priors = {False: RunPrior(), True: RunPrior()}
+        self.run_priors = _run_priors()
 
     def forget_finished_outputs(self) -> None:
         """Empty every tenant's shared suffix structure (same bounds) and start the runs' prior afresh: a benchmark
         running one prompt under several methods calls it before each run, so that no run's suffix drafts read an
         earlier run's output of its prompt or are trusted by how an earlier run's drafts did."""
-        self.run_priors = {False: RunPrior(), True: RunPrior()}
+        self.run_priors = _run_priors()
         if self.shared_suffixes is not None:
             self.shared_suffixes = TenantSuffixes(self.shared_suffixes.max_tokens, self.shared_suffixes.max_tenants)
 

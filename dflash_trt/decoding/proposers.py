@@ -62,7 +62,8 @@ SUFFIX_MAX_RUN = 16
 # `dflash-trt bench suffix-prior` fits PRIOR_HALF, PRIOR_WEIGHT and MAX_PRIOR on chat answers (results/suffix-prior
 # holds the fit and its held-out check). The fit (1, 1, 0.99) is not coded: it trusts a fresh context of 2-3 tokens
 # at 0.67-0.75, which answers repeating their prompt earn but text that does not repeat does not; there, with no
-# counts yet, suffix runs lost 18 % to the target alone (test_hybrid_pricing.py's text that never repeats).
+# counts yet, its runs lose to the target alone (docs/benchmarks.md, the suffix prior; test_hybrid_pricing.py's
+# text that never repeats).
 PRIOR_HALF = 4.0
 PRIOR_WEIGHT = 2.0
 MAX_PRIOR = 0.95  # no run is certain: the target may always choose otherwise

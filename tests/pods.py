@@ -83,6 +83,7 @@ KUBECTL = ROOT / ".venv-deploy" / "bin" / "kubectl"
 VENVS = ((ROOT / ".venv").resolve(), (ROOT / ".venv-triton").resolve())
 IMAGE_UID = 10001  # Dockerfile: useradd --uid 10001, USER 10001, chown -R 10001:10001 /app
 WORKDIR = "/app"
+MIN_GRACE_S = 2  # the kubelet's minimumGracePeriodInSeconds: the least a container gets after its preStop
 # containerd's default capabilities for a container (pkg/oci/spec.go populateDefaultUnixSpec)
 DEFAULT_CAPS = (
     "CHOWN DAC_OVERRIDE FSETID FOWNER MKNOD NET_RAW SETGID SETUID SETFCAP SETPCAP NET_BIND_SERVICE SYS_CHROOT KILL "
@@ -604,28 +605,39 @@ class Pod:
         return took
 
     def stop(self) -> dict[str, int]:
-        """preStop, then SIGTERM, SIGKILL at the grace period (kubelet killContainer). Exit codes per container."""
+        """The kubelet's kill of each container, all at once (kubernetes/kubernetes pkg/kubelet/kuberuntime/
+        kuberuntime_container.go at fbba6b47: killContainersWithSyncResult starts one goroutine per container,
+        killContainer runs that container's preStop, then StopContainer: SIGTERM, SIGKILL once the grace period
+        less the hook's time has passed, never under minimumGracePeriodInSeconds, 2 s). So a container without a
+        preStop (a sidecar) gets SIGTERM at once, while the server beside it drains in its hook. Exit codes per
+        container; a container still running at its grace period fails the stop."""
+        import concurrent.futures
+
         grace = self.spec.get("terminationGracePeriodSeconds", 30)
         start = time.monotonic()
-        for c in self.spec["containers"]:
+
+        def kill(c: dict) -> int:
+            proc = self.procs[c["name"]]
             hook = ((c.get("lifecycle") or {}).get("preStop") or {}).get("exec")
             if hook:
                 self._note(f"{c['name']} preStop: {shlex.join(hook['command'])}")
-                r = self.procs[c["name"]].exec(hook["command"], timeout=grace)
+                r = proc.exec(hook["command"], timeout=grace)
                 if r.returncode != 0:
                     self._note(f"{c['name']} preStop exited {r.returncode}: {r.stdout}{r.stderr}")
-        codes = {}
-        for c in self.spec["containers"]:
-            proc = self.procs[c["name"]]
+            left = max(MIN_GRACE_S, grace - (time.monotonic() - start))
             try:
                 proc.signal(signal.SIGTERM)
             except ProcessLookupError:  # its first process ended between the check and the signal
                 pass
             try:
-                codes[c["name"]] = proc.popen.wait(timeout=max(0.0, grace - (time.monotonic() - start)))
+                return proc.popen.wait(timeout=left)
             except subprocess.TimeoutExpired:
                 proc.popen.kill()
                 raise PodFailed(f"{self.name}/{c['name']}: still running {grace} s after its stop began") from None
+
+        containers = self.spec["containers"]
+        with concurrent.futures.ThreadPoolExecutor(len(containers)) as pool:
+            codes = dict(zip((c["name"] for c in containers), pool.map(kill, containers)))
         self._note(f"stopped after {time.monotonic() - start:.1f} s: {codes}")
         return codes
 

@@ -126,6 +126,54 @@ def test_the_trtllm_build_stand_in_defaults_to_paged_context_fmha(tmp_path):
     assert config["build_config"]["plugin_config"]["use_paged_context_fmha"] is True
 
 
+def test_a_container_without_a_prestop_gets_sigterm_while_its_neighbours_hook_runs(cluster):
+    """The kubelet kills a pod's containers side by side (Pod.stop): a sidecar with no preStop is signalled at once,
+    not after the server's drain. The server's hook here ends only once the sidecar has had its SIGTERM, so a runner
+    that ran the hooks first would hold it to the grace period and fail."""
+    loop = "while true; do sleep 0.1; done"
+    shared = {"name": "shared", "mountPath": "/shared"}
+    spec = {
+        "terminationGracePeriodSeconds": 20,
+        "volumes": [{"name": "shared", "emptyDir": {}}],
+        "containers": [
+            {
+                "name": "server",
+                "command": ["sh", "-c", f"trap 'exit 0' TERM; touch /shared/server-up; {loop}"],
+                "volumeMounts": [shared],
+                "lifecycle": {
+                    "preStop": {
+                        "exec": {
+                            "command": [
+                                "sh",
+                                "-c",
+                                "until [ -e /shared/sidecar-stopped ]; do sleep 0.1; done; touch /shared/hook-done",
+                            ]
+                        }
+                    }
+                },
+            },
+            {
+                "name": "sidecar",
+                "command": [
+                    "sh",
+                    "-c",
+                    f"trap 'touch /shared/sidecar-stopped; exit 0' TERM; touch /shared/sidecar-up; {loop}",
+                ],
+                "volumeMounts": [shared],
+            },
+        ],
+    }
+    folder = cluster.work / "pods" / "stop-order-0" / "volumes" / "shared"
+    with Pod(cluster, "stop-order-0", spec) as pod:
+        pod.start()
+        deadline = time.monotonic() + 120  # both traps set (a signal before that would meet no handler)
+        while not ((folder / "server-up").exists() and (folder / "sidecar-up").exists()):
+            assert time.monotonic() < deadline, "the containers did not start"
+            time.sleep(0.05)
+        assert pod.stop() == {"server": 0, "sidecar": 0}
+        assert (folder / "hook-done").exists()
+
+
 def _with_render(cluster: Cluster, overlay: str) -> dict[str, dict]:
     docs = render(K8S / overlay)
     cluster.config_maps |= config_maps(docs)

@@ -16,8 +16,12 @@ What it does as the real one does (each with its source; nothing here computes a
 * GET /health: 200 with an empty body while the engine is healthy (tensorrt_llm/serve/openai_server.py at
   00057725, `health`: Response(status_code=200), else 503 with a message);
 * GET /metrics: a JSON list of the iteration statistics queued since the last call, drained by the call
-  (`get_iteration_stats` over get_stats_async), empty unless enable_iter_perf_stats is true; the queue keeps the
-  last max_stats_len (default 1000) iterations; fields as cpp/include/tensorrt_llm/executor/types.h names them;
+  (`get_iteration_stats` over get_stats_async), empty unless enable_iter_perf_stats is true; fields as
+  cpp/include/tensorrt_llm/executor/types.h names them. The buffer keeps max_stats_len + 1 records (default 1000;
+  -1 all), dropping the oldest silently, as py_executor.py _append_iter_stats at 0004396720 does; with
+  FAKE_TRTLLM_NUMBERED=1 it keeps exactly max_stats_len and numbers its records as the later executor does
+  (py_executor.py at c6fb6ac3 _append_stats_frame: statsSequence +1 per record, statsDroppedFrames the evictions
+  so far);
 * GET /v1/models and POST /v1/completions (the OpenAI routes of `register_routes`), minimally: a completion of
   max_tokens FAKE tokens ("x"), decoded in rounds that each draft max_draft_len tokens (at most what the
   schedule gives at the batch size) and accept FAKE_TRTLLM_ACCEPT of them (default 0.5), each round queued as
@@ -98,8 +102,11 @@ class Engine:
     def __init__(self, llm_args: dict[str, Any]):
         top = fields_of(record(), "TorchLlmArgs")
         self.stats_on = bool(llm_args.get("enable_iter_perf_stats", top["enable_iter_perf_stats"]["default"]))
-        keep = llm_args.get("max_stats_len", top["max_stats_len"]["default"])
-        self.stats: deque[dict[str, Any]] = deque(maxlen=None if keep == -1 else int(keep))
+        keep = int(llm_args.get("max_stats_len", top["max_stats_len"]["default"]))
+        self.numbered = os.environ.get("FAKE_TRTLLM_NUMBERED") == "1"
+        self.cap = None if keep == -1 else keep if self.numbered else keep + 1
+        self.stats: deque[dict[str, Any]] = deque()
+        self.sequence = self.dropped = 0
         self.spec = llm_args.get("speculative_config") or {}
         self.accept = float(os.environ.get("FAKE_TRTLLM_ACCEPT", "0.5"))
         self.lock = threading.Lock()
@@ -128,7 +135,7 @@ class Engine:
                     accepted = min(math.floor(self.accept * k), max_tokens - made - 1)
                     made += 1 + accepted
                     if self.stats_on:
-                        self.stats.append(self.iteration_stats(k, accepted))
+                        self.record(self.iteration_stats(k, accepted))
                     self.iteration += 1
                 time.sleep(0.001)
         finally:
@@ -154,6 +161,17 @@ class Engine:
                 "draftOverhead": 0.0,
             }
         return out
+
+    def record(self, stats: dict[str, Any]) -> None:
+        """Into the capped buffer, the oldest evicted first (module docstring: the two executors' rules)."""
+        if self.cap is not None:
+            while len(self.stats) >= self.cap:
+                self.stats.popleft()
+                self.dropped += 1
+        if self.numbered:
+            self.sequence += 1
+            stats |= {"statsSequence": self.sequence, "statsDroppedFrames": self.dropped}
+        self.stats.append(stats)
 
     def drain(self) -> list[dict[str, Any]]:
         with self.lock:

@@ -78,9 +78,10 @@ def register_check(plan_parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1000,
         metavar="N",
-        help="--engine trtllm: the max_stats_len of trtllm-serve's YAML (TensorRT-LLM's default 1000): it keeps that "
-        "many iterations between two /metrics calls, so a scrape or exporter poll returning that many may have lost "
-        "older ones (counted and reported); -1 counts as 1, as the PyTorch executor keeps at least 1",
+        help="--engine trtllm: the max_stats_len of trtllm-serve's YAML (TensorRT-LLM's default 1000; -1 keeps "
+        "every record). An engine that numbers its records (statsSequence, statsDroppedFrames) says exactly what was "
+        "dropped or read by another reader; for one that does not, a scrape or exporter poll of max_stats_len + 1 "
+        "records, the most its executor keeps, may have lost older ones (reported, and counted by the exporter)",
     )
     c.add_argument(
         "--api-key-file",

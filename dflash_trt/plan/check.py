@@ -222,11 +222,23 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
             f"{obs.idle_drafting} iterations ran generation requests without drafts: a schedule at 0 drafts stops "
             "refreshing DFlash's context (TensorRT-LLM PR 16888); bound max_batch_size instead"
         )
-    if obs.full_scrapes:
+    lost = obs.stats_lost
+    if lost and lost.dropped:
         rep.advice.append(
-            f"{obs.full_scrapes} scrapes returned max_stats_len iterations or more: trtllm-serve keeps only "
-            "the last max_stats_len (default 1000), so older iterations of the window may be lost; raise "
-            "max_stats_len in the YAML (and pass it as --max-stats-len) or scrape more often (--samples)"
+            f"trtllm-serve dropped {lost.dropped} iteration records at its max_stats_len cap before a scrape read "
+            "them (statsDroppedFrames): the window undercounts; raise max_stats_len in the YAML or scrape more often"
+        )
+    if lost and lost.taken:
+        rep.advice.append(
+            f"{lost.taken} iteration records were read by another reader of trtllm-serve's /metrics (statsSequence "
+            "skipped them): every read drains it, so the window undercounts; let one reader poll it (the exporter "
+            "sidecar, or this check) and leave return_perf_metrics off"
+        )
+    if lost and lost.capped_polls:
+        rep.advice.append(
+            f"{lost.capped_polls} scrapes returned max_stats_len + 1 records, the most trtllm-serve's executor keeps: "
+            "older records of the window may be lost (this engine does not number them); raise max_stats_len in the "
+            "YAML (and pass it as --max-stats-len) or scrape more often (--samples)"
         )
     schedule_advice(rep, table, planned, seen)
     return rep

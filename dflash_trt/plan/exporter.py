@@ -23,9 +23,11 @@ dflash_trt.plan.metrics, whose parser this reuses.) Per-position acceptance is n
 so vllm:spec_decode_num_accepted_tokens_per_pos is absent, as on an engine without it.
 
 Polling: every `poll_s` seconds in the background and once more at each scrape, so totals are current when read
-and the engine's queue (the last max_stats_len iterations, 1000 by default: --max-stats-len says the YAML's) is
-drained well before it overflows; a poll that returns that many iterations may have lost older ones, counted in
-dflash_trtllm_full_polls_total.
+and the engine's buffer (capped by max_stats_len, 1000 by default: --max-stats-len says the YAML's) is drained well
+before it overflows. Records this exporter never saw (metrics.StatsLedger) are counted:
+dflash_trtllm_stats_lost_total{cause="dropped"} (evicted at the cap) and {cause="taken"} (drained by another reader
+of /metrics), exact where the engine numbers its records; where it does not, dflash_trtllm_capped_polls_total counts
+polls that came back at the cap, when records may have been lost.
 An engine that ran no iteration for IDLE_S seconds runs nothing: its running and waiting gauges read 0 then, as
 vLLM's do when idle (trtllm-serve publishes no iteration while idle, so the last one's counts would otherwise stay
 and keep the autoscaler and the batch alert busy). A scrape whose poll fails (trtllm-serve down) answers 503, so Prometheus' `up` turns 0 rather than the series
@@ -59,7 +61,7 @@ VLLM_COUNTERS = {
     "generated": "vllm:generation_tokens",
 }
 VLLM_RUNNING, VLLM_WAITING = "vllm:num_requests_running", "vllm:num_requests_waiting"
-FULL_POLLS = "dflash_trtllm_full_polls"
+STATS_LOST, CAPPED_POLLS = "dflash_trtllm_stats_lost", "dflash_trtllm_capped_polls"
 IDLE_S = 5.0  # an iteration takes milliseconds to about a second: none for this long is an idle engine
 
 
@@ -75,14 +77,14 @@ class TrtllmTotals(Collector):
     ):
         self.url = metrics.metrics_url(url)
         self.get, self.clock = get, clock
-        self.full_at = metrics.trtllm_full_at(max_stats_len)  # a poll this long may have lost older iterations
+        self.cap = metrics.trtllm_cap(max_stats_len)  # an unnumbered poll this long may have lost older records
         self.last_iteration_at = clock()
         self.lock = threading.Lock()
         self.totals = dict.fromkeys(VLLM_COUNTERS, 0.0)
         self.running: float | None = None
         self.waiting: float | None = None
-        self.iterations = 0
-        self.full_polls = 0
+        self.iterations = self.polls = 0
+        self.lost = metrics.StatsLedger()
 
     def poll(self) -> int:
         """Drain trtllm-serve's queue once and add what it held; returns the iterations read (MetricsError on an
@@ -104,9 +106,10 @@ class TrtllmTotals(Collector):
                 self.last_iteration_at = now
             elif self.running is not None and now - self.last_iteration_at >= IDLE_S:
                 self.running = self.waiting = 0.0
+            # the first poll drains what came before this exporter: its numbers are the baseline, its length no loss
+            self.lost.add(sample.iterations, self.cap if self.polls else None)
             self.iterations += len(sample.iterations)
-            if len(sample.iterations) >= self.full_at:
-                self.full_polls += 1
+            self.polls += 1
             return len(sample.iterations)
 
     def collect(self) -> Iterable[Metric]:
@@ -125,9 +128,19 @@ class TrtllmTotals(Collector):
                     g = GaugeMetricFamily(name, "trtllm-serve's newest iteration statistics (plan/exporter.py)")
                     g.add_metric([], value)
                     yield g
-            f = CounterMetricFamily(FULL_POLLS, "polls that returned max_stats_len iterations (older ones lost)")
-            f.add_metric([], float(self.full_polls))
-            yield f
+            lost = CounterMetricFamily(
+                STATS_LOST,
+                "trtllm-serve iteration records never read: dropped at its cap, taken by another reader",
+                labels=["cause"],
+            )
+            lost.add_metric(["dropped"], float(self.lost.dropped))
+            lost.add_metric(["taken"], float(self.lost.taken))
+            yield lost
+            capped = CounterMetricFamily(
+                CAPPED_POLLS, "polls of unnumbered records at max_stats_len + 1 (loss possible)"
+            )
+            capped.add_metric([], float(self.lost.capped_polls))
+            yield capped
 
 
 def app(totals: TrtllmTotals, api_key: str | None) -> Callable[..., Iterable[bytes]]:
@@ -190,7 +203,7 @@ def serve(
     max_stats_len: int = metrics.TRTLLM_STATS_KEPT,
 ) -> None:
     """Serve until `stop` is set (or forever): polls every poll_s seconds in the background (0: at scrapes only);
-    `clock` times the idle rule (IDLE_S); `max_stats_len` is trtllm-serve's (what a full poll is)."""
+    `clock` times the idle rule (IDLE_S); `max_stats_len` is trtllm-serve's (its cap)."""
     from socketserver import ThreadingMixIn
 
     class Server(ThreadingMixIn, _Threading):

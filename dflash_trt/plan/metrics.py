@@ -30,9 +30,11 @@ defines them:
   cpp/include/tensorrt_llm/executor/types.h IterationStats / SpecDecodingStats serialise them; needs
   enable_iter_perf_stats): per iteration numActiveRequests, inflightBatchingStats.numGenRequests and
   specDecodingStats {numDraftTokens, numAcceptedTokens, numRequestsWithDraftTokens}. The first scrape only
-  drains the queue; the later ones hold the window's iterations. The engine keeps only the last max_stats_len
-  iterations (an LLM argument, 1000 by default; `plan check --max-stats-len`): a scrape that returns that many may have lost older ones. Tokens per iteration are derived (each
-  generation request commits one token plus its accepted drafts; context requests are not counted).
+  drains the queue; the later ones hold the window's iterations. Records can be lost before a scrape reads them
+  (`StatsLedger`): the executor's buffer is capped by max_stats_len (an LLM argument, 1000 by default; `plan check
+  --max-stats-len`), and every read of /metrics is destructive, so another reader takes what it reads. Tokens per
+  iteration are derived (each generation request commits one token plus its accepted drafts; context requests are
+  not counted).
 * dflash-trt (this project's server, dflash_trt/server/metrics.py): the vLLM names above (it exports them
   from the same verify rounds), plus dflash_generated_tokens, dflash_inflight_requests and the target pass's
   rows and tokens by part (dflash_batch_rows / dflash_batch_tokens {pass="verify"|"chunk"}): the verify rows'
@@ -65,15 +67,64 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ENGINES = ("vllm", "sglang", "trtllm", "dflash-trt")
-TRTLLM_STATS_KEPT = 1000  # the LLM args' max_stats_len default: iterations trtllm-serve queues between scrapes
+TRTLLM_STATS_KEPT = 1000  # the LLM args' max_stats_len default (llm_args.py)
+# the executor's sign for "keep every record" (py_executor.py _UNBOUNDED_STATS_MAX_LEN, at 0004396 and c6fb6ac)
+TRTLLM_STATS_UNBOUNDED = -1
 
 
-def trtllm_full_at(max_stats_len: int = TRTLLM_STATS_KEPT) -> int:
-    """How many iterations a /metrics poll returns when trtllm-serve's queue may have dropped older ones, for the
-    LLM argument max_stats_len: the PyTorch executor keeps max(max_stats_len, 1) of them and drops the oldest past
-    that (tensorrt_llm/_torch/pyexecutor/py_executor.py PyExecutor: `self.max_stats_len = max(...max_stats_len,
-    1)`), so the -1 that llm_args.py documents as "keep all" keeps 1 there."""
-    return max(max_stats_len, 1)
+def trtllm_cap(max_stats_len: int = TRTLLM_STATS_KEPT) -> int | None:
+    """The most records one /metrics poll can return from an engine that does not number them, or None (no cap).
+
+    The PyTorch executor pops its oldest record only once its buffer holds more than max_stats_len
+    (tensorrt_llm/_torch/pyexecutor/py_executor.py _append_iter_stats at NVIDIA/TensorRT-LLM 0004396720:
+    `len(self.stats) > self.max_stats_len` then `self.stats.pop(0)`, silently), so it holds max_stats_len + 1;
+    max_stats_len -1 keeps every record. Where the executor's buffer is fetched at each /metrics call (the
+    RPC-fetched stats of that era), a poll of exactly that many may have lost older records and a shorter one lost
+    none at the cap; where a worker thread drains it every 0.2 s into an unbounded queue (the older IPC design) a
+    poll's length says nothing, and an exact hit is chance. Hence `StatsLedger.capped_polls` says "may"."""
+    return None if max_stats_len == TRTLLM_STATS_UNBOUNDED else max_stats_len + 1
+
+
+@dataclass
+class StatsLedger:
+    """trtllm-serve's iteration records that a reader of /metrics never saw, as far as it can tell.
+
+    Newer executors number their records (py_executor.py at c6fb6ac3 _append_stats_frame; executor/iteration_stats.py
+    _materialize_frame): `statsSequence`, +1 per buffered record from 0 in each process (attention-DP rows of one
+    frame share it), and `statsDroppedFrames`, the evictions at the cap so far, stamped on each record as it is
+    appended. Every read of /metrics drains the buffer, so a record a reader did not see was either evicted or
+    drained by another reader (a second scraper, an `LLM.get_stats` user, the return_perf_metrics collector). Per
+    poll: every record evicted since the last poll was appended before the poll's newest record, so that record's
+    count less the last poll's is what was dropped, and the rest of the sequence numbers skipped were taken. Both
+    are exact. A poll whose sequence starts at or below the last one read is a restarted engine: counted from 0.
+    The `iter` field cannot do this: the executor skips counter values (passes that scheduled nothing, the overlap
+    loop's last pass) and stamps 0 twice after a start. Older executors number nothing: a poll of exactly
+    `trtllm_cap` records is counted as one that may have lost some."""
+
+    dropped: int = 0  # records the engine evicted at its cap before any read
+    taken: int = 0  # records another reader of /metrics drained
+    capped_polls: int = 0  # unnumbered records: polls that returned exactly the cap (records may be lost)
+    sequence: int | None = None  # the newest statsSequence read
+    dropped_seen: int = 0  # the newest statsDroppedFrames read
+
+    def add(self, records: Sequence[dict[str, Any]], cap: int | None) -> None:
+        """One poll's records; `cap` None for the first poll of a window or of an exporter (it drains what came
+        before, so only its numbers count, as the baseline). The first numbered records read are the baseline too:
+        what another reader took before them is not this reader's loss."""
+        numbered = {r["statsSequence"]: r.get("statsDroppedFrames", 0) for r in records if "statsSequence" in r}
+        if not numbered:
+            if cap is not None and len(records) == cap:
+                self.capped_polls += 1
+            return
+        newest = max(numbered)
+        if cap is not None and self.sequence is not None:  # else the first numbers read: the baseline
+            since, dropped_since = self.sequence, self.dropped_seen
+            if min(numbered) <= since:  # a new process: its numbers start from 0
+                since, dropped_since = 0, 0
+            evicted = max(0, numbered[newest] - dropped_since)
+            self.dropped += evicted
+            self.taken += max(0, newest - since - len(numbered) - evicted)
+        self.sequence, self.dropped_seen = newest, numbered[newest]
 
 
 class MetricsError(ValueError):
@@ -120,7 +171,7 @@ class Observed:
     tokens_per_s: float | None  # generated tokens per second over the window
     idle_drafting: int | None = None  # TensorRT-LLM: iterations with generation requests and no draft
     source: str = ""
-    full_scrapes: int | None = None  # TensorRT-LLM: window scrapes returning trtllm_full_at() iterations or more
+    stats_lost: StatsLedger | None = None  # TensorRT-LLM: records the window's scrapes never saw (StatsLedger)
     # dflash-trt: the mean served step (`step_shape`): its wall seconds, its verify rows and tokens, the prompt
     # chunks riding in its pass, its drafting rows and their drafted tokens; `steps` is how many it averages
     steps: dict[str, float] | None = None
@@ -138,6 +189,8 @@ class Observed:
     def from_json(cls, doc: dict[str, Any]) -> Observed:
         fields = {k: doc[k] for k in cls.__dataclass_fields__ if k in doc}
         try:
+            if isinstance(fields.get("stats_lost"), dict):
+                fields["stats_lost"] = StatsLedger(**fields["stats_lost"])
             return cls(**fields)
         except TypeError as e:
             raise MetricsError(f"not a `plan check --save` file: {e}") from None
@@ -423,7 +476,9 @@ def window_trtllm(url: str, samples: Sequence[Sample], max_stats_len: int = TRTL
     batch = [float(i.get(TRTLLM_ACTIVE, 0)) for i in iters]
     src = f"{len(iters)} iterations ({len(with_drafts)} drafting) of trtllm-serve /metrics over {seconds:.1f} s"
     tps = tokens / seconds if seconds > 0 else None
-    full = sum(1 for s in samples[1:] if len(s.iterations) >= trtllm_full_at(max_stats_len))
+    lost = StatsLedger()
+    for n, sample in enumerate(samples):
+        lost.add(sample.iterations, None if n == 0 else trtllm_cap(max_stats_len))
     return Observed(
         "trtllm",
         url,
@@ -436,7 +491,7 @@ def window_trtllm(url: str, samples: Sequence[Sample], max_stats_len: int = TRTL
         tps,
         idle,
         src,
-        full,
+        lost,
         engines=1,
     )
 

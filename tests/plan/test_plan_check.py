@@ -349,21 +349,45 @@ def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
     assert "10 iterations ran generation requests without drafts" in capsys.readouterr().out
 
 
-def test_a_trtllm_scrape_at_max_stats_len_warns_of_lost_iterations(plan_dir):
-    """trtllm-serve keeps the last max_stats_len iterations (1000 by default): a scrape returning that many may
-    have dropped older ones, and the check says so; one below it does not."""
+def test_a_trtllm_scrape_at_the_executors_cap_warns_that_records_may_be_lost(plan_dir):
+    """An engine that does not number its records keeps max_stats_len + 1 of them (1001 by default; py_executor.py
+    _append_iter_stats at 0004396720): a scrape of that many may have dropped older ones, and the check says so; one
+    below it lost none at the cap. -1 keeps every record: no scrape is at a cap."""
     doc = plan_doc(plan_dir)
     first = metrics.read("trtllm", "[]", 0.0)
-    for n, warned in ((999, False), (1000, True)):
+    for kept, n, warned in (
+        (None, 1000, False),
+        (None, 1001, True),
+        (5000, 1001, False),
+        (5000, 5001, True),
+        (-1, 1, False),
+    ):
         last = metrics.read("trtllm", json.dumps(trtllm_iterations(4.0, 7, 8, n)), 10.0)
-        obs = metrics.window("trtllm", "u", [first, last])
-        assert obs.full_scrapes == int(warned)
-        assert ("raise max_stats_len" in check.check(doc, obs).text()) is warned
-    # a raised max_stats_len (the YAML's, given as --max-stats-len) moves the threshold; -1 keeps 1 on the PyTorch
-    # executor (max(max_stats_len, 1)), so every non-empty scrape is full there
-    for kept, n, warned in ((5000, 1000, False), (5000, 5000, True), (-1, 1, True)):
-        last = metrics.read("trtllm", json.dumps(trtllm_iterations(4.0, 7, 8, n)), 10.0)
-        assert metrics.window("trtllm", "u", [first, last], max_stats_len=kept).full_scrapes == int(warned)
+        extra = {} if kept is None else {"max_stats_len": kept}
+        obs = metrics.window("trtllm", "u", [first, last], **extra)
+        assert obs.stats_lost is not None and obs.stats_lost.capped_polls == int(warned), (kept, n)
+        assert ("may be lost" in check.check(doc, obs).text()) is warned
+
+
+def test_numbered_trtllm_records_name_what_was_dropped_and_what_another_reader_took(plan_dir):
+    """A numbering executor (statsSequence, statsDroppedFrames; py_executor.py at c6fb6ac3): the window's gaps are
+    split exactly into records evicted at the cap and records another reader drained, each with its own advice;
+    the first scrape's records are the baseline (what came before the window is not the window's loss)."""
+    doc = plan_doc(plan_dir)
+    its = trtllm_iterations(4.0, 7, 8, 30)
+
+    def numbered(part, first, dropped):
+        return [r | {"statsSequence": first + i, "statsDroppedFrames": dropped} for i, r in enumerate(part)]
+
+    first = metrics.read("trtllm", json.dumps(numbered(its[:5], 100, 40)), 0.0)  # 40 dropped before the window
+    mid = metrics.read("trtllm", json.dumps(numbered(its[5:15], 110, 43)), 5.0)  # 105-109: 3 evicted, 2 taken
+    last = metrics.read("trtllm", json.dumps(numbered(its[15:], 120, 43)), 10.0)
+    obs = metrics.window("trtllm", "u", [first, mid, last])
+    assert (obs.stats_lost.dropped, obs.stats_lost.taken, obs.stats_lost.capped_polls) == (3, 2, 0)
+    text = check.check(doc, obs).text()
+    assert "dropped 3 iteration records" in text and "2 iteration records were read by another reader" in text
+    again = metrics.Observed.from_json(json.loads(json.dumps(obs.to_json())))  # --save, then --from a file
+    assert again.stats_lost == obs.stats_lost
 
 
 def test_plan_check_refuses_a_max_stats_len_trtllm_serve_would_refuse(plan_dir, capsys):

@@ -49,13 +49,17 @@ def sidecar(url, api_key=None):
 
 
 def series(text):
-    """{sample name: value} of an unlabelled exposition (every family the exporter writes has no labels)."""
+    """{sample name: value} of an exposition; a labelled sample is named as Prometheus writes it, name{k="v"}."""
     out = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            assert not s.labels, s
-            out[s.name] = s.value
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            out[s.name + (f"{{{labels}}}" if labels else "")] = s.value
     return out
+
+
+LOST = {cause: f'dflash_trtllm_stats_lost_total{{cause="{cause}"}}' for cause in ("dropped", "taken")}
+CAPPED = "dflash_trtllm_capped_polls_total"
 
 
 def expected(batches):
@@ -100,7 +104,7 @@ def test_series_equal_the_json_stats_over_a_scripted_run():
     # the gauges: the newest iteration's (none polled yet before the first scrape's poll: never a batch of 0)
     assert [s["vllm:num_requests_running"] for s in seen] == [4, 4, 12, 2]
     assert [s["vllm:num_requests_waiting"] for s in seen] == [0, 0, 0, 5]
-    assert all(s["dflash_trtllm_full_polls_total"] == 0 for s in seen)
+    assert all(s[CAPPED] == 0 and s[LOST["dropped"]] == 0 and s[LOST["taken"]] == 0 for s in seen)
 
 
 def test_an_engine_idle_for_idle_s_reads_nothing_running():
@@ -120,22 +124,88 @@ def test_an_engine_idle_for_idle_s_reads_nothing_running():
     assert totals.running == 0.0 and totals.waiting == 0.0 and totals.totals["drafts"] > 0
 
 
-def test_no_gauge_before_any_iteration_and_a_full_poll_is_counted():
-    with engine(["[]", json.dumps(trtllm_iterations(3.0, 7, 4, 1000))]) as (url, _), sidecar(url) as side:
+def test_no_gauge_before_any_iteration_and_a_poll_at_the_cap_is_counted():
+    """An engine that does not number its records keeps max_stats_len + 1 of them (1001 by default): a poll of that
+    many may have lost older ones; a poll of 1000 lost none at the cap."""
+    polls = ["[]", json.dumps(trtllm_iterations(3.0, 7, 4, 1000)), json.dumps(trtllm_iterations(3.0, 7, 4, 1001))]
+    with engine(polls) as (url, _), sidecar(url) as side:
         first = series(httpx.get(side + "/metrics", timeout=10).text)
         assert "vllm:num_requests_running" not in first and first["vllm:spec_decode_num_drafts_total"] == 0
         second = series(httpx.get(side + "/metrics", timeout=10).text)
-        assert second["dflash_trtllm_full_polls_total"] == 1 and second["vllm:spec_decode_num_drafts_total"] == 4000
+        assert second[CAPPED] == 0 and second["vllm:spec_decode_num_drafts_total"] == 4000
+        third = series(httpx.get(side + "/metrics", timeout=10).text)
+        assert third[CAPPED] == 1 and third[LOST["dropped"]] == 0
 
 
-def test_a_raised_max_stats_len_moves_the_full_poll_threshold():
-    """With the YAML's max_stats_len raised to 5000 (--max-stats-len 5000), a poll of 1000 iterations lost none."""
-    for kept, full in ((None, 1), (5000, 0)):
-        body = json.dumps(trtllm_iterations(3.0, 7, 4, 1000))
+def test_the_cap_follows_max_stats_len_and_minus_one_has_none():
+    """--max-stats-len says the YAML's: 5000 makes a poll of 1001 no sign of loss; -1 keeps every record."""
+    for kept, capped in ((None, 1), (5000, 0), (-1, 0), (1000, 1)):
+        bodies = iter(["[]", json.dumps(trtllm_iterations(3.0, 7, 4, 1001))])
         extra = {} if kept is None else {"max_stats_len": kept}
-        totals = exporter.TrtllmTotals("http://engine:8000", get=lambda url, body=body: body, **extra)
-        totals.poll()
-        assert totals.full_polls == full
+        totals = exporter.TrtllmTotals("http://engine:8000", get=lambda url: next(bodies), **extra)
+        totals.poll(), totals.poll()
+        assert totals.lost.capped_polls == capped, kept
+
+
+def numbered(records, first, dropped_at):
+    """The records numbered from `first` as a numbering executor does (statsSequence; statsDroppedFrames from the
+    function of the sequence)."""
+    return [
+        r | {"statsSequence": first + i, "statsDroppedFrames": dropped_at(first + i)} for i, r in enumerate(records)
+    ]
+
+
+def test_numbered_records_say_exactly_what_was_dropped_and_what_another_reader_took():
+    """statsSequence 1-10 read; 11-15 never seen, of which 3 the engine evicted (statsDroppedFrames 0 -> 3) and 2
+    another reader drained; 16-20 read; then a restart (the sequence starts again): a new baseline, no loss."""
+    its = trtllm_iterations(3.0, 7, 4, 10)
+    polls = [
+        numbered(its, 1, lambda seq: 0),
+        numbered(its[:5], 16, lambda seq: 3),
+        numbered(its[:3], 1, lambda seq: 0),
+        numbered(its[:2], 4, lambda seq: 0),
+    ]
+    with engine([json.dumps(p) for p in polls]) as (url, _), sidecar(url) as side:
+        seen = [series(httpx.get(side + "/metrics", timeout=10).text) for _ in polls]
+    assert [(s[LOST["dropped"]], s[LOST["taken"]]) for s in seen] == [(0, 0), (3, 2), (3, 2), (3, 2)]
+    assert all(s[CAPPED] == 0 for s in seen)  # numbered records: what was lost is known, never guessed
+
+
+def test_attention_dp_rows_of_one_frame_share_a_sequence_and_lose_nothing():
+    """Under attention DP one frame is a row per rank, all with the frame's statsSequence (c6fb6ac3)."""
+    its = trtllm_iterations(3.0, 7, 4, 3)
+    rows = [r | {"statsSequence": seq, "statsDroppedFrames": 0} for seq, r in ((1, its[0]), (1, its[1]), (2, its[2]))]
+    ledger = exporter.metrics.StatsLedger()
+    ledger.add(rows, None)
+    ledger.add([its[0] | {"statsSequence": 3, "statsDroppedFrames": 0}], 1001)
+    assert (ledger.dropped, ledger.taken, ledger.capped_polls) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("numbers", [False, True], ids=["unnumbered", "numbered"])
+def test_the_ledger_matches_what_the_stand_in_engine_dropped_and_what_a_second_reader_took(numbers, monkeypatch):
+    """The FAKE trtllm-serve's engine (tests/fake_trtllm_serve.py, each executor's buffer rule) with max_stats_len 4:
+    a burst of 9 iterations between two polls overflows it; then a second reader drains 2 records the exporter never
+    sees. Numbered, the exporter counts 9 - 4 = 5 dropped and 2 taken; unnumbered (a buffer of 5), it sees a poll at
+    the cap and can say no more."""
+    import fake_trtllm_serve
+
+    monkeypatch.setenv("FAKE_TRTLLM_NUMBERED", "1" if numbers else "0")
+    eng = fake_trtllm_serve.Engine({"enable_iter_perf_stats": True, "max_stats_len": 4})
+    totals = exporter.TrtllmTotals("http://engine:8000", get=lambda url: json.dumps(eng.drain()), max_stats_len=4)
+    its = trtllm_iterations(3.0, 7, 4, 12)
+    eng.record(dict(its[0]))
+    totals.poll()
+    for it in its[1:10]:
+        eng.record(dict(it))
+    totals.poll()
+    for it in its[10:12]:
+        eng.record(dict(it))
+    eng.drain()  # another reader of /metrics
+    eng.record(dict(its[0]))
+    totals.poll()
+    lost = totals.lost
+    assert (lost.dropped, lost.taken, lost.capped_polls) == ((5, 2, 0) if numbers else (0, 0, 1))
+    assert totals.iterations == (1 + 4 + 1 if numbers else 1 + 5 + 1)
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))

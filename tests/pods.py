@@ -59,6 +59,7 @@ seccomp.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -501,6 +502,11 @@ class Pod:
     def __exit__(self, *exc: Any) -> None:
         for p in self.procs.values():
             if p.popen.poll() is None:
+                # the container's first process is its pid namespace's init: SIGKILL to it ends every process
+                # in the container, an exec'd hook included (bwrap, killed alone, leaves them running)
+                if p.pid is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(p.pid, signal.SIGKILL)
                 p.popen.kill()
                 p.popen.wait()
         if self.own_netns:

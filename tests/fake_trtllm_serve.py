@@ -18,10 +18,10 @@ What it does as the real one does (each with its source; nothing here computes a
 * GET /metrics: a JSON list of the iteration statistics queued since the last call, drained by the call
   (`get_iteration_stats` over get_stats_async), empty unless enable_iter_perf_stats is true; fields as
   cpp/include/tensorrt_llm/executor/types.h names them. The buffer keeps max_stats_len + 1 records (default 1000;
-  -1 all), dropping the oldest silently, as py_executor.py _append_iter_stats at 0004396720 does; with
-  FAKE_TRTLLM_NUMBERED=1 it keeps exactly max_stats_len and numbers its records as the later executor does
-  (py_executor.py at c6fb6ac3 _append_stats_frame: statsSequence +1 per record, statsDroppedFrames the evictions
-  so far);
+  0 is 1, as llm_args.py makes it; -1 all), dropping the oldest silently, as py_executor.py _append_iter_stats at
+  0004396720 does; with FAKE_TRTLLM_NUMBERED=1 it keeps exactly max_stats_len and numbers its records as a stored
+  later version does (py_executor.py at c6fb6ac3 _append_stats_frame: statsSequence +1 per record from 1,
+  statsDroppedFrames the evictions so far). One rank, no attention DP, no startup snapshot record;
 * GET /v1/models and POST /v1/completions (the OpenAI routes of `register_routes`), minimally: a completion of
   max_tokens FAKE tokens ("x"), decoded in rounds that each draft max_draft_len tokens (at most what the
   schedule gives at the batch size) and accept FAKE_TRTLLM_ACCEPT of them (default 0.5), each round queued as
@@ -103,6 +103,7 @@ class Engine:
         top = fields_of(record(), "TorchLlmArgs")
         self.stats_on = bool(llm_args.get("enable_iter_perf_stats", top["enable_iter_perf_stats"]["default"]))
         keep = int(llm_args.get("max_stats_len", top["max_stats_len"]["default"]))
+        keep = keep if keep == -1 else max(keep, 1)  # llm_args.py: 0 becomes 1
         self.numbered = os.environ.get("FAKE_TRTLLM_NUMBERED") == "1"
         self.cap = None if keep == -1 else keep if self.numbered else keep + 1
         self.stats: deque[dict[str, Any]] = deque()
@@ -165,7 +166,7 @@ class Engine:
     def record(self, stats: dict[str, Any]) -> None:
         """Into the capped buffer, the oldest evicted first (module docstring: the two executors' rules)."""
         if self.cap is not None:
-            while len(self.stats) >= self.cap:
+            while self.stats and len(self.stats) >= self.cap:
                 self.stats.popleft()
                 self.dropped += 1
         if self.numbered:

@@ -228,15 +228,17 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
             f"trtllm-serve dropped {lost.dropped} iteration records at its max_stats_len cap before a scrape read "
             "them (statsDroppedFrames): the window undercounts; raise max_stats_len in the YAML or scrape more often"
         )
-    if lost and lost.taken:
+    if lost and lost.unread:
         rep.advice.append(
-            f"{lost.taken} iteration records were read by another reader of trtllm-serve's /metrics (statsSequence "
-            "skipped them): every read drains it, so the window undercounts; let one reader poll it (the exporter "
-            "sidecar, or this check) and leave return_perf_metrics off"
+            f"{lost.unread} iteration records were drained from trtllm-serve's /metrics without reaching this check "
+            "(statsSequence skipped them): every read drains it, so another reader (a second scraper, the exporter "
+            "sidecar, the return_perf_metrics collector) or a scrape that failed after the drain took them, and the "
+            "window undercounts; let one reader poll it"
         )
     if lost and lost.capped_polls:
         rep.advice.append(
-            f"{lost.capped_polls} scrapes returned max_stats_len + 1 records, the most trtllm-serve's executor keeps: "
+            f"{lost.capped_polls} scrapes returned max_stats_len + 1 records or more, the most trtllm-serve's executor "
+            "keeps: "
             "older records of the window may be lost (this engine does not number them); raise max_stats_len in the "
             "YAML (and pass it as --max-stats-len) or scrape more often (--samples)"
         )

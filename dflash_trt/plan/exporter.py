@@ -25,9 +25,10 @@ so vllm:spec_decode_num_accepted_tokens_per_pos is absent, as on an engine witho
 Polling: every `poll_s` seconds in the background and once more at each scrape, so totals are current when read
 and the engine's buffer (capped by max_stats_len, 1000 by default: --max-stats-len says the YAML's) is drained well
 before it overflows. Records this exporter never saw (metrics.StatsLedger) are counted:
-dflash_trtllm_stats_lost_total{cause="dropped"} (evicted at the cap) and {cause="taken"} (drained by another reader
-of /metrics), exact where the engine numbers its records; where it does not, dflash_trtllm_capped_polls_total counts
-polls that came back at the cap, when records may have been lost.
+dflash_trtllm_stats_lost_total{cause="dropped"} (evicted at the cap) and {cause="unread"} (drained without reaching
+this exporter: another reader of /metrics, or a poll that failed after the drain), where the engine numbers its
+records; where it does not, dflash_trtllm_capped_polls_total counts polls that came back at the cap or over, when
+records may have been lost.
 An engine that ran no iteration for IDLE_S seconds runs nothing: its running and waiting gauges read 0 then, as
 vLLM's do when idle (trtllm-serve publishes no iteration while idle, so the last one's counts would otherwise stay
 and keep the autoscaler and the batch alert busy). A scrape whose poll fails (trtllm-serve down) answers 503, so Prometheus' `up` turns 0 rather than the series
@@ -130,14 +131,14 @@ class TrtllmTotals(Collector):
                     yield g
             lost = CounterMetricFamily(
                 STATS_LOST,
-                "trtllm-serve iteration records never read: dropped at its cap, taken by another reader",
+                "trtllm-serve iteration records never read: dropped at its cap, or drained and unread here",
                 labels=["cause"],
             )
             lost.add_metric(["dropped"], float(self.lost.dropped))
-            lost.add_metric(["taken"], float(self.lost.taken))
+            lost.add_metric(["unread"], float(self.lost.unread))
             yield lost
             capped = CounterMetricFamily(
-                CAPPED_POLLS, "polls of unnumbered records at max_stats_len + 1 (loss possible)"
+                CAPPED_POLLS, "polls of unnumbered records at max_stats_len + 1 or more (loss possible)"
             )
             capped.add_metric([], float(self.lost.capped_polls))
             yield capped

@@ -73,57 +73,64 @@ TRTLLM_STATS_UNBOUNDED = -1
 
 
 def trtllm_cap(max_stats_len: int = TRTLLM_STATS_KEPT) -> int | None:
-    """The most records one /metrics poll can return from an engine that does not number them, or None (no cap).
+    """The most records one /metrics poll holds from an engine that does not number them, or None (no cap).
 
     The PyTorch executor pops its oldest record only once its buffer holds more than max_stats_len
     (tensorrt_llm/_torch/pyexecutor/py_executor.py _append_iter_stats at NVIDIA/TensorRT-LLM 0004396720:
     `len(self.stats) > self.max_stats_len` then `self.stats.pop(0)`, silently), so it holds max_stats_len + 1;
-    max_stats_len -1 keeps every record. Where the executor's buffer is fetched at each /metrics call (the
-    RPC-fetched stats of that era), a poll of exactly that many may have lost older records and a shorter one lost
-    none at the cap; where a worker thread drains it every 0.2 s into an unbounded queue (the older IPC design) a
-    poll's length says nothing, and an exact hit is chance. Hence `StatsLedger.capped_polls` says "may"."""
-    return None if max_stats_len == TRTLLM_STATS_UNBOUNDED else max_stats_len + 1
+    llm_args.py turns 0 into 1, and -1 keeps every record. Where the executor's buffer is fetched at each /metrics
+    call (the RPC-fetched stats of that era), a poll of that many or more (one response can carry several fetches)
+    may have lost older records, and a shorter one lost none at the cap; where a worker thread drains it every 0.2 s
+    into an unbounded queue (the older IPC design) a poll's length says little. Hence `StatsLedger.capped_polls`
+    says "may". Not modelled: TLLM_METRICS_ALL_RANKS=1 with attention DP, where _flush_iter_stats_synced caps the
+    buffer at max_stats_len x tp_size."""
+    if max_stats_len == TRTLLM_STATS_UNBOUNDED:
+        return None
+    return max(max_stats_len, 1) + 1
 
 
 @dataclass
 class StatsLedger:
     """trtllm-serve's iteration records that a reader of /metrics never saw, as far as it can tell.
 
-    Newer executors number their records (py_executor.py at c6fb6ac3 _append_stats_frame; executor/iteration_stats.py
-    _materialize_frame): `statsSequence`, +1 per buffered record from 0 in each process (attention-DP rows of one
-    frame share it), and `statsDroppedFrames`, the evictions at the cap so far, stamped on each record as it is
-    appended. Every read of /metrics drains the buffer, so a record a reader did not see was either evicted or
-    drained by another reader (a second scraper, an `LLM.get_stats` user, the return_perf_metrics collector). Per
-    poll: every record evicted since the last poll was appended before the poll's newest record, so that record's
-    count less the last poll's is what was dropped, and the rest of the sequence numbers skipped were taken. Both
-    are exact. A poll whose sequence starts at or below the last one read is a restarted engine: counted from 0.
-    The `iter` field cannot do this: the executor skips counter values (passes that scheduled nothing, the overlap
-    loop's last pass) and stamps 0 twice after a start. Older executors number nothing: a poll of exactly
-    `trtllm_cap` records is counted as one that may have lost some."""
+    One stored executor numbers its records (py_executor.py at c6fb6ac3 _append_stats_frame; executor/
+    iteration_stats.py _materialize_frame; the pinned 0004396720 does not): `statsSequence`, +1 per buffered record
+    from 1 in each process (attention-DP rows of one frame share it), and `statsDroppedFrames`, the evictions at the
+    cap so far, stamped on each record as it is appended. Every read of /metrics drains the buffer, so a record a
+    reader did not see was either evicted (`dropped`) or drained without reaching this reader (`unread`: another
+    reader, such as a second scraper, an `LLM.get_stats` user or the return_perf_metrics collector, or a poll of
+    this reader that failed after trtllm-serve had drained). Per poll: every record evicted since the last poll was
+    appended before the poll's newest record, so that record's count less the last poll's is what was dropped, and
+    the rest of the sequence numbers skipped were unread. That holds for whole drains; a drain split across two
+    responses counts its first part's later numbers as skipping the rest, and an engine that restarted and evicted
+    past the last number read before its first poll is not seen to have restarted. A poll whose sequence starts at
+    or below the last one read is a restarted engine: counted from its start. The `iter` field cannot do this: the
+    executor skips counter values (passes that scheduled nothing, the overlap loop's last pass) and stamps 0 twice
+    after a start. An engine that numbers nothing: a poll of `trtllm_cap` records or more may have lost some."""
 
     dropped: int = 0  # records the engine evicted at its cap before any read
-    taken: int = 0  # records another reader of /metrics drained
-    capped_polls: int = 0  # unnumbered records: polls that returned exactly the cap (records may be lost)
+    unread: int = 0  # records drained that never reached this reader
+    capped_polls: int = 0  # unnumbered records: polls at the cap or over (records may be lost)
     sequence: int | None = None  # the newest statsSequence read
     dropped_seen: int = 0  # the newest statsDroppedFrames read
 
     def add(self, records: Sequence[dict[str, Any]], cap: int | None) -> None:
         """One poll's records; `cap` None for the first poll of a window or of an exporter (it drains what came
         before, so only its numbers count, as the baseline). The first numbered records read are the baseline too:
-        what another reader took before them is not this reader's loss."""
+        what was lost before them is not this reader's loss."""
         numbered = {r["statsSequence"]: r.get("statsDroppedFrames", 0) for r in records if "statsSequence" in r}
         if not numbered:
-            if cap is not None and len(records) == cap:
+            if cap is not None and len(records) >= cap:
                 self.capped_polls += 1
             return
         newest = max(numbered)
         if cap is not None and self.sequence is not None:  # else the first numbers read: the baseline
             since, dropped_since = self.sequence, self.dropped_seen
-            if min(numbered) <= since:  # a new process: its numbers start from 0
+            if min(numbered) <= since:  # a new process: its numbers start after 0
                 since, dropped_since = 0, 0
             evicted = max(0, numbered[newest] - dropped_since)
             self.dropped += evicted
-            self.taken += max(0, newest - since - len(numbered) - evicted)
+            self.unread += max(0, newest - since - len(numbered) - evicted)
         self.sequence, self.dropped_seen = newest, numbered[newest]
 
 

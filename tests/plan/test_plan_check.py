@@ -352,7 +352,8 @@ def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
 def test_a_trtllm_scrape_at_the_executors_cap_warns_that_records_may_be_lost(plan_dir):
     """An engine that does not number its records keeps max_stats_len + 1 of them (1001 by default; py_executor.py
     _append_iter_stats at 0004396720): a scrape of that many may have dropped older ones, and the check says so; one
-    below it lost none at the cap. -1 keeps every record: no scrape is at a cap."""
+    below it lost none at the cap, and one over it (several fetches in one response) is at the cap too. -1 keeps
+    every record: no scrape is at a cap."""
     doc = plan_doc(plan_dir)
     first = metrics.read("trtllm", "[]", 0.0)
     for kept, n, warned in (
@@ -380,12 +381,12 @@ def test_numbered_trtllm_records_name_what_was_dropped_and_what_another_reader_t
         return [r | {"statsSequence": first + i, "statsDroppedFrames": dropped} for i, r in enumerate(part)]
 
     first = metrics.read("trtllm", json.dumps(numbered(its[:5], 100, 40)), 0.0)  # 40 dropped before the window
-    mid = metrics.read("trtllm", json.dumps(numbered(its[5:15], 110, 43)), 5.0)  # 105-109: 3 evicted, 2 taken
+    mid = metrics.read("trtllm", json.dumps(numbered(its[5:15], 110, 43)), 5.0)  # 105-109: 3 evicted, 2 unread
     last = metrics.read("trtllm", json.dumps(numbered(its[15:], 120, 43)), 10.0)
     obs = metrics.window("trtllm", "u", [first, mid, last])
-    assert (obs.stats_lost.dropped, obs.stats_lost.taken, obs.stats_lost.capped_polls) == (3, 2, 0)
+    assert (obs.stats_lost.dropped, obs.stats_lost.unread, obs.stats_lost.capped_polls) == (3, 2, 0)
     text = check.check(doc, obs).text()
-    assert "dropped 3 iteration records" in text and "2 iteration records were read by another reader" in text
+    assert "dropped 3 iteration records" in text and "2 iteration records were drained from" in text
     again = metrics.Observed.from_json(json.loads(json.dumps(obs.to_json())))  # --save, then --from a file
     assert again.stats_lost == obs.stats_lost
 

@@ -58,7 +58,7 @@ def series(text):
     return out
 
 
-LOST = {cause: f'dflash_trtllm_stats_lost_total{{cause="{cause}"}}' for cause in ("dropped", "taken")}
+LOST = {cause: f'dflash_trtllm_stats_lost_total{{cause="{cause}"}}' for cause in ("dropped", "unread")}
 CAPPED = "dflash_trtllm_capped_polls_total"
 
 
@@ -104,7 +104,7 @@ def test_series_equal_the_json_stats_over_a_scripted_run():
     # the gauges: the newest iteration's (none polled yet before the first scrape's poll: never a batch of 0)
     assert [s["vllm:num_requests_running"] for s in seen] == [4, 4, 12, 2]
     assert [s["vllm:num_requests_waiting"] for s in seen] == [0, 0, 0, 5]
-    assert all(s[CAPPED] == 0 and s[LOST["dropped"]] == 0 and s[LOST["taken"]] == 0 for s in seen)
+    assert all(s[CAPPED] == 0 and s[LOST["dropped"]] == 0 and s[LOST["unread"]] == 0 for s in seen)
 
 
 def test_an_engine_idle_for_idle_s_reads_nothing_running():
@@ -138,8 +138,10 @@ def test_no_gauge_before_any_iteration_and_a_poll_at_the_cap_is_counted():
 
 
 def test_the_cap_follows_max_stats_len_and_minus_one_has_none():
-    """--max-stats-len says the YAML's: 5000 makes a poll of 1001 no sign of loss; -1 keeps every record."""
-    for kept, capped in ((None, 1), (5000, 0), (-1, 0), (1000, 1)):
+    """--max-stats-len says the YAML's: 5000 makes a poll of 1001 no sign of loss; -1 keeps every record; 0 is 1
+    (llm_args.py's normalize_max_stats_len), a buffer of 2."""
+    assert [exporter.metrics.trtllm_cap(n) for n in (1000, 0, 1, -1)] == [1001, 2, 2, None]
+    for kept, capped in ((None, 1), (5000, 0), (-1, 0), (1000, 1), (0, 1)):
         bodies = iter(["[]", json.dumps(trtllm_iterations(3.0, 7, 4, 1001))])
         extra = {} if kept is None else {"max_stats_len": kept}
         totals = exporter.TrtllmTotals("http://engine:8000", get=lambda url: next(bodies), **extra)
@@ -167,7 +169,7 @@ def test_numbered_records_say_exactly_what_was_dropped_and_what_another_reader_t
     ]
     with engine([json.dumps(p) for p in polls]) as (url, _), sidecar(url) as side:
         seen = [series(httpx.get(side + "/metrics", timeout=10).text) for _ in polls]
-    assert [(s[LOST["dropped"]], s[LOST["taken"]]) for s in seen] == [(0, 0), (3, 2), (3, 2), (3, 2)]
+    assert [(s[LOST["dropped"]], s[LOST["unread"]]) for s in seen] == [(0, 0), (3, 2), (3, 2), (3, 2)]
     assert all(s[CAPPED] == 0 for s in seen)  # numbered records: what was lost is known, never guessed
 
 
@@ -178,14 +180,14 @@ def test_attention_dp_rows_of_one_frame_share_a_sequence_and_lose_nothing():
     ledger = exporter.metrics.StatsLedger()
     ledger.add(rows, None)
     ledger.add([its[0] | {"statsSequence": 3, "statsDroppedFrames": 0}], 1001)
-    assert (ledger.dropped, ledger.taken, ledger.capped_polls) == (0, 0, 0)
+    assert (ledger.dropped, ledger.unread, ledger.capped_polls) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("numbers", [False, True], ids=["unnumbered", "numbered"])
 def test_the_ledger_matches_what_the_stand_in_engine_dropped_and_what_a_second_reader_took(numbers, monkeypatch):
     """The FAKE trtllm-serve's engine (tests/fake_trtllm_serve.py, each executor's buffer rule) with max_stats_len 4:
     a burst of 9 iterations between two polls overflows it; then a second reader drains 2 records the exporter never
-    sees. Numbered, the exporter counts 9 - 4 = 5 dropped and 2 taken; unnumbered (a buffer of 5), it sees a poll at
+    sees. Numbered, the exporter counts 9 - 4 = 5 dropped and 2 unread; unnumbered (a buffer of 5), it sees a poll at
     the cap and can say no more."""
     import fake_trtllm_serve
 
@@ -204,7 +206,7 @@ def test_the_ledger_matches_what_the_stand_in_engine_dropped_and_what_a_second_r
     eng.record(dict(its[0]))
     totals.poll()
     lost = totals.lost
-    assert (lost.dropped, lost.taken, lost.capped_polls) == ((5, 2, 0) if numbers else (0, 0, 1))
+    assert (lost.dropped, lost.unread, lost.capped_polls) == ((5, 2, 0) if numbers else (0, 0, 1))
     assert totals.iterations == (1 + 4 + 1 if numbers else 1 + 5 + 1)
 
 

@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test test-envs test-pods pods-tools test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
+.PHONY: venv lint test test-envs test-pods pods-tools test-tf457 tf457-env deploy-env mpi-env sshd-env demo eval engines triton triton-env bench bench-parts bench-proposers bench-serve bench-load bench-sim bench-soak aiperf-env serve gpu-smoke gpu-bare gpu-bare-pack gpu-train-demo-prep gpu-train-demo models clean
 
 # The environments `make test` needs are built side by side (test-envs); apt-get calls take turns on this lock, as
 # dpkg allows one at a time.
@@ -120,21 +120,26 @@ test-pods: venv triton-env deploy-env mpi-env sshd-env pods-tools
 
 # Every environment the test legs need, built in parallel: they are independent venvs and apt-get installs, and
 # each is mostly download, unpack and wait, so the whole set-up takes about its longest venv, not their sum.
-ENV_JOBS ?= 4
+ENV_JOBS ?= 6
+TEST_ENVS := venv triton-env deploy-env mpi-env sshd-env tf457-env pods-tools
 test-envs:
-	$(MAKE) -j$(ENV_JOBS) venv triton-env deploy-env mpi-env sshd-env tf457-env
+	$(MAKE) -j$(ENV_JOBS) $(TEST_ENVS)
+
+# ruff and mypy need only the main venv.
+lint: venv
+	$(BIN)/python -m ruff check .
+	$(BIN)/python -m ruff format --check .
+	$(BIN)/python -m mypy
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a worker so that a file's module-scoped
 # fixtures (its models, its server) are made once: each test runs torch on one thread (tests/conftest.py), so two
 # workers keep both cores of a 2-core machine busy. The pods' file (test-pods) is one of them: it mostly waits on
-# its pods, while the other worker runs the rest. The slowest 20 tests are printed: the suite's time is a budget.
+# its pods, while the other worker runs the rest. The lint and the transformers 4.57.1 leg run while the other
+# environments still build. The slowest 20 tests are printed: the suite's time is a budget.
 TEST_WORKERS ?= 2
-test: test-envs pods-tools
-	$(BIN)/python -m ruff check .
-	$(BIN)/python -m ruff format --check .
-	$(BIN)/python -m mypy
+test:
+	$(MAKE) -j$(ENV_JOBS) $(TEST_ENVS) lint test-tf457
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
-	$(MAKE) test-tf457
 
 # One generation on the demo models (models/), printed as JSON with its statistics.
 demo: venv

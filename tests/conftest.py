@@ -1,6 +1,8 @@
 import inspect
 import os
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -18,6 +20,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 # rather than with its work. Subprocesses (servers, tritonserver, mpirun ranks) keep their own thread settings:
 # those are what the tests of them check.
 torch.set_num_threads(1)
+# The drafter export cache (dflash_trt/builders/export_cache.py) of this run: one folder that the run's workers and
+# every process they start share, never the user's own cache. The controller (or a run without workers) makes it
+# before it starts its workers, which inherit the variable, and removes it when the run ends.
+# tests/builders/test_export_cache.py points its own tests elsewhere.
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    os.environ["DFLASH_TRT_CACHE"] = tempfile.mkdtemp(prefix="dflash-trt-test-exports-")
+EXPORT_CACHE = Path(os.environ["DFLASH_TRT_CACHE"])
 
 from clocks import AdversarialClock  # noqa: E402
 from helpers import make_tiny_pair  # noqa: E402
@@ -37,6 +46,11 @@ def pytest_configure(config):
     mode = CLOCK.partition(":")[0]
     if mode not in ("adversarial", "wall"):
         raise pytest.UsageError(f"DFLASH_TEST_CLOCK must be 'adversarial', 'adversarial:SEED' or 'wall', got {CLOCK!r}")
+
+
+def pytest_sessionfinish(session):
+    if not hasattr(session.config, "workerinput"):  # the controller (or a run without workers): after every worker
+        shutil.rmtree(EXPORT_CACHE, ignore_errors=True)
 
 
 def pytest_report_header(config):

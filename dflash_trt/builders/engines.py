@@ -288,15 +288,20 @@ def _onnx_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def _build_onnx(ctx: BuildContext, folder: Path) -> dict[str, Any]:
+    from .export_cache import cached_export, export_key
     from .onnx_drafter import export_from_checkpoints
     from .onnx_drafter_batch import export_batched_from_checkpoints
 
-    shutil.rmtree(folder, ignore_errors=True)
-    ctx.log(f"exporting the drafter to ONNX in {folder} ...")
-    export_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, folder, fp16=True)
-    # the batched round next to it: the server drafts every row of a step in one pass of this graph
-    ctx.log(f"exporting the batched drafter round (drafter_batch.onnx) in {folder} ...")
-    export_batched_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, folder, fp16=True)
+    def export(out: Path) -> None:
+        shutil.rmtree(out, ignore_errors=True)
+        ctx.log(f"exporting the drafter to ONNX in {out} ...")
+        export_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, out, fp16=True)
+        # the batched round next to it: the server drafts every row of a step in one pass of this graph
+        ctx.log(f"exporting the batched drafter round (drafter_batch.onnx) in {out} ...")
+        export_batched_from_checkpoints(ctx.cfg.drafter, ctx.cfg.target, out, fp16=True)
+
+    key = export_key(ctx.sources["target"]["sha256"], ctx.sources["drafter"]["sha256"], fp16=True)
+    cached_export(key, folder, export, ctx.log)
     meta = DrafterGraphMeta.read(folder)
     return {
         "precisions": ["fp32", "fp16"],

@@ -85,11 +85,16 @@ def sources_from_engines(engines_dir: Path) -> Sources:
 
 
 def sources_from_checkpoints(target_dir: Path, drafter_dir: Path, work: Path) -> Sources:
+    from .export_cache import cached_export, export_key
+    from .hashing import tree_sha256
     from .onnx_drafter import export_from_checkpoints
     from .onnx_drafter_batch import export_batched_from_checkpoints
 
-    export_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
-    export_batched_from_checkpoints(drafter_dir, target_dir, work, fp16=False)
+    def export(out: Path) -> None:
+        export_from_checkpoints(drafter_dir, target_dir, out, fp16=False)
+        export_batched_from_checkpoints(drafter_dir, target_dir, out, fp16=False)
+
+    cached_export(export_key(tree_sha256(target_dir), tree_sha256(drafter_dir), fp16=False), work, export)
     return Sources(target_dir, "torch", target_dir, "onnxruntime", work)
 
 

@@ -134,7 +134,9 @@ def _register_engines(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description="Read the engines config (TOML or JSON: target, drafter, output, tp, block_size, precision, "
         "max_batch_size, max_input_len, max_seq_len), build the ONNX drafter always, the TensorRT plan and the "
         "TensorRT-LLM target where TensorRT / TensorRT-LLM and GPUs exist, write OUTPUT/manifest.json and report "
-        "what was built, what was up to date and what was skipped and why. Unchanged inputs: nothing is rebuilt.",
+        "what was built, what was up to date and what was skipped and why. Unchanged inputs: nothing is rebuilt. The "
+        "drafter's ONNX graphs come from the export cache when the same checkpoints were exported before "
+        "($DFLASH_TRT_CACHE, default ~/.cache/dflash-trt; off turns it off).",
     )
     p.add_argument(
         "--config",

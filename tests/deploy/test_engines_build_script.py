@@ -4,7 +4,8 @@ ONNX drafter; TensorRT steps skip here) with the real `dflash-trt engines`, floc
 - two builders of one identity at once (two groups, or a rollout's new group) build it once: the second waits on
   the lock and finds the folder; nothing half-built is ever visible, no temporary folder is left;
 - a later start hashes and builds nothing (the identity is a stamp, not a content hash);
-- another config or a changed checkpoint file is another identity, in a folder of its own;
+- another config or a changed checkpoint file is another identity, in a folder of its own; the drafter's graphs
+  come from the export cache the script keeps on the volume when only the config changed;
 - the manifest's checkpoint paths still resolve after the rename."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def site(tmp_path):
 
 def start(site: Path, run: str) -> subprocess.Popen:
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "DFLASH_TRT_CACHE"},  # the script's own: on the volume
         "ENGINES_CONFIG": str(site / "engines.toml"),
         "DFLASH_ENGINES_ROOT": str(site / "engines"),
         "DFLASH_RUN_DIR": str(site / run),
@@ -76,9 +77,12 @@ def test_one_build_per_identity_then_nothing(site):
 
     with open(site / "engines.toml", "a") as f:
         f.write("max_batch_size = 4\n")
-    finish(start(site, "run-d"))
+    out = finish(start(site, "run-d"))
     other = Path((site / "run-d" / "engines-dir").read_text().strip())
     assert builds(site) == 2 and other != folder and (other / "manifest.json").is_file() and folder.is_dir()
+    # the same drafter graphs: copied from the volume's export cache, not exported again
+    assert "from the export cache" in out and "exporting the drafter" not in out
+    assert len(list((site / "engines" / ".export-cache" / "onnx").iterdir())) == 1
 
     weights = next((site / "ckpt" / "target").glob("*.safetensors"))
     os.utime(weights, (1, 1))  # a replaced checkpoint file: another identity

@@ -23,6 +23,10 @@ CONFIG="${ENGINES_CONFIG:-/config/engines.toml}"
 ROOT="${DFLASH_ENGINES_ROOT:-/engines}"
 RUN="${DFLASH_RUN_DIR:-/run/dflash}"
 read -r -a ENGINES_CMD <<< "${DFLASH_ENGINES_CMD:-dflash-trt engines}"
+# The drafter's ONNX graphs, kept on the volume by what they are made from (dflash_trt/builders/export_cache.py): a
+# new identity of the same drafter and target (another max_batch_size, another TensorRT-LLM) copies them instead of
+# exporting again. The pruning below leaves this folder alone; the cache keeps its own few entries.
+export DFLASH_TRT_CACHE="${DFLASH_TRT_CACHE:-$ROOT/.export-cache}"
 
 # Both folders written below must be writable by this process (the image's uid 10001 in the single-node and
 # Triton pods): checked before anything is hashed or built. A pod's fsGroup does not make a ReadWriteMany claim

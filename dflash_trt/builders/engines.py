@@ -19,7 +19,6 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,7 +34,8 @@ from ..formats import (
     read_manifest,
     read_plan_manifest,
 )
-from .hashing import file_sha256, tree_sha256, tree_stamp
+from . import hashing
+from .hashing import file_sha256, tree_sha256, tree_stamp, versions
 
 if TYPE_CHECKING:
     from ..config import DFlashSpec
@@ -165,29 +165,6 @@ def read_config(path: str | Path | None, base: Path, overrides: dict[str, Any] |
     return cfg
 
 
-def versions(*packages: str) -> dict[str, str | None]:
-    out: dict[str, str | None] = {}
-    for name in packages:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
-def code_sha256(*modules: str) -> str:
-    """Hash of the toolkit source files a built artifact depends on: a code change rebuilds it."""
-    import importlib.util
-
-    digest = hashlib.sha256()
-    for name in modules:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise ModuleNotFoundError(f"no source file for module {name}")
-        digest.update(Path(spec.origin).read_bytes())
-    return digest.hexdigest()
-
-
 def step_key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -278,7 +255,7 @@ def _onnx_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
         ctx.sources["target"]["sha256"],
         ctx.sources["drafter"]["sha256"],
         vers,
-        code_sha256(
+        hashing.code_sha256(
             "dflash_trt.models.drafter",
             "dflash_trt.builders.onnx_drafter",
             "dflash_trt.models.drafter_batch",

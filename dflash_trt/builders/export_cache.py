@@ -21,6 +21,8 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
+from . import hashing
+
 KEEP = 8  # entries kept: a few drafters, each at both precision sets
 COMPLETE = ".complete"  # written last into an entry: its files are all there
 # the modules the graphs are traced from: a change to any of them is another export
@@ -47,9 +49,14 @@ def cache_root() -> Path | None:
 def export_key(target_sha256: str, drafter_sha256: str, fp16: bool) -> str:
     """What the graphs depend on, hashed: both checkpoints' contents, the precision set, the exporter's code and
     the tools' versions."""
-    from .engines import code_sha256, versions
-
-    parts = ["drafter-onnx", target_sha256, drafter_sha256, fp16, versions(*EXPORT_TOOLS), code_sha256(*EXPORT_CODE)]
+    parts = [
+        "drafter-onnx",
+        target_sha256,
+        drafter_sha256,
+        fp16,
+        hashing.versions(*EXPORT_TOOLS),
+        hashing.code_sha256(*EXPORT_CODE),
+    ]
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable
+from importlib import metadata
 from pathlib import Path
 
 
@@ -39,3 +40,26 @@ def tree_stamp(folder: str | Path) -> str:
 
 def files_sha256(paths: Iterable[str | Path]) -> dict[str, str]:
     return {Path(p).name: file_sha256(p) for p in paths}
+
+
+def versions(*packages: str) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in packages:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def code_sha256(*modules: str) -> str:
+    """Hash of the toolkit source files a built artifact depends on: a code change rebuilds it."""
+    import importlib.util
+
+    digest = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ModuleNotFoundError(f"no source file for module {name}")
+        digest.update(Path(spec.origin).read_bytes())
+    return digest.hexdigest()

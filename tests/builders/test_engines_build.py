@@ -105,15 +105,18 @@ def test_changed_or_damaged_inputs_rebuild(tmp_path, checkpoints):
 
 
 def test_changed_exporter_code_rebuilds(tmp_path, checkpoints, monkeypatch):
-    """The ONNX graph is made by our code too: a new drafter/exporter version must not reuse an old graph."""
-    import dflash_trt.builders.engines as engines
+    """The ONNX graph is made by our code too: a new drafter/exporter version must not reuse an old graph, neither
+    the engines folder's nor the export cache's."""
+    import dflash_trt.builders.hashing as hashing
 
     cfg = read_config(config_file(tmp_path, checkpoints, fmt="json"), tmp_path)
     build_engines(cfg, log=lambda *_: None)
-    real = engines.code_sha256
-    monkeypatch.setattr(engines, "code_sha256", lambda *m: real(*m) + "-changed")
-    _, report = build_engines(cfg, log=lambda *_: None)
+    real = hashing.code_sha256
+    monkeypatch.setattr(hashing, "code_sha256", lambda *m: real(*m) + "-changed")
+    said: list[str] = []
+    _, report = build_engines(cfg, log=lambda *m: said.append(" ".join(map(str, m))))
     assert report.built == ["drafter_onnx"]
+    assert any("exporting the drafter" in m for m in said) and not any("export cache" in m for m in said)
 
 
 def test_config_errors_are_clear(tmp_path, checkpoints):

@@ -121,9 +121,9 @@ test-pods: venv triton-env deploy-env mpi-env sshd-env pods-tools
 # Every environment the test legs need, built in parallel: they are independent venvs and apt-get installs, and
 # each is mostly download, unpack and wait, so the whole set-up takes about its longest venv, not their sum.
 ENV_JOBS ?= 6
-TEST_ENVS := venv triton-env deploy-env mpi-env sshd-env tf457-env pods-tools
+SUITE_ENVS := venv triton-env deploy-env mpi-env sshd-env pods-tools
 test-envs:
-	$(MAKE) -j$(ENV_JOBS) $(TEST_ENVS)
+	$(MAKE) -j$(ENV_JOBS) $(SUITE_ENVS) tf457-env
 
 # ruff and mypy need only the main venv.
 lint: venv
@@ -133,13 +133,23 @@ lint: venv
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a worker so that a file's module-scoped
 # fixtures (its models, its server) are made once: each test runs torch on one thread (tests/conftest.py), so two
-# workers keep both cores of a 2-core machine busy. The pods' file (test-pods) is one of them: it mostly waits on
-# its pods, while the other worker runs the rest. The lint and the transformers 4.57.1 leg run while the other
-# environments still build. The slowest 20 tests are printed: the suite's time is a budget.
+# workers keep both cores of a 2-core machine busy. Beside them run the pods' file (test-pods: its pods mostly wait
+# on probes and drains, so it takes little of the cores it would hold a worker for) and the transformers 4.57.1 leg
+# (test-tf457, its venv built meanwhile); their output follows the suite's. The lint runs while the environments
+# build. The slowest 20 tests are printed: the suite's time is a budget.
 TEST_WORKERS ?= 2
+SIDE_LOGS := .cache/test-side
 test:
-	$(MAKE) -j$(ENV_JOBS) $(TEST_ENVS) lint test-tf457
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
+	$(MAKE) -j$(ENV_JOBS) $(SUITE_ENVS) lint
+	mkdir -p $(SIDE_LOGS)
+	$(BIN)/python -m pytest -q tests/deploy/test_pods.py > $(SIDE_LOGS)/pods.log 2>&1 & pods=$$!; \
+	$(MAKE) --no-print-directory test-tf457 > $(SIDE_LOGS)/tf457.log 2>&1 & tf457=$$!; \
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --ignore=tests/deploy/test_pods.py \
+		tests; suite=$$?; \
+	wait $$pods; pods=$$?; wait $$tf457; tf457=$$?; \
+	echo "== make test-pods (exit $$pods)"; cat $(SIDE_LOGS)/pods.log; \
+	echo "== make test-tf457 (exit $$tf457)"; cat $(SIDE_LOGS)/tf457.log; \
+	test $$suite -eq 0 -a $$pods -eq 0 -a $$tf457 -eq 0
 
 # One generation on the demo models (models/), printed as JSON with its statistics.
 demo: venv

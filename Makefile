@@ -133,23 +133,25 @@ lint: venv
 
 # The suite runs in TEST_WORKERS processes (pytest-xdist), a file to a worker so that a file's module-scoped
 # fixtures (its models, its server) are made once: each test runs torch on one thread (tests/conftest.py), so two
-# workers keep both cores of a 2-core machine busy. Beside them run the pods' file (test-pods: its pods mostly wait
-# on probes and drains, so it takes little of the cores it would hold a worker for) and the transformers 4.57.1 leg
-# (test-tf457, its venv built meanwhile); their output follows the suite's. The lint runs while the environments
-# build. The slowest 20 tests are printed: the suite's time is a budget.
+# workers keep both cores of a 2-core machine busy. Beside them run the lint, the pods' file (test-pods: its pods
+# mostly wait on probes and drains, so it takes little of the cores it would hold a worker for) and the
+# transformers 4.57.1 leg (test-tf457, its venv built meanwhile); their output follows the suite's, and any of the
+# four failing fails the target. The slowest 20 tests are printed: the suite's time is a budget.
 TEST_WORKERS ?= 2
 SIDE_LOGS := .cache/test-side
 test:
-	$(MAKE) -j$(ENV_JOBS) $(SUITE_ENVS) lint
+	$(MAKE) -j$(ENV_JOBS) $(SUITE_ENVS)
 	mkdir -p $(SIDE_LOGS)
+	$(MAKE) --no-print-directory lint > $(SIDE_LOGS)/lint.log 2>&1 & lint=$$!; \
 	$(BIN)/python -m pytest -q tests/deploy/test_pods.py > $(SIDE_LOGS)/pods.log 2>&1 & pods=$$!; \
 	$(MAKE) --no-print-directory test-tf457 > $(SIDE_LOGS)/tf457.log 2>&1 & tf457=$$!; \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --ignore=tests/deploy/test_pods.py \
 		tests; suite=$$?; \
-	wait $$pods; pods=$$?; wait $$tf457; tf457=$$?; \
+	wait $$lint; lint=$$?; wait $$pods; pods=$$?; wait $$tf457; tf457=$$?; \
+	echo "== make lint (exit $$lint)"; cat $(SIDE_LOGS)/lint.log; \
 	echo "== make test-pods (exit $$pods)"; cat $(SIDE_LOGS)/pods.log; \
 	echo "== make test-tf457 (exit $$tf457)"; cat $(SIDE_LOGS)/tf457.log; \
-	test $$suite -eq 0 -a $$pods -eq 0 -a $$tf457 -eq 0
+	test $$suite -eq 0 -a $$lint -eq 0 -a $$pods -eq 0 -a $$tf457 -eq 0
 
 # One generation on the demo models (models/), printed as JSON with its statistics.
 demo: venv

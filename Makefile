@@ -143,7 +143,7 @@ test:
 	$(MAKE) -j$(ENV_JOBS) $(SUITE_ENVS)
 	mkdir -p $(SIDE_LOGS)
 	$(MAKE) --no-print-directory lint > $(SIDE_LOGS)/lint.log 2>&1 & lint=$$!; \
-	$(BIN)/python -m pytest -q tests/deploy/test_pods.py > $(SIDE_LOGS)/pods.log 2>&1 & pods=$$!; \
+	$(MAKE) --no-print-directory test-pods > $(SIDE_LOGS)/pods.log 2>&1 & pods=$$!; \
 	$(MAKE) --no-print-directory test-tf457 > $(SIDE_LOGS)/tf457.log 2>&1 & tf457=$$!; \
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20 --ignore=tests/deploy/test_pods.py \
 		tests; suite=$$?; \

@@ -35,6 +35,7 @@ from ..formats import (
     read_plan_manifest,
 )
 from . import hashing
+from .export_cache import EXPORT_CODE, EXPORT_TOOLS, cached_export, export_key
 from .hashing import file_sha256, tree_sha256, tree_stamp, versions
 
 if TYPE_CHECKING:
@@ -255,17 +256,11 @@ def _onnx_key(ctx: BuildContext, vers: dict[str, Any]) -> tuple[Any, ...]:
         ctx.sources["target"]["sha256"],
         ctx.sources["drafter"]["sha256"],
         vers,
-        hashing.code_sha256(
-            "dflash_trt.models.drafter",
-            "dflash_trt.builders.onnx_drafter",
-            "dflash_trt.models.drafter_batch",
-            "dflash_trt.builders.onnx_drafter_batch",
-        ),
+        hashing.code_sha256(*EXPORT_CODE),
     )
 
 
 def _build_onnx(ctx: BuildContext, folder: Path) -> dict[str, Any]:
-    from .export_cache import cached_export, export_key
     from .onnx_drafter import export_from_checkpoints
     from .onnx_drafter_batch import export_batched_from_checkpoints
 
@@ -392,7 +387,7 @@ STEPS = (
         "drafter",
         DRAFTER_ONNX_DIR,
         False,
-        lambda: versions("torch", "onnx", "onnxruntime", "onnxscript", "dflash-trt"),
+        lambda: versions(*EXPORT_TOOLS),
         _onnx_key,
         _build_onnx,
     ),

@@ -238,9 +238,8 @@ def check(doc: dict[str, Any], obs: Observed, tolerance: float = 0.1) -> Report:
     if lost and lost.capped_polls:
         rep.advice.append(
             f"{lost.capped_polls} scrapes returned max_stats_len + 1 records or more, the most trtllm-serve's executor "
-            "keeps: "
-            "older records of the window may be lost (this engine does not number them); raise max_stats_len in the "
-            "YAML (and pass it as --max-stats-len) or scrape more often (--samples)"
+            "keeps: older records of the window may be lost (this engine does not number them); raise max_stats_len "
+            "in the YAML (and pass it as --max-stats-len) or scrape more often (--samples)"
         )
     schedule_advice(rep, table, planned, seen)
     return rep

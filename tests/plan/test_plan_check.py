@@ -349,6 +349,12 @@ def test_trtllm_zero_draft_iterations_are_named(plan_dir, capsys):
     assert "10 iterations ran generation requests without drafts" in capsys.readouterr().out
 
 
+def numbered(records, first, dropped):
+    """The records as a numbering executor serves them (py_executor.py at c6fb6ac3): statsSequence from `first`,
+    statsDroppedFrames `dropped` on each."""
+    return [r | {"statsSequence": first + i, "statsDroppedFrames": dropped} for i, r in enumerate(records)]
+
+
 def test_a_trtllm_scrape_at_the_executors_cap_warns_that_records_may_be_lost(plan_dir):
     """An engine that does not number its records keeps max_stats_len + 1 of them (1001 by default; py_executor.py
     _append_iter_stats at 0004396720): a scrape of that many may have dropped older ones, and the check says so; one
@@ -376,10 +382,6 @@ def test_numbered_trtllm_records_name_what_was_dropped_and_what_another_reader_t
     the first scrape's records are the baseline (what came before the window is not the window's loss)."""
     doc = plan_doc(plan_dir)
     its = trtllm_iterations(4.0, 7, 8, 30)
-
-    def numbered(part, first, dropped):
-        return [r | {"statsSequence": first + i, "statsDroppedFrames": dropped} for i, r in enumerate(part)]
-
     first = metrics.read("trtllm", json.dumps(numbered(its[:5], 100, 40)), 0.0)  # 40 dropped before the window
     mid = metrics.read("trtllm", json.dumps(numbered(its[5:15], 110, 43)), 5.0)  # 105-109: 3 evicted, 2 unread
     last = metrics.read("trtllm", json.dumps(numbered(its[15:], 120, 43)), 10.0)

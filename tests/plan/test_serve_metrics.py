@@ -14,7 +14,15 @@ from contextlib import contextmanager
 
 import httpx
 import pytest
-from plan.test_plan_check import SCENARIOS, bodies_for, plan_dir, plan_doc, serving, trtllm_iterations  # noqa: F401
+from plan.test_plan_check import (  # noqa: F401
+    SCENARIOS,
+    bodies_for,
+    numbered,
+    plan_dir,
+    plan_doc,
+    serving,
+    trtllm_iterations,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from dflash_trt.cli.main import main
@@ -149,23 +157,15 @@ def test_the_cap_follows_max_stats_len_and_minus_one_has_none():
         assert totals.lost.capped_polls == capped, kept
 
 
-def numbered(records, first, dropped_at):
-    """The records numbered from `first` as a numbering executor does (statsSequence; statsDroppedFrames from the
-    function of the sequence)."""
-    return [
-        r | {"statsSequence": first + i, "statsDroppedFrames": dropped_at(first + i)} for i, r in enumerate(records)
-    ]
-
-
 def test_numbered_records_say_exactly_what_was_dropped_and_what_another_reader_took():
     """statsSequence 1-10 read; 11-15 never seen, of which 3 the engine evicted (statsDroppedFrames 0 -> 3) and 2
     another reader drained; 16-20 read; then a restart (the sequence starts again): a new baseline, no loss."""
     its = trtllm_iterations(3.0, 7, 4, 10)
     polls = [
-        numbered(its, 1, lambda seq: 0),
-        numbered(its[:5], 16, lambda seq: 3),
-        numbered(its[:3], 1, lambda seq: 0),
-        numbered(its[:2], 4, lambda seq: 0),
+        numbered(its, 1, 0),
+        numbered(its[:5], 16, 3),
+        numbered(its[:3], 1, 0),
+        numbered(its[:2], 4, 0),
     ]
     with engine([json.dumps(p) for p in polls]) as (url, _), sidecar(url) as side:
         seen = [series(httpx.get(side + "/metrics", timeout=10).text) for _ in polls]
